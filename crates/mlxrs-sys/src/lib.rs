@@ -1,0 +1,156 @@
+//! Raw FFI to mlx-c, loaded at run time.
+//!
+//! Nothing here links against libmlxc at build time: [`load`] finds libmlxc (and libmlx) in mlxrs's
+//! resolution order — `MLXRS_LIBMLXC`, a sidecar beside the extension module, the native-pack cache,
+//! Homebrew — opens them with `libloading`, resolves every entry point into one [`Api`] table and
+//! checks the mlx-c version. The generated free functions (`mlx_add`, …) call through that table.
+//! This crate and the handle module of mlxrs-core are the only places with `unsafe`.
+#![allow(non_camel_case_types)]
+
+mod generated;
+mod resolve;
+pub mod types;
+
+pub use generated::*;
+pub use resolve::{mlxrs_home, register_mlx_lib_dir, this_module_dir, mlx_version_near, candidate_backends, LIBMLX, LIBMLXC,
+    native_pack_dir, LoadError, Resolver, Runtime, Source, BUILT_FOR_MLX, BUILT_FOR_MLXC, NATIVE_PACK_VERSION,
+};
+pub use types::*;
+
+use std::ffi::c_void;
+use std::os::raw::c_int;
+use std::sync::OnceLock;
+
+/// Entry points whose signatures carry function pointers (the generator skips those).
+pub struct ExtraApi {
+    pub mlx_set_error_handler: unsafe extern "C" fn(
+        handler: Option<mlx_error_handler_func>,
+        data: *mut c_void,
+        dtor: Option<mlx_payload_dtor>,
+    ),
+    pub mlx_closure_new_func_payload: unsafe extern "C" fn(
+        fun: mlx_closure_fn_payload,
+        payload: *mut c_void,
+        dtor: Option<mlx_payload_dtor>,
+    ) -> mlx_closure,
+}
+
+impl ExtraApi {
+    unsafe fn resolve(lib: &libloading::Library) -> Result<Self, String> {
+        // SAFETY: the symbol types match mlx-c's declarations in error.h and closure.h.
+        unsafe {
+            Ok(Self {
+                mlx_set_error_handler: *lib
+                    .get(b"mlx_set_error_handler\0")
+                    .map_err(|_| "mlx_set_error_handler".to_string())?,
+                mlx_closure_new_func_payload: *lib
+                    .get(b"mlx_closure_new_func_payload\0")
+                    .map_err(|_| "mlx_closure_new_func_payload".to_string())?,
+            })
+        }
+    }
+}
+
+pub(crate) struct Loaded {
+    pub api: Api,
+    pub extra: ExtraApi,
+    pub runtime: Runtime,
+}
+
+static LOADED: OnceLock<Loaded> = OnceLock::new();
+
+/// The resolved table. Callers must have called [`load`] successfully first (mlxrs-core does so
+/// before it creates any handle); calling an mlx-c function before that is a programming error.
+#[inline]
+pub fn api() -> &'static Api {
+    &LOADED.get().expect("mlx runtime not loaded: call mlxrs_sys::load() first").api
+}
+
+/// Function-pointer entry points (error handler, closures).
+pub fn extra() -> &'static ExtraApi {
+    &LOADED.get().expect("mlx runtime not loaded: call mlxrs_sys::load() first").extra
+}
+
+/// The loaded runtime, if any.
+pub fn runtime() -> Option<&'static Runtime> {
+    LOADED.get().map(|l| &l.runtime)
+}
+
+static LOAD_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Find, open and check the native runtime once per process, with the default [`Resolver`]
+/// (environment, sidecar beside this module, native-pack cache, Homebrew). Later calls return the
+/// same runtime; a failed attempt may be retried (for example after setting `MLXRS_LIBMLXC`).
+pub fn load() -> Result<&'static Runtime, LoadError> {
+    if let Some(l) = LOADED.get() {
+        return Ok(&l.runtime);
+    }
+    load_with(&Resolver::from_env())
+}
+
+/// [`load`] with an explicit resolver (tests point it at temporary directories).
+pub fn load_with(resolver: &Resolver) -> Result<&'static Runtime, LoadError> {
+    let _g = LOAD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(l) = LOADED.get() {
+        return Ok(&l.runtime);
+    }
+    let (runtime, lib) = resolver.open()?;
+    // SAFETY: `lib` is a libmlxc we just opened; the generated signatures follow its headers and a
+    // missing symbol is reported instead of used.
+    let api = unsafe { Api::resolve(&lib) }.map_err(|sym| LoadError::Mismatch {
+        path: runtime.libmlxc.clone(),
+        detail: format!("symbol {sym} is missing: this libmlxc is not mlx-c v{BUILT_FOR_MLXC}"),
+    })?;
+    let extra = unsafe { ExtraApi::resolve(&lib) }.map_err(|sym| LoadError::Mismatch {
+        path: runtime.libmlxc.clone(),
+        detail: format!("symbol {sym} is missing"),
+    })?;
+    let loaded = Loaded { api, extra, runtime };
+    std::mem::forget(lib); // the library stays mapped for the life of the process
+    let loaded = LOADED.get_or_init(|| loaded);
+    check_versions(&loaded.runtime).inspect_err(|_| ())?;
+    Ok(&loaded.runtime)
+}
+
+fn check_versions(rt: &Runtime) -> Result<(), LoadError> {
+    let mlxc = read_string(|s| unsafe { mlx_version(s) });
+    if !version_matches(&mlxc, BUILT_FOR_MLXC) {
+        return Err(LoadError::Mismatch {
+            path: rt.libmlxc.clone(),
+            detail: format!("mlx-c reports version {mlxc}, mlxrs was built for {BUILT_FOR_MLXC}"),
+        });
+    }
+    Ok(())
+}
+
+/// The versions the loaded libraries report: (mlx-c, MLX).
+pub fn loaded_versions() -> Option<(String, String)> {
+    LOADED.get()?;
+    let mlxc = read_string(|s| unsafe { mlx_version(s) });
+    Some((mlxc, resolve::mlx_version_of_loaded()))
+}
+
+/// `"0.5.0"` matches `"0.5.0"`, `"0.5.0.dev…"` and `"0.5.0-…"`.
+pub fn version_matches(reported: &str, want: &str) -> bool {
+    reported == want || reported.strip_prefix(want).is_some_and(|r| r.starts_with(['.', '-', '+']))
+}
+
+fn read_string(f: impl FnOnce(*mut mlx_string) -> c_int) -> String {
+    // SAFETY: mlx_string_new gives an empty string handle that f fills; we copy it out and free it.
+    unsafe {
+        let mut s = mlx_string_new();
+        let rc = f(&mut s);
+        let out = if rc == 0 {
+            let p = mlx_string_data(s);
+            if p.is_null() {
+                String::new()
+            } else {
+                std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
+        } else {
+            String::new()
+        };
+        mlx_string_free(s);
+        out
+    }
+}

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Build libmlxc for this Python's MLX and place it beside the extension module (python/mlxrs/).
+
+Idempotent: a second run with nothing changed configures nothing, compiles nothing and copies nothing.
+Usage: python native/build.py [--fetchcontent] [--build-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import filecmp
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+LIBNAME = "libmlxc.dylib" if sys.platform == "darwin" else "libmlxc.so"
+
+
+def mlx_cmake_dir() -> Path:
+    spec = importlib.util.find_spec("mlx")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("MLX is not installed in this Python: pip install 'mlx[cpu]==0.30.6' (or mlx[cuda13])")
+    d = Path(list(spec.submodule_search_locations)[0]) / "share" / "cmake" / "MLX"
+    if not (d / "MLXConfig.cmake").is_file():
+        raise SystemExit(f"no MLXConfig.cmake under {d}: this MLX wheel does not ship its CMake config")
+    return d
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fetchcontent", action="store_true", help="fetch upstream mlx-c by git tag (needs GitHub)")
+    ap.add_argument("--build-dir", type=Path, default=HERE / "build")
+    ap.add_argument("--dest", type=Path, default=ROOT / "python" / "mlxrs")
+    args = ap.parse_args()
+    cmake = shutil.which("cmake") or sys.exit("cmake not found: pip install cmake")
+    src_opt = ""
+    if not args.fetchcontent:
+        out = subprocess.run([sys.executable, str(HERE / "fetch_mlxc.py")], check=True,
+                             stdout=subprocess.PIPE, text=True).stdout
+        src_opt = out.strip().splitlines()[-1]
+    bdir: Path = args.build_dir
+    if not (bdir / "CMakeCache.txt").exists():
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        subprocess.run([cmake, "-S", str(HERE), "-B", str(bdir), *gen,
+                        "-DCMAKE_BUILD_TYPE=Release",
+                        f"-DMLX_DIR={mlx_cmake_dir()}",
+                        f"-DMLXRS_MLXC_SOURCE_DIR={src_opt}"], check=True)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run([cmake, "--build", str(bdir), "-j", jobs], check=True)
+    built = next(bdir.rglob(LIBNAME), None)
+    if built is None:
+        raise SystemExit(f"build finished but {LIBNAME} is not under {bdir}")
+    target = args.dest / LIBNAME
+    if not target.exists() or not filecmp.cmp(built, target, shallow=False):
+        shutil.copy2(built, target)
+        print(f"installed {target}")
+    else:
+        print(f"up to date: {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
