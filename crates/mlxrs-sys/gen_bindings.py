@@ -22,10 +22,13 @@ SCALARS = {"int": "c_int", "bool": "bool", "size_t": "usize", "float": "f32", "d
            "int8_t": "i8", "int16_t": "i16", "int32_t": "i32", "uintptr_t": "usize", "void": "c_void",
            "char": "c_char", "float16_t": "u16", "bfloat16_t": "u16", "mlx_complex64_t": "[f32; 2]"}
 ENUMS = {"mlx_dtype", "mlx_device_type", "mlx_compile_mode"}
-OPTIONALS = {"mlx_optional_int", "mlx_optional_float", "mlx_optional_dtype"}
+OPTIONALS = {"mlx_optional_int", "mlx_optional_float", "mlx_optional_dtype",
+             "mlx_map_string_to_array_iterator", "mlx_map_string_to_string_iterator"}  # plain structs in types.rs
 
 
 def strip_comments(s: str) -> str:
+    # half-precision entry points exist only where the C compiler has float16_t (aarch64): skip them
+    s = re.sub(r"#ifdef HAS_B?FLOAT16.*?#endif", "", s, flags=re.S)
     s = re.sub(r"/\*.*?\*/", "", s, flags=re.S)
     return re.sub(r"//[^\n]*", "", s)
 
@@ -42,7 +45,7 @@ def rust_type(ctype: str, handles: set[str]) -> str | None:
     else:
         return None
     for i in range(ptr):
-        r = ("*const " if const_ptr and i == ptr - 1 else "*mut ") + r
+        r = ("*const " if const_ptr and i == 0 else "*mut ") + r
     if r == "c_void":
         return "()"
     return r

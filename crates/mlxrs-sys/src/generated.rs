@@ -63,8 +63,6 @@ mlx_api! {
     fn mlx_array_item_float32(res: *mut f32, arr: mlx_array) -> c_int;
     fn mlx_array_item_float64(res: *mut f64, arr: mlx_array) -> c_int;
     fn mlx_array_item_complex64(res: *mut [f32; 2], arr: mlx_array) -> c_int;
-    fn mlx_array_item_float16(res: *mut u16, arr: mlx_array) -> c_int;
-    fn mlx_array_item_bfloat16(res: *mut u16, arr: mlx_array) -> c_int;
     fn mlx_array_data_bool(arr: mlx_array) -> *const bool;
     fn mlx_array_data_uint8(arr: mlx_array) -> *const u8;
     fn mlx_array_data_uint16(arr: mlx_array) -> *const u16;
@@ -77,8 +75,6 @@ mlx_api! {
     fn mlx_array_data_float32(arr: mlx_array) -> *const f32;
     fn mlx_array_data_float64(arr: mlx_array) -> *const f64;
     fn mlx_array_data_complex64(arr: mlx_array) -> *const [f32; 2];
-    fn mlx_array_data_float16(arr: mlx_array) -> *const u16;
-    fn mlx_array_data_bfloat16(arr: mlx_array) -> *const u16;
     fn _mlx_array_is_available(res: *mut bool, arr: mlx_array) -> c_int;
     fn _mlx_array_wait(arr: mlx_array) -> c_int;
     fn _mlx_array_is_contiguous(res: *mut bool, arr: mlx_array) -> c_int;
@@ -132,7 +128,7 @@ mlx_api! {
     fn mlx_device_info_free(info: mlx_device_info) -> c_int;
     fn mlx_device_info_has_key(exists: *mut bool, info: mlx_device_info, key: *const c_char) -> c_int;
     fn mlx_device_info_is_string(is_string: *mut bool, info: mlx_device_info, key: *const c_char) -> c_int;
-    fn mlx_device_info_get_string(value: *const *mut c_char, info: mlx_device_info, key: *const c_char) -> c_int;
+    fn mlx_device_info_get_string(value: *mut *const c_char, info: mlx_device_info, key: *const c_char) -> c_int;
     fn mlx_device_info_get_size(value: *mut usize, info: mlx_device_info, key: *const c_char) -> c_int;
     fn mlx_device_info_get_keys(keys: *mut mlx_vector_string, info: mlx_device_info) -> c_int;
     fn mlx_fast_cuda_kernel_config_new() -> mlx_fast_cuda_kernel_config;
@@ -204,11 +200,17 @@ mlx_api! {
     fn mlx_map_string_to_array_free(map: mlx_map_string_to_array) -> c_int;
     fn mlx_map_string_to_array_insert(map: mlx_map_string_to_array, key: *const c_char, value: mlx_array) -> c_int;
     fn mlx_map_string_to_array_get(value: *mut mlx_array, map: mlx_map_string_to_array, key: *const c_char) -> c_int;
+    fn mlx_map_string_to_array_iterator_new(map: mlx_map_string_to_array) -> mlx_map_string_to_array_iterator;
+    fn mlx_map_string_to_array_iterator_free(it: mlx_map_string_to_array_iterator) -> c_int;
+    fn mlx_map_string_to_array_iterator_next(key: *mut *const c_char, value: *mut mlx_array, it: mlx_map_string_to_array_iterator) -> c_int;
     fn mlx_map_string_to_string_new() -> mlx_map_string_to_string;
     fn mlx_map_string_to_string_set(map: *mut mlx_map_string_to_string, src: mlx_map_string_to_string) -> c_int;
     fn mlx_map_string_to_string_free(map: mlx_map_string_to_string) -> c_int;
     fn mlx_map_string_to_string_insert(map: mlx_map_string_to_string, key: *const c_char, value: *const c_char) -> c_int;
-    fn mlx_map_string_to_string_get(value: *const *mut c_char, map: mlx_map_string_to_string, key: *const c_char) -> c_int;
+    fn mlx_map_string_to_string_get(value: *mut *const c_char, map: mlx_map_string_to_string, key: *const c_char) -> c_int;
+    fn mlx_map_string_to_string_iterator_new(map: mlx_map_string_to_string) -> mlx_map_string_to_string_iterator;
+    fn mlx_map_string_to_string_iterator_free(it: mlx_map_string_to_string_iterator) -> c_int;
+    fn mlx_map_string_to_string_iterator_next(key: *mut *const c_char, value: *mut *const c_char, it: mlx_map_string_to_string_iterator) -> c_int;
     fn mlx_clear_cache() -> c_int;
     fn mlx_get_active_memory(res: *mut usize) -> c_int;
     fn mlx_get_cache_memory(res: *mut usize) -> c_int;
@@ -536,11 +538,11 @@ mlx_api! {
     fn mlx_vector_string_new() -> mlx_vector_string;
     fn mlx_vector_string_set(vec: *mut mlx_vector_string, src: mlx_vector_string) -> c_int;
     fn mlx_vector_string_free(vec: mlx_vector_string) -> c_int;
-    fn mlx_vector_string_new_data(data: *const *mut c_char, size: usize) -> mlx_vector_string;
+    fn mlx_vector_string_new_data(data: *mut *const c_char, size: usize) -> mlx_vector_string;
     fn mlx_vector_string_new_value(val: *const c_char) -> mlx_vector_string;
-    fn mlx_vector_string_set_data(vec: *mut mlx_vector_string, data: *const *mut c_char, size: usize) -> c_int;
+    fn mlx_vector_string_set_data(vec: *mut mlx_vector_string, data: *mut *const c_char, size: usize) -> c_int;
     fn mlx_vector_string_set_value(vec: *mut mlx_vector_string, val: *const c_char) -> c_int;
-    fn mlx_vector_string_append_data(vec: mlx_vector_string, data: *const *mut c_char, size: usize) -> c_int;
+    fn mlx_vector_string_append_data(vec: mlx_vector_string, data: *mut *const c_char, size: usize) -> c_int;
     fn mlx_vector_string_append_value(vec: mlx_vector_string, val: *const c_char) -> c_int;
     fn mlx_vector_string_size(vec: mlx_vector_string) -> usize;
     fn mlx_vector_string_get(res: *mut *mut c_char, vec: mlx_vector_string, idx: usize) -> c_int;
@@ -584,4 +586,4 @@ mlx_api! {
     fn mlx_distributed_init(strict: bool) -> mlx_distributed_group;
 }
 
-// skipped (no mapping; hand-declared in lib.rs where needed): mlx_array_new_data_managed, mlx_array_new_data_managed_payload, mlx_closure_new_func, mlx_closure_new_func_payload, mlx_closure_new_unary, mlx_closure_kwargs_new_func, mlx_closure_kwargs_new_func_payload, mlx_closure_value_and_grad_new_func, mlx_closure_value_and_grad_new_func_payload, mlx_closure_custom_new_func, mlx_closure_custom_new_func_payload, mlx_closure_custom_jvp_new_func, mlx_closure_custom_jvp_new_func_payload, mlx_closure_custom_vmap_new_func, mlx_closure_custom_vmap_new_func_payload, mlx_set_error_handler, _mlx_error, mlx_io_reader_new, mlx_io_writer_new, mlx_map_string_to_array_iterator_new, mlx_map_string_to_array_iterator_free, mlx_map_string_to_array_iterator_next, mlx_map_string_to_string_iterator_new, mlx_map_string_to_string_iterator_free, mlx_map_string_to_string_iterator_next
+// skipped (no mapping; hand-declared in lib.rs where needed): mlx_array_new_data_managed, mlx_array_new_data_managed_payload, mlx_closure_new_func, mlx_closure_new_func_payload, mlx_closure_new_unary, mlx_closure_kwargs_new_func, mlx_closure_kwargs_new_func_payload, mlx_closure_value_and_grad_new_func, mlx_closure_value_and_grad_new_func_payload, mlx_closure_custom_new_func, mlx_closure_custom_new_func_payload, mlx_closure_custom_jvp_new_func, mlx_closure_custom_jvp_new_func_payload, mlx_closure_custom_vmap_new_func, mlx_closure_custom_vmap_new_func_payload, mlx_set_error_handler, _mlx_error, mlx_io_reader_new, mlx_io_writer_new

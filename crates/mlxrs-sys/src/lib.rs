@@ -33,6 +33,8 @@ pub struct ExtraApi {
         payload: *mut c_void,
         dtor: Option<mlx_payload_dtor>,
     ) -> mlx_closure,
+    /// Present in libmlxc built by native/ (mlxrs_version.c): the mlx-c release it was built from.
+    pub mlxrs_mlxc_version: Option<unsafe extern "C" fn() -> *const std::os::raw::c_char>,
 }
 
 impl ExtraApi {
@@ -46,6 +48,7 @@ impl ExtraApi {
                 mlx_closure_new_func_payload: *lib
                     .get(b"mlx_closure_new_func_payload\0")
                     .map_err(|_| "mlx_closure_new_func_payload".to_string())?,
+                mlxrs_mlxc_version: lib.get(b"mlxrs_mlxc_version\0").ok().map(|s| *s),
             })
         }
     }
@@ -108,26 +111,38 @@ pub fn load_with(resolver: &Resolver) -> Result<&'static Runtime, LoadError> {
     let loaded = Loaded { api, extra, runtime };
     std::mem::forget(lib); // the library stays mapped for the life of the process
     let loaded = LOADED.get_or_init(|| loaded);
-    check_versions(&loaded.runtime).inspect_err(|_| ())?;
+    check_versions(&loaded.runtime)?;
     Ok(&loaded.runtime)
 }
 
 fn check_versions(rt: &Runtime) -> Result<(), LoadError> {
-    let mlxc = read_string(|s| unsafe { mlx_version(s) });
-    if !version_matches(&mlxc, BUILT_FOR_MLXC) {
+    let (mlxc, mlx) = loaded_versions().unwrap_or_default();
+    if !version_matches(&mlx, BUILT_FOR_MLX) {
+        return Err(LoadError::Mismatch {
+            path: rt.libmlx.clone().unwrap_or_else(|| rt.libmlxc.clone()),
+            detail: format!("MLX reports version {mlx}, mlxrs was built for MLX {BUILT_FOR_MLX}"),
+        });
+    }
+    if mlxc != "unknown" && !version_matches(&mlxc, BUILT_FOR_MLXC) {
         return Err(LoadError::Mismatch {
             path: rt.libmlxc.clone(),
-            detail: format!("mlx-c reports version {mlxc}, mlxrs was built for {BUILT_FOR_MLXC}"),
+            detail: format!("it is mlx-c {mlxc}, mlxrs was built for mlx-c {BUILT_FOR_MLXC}"),
         });
     }
     Ok(())
 }
 
-/// The versions the loaded libraries report: (mlx-c, MLX).
+/// The versions the loaded libraries report: (mlx-c, MLX). mlx-c's release is known when libmlxc
+/// was built by native/ ("unknown" otherwise: then the complete symbol table is the check).
 pub fn loaded_versions() -> Option<(String, String)> {
-    LOADED.get()?;
-    let mlxc = read_string(|s| unsafe { mlx_version(s) });
-    Some((mlxc, resolve::mlx_version_of_loaded()))
+    let l = LOADED.get()?;
+    let mlx = read_string(|s| unsafe { mlx_version(s) });
+    let mlxc = match l.extra.mlxrs_mlxc_version {
+        // SAFETY: returns a static NUL-terminated string.
+        Some(f) => unsafe { std::ffi::CStr::from_ptr(f()) }.to_string_lossy().into_owned(),
+        None => "unknown".to_string(),
+    };
+    Some((mlxc, mlx))
 }
 
 /// `"0.5.0"` matches `"0.5.0"`, `"0.5.0.dev…"` and `"0.5.0-…"`.

@@ -346,14 +346,6 @@ pub fn this_module_dir() -> Option<PathBuf> {
     None
 }
 
-/// MLX's version, read from the pip package's dist-info next to the loaded libmlx ("unknown" otherwise).
-pub(crate) fn mlx_version_of_loaded() -> String {
-    crate::runtime()
-        .and_then(|rt| rt.libmlx.as_deref())
-        .and_then(mlx_version_near)
-        .unwrap_or_else(|| "unknown".into())
-}
-
 /// `<site>/mlx/lib/libmlx.so` → version from `<site>/mlx-<ver>.dist-info`.
 pub fn mlx_version_near(libmlx: &Path) -> Option<String> {
     let site = libmlx.parent()?.parent()?.parent()?;

@@ -21,8 +21,7 @@ handles!(
     mlx_closure_custom_jvp, mlx_closure_custom_vmap, mlx_device, mlx_device_info, mlx_distributed_group,
     mlx_function_exporter, mlx_imported_function, mlx_fast_cuda_kernel_config, mlx_fast_cuda_kernel,
     mlx_fast_metal_kernel_config, mlx_fast_metal_kernel, mlx_io_reader, mlx_io_writer,
-    mlx_map_string_to_array, mlx_map_string_to_array_iterator, mlx_map_string_to_string,
-    mlx_map_string_to_string_iterator, mlx_stream, mlx_string, mlx_vector_array, mlx_vector_vector_array,
+    mlx_map_string_to_array, mlx_map_string_to_string, mlx_stream, mlx_string, mlx_vector_array, mlx_vector_vector_array,
     mlx_vector_int, mlx_vector_string,
 );
 
@@ -62,3 +61,11 @@ pub type mlx_error_handler_func = unsafe extern "C" fn(msg: *const std::os::raw:
 pub type mlx_closure_fn_payload =
     unsafe extern "C" fn(res: *mut mlx_vector_array, input: mlx_vector_array, payload: *mut c_void) -> c_int;
 pub type mlx_payload_dtor = unsafe extern "C" fn(payload: *mut c_void);
+
+/// Map iterators carry the map's context beside their own.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct mlx_map_string_to_array_iterator { pub ctx: *mut c_void, pub map_ctx: *mut c_void }
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct mlx_map_string_to_string_iterator { pub ctx: *mut c_void, pub map_ctx: *mut c_void }

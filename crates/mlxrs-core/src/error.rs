@@ -1,0 +1,25 @@
+//! One error type for the core; mlxrs-py maps each variant to a class in `mlxrs.errors`.
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// MLX raised: the text is MLX's own message.
+    #[error("{0}")]
+    Mlx(String),
+    /// The native runtime could not be found, opened or does not match.
+    #[error(transparent)]
+    Runtime(#[from] mlxrs_sys::LoadError),
+    /// Bad arguments caught before reaching MLX (shape/data length, dtype).
+    #[error("{0}")]
+    Invalid(String),
+    /// A model directory or file could not be loaded.
+    #[error("{0}")]
+    ModelLoad(String),
+    /// A model_type mlxrs has no implementation for.
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

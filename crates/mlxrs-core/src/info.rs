@@ -1,0 +1,49 @@
+//! What the native runtime is and where it came from (`mlxrs.runtime_info()`, `--version`).
+use crate::error::Result;
+use crate::handle::{self, DeviceKind};
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RuntimeInfo {
+    pub mlxrs_version: String,
+    pub mlx_version: String,
+    pub mlxc_version: String,
+    pub backend: String,
+    pub device: String,
+    pub source: String,
+    pub libmlxc: String,
+    pub libmlx: Option<String>,
+    pub blas: Option<String>,
+    pub memory_size: Option<usize>,
+    pub active_memory: usize,
+    pub peak_memory: usize,
+}
+
+/// Load the runtime if needed and describe it.
+pub fn runtime_info() -> Result<RuntimeInfo> {
+    let rt = handle::init()?;
+    let (mlxc, mlx) = mlxrs_sys::loaded_versions().unwrap_or_default();
+    let dev = handle::default_device()?;
+    let gpu = dev.kind() == DeviceKind::Gpu;
+    let backend = if !gpu {
+        "cpu"
+    } else if cfg!(target_os = "macos") {
+        "metal"
+    } else {
+        "cuda"
+    };
+    Ok(RuntimeInfo {
+        mlxrs_version: env!("CARGO_PKG_VERSION").to_string(),
+        mlx_version: mlx,
+        mlxc_version: mlxc,
+        backend: backend.to_string(),
+        device: if gpu { "gpu".into() } else { "cpu".into() },
+        source: rt.source.to_string(),
+        libmlxc: rt.libmlxc.display().to_string(),
+        libmlx: rt.libmlx.as_ref().map(|p| p.display().to_string()),
+        blas: rt.blas.as_ref().map(|p| p.display().to_string()),
+        memory_size: handle::device_memory_size(&dev),
+        active_memory: handle::active_memory(),
+        peak_memory: handle::peak_memory(),
+    })
+}

@@ -1,0 +1,11 @@
+//! mlxrs's engine core: safe MLX handles ([`handle`]), and on top of them the models, KV cache,
+//! sampling and decode loop. `unsafe` lives only in mlxrs-sys and [`handle`].
+#![deny(unsafe_code)]
+
+pub mod error;
+#[allow(unsafe_code)]
+pub mod handle;
+pub mod info;
+
+pub use error::{Error, Result};
+pub use handle::{Array, Dtype};
