@@ -5,7 +5,10 @@
 //! module installs once per process in place of mlx-c's default, which calls `exit()`).
 mod array;
 mod ops;
+mod dispatch;
 mod runtime;
+
+pub use dispatch::dispatch;
 
 pub use array::{async_eval, eval, Array, Dtype, Element};
 pub use ops::*;

@@ -1,0 +1,110 @@
+//! `mlxrs._native`: thin PyO3 wrappers over mlxrs-core and the mapping of its errors onto
+//! `mlxrs.errors`. No logic lives here.
+use mlxrs_core::{handle as mx, Array, Dtype, Error};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+/// Map a core error to the matching `mlxrs.errors` class.
+pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    let cls = match &e {
+        Error::Mlx(_) => "MlxError",
+        Error::Runtime(_) => "NativeRuntimeError",
+        Error::Invalid(_) => "InvalidArgumentError",
+        Error::ModelLoad(_) | Error::Io { .. } => "ModelLoadError",
+        Error::Unsupported(_) => "UnsupportedModelError",
+    };
+    let msg = e.to_string();
+    match py.import("mlxrs.errors").and_then(|m| m.getattr(cls)) {
+        Ok(c) => PyErr::from_value(c.call1((msg,)).unwrap_or_else(|err| err.into_value(py).into_bound(py).into_any())),
+        Err(_) => PyValueError::new_err(msg),
+    }
+}
+
+trait PyResultExt<T> {
+    fn py(self, py: Python<'_>) -> PyResult<T>;
+}
+impl<T> PyResultExt<T> for mlxrs_core::Result<T> {
+    fn py(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_py(py, e))
+    }
+}
+
+/// Register a directory that may hold libmlx (the installed `mlx` package's lib/) before loading.
+#[pyfunction]
+fn _register_mlx_lib_dir(dir: std::path::PathBuf) {
+    mlxrs_sys::register_mlx_lib_dir(dir);
+}
+
+/// Load the native runtime and describe it (paths, versions, backend, BLAS, memory).
+#[pyfunction]
+fn runtime_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let info = py.allow_threads(mlxrs_core::info::runtime_info).py(py)?;
+    let d = PyDict::new(py);
+    let v = serde_json::to_value(&info).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    if let serde_json::Value::Object(m) = v {
+        for (k, v) in m {
+            let val: PyObject = match v {
+                serde_json::Value::Null => py.None(),
+                serde_json::Value::Number(n) => n.as_u64().map(|u| u.into_pyobject(py).map(|o| o.into_any().unbind()))
+                    .transpose()?.unwrap_or_else(|| py.None()),
+                serde_json::Value::String(s) => s.into_pyobject(py)?.into_any().unbind(),
+                other => other.to_string().into_pyobject(py)?.into_any().unbind(),
+            };
+            d.set_item(k, val)?;
+        }
+    }
+    Ok(d)
+}
+
+/// The places the resolver would search, in order, without loading anything.
+#[pyfunction]
+fn _resolution_order() -> Vec<String> {
+    let r = mlxrs_sys::Resolver::from_env();
+    match r.find() {
+        Ok((src, p)) => vec![format!("{src}: {}", p.display())],
+        Err(e) => vec![e.to_string()],
+    }
+}
+
+type Raw = (Py<PyBytes>, Vec<i32>, String);
+
+fn array_in(data: &[u8], shape: &[i32], dtype: &str) -> mlxrs_core::Result<Array> {
+    let dt = Dtype::from_name(dtype).ok_or_else(|| Error::Invalid(format!("unknown dtype {dtype}")))?;
+    Array::from_bytes(data, shape, dt)
+}
+
+fn array_out(py: Python<'_>, a: &Array) -> mlxrs_core::Result<Raw> {
+    let bytes = a.to_bytes()?;
+    Ok((PyBytes::new(py, &bytes).unbind(), a.shape(), a.dtype().name().to_string()))
+}
+
+/// Copy a buffer into an MLX array and back out (proves the data path both ways).
+#[pyfunction]
+fn _array_roundtrip(py: Python<'_>, data: &[u8], shape: Vec<i32>, dtype: &str) -> PyResult<Raw> {
+    let a = array_in(data, &shape, dtype).py(py)?;
+    array_out(py, &a).py(py)
+}
+
+/// Run one op of the core's surface by name on raw arrays (the test suite checks each against numpy).
+#[pyfunction]
+#[pyo3(signature = (name, inputs, params="{}"))]
+fn _op(py: Python<'_>, name: &str, inputs: Vec<(Vec<u8>, Vec<i32>, String)>, params: &str) -> PyResult<Vec<Raw>> {
+    let arrays = inputs.iter().map(|(d, s, t)| array_in(d, s, t)).collect::<mlxrs_core::Result<Vec<_>>>().py(py)?;
+    let params: serde_json::Value = serde_json::from_str(params).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let outs = mx::dispatch(name, &arrays, &params).py(py)?;
+    outs.iter().map(|a| array_out(py, a).py(py)).collect()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("BUILT_FOR_MLX", mlxrs_sys::BUILT_FOR_MLX)?;
+    m.add("BUILT_FOR_MLXC", mlxrs_sys::BUILT_FOR_MLXC)?;
+    m.add_function(wrap_pyfunction!(runtime_info, m)?)?;
+    m.add_function(wrap_pyfunction!(_register_mlx_lib_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
+    m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
+    m.add_function(wrap_pyfunction!(_op, m)?)?;
+    Ok(())
+}

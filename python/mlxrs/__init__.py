@@ -1,0 +1,26 @@
+"""mlxrs: local LLM inference over MLX with a Rust core.
+
+>>> import mlxrs
+>>> info = mlxrs.runtime_info()
+>>> info["backend"] in ("cpu", "cuda", "metal")
+True
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import _loader, errors
+from . import _native
+
+_loader.register(_native)
+
+__version__: str = _native.__version__
+
+
+def runtime_info() -> dict[str, Any]:
+    """Load the native runtime if needed and describe it: versions, backend, device, where each
+    native library came from, the BLAS in use (Linux CPU) and memory figures."""
+    return dict(_native.runtime_info())
+
+
+__all__ = ["runtime_info", "errors", "__version__"]

@@ -1,0 +1,44 @@
+"""mlxrs's exceptions. The server maps each class to an HTTP status in one place."""
+from __future__ import annotations
+
+
+class MlxrsError(Exception):
+    """Base class of every mlxrs error."""
+
+
+class MlxError(MlxrsError):
+    """MLX raised an error; the message is MLX's own."""
+
+
+class NativeRuntimeError(MlxrsError):
+    """The native runtime (libmlxc/libmlx) could not be found, loaded, or does not match this mlxrs."""
+
+
+class InvalidArgumentError(MlxrsError, ValueError):
+    """An argument was rejected before reaching MLX."""
+
+
+class ModelLoadError(MlxrsError):
+    """A model directory or file is missing, unreadable or malformed."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model's architecture (model_type) is not one mlxrs implements."""
+
+
+class ContextLengthError(MlxrsError):
+    """A request does not fit the memory admission ceiling."""
+
+
+class DownloadError(MlxrsError):
+    """A download failed or did not verify."""
+
+
+class GenerationCancelled(MlxrsError):
+    """A generation was cancelled before it finished."""
+
+
+__all__ = [
+    "MlxrsError", "MlxError", "NativeRuntimeError", "InvalidArgumentError", "ModelLoadError",
+    "UnsupportedModelError", "ContextLengthError", "DownloadError", "GenerationCancelled",
+]
