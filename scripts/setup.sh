@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Set up (or refresh) a development checkout. Idempotent, and quick when nothing changed:
+#   1. .venv (python3 -m venv) if missing
+#   2. scripts/requirements-dev.txt into it (skipped while the file, Python and platform are unchanged)
+#   3. Linux: OpenBLAS from apt when missing (root only; a warning otherwise)
+#   4. libmlxc: python native/build.py (itself a no-op when nothing changed)
+#   5. the extension module: maturin develop --release (skipped while crates/, Cargo.toml, Cargo.lock
+#      and pyproject.toml are unchanged)
+# Environment: PYTHON (interpreter for the venv, default python3);
+#              MLXRS_NATIVE_ARGS (extra arguments for native/build.py, e.g. --fetchcontent).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+VENV="$ROOT/.venv"
+STAMP_DIR="$VENV/.mlxrs-stamps"  # inside the venv: a new venv starts from scratch
+
+say()  { printf '[setup] %s\n' "$*"; }
+warn() { printf '[setup] warning: %s\n' "$*" >&2; }
+die()  { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+if command -v sha256sum >/dev/null; then SHA=(sha256sum); else SHA=(shasum -a 256); fi
+sha()  { "${SHA[@]}" | cut -d' ' -f1; }
+
+# --- 1. virtual environment -------------------------------------------------------------------
+PYTHON=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c '' 2>/dev/null; then
+    command -v "$PYTHON" >/dev/null || die "$PYTHON not found: install Python >= 3.10"
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+        || die "$("$PYTHON" -V 2>&1) is too old: mlxrs needs Python >= 3.10 (set PYTHON=/path/to/python3.x)"
+    say "creating .venv with $("$PYTHON" -V 2>&1)"
+    rm -rf "$VENV"
+    "$PYTHON" -m venv "$VENV" || die "python3 -m venv failed (Debian/Ubuntu: apt-get install python3-venv)"
+fi
+export VIRTUAL_ENV="$VENV"
+export PATH="$VENV/bin:$PATH"
+mkdir -p "$STAMP_DIR"
+
+# --- 2. Python dependencies -------------------------------------------------------------------
+REQS="$ROOT/scripts/requirements-dev.txt"
+req_hash=$( { cat "$REQS"; python -V; uname -sm; } | sha )
+if [ "$(cat "$STAMP_DIR/pip" 2>/dev/null)" != "$req_hash" ]; then
+    say "installing Python dependencies (scripts/requirements-dev.txt)"
+    python -m pip install --disable-pip-version-check -q -r "$REQS" || die "pip install failed"
+    echo "$req_hash" > "$STAMP_DIR/pip"
+else
+    say "Python dependencies up to date"
+fi
+
+# --- 3. optimized BLAS (Linux CPU) -------------------------------------------------------------
+if [ "$(uname -s)" = Linux ]; then
+    ldconfig_bin=$(command -v ldconfig || echo /sbin/ldconfig)
+    if ! "$ldconfig_bin" -p 2>/dev/null | grep -q 'libopenblas\.so\.0'; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            say "installing libopenblas0-pthread (MLX's CPU wheel links reference BLAS; mlxrs preloads OpenBLAS)"
+            export DEBIAN_FRONTEND=noninteractive
+            apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 \
+                || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1; } \
+                || warn "could not install libopenblas0-pthread; matmuls will use MLX's reference BLAS (slow)"
+        else
+            warn "OpenBLAS not found; matmuls will use MLX's reference BLAS (slow)." \
+                 "Install it (Debian/Ubuntu: apt-get install libopenblas0-pthread) or set MLXRS_BLAS=/path/to/libopenblas.so.0"
+        fi
+    fi
+fi
+
+# --- 4. libmlxc --------------------------------------------------------------------------------
+command -v cc >/dev/null || command -v gcc >/dev/null || command -v clang >/dev/null \
+    || die "no C compiler found (Debian/Ubuntu: apt-get install build-essential)"
+say "native: python native/build.py${MLXRS_NATIVE_ARGS:+ $MLXRS_NATIVE_ARGS}"
+# shellcheck disable=SC2086  # MLXRS_NATIVE_ARGS is a list of arguments
+python native/build.py ${MLXRS_NATIVE_ARGS:-} || die "native/build.py failed (see docs/troubleshooting.md)"
+
+# --- 5. the extension module -------------------------------------------------------------------
+command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs)"
+src_hash=$( {
+    { find crates -type f -not -path '*/target/*' -print0; printf '%s\0' Cargo.toml Cargo.lock pyproject.toml; } \
+        | LC_ALL=C sort -z | xargs -0 "${SHA[@]}"
+    rustc -V; python -V
+} | sha )
+have_ext=$(ls python/mlxrs/_native*.so python/mlxrs/_native*.pyd 2>/dev/null | head -n1 || true)
+if [ -z "$have_ext" ] || [ "$(cat "$STAMP_DIR/maturin" 2>/dev/null)" != "$src_hash" ]; then
+    say "building the extension module: maturin develop --release"
+    maturin develop --release || die "maturin develop failed"
+    echo "$src_hash" > "$STAMP_DIR/maturin"
+else
+    say "extension module up to date ($have_ext)"
+fi
+say "ready: $VENV"
