@@ -8,7 +8,7 @@ mod ops;
 mod dispatch;
 mod runtime;
 
-pub use dispatch::dispatch;
+pub use dispatch::{dispatch, OPS as DISPATCH_OPS};
 
 pub use array::{async_eval, eval, Array, Dtype, Element};
 pub use ops::*;

@@ -85,8 +85,25 @@ binary!(add => mlx_add, subtract => mlx_subtract, multiply => mlx_multiply, divi
         not_equal => mlx_not_equal, logical_and => mlx_logical_and, logical_or => mlx_logical_or);
 
 /// A scalar of `dtype` (MLX's C API has no weakly typed scalars: match the other operand's dtype).
+/// The value is converted straight to `dtype` (integers keep every digit; no float32 detour).
 pub fn scalar_as(v: f64, dtype: Dtype) -> Result<Array> {
-    astype(&Array::scalar(v as f32)?, dtype)
+    use half::{bf16, f16};
+    match dtype {
+        Dtype::Bool => Array::scalar(v != 0.0),
+        Dtype::Uint8 => Array::scalar(v as u8),
+        Dtype::Uint16 => Array::scalar(v as u16),
+        Dtype::Uint32 => Array::scalar(v as u32),
+        Dtype::Uint64 => Array::scalar(v as u64),
+        Dtype::Int8 => Array::scalar(v as i8),
+        Dtype::Int16 => Array::scalar(v as i16),
+        Dtype::Int32 => Array::scalar(v as i32),
+        Dtype::Int64 => Array::scalar(v as i64),
+        Dtype::Float16 => Array::scalar(f16::from_f64(v)),
+        Dtype::Bfloat16 => Array::scalar(bf16::from_f64(v)),
+        Dtype::Float32 => Array::scalar(v as f32),
+        Dtype::Float64 => Array::scalar(v),
+        Dtype::Complex64 => astype(&Array::scalar(v as f32)?, dtype),
+    }
 }
 
 /// `c * beta + (a @ b) * alpha`.
@@ -209,7 +226,11 @@ pub fn slice(a: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<
 pub fn slice_axis(a: &Array, axis: i32, lo: i32, hi: i32) -> Result<Array> {
     let shape = a.shape();
     let nd = shape.len() as i32;
-    let ax = if axis < 0 { axis + nd } else { axis } as usize;
+    let ax = if axis < 0 { axis + nd } else { axis };
+    if !(0..nd).contains(&ax) {
+        return Err(Error::Invalid(format!("slice_axis: axis {axis} is out of range for an array of {nd} dimensions")));
+    }
+    let ax = ax as usize;
     let mut start = vec![0; shape.len()];
     let mut stop = shape.clone();
     start[ax] = lo;
@@ -438,9 +459,9 @@ pub fn random_seed(seed: u64) -> Result<()> {
 pub fn load_safetensors(path: &Path) -> Result<(BTreeMap<String, Array>, BTreeMap<String, String>)> {
     init()?;
     let p = cstr(&path.to_string_lossy())?;
-    // the CPU stream: loading is I/O
-    let cpu = super::runtime::Device::new(super::runtime::DeviceKind::Cpu, 0)?;
-    let cpu_stream = super::runtime::Stream::new(&cpu)?;
+    // the default CPU stream: loading is I/O (a new stream per call would leave a CPU worker thread
+    // behind each time)
+    let cpu_stream = super::runtime::Stream(unsafe { sys::mlx_default_cpu_stream_new() });
     unsafe {
         let mut arrays = sys::mlx_map_string_to_array_new();
         let mut meta = sys::mlx_map_string_to_string_new();
@@ -512,10 +533,21 @@ unsafe extern "C" fn closure_trampoline(
     payload: *mut std::ffi::c_void,
 ) -> c_int {
     let f = unsafe { &*(payload as *const BoxedFn) };
-    let inputs = VecArray(input);
-    let args = inputs.to_vec();
-    std::mem::forget(inputs); // borrowed from mlx-c
-    let out = args.and_then(|a| f(&a));
+    // a panic must not unwind into C++ (that aborts the process): it becomes an error like any other
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let inputs = VecArray(input);
+        let args = inputs.to_vec();
+        std::mem::forget(inputs); // borrowed from mlx-c
+        args.and_then(|a| f(&a))
+    }))
+    .unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(Error::Invalid(format!("compiled function panicked: {what}")))
+    });
     match out {
         Ok(outs) => {
             let refs: Vec<&Array> = outs.iter().collect();
@@ -523,8 +555,18 @@ unsafe extern "C" fn closure_trampoline(
             unsafe { sys::mlx_vector_array_set(res, v.0) };
             0
         }
-        Err(_) => 1,
+        Err(e) => {
+            // mlx-c replaces the failure with "mlx_closure returned a non-zero value"; keep the real
+            // reason for Compiled::call to report
+            CLOSURE_ERROR.with(|c| *c.borrow_mut() = Some(e.to_string()));
+            1
+        }
     }
+}
+
+thread_local! {
+    /// Why the last compiled function failed on this thread (tracing runs on the calling thread).
+    static CLOSURE_ERROR: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
 }
 
 unsafe extern "C" fn closure_dtor(payload: *mut std::ffi::c_void) {
@@ -559,7 +601,12 @@ impl Compiled {
     pub fn call(&self, inputs: &[&Array]) -> Result<Vec<Array>> {
         let v = VecArray::new(inputs);
         let mut out = VecArray::empty();
-        check(unsafe { sys::mlx_closure_apply(&mut out.0, self.0, v.0) })?;
+        CLOSURE_ERROR.with(|c| c.borrow_mut().take());
+        let rc = unsafe { sys::mlx_closure_apply(&mut out.0, self.0, v.0) };
+        check(rc).map_err(|e| match CLOSURE_ERROR.with(|c| c.borrow_mut().take()) {
+            Some(inner) => Error::Mlx(format!("{inner} (in a compiled function: {e})")),
+            None => e,
+        })?;
         out.to_vec()
     }
 }
