@@ -28,5 +28,5 @@ export PATH="$VIRTUAL_ENV/bin:$PATH"
 
 stage "cargo test --workspace" cargo test --workspace
 [ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
-stage "pytest tests" python -m pytest -q tests "$@"
+stage "pytest tests" python -m pytest -q tests ${1+"$@"}  # ${1+...}: bash 3.2 (macOS) with set -u
 printf '\n[test] all stages passed\n'
