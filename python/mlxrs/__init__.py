@@ -16,6 +16,8 @@ _loader.register(_native)
 
 __version__: str = _native.__version__
 
+from .session import Chunk, Completion, Session, Timings, Usage  # noqa: E402
+
 
 def runtime_info() -> dict[str, Any]:
     """Load the native runtime if needed and describe it: versions, backend, device, where each
@@ -23,4 +25,4 @@ def runtime_info() -> dict[str, Any]:
     return dict(_native.runtime_info())
 
 
-__all__ = ["runtime_info", "errors", "__version__"]
+__all__ = ["runtime_info", "errors", "__version__", "Session", "Completion", "Chunk", "Usage", "Timings"]

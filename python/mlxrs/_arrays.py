@@ -18,7 +18,7 @@ _NP_TO_MLX = {
 
 def to_raw(a: np.ndarray, dtype: str | None = None) -> tuple[bytes, list[int], str]:
     """A numpy array as (bytes, shape, mlx dtype name). `dtype="bfloat16"` takes uint16 bit patterns."""
-    a = np.ascontiguousarray(a)
+    a = np.ascontiguousarray(a).reshape(np.shape(a))  # ascontiguousarray makes 0-d arrays 1-d
     name = dtype or _NP_TO_MLX[a.dtype]
     return a.tobytes(), list(a.shape), name
 

@@ -8,7 +8,7 @@ the section they belong to (module constants, runtime, test hooks, classes at th
 
 import os
 from collections.abc import Sequence
-from typing import Final, TypedDict, type_check_only
+from typing import Any, Final, TypedDict, final, type_check_only
 
 __all__ = [
     "__version__",
@@ -19,6 +19,8 @@ __all__ = [
     "_resolution_order",
     "_array_roundtrip",
     "_op",
+    "Session",
+    "TokenStream",
 ]
 
 # ---- module constants -------------------------------------------------------------------------
@@ -70,3 +72,39 @@ def _op(name: str, inputs: Sequence[_RawArrayIn], params: str = "{}") -> list[_R
     `params` is a JSON object."""
 
 # ---- classes ----------------------------------------------------------------------------------
+
+@final
+class Session:
+    """A loaded model behind its engine thread (crates/mlxrs-py/src/session.rs)."""
+
+    def __new__(
+        cls,
+        model_dir: str | os.PathLike[str],
+        kv_bits: int | None = None,
+        max_kv_size: int | None = None,
+        prefill_step_size: int = 2048,
+        kv_group_size: int = 64,
+    ) -> Session: ...
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+    def apply_chat_template(
+        self, messages: str, tools: str | None = None, add_generation_prompt: bool = True, kwargs: str | None = None
+    ) -> str:
+        """`messages`, `tools` and `kwargs` are JSON."""
+    def encode_rendered(self, text: str) -> list[int]: ...
+    def start(self, prompt: Sequence[int], params: str = "{}") -> TokenStream:
+        """Queue a generation; `params` is a JSON object of sampling options."""
+    def logits(self, prompt: Sequence[int]) -> list[float]: ...
+    def info(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+
+@final
+class TokenStream:
+    """Events of one generation: dicts with "type" in {"progress", "token", "done"}."""
+
+    def __iter__(self) -> TokenStream: ...
+    def __next__(self) -> dict[str, Any]: ...
+    def cancel(self) -> None: ...
+

@@ -9,3 +9,11 @@ pub mod info;
 
 pub use error::{Error, Result};
 pub use handle::{Array, Dtype};
+pub mod cache;
+pub mod models;
+pub mod weights;
+pub mod sample;
+pub mod generate;
+pub mod tokenizer;
+pub mod template;
+pub mod engine;

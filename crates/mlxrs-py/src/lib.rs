@@ -5,6 +5,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+mod session;
+
 /// Map a core error to the matching `mlxrs.errors` class.
 pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let cls = match &e {
@@ -21,7 +23,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     }
 }
 
-trait PyResultExt<T> {
+pub(crate) trait PyResultExt<T> {
     fn py(self, py: Python<'_>) -> PyResult<T>;
 }
 impl<T> PyResultExt<T> for mlxrs_core::Result<T> {
@@ -106,5 +108,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
     m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(_op, m)?)?;
+    m.add_class::<session::Session>()?;
+    m.add_class::<session::TokenStream>()?;
     Ok(())
 }

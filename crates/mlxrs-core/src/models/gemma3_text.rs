@@ -1,0 +1,165 @@
+//! Gemma 3 (text): sliding-window and global layers, qk-norm, scaled embeddings, `1 + w` norms,
+//! sandwich norms around attention and MLP, GELU (tanh) MLP.
+use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope};
+use super::{CausalLm, Cfg, ModelShape};
+use crate::cache::{CacheOptions, LayerCache};
+use crate::error::Result;
+use crate::handle::{self as mx, Array, Dtype};
+use crate::weights::Weights;
+use serde_json::Value;
+
+/// Nothing is dropped; a missing lm_head means the head is tied to the embedding.
+pub fn sanitize(_config: &Value, w: &mut Weights) {
+    w.retain(|k| !k.contains("self_attn.rotary_emb.inv_freq"));
+}
+
+struct Block {
+    attn: Attention,
+    mlp: Mlp,
+    input_norm: RmsNorm,
+    post_attn_norm: RmsNorm,
+    pre_ff_norm: RmsNorm,
+    post_ff_norm: RmsNorm,
+}
+
+pub struct Model {
+    embed: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+    embed_scale: Array,
+    window: i32,
+    pattern: i32,
+    shape: ModelShape,
+}
+
+impl Model {
+    pub fn load(config: &Value, mut w: Weights) -> Result<Model> {
+        // a multimodal gemma3 config nests the text model
+        let text = config.get("text_config").unwrap_or(config);
+        let c = Cfg(text);
+        let hidden = c.i_or("hidden_size", 1152);
+        let n_layers = c.i_or("num_hidden_layers", 26);
+        let n_heads = c.i_or("num_attention_heads", 4);
+        let n_kv = c.i_or("num_key_value_heads", 1);
+        let head_dim = c.i_or("head_dim", 256);
+        let eps = c.f_or("rms_norm_eps", 1e-6) as f32;
+        let theta = c.f_or("rope_theta", 1_000_000.0) as f32;
+        let local_theta = c.f_or("rope_local_base_freq", 10_000.0) as f32;
+        let qpas = c.f_or("query_pre_attn_scalar", 256.0);
+        let window = c.i_or("sliding_window", 512);
+        let pattern = c.i_or("sliding_window_pattern", 6);
+        let mut layers = Vec::with_capacity(n_layers as usize);
+        for i in 0..n_layers {
+            let p = format!("model.layers.{i}");
+            let sliding = (i + 1) % pattern != 0;
+            let rope = if sliding {
+                Rope::from_config(head_dim, local_theta, false, None)?
+            } else {
+                Rope::from_config(head_dim, theta, false, c.get("rope_scaling"))?
+            };
+            let attn = Attention {
+                q_proj: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), false)?,
+                k_proj: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), false)?,
+                v_proj: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), false)?,
+                o_proj: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), false)?,
+                qk_norm: Some(QkNorm {
+                    q: RmsNorm::load_offset(&mut w, &format!("{p}.self_attn.q_norm"), eps)?,
+                    k: RmsNorm::load_offset(&mut w, &format!("{p}.self_attn.k_norm"), eps)?,
+                }),
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim,
+                scale: qpas.powf(-0.5) as f32,
+                rope,
+            };
+            layers.push(Block {
+                attn,
+                mlp: Mlp::load(&mut w, &format!("{p}.mlp"), false, Activation::GeluApprox)?,
+                input_norm: RmsNorm::load_offset(&mut w, &format!("{p}.input_layernorm"), eps)?,
+                post_attn_norm: RmsNorm::load_offset(&mut w, &format!("{p}.post_attention_layernorm"), eps)?,
+                pre_ff_norm: RmsNorm::load_offset(&mut w, &format!("{p}.pre_feedforward_layernorm"), eps)?,
+                post_ff_norm: RmsNorm::load_offset(&mut w, &format!("{p}.post_feedforward_layernorm"), eps)?,
+            });
+        }
+        let embed = Embedding::load(&mut w, "model.embed_tokens")?;
+        let norm = RmsNorm::load_offset(&mut w, "model.norm", eps)?;
+        let lm_head = if w.contains("lm_head.weight") { Some(Linear::load(&mut w, "lm_head", false)?) } else { None };
+        // mlx-lm rounds sqrt(hidden) to bfloat16 before casting to the activation dtype
+        let scale = mx::astype(&Array::f32((hidden as f32).sqrt())?, Dtype::Bfloat16)?;
+        let embed_scale = mx::astype(&scale, embed.dtype())?;
+        let sliding = (0..n_layers).map(|i| if (i + 1) % pattern != 0 { Some(window) } else { None }).collect();
+        Ok(Model {
+            embed,
+            layers,
+            norm,
+            lm_head,
+            embed_scale,
+            window,
+            pattern,
+            shape: ModelShape {
+                model_type: "gemma3_text".into(),
+                num_layers: n_layers,
+                hidden_size: hidden,
+                vocab_size: c.i_or("vocab_size", 262144),
+                num_kv_heads: n_kv,
+                head_dim,
+                sliding,
+                max_position_embeddings: c.opt_i("max_position_embeddings"),
+            },
+        })
+    }
+}
+
+fn clip_residual(x: &Array, y: &Array) -> Result<Array> {
+    if x.dtype() != Dtype::Float16 {
+        return mx::add(x, y);
+    }
+    let bound = mx::scalar_as(65504.0, Dtype::Float32)?;
+    let nb = mx::scalar_as(-65504.0, Dtype::Float32)?;
+    let s = mx::add(&mx::astype(x, Dtype::Float32)?, &mx::astype(y, Dtype::Float32)?)?;
+    mx::astype(&mx::clip(&s, Some(&nb), Some(&bound))?, Dtype::Float16)
+}
+
+impl CausalLm for Model {
+    fn forward(&self, tokens: &Array, cache: &mut [LayerCache]) -> Result<Array> {
+        let h0 = self.embed.forward(tokens)?;
+        let mut h = mx::multiply(&h0, &mx::astype(&self.embed_scale, h0.dtype())?)?;
+        let n = tokens.dim(1);
+        let g = (self.pattern - 1) as usize;
+        let global_mask = cache[g.min(cache.len() - 1)].make_mask(n, None)?;
+        let sliding_mask = if self.pattern > 1 { Some(cache[0].make_mask(n, Some(self.window))?) } else { None };
+        for (i, (layer, c)) in self.layers.iter().zip(cache.iter_mut()).enumerate() {
+            let is_global = (i as i32) % self.pattern == self.pattern - 1;
+            let mask = if is_global { &global_mask } else { sliding_mask.as_ref().unwrap_or(&global_mask) };
+            let r = layer.attn.forward(&layer.input_norm.forward(&h)?, mask, c)?;
+            let hh = clip_residual(&h, &layer.post_attn_norm.forward(&r)?)?;
+            let r = layer.mlp.forward(&layer.pre_ff_norm.forward(&hh)?)?;
+            h = clip_residual(&hh, &layer.post_ff_norm.forward(&r)?)?;
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+
+    fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache> {
+        (0..self.layers.len() as i32)
+            .map(|i| {
+                if i % self.pattern == self.pattern - 1 {
+                    match opts.max_kv_size {
+                        Some(m) => LayerCache::rotating(m, 4),
+                        None => LayerCache::full(),
+                    }
+                } else {
+                    LayerCache::rotating(self.window, 0)
+                }
+            })
+            .collect()
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+}

@@ -1,0 +1,341 @@
+//! Building blocks shared by the architectures: linear (dense or MLX-quantized), embedding,
+//! RMSNorm, rotary embedding, attention over an external KV cache, gated MLPs.
+use crate::cache::{Fetched, LayerCache, Mask};
+use crate::error::Result;
+use crate::handle::{self as mx, Array, AttnMask, Dtype};
+use crate::weights::{QuantSpec, Weights};
+
+/// `y = x W^T + b`, W dense or quantized.
+pub enum Linear {
+    Dense { w: Array, b: Option<Array> },
+    Quant { w: Array, scales: Array, biases: Option<Array>, b: Option<Array>, q: QuantSpec },
+}
+
+impl Linear {
+    pub fn load(ws: &mut Weights, prefix: &str, bias: bool) -> Result<Linear> {
+        let b = if bias { Some(ws.take(&format!("{prefix}.bias"))?) } else { ws.remove(&format!("{prefix}.bias")) };
+        match ws.quant_of(prefix) {
+            Some(q) => Ok(Linear::Quant {
+                w: ws.take(&format!("{prefix}.weight"))?,
+                scales: ws.take(&format!("{prefix}.scales"))?,
+                biases: ws.remove(&format!("{prefix}.biases")),
+                b,
+                q,
+            }),
+            None => Ok(Linear::Dense { w: ws.take(&format!("{prefix}.weight"))?, b }),
+        }
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            Linear::Dense { w, b } => {
+                let wt = mx::transpose(w)?;
+                match b {
+                    Some(b) => mx::addmm(b, x, &wt, 1.0, 1.0),
+                    None => mx::matmul(x, &wt),
+                }
+            }
+            Linear::Quant { w, scales, biases, b, q } => {
+                let y = mx::quantized_matmul(x, w, scales, biases.as_ref(), true, q.group_size, q.bits)?;
+                match b {
+                    Some(b) => mx::add(&y, b),
+                    None => Ok(y),
+                }
+            }
+        }
+    }
+
+    /// Bytes of the parameters.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Linear::Dense { w, b } => w.nbytes() + b.as_ref().map_or(0, Array::nbytes),
+            Linear::Quant { w, scales, biases, b, .. } => {
+                w.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes) + b.as_ref().map_or(0, Array::nbytes)
+            }
+        }
+    }
+}
+
+/// Token embedding (dense or quantized); `as_linear` is the tied output head.
+pub enum Embedding {
+    Dense(Array),
+    Quant { w: Array, scales: Array, biases: Option<Array>, q: QuantSpec },
+}
+
+impl Embedding {
+    pub fn load(ws: &mut Weights, prefix: &str) -> Result<Embedding> {
+        match ws.quant_of(prefix) {
+            Some(q) => Ok(Embedding::Quant {
+                w: ws.take(&format!("{prefix}.weight"))?,
+                scales: ws.take(&format!("{prefix}.scales"))?,
+                biases: ws.remove(&format!("{prefix}.biases")),
+                q,
+            }),
+            None => Ok(Embedding::Dense(ws.take(&format!("{prefix}.weight"))?)),
+        }
+    }
+
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense(w) => mx::take(w, ids, 0),
+            Embedding::Quant { w, scales, biases, q } => {
+                let rows = mx::take(w, ids, 0)?;
+                let s = mx::take(scales, ids, 0)?;
+                let b = biases.as_ref().map(|b| mx::take(b, ids, 0)).transpose()?;
+                mx::dequantize(&rows, &s, b.as_ref(), q.group_size, q.bits)
+            }
+        }
+    }
+
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense(w) => mx::matmul(x, &mx::transpose(w)?),
+            Embedding::Quant { w, scales, biases, q } => {
+                mx::quantized_matmul(x, w, scales, biases.as_ref(), true, q.group_size, q.bits)
+            }
+        }
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            Embedding::Dense(w) => w.dtype(),
+            Embedding::Quant { scales, .. } => scales.dtype(),
+        }
+    }
+}
+
+/// RMSNorm with an effective weight (Gemma's `1 + w` is folded in at load).
+pub struct RmsNorm {
+    pub weight: Array,
+    pub eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(ws: &mut Weights, prefix: &str, eps: f32) -> Result<RmsNorm> {
+        Ok(RmsNorm { weight: ws.take(&format!("{prefix}.weight"))?, eps })
+    }
+    /// Gemma's convention: the stored weight is an offset from one.
+    pub fn load_offset(ws: &mut Weights, prefix: &str, eps: f32) -> Result<RmsNorm> {
+        let w = ws.take(&format!("{prefix}.weight"))?;
+        let one = mx::scalar_as(1.0, w.dtype())?;
+        Ok(RmsNorm { weight: mx::add(&one, &w)?, eps })
+    }
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        mx::rms_norm(x, Some(&self.weight), self.eps)
+    }
+}
+
+/// Rotary position embedding (default/linear scaling, or explicit frequencies for llama3).
+pub struct Rope {
+    pub dims: i32,
+    pub traditional: bool,
+    pub base: f32,
+    pub scale: f32,
+    pub freqs: Option<Array>,
+}
+
+impl Rope {
+    /// mlx-lm's `initialize_rope` for the scaling types the supported architectures use.
+    pub fn from_config(dims: i32, base: f32, traditional: bool, scaling: Option<&serde_json::Value>) -> Result<Rope> {
+        let ty = scaling
+            .and_then(|s| s.get("type").or_else(|| s.get("rope_type")))
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let f = |k: &str, d: f64| scaling.and_then(|s| s.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
+        match ty {
+            "default" => Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None }),
+            "linear" => Ok(Rope { dims, traditional, base, scale: 1.0 / f("factor", 1.0) as f32, freqs: None }),
+            "llama3" => {
+                let factor = f("factor", 1.0);
+                let low = f("low_freq_factor", 1.0);
+                let high = f("high_freq_factor", 4.0);
+                let old = f("original_max_position_embeddings", 8192.0);
+                let (low_wl, high_wl) = (old / low, old / high);
+                // computed in float32 as mlx-lm does
+                let freqs: Vec<f32> = (0..dims / 2)
+                    .map(|i| {
+                        let fr = (base as f32).powf((2 * i) as f32 / dims as f32);
+                        let wl = 2.0 * std::f32::consts::PI * fr;
+                        let fr2 = if (wl as f64) > low_wl { fr * factor as f32 } else { fr };
+                        let medium = (wl as f64) > high_wl && (wl as f64) < low_wl;
+                        if medium {
+                            let smooth = ((old as f32) / wl - low as f32) / (high as f32 - low as f32);
+                            fr2 / ((1.0 - smooth) / factor as f32 + smooth)
+                        } else {
+                            fr2
+                        }
+                    })
+                    .collect();
+                let n = freqs.len() as i32;
+                Ok(Rope { dims, traditional, base, scale: 1.0, freqs: Some(Array::from_slice(&freqs, &[n])?) })
+            }
+            other => Err(crate::Error::Unsupported(format!(
+                "rope_scaling type {other:?} is not supported (supported: default, linear, llama3)"
+            ))),
+        }
+    }
+
+    pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+        match &self.freqs {
+            Some(f) => mx::rope(x, self.dims, self.traditional, None, self.scale, offset, Some(f)),
+            None => mx::rope(x, self.dims, self.traditional, Some(self.base), self.scale, offset, None),
+        }
+    }
+}
+
+/// Per-head normalisation of queries/keys (Qwen3, Gemma 3).
+pub struct QkNorm {
+    pub q: RmsNorm,
+    pub k: RmsNorm,
+}
+
+/// Multi-head attention with grouped KV heads over an external cache.
+pub struct Attention {
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub qk_norm: Option<QkNorm>,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub head_dim: i32,
+    pub scale: f32,
+    pub rope: Rope,
+}
+
+impl Attention {
+    pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+        let sh = x.shape();
+        let (b, l) = (sh[0], sh[1]);
+        let heads = |t: Array, n: i32| -> Result<Array> { mx::reshape(&t, &[b, l, n, -1]) };
+        let mut q = heads(self.q_proj.forward(x)?, self.n_heads)?;
+        let mut k = heads(self.k_proj.forward(x)?, self.n_kv_heads)?;
+        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads)?;
+        if let Some(n) = &self.qk_norm {
+            q = n.q.forward(&q)?;
+            k = n.k.forward(&k)?;
+        }
+        let perm = [0, 2, 1, 3];
+        let q = mx::transpose_axes(&q, &perm)?;
+        let k = mx::transpose_axes(&k, &perm)?;
+        let v = mx::transpose_axes(&v, &perm)?;
+        let offset = cache.offset();
+        let q = self.rope.forward(&q, offset)?;
+        let k = self.rope.forward(&k, offset)?;
+        let out = match cache.update_and_fetch(k, v)? {
+            Fetched::Dense(k, v) => {
+                let m = match mask {
+                    Mask::None => AttnMask::None,
+                    Mask::Causal => AttnMask::Causal,
+                    Mask::Array(a) => AttnMask::Array(a),
+                };
+                mx::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)?
+            }
+            Fetched::Quant { k, v, q: spec } => quantized_sdpa(&q, &k, &v, self.scale, mask, spec)?,
+        };
+        let out = mx::reshape(&mx::transpose_axes(&out, &perm)?, &[b, l, -1])?;
+        self.o_proj.forward(&out)
+    }
+}
+
+/// mlx-lm's quantized_scaled_dot_product_attention.
+fn quantized_sdpa(q: &Array, k: &[Array; 3], v: &[Array; 3], scale: f32, mask: &Mask, spec: QuantSpec) -> Result<Array> {
+    let sh = q.shape();
+    let (b, nq, l, d) = (sh[0], sh[1], sh[2], sh[3]);
+    let nkv = k[0].dim(-3);
+    let rep = nq / nkv;
+    let mut q = mx::multiply(q, &mx::scalar_as(scale as f64, q.dtype())?)?;
+    let (kk, vv): (Vec<Array>, Vec<Array>) = if rep > 1 {
+        q = mx::reshape(&q, &[b, nkv, rep, l, d])?;
+        (
+            k.iter().map(|a| mx::expand_dims(a, -3)).collect::<Result<_>>()?,
+            v.iter().map(|a| mx::expand_dims(a, -3)).collect::<Result<_>>()?,
+        )
+    } else {
+        (k.to_vec(), v.to_vec())
+    };
+    let mut scores = mx::quantized_matmul(&q, &kk[0], &kk[1], Some(&kk[2]), true, spec.group_size, spec.bits)?;
+    match mask {
+        Mask::None => {}
+        Mask::Causal => {
+            let sh = scores.shape();
+            let (ql, kl) = (sh[sh.len() - 2], sh[sh.len() - 1]);
+            let qi = mx::arange((kl - ql) as f64, kl as f64, 1.0, Dtype::Int32)?;
+            let ki = mx::arange(0.0, kl as f64, 1.0, Dtype::Int32)?;
+            let m = mx::greater_equal(&mx::expand_dims(&qi, 1)?, &mx::expand_dims(&ki, 0)?)?;
+            scores = mask_fill(&scores, &m)?;
+        }
+        Mask::Array(m) => scores = mask_fill(&scores, m)?,
+    }
+    let probs = mx::softmax(&scores, &[-1], true)?;
+    let out = mx::quantized_matmul(&probs, &vv[0], &vv[1], Some(&vv[2]), false, spec.group_size, spec.bits)?;
+    if rep > 1 {
+        mx::reshape(&out, &[b, nq, l, d])
+    } else {
+        Ok(out)
+    }
+}
+
+fn mask_fill(scores: &Array, m: &Array) -> Result<Array> {
+    if m.dtype() == Dtype::Bool {
+        let min = mx::scalar_as(finfo_min(scores.dtype()), scores.dtype())?;
+        mx::where_(m, scores, &min)
+    } else {
+        mx::add(scores, m)
+    }
+}
+
+/// The most negative finite value of a float dtype.
+pub fn finfo_min(d: Dtype) -> f64 {
+    match d {
+        Dtype::Float16 => -65504.0,
+        Dtype::Bfloat16 => -3.3895313892515355e38,
+        Dtype::Float64 => f64::MIN,
+        _ => f32::MIN as f64,
+    }
+}
+
+/// Gated MLP: `down(act(gate(x)) * up(x))`.
+pub struct Mlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    pub act: Activation,
+}
+
+#[derive(Clone, Copy)]
+pub enum Activation {
+    Silu,
+    GeluApprox,
+}
+
+impl Mlp {
+    pub fn load(ws: &mut Weights, prefix: &str, bias: bool, act: Activation) -> Result<Mlp> {
+        Ok(Mlp {
+            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), bias)?,
+            up: Linear::load(ws, &format!("{prefix}.up_proj"), bias)?,
+            down: Linear::load(ws, &format!("{prefix}.down_proj"), bias)?,
+            act,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let g = self.gate.forward(x)?;
+        let u = self.up.forward(x)?;
+        let a = match self.act {
+            Activation::Silu => mx::multiply(&g, &mx::sigmoid(&g)?)?,
+            Activation::GeluApprox => gelu_approx(&g)?,
+        };
+        self.down.forward(&mx::multiply(&a, &u)?)
+    }
+}
+
+/// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, as mlx.nn.gelu_approx.
+pub fn gelu_approx(x: &Array) -> Result<Array> {
+    let dt = x.dtype();
+    let c = |v: f64| mx::scalar_as(v, dt);
+    let x3 = mx::power(x, &c(3.0)?)?;
+    let inner = mx::multiply(&c((2.0 / std::f64::consts::PI).sqrt())?, &mx::add(x, &mx::multiply(&c(0.044715)?, &x3)?)?)?;
+    let t = mx::add(&c(1.0)?, &mx::tanh(&inner)?)?;
+    mx::multiply(&mx::multiply(&c(0.5)?, x)?, &t)
+}

@@ -1,0 +1,165 @@
+//! Llama (and Mistral, remapped here): pre-norm decoder, SwiGLU MLP, optional sliding layers.
+use super::layers::{Activation, Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
+use super::{CausalLm, Cfg, ModelShape};
+use crate::cache::{CacheOptions, LayerCache};
+use crate::error::Result;
+use crate::handle::{self as mx, Array};
+use crate::weights::Weights;
+use serde_json::Value;
+
+/// Drop what mlx-lm drops: rotary inv_freq buffers and a tied lm_head.
+pub fn sanitize(config: &Value, w: &mut Weights) {
+    w.retain(|k| !k.contains("self_attn.rotary_emb.inv_freq"));
+    if Cfg(config).b_or("tie_word_embeddings", default_tie(config)) {
+        w.remove("lm_head.weight");
+    }
+}
+
+fn default_tie(config: &Value) -> bool {
+    // mlx-lm's defaults: llama/qwen2 tie unless told otherwise; qwen3 requires the field
+    !matches!(config.get("model_type").and_then(Value::as_str), Some("qwen3"))
+}
+
+pub struct Block {
+    pub attn: Attention,
+    pub mlp: Mlp,
+    pub in_norm: RmsNorm,
+    pub post_norm: RmsNorm,
+    pub sliding: bool,
+}
+
+/// Llama-family decoder, parameterised by the differences of qwen2 (q/k/v bias) and qwen3 (qk-norm).
+pub struct Model {
+    pub embed: Embedding,
+    pub layers: Vec<Block>,
+    pub norm: RmsNorm,
+    pub lm_head: Option<Linear>,
+    pub shape: ModelShape,
+    pub sliding_window: Option<i32>,
+}
+
+/// Per-family switches.
+pub struct Variant {
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub qk_norm: bool,
+}
+
+impl Model {
+    pub fn load(config: &Value, w: Weights) -> Result<Model> {
+        let c = Cfg(config);
+        let bias = c.b_or("attention_bias", false);
+        Model::load_variant(config, w, Variant { qkv_bias: bias, o_bias: bias, qk_norm: false }, c.b_or("mlp_bias", false))
+    }
+
+    pub fn load_variant(config: &Value, mut w: Weights, v: Variant, mlp_bias: bool) -> Result<Model> {
+        let c = Cfg(config);
+        let hidden = c.i("hidden_size")?;
+        let n_layers = c.i("num_hidden_layers")?;
+        let n_heads = c.i("num_attention_heads")?;
+        let n_kv = c.i_or("num_key_value_heads", n_heads);
+        let head_dim = c.opt_i("head_dim").unwrap_or(hidden / n_heads);
+        let eps = c.f_or("rms_norm_eps", 1e-6) as f32;
+        let theta = c.f_or("rope_theta", 10000.0) as f32;
+        let traditional = c.b_or("rope_traditional", false);
+        let tie = c.b_or("tie_word_embeddings", default_tie(config));
+        let layer_types: Vec<String> = c
+            .get("layer_types")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
+            .unwrap_or_else(|| vec!["full_attention".into(); n_layers as usize]);
+        let sliding_window = c.opt_i("sliding_window");
+        let mut layers = Vec::with_capacity(n_layers as usize);
+        for i in 0..n_layers {
+            let p = format!("model.layers.{i}");
+            let qk_norm = if v.qk_norm {
+                Some(super::layers::QkNorm {
+                    q: RmsNorm::load(&mut w, &format!("{p}.self_attn.q_norm"), eps)?,
+                    k: RmsNorm::load(&mut w, &format!("{p}.self_attn.k_norm"), eps)?,
+                })
+            } else {
+                None
+            };
+            let attn = Attention {
+                q_proj: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), v.qkv_bias)?,
+                k_proj: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), v.qkv_bias)?,
+                v_proj: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), v.qkv_bias)?,
+                o_proj: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), v.o_bias)?,
+                qk_norm,
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim,
+                scale: (head_dim as f32).powf(-0.5),
+                rope: Rope::from_config(head_dim, theta, traditional, c.get("rope_scaling"))?,
+            };
+            layers.push(Block {
+                attn,
+                mlp: Mlp::load(&mut w, &format!("{p}.mlp"), mlp_bias, Activation::Silu)?,
+                in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps)?,
+                post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps)?,
+                sliding: layer_types.get(i as usize).is_some_and(|t| t == "sliding_attention"),
+            });
+        }
+        let embed = Embedding::load(&mut w, "model.embed_tokens")?;
+        let norm = RmsNorm::load(&mut w, "model.norm", eps)?;
+        let lm_head = if tie { None } else { Some(Linear::load(&mut w, "lm_head", false)?) };
+        let sliding = layers.iter().map(|l| if l.sliding { sliding_window } else { None }).collect();
+        Ok(Model {
+            embed,
+            layers,
+            norm,
+            lm_head,
+            sliding_window,
+            shape: ModelShape {
+                model_type: config.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string(),
+                num_layers: n_layers,
+                hidden_size: hidden,
+                vocab_size: c.i("vocab_size")?,
+                num_kv_heads: n_kv,
+                head_dim,
+                sliding,
+                max_position_embeddings: c.opt_i("max_position_embeddings"),
+            },
+        })
+    }
+}
+
+impl CausalLm for Model {
+    fn forward(&self, tokens: &Array, cache: &mut [LayerCache]) -> Result<Array> {
+        let mut h = self.embed.forward(tokens)?;
+        let n = tokens.dim(1);
+        let fa = self.layers.iter().position(|l| !l.sliding).unwrap_or(0);
+        let fa_mask = cache[fa].make_mask(n, None)?;
+        let swa_mask = match self.layers.iter().position(|l| l.sliding) {
+            Some(i) => Some(cache[i].make_mask(n, self.sliding_window)?),
+            None => None,
+        };
+        for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
+            let mask = if layer.sliding { swa_mask.as_ref().unwrap_or(&fa_mask) } else { &fa_mask };
+            let r = layer.attn.forward(&layer.in_norm.forward(&h)?, mask, c)?;
+            let hh = mx::add(&h, &r)?;
+            let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
+            h = mx::add(&hh, &r)?;
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+
+    fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache> {
+        self.layers
+            .iter()
+            .map(|l| match (l.sliding, self.sliding_window, opts.max_kv_size) {
+                (true, Some(w), _) => LayerCache::rotating(w, 0),
+                (_, _, Some(m)) => LayerCache::rotating(m, 4),
+                _ => LayerCache::full(),
+            })
+            .collect()
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+}

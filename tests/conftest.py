@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def blas_env() -> dict[str, str]:
+    """Environment for an oracle subprocess that runs MLX under the same BLAS mlxrs loaded."""
+    import mlxrs
+
+    env = dict(os.environ)
+    blas = mlxrs.runtime_info().get("blas")
+    if blas:
+        env["LD_PRELOAD"] = blas + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    return env
+
+
+def run_oracle(job: dict[str, Any]) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, str(HERE / "oracle_mlxlm.py")], input=json.dumps(job), capture_output=True,
+                       text=True, env=blas_env(), timeout=600)
+    if p.returncode != 0:
+        raise AssertionError(f"mlx-lm oracle failed:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout)
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    return run_oracle

@@ -1,0 +1,155 @@
+"""Tiny random-weight models in the Hugging Face layout (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json), for every architecture mlxrs implements.
+
+Weights are drawn with MLX's PRNG from a fixed seed and written with mx.save_safetensors, so a
+model directory is reproducible. Quantized variants are produced by mlx-lm's own converter.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent / ".models"
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "def add(a, b):\n    return a + b\n# comments and code\tand tabs\n"
+    "Large language models predict the next token. Über naïve café — 東京 and 北京, emoji 🙂🚀. "
+    "Numbers 0123456789 and symbols !@#$%^&*()[]{}<>?/\\|~`'\" ; : , . "
+) * 4
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_tokenizer(d: Path, vocab: int, *, bos: bool = False) -> None:
+    """A byte-level BPE trained on a small corpus, exactly `vocab` tokens (specials included)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    assert tok.get_vocab_size() <= vocab, tok.get_vocab_size()
+    # pad the vocabulary to exactly `vocab` with unused tokens so every model id decodes
+    n = tok.get_vocab_size()
+    if n < vocab:
+        tok.add_tokens([f"<unused{i}>" for i in range(vocab - n)])
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(d / "tokenizer.json"))
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "bos_token": "<s>" if bos else None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 4096,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, head_dim: int = 64, inter: int = 512) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "model_type": arch, "hidden_size": hidden, "num_hidden_layers": layers,
+        "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "rms_norm_eps": 1e-6, "vocab_size": vocab, "rope_theta": 10000.0,
+        "max_position_embeddings": 4096, "eos_token_id": 0,
+    }
+    if arch == "llama":
+        cfg.update(tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    elif arch == "qwen2":
+        cfg.update(tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+    elif arch == "qwen3":
+        cfg.update(tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"])
+    elif arch == "gemma3_text":
+        cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
+                   rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
+    return cfg
+
+
+def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
+    import mlx.core as mx
+
+    key = mx.random.key(seed)
+    counter = [0]
+
+    def rnd(shape: tuple[int, ...], scale: float) -> Any:
+        counter[0] += 1
+        return mx.random.normal(shape, key=mx.random.fold_in(key, counter[0])) * scale if hasattr(mx.random, "fold_in") \
+            else mx.random.normal(shape, key=mx.random.split(key, counter[0] + 1)[counter[0]]) * scale
+
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    gemma = arch == "gemma3_text"
+
+    def norm(n: int) -> Any:  # gemma stores an offset from one
+        return rnd((n,), 0.1) if gemma else 1.0 + rnd((n,), 0.1)
+
+    w: dict[str, Any] = {"model.embed_tokens.weight": rnd((v, h), 0.5 if not gemma else 0.05), "model.norm.weight": norm(h)}
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}"
+        w[f"{p}.self_attn.q_proj.weight"] = rnd((nh * hd, h), h ** -0.5)
+        w[f"{p}.self_attn.k_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
+        w[f"{p}.self_attn.v_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
+        w[f"{p}.self_attn.o_proj.weight"] = rnd((h, nh * hd), (nh * hd) ** -0.5)
+        w[f"{p}.mlp.gate_proj.weight"] = rnd((i, h), h ** -0.5)
+        w[f"{p}.mlp.up_proj.weight"] = rnd((i, h), h ** -0.5)
+        w[f"{p}.mlp.down_proj.weight"] = rnd((h, i), i ** -0.5)
+        w[f"{p}.input_layernorm.weight"] = norm(h)
+        w[f"{p}.post_attention_layernorm.weight"] = norm(h)
+        if arch == "qwen2":
+            w[f"{p}.self_attn.q_proj.bias"] = rnd((nh * hd,), 0.1)
+            w[f"{p}.self_attn.k_proj.bias"] = rnd((nkv * hd,), 0.1)
+            w[f"{p}.self_attn.v_proj.bias"] = rnd((nkv * hd,), 0.1)
+        if arch in ("qwen3", "gemma3_text"):
+            w[f"{p}.self_attn.q_norm.weight"] = norm(hd)
+            w[f"{p}.self_attn.k_norm.weight"] = norm(hd)
+        if gemma:
+            w[f"{p}.pre_feedforward_layernorm.weight"] = norm(h)
+            w[f"{p}.post_feedforward_layernorm.weight"] = norm(h)
+        if arch == "llama":
+            w[f"{p}.self_attn.rotary_emb.inv_freq"] = rnd((hd // 2,), 1.0)  # sanitize must drop it
+    if not cfg.get("tie_word_embeddings", True) and not gemma:
+        w["lm_head.weight"] = rnd((v, h), h ** -0.5)
+    return w
+
+
+def make_model(name: str, arch: str, *, dtype: str = "float32", quant_bits: int | None = None,
+               seed: int = 0, bos: bool = False, **shape: Any) -> Path:
+    """Write (once) and return the directory of a tiny model."""
+    import mlx.core as mx
+
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    shutil.rmtree(d, ignore_errors=True)
+    src = d if quant_bits is None else ROOT / f"{name}.src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    cfg = base_config(arch, **shape)
+    cfg["torch_dtype"] = dtype
+    w = _weights(arch, cfg, seed)
+    dt = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
+    w = {k: x.astype(dt) for k, x in w.items()}
+    mx.eval(w)
+    mx.save_safetensors(str(src / "model.safetensors"), w, metadata={"format": "mlx"})
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tokenizer(src, cfg["vocab_size"], bos=bos)
+    if quant_bits is not None:
+        from mlx_lm import convert
+
+        shutil.rmtree(d, ignore_errors=True)
+        convert(hf_path=str(src), mlx_path=str(d), quantize=True, q_bits=quant_bits, q_group_size=64)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / f, d / f)
+        shutil.rmtree(src, ignore_errors=True)
+    (d / ".complete").write_text("ok")
+    return d
