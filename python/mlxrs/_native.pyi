@@ -19,6 +19,7 @@ __all__ = [
     "_resolution_order",
     "_array_roundtrip",
     "_op",
+    "_sample",
     "Session",
     "TokenStream",
 ]
@@ -70,6 +71,10 @@ def _array_roundtrip(data: bytes, shape: Sequence[int], dtype: str) -> _RawArray
 def _op(name: str, inputs: Sequence[_RawArrayIn], params: str = "{}") -> list[_RawArray]:
     """Run one op of the core's surface by name (see crates/mlxrs-core/src/handle/dispatch.rs);
     `params` is a JSON object."""
+
+def _sample(logits: Sequence[float], params: str = "{}", draws: int = 1) -> tuple[list[float], list[int]]:
+    """Apply sampling `params` (JSON) to fixed logits: the filtered log-probabilities and `draws`
+    samples from one seeded sampler."""
 
 # ---- classes ----------------------------------------------------------------------------------
 

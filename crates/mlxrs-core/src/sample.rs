@@ -255,3 +255,31 @@ pub fn apply_top_k(logprobs: &Array, k: i32) -> Result<Array> {
     let ninf = mx::broadcast_to(&neg_inf(logprobs.dtype())?, &masked.shape())?;
     mx::put_along_axis(logprobs, &masked, &ninf, -1)
 }
+
+/// Test and diagnostics entry point: apply `params` to fixed `logits` (one row) and return the
+/// filtered log-probabilities (what the categorical draw sees, before temperature) and `draws`
+/// samples taken in sequence from one seeded sampler.
+pub fn sample_fixed(logits: &[f32], params: SamplingParams, draws: usize) -> Result<(Vec<f32>, Vec<i32>)> {
+    let v = logits.len() as i32;
+    let mut s = Sampler::new(params, v)?;
+    let l = Array::from_slice(logits, &[1, v])?;
+    let l = s.process(&l)?;
+    let lp = mx::subtract(&l, &mx::logsumexp(&l, &[-1], true)?)?;
+    let mut filtered = lp.clone();
+    if !s.p.is_greedy() {
+        if s.p.top_p > 0.0 && s.p.top_p < 1.0 {
+            filtered = apply_top_p(&filtered, s.p.top_p)?;
+        }
+        if s.p.min_p != 0.0 {
+            filtered = apply_min_p(&filtered, s.p.min_p, s.p.min_tokens_to_keep)?;
+        }
+        if s.p.top_k > 0 && s.p.top_k < v {
+            filtered = apply_top_k(&filtered, s.p.top_k)?;
+        }
+    }
+    let mut out = Vec::with_capacity(draws);
+    for _ in 0..draws {
+        out.push(mx::astype(&s.sample(&lp)?, Dtype::Int32)?.item_i32()?);
+    }
+    Ok((mx::astype(&filtered, Dtype::Float32)?.to_vec::<f32>()?, out))
+}

@@ -98,6 +98,15 @@ fn _op(py: Python<'_>, name: &str, inputs: Vec<(Vec<u8>, Vec<i32>, String)>, par
     outs.iter().map(|a| array_out(py, a).py(py)).collect()
 }
 
+/// Run the sampler on fixed logits: (filtered log-probabilities, `draws` seeded samples).
+#[pyfunction]
+#[pyo3(signature = (logits, params="{}", draws=1))]
+fn _sample(py: Python<'_>, logits: Vec<f32>, params: &str, draws: usize) -> PyResult<(Vec<f32>, Vec<i32>)> {
+    let p: serde_json::Value = serde_json::from_str(params).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let req = session::request_from(&p, Vec::new()).py(py)?;
+    py.allow_threads(|| mlxrs_core::sample::sample_fixed(&logits, req.sampling, draws)).py(py)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -108,6 +117,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
     m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(_op, m)?)?;
+    m.add_function(wrap_pyfunction!(_sample, m)?)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::TokenStream>()?;
     Ok(())

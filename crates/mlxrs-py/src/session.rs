@@ -26,7 +26,7 @@ impl Session {
 }
 
 /// Sampling and request parameters from a JSON object (the Python layer builds it).
-fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, Error> {
+pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, Error> {
     let f = |k: &str| params.get(k).and_then(Value::as_f64);
     let i = |k: &str| params.get(k).and_then(Value::as_i64);
     let mut s = SamplingParams::default();
