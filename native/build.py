@@ -43,12 +43,18 @@ def main() -> int:
                              stdout=subprocess.PIPE, text=True).stdout
         src_opt = out.strip().splitlines()[-1]
     bdir: Path = args.build_dir
+    # reconfigure (from scratch) when the source or the MLX it builds against changes
+    signature = f"src={src_opt or 'fetchcontent'}\nmlx={mlx_cmake_dir()}\n"
+    stamp = bdir / ".mlxrs-configure"
+    if (bdir / "CMakeCache.txt").exists() and (not stamp.exists() or stamp.read_text() != signature):
+        shutil.rmtree(bdir)
     if not (bdir / "CMakeCache.txt").exists():
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         subprocess.run([cmake, "-S", str(HERE), "-B", str(bdir), *gen,
                         "-DCMAKE_BUILD_TYPE=Release",
                         f"-DMLX_DIR={mlx_cmake_dir()}",
                         f"-DMLXRS_MLXC_SOURCE_DIR={src_opt}"], check=True)
+        stamp.write_text(signature)
     jobs = str(os.cpu_count() or 2)
     subprocess.run([cmake, "--build", str(bdir), "-j", jobs], check=True)
     built = next(bdir.rglob(LIBNAME), None)

@@ -209,7 +209,7 @@ impl Resolver {
     pub(crate) fn open(&self) -> Result<(Runtime, libloading::Library), LoadError> {
         let (source, libmlxc) = self.find()?;
         let libmlx = self.find_libmlx(&libmlxc);
-        let blas = if is_cuda_mlx(libmlx.as_deref()) { None } else { preload_blas(self.blas.as_deref()) };
+        let blas = if is_cuda_mlx(libmlx.as_deref()) { None } else { preload_blas(self.blas.as_deref())? };
         if let Some(m) = &libmlx {
             let lib = open_global(m).map_err(|detail| LoadError::Open { path: m.clone(), detail })?;
             std::mem::forget(lib);
@@ -266,22 +266,30 @@ const BLAS_CANDIDATES: &[&str] = &[
     "libopenblas.so",
 ];
 
-fn preload_blas(choice: Option<&std::ffi::OsStr>) -> Option<PathBuf> {
+/// Preload an optimized BLAS (Linux): `MLXRS_BLAS=off` disables it, a path chooses it (and must
+/// load), unset tries OpenBLAS's usual names.
+fn preload_blas(choice: Option<&std::ffi::OsStr>) -> Result<Option<PathBuf>, LoadError> {
     if !cfg!(target_os = "linux") {
-        return None;
+        return Ok(None);
     }
     match choice.map(|c| c.to_string_lossy().into_owned()) {
-        Some(c) if c == "off" || c == "0" || c.is_empty() => None,
-        Some(path) => open_global(Path::new(&path)).ok().map(|l| {
-            std::mem::forget(l);
-            PathBuf::from(path)
-        }),
-        None => BLAS_CANDIDATES.iter().find_map(|c| {
+        Some(c) if c == "off" || c == "0" || c.is_empty() => Ok(None),
+        Some(path) => match open_global(Path::new(&path)) {
+            Ok(l) => {
+                std::mem::forget(l);
+                Ok(Some(PathBuf::from(path)))
+            }
+            Err(detail) => Err(LoadError::Open {
+                path: PathBuf::from(&path),
+                detail: format!("{detail} (MLXRS_BLAS names it; set MLXRS_BLAS=off to use MLX's own BLAS)"),
+            }),
+        },
+        None => Ok(BLAS_CANDIDATES.iter().find_map(|c| {
             open_global(Path::new(c)).ok().map(|l| {
                 std::mem::forget(l);
                 resolved_path(c)
             })
-        }),
+        })),
     }
 }
 
