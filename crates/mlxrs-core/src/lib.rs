@@ -17,3 +17,4 @@ pub mod generate;
 pub mod tokenizer;
 pub mod template;
 pub mod engine;
+pub mod gguf;

@@ -107,6 +107,56 @@ fn _sample(py: Python<'_>, logits: Vec<f32>, params: &str, draws: usize) -> PyRe
     py.allow_threads(|| mlxrs_core::sample::sample_fixed(&logits, req.sampling, draws)).py(py)
 }
 
+/// Dequantize `n` values of ggml type id `ty` from raw block bytes; returns float32 bytes.
+#[pyfunction]
+fn _gguf_dequantize<'py>(py: Python<'py>, ty: u32, raw: &[u8], n: usize) -> PyResult<Bound<'py, PyBytes>> {
+    let t = mlxrs_core::gguf::GgmlType::from_id(ty);
+    let v = py.allow_threads(|| mlxrs_core::gguf::dequant::dequantize(t, raw, n)).map_err(|e| to_py(py, Error::Invalid(e)))?;
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// Parse a GGUF header from bytes (or a file path): (version, metadata as JSON, tensors as
+/// [(name, row-major shape, ggml type id, offset)], data offset).
+#[pyfunction]
+fn _gguf_header(py: Python<'_>, data: Option<&[u8]>, path: Option<std::path::PathBuf>) -> PyResult<(u32, String, Vec<(String, Vec<u64>, u32, u64)>, u64)> {
+    use mlxrs_core::gguf::{reader, GgmlType};
+    let h = match (data, path) {
+        (Some(d), _) => reader::parse_header(d, d.len() as u64).map_err(|e| to_py(py, Error::ModelLoad(e.to_string())))?,
+        (None, Some(p)) => mlxrs_core::gguf::GgufFile::open(&p).py(py)?.header,
+        _ => return Err(PyValueError::new_err("pass data or path")),
+    };
+    let meta = mlxrs_core::gguf::import::metadata_json(&h);
+    let tensors = h
+        .tensors
+        .iter()
+        .map(|t| {
+            let id = match t.ty {
+                GgmlType::Other(i) => i,
+                GgmlType::F32 => 0, GgmlType::F16 => 1, GgmlType::Q4_0 => 2, GgmlType::Q4_1 => 3,
+                GgmlType::Q5_0 => 6, GgmlType::Q5_1 => 7, GgmlType::Q8_0 => 8, GgmlType::Q2K => 10,
+                GgmlType::Q3K => 11, GgmlType::Q4K => 12, GgmlType::Q5K => 13, GgmlType::Q6K => 14,
+                GgmlType::BF16 => 30,
+            };
+            (t.name.clone(), t.shape(), id, t.offset)
+        })
+        .collect();
+    Ok((h.version, meta.to_string(), tensors, h.data_offset))
+}
+
+/// Dequantize one tensor of a GGUF file to float32 bytes (row-major).
+#[pyfunction]
+fn _gguf_tensor<'py>(py: Python<'py>, path: std::path::PathBuf, name: &str) -> PyResult<Bound<'py, PyBytes>> {
+    let f = mlxrs_core::gguf::GgufFile::open(&path).py(py)?;
+    let t = f.header.tensor(name).cloned().ok_or_else(|| PyValueError::new_err(format!("no tensor {name}")))?;
+    let raw = f.read_raw(&t).py(py)?;
+    let v = py
+        .allow_threads(|| mlxrs_core::gguf::dequant::dequantize(t.ty, &raw, t.n_elements() as usize))
+        .map_err(|e| to_py(py, Error::Invalid(e)))?;
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    Ok(PyBytes::new(py, &bytes))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -118,6 +168,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(_op, m)?)?;
     m.add_function(wrap_pyfunction!(_sample, m)?)?;
+    m.add_function(wrap_pyfunction!(_gguf_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(_gguf_header, m)?)?;
+    m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::TokenStream>()?;
     Ok(())
