@@ -20,6 +20,8 @@ __all__ = [
     "_array_roundtrip",
     "_op",
     "_sample",
+    "plan",
+    "device_memory",
     "Session",
     "TokenStream",
 ]
@@ -75,6 +77,27 @@ def _op(name: str, inputs: Sequence[_RawArrayIn], params: str = "{}") -> list[_R
 def _sample(logits: Sequence[float], params: str = "{}", draws: int = 1) -> tuple[list[float], list[int]]:
     """Apply sampling `params` (JSON) to fixed logits: the filtered log-probabilities and `draws`
     samples from one seeded sampler."""
+
+# ---- memory planner (crates/mlxrs-core/src/plan.rs) -------------------------------------------
+
+def plan(
+    model_dir: str | os.PathLike[str],
+    context_tokens: int | None = None,
+    kv_bits: int | None = None,
+    budget: str | None = None,
+    kv_group_size: int = 64,
+    prefill_step_size: int = 2048,
+    device_bytes: int | None = None,
+    fused_attention: bool | None = None,
+) -> str:
+    """The MemoryPlan (schemaVersion 1) as JSON for the model in `model_dir` (config.json and
+    safetensors headers only) at `context_tokens` (None: the model's maximum). `budget` is a
+    fraction of device memory ("0.5") or bytes ("12G", "8000000000"); None: 0.75 × device memory.
+    `device_bytes` overrides the device memory; `fused_attention` defaults to true on a GPU."""
+
+def device_memory() -> tuple[int, str]:
+    """(bytes, source) of the memory the default budget is a fraction of; source is "mlx-gpu",
+    "proc-meminfo", "sysctl" or "unknown"."""
 
 # ---- classes ----------------------------------------------------------------------------------
 

@@ -40,12 +40,44 @@ def _cmd_info(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mlxrs.server import run
+
+    return run(args)
+
+
+def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    sp = sub.add_parser("serve", help="serve a model over HTTP (OpenAI- and Anthropic-compatible)",
+                        description="Serve MODEL over HTTP: OpenAI /v1/chat/completions, /v1/completions, "
+                                    "/v1/models; Anthropic /v1/messages; /health and /stats. "
+                                    "See docs/server-config.md.")
+    sp.add_argument("model", nargs="?", default=None,
+                    help="model directory or .gguf file (default: the embedded Gemma 3 270M)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sp.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    sp.add_argument("--api-key", default=None,
+                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY); also MLXRS_API_KEY")
+    sp.add_argument("--kv-quant", type=int, choices=[4, 8], default=None,
+                    help="quantize the KV cache to 4 or 8 bits (a longer context in the same memory)")
+    sp.add_argument("--memory-budget", default=None, metavar="BYTES|FRACTION",
+                    help="memory the model may use: bytes (e.g. 12G, 8000000000) or a fraction of device "
+                         "memory in (0, 1]; default 0.75")
+    sp.add_argument("--max-queue", type=int, default=32,
+                    help="requests that may wait for the engine before new ones get 429 (default 32)")
+    sp.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                    help="largest request body accepted, larger ones get 413 (default 32 MiB)")
+    sp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="log verbosity on stderr (debug adds an access log)")
+    sp.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxrs", description="Local LLM inference over MLX with a Rust core.")
     p.add_argument("--version", action="store_true", help="print mlxrs, MLX and mlx-c versions, backend and library paths")
     sub = p.add_subparsers(dest="command")
     info = sub.add_parser("info", help="print runtime information and run a tiny computation")
     info.set_defaults(func=_cmd_info)
+    _add_serve(sub)
     return p
 
 

@@ -18,3 +18,4 @@ pub mod tokenizer;
 pub mod template;
 pub mod engine;
 pub mod gguf;
+pub mod plan;

@@ -5,6 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+mod plan;
 mod session;
 
 /// Map a core error to the matching `mlxrs.errors` class.
@@ -171,6 +172,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_gguf_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_header, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;
+    plan::register(m)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::TokenStream>()?;
     Ok(())

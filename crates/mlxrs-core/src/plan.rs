@@ -1,0 +1,521 @@
+//! The memory planner: will a model and a context fit the memory budget, and what is the largest
+//! context that does? One plan ([`MemoryPlan`], schemaVersion 1) serves `fit`, the server's
+//! memory admission and its `/stats`.
+//!
+//! Everything is computed from `config.json` and the safetensors headers: no tensor is loaded
+//! and the native runtime is not needed (except to ask MLX how much GPU memory there is).
+//!
+//! ```text
+//! total(ctx) = weights + kv(ctx) + transient(ctx) + reserve        fits <=> total <= usable
+//! usable     = budget = device memory × 0.75 (default) | FRACTION × device memory | BYTES
+//! maxSafeContext = the largest ctx with total(ctx) <= usable, capped at the model's context
+//! ```
+use crate::error::{Error, Result};
+use serde::Serialize;
+use serde_json::Value;
+use std::path::Path;
+
+/// The default share of device memory a model may use (unified memory on Macs, GPU memory on
+/// CUDA, RAM on CPU): the rest stays with the OS and other programs.
+pub const DEFAULT_BUDGET_FRACTION: f64 = 0.75;
+
+/// Memory outside weights, KV and prefill activations that the serving process holds: the MLX
+/// runtime and its allocator's buffer cache slack, the tokenizer, the Python interpreter with
+/// aiohttp. Measured on Linux/CPU (x86_64, MLX 0.30.6): a `python -m mlxrs serve` process with
+/// a 5 MB model has a resident set of ~180 MB before the first request; 256 MiB leaves headroom
+/// for allocator fragmentation.
+pub const RESERVE_BYTES: u64 = 256 << 20;
+
+/// KV caches grow in steps of this many tokens (`cache.rs`, mlx-lm's `KVCache.step`), so a full
+/// attention layer holds ceil(ctx / 256) × 256 slots.
+pub const KV_STEP: u64 = 256;
+
+/// The prefill chunk (`LoadOptions::prefill_step_size`'s default).
+pub const DEFAULT_PREFILL_STEP: u64 = 2048;
+
+/// How a budget is given: the default fraction, a fraction of device memory, or bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Budget {
+    Default,
+    Fraction(f64),
+    Bytes(u64),
+}
+
+impl Budget {
+    /// Parse `--memory-budget`: a number in (0, 1] is a fraction of device memory; anything else
+    /// is bytes, optionally with a unit (K, M, G, T: powers of 1024; KB, MB, GB: of 1000).
+    pub fn parse(s: &str) -> Result<Budget> {
+        let t = s.trim();
+        let bad = || {
+            Error::Invalid(format!(
+                "memory budget {s:?} is neither a fraction in (0, 1] (of device memory) nor a byte count (e.g. 8000000000, 12G, 512MiB)"
+            ))
+        };
+        if t.is_empty() {
+            return Err(bad());
+        }
+        if let Ok(f) = t.parse::<f64>() {
+            if f.is_finite() && f > 0.0 && f <= 1.0 {
+                return Ok(Budget::Fraction(f));
+            }
+            if f.is_finite() && f > 1.0 && f.fract() == 0.0 && f < 1e19 {
+                return Ok(Budget::Bytes(f as u64));
+            }
+            return Err(bad());
+        }
+        let lower = t.to_ascii_lowercase();
+        let split = lower.find(|c: char| c.is_ascii_alphabetic()).ok_or_else(bad)?;
+        let (num, unit) = lower.split_at(split);
+        let n: f64 = num.trim().parse().map_err(|_| bad())?;
+        let mult: f64 = match unit.trim() {
+            "b" => 1.0,
+            "k" | "kib" => 1024.0,
+            "m" | "mib" => 1024f64.powi(2),
+            "g" | "gib" => 1024f64.powi(3),
+            "t" | "tib" => 1024f64.powi(4),
+            "kb" => 1e3,
+            "mb" => 1e6,
+            "gb" => 1e9,
+            "tb" => 1e12,
+            _ => return Err(bad()),
+        };
+        let bytes = n * mult;
+        if !bytes.is_finite() || bytes < 1.0 || bytes >= 1.8e19 {
+            return Err(bad());
+        }
+        Ok(Budget::Bytes(bytes as u64))
+    }
+}
+
+/// Where the device memory figure came from.
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceMemory {
+    pub bytes: u64,
+    /// "mlx-gpu" (MLX's device info), "proc-meminfo", "sysctl" or "unknown".
+    pub source: &'static str,
+}
+
+/// Physical RAM: /proc/meminfo on Linux, `sysctl hw.memsize` on macOS.
+pub fn system_ram() -> Option<DeviceMemory> {
+    if let Ok(text) = std::fs::read_to_string("/proc/meminfo") {
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("MemTotal:") {
+                let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+                return Some(DeviceMemory { bytes: kb * 1024, source: "proc-meminfo" });
+            }
+        }
+    }
+    let out = std::process::Command::new("sysctl").args(["-n", "hw.memsize"]).output().ok()?;
+    let bytes: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
+    Some(DeviceMemory { bytes, source: "sysctl" })
+}
+
+/// The memory of the device MLX computes on: the GPU's (unified memory on Macs) when the
+/// default device is a GPU and MLX reports it, else system RAM.
+pub fn device_memory() -> DeviceMemory {
+    if let Ok(dev) = crate::handle::default_device() {
+        if dev.kind() == crate::handle::DeviceKind::Gpu {
+            if let Some(b) = crate::handle::device_memory_size(&dev) {
+                return DeviceMemory { bytes: b as u64, source: "mlx-gpu" };
+            }
+        }
+    }
+    system_ram().unwrap_or(DeviceMemory { bytes: 0, source: "unknown" })
+}
+
+/// The usable bytes for a budget on a device of `device_bytes`.
+pub fn budget_bytes(budget: Budget, device_bytes: u64) -> u64 {
+    match budget {
+        Budget::Default => (device_bytes as f64 * DEFAULT_BUDGET_FRACTION) as u64,
+        Budget::Fraction(f) => (device_bytes as f64 * f) as u64,
+        Budget::Bytes(b) => b,
+    }
+}
+
+/// What the planner needs to know about a model.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelFacts {
+    pub model_type: String,
+    pub num_layers: u64,
+    pub hidden_size: u64,
+    pub intermediate_size: u64,
+    pub num_heads: u64,
+    pub num_kv_heads: u64,
+    pub head_dim: u64,
+    pub vocab_size: u64,
+    /// Per layer: Some(window) for sliding-window layers (their KV is capped at the window).
+    pub sliding: Vec<Option<u64>>,
+    /// Bytes per element of activations and of an unquantized KV cache (the model's float dtype).
+    pub act_bytes: u64,
+    /// Sum of every tensor's bytes, from the safetensors headers.
+    pub weights_bytes: u64,
+    pub max_position_embeddings: Option<u64>,
+}
+
+fn dtype_bytes(name: &str) -> Option<u64> {
+    Some(match name.to_ascii_uppercase().as_str() {
+        "F64" | "I64" | "U64" | "FLOAT64" => 8,
+        "F32" | "I32" | "U32" | "FLOAT32" => 4,
+        "F16" | "BF16" | "I16" | "U16" | "FLOAT16" | "BFLOAT16" => 2,
+        "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+        _ => return None,
+    })
+}
+
+/// One safetensors header: (tensor name → (dtype, bytes)).
+fn safetensors_header(path: &Path) -> Result<Vec<(String, String, u64)>> {
+    use std::io::Read;
+    let io = |e| Error::Io { path: path.to_path_buf(), source: e };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).map_err(io)?;
+    let n = u64::from_le_bytes(n);
+    if n > 100 << 20 {
+        return Err(Error::ModelLoad(format!("{}: not a valid safetensors header ({n} bytes)", path.display())));
+    }
+    let mut buf = vec![0u8; n as usize];
+    f.read_exact(&mut buf).map_err(io)?;
+    let v: Value = serde_json::from_slice(&buf)
+        .map_err(|e| Error::ModelLoad(format!("{}: invalid safetensors header: {e}", path.display())))?;
+    let obj = v.as_object().ok_or_else(|| Error::ModelLoad(format!("{}: invalid safetensors header", path.display())))?;
+    let mut out = Vec::new();
+    for (k, t) in obj {
+        if k == "__metadata__" {
+            continue;
+        }
+        let dtype = t.get("dtype").and_then(Value::as_str).unwrap_or("").to_string();
+        let offs = t.get("data_offsets").and_then(Value::as_array);
+        let bytes = match offs {
+            Some(o) if o.len() == 2 => o[1].as_u64().unwrap_or(0).saturating_sub(o[0].as_u64().unwrap_or(0)),
+            _ => 0,
+        };
+        out.push((k.clone(), dtype, bytes));
+    }
+    Ok(out)
+}
+
+impl ModelFacts {
+    /// Facts from a model directory: config.json plus the safetensors headers.
+    pub fn from_dir(dir: &Path) -> Result<ModelFacts> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
+            Error::ModelLoad(format!("{}: {e} (a model directory needs config.json and *.safetensors)", cfg_path.display()))
+        })?;
+        let config: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
+        let rd = std::fs::read_dir(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
+        let mut files: Vec<_> = rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(Error::ModelLoad(format!("no *.safetensors weights in {}", dir.display())));
+        }
+        let mut tensors = Vec::new();
+        for f in &files {
+            tensors.extend(safetensors_header(f)?);
+        }
+        let weights_bytes = tensors.iter().map(|t| t.2).sum();
+        // the activation dtype: the embedding's (its scales' when quantized), else torch_dtype
+        let find = |suffix: &str| tensors.iter().find(|t| t.0.ends_with(suffix)).and_then(|t| dtype_bytes(&t.1));
+        let act = match find("embed_tokens.weight") {
+            Some(b) if !tensors.iter().any(|t| t.0.ends_with("embed_tokens.scales")) => Some(b),
+            _ => find("embed_tokens.scales"),
+        };
+        let act = act.or_else(|| text_config(&config).get("torch_dtype").and_then(Value::as_str).and_then(dtype_bytes));
+        Self::from_config(&config, weights_bytes, act.unwrap_or(2))
+    }
+
+    /// Facts from a config and known weight bytes / activation dtype size.
+    pub fn from_config(config: &Value, weights_bytes: u64, act_bytes: u64) -> Result<ModelFacts> {
+        let c = text_config(config);
+        let u = |k: &str| c.get(k).and_then(Value::as_u64);
+        let need = |k: &str| u(k).ok_or_else(|| Error::ModelLoad(format!("config.json has no {k}")));
+        let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("").to_string();
+        let num_layers = need("num_hidden_layers")?;
+        let hidden = need("hidden_size")?;
+        let heads = need("num_attention_heads")?.max(1);
+        let kv_heads = u("num_key_value_heads").unwrap_or(heads);
+        let head_dim = u("head_dim").unwrap_or(hidden / heads);
+        let gemma = model_type.starts_with("gemma3");
+        let window = u("sliding_window");
+        let layer_types: Option<Vec<String>> = c
+            .get("layer_types")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect());
+        // the same rules as the models (models/gemma3_text.rs, models/llama.rs)
+        let sliding: Vec<Option<u64>> = (0..num_layers)
+            .map(|i| {
+                if let Some(lt) = &layer_types {
+                    return if lt.get(i as usize).is_some_and(|t| t == "sliding_attention") { window } else { None };
+                }
+                if gemma {
+                    let pattern = u("sliding_window_pattern").unwrap_or(6).max(1);
+                    let w = window.unwrap_or(512);
+                    return if (i + 1) % pattern != 0 { Some(w) } else { None };
+                }
+                None
+            })
+            .collect();
+        Ok(ModelFacts {
+            model_type,
+            num_layers,
+            hidden_size: hidden,
+            intermediate_size: u("intermediate_size").unwrap_or(hidden * 4),
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            vocab_size: u("vocab_size").unwrap_or(0),
+            sliding,
+            act_bytes,
+            weights_bytes,
+            max_position_embeddings: u("max_position_embeddings"),
+        })
+    }
+}
+
+fn text_config(config: &Value) -> &Value {
+    config.get("text_config").filter(|v| v.is_object()).unwrap_or(config)
+}
+
+/// Options of one plan.
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    /// The context to evaluate; None: the model's maximum (max_position_embeddings).
+    pub context_tokens: Option<u64>,
+    /// Quantized KV cache bits (4 or 8; 2, 3, 6 accepted as the engine accepts them).
+    pub kv_bits: Option<u32>,
+    pub kv_group_size: u64,
+    pub prefill_step: u64,
+    /// Attention runs as a fused kernel that never materializes the scores (MLX's SDPA on Metal
+    /// and CUDA); false on CPU, where the general path does.
+    pub fused_attention: bool,
+    /// The usable bytes.
+    pub usable_bytes: u64,
+}
+
+/// The admission contract (schemaVersion 1), serialized with camelCase keys.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryPlan {
+    pub schema_version: u32,
+    pub strategy: &'static str,
+    pub fits: bool,
+    pub context_tokens: u64,
+    pub max_safe_context: u64,
+    pub weights_bytes: u64,
+    pub kv_bytes: u64,
+    pub transient_bytes: u64,
+    pub reserve_bytes: u64,
+    pub total_bytes: u64,
+    pub usable_bytes: u64,
+    pub predicted_decode_tps: Option<f64>,
+    pub allocator_limit_bytes: u64,
+}
+
+/// The largest context considered when a model does not say its own.
+const NO_LIMIT_CONTEXT: u64 = 1 << 20;
+
+impl ModelFacts {
+    /// Bytes of one cached token in one layer (K and V).
+    pub fn kv_bytes_per_token_layer(&self, kv_bits: Option<u32>, group: u64) -> f64 {
+        let elems = (self.num_kv_heads * self.head_dim * 2) as f64;
+        match kv_bits {
+            // packed values plus one scale and one bias (in the activation dtype) per group
+            Some(b) => elems * (b as f64 / 8.0 + 2.0 * self.act_bytes as f64 / group.max(1) as f64),
+            None => elems * self.act_bytes as f64,
+        }
+    }
+
+    /// KV cache bytes at `ctx` tokens: full layers hold ceil(ctx/256)×256 slots, sliding layers
+    /// at most their window.
+    pub fn kv_bytes(&self, ctx: u64, kv_bits: Option<u32>, group: u64) -> u64 {
+        if ctx == 0 {
+            return 0;
+        }
+        let per = self.kv_bytes_per_token_layer(kv_bits, group);
+        let full_slots = ctx.div_ceil(KV_STEP) * KV_STEP;
+        let mut total = 0f64;
+        for s in &self.sliding {
+            let slots = match s {
+                Some(w) => full_slots.min(*w),
+                None => full_slots,
+            };
+            total += slots as f64 * per;
+        }
+        total.ceil() as u64
+    }
+
+    /// Peak activation bytes while prefilling a context of `ctx` tokens in chunks of `step`.
+    ///
+    /// Derivation (one decoder layer is live at a time; MLX frees a layer's intermediates once
+    /// the next consumes them), for a chunk of P = min(step, ctx) tokens attending over ctx keys,
+    /// in the activation dtype (a bytes) unless noted:
+    /// - hidden states: residual, normed input, attention output, MLP output: 4·P·hidden·a
+    /// - q, k, v projections: P·(heads + 2·kv_heads)·head_dim·a
+    /// - attention scores, materialized once by SDPA's general path (CPU; the fused Metal and
+    ///   CUDA kernels do not, see [`PlanOptions::fused_attention`]): heads·P·ctx·a
+    /// - MLP gate, up and their product: 3·P·intermediate·a
+    /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
+    ///   kv(ctx) / layers
+    /// - last-position logits and log-probabilities in float32: 2·vocab·4
+    ///
+    /// The sum is multiplied by [`TRANSIENT_SLACK`] for the allocator's rounding and the
+    /// intermediates of norms and RoPE that the terms above do not name.
+    ///
+    /// Checked against MLX's peak memory (Linux, CPU, MLX 0.30.6, tests' qwen3-float32: 2 layers,
+    /// hidden 256, 4 heads, float32; one generation of 2 tokens): prompts of 1000 / 2049 / 4000
+    /// tokens peaked at 43.0 / 122.7 / 184.9 MB where weights + kv + transient estimate
+    /// 43.7 / 124.9 / 213.4 MB (an over-estimate of 2 / 2 / 15%).
+    pub fn transient_bytes(&self, ctx: u64, o: &PlanOptions) -> u64 {
+        let (step, kv_bits, group) = (o.prefill_step, o.kv_bits, o.kv_group_size);
+        if ctx == 0 {
+            return 0;
+        }
+        let p = ctx.min(step.max(1)) as f64;
+        let a = self.act_bytes as f64;
+        let hidden = 4.0 * p * self.hidden_size as f64 * a;
+        let qkv = p * ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim) as f64 * a;
+        let scores = if o.fused_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
+        let mlp = 3.0 * p * self.intermediate_size as f64 * a;
+        let regrow = self.kv_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
+        let logits = 2.0 * self.vocab_size as f64 * 4.0;
+        ((hidden + qkv + scores + mlp + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
+    }
+
+    /// The model's own context limit.
+    pub fn model_context(&self) -> u64 {
+        self.max_position_embeddings.filter(|&m| m > 0).unwrap_or(NO_LIMIT_CONTEXT)
+    }
+
+    fn total(&self, ctx: u64, o: &PlanOptions) -> u64 {
+        self.weights_bytes
+            + self.kv_bytes(ctx, o.kv_bits, o.kv_group_size)
+            + self.transient_bytes(ctx, o)
+            + RESERVE_BYTES
+    }
+
+    /// The largest context (≤ the model's) whose total fits `usable`; 0 when none does.
+    pub fn max_safe_context(&self, o: &PlanOptions) -> u64 {
+        let cap = self.model_context();
+        if self.total(1, o) > o.usable_bytes {
+            return 0;
+        }
+        if self.total(cap, o) <= o.usable_bytes {
+            return cap;
+        }
+        // total() is monotone in ctx: binary search the last fitting value
+        let (mut lo, mut hi) = (1u64, cap);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if self.total(mid, o) <= o.usable_bytes {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// The plan for `o`.
+    pub fn plan(&self, o: &PlanOptions) -> MemoryPlan {
+        let ctx = o.context_tokens.unwrap_or_else(|| self.model_context());
+        let kv = self.kv_bytes(ctx, o.kv_bits, o.kv_group_size);
+        let transient = self.transient_bytes(ctx, o);
+        let total = self.weights_bytes + kv + transient + RESERVE_BYTES;
+        MemoryPlan {
+            schema_version: 1,
+            strategy: "generic-kv",
+            fits: total <= o.usable_bytes,
+            context_tokens: ctx,
+            max_safe_context: self.max_safe_context(o),
+            weights_bytes: self.weights_bytes,
+            kv_bytes: kv,
+            transient_bytes: transient,
+            reserve_bytes: RESERVE_BYTES,
+            total_bytes: total,
+            usable_bytes: o.usable_bytes,
+            predicted_decode_tps: None,
+            // what MLX's allocator may hold in all: the budget less the process reserve
+            allocator_limit_bytes: o.usable_bytes.saturating_sub(RESERVE_BYTES),
+        }
+    }
+}
+
+/// Multiplier on the summed prefill terms (see [`ModelFacts::transient_bytes`]).
+pub const TRANSIENT_SLACK: f64 = 1.25;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts() -> ModelFacts {
+        let cfg = serde_json::json!({
+            "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
+            "max_position_embeddings": 4096
+        });
+        ModelFacts::from_config(&cfg, 5_000_000, 4).unwrap()
+    }
+
+    fn opts(usable: u64) -> PlanOptions {
+        PlanOptions {
+            context_tokens: None, kv_bits: None, kv_group_size: 64, prefill_step: 2048, fused_attention: false,
+            usable_bytes: usable,
+        }
+    }
+
+    #[test]
+    fn kv_per_token() {
+        let f = facts();
+        // 2 layers × 2 kv heads × 64 × 2 (K, V) × 4 bytes = 2048 bytes per token
+        assert_eq!(f.kv_bytes(256, None, 64), 256 * 2048);
+        assert_eq!(f.kv_bytes(1, None, 64), 256 * 2048); // one growth step
+        // 8-bit: 1 byte + 2 × 4 / 64 per element
+        let q8 = f.kv_bytes_per_token_layer(Some(8), 64);
+        assert!((q8 - 256.0 * (1.0 + 8.0 / 64.0)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn sliding_layers_are_capped() {
+        let cfg = serde_json::json!({
+            "model_type": "gemma3_text", "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
+            "sliding_window": 16, "sliding_window_pattern": 2
+        });
+        let f = ModelFacts::from_config(&cfg, 0, 4).unwrap();
+        assert_eq!(f.sliding, vec![Some(16), None]);
+        assert_eq!(f.kv_bytes(1024, None, 64), (1024 + 16) * 1024);
+    }
+
+    #[test]
+    fn max_safe_context_is_the_boundary() {
+        let f = facts();
+        let o = opts(u64::MAX);
+        assert_eq!(f.max_safe_context(&o), 4096);
+        let at = |ctx| f.plan(&PlanOptions { context_tokens: Some(ctx), ..opts(u64::MAX) }).total_bytes;
+        let budget = at(1000);
+        let o = opts(budget);
+        let m = f.max_safe_context(&o);
+        assert!(m >= 1000 && at(m) <= budget && at(m + 1) > budget, "{m}");
+        assert_eq!(f.max_safe_context(&opts(1000)), 0);
+        let p = f.plan(&opts(budget));
+        assert!(!p.fits);
+        assert_eq!(p.context_tokens, 4096);
+    }
+
+    #[test]
+    fn budgets_parse() {
+        assert_eq!(Budget::parse("0.5").unwrap(), Budget::Fraction(0.5));
+        assert_eq!(Budget::parse("1").unwrap(), Budget::Fraction(1.0));
+        assert_eq!(Budget::parse("8000000000").unwrap(), Budget::Bytes(8_000_000_000));
+        assert_eq!(Budget::parse("12G").unwrap(), Budget::Bytes(12 << 30));
+        assert_eq!(Budget::parse("512MiB").unwrap(), Budget::Bytes(512 << 20));
+        assert_eq!(Budget::parse("2GB").unwrap(), Budget::Bytes(2_000_000_000));
+        for bad in ["", "-1", "0", "1.5", "abc", "12X", "nan"] {
+            assert!(Budget::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

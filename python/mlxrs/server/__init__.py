@@ -1,0 +1,175 @@
+"""`python -m mlxrs serve`: an OpenAI- and Anthropic-compatible HTTP server over one model.
+
+See docs/server-api.md (endpoints, errors) and docs/server-config.md (flags, memory admission).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mlxrs.server")
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
+
+
+def probe_port(host: str, port: int, api_key: str | None = None, timeout: float = 3.0) -> str | None:
+    """Why `port` cannot be served, or None when nothing listens there.
+
+    Something that answers `/v1` (an OpenAI-compatible server: /v1/models, or its error envelope)
+    is named by its model; anything else is "held by another program"."""
+    h = _connect_host(host)
+    try:
+        with socket.create_connection((h, port), timeout=timeout):
+            pass
+    except OSError:
+        return None  # nothing listens (bind problems are reported when binding)
+    model = None
+    answers_v1 = False
+    try:
+        conn = http.client.HTTPConnection(h, port, timeout=timeout)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        conn.request("GET", "/v1/models", headers=headers)
+        r = conn.getresponse()
+        body = r.read(1 << 20)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+        if isinstance(data, dict):
+            if r.status == 200 and isinstance(data.get("data"), list):
+                answers_v1 = True
+                ids = [m.get("id") for m in data["data"] if isinstance(m, dict) and m.get("id")]
+                model = ", ".join(str(i) for i in ids) or None
+            elif r.status in (401, 403) and "error" in data:
+                answers_v1 = True
+        conn.close()
+        if answers_v1 and model is None:  # mlxrs answers /health without a key
+            conn = http.client.HTTPConnection(h, port, timeout=timeout)
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            try:
+                health = json.loads(r.read(1 << 16))
+                model = health.get("model") if isinstance(health, dict) else None
+            except ValueError:
+                pass
+            conn.close()
+    except (OSError, http.client.HTTPException):
+        pass
+    if answers_v1:
+        name = model or "a model (its API key is required to say which)"
+        return f"port {port} is already serving {name} — reuse it, stop it, or pass --port <other>"
+    return (f"port {port} is held by another program (it does not answer /v1 as an OpenAI-compatible server) "
+            "— stop it, or pass --port <other>")
+
+
+def _model_label(model: str | None) -> tuple[str, str]:
+    """(first output line, model id) for MODEL."""
+    if model is None:
+        from ..models import DEFAULT_MODEL_NAME
+
+        return (f"mlxrs serve: {DEFAULT_MODEL_NAME} — the embedded default (no MODEL given)", "gemma-3-270m")
+    p = Path(model)
+    mid = p.stem if p.suffix.lower() == ".gguf" else (p.name or str(model))
+    return f"mlxrs serve: {mid} ({p.resolve() if p.exists() else model})", mid
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("aiohttp.access").setLevel(
+        logging.INFO if str(args.log_level).lower() == "debug" else logging.WARNING)
+    first, model_id = _model_label(args.model)
+    print(first, flush=True)
+    api_key = args.api_key or os.environ.get("MLXRS_API_KEY") or None
+    why = probe_port(args.host, args.port, api_key)
+    if why:
+        print(why, file=sys.stderr, flush=True)
+        return 1
+
+    from .. import _native
+    from ..errors import MlxrsError
+    from ..session import Session
+
+    from ..models import resolve_model
+
+    try:
+        model_dir = resolve_model(args.model)
+        # the planner reads config.json and the safetensors headers only: a bad --memory-budget
+        # is reported before any weight is loaded
+        plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget))
+        session = Session(model_dir, kv_bits=args.kv_quant)
+    except MlxrsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    dev_bytes, dev_source = _native.device_memory()
+    budget_source = (f"--memory-budget {args.memory_budget}" if args.memory_budget is not None
+                     else f"0.75 × device memory ({dev_bytes} bytes, {dev_source})")
+
+    from .app import ServerState, build_app
+
+    aliases = [model_id, str(args.model or ""), session.model_path, Path(session.model_path).name]
+    state = ServerState(session, model_id=model_id, aliases=aliases, plan=plan, kv_bits=args.kv_quant,
+                        api_key=api_key, max_queue=args.max_queue, max_body=args.max_body_bytes,
+                        budget_source=budget_source)
+    _report_plan(state)
+    try:
+        return asyncio.run(_serve(state, build_app(state), args.host, args.port))
+    finally:
+        state.executor.shutdown(wait=False, cancel_futures=True)
+        session.close()
+
+
+def _report_plan(state: Any) -> None:
+    p = state.plan
+    gib = 1 << 30
+    log.info("memory plan: weights %.2f GiB, budget %.2f GiB (%s), context ceiling %d tokens%s",
+             p["weightsBytes"] / gib, p["usableBytes"] / gib, state.budget_source, state.context_tokens,
+             f" (model context {state.model_context})" if state.model_context else "")
+    if p["maxSafeContext"] == 0:
+        log.warning("the memory budget (%d bytes) does not hold the weights (%d bytes) plus the reserve and one "
+                    "token of context: serving anyway, and every request will get 400 context_over_budget — "
+                    "raise --memory-budget or use a smaller model", p["usableBytes"], p["weightsBytes"])
+    elif not p["fits"]:
+        log.warning("the model's full context (%d tokens) does not fit the memory budget: serving with a ceiling of "
+                    "%d tokens (prompts beyond it get 400 context_over_budget; max_tokens is clamped to the room "
+                    "left)", p["contextTokens"], state.context_tokens)
+
+
+async def _serve(state: Any, app: Any, host: str, port: int) -> int:
+    from aiohttp import web
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=logging.getLogger("aiohttp.access"))
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        print(f"port {port} cannot be opened on {host}: {e.strerror or e} — pass --port <other>",
+              file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 1
+    shown = f"[{host}]" if ":" in host else host
+    print(f"listening on http://{shown}:{port} — OpenAI /v1/chat/completions, /v1/completions; "
+          f"Anthropic /v1/messages; context ceiling {state.context_tokens} tokens", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+    return 0

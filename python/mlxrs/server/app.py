@@ -1,0 +1,478 @@
+"""The aiohttp application: routing, authentication, body limits, error envelopes, memory
+admission, the FIFO generation queue and /health, /stats, /v1/models.
+
+One generation runs at a time (the engine thread owns the model); requests wait in a bounded FIFO
+queue (`--max-queue`), and a full queue answers 429. A client that disconnects cancels its
+generation (`TokenStream.cancel()`, honoured by the engine within a token).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+
+from aiohttp import web
+
+from ..session import Session, _params
+from .common import loads_strict
+from .errors import ApiError, admission_error, from_exception
+from .events import OutputParser, think_markers_for
+
+log = logging.getLogger("mlxrs.server")
+
+STATE: web.AppKey["ServerState"] = web.AppKey("mlxrs_state")
+
+DEFAULT_MAX_BODY = 32 << 20
+DEFAULT_MAX_QUEUE = 32
+KEEPALIVE_SECONDS = 10.0
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.time)
+    requests: int = 0  # generations admitted to the queue
+    served: int = 0  # generations that ran to their end
+    cancelled: int = 0  # generations stopped because their client went away
+    rejected_admission: int = 0
+    errors: int = 0
+    clamped: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    recent: collections.deque[tuple[int, float, int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=20))  # (gen tokens, gen s, prompt tokens, prompt s)
+
+
+class ServerState:
+    """What the handlers share: the session, the model's names, the plan and the queue."""
+
+    def __init__(self, session: Session, *, model_id: str, aliases: Sequence[str], plan: Mapping[str, Any],
+                 kv_bits: int | None, api_key: str | None, max_queue: int = DEFAULT_MAX_QUEUE,
+                 max_body: int = DEFAULT_MAX_BODY, budget_source: str = "") -> None:
+        self.session = session
+        self.model_id = model_id
+        self.aliases = {a.lower() for a in aliases if a} | {model_id.lower()}
+        self.plan = dict(plan)
+        self.kv_bits = kv_bits
+        self.api_key = api_key
+        self.max_queue = max_queue
+        self.max_body = max_body
+        self.budget_source = budget_source
+        info = session.info
+        self.info = info
+        self.vocab = int(info["vocab_size"])
+        self.model_context = int(info.get("max_position_embeddings") or 0) or None
+        ceiling = int(plan["maxSafeContext"])
+        if self.model_context:
+            ceiling = min(ceiling, self.model_context)
+        self.context_tokens = ceiling
+        self.stats = Stats()
+        self.lock = asyncio.Lock()
+        self.waiting = 0
+        self.active = 0
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxrs-server")
+        model_dir = Path(session.model_path)
+        self.template = _read_template(model_dir)
+        self.think = think_markers_for(self.template)
+        self.gen_defaults = _generation_defaults(model_dir)
+        self.created = int(time.time())
+
+    # -- names -------------------------------------------------------------------------------
+    def check_model(self, name: Any, param: str = "model") -> None:
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise ApiError(400, f"{param}: expected a string", param=param)
+        if name.lower() not in self.aliases:
+            raise ApiError(404, f"The model `{name}` does not exist: this server serves `{self.model_id}`",
+                           param=param, code="model_not_found")
+
+    # -- prompts ------------------------------------------------------------------------------
+    async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     template_kwargs: Mapping[str, Any]) -> tuple[str, list[int]]:
+        """Chat template → (rendered text, token ids), off the event loop."""
+        def work() -> tuple[str, list[int]]:
+            text = self.session.apply_chat_template(messages, tools=tools, **dict(template_kwargs))
+            return text, list(self.session._s.encode_rendered(text))
+        return await self._blocking(work)
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self._blocking(lambda: self.session.tokenize(text))
+
+    async def _blocking(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.executor, fn)
+        except Exception as e:  # template errors (raise_exception), bad ids, …
+            raise from_exception(e) from None
+
+    def parser(self, rendered: str | None, tool_names: Sequence[str] | None) -> OutputParser:
+        in_reasoning = bool(rendered) and rendered.rstrip().endswith(self.think[0])  # type: ignore[union-attr]
+        return OutputParser(tools=tool_names, think=self.think, in_reasoning=in_reasoning)
+
+    # -- admission ----------------------------------------------------------------------------
+    def admit(self, n_prompt: int, max_tokens: int | None, param: str = "messages") -> int:
+        """The max_tokens a request may have: 400 (memory_admission) when the prompt leaves no
+        generation slot under the context ceiling; a max_tokens past it is clamped to the room."""
+        ceiling = self.context_tokens
+        room = ceiling - n_prompt
+        if room < 1:
+            self.stats.rejected_admission += 1
+            raise admission_error(
+                f"the prompt ({n_prompt} tokens) leaves no room to generate within the context ceiling of "
+                f"{ceiling} tokens (memory budget {self.plan['usableBytes']} bytes; see /stats) — shorten the "
+                "prompt, raise --memory-budget, or serve with --kv-quant 4|8", param=param)
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            self.stats.clamped += 1
+            log.info("max_tokens %d clamped to %d (context ceiling %d, prompt %d tokens)",
+                     max_tokens, room, ceiling, n_prompt)
+            return room
+        return max_tokens
+
+    # -- generation ---------------------------------------------------------------------------
+    async def generate(self, ids: list[int], opts: dict[str, Any]) -> "Generation":
+        """Wait for the engine (FIFO), then start; 429 when the queue is full."""
+        if self.waiting >= self.max_queue and (self.lock.locked() or self.waiting):
+            raise ApiError(429, f"the server is busy: {self.waiting} requests are already waiting "
+                                "(one generation runs at a time) — retry later", headers={"Retry-After": "1"})
+        self.stats.requests += 1
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            params = _params(opts)
+            stream = self.session._s.start(ids, params)
+        except Exception as e:
+            self.lock.release()
+            raise from_exception(e) from None
+        self.active += 1
+        return Generation(self, stream)
+
+    def finished(self, done: Mapping[str, Any] | None, cancelled: bool) -> None:
+        self.active -= 1
+        if cancelled:
+            self.stats.cancelled += 1
+        if done is None:
+            return
+        if done.get("finish_reason") == "cancelled" and not cancelled:
+            self.stats.cancelled += 1
+        self.stats.served += 1
+        self.stats.prompt_tokens += int(done["prompt_tokens"])
+        self.stats.completion_tokens += int(done["completion_tokens"])
+        self.stats.recent.append((int(done["completion_tokens"]), float(done["generation_seconds"]),
+                                  int(done["prompt_tokens"]), float(done["prompt_seconds"])))
+
+    def stats_body(self) -> dict[str, Any]:
+        st = self.stats
+        gen_t = sum(r[0] for r in st.recent)
+        gen_s = sum(r[1] for r in st.recent)
+        pr_t = sum(r[2] for r in st.recent)
+        pr_s = sum(r[3] for r in st.recent)
+        try:
+            engine = self.session.info
+        except Exception:  # closed while shutting down
+            engine = {}
+        return {
+            "model": self.model_id,
+            "model_path": str(Path(self.session.model_path).resolve()),
+            "context_tokens": self.context_tokens,
+            "model_context": self.model_context,
+            "kv_bits": self.kv_bits,
+            "memory_plan": self.plan,
+            "memory_budget_source": self.budget_source,
+            "requests": {
+                "received": st.requests,
+                "served": st.served,
+                "cancelled": st.cancelled,
+                "rejected_memory_admission": st.rejected_admission,
+                "clamped_max_tokens": st.clamped,
+                "errors": st.errors,
+                "active": self.active,
+                "queued": self.waiting,
+            },
+            "tokens": {"prompt": st.prompt_tokens, "completion": st.completion_tokens},
+            "recent": {
+                "window": len(st.recent),
+                "generation_tokens_per_second": round(gen_t / gen_s, 2) if gen_s > 0 else None,
+                "prompt_tokens_per_second": round(pr_t / pr_s, 2) if pr_s > 0 else None,
+            },
+            "engine": {k: engine.get(k) for k in ("requests", "cancelled", "prompt_tokens_total",
+                                                  "generated_tokens_total")},
+            "uptime_seconds": round(time.time() - st.started, 1),
+        }
+
+
+class Generation:
+    """One running generation: engine events as an async iterator, cancellable.
+
+    A worker thread iterates the TokenStream (blocking, without the GIL) and hands events to the
+    loop; the queue slot is released when that thread has seen the engine finish, so the next
+    request starts on an idle engine."""
+
+    _END = object()
+
+    def __init__(self, state: ServerState, stream: Any) -> None:
+        self.state = state
+        self.stream = stream
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.done: dict[str, Any] | None = None
+        self.cancelled = False
+        self.fut = self.loop.run_in_executor(state.executor, self._pump)
+        self.fut.add_done_callback(self._release)
+
+    def _put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed (shutdown)
+            pass
+
+    def _pump(self) -> None:
+        try:
+            for ev in self.stream:
+                if ev["type"] == "done":
+                    self.done = ev
+                self._put(ev)
+        except BaseException as e:  # engine errors surface in the handler
+            self._put(e)
+        finally:
+            self._put(self._END)
+
+    def _release(self, _f: Any) -> None:
+        self.state.finished(self.done, self.cancelled)
+        self.state.lock.release()
+
+    def cancel(self) -> None:
+        if self.done is None and not self.fut.done():
+            self.cancelled = True
+            self.stream.cancel()
+
+    async def events(self, keepalive: float | None = None) -> AsyncIterator[dict[str, Any] | None]:
+        """Engine events (progress/token/done); None after `keepalive` seconds of silence."""
+        while True:
+            try:
+                item = await asyncio.wait_for(self.queue.get(), keepalive) if keepalive else await self.queue.get()
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                self.state.stats.errors += 1
+                raise from_exception(item)
+            yield item
+
+
+# -- middleware ----------------------------------------------------------------------------------
+def protocol_of(request: web.Request) -> str:
+    return "anthropic" if request.path.startswith("/v1/messages") else "openai"
+
+
+OPEN_PATHS = {"/health"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    proto = protocol_of(request)
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response(proto)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if isinstance(e, web.HTTPNotFound):
+            return ApiError(404, f"no such endpoint: {request.method} {request.path}").response(proto)
+        return from_exception(e).response(proto)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return from_exception(e).response(proto)
+
+
+@web.middleware
+async def guard_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    state = request.app[STATE]
+    if state.api_key and request.path not in OPEN_PATHS:
+        given = None
+        auth = request.headers.get("Authorization", "")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        given = given or request.headers.get("x-api-key")
+        if given != state.api_key:
+            raise ApiError(401, "missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
+                           if not given else "incorrect API key provided")
+    if request.content_length is not None and request.content_length > state.max_body:
+        raise ApiError(413, f"request body of {request.content_length} bytes is larger than the limit of "
+                            f"{state.max_body} bytes (--max-body-bytes)")
+    return await handler(request)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object: 400 for anything else, 413 over the limit."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        state = request.app[STATE]
+        raise ApiError(413, f"request body is larger than the limit of {state.max_body} bytes (--max-body-bytes)") \
+            from None
+    if not raw.strip():
+        raise ApiError(400, "request body is empty: expected a JSON object")
+    body = loads_strict(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+# -- plain endpoints -----------------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"status": "ok", "model": state.model_id, "context_tokens": state.context_tokens})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].stats_body())
+
+
+def _model_card(state: ServerState, anthropic: bool) -> dict[str, Any]:
+    if anthropic:
+        return {"type": "model", "id": state.model_id, "display_name": state.model_id,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))}
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlxrs",
+            "context_length": state.context_tokens}
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    anthropic = "anthropic-version" in request.headers
+    card = _model_card(state, anthropic)
+    if anthropic:
+        return web.json_response({"data": [card], "has_more": False, "first_id": state.model_id,
+                                  "last_id": state.model_id})
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def model_one(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_model(request.match_info["model"])
+    return web.json_response(_model_card(state, "anthropic-version" in request.headers))
+
+
+def build_app(state: ServerState) -> web.Application:
+    from . import anthropic, openai
+
+    app = web.Application(middlewares=[error_middleware, guard_middleware], client_max_size=state.max_body)
+    app[STATE] = state
+    r = app.router
+    r.add_get("/health", health)
+    r.add_get("/stats", stats)
+    r.add_get("/v1/models", models)
+    r.add_get("/v1/models/{model}", model_one)
+    openai.setup(r)
+    anthropic.setup(r)
+    return app
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _read_template(model_dir: Path) -> str | None:
+    f = model_dir / "chat_template.jinja"
+    if f.is_file():
+        return f.read_text(errors="replace")
+    try:
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    t = cfg.get("chat_template")
+    if isinstance(t, list):
+        t = " ".join(str(x.get("template", "")) for x in t if isinstance(x, dict))
+    return t if isinstance(t, str) else None
+
+
+def _generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """Sampling defaults the model ships in generation_config.json (temperature, top_p, top_k, min_p)."""
+    try:
+        g = json.loads((model_dir / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, Any] = {}
+    if g.get("do_sample") is False:
+        out["temperature"] = 0.0
+    for k in ("temperature", "top_p", "top_k", "min_p"):
+        v = g.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in out:
+            out[k] = v
+    return out
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    body = json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\ndata: {body}\n\n" if event else f"data: {body}\n\n").encode()
+
+
+async def start_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    return resp
+
+
+def env_api_key() -> str | None:
+    return os.environ.get("MLXRS_API_KEY") or None
+
+
+# -- the shared event stream ---------------------------------------------------------------------
+@dataclass
+class Step:
+    """What one engine event adds: semantic events, the tokens behind them (for logprobs), and
+    the engine's final event on the last step."""
+
+    events: list[Any]
+    tokens: list[tuple[int, float | None, list[tuple[int, float]]]]
+    done: dict[str, Any] | None = None
+
+
+async def steps(gen: Generation, parser: OutputParser | None, keepalive: float | None = None
+                ) -> AsyncIterator[Step | None]:
+    """Engine events → Steps (None on keepalive ticks). Without a parser, text is content as is."""
+    from .events import Content
+
+    async for ev in gen.events(keepalive):
+        if ev is None:
+            yield None
+            continue
+        t = ev["type"]
+        if t == "token":
+            text = ev["text"]
+            evs = (parser.feed(text) if parser else [Content(text)]) if text else []
+            tok = [(ev["id"], ev["logprob"], list(ev["top"]))] if ev["id"] >= 0 else []
+            if evs or tok:
+                yield Step(evs, tok)
+        elif t == "done":
+            yield Step(parser.finish() if parser else [], [], ev)
+
+
+class TokenText:
+    """Token id → its text (for logprobs), memoised."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        s = self.cache.get(tid)
+        if s is None:
+            s = self.cache[tid] = self.state.session.detokenize([tid])
+        return s

@@ -1,0 +1,173 @@
+"""Request-side helpers both protocols share: strict JSON, typed field checks, sampling options."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import ApiError
+
+INT32_MAX = 2**31 - 1
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def loads_strict(raw: bytes) -> Any:
+    """JSON as the spec has it: NaN and Infinity are errors (Python's json accepts them)."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not UTF-8: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+
+def type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def bad(param: str, msg: str) -> ApiError:
+    return ApiError(400, f"{param}: {msg}", param=param)
+
+
+def opt_number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: float | None = None,
+               *, param: str | None = None) -> float | None:
+    v = body.get(key)
+    p = param or key
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(p, f"expected a number, got {type_name(v)}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise bad(p, "must be a finite number")
+    if lo is not None and f < lo or hi is not None and f > hi:
+        raise bad(p, f"must be in [{lo}, {hi}], got {v}" if lo is not None and hi is not None
+                  else f"must be >= {lo}, got {v}" if lo is not None else f"must be <= {hi}, got {v}")
+    return f
+
+
+def opt_int(body: Mapping[str, Any], key: str, lo: int | None = None, hi: int | None = None,
+            *, param: str | None = None) -> int | None:
+    v = body.get(key)
+    p = param or key
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(p, f"expected an integer, got {type_name(v)}")
+    if lo is not None and v < lo:
+        raise bad(p, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise bad(p, f"must be <= {hi}, got {v}")
+    return v
+
+
+def opt_bool(body: Mapping[str, Any], key: str, *, param: str | None = None) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise bad(param or key, f"expected a boolean, got {type_name(v)}")
+    return v
+
+
+def opt_str(body: Mapping[str, Any], key: str, *, param: str | None = None) -> str | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise bad(param or key, f"expected a string, got {type_name(v)}")
+    return v
+
+
+def opt_object(body: Mapping[str, Any], key: str, *, param: str | None = None) -> dict[str, Any] | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad(param or key, f"expected an object, got {type_name(v)}")
+    return v
+
+
+def stop_list(v: Any, param: str) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad(param, "expected a string or an array of strings")
+    if len(v) > 16:
+        raise bad(param, f"at most 16 stop sequences, got {len(v)}")
+    if any(not s for s in v):
+        raise bad(param, "stop sequences must not be empty")
+    return list(v)
+
+
+@dataclass
+class Sampling:
+    """Engine options (the keys `mlxrs.Session` takes), checked."""
+
+    opts: dict[str, Any] = field(default_factory=dict)
+
+    def set(self, key: str, value: Any) -> None:
+        if value is not None:
+            self.opts[key] = value
+
+
+def common_sampling(body: Mapping[str, Any], *, temperature_max: float, defaults: Mapping[str, Any],
+                    vocab: int) -> Sampling:
+    """temperature, top_p, top_k, min_p, seed (both protocols); defaults from generation_config."""
+    s = Sampling()
+    t = opt_number(body, "temperature", 0.0, temperature_max)
+    s.set("temperature", t if t is not None else defaults.get("temperature", 1.0))
+    top_p = opt_number(body, "top_p", 0.0, 1.0)
+    s.set("top_p", top_p if top_p is not None else defaults.get("top_p"))
+    top_k = opt_int(body, "top_k", -1, INT32_MAX)
+    if top_k is None:
+        top_k = defaults.get("top_k")
+    if top_k is not None:
+        s.set("top_k", max(0, min(int(top_k), vocab)))  # -1 or 0: off; above the vocabulary: all
+    min_p = opt_number(body, "min_p", 0.0, 1.0)
+    s.set("min_p", min_p if min_p is not None else defaults.get("min_p"))
+    seed = opt_int(body, "seed", -(2**63), 2**64 - 1)
+    if seed is not None:
+        s.set("seed", seed % 2**64)
+    return s
+
+
+def logit_bias(v: Any, vocab: int) -> dict[str, float] | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad("logit_bias", f"expected an object mapping token ids to numbers, got {type_name(v)}")
+    out: dict[str, float] = {}
+    for k, b in v.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise bad("logit_bias", f"key {k!r} is not a token id") from None
+        if not 0 <= tid < vocab:
+            raise bad("logit_bias", f"token id {tid} is outside the vocabulary (0..{vocab - 1})")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise bad("logit_bias", f"the bias of token {tid} must be a number")
+        if not -100 <= b <= 100:
+            raise bad("logit_bias", f"the bias of token {tid} must be in [-100, 100], got {b}")
+        out[str(tid)] = float(b)
+    return out

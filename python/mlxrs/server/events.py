@@ -1,0 +1,524 @@
+"""From generated text to semantic events: content, reasoning and tool calls.
+
+One incremental parser, fed the engine's text pieces as they arrive, used by both protocols (the
+OpenAI and Anthropic translators consume its events; neither re-parses the other's output), so
+streaming and non-streaming responses carry the same result.
+
+Recognised:
+- reasoning: ``<think>…</think>`` (or ``[THINK]…[/THINK]`` when the chat template uses those) at
+  the start of the output, or from the first token when the rendered prompt already opened it;
+- tool calls, only when the request offered tools:
+  - Hermes/Qwen ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` (and Qwen3-Coder's
+    ``<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>``),
+  - Llama 3 bare JSON ``{"name": …, "parameters": {…}}`` (also after ``<|python_tag|>``, several
+    separated by ``;``, or a JSON list) at the start of the output,
+  - Mistral ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`` and ``[TOOL_CALLS]name[ARGS]{…}``,
+  - Gemma ```` ```tool_code\\nname(key=value, …)\\n``` ```` blocks, and Gemma's bare JSON (the
+    Llama form, ``{"name": …, "parameters": …}``).
+Bare JSON must name one of the offered tools to count as a call. Text that does not parse as a
+call comes back as content, unchanged: nothing the model wrote is dropped.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Union
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+
+@dataclass
+class Content:
+    text: str
+
+
+@dataclass
+class Reasoning:
+    text: str
+
+
+Event = Union[Content, Reasoning, ToolCall]
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL = "[TOOL_CALLS]"
+GEMMA_OPEN, FENCE = "```tool_code", "```"
+PYTHON_TAG = "<|python_tag|>"
+
+THINK_MARKERS = {"<think>": ("<think>", "</think>"), "[THINK]": ("[THINK]", "[/THINK]")}
+
+
+def think_markers_for(template: str | None) -> tuple[str, str]:
+    """The reasoning markers a chat template uses (``<think>`` unless it speaks ``[THINK]``)."""
+    if template and "[THINK]" in template and "<think>" not in template:
+        return THINK_MARKERS["[THINK]"]
+    return THINK_MARKERS["<think>"]
+
+
+def _json_end(s: str, start: int = 0) -> int | None | bool:
+    """Where the JSON object/array starting at s[start] ends (exclusive): an int; None while it
+    is still incomplete; False when s[start] does not open one."""
+    if start >= len(s) or s[start] not in "{[":
+        return False
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(s)):
+        c = s[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _args_text(args: Any) -> str | None:
+    """Arguments as JSON object text, or None when they are not an object."""
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return json.dumps(args, ensure_ascii=False)
+
+
+def _call_from_obj(obj: Any, known: set[str] | None) -> ToolCall | None:
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        fn = obj.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return _call_from_obj(fn, known)
+        return None
+    if known is not None and name not in known:
+        return None
+    if "arguments" in obj:
+        args = _args_text(obj["arguments"])
+    elif "parameters" in obj:
+        args = _args_text(obj["parameters"])
+    else:
+        args = "{}"
+    if args is None:
+        return None
+    return ToolCall(name, args)
+
+
+def _calls_from_json(value: Any, known: set[str] | None) -> list[ToolCall] | None:
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        return None
+    calls = [_call_from_obj(o, known) for o in items]
+    if any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None]
+
+
+_FUNC_RE = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
+_PARAM_RE = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.S)
+
+
+def parse_hermes_body(body: str) -> list[ToolCall] | None:
+    """The inside of a ``<tool_call>…</tool_call>``: JSON, or Qwen3-Coder's XML form."""
+    b = body.strip()
+    if b.startswith("<function="):
+        calls = []
+        pos = 0
+        for m in _FUNC_RE.finditer(b):
+            if b[pos:m.start()].strip():
+                return None
+            args: dict[str, Any] = {}
+            for p in _PARAM_RE.finditer(m.group(2)):
+                raw = p.group(2).strip("\n")
+                try:
+                    args[p.group(1)] = json.loads(raw)
+                except ValueError:
+                    args[p.group(1)] = raw
+            calls.append(ToolCall(m.group(1), json.dumps(args, ensure_ascii=False)))
+            pos = m.end()
+        return calls if calls and not b[pos:].strip() else None
+    try:
+        value = json.loads(b)
+    except ValueError:
+        return None
+    return _calls_from_json(value, None)
+
+
+def parse_python_calls(body: str) -> list[ToolCall] | None:
+    """Gemma's ``tool_code``: Python calls with keyword arguments whose values are literals."""
+    try:
+        tree = ast.parse(body.strip(), mode="exec")
+    except (SyntaxError, ValueError):
+        return None
+    calls = []
+    for stmt in tree.body:
+        if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
+            return None
+        call = stmt.value
+        if isinstance(call.func, ast.Name):
+            name = call.func.id
+        elif isinstance(call.func, ast.Attribute):
+            name = call.func.attr
+        else:
+            return None
+        if call.args:
+            return None
+        args = {}
+        for kw in call.keywords:
+            if kw.arg is None:
+                return None
+            try:
+                args[kw.arg] = ast.literal_eval(kw.value)
+            except (ValueError, SyntaxError, TypeError):
+                return None
+        try:
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        except (TypeError, ValueError):
+            return None
+    return calls or None
+
+
+_MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9_\-]+\s*)?\[ARGS\]")
+_NAME_PART = re.compile(r"\s*[A-Za-z0-9_.\-]*\s*")
+
+
+def _mistral_name_pending(s: str) -> bool:
+    """True while `s` may still become ``name[ARGS]`` / ``name[CALL_ID]id[ARGS]``."""
+    tail = s[_NAME_PART.match(s).end():]  # type: ignore[union-attr]
+    if not tail or "[ARGS]".startswith(tail) or "[CALL_ID]".startswith(tail):
+        return True
+    if tail.startswith("[CALL_ID]"):
+        rest = tail[len("[CALL_ID]"):]
+        rest = rest[_NAME_PART.match(rest).end():]  # type: ignore[union-attr]
+        return not rest or "[ARGS]".startswith(rest)
+    return False
+
+
+def _partial_suffix(buf: str, markers: Iterable[str]) -> int:
+    """Length of the longest suffix of buf that is a proper prefix of some marker."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class OutputParser:
+    """Incremental: ``feed(text)`` returns the events that text completes; ``finish()`` flushes."""
+
+    def __init__(
+        self,
+        *,
+        tools: Iterable[str] | None = None,
+        think: tuple[str, str] | None = THINK_MARKERS["<think>"],
+        in_reasoning: bool = False,
+    ) -> None:
+        self.known = set(tools) if tools is not None else None
+        self.tools = tools is not None
+        self.think = think
+        self.buf = ""
+        self.state = "reasoning" if (in_reasoning and think) else "start"
+        self.reasoning_started = self.state == "reasoning"
+        self.reasoning_done = False
+        self.strip_lead = self.state == "reasoning"  # drop the newline after the opener
+        self.calls: list[ToolCall] = []
+        self.after_json = False
+        self.openers = [TOOL_OPEN, MISTRAL, GEMMA_OPEN] if self.tools else []
+
+    # -- public ------------------------------------------------------------------------------
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        out: list[Event] = []
+        while self._step(out, final=False):
+            pass
+        return _merge(out)
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        while self._step(out, final=True):
+            pass
+        if self.buf:
+            if self.state == "reasoning":
+                out.append(Reasoning(self.buf))
+            elif self.state != "after":
+                out.append(Content(self.buf))
+            self.buf = ""
+        return _merge(out)
+
+    # -- the machine -------------------------------------------------------------------------
+    def _emit_call(self, out: list[Event], calls: list[ToolCall]) -> None:
+        self.calls.extend(calls)
+        out.extend(calls)
+
+    def _step(self, out: list[Event], final: bool) -> bool:
+        """Consume what can be decided; True when progress was made."""
+        if not self.buf:
+            return False
+        st = self.state
+        if st == "start":
+            return self._start(out, final)
+        if st == "text":
+            return self._text(out, final)
+        if st == "after":
+            # between and after tool calls: whitespace is not content
+            s = self.buf.lstrip()
+            if self.after_json:  # Llama 3 separates several calls with ";"
+                s = s.lstrip("; \t\r\n")
+            self.buf = s
+            if not s:
+                return False
+            self.after_json = False
+            self.state = "start"
+            return True
+        if st == "reasoning":
+            return self._reasoning(out, final)
+        if st == "tag":
+            return self._tag(out, final)
+        if st == "mistral":
+            return self._mistral(out, final)
+        if st == "gemma":
+            return self._gemma(out, final)
+        if st == "json":
+            return self._json(out, final)
+        raise AssertionError(st)
+
+    def _start(self, out: list[Event], final: bool) -> bool:
+        s = self.buf.lstrip()
+        if not s:
+            if final:
+                if not self.reasoning_done:
+                    out.append(Content(self.buf))
+                self.buf = ""
+            return False
+        if self.think and not self.reasoning_started:
+            op = self.think[0]
+            if s.startswith(op):
+                self.buf = s[len(op):]
+                self.state = "reasoning"
+                self.reasoning_started = True
+                self.strip_lead = True
+                return True
+            if op.startswith(s) and not final:
+                return False
+        if self.tools:
+            if not final and any(m.startswith(s) and len(s) < len(m) for m in (PYTHON_TAG, *self.openers)):
+                return False
+            json_start = s.startswith(PYTHON_TAG) or s[0] == "{"
+            if s[0] == "[" and not s.startswith(MISTRAL):
+                rest = s[1:].lstrip()
+                if not rest and not final:
+                    return False
+                json_start = rest.startswith("{")
+            if json_start:
+                self.buf = s[len(PYTHON_TAG):].lstrip() if s.startswith(PYTHON_TAG) else s
+                self.state = "json"
+                return True
+        # plain text: after reasoning, the separating whitespace is dropped
+        if self.reasoning_done:
+            self.buf = s
+        self.state = "text"
+        return True
+
+    def _text(self, out: list[Event], final: bool) -> bool:
+        buf = self.buf
+        best = None
+        for m in self.openers:
+            i = buf.find(m)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, m)
+        if best is not None:
+            i, m = best
+            if i:
+                out.append(Content(buf[:i]))
+            self.buf = buf[i + len(m):]
+            self.state = {TOOL_OPEN: "tag", MISTRAL: "mistral", GEMMA_OPEN: "gemma"}[m]
+            return True
+        keep = 0 if final else _partial_suffix(buf, self.openers)
+        emit = buf[: len(buf) - keep]
+        if emit:
+            out.append(Content(emit))
+            self.buf = buf[len(emit):]
+        return False
+
+    def _reasoning(self, out: list[Event], final: bool) -> bool:
+        assert self.think
+        close = self.think[1]
+        if self.strip_lead:
+            if self.buf.startswith("\n"):
+                self.buf = self.buf[1:]
+                self.strip_lead = False
+            elif self.buf:
+                self.strip_lead = False
+        i = self.buf.find(close)
+        if i >= 0:
+            text = self.buf[:i].rstrip("\n")
+            if text:
+                out.append(Reasoning(text))
+            self.buf = self.buf[i + len(close):]
+            self.state = "start"
+            self.reasoning_done = True
+            return True
+        if final:
+            if self.buf:
+                out.append(Reasoning(self.buf))
+            self.buf = ""
+            return False
+        keep = _partial_suffix(self.buf, [close])
+        body = self.buf[: len(self.buf) - keep]
+        held = len(body) - len(body.rstrip("\n"))  # trailing newlines may precede the closer
+        emit = body[: len(body) - held]
+        if emit:
+            out.append(Reasoning(emit))
+            self.buf = self.buf[len(emit):]
+        return False
+
+    def _tag(self, out: list[Event], final: bool) -> bool:
+        i = self.buf.find(TOOL_CLOSE)
+        if i < 0 and not final:
+            return False
+        body = self.buf[:i] if i >= 0 else self.buf
+        calls = parse_hermes_body(body)
+        if calls:
+            self._emit_call(out, calls)
+        else:
+            out.append(Content(TOOL_OPEN + body + (TOOL_CLOSE if i >= 0 else "")))
+        self.buf = self.buf[i + len(TOOL_CLOSE):] if i >= 0 else ""
+        self.state = "after" if calls else "text"
+        return True
+
+    def _gemma(self, out: list[Event], final: bool) -> bool:
+        i = self.buf.find(FENCE)
+        if i < 0 and not final:
+            return False
+        body = self.buf[:i] if i >= 0 else self.buf
+        calls = parse_python_calls(body)
+        if calls:
+            self._emit_call(out, calls)
+        else:
+            out.append(Content(GEMMA_OPEN + body + (FENCE if i >= 0 else "")))
+        self.buf = self.buf[i + len(FENCE):] if i >= 0 else ""
+        self.state = "after" if calls else "text"
+        return True
+
+    def _mistral(self, out: list[Event], final: bool) -> bool:
+        s = self.buf.lstrip()
+        raw = MISTRAL + self.buf
+        if not s:
+            if final:
+                out.append(Content(raw))
+                self.buf = ""
+            return False
+        if s[0] == "[":
+            end = _json_end(s)
+            if end is None and not final:
+                return False
+            calls = None
+            if isinstance(end, int) and end:
+                try:
+                    calls = _calls_from_json(json.loads(s[:end]), None)
+                except ValueError:
+                    calls = None
+            if calls:
+                self._emit_call(out, calls)
+                self.buf = s[end:]  # type: ignore[index]
+                self.state = "after"
+            else:
+                out.append(Content(raw))
+                self.buf = ""
+                self.state = "text"
+            return True
+        m = _MISTRAL_NAME.match(s)
+        if not m:
+            if _mistral_name_pending(s) and not final:
+                return False
+            out.append(Content(MISTRAL))
+            self.state = "text"
+            return True
+        rest = s[m.end():].lstrip()
+        end = _json_end(rest)
+        if (end is None or not rest) and not final:
+            return False
+        args = None
+        if isinstance(end, int) and end:
+            try:
+                args = _args_text(json.loads(rest[:end]))
+            except ValueError:
+                args = None
+        if args is None:
+            out.append(Content(MISTRAL))
+            self.state = "text"
+            return True
+        self._emit_call(out, [ToolCall(m.group(1), args)])
+        self.buf = rest[end:]  # type: ignore[index]
+        # the next call repeats the marker
+        self.state = "after"
+        return True
+
+    def _json(self, out: list[Event], final: bool) -> bool:
+        s = self.buf
+        end = _json_end(s)
+        if end is None and not final:
+            return False
+        calls = None
+        if isinstance(end, int) and end:
+            try:
+                calls = _calls_from_json(json.loads(s[:end]), self.known)
+            except ValueError:
+                calls = None
+        if not calls:
+            self.state = "text"
+            if end is False:
+                return True
+            out.append(Content(s[: end if isinstance(end, int) else len(s)]))
+            self.buf = s[end:] if isinstance(end, int) else ""
+            return True
+        self._emit_call(out, calls)
+        self.buf = s[end:]  # type: ignore[index]
+        self.after_json = True
+        self.state = "after"
+        return True
+
+
+def _merge(events: list[Event]) -> list[Event]:
+    """Adjacent pieces of the same kind as one event."""
+    out: list[Event] = []
+    for e in events:
+        if isinstance(e, ToolCall):
+            out.append(e)
+            continue
+        if not e.text:
+            continue
+        if out and type(out[-1]) is type(e) and not isinstance(e, ToolCall):
+            prev = out[-1]
+            out[-1] = type(e)(prev.text + e.text)  # type: ignore[union-attr,call-arg]
+        else:
+            out.append(e)
+    return out
+
+
+def parse_all(text: str, **kw: Any) -> list[Event]:
+    """Parse a whole output at once (the same result as feeding it piece by piece)."""
+    p = OutputParser(**kw)
+    return _merge(p.feed(text) + p.finish())

@@ -1,0 +1,121 @@
+"""Start a real `python -m mlxrs serve` process on loopback for the server tests."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A server subprocess; `url` is its base URL (without /v1)."""
+
+    def __init__(self, model: Path | str | None, *args: str, port: int | None = None, env: dict[str, str] | None = None,
+                 wait: bool = True) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.logdir = Path(tempfile.mkdtemp(prefix="mlxrs-serve-"))
+        self.out = open(self.logdir / "stdout", "w+")
+        self.err = open(self.logdir / "stderr", "w+")
+        cmd = [sys.executable, "-m", "mlxrs", "serve", *([str(model)] if model is not None else []),
+               "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, env={**os.environ, **(env or {})})
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.stdout()}\n{self.stderr()}")
+            try:
+                status, _ = self.get("/health")
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server did not come up:\n{self.stderr()}")
+
+    def stdout(self) -> str:
+        self.out.flush()
+        return (self.logdir / "stdout").read_text()
+
+    def stderr(self) -> str:
+        self.err.flush()
+        return (self.logdir / "stderr").read_text()
+
+    def request(self, method: str, path: str, body: bytes | str | None = None,
+                headers: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        if isinstance(body, str):
+            body = body.encode()
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        raw = r.read()
+        conn.close()
+        try:
+            return r.status, json.loads(raw)
+        except ValueError:
+            return r.status, raw.decode(errors="replace")
+
+    def get(self, path: str, **kw: Any) -> tuple[int, Any]:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, obj: Any, **kw: Any) -> tuple[int, Any]:
+        return self.request("POST", path, json.dumps(obj), **kw)
+
+    def stats(self) -> dict[str, Any]:
+        status, body = self.get("/stats")
+        assert status == 200, body
+        return body
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.out.close()
+        self.err.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def sse_events(raw: str) -> list[tuple[str | None, Any]]:
+    """(event name, data) pairs of an SSE body; data parsed as JSON where it is JSON."""
+    out: list[tuple[str | None, Any]] = []
+    for block in raw.split("\n\n"):
+        event, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+        if not data:
+            continue
+        text = "\n".join(data)
+        try:
+            out.append((event, json.loads(text)))
+        except ValueError:
+            out.append((event, text))
+    return out
