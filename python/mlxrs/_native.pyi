@@ -20,6 +20,10 @@ __all__ = [
     "_array_roundtrip",
     "_op",
     "_sample",
+    "_gguf_dequantize",
+    "_gguf_header",
+    "_gguf_tensor",
+    "_gguf_tokenizer",
     "plan",
     "device_memory",
     "Session",
@@ -77,6 +81,24 @@ def _op(name: str, inputs: Sequence[_RawArrayIn], params: str = "{}") -> list[_R
 def _sample(logits: Sequence[float], params: str = "{}", draws: int = 1) -> tuple[list[float], list[int]]:
     """Apply sampling `params` (JSON) to fixed logits: the filtered log-probabilities and `draws`
     samples from one seeded sampler."""
+
+# ---- test hooks: GGUF ---------------------------------------------------------------------------
+
+def _gguf_dequantize(ty: int, raw: bytes, n: int) -> bytes:
+    """Dequantize `n` values of ggml type id `ty` from raw block bytes; float32 bytes."""
+
+def _gguf_header(
+    data: bytes | None, path: str | os.PathLike[str] | None
+) -> tuple[int, str, list[tuple[str, list[int], int, int]], int]:
+    """Parse a GGUF header from bytes (or a file): (version, metadata as JSON, tensors as
+    [(name, row-major shape, ggml type id, data offset)], data section offset). Raises
+    mlxrs.errors.ModelLoadError naming the byte offset of a malformed or truncated header."""
+
+def _gguf_tensor(path: str | os.PathLike[str], name: str) -> bytes:
+    """One tensor of a GGUF file dequantized to float32 bytes (row-major)."""
+
+def _gguf_tokenizer(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """The tokenizer a GGUF file describes: (tokenizer.json, tokenizer_config.json) as JSON text."""
 
 # ---- memory planner (crates/mlxrs-core/src/plan.rs) -------------------------------------------
 

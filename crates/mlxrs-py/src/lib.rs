@@ -158,6 +158,14 @@ fn _gguf_tensor<'py>(py: Python<'py>, path: std::path::PathBuf, name: &str) -> P
     Ok(PyBytes::new(py, &bytes))
 }
 
+/// Build the tokenizer a GGUF file describes: (tokenizer.json, tokenizer_config.json) as JSON text.
+#[pyfunction]
+fn _gguf_tokenizer(py: Python<'_>, path: std::path::PathBuf) -> PyResult<(String, String)> {
+    let f = mlxrs_core::gguf::GgufFile::open(&path).py(py)?;
+    let (tok, cfg) = py.allow_threads(|| mlxrs_core::gguf::tokenizer::build_tokenizer_json(&f.header)).py(py)?;
+    Ok((tok.to_string(), cfg.to_string()))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -172,6 +180,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_gguf_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_header, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(_gguf_tokenizer, m)?)?;
     plan::register(m)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::TokenStream>()?;

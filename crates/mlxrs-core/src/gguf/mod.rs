@@ -2,5 +2,6 @@
 pub mod dequant;
 pub mod import;
 pub mod reader;
+pub mod tokenizer;
 
 pub use reader::{GgmlType, GgufError, GgufFile, GgufHeader, MetaValue, TensorInfo};

@@ -177,9 +177,10 @@ impl TensorInfo {
     pub fn shape(&self) -> Vec<u64> {
         self.dims.iter().rev().copied().collect()
     }
+    /// The tensor's size in bytes: None for a type mlxrs cannot read, or a size past u64.
     pub fn nbytes(&self) -> Option<u64> {
         let (be, bb) = self.ty.block()?;
-        Some(self.n_elements().div_ceil(be) * bb)
+        self.n_elements().div_ceil(be).checked_mul(bb)
     }
 }
 
@@ -351,12 +352,17 @@ pub fn parse_header<R: Read>(r: R, len: u64) -> Result<GgufHeader, GgufError> {
     let data_offset = p.pos.div_ceil(alignment) * alignment;
     // every tensor's bytes must lie inside the file
     for t in &tensors {
-        if let Some(nb) = t.nbytes() {
-            let end = data_offset.checked_add(t.offset).and_then(|s| s.checked_add(nb));
+        if let Some((be, bb)) = t.ty.block() {
+            let nb = t.nbytes();
+            let end = nb.and_then(|nb| data_offset.checked_add(t.offset)?.checked_add(nb));
             if end.is_none_or(|e| e > len) {
+                let size = match nb {
+                    Some(nb) => format!("{nb} bytes"),
+                    None => format!("{} blocks of {bb} bytes", t.n_elements().div_ceil(be)),
+                };
                 return Err(GgufError {
                     offset: data_offset.saturating_add(t.offset),
-                    msg: format!("tensor {} ({} bytes at data offset {}) runs past the end of the file ({len} bytes)", t.name, nb, t.offset),
+                    msg: format!("tensor {} ({size} at data offset {}) runs past the end of the file ({len} bytes)", t.name, t.offset),
                 });
             }
         }
