@@ -7,7 +7,7 @@ the section they belong to (module constants, runtime, test hooks, classes at th
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypedDict, final, type_check_only
 
 __all__ = [
@@ -19,13 +19,14 @@ __all__ = [
     "_resolution_order",
     "_array_roundtrip",
     "_op",
+    "gguf_import",
     "_sample",
+    "plan",
+    "device_memory",
     "_gguf_dequantize",
     "_gguf_header",
     "_gguf_tensor",
     "_gguf_tokenizer",
-    "plan",
-    "device_memory",
     "Session",
     "TokenStream",
 ]
@@ -99,6 +100,14 @@ def _gguf_tensor(path: str | os.PathLike[str], name: str) -> bytes:
 
 def _gguf_tokenizer(path: str | os.PathLike[str]) -> tuple[str, str]:
     """The tokenizer a GGUF file describes: (tokenizer.json, tokenizer_config.json) as JSON text."""
+
+def gguf_import(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    dtype: str = "bf16",
+    progress: Callable[[int, int, str], object] | None = None,
+) -> None:
+    """Import a GGUF file into a model directory (dtype: bf16, f16, f32, q8, q4)."""
 
 # ---- memory planner (crates/mlxrs-core/src/plan.rs) -------------------------------------------
 

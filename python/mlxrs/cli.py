@@ -40,6 +40,14 @@ def _cmd_info(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from mlxrs.models import convert_gguf
+
+    out = convert_gguf(args.model, args.out_dir, dtype=args.dtype, progress=not args.quiet)
+    print(f"wrote {out} ({args.dtype})")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from mlxrs.server import run
 
@@ -78,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print runtime information and run a tiny computation")
     info.set_defaults(func=_cmd_info)
     _add_serve(sub)
+    conv = sub.add_parser("convert", help="import a GGUF file (llama.cpp) into a model directory")
+    conv.add_argument("model", help="path to a .gguf file")
+    conv.add_argument("out_dir", help="output directory (must not exist or be empty)")
+    conv.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32", "q8", "q4"],
+                      help="weights dtype: bf16 (default), f16, f32, or MLX affine q8/q4 (group 64)")
+    conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=_cmd_convert)
     return p
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -17,7 +18,7 @@ from .errors import InvalidArgumentError
 Message = Mapping[str, Any]
 
 _SAMPLING_KEYS = {
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
+    "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep", "repetition_penalty", "repetition_context_size",
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop",
     "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
 }
@@ -83,25 +84,47 @@ def _params(kwargs: dict[str, Any]) -> str:
         p["stop"] = [stop]
     if "logit_bias" in p:
         p["logit_bias"] = {str(k): float(v) for k, v in dict(p["logit_bias"]).items()}
-    return json.dumps(p)
+    try:
+        return json.dumps(p, allow_nan=False)
+    except ValueError:
+        bad = sorted(k for k, v in p.items() if _has_nan(v))
+        raise InvalidArgumentError(f"generation option(s) {', '.join(bad)} must be finite numbers") from None
+
+
+def _has_nan(v: Any) -> bool:
+    if isinstance(v, float):
+        return v != v or v in (float("inf"), float("-inf"))
+    if isinstance(v, Mapping):
+        return any(_has_nan(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_nan(x) for x in v)
+    return False
 
 
 class Session:
     """A loaded model with its own engine thread (all MLX state lives there).
+
+    `model` is a model directory (config.json, *.safetensors, tokenizer.json), a `.gguf` file
+    (imported once into a cache keyed by its sha256), or None for the embedded default model
+    (Gemma 3 270M, installed by the `mlxrs[demo]` extra).
 
     Thread-safe: requests from several threads queue in order (one generation at a time).
     """
 
     def __init__(
         self,
-        model: str | os.PathLike[str],
+        model: str | os.PathLike[str] | None = None,
         *,
         kv_bits: int | None = None,
         max_kv_size: int | None = None,
         prefill_step_size: int = 2048,
         kv_group_size: int = 64,
     ) -> None:
-        self.model_path = os.fspath(model)
+        from .models import DEFAULT_MODEL_NAME, resolve_model
+
+        if model is None:
+            print(f"mlxrs: no model given; using the embedded default, {DEFAULT_MODEL_NAME}", file=sys.stderr)
+        self.model_path = os.fspath(resolve_model(model))
         self._s = _native.Session(
             self.model_path, kv_bits=kv_bits, max_kv_size=max_kv_size,
             prefill_step_size=prefill_step_size, kv_group_size=kv_group_size,
@@ -122,8 +145,11 @@ class Session:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
+        # as transformers does: keys whose value is None are dropped from each message (OpenAI
+        # clients send content=None next to tool_calls), and tools=None reaches the template as none
+        msgs = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         return str(self._s.apply_chat_template(
-            json.dumps(list(messages)), json.dumps(list(tools)) if tools else None,
+            json.dumps(msgs), json.dumps(list(tools)) if tools is not None else None,
             add_generation_prompt, json.dumps(template_kwargs),
         ))
 

@@ -166,6 +166,26 @@ fn _gguf_tokenizer(py: Python<'_>, path: std::path::PathBuf) -> PyResult<(String
     Ok((tok.to_string(), cfg.to_string()))
 }
 
+/// Import a GGUF file into a model directory; `progress(done_bytes, total_bytes, tensor)` is
+/// called as tensors are converted.
+#[pyfunction]
+#[pyo3(signature = (src, out, dtype="bf16", progress=None))]
+fn gguf_import(py: Python<'_>, src: std::path::PathBuf, out: std::path::PathBuf, dtype: &str, progress: Option<PyObject>) -> PyResult<()> {
+    use mlxrs_core::gguf::import;
+    let d = import::OutDtype::parse(dtype).py(py)?;
+    py.allow_threads(|| {
+        let mut cb = |done: u64, total: u64, what: &str| {
+            if let Some(p) = &progress {
+                Python::with_gil(|py| {
+                    let _ = p.call1(py, (done, total, what));
+                });
+            }
+        };
+        import::import(&src, &out, d, &mut cb)
+    })
+    .py(py)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -177,6 +197,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(_op, m)?)?;
     m.add_function(wrap_pyfunction!(_sample, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_import, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_header, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;

@@ -25,3 +25,327 @@ fn meta_to_json(v: &MetaValue) -> Value {
 pub fn metadata_json(h: &GgufHeader) -> Value {
     Value::Object(h.metadata.iter().map(|(k, v)| (k.clone(), meta_to_json(v))).collect())
 }
+
+use super::dequant::dequantize;
+use super::reader::GgufFile;
+use crate::error::{Error, Result};
+use crate::handle::{self as mx, Array, Dtype};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// What the imported weights are stored as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutDtype {
+    Bf16,
+    F16,
+    F32,
+    /// MLX affine 8-bit, group 64.
+    Q8,
+    /// MLX affine 4-bit, group 64 (re-quantizing a k-quant costs accuracy).
+    Q4,
+}
+
+impl OutDtype {
+    pub fn parse(s: &str) -> Result<OutDtype> {
+        Ok(match s {
+            "bf16" | "bfloat16" => OutDtype::Bf16,
+            "f16" | "fp16" | "float16" => OutDtype::F16,
+            "f32" | "fp32" | "float32" => OutDtype::F32,
+            "q8" | "8bit" => OutDtype::Q8,
+            "q4" | "4bit" => OutDtype::Q4,
+            other => return Err(Error::Invalid(format!("--dtype {other:?} is not one of bf16, f16, f32, q8, q4"))),
+        })
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            OutDtype::Bf16 => "bf16",
+            OutDtype::F16 => "f16",
+            OutDtype::F32 => "f32",
+            OutDtype::Q8 => "q8",
+            OutDtype::Q4 => "q4",
+        }
+    }
+    fn float(self) -> Dtype {
+        match self {
+            OutDtype::F16 => Dtype::Float16,
+            OutDtype::F32 => Dtype::Float32,
+            _ => Dtype::Bfloat16,
+        }
+    }
+    fn bits(self) -> Option<i32> {
+        match self {
+            OutDtype::Q8 => Some(8),
+            OutDtype::Q4 => Some(4),
+            _ => None,
+        }
+    }
+}
+
+/// Architectures the importer maps, with their HF model_type.
+pub const IMPORTABLE: &[(&str, &str)] =
+    &[("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")];
+
+struct Meta<'a> {
+    h: &'a GgufHeader,
+    arch: String,
+}
+
+impl Meta<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+    fn u(&self, k: &str) -> Option<i64> {
+        self.h.get(&self.key(k)).and_then(MetaValue::as_u64).map(|v| v as i64)
+    }
+    fn f(&self, k: &str) -> Option<f64> {
+        self.h.get(&self.key(k)).and_then(MetaValue::as_f64)
+    }
+    fn need(&self, k: &str) -> Result<i64> {
+        self.u(k).ok_or_else(|| Error::ModelLoad(format!("GGUF metadata {} is missing", self.key(k))))
+    }
+}
+
+/// HF config.json for the file's architecture; fields the GGUF does not store come from the
+/// architecture's known defaults.
+pub fn hf_config(h: &GgufHeader) -> Result<Value> {
+    let arch = h
+        .get("general.architecture")
+        .and_then(MetaValue::as_str)
+        .ok_or_else(|| Error::ModelLoad("GGUF metadata general.architecture is missing".into()))?
+        .to_string();
+    let model_type = IMPORTABLE.iter().find(|(a, _)| *a == arch).map(|(_, m)| *m).ok_or_else(|| {
+        Error::Unsupported(format!(
+            "GGUF architecture {arch:?} cannot be imported; supported: {}",
+            IMPORTABLE.iter().map(|(a, _)| *a).collect::<Vec<_>>().join(", ")
+        ))
+    })?;
+    let m = Meta { h, arch: arch.clone() };
+    let hidden = m.need("embedding_length")?;
+    let heads = m.need("attention.head_count")?;
+    let kv = m.u("attention.head_count_kv").unwrap_or(heads);
+    let head_dim = m.u("attention.key_length").unwrap_or(hidden / heads);
+    let vocab = h
+        .get("tokenizer.ggml.tokens")
+        .and_then(MetaValue::as_array)
+        .map(|a| a.len() as i64)
+        .or_else(|| h.tensor("token_embd.weight").map(|t| t.shape()[0] as i64))
+        .ok_or_else(|| Error::ModelLoad("cannot tell the vocabulary size (no tokenizer.ggml.tokens)".into()))?;
+    let tied = h.tensor("output.weight").is_none();
+    let mut cfg = json!({
+        "model_type": model_type,
+        "architectures": [match model_type {
+            "gemma3_text" => "Gemma3ForCausalLM",
+            "qwen2" => "Qwen2ForCausalLM",
+            "qwen3" => "Qwen3ForCausalLM",
+            _ => "LlamaForCausalLM",
+        }],
+        "hidden_size": hidden,
+        "num_hidden_layers": m.need("block_count")?,
+        "intermediate_size": m.need("feed_forward_length")?,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
+        "vocab_size": vocab,
+        "max_position_embeddings": m.u("context_length").unwrap_or(4096),
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+    });
+    let o = cfg.as_object_mut().expect("object");
+    for (k, id) in [("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+                    ("pad_token_id", "tokenizer.ggml.padding_token_id")] {
+        if let Some(v) = h.get(id).and_then(MetaValue::as_u64) {
+            o.insert(k.into(), json!(v));
+        }
+    }
+    match model_type {
+        "gemma3_text" => {
+            o.insert("rope_theta".into(), json!(m.f("rope.freq_base").unwrap_or(1_000_000.0)));
+            o.insert("rope_local_base_freq".into(), json!(10_000.0));
+            o.insert("sliding_window".into(), json!(m.u("attention.sliding_window").unwrap_or(512)));
+            o.insert("sliding_window_pattern".into(), json!(6));
+            o.insert("query_pre_attn_scalar".into(), json!(head_dim));
+            o.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+            if let (Some(t), Some(f)) = (
+                h.get(&m.key("rope.scaling.type")).and_then(MetaValue::as_str),
+                m.f("rope.scaling.factor"),
+            ) {
+                if t == "linear" && f != 1.0 {
+                    o.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": f}));
+                }
+            }
+        }
+        _ => {
+            o.insert("rope_theta".into(), json!(m.f("rope.freq_base").unwrap_or(10_000.0)));
+            if model_type == "qwen2" {
+                o.insert("attention_bias".into(), json!(true));
+            }
+            if let (Some(t), Some(f)) = (
+                h.get(&m.key("rope.scaling.type")).and_then(MetaValue::as_str),
+                m.f("rope.scaling.factor"),
+            ) {
+                if t == "linear" && f != 1.0 {
+                    o.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": f}));
+                }
+            }
+        }
+    }
+    Ok(cfg)
+}
+
+/// llama.cpp tensor name → HF name (None: not a model weight, e.g. rope_freqs).
+fn hf_name(name: &str, gemma: bool) -> Option<String> {
+    let top = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        "rope_freqs.weight" => return None,
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(t.to_string());
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (idx, tail) = rest.split_once('.')?;
+    let (base, kind) = tail.rsplit_once('.')?;
+    let hf = match base {
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "attn_norm" => "input_layernorm",
+        "post_attention_norm" if gemma => "post_attention_layernorm",
+        "ffn_norm" if gemma => "pre_feedforward_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "post_ffw_norm" => "post_feedforward_layernorm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{idx}.{hf}.{kind}"))
+}
+
+/// Undo llama.cpp's q/k row permutation (llama family): rows grouped as (head, 2, half) were
+/// reordered to (head, half, 2).
+fn unpermute(data: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+    let half = rows / heads / 2;
+    let mut out = vec![0f32; data.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for two in 0..2 {
+                // stored row index (h, i, two) ← original row (h, two, i)
+                let src = (h * half + i) * 2 + two;
+                let dst = (h * 2 + two) * half + i;
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// Progress: (bytes of tensors done, total bytes, current tensor).
+pub type ImportProgress<'a> = &'a mut dyn FnMut(u64, u64, &str);
+
+/// Convert `gguf` into an mlxrs model directory at `out` (created; must not exist or be empty).
+pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress<'_>) -> Result<()> {
+    let f = GgufFile::open(gguf)?;
+    let h = &f.header;
+    let cfg = hf_config(h)?;
+    let model_type = cfg["model_type"].as_str().unwrap_or_default().to_string();
+    let gemma = model_type == "gemma3_text";
+    let permute_qk = model_type == "llama";
+    let heads = cfg["num_attention_heads"].as_u64().unwrap_or(1) as usize;
+    let kv_heads = cfg["num_key_value_heads"].as_u64().unwrap_or(1) as usize;
+    std::fs::create_dir_all(out).map_err(|e| Error::Io { path: out.to_path_buf(), source: e })?;
+    let total: u64 = h.tensors.iter().filter_map(|t| t.nbytes()).sum();
+    let mut done = 0u64;
+    let mut tensors: BTreeMap<String, Array> = BTreeMap::new();
+    let group = 64;
+    for t in &h.tensors {
+        let Some(name) = hf_name(&t.name, gemma) else {
+            done += t.nbytes().unwrap_or(0);
+            continue;
+        };
+        progress(done, total, &t.name);
+        let raw = f.read_raw(t)?;
+        let n = t.n_elements() as usize;
+        let mut v = dequantize(t.ty, &raw, n).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
+        drop(raw);
+        let shape: Vec<i32> = t.shape().iter().map(|&d| d as i32).collect();
+        let is_norm = name.ends_with("norm.weight");
+        if gemma && is_norm {
+            // llama.cpp stores Gemma's norm weights as w + 1
+            v.iter_mut().for_each(|x| *x -= 1.0);
+        }
+        if permute_qk && shape.len() == 2 && (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
+            let hds = if name.ends_with("q_proj.weight") { heads } else { kv_heads };
+            v = unpermute(&v, shape[0] as usize, shape[1] as usize, hds);
+        }
+        let a = Array::from_slice(&v, &shape)?;
+        drop(v);
+        let quantizable = shape.len() == 2 && !is_norm && shape[1] % group == 0;
+        match dtype.bits() {
+            Some(bits) if quantizable => {
+                let fa = mx::astype(&a, Dtype::Bfloat16)?;
+                let (w, s, b) = mx::quantize(&fa, group, bits)?;
+                mx::eval(&[&w, &s, &b])?;
+                let base = name.trim_end_matches(".weight");
+                tensors.insert(format!("{base}.scales"), s);
+                tensors.insert(format!("{base}.biases"), b);
+                tensors.insert(name, w);
+            }
+            _ => {
+                let c = mx::astype(&a, dtype.float())?;
+                c.eval()?;
+                tensors.insert(name, c);
+            }
+        }
+        done += t.nbytes().unwrap_or(0);
+    }
+    progress(total, total, "writing model.safetensors");
+    let mut cfg = cfg;
+    cfg["torch_dtype"] = json!(match dtype.float() {
+        Dtype::Float16 => "float16",
+        Dtype::Float32 => "float32",
+        _ => "bfloat16",
+    });
+    if let Some(bits) = dtype.bits() {
+        cfg["quantization"] = json!({"group_size": group, "bits": bits, "mode": "affine"});
+    }
+    let meta: BTreeMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
+    mx::save_safetensors(&out.join("model.safetensors"), &tensors, &meta)?;
+    drop(tensors);
+    let (tok, mut tok_cfg) = super::tokenizer::build_tokenizer_json(h)?;
+    let write = |name: &str, v: &Value| -> Result<()> {
+        let p = out.join(name);
+        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap_or_default()).map_err(|e| Error::Io { path: p, source: e })
+    };
+    // EOS ids: the file's, plus Gemma's end-of-turn marker when the vocabulary has it
+    let mut eos: Vec<u64> = cfg.get("eos_token_id").and_then(Value::as_u64).into_iter().collect();
+    if gemma {
+        if let Some(id) = h
+            .get("tokenizer.ggml.tokens")
+            .and_then(MetaValue::as_array)
+            .and_then(|a| a.iter().position(|t| t.as_str() == Some("<end_of_turn>")))
+        {
+            eos.push(id as u64);
+        }
+    }
+    if let Some(tpl) = h.get("tokenizer.chat_template").and_then(MetaValue::as_str) {
+        std::fs::write(out.join("chat_template.jinja"), tpl).map_err(|e| Error::Io { path: out.join("chat_template.jinja"), source: e })?;
+        if let Some(o) = tok_cfg.as_object_mut() {
+            o.remove("chat_template");
+        }
+    }
+    write("tokenizer.json", &tok)?;
+    write("tokenizer_config.json", &tok_cfg)?;
+    write("generation_config.json", &json!({"eos_token_id": eos, "bos_token_id": cfg.get("bos_token_id")}))?;
+    cfg["mlxrs_source"] = json!({"gguf": gguf.file_name().map(|s| s.to_string_lossy().into_owned()),
+                                 "dtype": dtype.name(),
+                                 "file_type": h.get("general.file_type").and_then(MetaValue::as_u64)});
+    write("config.json", &cfg)?;
+    Ok(())
+}

