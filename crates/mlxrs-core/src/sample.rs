@@ -60,6 +60,9 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
+        if self.min_tokens_to_keep < 1 {
+            return bad(format!("min_tokens_to_keep must be >= 1, got {}", self.min_tokens_to_keep));
+        }
         if self.top_k < 0 {
             return bad(format!("top_k must be >= 0, got {}", self.top_k));
         }

@@ -166,9 +166,8 @@ impl ChatTemplate {
             ctx.insert(k.clone(), v.clone());
         }
         ctx.insert("messages".into(), input.messages.clone());
-        if let Some(t) = input.tools {
-            ctx.insert("tools".into(), t.clone());
-        }
+        // transformers passes tools=None when there are none: `tools is defined` holds either way
+        ctx.insert("tools".into(), input.tools.cloned().unwrap_or(Value::Null));
         ctx.insert("add_generation_prompt".into(), Value::Bool(input.add_generation_prompt));
         ctx.insert("bos_token".into(), input.bos_token.map(Value::from).unwrap_or(Value::from("")));
         ctx.insert("eos_token".into(), input.eos_token.map(Value::from).unwrap_or(Value::from("")));

@@ -29,6 +29,38 @@ fn parse_spec(v: &Value, fallback: Option<QuantSpec>) -> Option<QuantSpec> {
     }
 }
 
+/// Check that a safetensors file is whole before handing it to MLX, which reads tensor data lazily
+/// and would otherwise compute with whatever a truncated download left.
+fn check_safetensors(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let bad = |why: String| {
+        Error::ModelLoad(format!("{} {why}: the download is incomplete or corrupt; re-download the model", path.display()))
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
+    let len = f.metadata().map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?.len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).map_err(|_| bad(format!("is too short to be a safetensors file ({len} bytes)")))?;
+    let n = u64::from_le_bytes(n);
+    if n > len.saturating_sub(8) || n > 100 << 20 {
+        return Err(bad(format!("is not a valid safetensors file (header of {n} bytes in a file of {len})")));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(|_| bad("has an unreadable header".into()))?;
+    let header: Value = serde_json::from_slice(&header).map_err(|e| bad(format!("has an invalid header ({e})")))?;
+    let obj = header.as_object().ok_or_else(|| bad("has an invalid header".into()))?;
+    let end = obj
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .filter_map(|(_, t)| t.get("data_offsets")?.as_array()?.get(1)?.as_u64())
+        .max()
+        .unwrap_or(0);
+    let need = (8 + n).saturating_add(end);
+    if need > len {
+        return Err(bad(format!("is truncated ({len} bytes; its header describes {need})")));
+    }
+    Ok(())
+}
+
 impl Weights {
     /// Load every `*.safetensors` of `dir` (the index file, when present, names the shards).
     pub fn load_dir(dir: &Path, config: &Value) -> Result<Weights> {
@@ -75,6 +107,7 @@ impl Weights {
         }
         let mut map = HashMap::new();
         for f in &files {
+            check_safetensors(f)?;
             let (tensors, _meta) = mx::load_safetensors(f)
                 .map_err(|e| Error::ModelLoad(format!("{}: {e}", f.display())))?;
             map.extend(tensors);
@@ -126,7 +159,12 @@ impl Weights {
     pub fn take(&mut self, name: &str) -> Result<Array> {
         self.map
             .remove(name)
-            .ok_or_else(|| Error::ModelLoad(format!("weight {name} is missing from the checkpoint")))
+            .ok_or_else(|| {
+                Error::ModelLoad(format!(
+                    "weight {name} is missing from the checkpoint: the *.safetensors files are incomplete or do not \
+                     match config.json; re-download or re-convert the model"
+                ))
+            })
     }
 
     /// Quantization of module `prefix` (present when `{prefix}.scales` exists).

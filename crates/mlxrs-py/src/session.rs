@@ -42,6 +42,9 @@ pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, 
     if let Some(v) = f("min_p") {
         s.min_p = v as f32;
     }
+    if let Some(v) = i("min_tokens_to_keep") {
+        s.min_tokens_to_keep = v.clamp(i32::MIN as i64, i32::MAX as i64) as i32;
+    }
     s.repetition_penalty = f("repetition_penalty").map(|v| v as f32);
     if let Some(v) = i("repetition_context_size") {
         s.repetition_context_size = v as i32;

@@ -132,6 +132,9 @@ impl Engine {
                 return Err(Error::Invalid(format!("kv_bits must be one of 2, 3, 4, 6, 8 (got {b})")));
             }
         }
+        if options.prefill_step_size < 1 {
+            return Err(Error::Invalid(format!("prefill_step_size must be >= 1 (got {})", options.prefill_step_size)));
+        }
         if let Some(m) = options.max_kv_size {
             if m < 8 {
                 return Err(Error::Invalid(format!("max_kv_size must be at least 8 (got {m})")));
@@ -238,10 +241,10 @@ impl Engine {
         })
     }
 
-    /// Tokens of a rendered chat prompt: the template's own BOS is not doubled.
+    /// Tokens of a rendered chat prompt. Like transformers' `apply_chat_template(tokenize=True)`
+    /// (and mlx-lm), no special tokens are added: the template writes its own BOS, if any.
     pub fn encode_rendered(&self, text: &str) -> Result<Vec<i32>> {
-        let has_bos = self.tokenizer.bos_token.as_deref().is_some_and(|b| !b.is_empty() && text.starts_with(b));
-        self.tokenizer.encode(text, !has_bos)
+        self.tokenizer.encode(text, false)
     }
 
     pub fn has_chat_template(&self) -> bool {
