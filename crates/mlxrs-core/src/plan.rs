@@ -355,8 +355,10 @@ impl ModelFacts {
     /// in the activation dtype (a bytes) unless noted:
     /// - hidden states: residual, normed input, attention output, MLP output: 4·P·hidden·a
     /// - q, k, v projections: P·(heads + 2·kv_heads)·head_dim·a
-    /// - attention scores, materialized once by SDPA's general path (CPU; the fused Metal and
-    ///   CUDA kernels do not, see [`PlanOptions::fused_attention`]): heads·P·ctx·a
+    /// - attention scores, materialized by SDPA's general path (CPU; the fused Metal and CUDA
+    ///   kernels do not, see [`PlanOptions::fused_attention`]): heads·P·ctx·(a + f), where the
+    ///   scores are in the activation dtype and f = 4 when that is below float32 (the precise
+    ///   softmax works on a float32 copy), else 0
     /// - MLP gate, up and their product: 3·P·intermediate·a
     /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
     ///   kv(ctx) / layers
@@ -365,10 +367,12 @@ impl ModelFacts {
     /// The sum is multiplied by [`TRANSIENT_SLACK`] for the allocator's rounding and the
     /// intermediates of norms and RoPE that the terms above do not name.
     ///
-    /// Checked against MLX's peak memory (Linux, CPU, MLX 0.30.6, tests' qwen3-float32: 2 layers,
-    /// hidden 256, 4 heads, float32; one generation of 2 tokens): prompts of 1000 / 2049 / 4000
-    /// tokens peaked at 43.0 / 122.7 / 184.9 MB where weights + kv + transient estimate
-    /// 43.7 / 124.9 / 213.4 MB (an over-estimate of 2 / 2 / 15%).
+    /// Checked against MLX's peak memory (`Timings::peak_memory`; Linux x86_64, CPU, MLX 0.30.6;
+    /// one generation of 2 tokens after a prompt of n random tokens):
+    /// - tests' qwen3-float32 (2 layers, hidden 256, 4 heads, float32): n = 1000 / 2049 / 4000
+    ///   peaked at 43.0 / 122.7 / 184.9 MB; weights + kv + transient at n + 2 = 44.1 / 128.4 / 214.3 MB;
+    /// - Gemma 3 270M (bf16, imported from the Q4_K_M GGUF; 18 layers, 4 heads, window 512):
+    ///   n = 500 / 2000 peaked at 561.7 / 707.9 MB; the estimate is 569.3 / 725.4 MB.
     pub fn transient_bytes(&self, ctx: u64, o: &PlanOptions) -> u64 {
         let (step, kv_bits, group) = (o.prefill_step, o.kv_bits, o.kv_group_size);
         if ctx == 0 {
@@ -378,7 +382,8 @@ impl ModelFacts {
         let a = self.act_bytes as f64;
         let hidden = 4.0 * p * self.hidden_size as f64 * a;
         let qkv = p * ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim) as f64 * a;
-        let scores = if o.fused_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
+        let score_bytes = a + if self.act_bytes < 4 { 4.0 } else { 0.0 };
+        let scores = if o.fused_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * score_bytes };
         let mlp = 3.0 * p * self.intermediate_size as f64 * a;
         let regrow = self.kv_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
         let logits = 2.0 * self.vocab_size as f64 * 4.0;

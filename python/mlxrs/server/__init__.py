@@ -171,5 +171,6 @@ async def _serve(state: Any, app: Any, host: str, port: int) -> int:
             pass
     await stop.wait()
     log.info("shutting down")
+    state.closing = True
     await runner.cleanup()
     return 0

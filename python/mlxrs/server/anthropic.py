@@ -114,7 +114,7 @@ def convert_messages(state: ServerState, body: dict[str, Any]) -> list[dict[str,
                     raise bad(bw, "tool_use blocks belong to assistant messages")
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                     raise bad(bw, "a tool_use block needs a string `name` and an object `input`")
-                cid = b.get("id") if isinstance(b.get("id"), str) else f"toolu_{i}_{j}"
+                cid = str(b["id"]) if isinstance(b.get("id"), str) else f"toolu_{i}_{j}"
                 names[cid] = b["name"]
                 calls.append({"id": cid, "type": "function",
                               "function": {"name": b["name"], "arguments": b.get("input") or {}}})

@@ -82,6 +82,7 @@ class ServerState:
         self.think = think_markers_for(self.template)
         self.gen_defaults = _generation_defaults(model_dir)
         self.created = int(time.time())
+        self.closing = False
 
     # -- names -------------------------------------------------------------------------------
     def check_model(self, name: Any, param: str = "model") -> None:
@@ -140,6 +141,8 @@ class ServerState:
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, ids: list[int], opts: dict[str, Any]) -> "Generation":
         """Wait for the engine (FIFO), then start; 429 when the queue is full."""
+        if self.closing or self.session.closed:
+            raise ApiError(503, "the server is shutting down")
         if self.waiting >= self.max_queue and (self.lock.locked() or self.waiting):
             raise ApiError(429, f"the server is busy: {self.waiting} requests are already waiting "
                                 "(one generation runs at a time) — retry later", headers={"Retry-After": "1"})
@@ -149,6 +152,9 @@ class ServerState:
             await self.lock.acquire()
         finally:
             self.waiting -= 1
+        if self.closing or self.session.closed:
+            self.lock.release()
+            raise ApiError(503, "the server is shutting down")
         try:
             params = _params(opts)
             stream = self.session._s.start(ids, params)

@@ -410,12 +410,12 @@ async def _completion(request: web.Request, state: ServerState, gen: Generation,
         return d
 
     if not stream:
-        text, merged = [prompt_text] if echo else [], {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                                       "text_offset": []}
+        pieces: list[str] = [prompt_text] if echo else []
+        merged: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         done: dict[str, Any] = {}
         async for step in steps(gen, None):
             assert step is not None
-            text += [e.text for e in step.events]
+            pieces += [e.text for e in step.events]
             block = lp_block(step, 0)
             if block:
                 for k in merged:
@@ -423,7 +423,7 @@ async def _completion(request: web.Request, state: ServerState, gen: Generation,
             if step.done:
                 done = step.done
         reason = "length" if done["finish_reason"] == "length" else "stop"
-        return web.json_response(obj("".join(text), reason, merged if nlp is not None else None, usage(done)))
+        return web.json_response(obj("".join(pieces), reason, merged if nlp is not None else None, usage(done)))
 
     resp = await start_sse(request)
     try:
