@@ -28,6 +28,13 @@ from tinymodels import ROOT, write_tokenizer
 THINK_SCRIPT = ["<think>", "\nThe user greets me; I should greet them back.\n", "</think>",
                 "\n\nHello! How can I help?"]
 TOOL_SCRIPT = ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>"]
+# the same call in the other formats the server parses (one model directory per format)
+TOOL_SCRIPTS = {
+    "hermes": TOOL_SCRIPT,
+    "llama3": ['{"name": "get_weather", "parameters": {"city": "Paris"}}'],
+    "mistral": ["[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Paris"}'],
+    "gemma": ["```tool_code\n", 'get_weather(city="Paris")\n```'],
+}
 ANSWER_SCRIPT = ["It is sunny in Paris."]
 THINK_TEXT = "The user greets me; I should greet them back."
 THINK_ANSWER = "Hello! How can I help?"
@@ -45,7 +52,7 @@ WEATHER_TOOL = {
 }
 
 
-def make_scripted_model(name: str = "scripted-qwen3") -> Path:
+def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = TOOL_SCRIPT) -> Path:
     import mlx.core as mx
     import numpy as np
     from tokenizers import AddedToken, Tokenizer
@@ -57,7 +64,7 @@ def make_scripted_model(name: str = "scripted-qwen3") -> Path:
     d.mkdir(parents=True)
     write_tokenizer(d, 512)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    pieces = sorted({p for s in (THINK_SCRIPT, TOOL_SCRIPT, ANSWER_SCRIPT) for p in s} | {"\n\n"})
+    pieces = sorted({p for s in (THINK_SCRIPT, tool_script, ANSWER_SCRIPT) for p in s} | {"\n\n"})
     tok.add_tokens([AddedToken(p, normalized=False) for p in pieces])
     tok.save(str(d / "tokenizer.json"))
     tc = json.loads((d / "tokenizer_config.json").read_text())
@@ -74,12 +81,12 @@ def make_scripted_model(name: str = "scripted-qwen3") -> Path:
     assert think_on != think_off and think_off == ids["\n\n"], (think_on, think_off)
 
     table = np.zeros((vocab, vocab), dtype=np.float32)  # [next, last]
-    for script in (THINK_SCRIPT, TOOL_SCRIPT, ANSWER_SCRIPT):
+    for script in (THINK_SCRIPT, tool_script, ANSWER_SCRIPT):
         seq = [ids[p] for p in script] + [0]
         for a, b in zip(seq, seq[1:]):
             table[b, a] = CHAIN
     table[ids[THINK_SCRIPT[0]], think_on] = DEFAULT
-    table[ids[TOOL_SCRIPT[0]], think_off] = DEFAULT
+    table[ids[tool_script[0]], think_off] = DEFAULT
     scale = 1.0 / np.sqrt(hidden)
     lm_head = np.zeros((vocab, hidden), dtype=np.float32)
     lm_head[:, :vocab] = table * scale

@@ -208,3 +208,14 @@ def test_stats_events_are_sse(server):
         {"model": MODEL, "prompt": "fox", "max_tokens": 3, "temperature": 0, "stream": True}))
     events = sse_events(raw)
     assert events[-1] == (None, "[DONE]") and events[-2][1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_kv_quant_is_planned_and_served(model_dir):
+    with Server(model_dir, "--kv-quant", "8") as s:
+        st = s.stats()
+        assert st["kv_bits"] == 8
+        assert st["memory_plan"] == json.loads(_native.plan(str(model_dir), None, 8))
+        assert st["memory_plan"]["kvBytes"] < json.loads(_native.plan(str(model_dir)))["kvBytes"] / 3
+        r = oa(s).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0)
+        assert r.usage.completion_tokens == 4
