@@ -11,7 +11,6 @@ import asyncio
 import collections
 import json
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -433,10 +432,6 @@ async def start_sse(request: web.Request) -> web.StreamResponse:
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     return resp
-
-
-def env_api_key() -> str | None:
-    return os.environ.get("MLXRS_API_KEY") or None
 
 
 # -- the shared event stream ---------------------------------------------------------------------
