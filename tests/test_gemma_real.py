@@ -78,6 +78,24 @@ def test_paris_through_session_gguf_cache(gguf_file, home, monkeypatch):
     assert models.cached_gguf(gguf_file) == cached
 
 
+def test_chat_template_and_chat(gguf_file, home, monkeypatch):
+    """A base Gemma GGUF has no template; the import writes Gemma's turn format, rendered here the
+    way transformers renders templates (jinja2, trim_blocks/lstrip_blocks)."""
+    import jinja2
+
+    monkeypatch.setenv("MLXRS_HOME", str(home))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+    with mlxrs.Session(gguf_file) as s:
+        src = (Path(s.model_path) / "chat_template.jinja").read_text()
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        want = env.from_string(src).render(messages=msgs, add_generation_prompt=True, bos_token="<bos>")
+        assert s.apply_chat_template(msgs) == want
+        assert want.startswith("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
+        c = s.chat(msgs, max_tokens=8)
+        assert c.usage.prompt_tokens == len(s.encode_prompt(msgs)) and c.usage.completion_tokens >= 1
+
+
 def test_default_model_says_so(gguf_file, home):
     env = dict(os.environ, MLXRS_HOME=str(home))
     code = ("import mlxrs; s = mlxrs.Session(); "

@@ -16,6 +16,8 @@ from .errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "Gemma 3 270M (google/gemma-3-270m base, GGUF Q4_K_M imported to bf16)"
 DEFAULT_DTYPE = "bf16"
+# bump when the importer's output changes, so cached imports are redone
+IMPORT_VERSION = 2
 
 
 def mlxrs_home() -> Path:
@@ -114,11 +116,11 @@ def cached_gguf(src: str | os.PathLike[str], *, dtype: str = DEFAULT_DTYPE, prog
         raise ModelLoadError(f"{src_p} does not exist")
     digest = sha256_file(src_p)
     root = mlxrs_home() / "gguf"
-    target = root / f"{digest[:16]}-{dtype}"
+    target = root / f"{digest[:16]}-{dtype}-v{IMPORT_VERSION}"
     if (target / ".complete").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    lock = root / f"{digest[:16]}-{dtype}.lock"
+    lock = root / f"{target.name}.lock"
     with _FileLock(lock):
         if (target / ".complete").exists():
             return target
@@ -164,10 +166,16 @@ def default_model(progress: bool | None = None) -> Path:
 
 
 def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool | None = None) -> Path:
-    """A loadable model directory for `model` (directory, .gguf file, or None for the default)."""
+    """A loadable model directory for `model` (directory, .gguf file, a registry name or unique
+    substring of one when no such path exists, or None for the default)."""
     if model is None:
         return default_model(progress=progress)
     p = Path(model)
+    if not p.exists() and isinstance(model, str):
+        from . import registry
+
+        if registry.looks_like_name(model):
+            return resolve_model(registry.resolve_name(model), progress=progress)
     if p.is_file() and p.suffix.lower() == ".gguf":
         return cached_gguf(p, progress=progress)
     return p

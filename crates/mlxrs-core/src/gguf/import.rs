@@ -246,6 +246,23 @@ fn unpermute(data: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
     out
 }
 
+/// Gemma's turn format (system text folded into the first user turn; assistant → "model").
+pub const GEMMA_CHAT_TEMPLATE: &str = r#"{{ bos_token }}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{%- set c = messages[0]['content'] -%}
+{%- set first = (c if c is string else c | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('')) + '\n\n' -%}
+{%- set turns = messages[1:] -%}
+{%- else -%}{%- set first = '' -%}{%- set turns = messages -%}{%- endif -%}
+{%- for m in turns -%}
+{%- if m['role'] not in ['user', 'assistant', 'model'] -%}
+{{- raise_exception('Gemma supports the roles system, user and assistant, not ' ~ m['role']) -}}
+{%- endif -%}
+{%- set c = m['content'] -%}
+{%- set text = c if c is string else c | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
+{{- '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\n' ~ ((first if loop.first else '') ~ text) | trim ~ '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"#;
+
 /// Progress: (bytes of tensors done, total bytes, current tensor).
 pub type ImportProgress<'a> = &'a mut dyn FnMut(u64, u64, &str);
 
@@ -334,7 +351,10 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
             eos.push(id as u64);
         }
     }
-    if let Some(tpl) = h.get("tokenizer.chat_template").and_then(MetaValue::as_str) {
+    // Gemma GGUFs converted from base checkpoints often carry no template; Gemma's turn format is
+    // the one its tokenizer's special tokens (<start_of_turn>, <end_of_turn>) exist for.
+    let fallback = if gemma && eos.len() > 1 { Some(GEMMA_CHAT_TEMPLATE) } else { None };
+    if let Some(tpl) = h.get("tokenizer.chat_template").and_then(MetaValue::as_str).or(fallback) {
         std::fs::write(out.join("chat_template.jinja"), tpl).map_err(|e| Error::Io { path: out.join("chat_template.jinja"), source: e })?;
         if let Some(o) = tok_cfg.as_object_mut() {
             o.remove("chat_template");
