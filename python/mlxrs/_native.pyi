@@ -23,6 +23,8 @@ __all__ = [
     "_sample",
     "plan",
     "device_memory",
+    "download",
+    "native_pack_info",
     "_gguf_dequantize",
     "_gguf_header",
     "_gguf_tensor",
@@ -129,6 +131,52 @@ def plan(
 def device_memory() -> tuple[int, str]:
     """(bytes, source) of the memory the default budget is a fraction of; source is "mlx-gpu",
     "proc-meminfo", "sysctl" or "unknown"."""
+
+# ---- transfers (crates/mlxrs-core/src/download.rs, native_pack.rs) ----------------------------
+
+@type_check_only
+class _DownloadResult(TypedDict):
+    transferred: int  # body bytes received over the network (both fetches after a refetch)
+    resumed_from: int  # length of the .incomplete prefix kept from an earlier run (0: none)
+    refetched: bool  # a verification failure made the file be fetched again
+    size: int  # the verified file's size
+
+def download(
+    url: str,
+    dest: str | os.PathLike[str],
+    *,
+    sha256: str | None = None,
+    git_sha1: str | None = None,
+    size: int | None = None,
+    name: str | None = None,
+    token: str | None = None,
+    hub: bool = False,
+    retries: int = 5,
+    backoff: float = 0.5,
+    progress: Callable[[int, int], object] | None = None,
+) -> _DownloadResult:
+    """Fetch `url` into `dest` through `dest + ".incomplete"` (resumed with a Range request when it
+    exists), verified against `sha256` or the git blob id `git_sha1` (which needs `size`); a
+    mismatch drops the bytes and refetches once, then raises mlxrs.errors.DownloadError naming
+    `name`. `progress(done, total)` runs as bytes arrive (total 0 while unknown); an exception
+    it raises, or Ctrl-C, stops the transfer (the partial file is kept) and propagates. `hub`
+    phrases 401/403/404 for a Hugging Face repo (`hf auth login`, HF_TOKEN)."""
+
+@type_check_only
+class _NativePackInfo(TypedDict):
+    version: str
+    platform: str  # "<os>-<arch>-<backend>"
+    backend: str  # "cpu" | "cuda" | "metal"
+    dir: str | None  # where it is unpacked (None without MLXRS_HOME, XDG_CACHE_HOME or HOME)
+    archive: str  # the tarball's file name
+    files: list[str]  # what an unpacked pack must hold
+    url: str | None
+    sha256: str | None
+    origin: str | None  # "MLXRS_NATIVE_PACK_URL" | "release"
+    problem: str | None  # why it cannot be fetched (url and sha256 are then None)
+
+def native_pack_info(backend: str | None = None) -> _NativePackInfo:
+    """The native pack for `backend` (None: this machine's), where it comes from and goes."""
 
 # ---- classes ----------------------------------------------------------------------------------
 

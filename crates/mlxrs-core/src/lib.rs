@@ -19,3 +19,5 @@ pub mod template;
 pub mod engine;
 pub mod gguf;
 pub mod plan;
+pub mod download;
+pub mod native_pack;

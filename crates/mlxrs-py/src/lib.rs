@@ -5,6 +5,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+mod download;
 mod plan;
 mod session;
 
@@ -203,6 +204,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tokenizer, m)?)?;
     plan::register(m)?;
+    download::register(m)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::TokenStream>()?;
     Ok(())
