@@ -7,7 +7,9 @@ use crate::weights::{QuantSpec, Weights};
 
 /// `y = x W^T + b`, W dense or quantized.
 pub enum Linear {
-    Dense { w: Array, b: Option<Array> },
+    /// `wt` is `W^T`, a view of W's buffer made once at load (no copy): the matmul sees the same
+    /// strides as with a per-call transpose, without one more graph node per call.
+    Dense { w: Array, wt: Array, b: Option<Array> },
     Quant { w: Array, scales: Array, biases: Option<Array>, b: Option<Array>, q: QuantSpec },
 }
 
@@ -22,19 +24,19 @@ impl Linear {
                 b,
                 q,
             }),
-            None => Ok(Linear::Dense { w: ws.take(&format!("{prefix}.weight"))?, b }),
+            None => {
+                let w = ws.take(&format!("{prefix}.weight"))?;
+                Ok(Linear::Dense { wt: mx::transpose(&w)?, w, b })
+            }
         }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match self {
-            Linear::Dense { w, b } => {
-                let wt = mx::transpose(w)?;
-                match b {
-                    Some(b) => mx::addmm(b, x, &wt, 1.0, 1.0),
-                    None => mx::matmul(x, &wt),
-                }
-            }
+            Linear::Dense { wt, b, .. } => match b {
+                Some(b) => mx::addmm(b, x, wt, 1.0, 1.0),
+                None => mx::matmul(x, wt),
+            },
             Linear::Quant { w, scales, biases, b, q } => {
                 let y = mx::quantized_matmul(x, w, scales, biases.as_ref(), true, q.group_size, q.bits)?;
                 match b {
@@ -48,7 +50,7 @@ impl Linear {
     /// Bytes of the parameters.
     pub fn nbytes(&self) -> usize {
         match self {
-            Linear::Dense { w, b } => w.nbytes() + b.as_ref().map_or(0, Array::nbytes),
+            Linear::Dense { w, b, .. } => w.nbytes() + b.as_ref().map_or(0, Array::nbytes),
             Linear::Quant { w, scales, biases, b, .. } => {
                 w.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes) + b.as_ref().map_or(0, Array::nbytes)
             }
@@ -58,7 +60,8 @@ impl Linear {
 
 /// Token embedding (dense or quantized); `as_linear` is the tied output head.
 pub enum Embedding {
-    Dense(Array),
+    /// The table and its transposed view (for the tied output head; no copy).
+    Dense { w: Array, wt: Array },
     Quant { w: Array, scales: Array, biases: Option<Array>, q: QuantSpec },
 }
 
@@ -71,13 +74,16 @@ impl Embedding {
                 biases: ws.remove(&format!("{prefix}.biases")),
                 q,
             }),
-            None => Ok(Embedding::Dense(ws.take(&format!("{prefix}.weight"))?)),
+            None => {
+                let w = ws.take(&format!("{prefix}.weight"))?;
+                Ok(Embedding::Dense { wt: mx::transpose(&w)?, w })
+            }
         }
     }
 
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense(w) => mx::take(w, ids, 0),
+            Embedding::Dense { w, .. } => mx::take(w, ids, 0),
             Embedding::Quant { w, scales, biases, q } => {
                 let rows = mx::take(w, ids, 0)?;
                 let s = mx::take(scales, ids, 0)?;
@@ -89,7 +95,7 @@ impl Embedding {
 
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense(w) => mx::matmul(x, &mx::transpose(w)?),
+            Embedding::Dense { wt, .. } => mx::matmul(x, wt),
             Embedding::Quant { w, scales, biases, q } => {
                 mx::quantized_matmul(x, w, scales, biases.as_ref(), true, q.group_size, q.bits)
             }
@@ -98,7 +104,7 @@ impl Embedding {
 
     pub fn dtype(&self) -> Dtype {
         match self {
-            Embedding::Dense(w) => w.dtype(),
+            Embedding::Dense { w, .. } => w.dtype(),
             Embedding::Quant { scales, .. } => scales.dtype(),
         }
     }
@@ -132,7 +138,15 @@ pub struct Rope {
     pub base: f32,
     pub scale: f32,
     pub freqs: Option<Array>,
+    /// The bits of `freqs` (the key of the shared cos/sin table).
+    freq_bits: Vec<u32>,
 }
+
+/// cos/sin tables of the positions 0..len, one per set of rope parameters and dtype, shared by all
+/// layers and models of the process; grown on demand.
+type RopeKey = (i32, u32, u32, Vec<u32>, Dtype);
+static ROPE_TABLES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<RopeKey, (Array, Array, i32)>>> =
+    std::sync::OnceLock::new();
 
 impl Rope {
     /// mlx-lm's `initialize_rope` for the scaling types the supported architectures use.
@@ -143,8 +157,15 @@ impl Rope {
             .unwrap_or("default");
         let f = |k: &str, d: f64| scaling.and_then(|s| s.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
         match ty {
-            "default" => Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None }),
-            "linear" => Ok(Rope { dims, traditional, base, scale: 1.0 / f("factor", 1.0) as f32, freqs: None }),
+            "default" => Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None, freq_bits: Vec::new() }),
+            "linear" => Ok(Rope {
+                dims,
+                traditional,
+                base,
+                scale: 1.0 / f("factor", 1.0) as f32,
+                freqs: None,
+                freq_bits: Vec::new(),
+            }),
             "llama3" => {
                 let factor = f("factor", 1.0);
                 let low = f("low_freq_factor", 1.0);
@@ -167,7 +188,14 @@ impl Rope {
                     })
                     .collect();
                 let n = freqs.len() as i32;
-                Ok(Rope { dims, traditional, base, scale: 1.0, freqs: Some(Array::from_slice(&freqs, &[n])?) })
+                Ok(Rope {
+                    dims,
+                    traditional,
+                    base,
+                    scale: 1.0,
+                    freqs: Some(Array::from_slice(&freqs, &[n])?),
+                    freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
+                })
             }
             other => Err(crate::Error::Unsupported(format!(
                 "rope_scaling type {other:?} is not supported (supported: default, linear, llama3)"
@@ -175,11 +203,60 @@ impl Rope {
         }
     }
 
-    pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+    /// MLX's rope (on the CPU a composition of ~20 ops that recomputes the frequencies, cos and sin
+    /// on every call).
+    fn mlx_rope(&self, x: &Array, offset: i32) -> Result<Array> {
         match &self.freqs {
             Some(f) => mx::rope(x, self.dims, self.traditional, None, self.scale, offset, Some(f)),
             None => mx::rope(x, self.dims, self.traditional, Some(self.base), self.scale, offset, None),
         }
+    }
+
+    /// Rotate `x` `[B, H, L, D]` at positions offset..offset+L. Non-traditional rope reads cos/sin
+    /// from a cached table and applies MLX's fallback formula (x1 cos - x2 sin, x1 sin + x2 cos, then
+    /// the unrotated rest), which gives bit-identical results with about half the graph nodes.
+    pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+        if self.traditional || x.ndim() != 4 || offset < 0 {
+            return self.mlx_rope(x, offset);
+        }
+        let (l, d, half) = (x.dim(2), x.dim(3), self.dims / 2);
+        let (cos, sin) = self.table(offset + l, x.dtype())?;
+        let c = mx::slice_axis(&cos, 2, offset, offset + l)?;
+        let s = mx::slice_axis(&sin, 2, offset, offset + l)?;
+        let x1 = mx::slice_axis(x, 3, 0, half)?;
+        let x2 = mx::slice_axis(x, 3, half, self.dims)?;
+        let a = mx::subtract(&mx::multiply(&x1, &c)?, &mx::multiply(&x2, &s)?)?;
+        let b = mx::add(&mx::multiply(&x1, &s)?, &mx::multiply(&x2, &c)?)?;
+        if self.dims < d {
+            let rest = mx::slice_axis(x, 3, self.dims, d)?;
+            mx::concatenate(&[&a, &b, &rest], 3)
+        } else {
+            mx::concatenate(&[&a, &b], 3)
+        }
+    }
+
+    /// cos and sin `[1, 1, len', dims/2]` (len' >= len) in `dtype`. They are computed by MLX's own
+    /// rope applied to rows [1, .., 1, 0, .., 0] (x1 = 1, x2 = 0 gives exactly cos and sin), so they
+    /// are the values its fallback computes, bit for bit.
+    fn table(&self, len: i32, dtype: Dtype) -> Result<(Array, Array)> {
+        let key: RopeKey = (self.dims, self.base.to_bits(), self.scale.to_bits(), self.freq_bits.clone(), dtype);
+        let tables = ROPE_TABLES.get_or_init(Default::default);
+        let mut tables = tables.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((c, s, n)) = tables.get(&key) {
+            if *n >= len {
+                return Ok((c.clone(), s.clone()));
+            }
+        }
+        let n = (len.max(1024) as u32).checked_next_power_of_two().map_or(len, |n| n as i32);
+        let half = self.dims / 2;
+        let row: Vec<f32> = (0..self.dims).map(|i| if i < half { 1.0 } else { 0.0 }).collect();
+        let ident = mx::broadcast_to(&Array::from_slice(&row, &[1, 1, 1, self.dims])?, &[1, 1, n, self.dims])?;
+        let t = self.mlx_rope(&ident, 0)?;
+        let c = mx::contiguous(&mx::astype(&mx::slice_axis(&t, 3, 0, half)?, dtype)?)?;
+        let s = mx::contiguous(&mx::astype(&mx::slice_axis(&t, 3, half, self.dims)?, dtype)?)?;
+        mx::eval(&[&c, &s])?;
+        tables.insert(key, (c.clone(), s.clone(), n));
+        Ok((c, s))
     }
 }
 
