@@ -1,0 +1,360 @@
+"""The wheel as a user gets it: built by maturin (release, abi3), repaired for manylinux without
+vendoring libmlx, installed with its `cpu` extra into a fresh virtual environment, and run from a
+directory outside the checkout with nothing of the source tree on the path.
+
+- `maturin build --release` reuses target/ (the same profile, features and interpreter as
+  setup.sh's `maturin develop --release`), so this costs seconds when the extension is built;
+- Linux: `auditwheel repair --exclude libmlx.so` (libmlx comes from the `mlx` wheel);
+- the contents and the size are printed (visible with plain `pytest -q`);
+- smoke test: `python -m mlxrs --version`, a Session generation on a tiny model, and
+  `python -m mlxrs serve` answering one OpenAI and one Anthropic request;
+- native/pack.py's tarball, unpacked into a fresh MLXRS_HOME, serves the installed wheel when
+  its sidecar is gone.
+
+MLXRS_WHEEL=/path/to/mlxrs-*.whl tests that wheel instead of building one (the wheels workflow);
+MLXRS_TEST_WHEEL=0 skips this module (a quicker local run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+from typing import Any, Iterable, Sequence, TypeVar
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINUX = sys.platform.startswith("linux")
+LIBMLXC = "libmlxc.dylib" if sys.platform == "darwin" else "libmlxc.so"
+MLX_VERSION = "0.30.6"
+
+_LOG: list[str] = []  # timings, printed by the first test that runs the installed wheel
+
+pytestmark = pytest.mark.skipif(os.environ.get("MLXRS_TEST_WHEEL") == "0", reason="MLXRS_TEST_WHEEL=0")
+
+
+def _run(cmd: Sequence[object], what: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
+    if p.returncode != 0:
+        raise AssertionError(f"{what} failed (exit {p.returncode}): {' '.join(map(str, cmd))}\n"
+                             f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}")
+    return p
+
+
+def _tool(name: str) -> str:
+    """A console script of the running (development) environment."""
+    found = Path(sys.executable).with_name(name)
+    path = str(found) if found.exists() else shutil.which(name)
+    assert path, f"{name} not found (scripts/setup.sh installs it into .venv)"
+    return path
+
+
+T = TypeVar("T", str, Path)
+
+
+def _only(items: Iterable[T]) -> T:
+    found = sorted(items)
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    given = os.environ.get("MLXRS_WHEEL")
+    if given:
+        return {"wheel": Path(given).resolve(), "log": [f"given by MLXRS_WHEEL: {given}"]}
+    sidecar = ROOT / "python" / "mlxrs" / LIBMLXC
+    assert sidecar.is_file(), f"{sidecar} is missing: run scripts/setup.sh (python native/build.py) first"
+    out = tmp_path_factory.mktemp("wheel")
+    log = []
+    t0 = time.monotonic()
+    _run([_tool("maturin"), "build", "--release", "--interpreter", sys.executable, "--auditwheel", "skip",
+          "--out", out / "raw"], "maturin build", cwd=ROOT)
+    wheel = _only((out / "raw").glob("*.whl"))
+    log.append(f"maturin build --release: {time.monotonic() - t0:.0f}s -> {wheel.name}")
+    if LINUX:
+        t0 = time.monotonic()
+        _run([_tool("auditwheel"), "repair", "--exclude", "libmlx.so", "--wheel-dir", out, wheel],
+             "auditwheel repair", cwd=ROOT)
+        wheel = _only(out.glob("*.whl"))
+        log.append(f"auditwheel repair --exclude libmlx.so: {time.monotonic() - t0:.0f}s -> {wheel.name}")
+    return {"wheel": wheel, "log": log}
+
+
+@pytest.fixture(scope="module")
+def wheel(built: dict[str, Any]) -> Path:
+    return built["wheel"]
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("venv") / "v"
+    _run([sys.executable, "-m", "venv", d], "python -m venv")
+    extras = "[cpu,server]" if LINUX else "[server]"
+    t0 = time.monotonic()
+    _run([d / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "-q",
+          f"{wheel}{extras}"], "pip install of the wheel", cwd=d, env=_clean_env(d))
+    _LOG.append(f"[wheel] pip install '{wheel.name}{extras}' into a fresh venv: {time.monotonic() - t0:.0f}s")
+    return d
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    from tinymodels import make_model
+
+    return make_model("llama-float32", "llama")
+
+
+def _clean_env(venv: Path, home: Path | None = None) -> dict[str, str]:
+    """The environment of a user who only pip-installed the wheel: no MLXRS_* overrides, no
+    development venv, no PYTHONPATH, and an empty mlxrs home (no native packs)."""
+    drop = {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "LD_PRELOAD",
+            "DYLD_LIBRARY_PATH", "DYLD_INSERT_LIBRARIES"}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("MLXRS_")}
+    dev_bin = str(Path(sys.executable).parent)
+    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != dev_bin and not p.startswith(str(ROOT))]
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), *path])
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PYTHONNOUSERSITE"] = "1"
+    env["MLXRS_HOME"] = str(home or venv.parent / "mlxrs-home")
+    return env
+
+
+def _py(venv: Path, args: Sequence[object], what: str, cwd: Path, env: dict[str, str] | None = None,
+        timeout: float = 300) -> str:
+    """Run the fresh venv's Python isolated (-I: no cwd, no PYTHON* variables, no user site)."""
+    return _run([venv / "bin" / "python", "-I", *args], what, cwd=cwd, env=env or _clean_env(venv),
+                timeout=timeout).stdout
+
+
+def _site(venv: Path) -> Path:
+    return _only((venv / "lib").glob("python3*/site-packages"))
+
+
+def _elf_dynamic(path: Path) -> dict[str, list[str]]:
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+
+    out: dict[str, list[str]] = {"needed": [], "runpath": []}
+    with open(path, "rb") as fh:
+        for sec in ELFFile(fh).iter_sections():
+            if isinstance(sec, DynamicSection):
+                for tag in sec.iter_tags():
+                    if tag.entry.d_tag == "DT_NEEDED":
+                        out["needed"].append(getattr(tag, "needed"))
+                    elif tag.entry.d_tag in ("DT_RUNPATH", "DT_RPATH"):
+                        out["runpath"] += getattr(tag, tag.entry.d_tag[3:].lower()).split(":")
+    return out
+
+
+def test_wheel_contents_and_metadata(built: dict[str, Any], wheel: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        infos = z.infolist()
+        names = {i.filename for i in infos}
+        meta = z.read(_only(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        tags = z.read(_only(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+        entry = z.read(_only(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+        z.extract(f"mlxrs/{LIBMLXC}", tmp_path)
+    size = wheel.stat().st_size
+    with capsys.disabled():
+        print(f"\n[wheel] {wheel.name}: {size} bytes ({size / 2**20:.2f} MiB)")
+        for line in built["log"]:
+            print(f"[wheel] {line}")
+        for i in sorted(infos, key=lambda i: i.filename):
+            print(f"[wheel]   {i.file_size:>10}  {i.compress_size:>10}  {i.filename}")
+    ext = [n for n in names if re.fullmatch(r"mlxrs/_native\.abi3\.so", n)]
+    assert ext, f"no abi3 extension module in {sorted(names)}"
+    for needed in (f"mlxrs/{LIBMLXC}", "mlxrs/_native.pyi", "mlxrs/py.typed", "mlxrs/__init__.py",
+                   "mlxrs/__main__.py", "mlxrs/cli.py", "mlxrs/server/app.py"):
+        assert needed in names, f"{needed} is not in the wheel"
+    assert not [n for n in names if "libmlx." in n], "libmlx must come from the mlx wheel, not be vendored"
+    assert not [n for n in names if n.startswith(("mlxrs.libs/", ".dylibs/", "mlxrs/.dylibs/"))], "grafted libraries"
+    assert not [n for n in names if "__pycache__" in n or n.startswith(("tests/", "crates/", "native/"))]
+    assert "mlxrs=mlxrs.cli:main" in entry.replace(" ", ""), entry
+    # tags: one abi3 wheel for every CPython >= 3.10; manylinux on Linux
+    tag_lines = [ln.split(": ", 1)[1] for ln in tags.splitlines() if ln.startswith("Tag: ")]
+    assert tag_lines and all(t.startswith("cp310-abi3-") for t in tag_lines), tag_lines
+    if LINUX:
+        assert all(re.fullmatch(r"cp310-abi3-manylinux_2_\d+_x86_64|cp310-abi3-manylinux_2_\d+_aarch64", t)
+                   for t in tag_lines), tag_lines
+    # dependencies and extras
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(ln.split(": ", 1)[1]) for ln in meta.splitlines() if ln.startswith("Requires-Dist: ")]
+    assert "Requires-Python: >=3.10" in meta
+
+    def find(name: str, extra: str | None, mlx_extras: set[str] = set()) -> Requirement:
+        for r in reqs:
+            env_extra = {"extra": extra or ""}
+            in_extra = r.marker is not None and "extra" in str(r.marker)
+            if r.name == name and r.extras == mlx_extras and (in_extra == (extra is not None)) and (
+                    r.marker is None or r.marker.evaluate({**env_extra, "sys_platform": "linux"})):
+                return r
+        raise AssertionError(f"no requirement {name}{sorted(mlx_extras)} for extra {extra}: {[str(r) for r in reqs]}")
+
+    assert str(find("mlx", None).specifier) == f"=={MLX_VERSION}"
+    assert str(find("mlx", "cpu", {"cpu"}).specifier) == f"=={MLX_VERSION}"
+    assert str(find("mlx", "cuda", {"cuda13"}).specifier) == f"=={MLX_VERSION}"
+    assert find("aiohttp", "server")
+    for r in reqs:  # the cpu/cuda extras are Linux-only (macOS gets mlx-metal through mlx)
+        if r.extras & {"cpu", "cuda13"}:
+            assert r.marker is not None and not r.marker.evaluate({"extra": "cpu", "sys_platform": "darwin"}) \
+                and not r.marker.evaluate({"extra": "cuda", "sys_platform": "darwin"}), str(r)
+    # libmlxc finds libmlx through its run path in the pip layout (site-packages/mlx/lib)
+    if LINUX:
+        dyn = _elf_dynamic(tmp_path / "mlxrs" / LIBMLXC)
+        assert "libmlx.so" in dyn["needed"], dyn
+        assert "$ORIGIN" in dyn["runpath"] and "$ORIGIN/../mlx/lib" in dyn["runpath"], dyn
+
+
+def test_installed_wheel_version(venv: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():
+        print("\n" + "\n".join(_LOG))
+    site = _site(venv)
+    out = _py(venv, ["-m", "mlxrs", "--version"], "python -m mlxrs --version", cwd=tmp_path)
+    assert out.startswith("mlxrs "), out
+    assert f"MLX {MLX_VERSION}, mlx-c 0.5.0" in out, out
+    assert f"libmlxc: {site / 'mlxrs' / LIBMLXC} (from sidecar)" in out, out
+    assert f"libmlx: {site / 'mlx' / 'lib'}" in out, out
+    # the console script too
+    script = _run([venv / "bin" / "mlxrs", "--version"], "mlxrs --version", cwd=tmp_path, env=_clean_env(venv))
+    assert script.stdout == out
+
+
+SESSION = """
+import json, sys
+import mlxrs
+info = mlxrs.runtime_info()
+with mlxrs.Session(sys.argv[1]) as s:
+    a = s.generate("The quick brown fox", max_tokens=8, temperature=0.0)
+    b = s.generate("The quick brown fox", max_tokens=8, temperature=0.0)
+    c = s.chat([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.0)
+print(json.dumps({"file": mlxrs.__file__, "path": sys.path, "info": info, "a": [a.text, a.tokens, a.finish_reason,
+                  a.usage.prompt_tokens, a.usage.completion_tokens], "b": b.tokens, "chat": c.usage.completion_tokens}))
+"""
+
+
+def test_installed_wheel_session(venv: Path, model: Path, tmp_path: Path) -> None:
+    site = _site(venv)
+    r = json.loads(_py(venv, ["-c", SESSION, str(model)], "Session generation", cwd=tmp_path).strip().splitlines()[-1])
+    assert Path(r["file"]).resolve() == (site / "mlxrs" / "__init__.py").resolve(), r["file"]
+    assert not [p for p in r["path"] if p.startswith(str(ROOT)) or p in ("", ".")], r["path"]
+    info = r["info"]
+    assert info["source"] == "sidecar" and Path(info["libmlxc"]).resolve() == (site / "mlxrs" / LIBMLXC).resolve(), info
+    assert Path(info["libmlx"]).resolve().is_relative_to(site.resolve()), info
+    assert info["mlx_version"] == MLX_VERSION and info["mlxc_version"] == "0.5.0", info
+    text, tokens, finish, n_prompt, n_out = r["a"]
+    assert n_prompt > 0 and n_out == len(tokens) and 1 <= n_out <= 8, r["a"]
+    assert finish in ("length", "stop") and (finish == "stop" or n_out == 8), r["a"]
+    assert r["b"] == tokens, "greedy generation is deterministic"
+    assert 1 <= r["chat"] <= 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _http(url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def test_installed_wheel_serves(venv: Path, model: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([str(venv / "bin" / "python"), "-I", "-m", "mlxrs", "serve", str(model),
+                                 "--port", str(port)], cwd=tmp_path, env=_clean_env(venv), stdout=fh, stderr=fh)
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() - t0 < 120, f"serve did not come up:\n{log.read_text()}"
+            try:
+                if _http(f"{base}/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        status, body = _http(f"{base}/v1/chat/completions", {
+            "model": model.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0})
+        assert status == 200, body
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant", body
+        assert isinstance(body["choices"][0]["message"]["content"], str), body
+        assert 1 <= body["usage"]["completion_tokens"] <= 8, body
+        status, body = _http(f"{base}/v1/messages", {
+            "model": model.name, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
+            headers={"anthropic-version": "2023-06-01", "x-api-key": "unused"})
+        assert status == 200, body
+        assert body["type"] == "message" and body["role"] == "assistant", body
+        assert body["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence"), body
+        assert 1 <= body["usage"]["output_tokens"] <= 8, body
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_native_pack_serves_the_installed_wheel(venv: Path, model: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """native/pack.py's tarball, unpacked into MLXRS_HOME, is found by the resolver's native-pack
+    rung when the wheel's sidecar is gone, and supplies libmlx (and its companions) itself."""
+    if LINUX:
+        _tool("patchelf")
+    _run([sys.executable, ROOT / "native" / "pack.py", "--out", tmp_path / "packs"], "native/pack.py", cwd=ROOT,
+         env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
+    tarball = _only((tmp_path / "packs").glob("mlxrs-native-v*.tar.gz"))
+    import hashlib
+
+    digest, name = (tmp_path / "packs" / f"{tarball.name}.sha256").read_text().split()
+    assert name == tarball.name and digest == hashlib.sha256(tarball.read_bytes()).hexdigest()
+    home = tmp_path / "home"
+    home.mkdir()
+    with tarfile.open(tarball) as t:
+        members = t.getnames()
+        if hasattr(tarfile, "data_filter"):
+            t.extractall(home, filter="data")
+        else:  # Python < 3.10.12 / 3.11.4
+            t.extractall(home)
+    packdir = _only(p for p in home.iterdir())
+    assert packdir.name == tarball.name.removeprefix("mlxrs-").removesuffix(".tar.gz")
+    with capsys.disabled():
+        print(f"\n[pack] {tarball.name}: {tarball.stat().st_size} bytes, sha256 {digest}")
+        for m in members:
+            print(f"[pack]   {m}")
+    sidecar = _site(venv) / "mlxrs" / LIBMLXC
+    hidden = sidecar.with_name(LIBMLXC + ".hidden")
+    sidecar.rename(hidden)
+    try:
+        env = _clean_env(venv, home)
+        info = json.loads(_py(venv, ["-c", "import json, mlxrs; print(json.dumps(mlxrs.runtime_info()))"],
+                              "runtime_info from the native pack", cwd=tmp_path, env=env).strip().splitlines()[-1])
+        assert info["source"] == "native-pack cache", info
+        assert Path(info["libmlxc"]).parent == packdir and Path(info["libmlx"]).parent == packdir, info
+        out = _py(venv, ["-c", SESSION, str(model)], "Session on the native pack", cwd=tmp_path, env=env)
+        assert json.loads(out.strip().splitlines()[-1])["a"][4] >= 1
+    finally:
+        hidden.rename(sidecar)
