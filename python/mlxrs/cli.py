@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print runtime information and run a tiny computation")
     info.set_defaults(func=_cmd_info)
     _add_serve(sub)
+    from mlxrs import hub, native_pack
+
+    hub.add_parser(sub)  # get
+    native_pack.add_parser(sub)  # native
     conv = sub.add_parser("convert", help="import a GGUF file (llama.cpp) into a model directory")
     conv.add_argument("model", help="path to a .gguf file")
     conv.add_argument("out_dir", help="output directory (must not exist or be empty)")

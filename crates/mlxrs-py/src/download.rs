@@ -78,6 +78,8 @@ pub fn download<'py>(
         dl::fetch(&req, &mut cb)
     });
     let out = match result {
+        // the file is complete, but an interrupt that arrived at the last callback still propagates
+        Ok(_) if raised.is_some() => return Err(raised.take().expect("checked")),
         Ok(o) => o,
         Err(DownloadError::Cancelled(what)) => {
             return Err(raised.unwrap_or_else(|| download_error(py, DownloadError::Cancelled(what))))
