@@ -398,3 +398,27 @@ def test_concurrent_threads_in_one_process_share_the_lock(fake: FakeHub, tmp_pat
     assert not errors, errors
     check_snapshot(tmp_path / "c" / "models--org--model" / "snapshots" / fake.repos["org/model"].main, files())
     assert fake.served["model-00001-of-00002.safetensors"] == len(MODEL)
+
+
+def test_ctrl_c_stops_get_keeps_the_partial_file_and_the_rerun_resumes(fake: FakeHub, env: dict[str, str]) -> None:
+    import signal
+    import time
+
+    fake.delay = 0.05  # ~2.5 s for the big file
+    p = subprocess.Popen([sys.executable, "-m", "mlxrs", "get", "org/model"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    part = cache_of(env) / "models--org--model" / "blobs" / (sha256(MODEL) + ".incomplete")
+    t0 = time.monotonic()
+    while not (part.exists() and part.stat().st_size > 300_000) and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (p.returncode, out, err)
+    assert "Traceback" not in err, err
+    kept = part.stat().st_size
+    assert 300_000 < kept < len(MODEL)
+    fake.delay = 0.0
+    served_before = fake.served["model-00001-of-00002.safetensors"]
+    snap = ok(get(env, "org/model"))  # the lock was released; the partial file is resumed
+    check_snapshot(snap, files())
+    assert fake.served["model-00001-of-00002.safetensors"] - served_before == len(MODEL) - kept
