@@ -393,6 +393,8 @@ enum Attempt {
     Done,
     /// Worth retrying: (what went wrong, bytes received in this attempt).
     Failed(String, u64),
+    /// Retrying cannot help (a certificate the roots do not vouch for).
+    Fatal(String),
 }
 
 /// Fetch `req.url` into `req.dest`, resuming and verifying as the module describes.
@@ -463,24 +465,30 @@ fn transfer(
         }
         match attempt(req, part, ticker, out, &mut announced)? {
             Attempt::Done => return Ok(announced),
+            Attempt::Fatal(detail) => return Err(gave_up(req, part, detail)),
             Attempt::Failed(detail, got) => {
                 failures = if got > 0 { 1 } else { failures + 1 };
                 if failures > req.retries {
-                    if part.len == 0 {
-                        let _ = std::fs::remove_file(&part.path);
-                    }
-                    return Err(DownloadError::Network {
-                        name: req.name.clone(),
-                        url: req.url.clone(),
-                        detail,
-                        done: part.len,
-                        partial: part.path.clone(),
-                    });
+                    return Err(gave_up(req, part, detail));
                 }
                 let wait = req.backoff.saturating_mul(1 << (failures - 1).min(6)).min(Duration::from_secs(10));
                 std::thread::sleep(wait);
             }
         }
+    }
+}
+
+/// The error for a transfer that stops here; an empty partial file is not left behind.
+fn gave_up(req: &Request, part: &Partial, detail: String) -> DownloadError {
+    if part.len == 0 {
+        let _ = std::fs::remove_file(&part.path);
+    }
+    DownloadError::Network {
+        name: req.name.clone(),
+        url: req.url.clone(),
+        detail,
+        done: part.len,
+        partial: part.path.clone(),
     }
 }
 
@@ -501,7 +509,16 @@ fn attempt(
     }
     let resp = match call.call() {
         Ok(r) => r,
-        Err(e) => return Ok(Attempt::Failed(e.to_string(), 0)),
+        Err(e) => {
+            let detail = e.to_string();
+            if detail.contains("certificate") {
+                return Ok(Attempt::Fatal(format!(
+                    "{detail} (behind a TLS-inspecting proxy? set SSL_CERT_FILE to a CA bundle that includes its \
+                     certificate)"
+                )));
+            }
+            return Ok(Attempt::Failed(detail, 0));
+        }
     };
     let status = resp.status().as_u16();
     let header = |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
