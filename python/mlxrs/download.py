@@ -121,7 +121,7 @@ class _Rate:
         while len(self.samples) > 2 and t - self.samples[0][0] > self.window:
             self.samples.popleft()
         t0, d0 = self.samples[0]
-        return (done - d0) / (t - t0) if t > t0 else 0.0
+        return (done - d0) / (t - t0) if t - t0 >= 0.25 else 0.0  # too short a window says nothing yet
 
 
 class Progress:
