@@ -23,6 +23,8 @@ __all__ = [
     "_sample",
     "plan",
     "device_memory",
+    "model_facts",
+    "SUPPORTED_MODEL_TYPES",
     "download",
     "native_pack_info",
     "_gguf_dequantize",
@@ -131,6 +133,15 @@ def plan(
 def device_memory() -> tuple[int, str]:
     """(bytes, source) of the memory the default budget is a fraction of; source is "mlx-gpu",
     "proc-meminfo", "sysctl" or "unknown"."""
+
+def model_facts(model_dir: str | os.PathLike[str], kv_bits: int | None = None, kv_group_size: int = 64) -> str:
+    """What the planner knows about a model directory or .gguf file, as JSON: model_type,
+    num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size,
+    sliding (per layer: its window or null), act_bytes, weights_bytes, max_position_embeddings,
+    and kv_bytes_per_token_layer for `kv_bits`."""
+
+SUPPORTED_MODEL_TYPES: Final[list[str]]
+"""The config.json model_type values mlxrs can load (crates/mlxrs-core/src/models/mod.rs)."""
 
 # ---- transfers (crates/mlxrs-core/src/download.rs, native_pack.rs) ----------------------------
 

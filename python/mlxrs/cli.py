@@ -60,7 +60,8 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                                     "/v1/models; Anthropic /v1/messages; /health and /stats. "
                                     "See docs/server-config.md.")
     sp.add_argument("model", nargs="?", default=None,
-                    help="model directory or .gguf file (default: the embedded Gemma 3 270M)")
+                    help="model directory, .gguf file, or registry name / unique substring (see `scan`; "
+                         "default: the embedded Gemma 3 270M)")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sp.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     sp.add_argument("--api-key", default=None,
@@ -77,6 +78,113 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     sp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="log verbosity on stderr (debug adds an access log)")
     sp.set_defaults(func=_cmd_serve)
+
+
+def _cmd_scan(args: argparse.Namespace) -> int:
+    import json
+
+    from mlxrs import registry
+
+    res = registry.scan()
+    if args.json:
+        print(json.dumps({"roots": res.roots, "models": [e.to_json() for e in res.entries],
+                          "skipped": [{"path": p, "why": w} for p, w in res.skipped]}, indent=2))
+        return 0
+    ok = sum(e.supported for e in res.entries)
+    print(f"scanned {', '.join(res.roots)}")
+    print(f"{len(res.entries)} models ({ok} loadable by mlxrs), registry {registry.db_path()}")
+    for p, why in res.skipped:
+        print(f"skipped {p}: {why}")
+    if res.entries:
+        print(registry.format_entries(sorted(res.entries, key=lambda e: (e.name.lower(), e.revision or ""))))
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    import json
+
+    from mlxrs import registry
+
+    pool = registry.entries()
+    es = registry.match(args.pattern, pool) if args.pattern else pool
+    if args.json:
+        print(json.dumps([e.to_json() for e in es], indent=2))
+        return 0 if es or not args.pattern else 1
+    if not es:
+        what = f"{args.pattern!r}: no models match" if args.pattern else "the registry is empty:"
+        print(f"{what} {registry.SCAN_HINT}", file=sys.stderr)
+        return 1 if args.pattern else 0
+    print(registry.format_entries(es))
+    stale = [e for e in es if e.stale]
+    if stale:
+        print(f"{len(stale)} stale {'entry' if len(stale) == 1 else 'entries'} (files gone): "
+              f"{', '.join(e.name for e in stale)} — run `mlxrs scan` to drop them")
+    return 0
+
+
+def _fit_target(model: str | None) -> tuple["Path", str]:
+    """What `fit` plans for MODEL: a directory or .gguf file as given (a .gguf is planned as its bf16
+    import, from its header), a registry name, or the embedded default."""
+    from pathlib import Path
+
+    from mlxrs import registry
+    from mlxrs.errors import ModelLoadError
+    from mlxrs.models import resolve_model
+
+    if model is None:
+        return resolve_model(None), "the embedded default"
+    p = Path(model)
+    if p.exists():
+        return p, str(model)
+    if registry.looks_like_name(model):
+        found = registry.resolve_name(model)
+        return found, f"{model} → {found}"
+    raise ModelLoadError(f"{model} does not exist")
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    import json
+
+    from mlxrs import fit
+
+    path, label = _fit_target(args.model)
+    if args.skus:
+        plans = fit.sku_plans(path, args.ctx, args.kv_quant, args.memory_budget)
+        print(json.dumps(plans, indent=2) if args.json else fit.describe_skus(label, plans))
+        return 0
+    p = fit.plan(path, args.ctx, args.kv_quant, args.memory_budget)
+    print(json.dumps(p, indent=2) if args.json else fit.describe(path, label, p, args.kv_quant, args.memory_budget))
+    return 0
+
+
+def _add_registry(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    sc = sub.add_parser("scan", help="record the models in the Hugging Face cache and MLXRS_MODEL_DIRS",
+                        description="Walk the Hugging Face hub cache (HF_HUB_CACHE, else HF_HOME/hub, else "
+                                    "~/.cache/huggingface/hub) and the directories of MLXRS_MODEL_DIRS, and record "
+                                    "every model found in the registry ($MLXRS_HOME/registry.sqlite).")
+    sc.add_argument("--json", action="store_true", help="print what was found as JSON")
+    sc.set_defaults(func=_cmd_scan)
+    ls = sub.add_parser("ls", help="list the registered models (see `scan`)")
+    ls.add_argument("pattern", nargs="?", default=None,
+                    help="a name, ORG/REPO[@REVISION], substring or glob to filter by")
+    ls.add_argument("--json", action="store_true", help="print the entries as JSON")
+    ls.set_defaults(func=_cmd_ls)
+    ft = sub.add_parser("fit", help="will MODEL and a context fit the memory budget?",
+                        description="Plan the memory of MODEL (directory, .gguf file or registry name) from its "
+                                    "config and safetensors headers, without loading it: weights, KV cache, prefill "
+                                    "transient, reserve, the budget and the largest context that fits.")
+    ft.add_argument("model", nargs="?", default=None,
+                    help="model directory, .gguf file, or registry name / unique substring (default: the embedded "
+                         "Gemma 3 270M)")
+    ft.add_argument("--ctx", type=int, default=None, metavar="N",
+                    help="context tokens to evaluate (default: the model's maximum)")
+    ft.add_argument("--kv-quant", type=int, choices=[4, 8], default=None, help="plan a 4- or 8-bit KV cache")
+    ft.add_argument("--memory-budget", default=None, metavar="BYTES|FRACTION",
+                    help="bytes (e.g. 12G) or a fraction of device memory in (0, 1]; default 0.75")
+    ft.add_argument("--skus", action="store_true",
+                    help="evaluate the Apple Silicon lineup and common NVIDIA GPUs instead of this machine")
+    ft.add_argument("--json", action="store_true", help="print the MemoryPlan (schemaVersion 1) as JSON")
+    ft.set_defaults(func=_cmd_fit)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="weights dtype: bf16 (default), f16, f32, or MLX affine q8/q4 (group 64)")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=_cmd_convert)
+    _add_registry(sub)
     return p
 
 

@@ -228,6 +228,25 @@ impl ModelFacts {
         Self::from_config(&config, weights_bytes, act.unwrap_or(2))
     }
 
+    /// Facts from a GGUF file as `serve` and `Session` import it (bf16, their default): the config
+    /// the importer writes (`gguf::import::hf_config`) and 2 bytes per element of every tensor it
+    /// keeps (all but `rope_freqs`). Only the header is read.
+    pub fn from_gguf(path: &Path) -> Result<ModelFacts> {
+        let f = crate::gguf::GgufFile::open(path)?;
+        let cfg = crate::gguf::import::hf_config(&f.header)?;
+        let elems: u64 = f.header.tensors.iter().filter(|t| t.name != "rope_freqs.weight").map(|t| t.n_elements()).sum();
+        Self::from_config(&cfg, elems * 2, 2)
+    }
+
+    /// Facts from a model directory or a `.gguf` file.
+    pub fn from_path(path: &Path) -> Result<ModelFacts> {
+        if path.is_file() && path.extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf")) {
+            Self::from_gguf(path)
+        } else {
+            Self::from_dir(path)
+        }
+    }
+
     /// Facts from a config and known weight bytes / activation dtype size.
     pub fn from_config(config: &Value, weights_bytes: u64, act_bytes: u64) -> Result<ModelFacts> {
         let c = text_config(config);

@@ -4,7 +4,8 @@ use mlxrs_core::plan::{self as core_plan, Budget, ModelFacts, PlanOptions};
 use mlxrs_core::Error;
 use pyo3::prelude::*;
 
-/// The memory plan (MemoryPlan schemaVersion 1, as JSON) for the model in `model_dir` at
+/// The memory plan (MemoryPlan schemaVersion 1, as JSON) for the model in `model_dir` (or a
+/// `.gguf` file, planned as its bf16 import) at
 /// `context_tokens` (None: the model's maximum), with a quantized KV cache of `kv_bits` and the
 /// `budget` ("0.75"-style fraction of device memory or bytes such as "12G"; None: 0.75).
 /// `device_bytes` overrides the device memory (what `--skus` evaluates); `fused_attention`
@@ -33,7 +34,7 @@ pub fn plan(
         return Err(Error::Invalid("kv_group_size and prefill_step_size must be >= 1".into())).py(py);
     }
     let budget = budget.map(Budget::parse).transpose().py(py)?.unwrap_or(Budget::Default);
-    let facts = py.allow_threads(|| ModelFacts::from_dir(&model_dir)).py(py)?;
+    let facts = py.allow_threads(|| ModelFacts::from_path(&model_dir)).py(py)?;
     let (dev_bytes, gpu) = match (device_bytes, fused_attention) {
         (Some(b), Some(f)) => (b, f),
         _ => {
@@ -60,8 +61,22 @@ pub fn device_memory(py: Python<'_>) -> (u64, String) {
     (d.bytes, d.source.to_string())
 }
 
+/// What the planner knows about the model in `model_dir` (or a `.gguf` file), as JSON: the
+/// fields of `ModelFacts` plus `kv_bytes_per_token_layer` for `kv_bits` (None: unquantized).
+#[pyfunction]
+#[pyo3(signature = (model_dir, kv_bits=None, kv_group_size=64))]
+pub fn model_facts(py: Python<'_>, model_dir: std::path::PathBuf, kv_bits: Option<u32>, kv_group_size: u64) -> PyResult<String> {
+    let facts = py.allow_threads(|| ModelFacts::from_path(&model_dir)).py(py)?;
+    let mut v = serde_json::to_value(&facts).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+    v["kv_bytes_per_token_layer"] = serde_json::json!(facts.kv_bytes_per_token_layer(kv_bits, kv_group_size.max(1)));
+    Ok(v.to_string())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(device_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(model_facts, m)?)?;
+    // the model_type values mlxrs can load (models/mod.rs), for the registry's `supported` column
+    m.add("SUPPORTED_MODEL_TYPES", mlxrs_core::models::SUPPORTED.to_vec())?;
     Ok(())
 }

@@ -1,0 +1,369 @@
+"""The model registry: `scan`, `ls` and name resolution (for `serve`, `fit` and Session) on a
+synthetic Hugging Face hub cache (blobs/, snapshots/<rev>/ symlinks, refs/main) with several
+models, two revisions of one, a broken one, an unsupported one, one deleted after the scan (stale),
+and MLXRS_MODEL_DIRS holding a plain model directory and a GGUF file. Every path is under a
+temporary directory: HF_HUB_CACHE and MLXRS_HOME never point at the real home."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from server_util import Server, free_port
+from tinymodels import make_model
+
+REV_ALPHA = "a1" * 20
+REV_BETA_OLD = "b0" * 20
+REV_BETA_MAIN = "b1" * 20
+REV_GONE = "c1" * 20
+
+GGUF_TEMPLATE = ("{% if tools %}{{ tools | tojson }}{% endif %}"
+                 "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+
+
+def hub_model(hub: Path, repo_id: str, rev: str, src: Path, *, main: bool = True,
+              config: str | None = None) -> Path:
+    """Put the files of `src` into the hub layout: blobs/<sha256>, snapshots/<rev>/<file> -> blob."""
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    blobs, snap = repo / "blobs", repo / "snapshots" / rev
+    blobs.mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.name.startswith("."):
+            continue
+        data = config.encode() if (config is not None and f.name == "config.json") else f.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        (snap / f.name).symlink_to(os.path.relpath(blobs / digest, snap))
+    if main:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+def write_gguf(path: Path) -> int:
+    """A small llama GGUF (header and a few tensors); returns its parameter count."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(2048)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_file_type(1)  # MOSTLY_F16
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(32)])
+    w.add_token_types([1] * 32)
+    w.add_chat_template(GGUF_TEMPLATE)
+    tensors = {"token_embd.weight": np.zeros((32, 64), np.float16),
+               "blk.0.attn_q.weight": np.zeros((64, 64), np.float16),
+               "output_norm.weight": np.ones(64, np.float32)}
+    for k, v in tensors.items():
+        w.add_tensor(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sum(v.size for v in tensors.values())
+
+
+def st_facts(d: Path) -> tuple[int, int]:
+    """(parameters, tensor bytes) of a model directory, from the safetensors headers."""
+    import struct
+
+    params = nbytes = 0
+    for f in d.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            head = json.loads(fh.read(n))
+        for k, t in head.items():
+            if k != "__metadata__":
+                params += int(np.prod(t["shape"])) if t["shape"] else 1
+                nbytes += t["data_offsets"][1] - t["data_offsets"][0]
+    return params, nbytes
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("registry")
+    hub, home, extra = root / "hub", root / "mlxrs-home", root / "extra"
+    qwen3 = make_model("qwen3-float32", "qwen3")
+    llama = make_model("llama-float32", "llama")
+    gemma = make_model("gemma3_text-float32", "gemma3_text")
+    qwen2 = make_model("qwen2-float32", "qwen2")
+    paths = {
+        "alpha": hub_model(hub, "Org/Alpha-Qwen3", REV_ALPHA, qwen3),
+        "beta_old": hub_model(hub, "Org/Beta-Llama", REV_BETA_OLD, llama, main=False),
+        "beta": hub_model(hub, "Org/Beta-Llama", REV_BETA_MAIN, llama),
+        "gemma": hub_model(hub, "Other/Gemma-Tiny", "d1" * 20, gemma),
+        "broken": hub_model(hub, "Org/Broken-Model", "e1" * 20, qwen3, config="{not json"),
+        "unsupported": hub_model(hub, "Org/Mamba-Thing", "f1" * 20, qwen3,
+                                 config=json.dumps({**json.loads((qwen3 / "config.json").read_text()),
+                                                    "model_type": "mamba"})),
+        "gone": hub_model(hub, "Org/Gone-Qwen3", REV_GONE, qwen3),
+    }
+    extra.mkdir()
+    shutil.copytree(qwen2, extra / "local-qwen2", ignore=shutil.ignore_patterns(".*"))
+    paths["local"] = extra / "local-qwen2"
+    (extra / "ggufs").mkdir()
+    paths["gguf"] = extra / "ggufs" / "tiny-llama.gguf"
+    gguf_params = write_gguf(paths["gguf"])
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "MLXRS_HOME": str(home), "MLXRS_MODEL_DIRS": str(extra)}
+    env.pop("HF_HOME", None)
+    scan = cli(env, "scan", "--json")
+    assert scan.returncode == 0, scan.stderr
+    # the stale one: its snapshot is deleted after the scan
+    shutil.rmtree(paths["gone"])
+    return {"root": root, "hub": hub, "home": home, "extra": extra, "env": env, "paths": paths,
+            "scan": json.loads(scan.stdout), "gguf_params": gguf_params, "src": {"qwen3": qwen3, "qwen2": qwen2}}
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mlxrs", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture
+def in_world(world: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    for k in ("HF_HUB_CACHE", "MLXRS_HOME", "MLXRS_MODEL_DIRS"):
+        monkeypatch.setenv(k, world["env"][k])
+    return world
+
+
+def by_name(scan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for m in scan["models"]:
+        out.setdefault(m["name"], []).append(m)
+    return out
+
+
+# ---- scan ---------------------------------------------------------------------------------------
+
+def test_scan_records_every_loadable_model(world: dict[str, Any]) -> None:
+    models = by_name(world["scan"])
+    assert set(models) == {"Org/Alpha-Qwen3", "Org/Beta-Llama", "Other/Gemma-Tiny", "Org/Mamba-Thing",
+                           "Org/Gone-Qwen3", "local-qwen2", "tiny-llama.gguf"}
+    assert (world["home"] / "registry.sqlite").is_file()
+    a = models["Org/Alpha-Qwen3"][0]
+    params, nbytes = st_facts(world["src"]["qwen3"])
+    assert a == {**a, "repo_id": "Org/Alpha-Qwen3", "revision": REV_ALPHA, "is_main": True, "source": "hf-cache",
+                 "format": "safetensors", "model_type": "qwen3", "supported": True, "params": params,
+                 "weight_bytes": nbytes, "dtype": "float32", "quantization": None, "context_length": 4096,
+                 "chat_template": True, "tools": False, "path": str(world["paths"]["alpha"])}
+    revs = {m["revision"]: m["is_main"] for m in models["Org/Beta-Llama"]}
+    assert revs == {REV_BETA_OLD: False, REV_BETA_MAIN: True}
+    assert models["Other/Gemma-Tiny"][0]["model_type"] == "gemma3_text"
+    m = models["Org/Mamba-Thing"][0]
+    assert m["supported"] is False and "'mamba' is not supported" in m["note"]
+    local = models["local-qwen2"][0]
+    assert local["source"] == "model-dirs" and local["model_type"] == "qwen2" and local["supported"]
+    g = models["tiny-llama.gguf"][0]
+    assert g == {**g, "format": "gguf", "model_type": "llama", "supported": True, "params": world["gguf_params"],
+                 "quantization": "F16", "context_length": 2048, "chat_template": True, "tools": True,
+                 "path": str(world["paths"]["gguf"])}
+    # the broken one is reported, not recorded
+    skipped = {s["path"]: s["why"] for s in world["scan"]["skipped"]}
+    assert "config.json is not valid JSON" in skipped[str(world["paths"]["broken"])]
+    assert "Org/Broken-Model" in skipped[str(world["paths"]["broken"])]
+
+
+def test_scan_prints_a_summary_and_the_table(world: dict[str, Any], tmp_path: Path) -> None:
+    env = {**world["env"], "MLXRS_HOME": str(tmp_path / "home2")}
+    r = cli(env, "scan")
+    assert r.returncode == 0, r.stderr
+    assert "7 models (6 loadable by mlxrs)" in r.stdout  # two revisions of Beta; Gone is gone by now
+    assert "skipped " + str(world["paths"]["broken"]) in r.stdout
+    assert "Org/Alpha-Qwen3" in r.stdout and "tiny-llama.gguf" in r.stdout
+    assert (tmp_path / "home2" / "registry.sqlite").is_file()
+
+
+def test_registry_is_sqlite_with_the_recorded_columns(world: dict[str, Any]) -> None:
+    con = sqlite3.connect(world["home"] / "registry.sqlite")
+    cols = {r[1] for r in con.execute("PRAGMA table_info(models)")}
+    n = con.execute("SELECT count(*) FROM models").fetchone()[0]
+    con.close()
+    assert {"name", "repo_id", "revision", "path", "model_type", "supported", "params", "weight_bytes",
+            "quantization", "context_length", "chat_template", "tools"} <= cols
+    assert n == 8
+
+
+def test_hub_cache_location_follows_huggingface_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from mlxrs import registry
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "b"))
+    assert registry.hub_cache() == tmp_path / "a"
+    monkeypatch.delenv("HF_HUB_CACHE")
+    assert registry.hub_cache() == tmp_path / "b" / "hub"
+    monkeypatch.delenv("HF_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
+    assert registry.hub_cache() == tmp_path / "c" / "huggingface" / "hub"
+    monkeypatch.setenv("MLXRS_HOME", str(tmp_path / "h"))
+    assert registry.db_path() == tmp_path / "h" / "registry.sqlite"
+    monkeypatch.delenv("MLXRS_HOME")
+    assert registry.db_path() == tmp_path / "c" / "mlxrs" / "registry.sqlite"
+
+
+def test_huggingface_hub_agrees_on_the_cache_layout(world: dict[str, Any]) -> None:
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(world["hub"])
+    repos = {r.repo_id: {rev.commit_hash for rev in r.revisions} for r in info.repos}
+    assert repos["Org/Beta-Llama"] == {REV_BETA_OLD, REV_BETA_MAIN}
+    assert "Org/Alpha-Qwen3" in repos
+
+
+# ---- ls -----------------------------------------------------------------------------------------
+
+def test_ls_lists_everything_and_reports_the_stale_entry(world: dict[str, Any]) -> None:
+    r = cli(world["env"], "ls")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "REV", "TYPE", "MLXRS", "PARAMS", "QUANT", "SIZE", "CTX", "CHAT", "STATUS"]
+    row = {ln.split()[0]: ln for ln in lines[1:] if ln and not ln.startswith("1 stale")}
+    assert row["Org/Gone-Qwen3"].split()[-1] == "stale"
+    assert row["Org/Alpha-Qwen3"].split()[-1] == "ok"
+    assert " no " in row["Org/Mamba-Thing"]
+    assert "tools" in row["tiny-llama.gguf"] and "F16" in row["tiny-llama.gguf"]
+    assert "1 stale entry (files gone): Org/Gone-Qwen3 — run `mlxrs scan` to drop them" in r.stdout
+
+
+def test_ls_pattern_filters(world: dict[str, Any]) -> None:
+    r = cli(world["env"], "ls", "beta")
+    assert r.returncode == 0
+    rows = r.stdout.splitlines()[1:]
+    assert len(rows) == 2 and all(x.startswith("Org/Beta-Llama") for x in rows)
+    r = cli(world["env"], "ls", "*qwen*", "--json")
+    assert {e["name"] for e in json.loads(r.stdout)} == {"Org/Alpha-Qwen3", "Org/Gone-Qwen3", "local-qwen2"}
+    stale = {e["name"]: e["stale"] for e in json.loads(r.stdout)}
+    assert stale == {"Org/Alpha-Qwen3": False, "Org/Gone-Qwen3": True, "local-qwen2": False}
+    r = cli(world["env"], "ls", "nothing-like-this")
+    assert r.returncode == 1
+    assert "'nothing-like-this': no models match (try `mlxrs scan`)" in r.stderr
+
+
+def test_ls_on_an_empty_registry(world: dict[str, Any], tmp_path: Path) -> None:
+    r = cli({**world["env"], "MLXRS_HOME": str(tmp_path)}, "ls")
+    assert r.returncode == 0
+    assert "the registry is empty: (try `mlxrs scan`)" in r.stderr
+    assert not (tmp_path / "registry.sqlite").exists()
+
+
+# ---- name resolution ----------------------------------------------------------------------------
+
+def test_resolution(in_world: dict[str, Any]) -> None:
+    from mlxrs.registry import resolve_name
+
+    p = in_world["paths"]
+    assert resolve_name("Org/Alpha-Qwen3") == p["alpha"]
+    assert resolve_name("alpha") == p["alpha"]  # unique substring, any case
+    assert resolve_name("org/beta-llama") == p["beta"]  # two revisions: refs/main wins
+    assert resolve_name(f"Org/Beta-Llama@{REV_BETA_OLD[:7]}") == p["beta_old"]
+    assert resolve_name("gemma-tiny") == p["gemma"]
+    assert resolve_name("local-qwen2") == p["local"]
+    assert resolve_name("tiny-llama") == p["gguf"]
+    # "qwen3" matches Alpha and the stale Gone: the stale one is not a candidate
+    assert resolve_name("qwen3") == p["alpha"]
+
+
+def test_misses_and_ambiguity(in_world: dict[str, Any]) -> None:
+    from mlxrs.errors import ModelLoadError
+    from mlxrs.registry import resolve_name
+
+    with pytest.raises(ModelLoadError, match=r"no models match \(try `mlxrs scan`\)"):
+        resolve_name("zebra")
+    with pytest.raises(ModelLoadError, match=r"no models match \(try `mlxrs scan`\)"):
+        resolve_name("broken")  # not recorded
+    with pytest.raises(ModelLoadError) as e:
+        resolve_name("qwen")
+    msg = str(e.value)
+    assert "'qwen' is ambiguous: it matches 2 models" in msg
+    assert "Org/Alpha-Qwen3@a1a1a1a" in msg and "local-qwen2" in msg and str(in_world["paths"]["local"]) in msg
+    with pytest.raises(ModelLoadError) as e:
+        resolve_name("Org/")
+    assert "ambiguous" in str(e.value) and "Org/Beta-Llama" in str(e.value)
+    with pytest.raises(ModelLoadError) as e:
+        resolve_name("gone")
+    assert "stale registry entry whose files are gone" in str(e.value) and "mlxrs scan" in str(e.value)
+
+
+def test_session_accepts_a_name(in_world: dict[str, Any]) -> None:
+    import mlxrs
+
+    with mlxrs.Session("alpha") as s:
+        assert s.model_path == str(in_world["paths"]["alpha"])
+        assert len(s.generate([5, 6, 7], max_tokens=3, temperature=0).tokens) == 3
+    with pytest.raises(mlxrs.errors.ModelLoadError, match=r"no models match \(try `mlxrs scan`\)"):
+        mlxrs.Session("zebra")
+
+
+def test_paths_still_win_over_names(in_world: dict[str, Any], tmp_path: Path) -> None:
+    from mlxrs.errors import ModelLoadError
+    from mlxrs.models import resolve_model
+
+    assert resolve_model(str(in_world["paths"]["local"])) == in_world["paths"]["local"]
+    # an absolute path that does not exist is not looked up as a name
+    missing = tmp_path / "alpha"
+    assert resolve_model(str(missing)) == missing
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        import mlxrs
+
+        mlxrs.Session(missing)
+
+
+# ---- fit and serve take names -------------------------------------------------------------------
+
+def test_fit_accepts_names(world: dict[str, Any]) -> None:
+    r = cli(world["env"], "fit", "alpha", "--ctx", "1000", "--json")
+    assert r.returncode == 0, r.stderr
+    by_name_plan = json.loads(r.stdout)
+    r = cli(world["env"], "fit", str(world["paths"]["alpha"]), "--ctx", "1000", "--json")
+    assert json.loads(r.stdout) == by_name_plan
+    r = cli(world["env"], "fit", "tiny-llama", "--json")  # a GGUF, planned from its header
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["weightsBytes"] == 2 * world["gguf_params"] and p["contextTokens"] == 2048
+    r = cli(world["env"], "fit", "zebra")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "error: 'zebra' is not a model directory or file, and no models match (try `mlxrs scan`)"
+    r = cli(world["env"], "fit", "qwen")
+    assert r.returncode == 1 and "ambiguous" in r.stderr and "local-qwen2" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_serve_accepts_a_name(world: dict[str, Any]) -> None:
+    with Server("beta", env=world["env"]) as s:
+        status, body = s.get("/v1/models")
+        assert status == 200 and body["data"][0]["id"] == "beta"
+        status, out = s.post("/v1/completions", {"model": "beta", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert status == 200, out
+        assert out["usage"]["completion_tokens"] == 2
+        assert s.stats()["memory_plan"]["weightsBytes"] == st_facts(world["paths"]["beta"])[1]
+
+
+def test_serve_reports_a_miss_and_exits_1(world: dict[str, Any]) -> None:
+    r = cli(world["env"], "serve", "zebra", "--port", str(free_port()))
+    assert r.returncode == 1
+    assert "no models match (try `mlxrs scan`)" in r.stderr
+    r = cli(world["env"], "serve", "qwen", "--port", str(free_port()))
+    assert r.returncode == 1 and "ambiguous" in r.stderr
+
+
+# ---- rescan drops the stale entry (last: it changes the registry) -------------------------------
+
+def test_rescan_drops_the_stale_entry(world: dict[str, Any]) -> None:
+    r = cli(world["env"], "scan", "--json")
+    names = {m["name"] for m in json.loads(r.stdout)["models"]}
+    assert "Org/Gone-Qwen3" not in names and "Org/Alpha-Qwen3" in names
+    r = cli(world["env"], "ls")
+    assert "stale" not in r.stdout
