@@ -142,6 +142,12 @@ pub struct Rope {
     freq_bits: Vec<u32>,
 }
 
+/// Whether the default device is a GPU (decided once per process).
+fn on_gpu() -> bool {
+    static GPU: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *GPU.get_or_init(|| mx::default_device().map(|d| d.kind() == mx::DeviceKind::Gpu).unwrap_or(false))
+}
+
 /// cos/sin tables of the positions 0..len, one per set of rope parameters and dtype, shared by all
 /// layers and models of the process; grown on demand.
 type RopeKey = (i32, u32, u32, Vec<u32>, Dtype);
@@ -216,7 +222,9 @@ impl Rope {
     /// from a cached table and applies MLX's fallback formula (x1 cos - x2 sin, x1 sin + x2 cos, then
     /// the unrotated rest), which gives bit-identical results with about half the graph nodes.
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
-        if self.traditional || x.ndim() != 4 || offset < 0 {
+        // The cos/sin table pays off only on the CPU, where MLX's rope is an op-by-op fallback; on a
+        // GPU (Metal, CUDA) `fast::rope` is one fused kernel and is what mlx-lm runs there.
+        if self.traditional || x.ndim() != 4 || offset < 0 || on_gpu() {
             return self.mlx_rope(x, offset);
         }
         let (l, d, half) = (x.dim(2), x.dim(3), self.dims / 2);
@@ -399,12 +407,33 @@ impl Mlp {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let g = self.gate.forward(x)?;
         let u = self.up.forward(x)?;
-        let a = match self.act {
-            Activation::Silu => mx::multiply(&g, &mx::sigmoid(&g)?)?,
-            Activation::GeluApprox => gelu_approx(&g)?,
+        let h = match self.act {
+            Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
+            Activation::GeluApprox => mx::multiply(&compiled(&GELU_APPROX, |a| Ok(vec![gelu_approx(&a[0])?]), &[&g])?, &u)?,
         };
-        self.down.forward(&mx::multiply(&a, &u)?)
+        self.down.forward(&h)
     }
+}
+
+type CompiledSlot = std::sync::OnceLock<Option<std::sync::Mutex<mx::Compiled>>>;
+static SWIGLU: CompiledSlot = std::sync::OnceLock::new();
+static GELU_APPROX: CompiledSlot = std::sync::OnceLock::new();
+
+/// `silu(gate) * up`, as mlx-lm's compiled `swiglu`.
+fn swiglu(a: &[Array]) -> Result<Vec<Array>> {
+    let g = &a[0];
+    Ok(vec![mx::multiply(&mx::multiply(g, &mx::sigmoid(g)?)?, &a[1])?])
+}
+
+/// Run `f` through MLX's compiler (shapeless, like mlx-lm's `@mx.compile(shapeless=True)`
+/// activations: one fused kernel on a GPU); falls back to the plain ops if compilation fails.
+fn compiled(slot: &'static CompiledSlot, f: fn(&[Array]) -> Result<Vec<Array>>, args: &[&Array]) -> Result<Array> {
+    let c = slot.get_or_init(|| mx::Compiled::new(f, true).ok().map(std::sync::Mutex::new));
+    let out = match c {
+        Some(m) => m.lock().unwrap_or_else(|e| e.into_inner()).call(args)?,
+        None => f(&args.iter().map(|a| (*a).clone()).collect::<Vec<_>>())?,
+    };
+    out.into_iter().next().ok_or_else(|| crate::Error::Mlx("compiled activation returned nothing".into()))
 }
 
 /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, as mlx.nn.gelu_approx.
