@@ -41,8 +41,9 @@ def _apple(chip: str, sizes: tuple[int, ...], bw: float) -> list[Sku]:
 # Mac mini, iMac, Mac Studio and Mac Pro of each generation) and the chip announcements in Apple
 # Newsroom (M1 2020-11-10, M1 Pro/Max 2021-10-18, M1 Ultra 2022-03-08, M2 2022-06-06, M2 Pro/Max
 # 2023-01-17, M2 Ultra 2023-06-05, M3 family 2023-10-30, M4 2024-05-07, M4 Pro/Max 2024-10-30,
-# M3 Ultra 2025-03-05). Where a chip comes in two bandwidth bins (M3 Max 300/400 GB/s, M4 Max
-# 410/546 GB/s) the table lists the smaller memory sizes with the lower bin.
+# M3 Ultra 2025-03-05). Where a chip comes in two bins, the memory sizes go with the bin that offers them:
+# M3 Max 14-core CPU (300 GB/s) with 36 or 96GB, 16-core (400 GB/s) with 48, 64 or 128GB; M4 Max 14-core
+# (410 GB/s) with 36GB, 16-core (546 GB/s) with 48, 64 or 128GB.
 APPLE_SKUS: tuple[Sku, ...] = tuple(
     _apple("M1", (8, 16), 68.25)
     + _apple("M1 Pro", (16, 32), 200)
@@ -54,7 +55,7 @@ APPLE_SKUS: tuple[Sku, ...] = tuple(
     + _apple("M2 Ultra", (64, 128, 192), 800)
     + _apple("M3", (8, 16, 24), 100)
     + _apple("M3 Pro", (18, 36), 150)
-    + _apple("M3 Max", (36,), 300) + _apple("M3 Max", (48, 64, 96, 128), 400)
+    + _apple("M3 Max", (36, 96), 300) + _apple("M3 Max", (48, 64, 128), 400)
     + _apple("M3 Ultra", (96, 256, 512), 819)
     + _apple("M4", (16, 24, 32), 120)
     + _apple("M4 Pro", (24, 48, 64), 273)
