@@ -128,7 +128,8 @@ def plan(
     """The MemoryPlan (schemaVersion 1) as JSON for the model in `model_dir` (config.json and
     safetensors headers only) at `context_tokens` (None: the model's maximum). `budget` is a
     fraction of device memory ("0.5") or bytes ("12G", "8000000000"); None: 0.75 × device memory.
-    `device_bytes` overrides the device memory; `fused_attention` defaults to true on a GPU."""
+    `device_bytes` overrides the device memory; `fused_attention` defaults to true on Metal only
+    (MLX has no fused prefill attention on the CPU or CUDA)."""
 
 def device_memory() -> tuple[int, str]:
     """(bytes, source) of the memory the default budget is a fraction of; source is "mlx-gpu",

@@ -86,7 +86,8 @@ NVIDIA_SKUS: tuple[Sku, ...] = (
     Sku("A100 80GB", "nvidia", 80, 2039),
     Sku("H100 80GB PCIe", "nvidia", 80, 2000),
     Sku("H100 80GB SXM", "nvidia", 80, 3350),
-    Sku("H200 141GB", "nvidia", 141, 4800),
+    # nvidia-smi on the H200 test machine: 143771 MiB (bench/RESULTS-fit.md)
+    Sku("H200 141GB", "nvidia", 143771 / 1024, 4800),
 )
 
 SKUS: tuple[Sku, ...] = APPLE_SKUS + NVIDIA_SKUS
@@ -113,15 +114,16 @@ def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | N
 def sku_plans(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
               budget: str | None = None) -> list[dict[str, Any]]:
     """One plan per SKU. A fraction budget applies to each SKU's memory; a byte budget is capped
-    at it. Attention is planned as the fused kernels Metal and CUDA run."""
+    at it. Attention is planned as MLX runs it there: fused on Metal, materialized scores on CUDA
+    (MLX 0.30.6 has no fused prefill attention on CUDA; bench/RESULTS-fit.md)."""
     out = []
     for s in SKUS:
         b = budget
         if _budget_is_bytes(budget):
-            probe = plan(model, ctx, kv_bits, budget, s.memory_bytes, True)
+            probe = plan(model, ctx, kv_bits, budget, s.memory_bytes, s.kind == "apple")
             if probe["usableBytes"] > s.memory_bytes:
                 b = str(s.memory_bytes)
-        p = plan(model, ctx, kv_bits, b, s.memory_bytes, True)
+        p = plan(model, ctx, kv_bits, b, s.memory_bytes, s.kind == "apple")
         # the bandwidth roofline: each decoded token reads the weights and the KV cache once
         read = p["weightsBytes"] + p["kvBytes"]
         ceiling = s.bandwidth_gbs * 1e9 / read if read else None

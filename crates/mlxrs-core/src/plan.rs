@@ -308,8 +308,9 @@ pub struct PlanOptions {
     pub kv_bits: Option<u32>,
     pub kv_group_size: u64,
     pub prefill_step: u64,
-    /// Attention runs as a fused kernel that never materializes the scores (MLX's SDPA on Metal
-    /// and CUDA); false on CPU, where the general path does.
+    /// Attention runs as a fused kernel that never materializes the scores (MLX's SDPA on Metal);
+    /// false on CPU and on CUDA, where MLX 0.30.6 prefills through the general path (measured on an
+    /// H200: bench/RESULTS-fit.md).
     pub fused_attention: bool,
     /// The usable bytes.
     pub usable_bytes: u64,

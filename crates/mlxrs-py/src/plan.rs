@@ -9,7 +9,8 @@ use pyo3::prelude::*;
 /// `context_tokens` (None: the model's maximum), with a quantized KV cache of `kv_bits` and the
 /// `budget` ("0.75"-style fraction of device memory or bytes such as "12G"; None: 0.75).
 /// `device_bytes` overrides the device memory (what `--skus` evaluates); `fused_attention`
-/// defaults to true on a GPU device, false on CPU.
+/// defaults to true on Metal only: MLX 0.30.6 has no fused prefill attention on CUDA, where the
+/// peaks measured on an H200 (bench/RESULTS-fit.md) are up to 3.4x the fused plan.
 #[pyfunction]
 #[pyo3(signature = (model_dir, context_tokens=None, kv_bits=None, budget=None, kv_group_size=64,
                     prefill_step_size=2048, device_bytes=None, fused_attention=None))]
@@ -39,7 +40,8 @@ pub fn plan(
         (Some(b), Some(f)) => (b, f),
         _ => {
             let d = py.allow_threads(core_plan::device_memory);
-            (device_bytes.unwrap_or(d.bytes), fused_attention.unwrap_or(d.source == "mlx-gpu"))
+            let metal = d.source == "mlx-gpu" && cfg!(target_os = "macos");
+            (device_bytes.unwrap_or(d.bytes), fused_attention.unwrap_or(metal))
         }
     };
     let o = PlanOptions {

@@ -1,0 +1,91 @@
+"""Measure what the memory planner (crates/mlxrs-core/src/plan.rs) is calibrated against: MLX's peak
+memory over one generation of 2 tokens after a prompt of n random tokens, each in a fresh process,
+next to the plan's weights + KV + transient at n + 2 tokens (with and without fused attention).
+
+    python bench/fit_calibration.py [--out results.json] [--cases NAME:N[:KVBITS] ...]
+
+The models are tests/test_fit.py's (random weights, written once under tests/.models). The table at
+TRANSIENT_SLACK in plan.rs comes from this script on the CPU; on a GPU it checks the fused-attention
+plan (`fused_attention=True`, what `fit --skus` and the server assume on Metal and CUDA).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+# the same models as tests/test_fit.py
+MODELS: dict[str, tuple[str, str, dict[str, int]]] = {
+    "fit-llama-f32": ("llama", "float32", dict(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128,
+                                                inter=2048, vocab=2048)),
+    "fit-gemma3-f32": ("gemma3_text", "float32", dict(hidden=768, layers=6, heads=4, kv_heads=2, head_dim=192,
+                                                      inter=3072, vocab=2048)),
+    "fit-qwen3-bf16": ("qwen3", "bfloat16", dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64,
+                                                 inter=2816, vocab=2048)),
+    # fit-llama-f32's shape in bfloat16: separates the dtype from the architecture
+    "fit-llama-bf16": ("llama", "bfloat16", dict(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128,
+                                                 inter=2048, vocab=2048)),
+}
+CASES = ["fit-llama-f32:512", "fit-llama-f32:2048", "fit-llama-f32:4000", "fit-llama-f32:3000:8",
+         "fit-llama-f32:3000:4", "fit-gemma3-f32:1000", "fit-gemma3-f32:4000", "fit-qwen3-bf16:512",
+         "fit-qwen3-bf16:2048", "fit-qwen3-bf16:4000"]
+
+MEASURE = """
+import json, random, sys
+import mlxrs
+d, n, kv, vocab = sys.argv[1], int(sys.argv[2]), (None if sys.argv[3] == "none" else int(sys.argv[3])), int(sys.argv[4])
+s = mlxrs.Session(d, kv_bits=kv)
+ids = [random.Random(n).randrange(10, vocab) for _ in range(n)]
+c = s.generate(ids, max_tokens=2, temperature=0)
+print(json.dumps({"peak": c.timings.peak_memory, "prompt_seconds": c.timings.prompt_seconds}))
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", nargs="*", default=CASES)
+    args = ap.parse_args()
+
+    import mlxrs
+    from mlxrs import _native
+
+    info = mlxrs.runtime_info()  # loads the runtime (and the BLAS preload) before mlx is imported
+    from tinymodels import make_model
+
+    print(f"backend {info['backend']} ({info['device']}), device memory {_native.device_memory()}", flush=True)
+    rows: list[dict[str, Any]] = []
+    for case in args.cases:
+        name, n_s, *kv_s = case.split(":")
+        n, kv = int(n_s), (int(kv_s[0]) if kv_s else None)
+        arch, dtype, shape = MODELS[name]
+        d = make_model(name, arch, dtype=dtype, **shape)
+        r = subprocess.run([sys.executable, "-c", MEASURE, str(d), str(n), str(kv or "none"), str(shape["vocab"])],
+                           capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            print(f"{case}: failed\n{r.stderr[-2000:]}", flush=True)
+            continue
+        m = json.loads(r.stdout)
+        row: dict[str, Any] = {"model": name, "n": n, "kv_bits": kv, **m}
+        for fused in (False, True):
+            p = json.loads(_native.plan(str(d), n + 2, kv, None, fused_attention=fused, device_bytes=1 << 40))
+            est = p["weightsBytes"] + p["kvBytes"] + p["transientBytes"]
+            row["fused" if fused else "unfused"] = {"planned": est, "ratio": est / m["peak"], **p}
+        rows.append(row)
+        print(f"{name:16s} n={n:5d} kv={kv}: measured {m['peak'] / 1e6:8.1f} MB; planned unfused "
+              f"{row['unfused']['planned'] / 1e6:8.1f} ({row['unfused']['ratio']:.3f}), fused "
+              f"{row['fused']['planned'] / 1e6:8.1f} ({row['fused']['ratio']:.3f}); prefill {m['prompt_seconds']:.2f}s",
+              flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"runtime": info, "rows": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
