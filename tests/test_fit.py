@@ -212,14 +212,12 @@ def test_skus() -> None:
     assert text.splitlines()[1].split()[:3] == ["SKU", "MEMORY", "BUDGET"] and "H200 141GB" in text
 
 
-def test_gguf_is_planned_like_its_import(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_is_planned_like_its_import(monkeypatch: pytest.MonkeyPatch, gemma_gguf: Path) -> None:
     """A .gguf file is planned from its header as the bf16 directory `serve` imports it into."""
     from mlxrs.models import cached_gguf
 
     models = Path(__file__).resolve().parent / ".models"
-    src = models / "gemma-3-270m-q4_k_m.gguf"
-    if not src.is_file():
-        pytest.skip("the Gemma 3 270M GGUF (mlxrs[demo]) is not in tests/.models")
+    src = gemma_gguf
     monkeypatch.setenv("MLXRS_HOME", str(models / "mlxrs-home"))  # test_gemma_real's import cache
     imported = cached_gguf(src)
     a, b = plan(src, 4096), plan(imported, 4096)

@@ -25,9 +25,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_file() -> Path:
-    ROOT.mkdir(parents=True, exist_ok=True)
-    return Path(gemma_pkg.assemble(ROOT / "gemma-3-270m-q4_k_m.gguf"))
+def gguf_file(gemma_gguf: Path) -> Path:
+    return gemma_gguf
 
 
 @pytest.fixture(scope="module")
