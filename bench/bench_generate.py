@@ -2,12 +2,16 @@
 
     python bench/bench_generate.py --model all --runs 5 --json bench/results.json
 
-Three engines, each a persistent worker process (bench/_worker.py) with its model loaded once:
+Engines, each a persistent worker process (bench/_worker.py) with its model loaded once:
 
-  mlxrs            mlxrs.Session (it preloads OpenBLAS before libmlx)
-  mlx-lm stock     mlx_lm.generate.generate_step after a plain `import mlx.core` (the reference BLAS
-                   bundled in the mlx-cpu wheel)
-  mlx-lm openblas  the same, started with LD_PRELOAD=<the OpenBLAS mlxrs reports>: the same BLAS as mlxrs
+  mlxrs                 mlxrs.Session (it loads its gemv router, libmlxrs_blas, then OpenBLAS, before
+                        libmlx: native/blas_gemv.c)
+  mlx-lm stock          mlx_lm.generate.generate_step after a plain `import mlx.core` (the reference
+                        BLAS bundled in the mlx-cpu wheel)
+  mlx-lm openblas       the same, started with LD_PRELOAD=<the OpenBLAS mlxrs reports>
+  mlx-lm openblas+gemv  the same, started with LD_PRELOAD=<mlxrs's gemv router>:<that OpenBLAS>: exactly
+                        the BLAS path mlxrs runs on
+  mlxrs no-gemv         (only with --engines) mlxrs with MLXRS_BLAS_GEMV=off: OpenBLAS alone
 
 Every engine gets the same prompt token ids, greedy decoding with EOS ignored, the same warm-up (one
 discarded generation identical to a measured one), and is timed the same way from outside (see
@@ -52,8 +56,8 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 
-ENGINES = ["mlxrs", "mlx-lm stock", "mlx-lm openblas"]
-SHIM = "mlxrs gemv-shim"  # optional (--gemv-shim): mlxrs with bench/gemv_shim.c as its BLAS
+ENGINES = ["mlxrs", "mlx-lm stock", "mlx-lm openblas", "mlx-lm openblas+gemv"]
+OPTIONAL = ["mlxrs no-gemv"]
 
 # (model, metric, baseline engine) -> target ratio mlxrs / baseline
 TARGETS = {
@@ -63,6 +67,8 @@ TARGETS = {
     ("100m", "decode", "mlx-lm stock"): 2.0,
     ("100m", "prefill", "mlx-lm openblas"): 1.0,
     ("100m", "decode", "mlx-lm openblas"): 1.0,
+    ("100m", "prefill", "mlx-lm openblas+gemv"): 1.0,
+    ("100m", "decode", "mlx-lm openblas+gemv"): 1.0,
 }
 
 
@@ -95,19 +101,13 @@ def ensure_model(key: str) -> Path:
     return tm.make_model(m["dir"], "llama", dtype="float32", **m["shape"])
 
 
-def openblas_path() -> str:
-    out = subprocess.run([sys.executable, "-c", "import mlxrs; print(mlxrs.runtime_info().get('blas') or '')"],
+def blas_paths() -> tuple[str, str]:
+    """The OpenBLAS and the gemv router mlxrs loads ('' where it loads none)."""
+    out = subprocess.run([sys.executable, "-c", "import mlxrs; i = mlxrs.runtime_info(); "
+                          "print(i.get('blas') or ''); print(i.get('blas_gemv') or '')"],
                          capture_output=True, text=True, check=True)
-    return out.stdout.strip()
-
-
-def build_shim(openblas: str) -> str:
-    """Compile bench/gemv_shim.c against the OpenBLAS mlxrs uses (needs gcc)."""
-    out = HERE / ".build" / "libgemvshim.so"
-    out.parent.mkdir(exist_ok=True)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(out), str(HERE / "gemv_shim.c"), openblas, "-ldl",
-                    f"-Wl,-rpath,{os.path.dirname(openblas)}"], check=True)
-    return str(out)
+    blas, gemv = (out.stdout.splitlines() + ["", ""])[:2]
+    return blas.strip(), gemv.strip()
 
 
 def mlxrs_build() -> dict[str, Any]:
@@ -122,17 +122,19 @@ def mlxrs_build() -> dict[str, Any]:
 
 
 class Worker:
-    def __init__(self, name: str, model: Path, blas: str, shim: str | None = None) -> None:
+    def __init__(self, name: str, model: Path, blas: str, gemv: str) -> None:
         self.name = name
         engine = "mlxrs" if name.startswith("mlxrs") else "mlxlm"
         env = dict(os.environ)
         env.pop("LD_PRELOAD", None)
         env.pop("MLXRS_BLAS", None)
+        env.pop("MLXRS_BLAS_GEMV", None)
         if name == "mlx-lm openblas":
             env["LD_PRELOAD"] = blas
-        if name == SHIM:
-            assert shim
-            env["MLXRS_BLAS"] = shim
+        if name == "mlx-lm openblas+gemv":
+            env["LD_PRELOAD"] = f"{gemv}:{blas}"
+        if name == "mlxrs no-gemv":
+            env["MLXRS_BLAS_GEMV"] = "off"
         self.p = subprocess.Popen([sys.executable, str(HERE / "_worker.py"), "--engine", engine, "--model", str(model)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
         self.ready = self._read()
@@ -194,12 +196,12 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def bench_model(key: str, runs: int, p_tokens: int, g_tokens: int, blas: str, engines: list[str],
-                shim: str | None, quiet: float | None, quiet_wait: float = 120) -> dict[str, Any]:
+                gemv: str, quiet: float | None, quiet_wait: float = 120) -> dict[str, Any]:
     d = ensure_model(key)
     vocab = json.loads((d / "config.json").read_text())["vocab_size"]
     prompt = prompt_ids(vocab, p_tokens)
     print(f"\n[bench] model {key}: {d.name}, prompt {p_tokens} tokens, {g_tokens} generated, {runs} runs", flush=True)
-    workers = {e: Worker(e, d, blas, shim) for e in engines}
+    workers = {e: Worker(e, d, blas, gemv) for e in engines}
     samples: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
     try:
         for e, w in workers.items():
@@ -285,9 +287,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, help="default: 64 (tiny), 512 (100m)")
     ap.add_argument("--gen-tokens", type=int, help="default: 256 (tiny), 128 (100m)")
     ap.add_argument("--engines", default=",".join(ENGINES),
-                    help=f"comma-separated subset of: {', '.join(ENGINES)} (default: all)")
-    ap.add_argument("--gemv-shim", action="store_true",
-                    help=f"also run '{SHIM}': mlxrs with bench/gemv_shim.c (M=1 matmuls as sgemv) as its BLAS")
+                    help=f"comma-separated, of: {', '.join(ENGINES + OPTIONAL)} (default: {', '.join(ENGINES)})")
     ap.add_argument("--quiet-below", type=float, metavar="CORES",
                     help="shared machines: before each run wait until other processes use fewer than CORES cores, "
                          "and repeat a run (up to 3 times) during which they used more")
@@ -296,27 +296,23 @@ def main() -> None:
     ap.add_argument("--json", help="write every sample and the medians here")
     a = ap.parse_args()
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
-    if bad := [e for e in engines if e not in ENGINES]:
+    if bad := [e for e in engines if e not in ENGINES + OPTIONAL]:
         ap.error(f"unknown engine(s): {bad}")
-    blas = openblas_path()
-    if not blas and "mlx-lm openblas" in engines:
+    blas, gemv = blas_paths()
+    if not blas and any(e.startswith("mlx-lm openblas") for e in engines):
         ap.error("mlxrs reports no OpenBLAS, so there is no 'mlx-lm openblas' to run")
-    shim = None
-    if a.gemv_shim:
-        if not blas:
-            ap.error("--gemv-shim needs the OpenBLAS mlxrs preloads")
-        shim = build_shim(blas)
-        engines.append(SHIM)
+    if not gemv and "mlx-lm openblas+gemv" in engines:
+        ap.error("mlxrs reports no gemv router (libmlxrs_blas.so: python native/build.py builds it)")
     keys = ["tiny", "100m"] if a.model == "all" else [a.model]
     build = mlxrs_build()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    print(f"[bench] {platform.node()}: {os.cpu_count()} cores, {cpu}; OpenBLAS {blas}; "
+    print(f"[bench] {platform.node()}: {os.cpu_count()} cores, {cpu}; OpenBLAS {blas}; gemv router {gemv or None}; "
           f"load average {os.getloadavg()}", flush=True)
     print(f"[bench] mlxrs: commit {build['commit']}{' + local edits in crates/' if build['crates_modified'] else ''}, "
           f"extension built {build['extension_mtime']}", flush=True)
     t0 = time.time()
     results = [bench_model(k, a.runs, a.prompt_tokens or MODELS[k]["prompt_tokens"],
-                           a.gen_tokens or MODELS[k]["gen_tokens"], blas, engines, shim, a.quiet_below, a.quiet_wait)
+                           a.gen_tokens or MODELS[k]["gen_tokens"], blas, engines, gemv, a.quiet_below, a.quiet_wait)
                for k in keys]
     print("\ngreedy check (first measured run of each engine vs mlxrs; every run of an engine identical?):")
     for res in results:
@@ -337,7 +333,7 @@ def main() -> None:
     print(f"\nmedians of {a.runs} alternating runs (total {time.time() - t0:.0f}s, load average now {os.getloadavg()}):\n")
     print(table(results, engines))
     if a.json:
-        Path(a.json).write_text(json.dumps({"command": sys.argv, "cpu": cpu, "cores": os.cpu_count(), "openblas": blas, "mlxrs_build": build,
+        Path(a.json).write_text(json.dumps({"command": sys.argv, "cpu": cpu, "cores": os.cpu_count(), "openblas": blas, "gemv_router": gemv, "mlxrs_build": build,
                                             "results": results}, indent=1))
         print(f"\n[bench] wrote {a.json}")
 

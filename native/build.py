@@ -18,6 +18,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LIBNAME = "libmlxc.dylib" if sys.platform == "darwin" else "libmlxc.so"
+# our gemv router for the CPU backend (native/blas_gemv.c), Linux only
+EXTRA = ["libmlxrs_blas.so"] if sys.platform.startswith("linux") else []
 
 
 def mlx_cmake_dir() -> Path:
@@ -57,15 +59,16 @@ def main() -> int:
         stamp.write_text(signature)
     jobs = str(os.cpu_count() or 2)
     subprocess.run([cmake, "--build", str(bdir), "-j", jobs], check=True)
-    built = next(bdir.rglob(LIBNAME), None)
-    if built is None:
-        raise SystemExit(f"build finished but {LIBNAME} is not under {bdir}")
-    target = args.dest / LIBNAME
-    if not target.exists() or not filecmp.cmp(built, target, shallow=False):
-        shutil.copy2(built, target)
-        print(f"installed {target}")
-    else:
-        print(f"up to date: {target}")
+    for name in [LIBNAME, *EXTRA]:
+        built = next(bdir.rglob(name), None)
+        if built is None:
+            raise SystemExit(f"build finished but {name} is not under {bdir}")
+        target = args.dest / name
+        if not target.exists() or not filecmp.cmp(built, target, shallow=False):
+            shutil.copy2(built, target)
+            print(f"installed {target}")
+        else:
+            print(f"up to date: {target}")
     return 0
 
 

@@ -5,7 +5,8 @@ The tarball `mlxrs-native-v<ver>-<os>-<arch>-<backend>.tar.gz` holds one directo
 `native-v<ver>-<os>-<arch>-<backend>/`, named as the resolver's native-pack cache directory
 (crates/mlxrs-sys/src/resolve.rs), so `tar -xzf PACK -C ~/.cache/mlxrs` installs it. Inside:
 
-- `libmlxc` (python/mlxrs/, built by native/build.py, or --libmlxc);
+- `libmlxc` (python/mlxrs/, built by native/build.py, or --libmlxc), and on Linux our gemv router
+  `libmlxrs_blas.so` from the same directory when it was built (native/blas_gemv.c);
 - `libmlx` from the `mlx` package this Python imports;
 - Linux: the libraries that the mlx wheel grafted beside it (`mlx_cpu.libs/`: LAPACK, BLAS,
   gfortran, quadmath), with libmlx's run path set to `$ORIGIN` (patchelf, DT_RPATH so that it also
@@ -91,6 +92,9 @@ def main() -> int:
         files.append(libdir / "mlx.metallib")
     else:
         files += linux_companions(libdir / "libmlx.so")
+        router = args.libmlxc.parent / "libmlxrs_blas.so"  # our gemv router (native/blas_gemv.c), if built
+        if router.is_file():
+            files.append(router)
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp) / name
         stage.mkdir()

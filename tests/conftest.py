@@ -14,13 +14,15 @@ sys.path.insert(0, str(HERE))
 
 
 def blas_env() -> dict[str, str]:
-    """Environment for an oracle subprocess that runs MLX under the same BLAS mlxrs loaded."""
+    """Environment for an oracle subprocess that runs MLX under the same BLAS mlxrs loaded (its gemv
+    router, libmlxrs_blas, ahead of the BLAS, as mlxrs loads them)."""
     import mlxrs
 
     env = dict(os.environ)
-    blas = mlxrs.runtime_info().get("blas")
-    if blas:
-        env["LD_PRELOAD"] = blas + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    info = mlxrs.runtime_info()
+    libs = [p for p in (info.get("blas_gemv"), info.get("blas")) if p] if info.get("blas") else []
+    if libs:
+        env["LD_PRELOAD"] = ":".join(libs + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
     return env
 
 

@@ -183,6 +183,8 @@ def test_wheel_contents_and_metadata(built: dict[str, Any], wheel: Path, tmp_pat
     for needed in (f"mlxrs/{LIBMLXC}", "mlxrs/_native.pyi", "mlxrs/py.typed", "mlxrs/__init__.py",
                    "mlxrs/__main__.py", "mlxrs/cli.py", "mlxrs/server/app.py"):
         assert needed in names, f"{needed} is not in the wheel"
+    if LINUX:  # the gemv router for MLX's CPU backend (native/blas_gemv.c)
+        assert "mlxrs/libmlxrs_blas.so" in names, sorted(names)
     assert not [n for n in names if "libmlx." in n], "libmlx must come from the mlx wheel, not be vendored"
     assert not [n for n in names if n.startswith(("mlxrs.libs/", ".dylibs/", "mlxrs/.dylibs/"))], "grafted libraries"
     assert not [n for n in names if "__pycache__" in n or n.startswith(("tests/", "crates/", "native/"))]
@@ -259,6 +261,8 @@ def test_installed_wheel_session(venv: Path, model: Path, tmp_path: Path) -> Non
     assert info["source"] == "sidecar" and Path(info["libmlxc"]).resolve() == (site / "mlxrs" / LIBMLXC).resolve(), info
     assert Path(info["libmlx"]).resolve().is_relative_to(site.resolve()), info
     assert info["mlx_version"] == MLX_VERSION and info["mlxc_version"] == "0.5.0", info
+    if info["blas"]:  # Linux CPU with OpenBLAS: the wheel's gemv router is loaded ahead of it
+        assert Path(info["blas_gemv"]).resolve() == (site / "mlxrs" / "libmlxrs_blas.so").resolve(), info
     text, tokens, finish, n_prompt, n_out = r["a"]
     assert n_prompt > 0 and n_out == len(tokens) and 1 <= n_out <= 8, r["a"]
     assert finish in ("length", "stop") and (finish == "stop" or n_out == 8), r["a"]

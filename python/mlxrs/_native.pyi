@@ -57,6 +57,7 @@ class _RuntimeInfo(TypedDict):
     libmlxc: str
     libmlx: str | None
     blas: str | None
+    blas_gemv: str | None  # libmlxrs_blas: float32 matrix-vector products as BLAS gemv (Linux CPU)
     memory_size: int | None
     active_memory: int
     peak_memory: int

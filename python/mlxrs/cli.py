@@ -25,6 +25,8 @@ def _version_text() -> str:
     ]
     if info["backend"] == "cpu":
         lines.append(f"BLAS: {info['blas'] or 'reference (as linked by MLX)'}")
+        if info["blas_gemv"]:
+            lines.append(f"gemv router: {info['blas_gemv']}")
     return "\n".join(lines)
 
 

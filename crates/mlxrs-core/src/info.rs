@@ -14,6 +14,8 @@ pub struct RuntimeInfo {
     pub libmlxc: String,
     pub libmlx: Option<String>,
     pub blas: Option<String>,
+    /// libmlxrs_blas, routing float32 matrix-vector products to the BLAS's gemv (Linux CPU).
+    pub blas_gemv: Option<String>,
     pub memory_size: Option<usize>,
     pub active_memory: usize,
     pub peak_memory: usize,
@@ -42,6 +44,7 @@ pub fn runtime_info() -> Result<RuntimeInfo> {
         libmlxc: rt.libmlxc.display().to_string(),
         libmlx: rt.libmlx.as_ref().map(|p| p.display().to_string()),
         blas: rt.blas.as_ref().map(|p| p.display().to_string()),
+        blas_gemv: rt.blas_gemv.as_ref().map(|p| p.display().to_string()),
         memory_size: handle::device_memory_size(&dev),
         active_memory: handle::active_memory(),
         peak_memory: handle::peak_memory(),

@@ -20,6 +20,13 @@ pub const LIBMLXC: &str = "libmlxc.so";
 pub const LIBMLX: &str = "libmlx.dylib";
 #[cfg(not(target_os = "macos"))]
 pub const LIBMLX: &str = "libmlx.so";
+/// Our gemv router for MLX's CPU backend (native/blas_gemv.c; Linux only), beside libmlxc.
+pub const BLAS_GEMV: &str = "libmlxrs_blas.so";
+
+/// Where the gemv router may be: beside libmlxc, then beside the extension module.
+fn blas_gemv_candidates(libmlxc: &Path) -> Vec<PathBuf> {
+    libmlxc.parent().into_iter().map(Path::to_path_buf).chain(this_module_dir()).map(|d| d.join(BLAS_GEMV)).collect()
+}
 
 /// Which rung of the resolution order supplied libmlxc.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +56,9 @@ pub struct Runtime {
     pub libmlx: Option<PathBuf>,
     /// The optimized BLAS preloaded for MLX's CPU backend, if any.
     pub blas: Option<PathBuf>,
+    /// `libmlxrs_blas` (native/blas_gemv.c), loaded ahead of the BLAS so that MLX's float32
+    /// matrix-vector products run as gemv; None when absent, disabled or not applicable.
+    pub blas_gemv: Option<PathBuf>,
 }
 
 #[derive(Debug)]
@@ -112,6 +122,8 @@ pub struct Resolver {
     pub mlx_lib_dirs: Vec<PathBuf>,
     /// `MLXRS_BLAS`: None = auto, Some("off") = none, Some(path) = that library.
     pub blas: Option<OsString>,
+    /// `MLXRS_BLAS_GEMV`: `off`/`0` skips `libmlxrs_blas` (see [`BLAS_GEMV`]).
+    pub blas_gemv_off: bool,
 }
 
 /// `~/.cache/mlxrs` or `$MLXRS_HOME`.
@@ -165,6 +177,9 @@ impl Resolver {
             system_dirs: vec![PathBuf::from("/opt/homebrew/lib"), PathBuf::from("/usr/local/lib")],
             mlx_lib_dirs,
             blas: std::env::var_os("MLXRS_BLAS"),
+            blas_gemv_off: std::env::var("MLXRS_BLAS_GEMV")
+                .map(|v| matches!(v.trim(), "off" | "0" | "false" | "no"))
+                .unwrap_or(false),
         }
     }
 
@@ -209,7 +224,34 @@ impl Resolver {
     pub(crate) fn open(&self) -> Result<(Runtime, libloading::Library), LoadError> {
         let (source, libmlxc) = self.find()?;
         let libmlx = self.find_libmlx(&libmlxc);
-        let blas = if is_cuda_mlx(libmlx.as_deref()) { None } else { preload_blas(self.blas.as_deref())? };
+        let cpu_blas = !is_cuda_mlx(libmlx.as_deref()) && !blas_disabled(self.blas.as_deref());
+        // The BLAS opens locally first; the gemv router (when present) goes into the global scope,
+        // then the BLAS is promoted after it, so that libmlx binds cblas_sgemm to the router and
+        // everything else to the BLAS.
+        let blas = if cpu_blas { preload_blas(self.blas.as_deref())? } else { None };
+        let router = blas_gemv_candidates(&libmlxc).into_iter().find(|p| p.is_file());
+        let blas_gemv = match (&blas, router) {
+            (Some((_, _, local)), Some(p)) if !self.blas_gemv_off && cfg!(target_os = "linux") => {
+                let lib = open_global(&p).map_err(|detail| LoadError::Open {
+                    path: p.clone(),
+                    detail: format!("{detail} (set MLXRS_BLAS_GEMV=off to skip it)"),
+                })?;
+                bind_gemv(&lib, local);
+                std::mem::forget(lib);
+                Some(p)
+            }
+            _ => None,
+        };
+        let blas = match blas {
+            Some((path, name, local)) => {
+                let global = open_global(Path::new(&name))
+                    .map_err(|detail| LoadError::Open { path: path.clone(), detail })?;
+                std::mem::forget(global);
+                std::mem::forget(local);
+                Some(path)
+            }
+            None => None,
+        };
         if let Some(m) = &libmlx {
             let lib = open_global(m).map_err(|detail| LoadError::Open { path: m.clone(), detail })?;
             std::mem::forget(lib);
@@ -222,7 +264,7 @@ impl Resolver {
                 detail
             },
         })?;
-        Ok((Runtime { source, libmlxc, libmlx, blas }, lib))
+        Ok((Runtime { source, libmlxc, libmlx, blas, blas_gemv }, lib))
     }
 }
 
@@ -266,30 +308,50 @@ const BLAS_CANDIDATES: &[&str] = &[
     "libopenblas.so",
 ];
 
-/// Preload an optimized BLAS (Linux): `MLXRS_BLAS=off` disables it, a path chooses it (and must
-/// load), unset tries OpenBLAS's usual names.
-fn preload_blas(choice: Option<&std::ffi::OsStr>) -> Result<Option<PathBuf>, LoadError> {
-    if !cfg!(target_os = "linux") {
+/// `MLXRS_BLAS=off` (or `0`, or empty).
+fn blas_disabled(choice: Option<&std::ffi::OsStr>) -> bool {
+    choice.map(|c| c.to_string_lossy()).is_some_and(|c| c == "off" || c == "0" || c.is_empty())
+}
+
+/// Open an optimized BLAS (Linux) with local scope: `MLXRS_BLAS=off` disables it, a path chooses
+/// it (and must load), unset tries OpenBLAS's usual names. Returns the file, the name it was opened
+/// by, and the handle; the caller promotes it to the global scope.
+fn preload_blas(
+    choice: Option<&std::ffi::OsStr>,
+) -> Result<Option<(PathBuf, std::ffi::OsString, libloading::Library)>, LoadError> {
+    if !cfg!(target_os = "linux") || blas_disabled(choice) {
         return Ok(None);
     }
-    match choice.map(|c| c.to_string_lossy().into_owned()) {
-        Some(c) if c == "off" || c == "0" || c.is_empty() => Ok(None),
-        Some(path) => match open_global(Path::new(&path)) {
-            Ok(l) => {
-                std::mem::forget(l);
-                Ok(Some(PathBuf::from(path)))
-            }
+    match choice {
+        Some(path) => match open_local(Path::new(path)) {
+            Ok(l) => Ok(Some((PathBuf::from(path), path.to_owned(), l))),
             Err(detail) => Err(LoadError::Open {
-                path: PathBuf::from(&path),
+                path: PathBuf::from(path),
                 detail: format!("{detail} (MLXRS_BLAS names it; set MLXRS_BLAS=off to use MLX's own BLAS)"),
             }),
         },
-        None => Ok(BLAS_CANDIDATES.iter().find_map(|c| {
-            open_global(Path::new(c)).ok().map(|l| {
-                std::mem::forget(l);
-                resolved_path(c)
-            })
-        })),
+        None => Ok(BLAS_CANDIDATES
+            .iter()
+            .find_map(|c| open_local(Path::new(c)).ok().map(|l| (resolved_path(c), (*c).into(), l)))),
+    }
+}
+
+/// Hand the preloaded BLAS's `cblas_sgemm`/`cblas_sgemv` to `libmlxrs_blas`. Should the BLAS lack
+/// either, the router finds the next definitions itself on first use.
+fn bind_gemv(router: &libloading::Library, blas: &libloading::Library) {
+    type Bind = unsafe extern "C" fn(*mut std::ffi::c_void, *mut std::ffi::c_void) -> std::os::raw::c_int;
+    // SAFETY: the symbols are looked up by name in libraries we opened; `mlxrs_blas_bind` has the
+    // signature declared above (native/blas_gemv.c) and only stores the two pointers, which stay
+    // valid because neither library is ever closed.
+    unsafe {
+        let (Ok(gemm), Ok(gemv), Ok(bind)) = (
+            blas.get::<*mut std::ffi::c_void>(b"cblas_sgemm\0"),
+            blas.get::<*mut std::ffi::c_void>(b"cblas_sgemv\0"),
+            router.get::<Bind>(b"mlxrs_blas_bind\0"),
+        ) else {
+            return;
+        };
+        bind(*gemm, *gemv);
     }
 }
 
@@ -313,6 +375,18 @@ fn open_global(p: &Path) -> Result<libloading::Library, String> {
     // SAFETY: loading a shared library runs its initialisers; these are MLX, mlx-c and BLAS, whose
     // initialisers have no preconditions.
     unsafe { Library::open(Some(p), RTLD_NOW | RTLD_GLOBAL) }.map(Into::into).map_err(|e| e.to_string())
+}
+
+#[cfg(unix)]
+fn open_local(p: &Path) -> Result<libloading::Library, String> {
+    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+    // SAFETY: as for open_global (a BLAS library).
+    unsafe { Library::open(Some(p), RTLD_NOW | RTLD_LOCAL) }.map(Into::into).map_err(|e| e.to_string())
+}
+
+#[cfg(not(unix))]
+fn open_local(p: &Path) -> Result<libloading::Library, String> {
+    open_global(p)
 }
 
 #[cfg(not(unix))]
