@@ -29,6 +29,26 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llamacpp_rope_factors(cfg: dict) -> np.ndarray:
+    """convert_hf_to_gguf's rope_freqs for a llama3 `rope_scaling` (LlamaModel.generate_extra_tensors),
+    re-written here: per-dimension divisors of the rotary frequencies."""
+    rs, dim, base = cfg["rope_scaling"], cfg["head_dim"], cfg["rope_theta"]
+    freqs = 1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(src: Path, out: Path) -> None:
     import mlx.core as mx
 
@@ -75,6 +95,8 @@ def write_gguf(src: Path, out: Path) -> None:
                 heads = cfg["num_attention_heads"] if base.endswith("q_proj") else cfg["num_key_value_heads"]
                 a = llamacpp_permute(a, heads)
         w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+    if cfg.get("rope_scaling", {}).get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llamacpp_rope_factors(cfg))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -96,3 +118,61 @@ def test_llama_family_gguf_import_reproduces_the_model(arch, tmp_path):
         diff = float(np.max(np.abs(np.array(a.logits(ids)) - np.array(b.logits(ids)))))
         assert diff < 1e-4, diff
         assert a.generate(ids, max_tokens=24, ignore_eos=True).tokens == b.generate(ids, max_tokens=24, ignore_eos=True).tokens
+
+
+def test_llama3_rope_scaling_survives_the_gguf_round_trip(oracle, tmp_path):
+    """Llama 3.x keeps its rope scaling in the rope_freqs tensor, not in the metadata: the import
+    recovers the llama3 `rope_scaling`, and mlxrs with it matches mlx-lm on the original model."""
+    import shutil
+
+    base = make_model("llama-float32", "llama")
+    src = tmp_path / "llama3-rope"
+    shutil.copytree(base, src)
+    cfg = json.loads((src / "config.json").read_text())
+    # factor 8 with a short original context: the tiny model's 32 frequencies fall in all three bands
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 256}
+    (src / "config.json").write_text(json.dumps(cfg))
+    factors = llamacpp_rope_factors(cfg)
+    assert (factors == 1).any() and (factors == 8).any() and ((factors > 1) & (factors < 8)).any()
+    g = tmp_path / "llama3.gguf"
+    write_gguf(src, g)
+    out = models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)
+    got = json.loads((out / "config.json").read_text())["rope_scaling"]
+    # the factors fix the band edges old/low and old/high, not the three numbers: same edges
+    assert got["rope_type"] == "llama3" and got["factor"] == 8.0, got
+    old = got["original_max_position_embeddings"]
+    assert abs(old / got["low_freq_factor"] - 256) < 1e-3 and abs(old / got["high_freq_factor"] - 64) < 1e-3, got
+    prompt = list(range(5, 300))  # past the original context, where the scaling matters most
+    ref = oracle({"model": str(src), "prompt": prompt, "max_tokens": 16})
+    with mlxrs.Session(out) as b:
+        diff = float(np.max(np.abs(np.array(b.logits(prompt)) - np.array(ref["logits"]))))
+        assert diff < 1e-4, diff
+        assert b.generate(prompt, max_tokens=16, ignore_eos=True).tokens == ref["tokens"]
+    # without the scaling the model is a different one: the check above can fail
+    plain = tmp_path / "plain"
+    shutil.copytree(base, plain)
+    with mlxrs.Session(plain) as c:
+        assert float(np.max(np.abs(np.array(c.logits(prompt)) - np.array(ref["logits"])))) > 1e-3
+
+
+def test_rope_factors_that_fit_no_llama3_scaling_are_refused(tmp_path):
+    from mlxrs.errors import MlxrsError
+
+    src = make_model("llama-float32", "llama")
+    g = tmp_path / "odd.gguf"
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 256}
+    odd = tmp_path / "odd-src"
+    import shutil
+    shutil.copytree(src, odd)
+    (odd / "config.json").write_text(json.dumps(cfg))
+    real = llamacpp_rope_factors
+    try:
+        globals()["llamacpp_rope_factors"] = lambda c: real(c) * np.float32(1.3)
+        write_gguf(odd, g)
+    finally:
+        globals()["llamacpp_rope_factors"] = real
+    with pytest.raises(MlxrsError, match="rope_freqs"):
+        models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)

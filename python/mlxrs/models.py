@@ -17,7 +17,7 @@ from .errors import ModelLoadError
 DEFAULT_MODEL_NAME = "Gemma 3 270M (google/gemma-3-270m base, GGUF Q4_K_M imported to bf16)"
 DEFAULT_DTYPE = "bf16"
 # bump when the importer's output changes, so cached imports are redone
-IMPORT_VERSION = 2
+IMPORT_VERSION = 3
 
 
 def mlxrs_home() -> Path:

@@ -193,6 +193,94 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
     Ok(cfg)
 }
 
+/// llama.cpp's per-dimension rope factors (`rope_freqs.weight`, written by convert_hf_to_gguf for a
+/// `rope_scaling` of type llama3) as that `rope_scaling`: the parameters whose factors, computed as the
+/// converter does, reproduce the tensor. The factor is the largest value; the wavelength bounds are
+/// searched among the values Llama 3.x releases and their fine-tunes use. None when the factors are
+/// all 1 (no scaling).
+pub fn llama3_rope_scaling(factors: &[f32], base: f64, head_dim: usize) -> Result<Option<Value>> {
+    if factors.iter().all(|&f| (f - 1.0).abs() < 1e-6) {
+        return Ok(None);
+    }
+    let bad = |why: &str| {
+        Error::ModelLoad(format!(
+            "rope_freqs.weight ({} values) {why}: these rope factors match no llama3 rope scaling, so the \
+             import would change the model's positions; please report the model",
+            factors.len()
+        ))
+    };
+    if factors.len() != head_dim / 2 {
+        return Err(bad(&format!("should hold head_dim / 2 = {} values", head_dim / 2)));
+    }
+    let factor = factors.iter().fold(0f32, |a, &b| a.max(b)) as f64;
+    // the converter: freqs = 1 / base^(arange(0, dim, 2) / dim) in float32, wavelength 2π / freq
+    let computed = |low: f64, high: f64, old: f64| -> Vec<f64> {
+        (0..head_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / (base as f32).powf((2 * i) as f32 / head_dim as f32);
+                let wl = 2.0 * std::f64::consts::PI / freq as f64;
+                let (low_wl, high_wl) = (old / low, old / high);
+                if wl < high_wl {
+                    1.0
+                } else if wl > low_wl {
+                    factor
+                } else {
+                    let smooth = (old / wl - low) / (high - low);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                }
+            })
+            .collect()
+    };
+    let matches = |c: &[f64]| c.iter().zip(factors).all(|(a, &b)| (a - b as f64).abs() <= 1e-4 * a.abs().max(1.0));
+    let scaling = |low: f64, high: f64, old: f64| {
+        json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": old as u64,
+        })
+    };
+    // the usual parameters first, so that a Llama 3.x file gets exactly its config back
+    for old in [8192.0, 4096.0, 16384.0, 2048.0, 32768.0, 65536.0, 131072.0] {
+        for (low, high) in [(1.0, 4.0), (1.0, 2.0), (2.0, 4.0), (1.0, 8.0), (0.5, 4.0)] {
+            if matches(&computed(low, high, old)) {
+                return Ok(Some(scaling(low, high, old)));
+            }
+        }
+    }
+    // Otherwise solve: the factors fix only the band edges old/low and old/high (scaling all three
+    // by one number changes nothing). In the middle band s = 1/f's position between 1/factor and 1 is
+    // (old/wl - low) / (high - low) = a/wl + b: a line through the middle band's points.
+    let pts: Vec<(f64, f64)> = factors
+        .iter()
+        .enumerate()
+        .filter(|(_, &f)| f > 1.0 + 1e-6 && (f as f64) < factor - 1e-6)
+        .map(|(i, &f)| {
+            let freq = 1.0 / (base as f32).powf((2 * i) as f32 / head_dim as f32);
+            let s = (1.0 / f as f64 - 1.0 / factor) / (1.0 - 1.0 / factor);
+            (freq as f64 / (2.0 * std::f64::consts::PI), s)
+        })
+        .collect();
+    if pts.len() >= 2 && factor > 1.0 {
+        let n = pts.len() as f64;
+        let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
+        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+        let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        if sxx > 0.0 {
+            let a = sxy / sxx;
+            let b = my - a * mx;
+            let old = 8192.0;
+            // low = -b·old/a, high = (1 - b)·old/a
+            let (low, high) = (-b * old / a, (1.0 - b) * old / a);
+            if low > 0.0 && high > low && matches(&computed(low, high, old)) {
+                return Ok(Some(scaling(low, high, old)));
+            }
+        }
+    }
+    Err(bad("do not fit the llama3 formula"))
+}
+
 /// llama.cpp tensor name → HF name (None: not a model weight, e.g. rope_freqs).
 fn hf_name(name: &str, gemma: bool) -> Option<String> {
     let top = match name {
@@ -270,9 +358,19 @@ pub type ImportProgress<'a> = &'a mut dyn FnMut(u64, u64, &str);
 pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress<'_>) -> Result<()> {
     let f = GgufFile::open(gguf)?;
     let h = &f.header;
-    let cfg = hf_config(h)?;
+    let mut cfg = hf_config(h)?;
     let model_type = cfg["model_type"].as_str().unwrap_or_default().to_string();
     let gemma = model_type == "gemma3_text";
+    if let (Some(t), false) = (h.tensor("rope_freqs.weight"), gemma) {
+        // Llama 3.x: the rope scaling lives in this tensor, not in the metadata
+        let raw = f.read_raw(t)?;
+        let v = dequantize(t.ty, &raw, t.n_elements() as usize).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
+        let base = cfg["rope_theta"].as_f64().unwrap_or(10_000.0);
+        let head_dim = cfg["head_dim"].as_u64().unwrap_or(0) as usize;
+        if let Some(rs) = llama3_rope_scaling(&v, base, head_dim)? {
+            cfg["rope_scaling"] = rs;
+        }
+    }
     let permute_qk = model_type == "llama";
     let heads = cfg["num_attention_heads"].as_u64().unwrap_or(1) as usize;
     let kv_heads = cfg["num_key_value_heads"].as_u64().unwrap_or(1) as usize;
@@ -323,7 +421,6 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         done += t.nbytes().unwrap_or(0);
     }
     progress(total, total, "writing model.safetensors");
-    let mut cfg = cfg;
     cfg["torch_dtype"] = json!(match dtype.float() {
         Dtype::Float16 => "float16",
         Dtype::Float32 => "float32",
@@ -368,4 +465,53 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
                                  "file_type": h.get("general.file_type").and_then(MetaValue::as_u64)});
     write("config.json", &cfg)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// convert_hf_to_gguf's factors for a llama3 rope_scaling (an independent transcription).
+    fn factors(base: f32, dim: usize, factor: f32, low: f32, high: f32, old: f32) -> Vec<f32> {
+        (0..dim / 2)
+            .map(|i| {
+                let freq = 1.0 / base.powf((2 * i) as f32 / dim as f32);
+                let wl = 2.0 * std::f32::consts::PI / freq;
+                if wl < old / high {
+                    1.0
+                } else if wl > old / low {
+                    factor
+                } else {
+                    let s = (old / wl - low) / (high - low);
+                    1.0 / ((1.0 - s) / factor + s)
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn llama31_and_llama32_factors_give_their_configs_back() {
+        for factor in [8.0, 32.0] {
+            let f = factors(500_000.0, 128, factor, 1.0, 4.0, 8192.0);
+            let got = llama3_rope_scaling(&f, 500_000.0, 128).unwrap().unwrap();
+            assert_eq!(
+                got,
+                json!({"rope_type": "llama3", "factor": factor as f64, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+            );
+        }
+    }
+
+    #[test]
+    fn unusual_bands_are_solved_and_unit_factors_mean_none() {
+        let f = factors(10_000.0, 64, 8.0, 1.0, 4.0, 256.0);
+        let got = llama3_rope_scaling(&f, 10_000.0, 64).unwrap().unwrap();
+        let old = got["original_max_position_embeddings"].as_f64().unwrap();
+        let (low, high) = (got["low_freq_factor"].as_f64().unwrap(), got["high_freq_factor"].as_f64().unwrap());
+        assert!((old / low - 256.0).abs() < 1e-3 && (old / high - 64.0).abs() < 1e-3, "{got}");
+        assert!(llama3_rope_scaling(&[1.0; 32], 10_000.0, 64).unwrap().is_none());
+        assert!(llama3_rope_scaling(&f[..10], 10_000.0, 64).is_err());
+        let odd: Vec<f32> = f.iter().enumerate().map(|(i, x)| if i % 3 == 0 { x * 1.3 } else { *x }).collect();
+        assert!(llama3_rope_scaling(&odd, 10_000.0, 64).is_err());
+    }
 }
