@@ -1,7 +1,10 @@
 """The native pack (`python -m mlxrs native [--fetch]`): the message with both escapes where no pack
 is published, a tarball served by the fake hub (tests/fakehub.py) fetched with a matching and a
 mismatching sha256, resumed after a cut, unpacked safely, and then found (and loaded) by the
-resolver from the pack directory. Every case uses a temporary MLXRS_HOME."""
+resolver from the pack directory; and the pack fetched on first need by the runtime itself (a package
+without its sidecar: the first load downloads, verifies, unpacks and loads the pack native/pack.py made,
+the second fetches nothing; a wrong checksum or a cut download; no source at all). Every case uses a
+temporary MLXRS_HOME."""
 from __future__ import annotations
 
 import io
@@ -238,3 +241,155 @@ def test_the_resolver_loads_the_runtime_from_a_fetched_pack(home: Path, fake: Fa
     assert r.returncode == 0, r.stderr
     assert f"libmlxc that would load: native-pack cache: {pack / LIBMLXC}" in r.stdout
     assert "(from native-pack cache)" in r.stdout and f"directory: {pack} (present)" in r.stdout
+
+
+# ---- fetched on first need: the runtime itself downloads the pack --------------------------------
+
+FIRST_LOAD = (
+    "import json, struct, sys, mlxrs\n"
+    "from mlxrs import _native\n"
+    "from mlxrs.errors import NativeRuntimeError\n"
+    "try:\n"
+    "    info = mlxrs.runtime_info()\n"
+    "except NativeRuntimeError as e:\n"
+    "    print(json.dumps({'error': str(e)}))\n"
+    "    sys.exit(3)\n"
+    "data, shape, dtype = _native._op('add', [(struct.pack('<2f', 1.5, 2.0), [2], 'float32')] * 2)[0]\n"
+    "print(json.dumps({'file': mlxrs.__file__, 'info': info, 'sum': struct.unpack('<2f', data)}))\n"
+)
+
+
+def without_sidecar(tmp_path: Path) -> Path:
+    """This package copied without its libmlxc (an install with no sidecar); returns the directory
+    to put on PYTHONPATH."""
+    pkg = tmp_path / "site" / "mlxrs"
+    if not pkg.exists():
+        shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns(LIBMLXC, "__pycache__"))
+    return pkg.parent
+
+
+def first_load(env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], dict]:
+    r = subprocess.run([sys.executable, "-c", FIRST_LOAD], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode in (0, 3), (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def leftovers(home: Path) -> list[str]:
+    """Anything besides complete pack directories and the lock directory: partial downloads,
+    archives, temporary or replaced directories."""
+    return sorted(p.name for p in home.iterdir() if p.name != ".locks" and not p.name.startswith("native-v"))
+
+
+@pytest.fixture(scope="module")
+def built_pack(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The pack native/pack.py makes from this checkout (libmlxc, the mlx wheel's libmlx and its
+    companions, run path $ORIGIN)."""
+    out = tmp_path_factory.mktemp("pack")
+    r = subprocess.run([sys.executable, str(PKG.parent.parent / "native" / "pack.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and ("patchelf" in r.stderr or "not found" in r.stderr):
+        pytest.skip(f"native/pack.py cannot make a pack here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    (tar,) = out.glob("*.tar.gz")
+    assert tar.name == f"mlxrs-{PACK_NAME}.tar.gz"
+    return tar.read_bytes()
+
+
+def test_the_runtime_fetches_the_pack_on_first_need(home: Path, fake: FakeHub, tmp_path: Path,
+                                                     built_pack: bytes) -> None:
+    fake.extra["pack.tar.gz"] = built_pack
+    env = {**env_for(home, fake, sha=sha256(built_pack)), "PYTHONPATH": str(without_sidecar(tmp_path))}
+    pack = home / PACK_NAME
+    # `native` only says what would happen: it fetches nothing
+    r = subprocess.run([sys.executable, "-m", "mlxrs", "native"], capture_output=True, text=True, env=env,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert (f"libmlxc that would load: the native pack's, fetched on first need from {fake.url}/files/pack.tar.gz "
+            f"into {pack}") in r.stdout, r.stdout
+    assert "loaded: no (not loaded here" in r.stdout
+    assert not fake.log and not home.exists()
+
+    # the first load fetches, verifies, unpacks and loads from the pack directory
+    r, got = first_load(env)
+    assert r.returncode == 0, got
+    assert Path(got["file"]).parent == Path(env["PYTHONPATH"]) / "mlxrs"  # the copy without a sidecar
+    assert got["info"]["source"] == "native-pack cache"
+    assert Path(got["info"]["libmlxc"]) == pack / LIBMLXC
+    assert Path(got["info"]["libmlx"]) == pack / LIBMLX
+    assert got["info"]["mlx_version"] == _native.BUILT_FOR_MLX
+    assert got["sum"] == [3.0, 4.0]
+    assert [(m, p) for m, p, _ in fake.log] == [("GET", "/files/pack.tar.gz")]
+    assert fake.served["pack.tar.gz"] == len(built_pack)
+    assert f"fetching the native pack mlxrs-{PACK_NAME}.tar.gz from {fake.url}/files/pack.tar.gz" in r.stderr
+    assert f"  mlxrs-{PACK_NAME}.tar.gz  " in r.stderr  # the progress display's closing line
+    assert f"unpacked the native pack into {pack}" in r.stderr
+    for name in FAKE_LIBS.keys() & {LIBMLXC, LIBMLX}:
+        assert (pack / name).is_file()
+    assert leftovers(home) == []  # the archive is removed, nothing half-done is left
+
+    # a second process finds the pack in the cache: no request at all
+    r, got = first_load(env)
+    assert r.returncode == 0, got
+    assert got["info"]["source"] == "native-pack cache" and Path(got["info"]["libmlxc"]) == pack / LIBMLXC
+    assert len(fake.log) == 1 and "fetching" not in r.stderr
+
+
+def test_first_need_with_a_wrong_checksum_says_so_and_unpacks_nothing(home: Path, fake: FakeHub,
+                                                                       tmp_path: Path) -> None:
+    tar = tarball(FAKE_LIBS, top=PACK_NAME)
+    fake.extra["pack.tar.gz"] = tar
+    wrong = sha256(b"another pack")
+    env = {**env_for(home, fake, sha=wrong), "PYTHONPATH": str(without_sidecar(tmp_path))}
+    r, got = first_load(env)
+    assert r.returncode == 3, r.stdout
+    msg = got["error"]
+    assert msg.startswith(f"mlxrs could not find its native runtime ({LIBMLXC}"), msg
+    assert f"sidecar: {Path(env['PYTHONPATH']) / 'mlxrs' / LIBMLXC}" in msg
+    assert f"native-pack cache: {home / PACK_NAME / LIBMLXC}" in msg
+    assert f"The native pack for {PLATFORM} was not installed: mlxrs-{PACK_NAME}.tar.gz failed verification " \
+           f"twice" in msg, msg
+    assert f"expected sha256 {wrong}, got {sha256(tar)}" in msg
+    assert "check that the tarball at MLXRS_NATIVE_PACK_URL is the one MLXRS_NATIVE_PACK_SHA256 describes" in msg
+    assert fake.served["pack.tar.gz"] == 2 * len(tar)  # refetched once, then refused
+    assert not (home / PACK_NAME).exists()
+    assert leftovers(home) == []  # no partial download, no half-unpacked directory
+
+
+def test_first_need_resumes_a_cut_download_in_the_next_process(home: Path, fake: FakeHub, tmp_path: Path,
+                                                                built_pack: bytes) -> None:
+    fake.extra["pack.tar.gz"] = built_pack
+    half = len(built_pack) // 2
+    fake.cut["pack.tar.gz"] = [half]
+    env = {**env_for(home, fake, sha=sha256(built_pack), MLXRS_DOWNLOAD_RETRIES="0"),
+           "PYTHONPATH": str(without_sidecar(tmp_path))}
+    r, got = first_load(env)
+    assert r.returncode == 3, r.stdout
+    assert f"the {half} bytes received so far are kept" in got["error"], got["error"]
+    assert not (home / PACK_NAME).exists()
+    assert leftovers(home) == [f"mlxrs-{PACK_NAME}.tar.gz.incomplete"]
+    r, got = first_load(env)
+    assert r.returncode == 0, got
+    assert got["info"]["source"] == "native-pack cache"
+    assert "(resumed)" in r.stderr
+    assert [rng for _, p, rng in fake.log if p == "/files/pack.tar.gz"] == [None, f"bytes={half}-"]
+    assert fake.served["pack.tar.gz"] == len(built_pack)  # the prefix was not fetched again
+    assert leftovers(home) == []
+
+
+def test_with_no_source_the_error_lists_every_place_and_both_escapes(home: Path, tmp_path: Path) -> None:
+    if any(Path(d, LIBMLXC).exists() for d in ("/opt/homebrew/lib", "/usr/local/lib")):
+        pytest.skip("a Homebrew libmlxc is installed here: it would load")
+    site = without_sidecar(tmp_path)
+    r, got = first_load({**env_for(home), "PYTHONPATH": str(site)})
+    assert r.returncode == 3, r.stdout
+    lines = got["error"].splitlines()
+    assert lines[0] == f"mlxrs could not find its native runtime ({LIBMLXC}, mlx-c v{_native.BUILT_FOR_MLXC}). Tried:"
+    tried = [ln[len("  - "):] for ln in lines[1:-1]]
+    assert tried[0] == "MLXRS_LIBMLXC (not set)"
+    assert tried[1] == f"sidecar: {site / 'mlxrs' / LIBMLXC}"
+    assert f"native-pack cache: {home / PACK_NAME / LIBMLXC}" in tried
+    assert tried[-2:] == [f"homebrew: /opt/homebrew/lib/{LIBMLXC}", f"homebrew: /usr/local/lib/{LIBMLXC}"]
+    assert lines[-1].startswith(f"no native pack published for {PLATFORM} — set MLXRS_LIBMLXC or install mlx via "
+                                "homebrew"), lines[-1]
+    assert not home.exists()

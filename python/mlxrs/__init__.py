@@ -21,7 +21,9 @@ from .session import Chunk, Completion, Session, Timings, Usage  # noqa: E402
 
 def runtime_info() -> dict[str, Any]:
     """Load the native runtime if needed and describe it: versions, backend, device, where each
-    native library came from, the BLAS in use (Linux CPU) and memory figures."""
+    native library came from, the BLAS in use (Linux CPU) and memory figures. When nothing is found
+    before the native-pack cache and a pack source is known (`MLXRS_NATIVE_PACK_URL` with its
+    sha256, or a published pack), loading fetches the pack first, with progress on stderr."""
     return dict(_native.runtime_info())
 
 

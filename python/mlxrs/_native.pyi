@@ -27,6 +27,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "download",
     "native_pack_info",
+    "native_pack_install",
     "_gguf_dequantize",
     "_gguf_header",
     "_gguf_tensor",
@@ -63,8 +64,10 @@ class _RuntimeInfo(TypedDict):
     peak_memory: int
 
 def runtime_info() -> _RuntimeInfo:
-    """Load the native runtime if needed and describe it. Raises mlxrs.errors.NativeRuntimeError
-    when libmlxc cannot be found, opened or does not match this build."""
+    """Load the native runtime if needed and describe it; when nothing is found before the
+    native-pack cache and a pack source is known, the pack is fetched first (progress on stderr).
+    Raises mlxrs.errors.NativeRuntimeError when libmlxc cannot be found (or fetched), opened or
+    does not match this build."""
 
 def _register_mlx_lib_dir(dir: str | os.PathLike[str]) -> None:
     """Tell the resolver about a directory that may hold libmlx (before the first load)."""
@@ -190,6 +193,26 @@ class _NativePackInfo(TypedDict):
 
 def native_pack_info(backend: str | None = None) -> _NativePackInfo:
     """The native pack for `backend` (None: this machine's), where it comes from and goes."""
+
+@type_check_only
+class _NativePackInstalled(TypedDict):
+    dir: str  # the pack directory
+    fetched: bool  # False: it was already complete, nothing was transferred
+    resumed_from: int  # length of the partial download kept from an earlier run (0: none)
+    size: int  # the tarball's size (0 when nothing was fetched)
+
+def native_pack_install(
+    backend: str | None = None,
+    *,
+    force: bool = False,
+    progress: Callable[[int, int], object] | None = None,
+    on_wait: Callable[[], object] | None = None,
+) -> _NativePackInstalled:
+    """Fetch (resumable), verify against the pack's sha256 and unpack (atomically) the native pack
+    for `backend` (None: this machine's) unless it is complete (or `force`): the code the runtime
+    runs on first need. `progress(done, total)` runs as bytes arrive (an exception it raises, or
+    Ctrl-C, stops the transfer and propagates); `on_wait()` runs when another process is fetching
+    the same pack. Raises mlxrs.errors.DownloadError (no source, network, checksum, a bad pack)."""
 
 # ---- classes ----------------------------------------------------------------------------------
 

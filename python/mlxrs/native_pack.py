@@ -6,19 +6,18 @@ third place the resolver looks (crates/mlxrs-sys/src/resolve.rs).
 The tarball comes from `MLXRS_NATIVE_PACK_URL`, else from the release URL baked into the build
 with its sha256 (crates/mlxrs-core/src/native_pack.rs, `PUBLISHED`); a URL of your own is checked
 against `MLXRS_NATIVE_PACK_SHA256`. The transfer is the same resumable, verified one `get` uses.
+The runtime fetches the pack itself on first need (when nothing is found before the pack cache and
+a source is known); `--fetch` does it ahead of time, through the same Rust code.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tarfile
 from pathlib import Path
 from typing import IO, Any
 
 from . import _native
-from .download import Progress, file_lock, transfer
+from .download import Progress
 from .errors import DownloadError, MlxrsError
 
 
@@ -31,51 +30,13 @@ def missing_files(pack_dir: Path, files: list[str]) -> list[str]:
     return [f for f in files if not (pack_dir / f).is_file()]
 
 
-def _safe_members(tf: tarfile.TarFile, dest: Path) -> list[tarfile.TarInfo]:
-    """Regular files, directories and links that stay inside `dest` (for Pythons without
-    tarfile's "data" filter)."""
-    root = dest.resolve()
-    out = []
-    for m in tf.getmembers():
-        target = (dest / m.name).resolve()
-        if m.name.startswith("/") or (target != root and root not in target.parents):
-            raise DownloadError(f"the native pack holds a path outside its directory: {m.name!r}")
-        if m.issym() or m.islnk():
-            link = (target.parent / m.linkname).resolve() if m.issym() else (dest / m.linkname).resolve()
-            if m.linkname.startswith("/") or (link != root and root not in link.parents):
-                raise DownloadError(f"the native pack holds a link outside its directory: {m.name!r}")
-        elif not (m.isfile() or m.isdir()):
-            raise DownloadError(f"the native pack holds a special file: {m.name!r}")
-        out.append(m)
-    return out
-
-
-def _extract(archive: Path, dest: Path) -> None:
-    try:
-        with tarfile.open(archive, "r:*") as tf:
-            if hasattr(tarfile, "data_filter"):
-                tf.extractall(dest, filter="data")
-            else:  # pragma: no cover - Pythons before 3.10.12/3.11.4
-                tf.extractall(dest, members=_safe_members(tf, dest))
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise DownloadError(f"{archive.name} verified but could not be unpacked: {e}") from None
-
-
-def _pack_root(tmp: Path, first: str) -> Path:
-    """The directory holding libmlxc: the top of the archive, or its single top-level directory."""
-    if (tmp / first).exists():
-        return tmp
-    entries = [p for p in tmp.iterdir()]
-    if len(entries) == 1 and entries[0].is_dir():
-        return entries[0]
-    return tmp
-
-
 def fetch(backend: str | None = None, *, force: bool = False, quiet: bool = False,
           stream: IO[str] | None = None) -> Path:
     """Download, verify and unpack the native pack; returns its directory. Nothing is fetched when
-    it is already complete (unless `force`). Raises mlxrs.errors.DownloadError, e.g. with the two
-    escapes when no pack is published for this platform."""
+    it is already complete (unless `force`). The work is `mlxrs._native.native_pack_install`, the
+    same code the runtime runs when it fetches the pack on first need; this adds the messages and
+    progress bars. Raises mlxrs.errors.DownloadError, e.g. with the two escapes when no pack is
+    published for this platform."""
     out = stream if stream is not None else sys.stderr
     i = info(backend)
     if i["problem"]:
@@ -88,49 +49,26 @@ def fetch(backend: str | None = None, *, force: bool = False, quiet: bool = Fals
         if not quiet:
             out.write(f"the native pack is already in {pack_dir}\n")
         return pack_dir
-    home = pack_dir.parent
-    home.mkdir(parents=True, exist_ok=True)
 
     def waiting() -> None:
         if not quiet:
             out.write(f"another process is fetching the {i['platform']} native pack; waiting for it\n")
             out.flush()
 
-    with file_lock(home / ".locks" / f"{pack_dir.name}.lock", on_wait=waiting):
-        if not force and not missing_files(pack_dir, files):
-            return pack_dir
-        archive = home / i["archive"]
-        if not quiet:
-            out.write(f"fetching the native pack {i['archive']} from {i['url']}\n")
-            out.flush()
-        bars = Progress(0, 1, stream=out, quiet=quiet)
-        bars.start_file(i["archive"], 0)
-        try:
-            r = transfer(i["url"], archive, name=i["archive"], sha256=i["sha256"], progress=bars)
+    if not quiet:
+        out.write(f"fetching the native pack {i['archive']} from {i['url']}\n")
+        out.flush()
+    bars = Progress(0, 1, stream=out, quiet=quiet)
+    bars.start_file(i["archive"], 0)
+    try:
+        r = _native.native_pack_install(i["backend"], force=force, progress=bars.update, on_wait=waiting)
+        if r["fetched"]:
             bars.total_bytes = int(r["size"])
             bars.finish_file(" (resumed)" if r["resumed_from"] else "")
-        finally:
-            bars.close()
-        tmp = home / f".{pack_dir.name}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            _extract(archive, tmp)
-            root = _pack_root(tmp, files[0])
-            lacking = missing_files(root, files)
-            if lacking:
-                raise DownloadError(f"the native pack {i['archive']} verified but lacks {', '.join(lacking)}; "
-                                    f"it is not a pack for {i['platform']}")
-            old = home / f".{pack_dir.name}.old{os.getpid()}"
-            if pack_dir.exists() or pack_dir.is_symlink():
-                os.replace(pack_dir, old)
-            os.replace(root, pack_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            archive.unlink(missing_ok=True)
+    finally:
+        bars.close()
     if not quiet:
-        out.write(f"unpacked into {pack_dir}\n")
+        out.write(f"unpacked into {pack_dir}\n" if r["fetched"] else f"the native pack is already in {pack_dir}\n")
     return pack_dir
 
 
@@ -138,12 +76,25 @@ def describe(backend: str | None = None, load: bool = True) -> str:
     """What `python -m mlxrs native` prints."""
     lines = []
     order = _native._resolution_order()
-    if len(order) == 1 and ": " in order[0] and "\n" not in order[0]:
-        lines.append(f"libmlxc that would load: {order[0]}")
+    found = order[0] if len(order) == 1 and ": " in order[0] and "\n" not in order[0] else None
+    # nothing before Homebrew and a source known: the runtime fetches the pack on first need
+    mine = info(None)
+    first_need = ((found is None or found.startswith("homebrew:")) and not mine["problem"] and bool(mine["dir"])
+                  and bool(missing_files(Path(mine["dir"]), list(mine["files"]))))
+    if first_need:
+        lines.append(f"libmlxc that would load: the native pack's, fetched on first need from {mine['url']} "
+                     f"into {mine['dir']}")
+        if found is not None:
+            lines.append(f"  (before {found})")
+    elif found is not None:
+        lines.append(f"libmlxc that would load: {found}")
     else:
         lines.append("libmlxc that would load: none")
         lines.extend("  " + ln for ln in "\n".join(order).splitlines())
-    if load:
+    if load and first_need:
+        lines.append("loaded: no (not loaded here, which would fetch the pack: `python -m mlxrs native --fetch` "
+                     "fetches it now)")
+    elif load:
         try:
             rt = _native.runtime_info()
         except MlxrsError as e:

@@ -139,6 +139,9 @@ pub enum DownloadError {
          (or point MLXRS_NATIVE_PACK_URL and MLXRS_NATIVE_PACK_SHA256 at a pack of your own)"
     )]
     NotPublished(String),
+    /// A native pack verified but is not usable (it cannot be unpacked, or lacks a library).
+    #[error("{0}")]
+    BadPack(String),
     /// The progress callback asked to stop; the partial file is kept.
     #[error("download of {0} cancelled; the partial file is kept and the next run resumes it")]
     Cancelled(String),
@@ -590,6 +593,100 @@ fn attempt(
     }
 }
 
+/// `1536` → `1.5 KiB` (as `human` in python/mlxrs/download.py).
+pub fn human(n: f64) -> String {
+    let mut n = n;
+    for unit in ["B", "KiB", "MiB", "GiB"] {
+        if n.abs() < 1024.0 {
+            return if unit == "B" { format!("{n:.0} B") } else { format!("{n:.1} {unit}") };
+        }
+        n /= 1024.0;
+    }
+    format!("{n:.1} TiB")
+}
+
+/// A progress display on stderr for a transfer made outside Python (the native pack fetched on
+/// first need; Python's `get` and `native --fetch` draw their own bars): one bar redrawn in place
+/// on a terminal; elsewhere nothing until [`TextProgress::finish`] prints the file's line.
+pub struct TextProgress {
+    name: String,
+    tty: bool,
+    t0: Instant,
+    /// Bytes present before this run (a resumed prefix): not part of the rate.
+    base: Option<u64>,
+    done: u64,
+    total: u64,
+    last: Option<Instant>,
+    drawn: bool,
+}
+
+impl TextProgress {
+    pub fn new(name: impl Into<String>) -> Self {
+        use std::io::IsTerminal as _;
+        TextProgress {
+            name: name.into(),
+            tty: std::io::stderr().is_terminal(),
+            t0: Instant::now(),
+            base: None,
+            done: 0,
+            total: 0,
+            last: None,
+            drawn: false,
+        }
+    }
+
+    fn rate(&self) -> f64 {
+        let dt = self.t0.elapsed().as_secs_f64();
+        let got = self.done.saturating_sub(self.base.unwrap_or(0));
+        if dt > 0.0 {
+            got as f64 / dt
+        } else {
+            0.0
+        }
+    }
+
+    /// The callback for [`fetch`]: records (done, total) and redraws the bar on a terminal.
+    pub fn update(&mut self, done: u64, total: u64) -> bool {
+        self.base.get_or_insert(done);
+        self.done = done;
+        if total > 0 {
+            self.total = total;
+        }
+        let now = Instant::now();
+        if self.tty && (self.last.is_none_or(|t| now.duration_since(t) >= Duration::from_millis(100)) || done == total) {
+            self.last = Some(now);
+            let frac = if self.total > 0 { (self.done as f64 / self.total as f64).min(1.0) } else { 0.0 };
+            let fill = (frac * 24.0) as usize;
+            let line = format!(
+                "\r\x1b[2K  {}  [{}{}] {:5.1}% {}/{} {}/s",
+                self.name,
+                "#".repeat(fill),
+                ".".repeat(24 - fill),
+                frac * 100.0,
+                human(self.done as f64),
+                human(self.total as f64),
+                human(self.rate())
+            );
+            let mut err = std::io::stderr().lock();
+            let _ = err.write_all(line.as_bytes());
+            let _ = err.flush();
+            self.drawn = true;
+        }
+        true
+    }
+
+    /// Clear the bar and print `  <name>  <size><note>, <rate>/s`.
+    pub fn finish(&mut self, note: &str) {
+        let rate = self.rate();
+        let rate = if rate > 0.0 { format!(", {}/s", human(rate)) } else { String::new() };
+        let clear = if self.drawn { "\r\x1b[2K" } else { "" };
+        let mut err = std::io::stderr().lock();
+        let _ = writeln!(err, "{clear}  {}  {}{note}{rate}", self.name, human(self.done as f64));
+        let _ = err.flush();
+        self.drawn = false;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -608,6 +705,14 @@ mod tests {
         let mut h = Hasher::new(&Expected::GitBlobSha1(String::new()), Some(6)).unwrap();
         h.update(b"hello\n");
         assert_eq!(h.hex(), "ce013625030ba8dba906f756967f9e9ca394464a");
+    }
+
+    #[test]
+    fn human_sizes_read_like_pythons() {
+        assert_eq!(human(512.0), "512 B");
+        assert_eq!(human(1536.0), "1.5 KiB");
+        assert_eq!(human(10_087_293.0), "9.6 MiB");
+        assert_eq!(human(3.0 * 1024f64.powi(4)), "3.0 TiB");
     }
 
     #[test]

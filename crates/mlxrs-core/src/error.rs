@@ -9,6 +9,10 @@ pub enum Error {
     /// The native runtime could not be found, opened or does not match.
     #[error(transparent)]
     Runtime(#[from] mlxrs_sys::LoadError),
+    /// No native runtime anywhere, and the native pack could not be fetched on first need (none
+    /// published for this platform, or the fetch failed): every place tried and why.
+    #[error("{0}")]
+    NoRuntime(String),
     /// Bad arguments caught before reaching MLX (shape/data length, dtype).
     #[error("{0}")]
     Invalid(String),

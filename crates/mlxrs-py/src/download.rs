@@ -1,5 +1,6 @@
-//! `mlxrs._native.download` and `native_pack_info`: thin wrappers over mlxrs-core's `download.rs`
-//! (resumable, verified transfer) and `native_pack.rs` (which pack this machine uses, from where).
+//! `mlxrs._native.download`, `native_pack_info` and `native_pack_install`: thin wrappers over
+//! mlxrs-core's `download.rs` (resumable, verified transfer) and `native_pack.rs` (which pack this
+//! machine uses, from where; fetching and unpacking it).
 use mlxrs_core::download::{self as dl, Advice, DownloadError, Expected};
 use mlxrs_core::native_pack;
 use pyo3::exceptions::PyValueError;
@@ -101,17 +102,7 @@ pub fn download<'py>(
 #[pyfunction]
 #[pyo3(signature = (backend=None))]
 pub fn native_pack_info<'py>(py: Python<'py>, backend: Option<&str>) -> PyResult<Bound<'py, PyDict>> {
-    let backend: &str = match backend {
-        Some(b) => b,
-        None => native_pack::default_backend(),
-    };
-    let valid: &[&str] = if cfg!(target_os = "macos") { &["metal"] } else { &["cpu", "cuda"] };
-    if !valid.contains(&backend) {
-        return Err(download_error(
-            py,
-            DownloadError::Invalid(format!("backend must be one of {} here (got {backend:?})", valid.join(", "))),
-        ));
-    }
+    let backend = checked_backend(py, backend)?;
     let d = PyDict::new(py);
     d.set_item("version", mlxrs_sys::NATIVE_PACK_VERSION)?;
     d.set_item("platform", native_pack::platform(backend))?;
@@ -142,8 +133,82 @@ pub fn native_pack_info<'py>(py: Python<'py>, backend: Option<&str>) -> PyResult
     Ok(d)
 }
 
+/// Fetch, verify and unpack the native pack for `backend` (None: this machine's) unless it is
+/// already complete (or `force`): mlxrs-core's `native_pack::install`, the code the runtime runs
+/// on first need. `progress(done, total)` runs as bytes arrive (an exception it raises, or
+/// Ctrl-C, stops the transfer, keeping the partial file); `on_wait()` runs once when another
+/// process is fetching the same pack. Returns {"dir", "fetched", "resumed_from", "size"}.
+#[pyfunction]
+#[pyo3(signature = (backend=None, *, force=false, progress=None, on_wait=None))]
+pub fn native_pack_install<'py>(
+    py: Python<'py>,
+    backend: Option<&str>,
+    force: bool,
+    progress: Option<PyObject>,
+    on_wait: Option<PyObject>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let backend = checked_backend(py, backend)?;
+    let src = native_pack::source(backend).map_err(|e| download_error(py, e))?;
+    let (result, mut raised) = py.allow_threads(|| {
+        let raised: std::cell::RefCell<Option<PyErr>> = std::cell::RefCell::new(None);
+        // a callback's exception (or Ctrl-C) stops the transfer and is raised afterwards
+        let call = |f: &Option<PyObject>, args: Option<(u64, u64)>| -> bool {
+            Python::with_gil(|py| {
+                let r = match (f, args) {
+                    (Some(f), Some(a)) => f.call1(py, a).map(drop),
+                    (Some(f), None) => f.call0(py).map(drop),
+                    (None, _) => Ok(()),
+                };
+                match r.and_then(|()| py.check_signals()) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        raised.borrow_mut().get_or_insert(e);
+                        false
+                    }
+                }
+            })
+        };
+        let mut prog = |done: u64, total: u64| call(&progress, Some((done, total)));
+        let mut waiting = || {
+            call(&on_wait, None);
+        };
+        let r = native_pack::install(backend, &src, force, native_pack::Hooks { progress: &mut prog, waiting: &mut waiting });
+        (r, raised.into_inner())
+    });
+    let out = match result {
+        Ok(_) if raised.is_some() => return Err(raised.take().expect("checked")),
+        Ok(o) => o,
+        Err(DownloadError::Cancelled(what)) => {
+            return Err(raised.unwrap_or_else(|| download_error(py, DownloadError::Cancelled(what))))
+        }
+        Err(e) => return Err(download_error(py, e)),
+    };
+    let d = PyDict::new(py);
+    d.set_item("dir", out.dir.display().to_string())?;
+    d.set_item("fetched", out.fetched.is_some())?;
+    d.set_item("resumed_from", out.fetched.map_or(0, |o| o.resumed_from))?;
+    d.set_item("size", out.fetched.map_or(0, |o| o.size))?;
+    Ok(d)
+}
+
+fn checked_backend<'a>(py: Python<'_>, backend: Option<&'a str>) -> PyResult<&'a str> {
+    let backend: &str = match backend {
+        Some(b) => b,
+        None => native_pack::default_backend(),
+    };
+    let valid: &[&str] = if cfg!(target_os = "macos") { &["metal"] } else { &["cpu", "cuda"] };
+    if !valid.contains(&backend) {
+        return Err(download_error(
+            py,
+            DownloadError::Invalid(format!("backend must be one of {} here (got {backend:?})", valid.join(", "))),
+        ));
+    }
+    Ok(backend)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(download, m)?)?;
     m.add_function(wrap_pyfunction!(native_pack_info, m)?)?;
+    m.add_function(wrap_pyfunction!(native_pack_install, m)?)?;
     Ok(())
 }

@@ -13,7 +13,7 @@ mod session;
 pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let cls = match &e {
         Error::Mlx(_) => "MlxError",
-        Error::Runtime(_) => "NativeRuntimeError",
+        Error::Runtime(_) | Error::NoRuntime(_) => "NativeRuntimeError",
         Error::Invalid(_) => "InvalidArgumentError",
         Error::ModelLoad(_) | Error::Io { .. } => "ModelLoadError",
         Error::Unsupported(_) => "UnsupportedModelError",

@@ -7,9 +7,10 @@ use std::sync::OnceLock;
 
 static INIT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
 
-/// Load the native runtime (once) and install mlx-c's error handler (once).
+/// Load the native runtime (once; fetching the native pack on first need, see
+/// [`crate::native_pack::load`]) and install mlx-c's error handler (once).
 pub fn init() -> Result<&'static sys::Runtime> {
-    let rt = sys::load()?;
+    let rt = crate::native_pack::load()?;
     INIT.get_or_init(|| {
         install_error_handler();
         Ok(())
