@@ -1,17 +1,21 @@
 """Measure what the memory planner (crates/mlxrs-core/src/plan.rs) is calibrated against: MLX's peak
 memory over one generation of 2 tokens after a prompt of n random tokens, each in a fresh process,
-next to the plan's weights + KV + transient at n + 2 tokens (with and without fused attention).
+next to the plan's weights + KV + transient at n + 2 tokens (this backend's plan, and one layer in flight with
+and without fused attention).
 
     python bench/fit_calibration.py [--out results.json] [--cases NAME:N[:KVBITS] ...]
 
 The models are tests/test_fit.py's (random weights, written once under tests/.models). The table at
-TRANSIENT_SLACK in plan.rs comes from this script on the CPU; on a GPU it checks the fused-attention
-plan (`fused_attention=True`, what `fit --skus` and the server assume on Metal and CUDA).
+TRANSIENT_SLACK in plan.rs comes from this script on the CPU, the one at GPU_LAYERS_IN_FLIGHT from it
+(and bench/prefill_eval_speed.py) on an H200 (bench/device_fit.sh, bench/RESULTS-fit.md). The measuring processes inherit the environment:
+MLXRS_PREFILL_EVAL_LAYERS=0 measures the prefill evaluated a whole chunk at a time (the GPU default
+before per-layer evaluation); each row records the setting.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +36,10 @@ MODELS: dict[str, tuple[str, str, dict[str, int]]] = {
     "fit-llama-bf16": ("llama", "bfloat16", dict(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128,
                                                  inter=2048, vocab=2048)),
 }
-CASES = ["fit-llama-f32:512", "fit-llama-f32:2048", "fit-llama-f32:4000", "fit-llama-f32:3000:8",
-         "fit-llama-f32:3000:4", "fit-gemma3-f32:1000", "fit-gemma3-f32:4000", "fit-qwen3-bf16:512",
-         "fit-qwen3-bf16:2048", "fit-qwen3-bf16:4000"]
+CASES = ["fit-llama-f32:512", "fit-llama-f32:1000", "fit-llama-f32:2048", "fit-llama-f32:3000", "fit-llama-f32:4000",
+         "fit-llama-f32:3000:8", "fit-llama-f32:3000:4", "fit-llama-bf16:512", "fit-llama-bf16:2048",
+         "fit-llama-bf16:4000", "fit-gemma3-f32:1000", "fit-gemma3-f32:2048", "fit-gemma3-f32:4000",
+         "fit-qwen3-bf16:512", "fit-qwen3-bf16:2048", "fit-qwen3-bf16:4000"]
 
 MEASURE = """
 import json, random, sys
@@ -72,16 +77,20 @@ def main() -> int:
             print(f"{case}: failed\n{r.stderr[-2000:]}", flush=True)
             continue
         m = json.loads(r.stdout)
-        row: dict[str, Any] = {"model": name, "n": n, "kv_bits": kv, **m}
-        for fused in (False, True):
-            p = json.loads(_native.plan(str(d), n + 2, kv, None, fused_attention=fused, device_bytes=1 << 40))
+        row: dict[str, Any] = {"model": name, "n": n, "kv_bits": kv,
+                               "prefill_eval_layers": os.environ.get("MLXRS_PREFILL_EVAL_LAYERS", "auto"), **m}
+        # the planner's default for this machine's backend, then materialized / fused attention with
+        # one layer in flight (the CPU's rule, and the GPU's before the staged prefill)
+        for key, kw in (("plan", {}), ("unfused", dict(backend="cpu", fused_attention=False)),
+                        ("fused", dict(backend="cpu", fused_attention=True))):
+            p = json.loads(_native.plan(str(d), n + 2, kv, None, device_bytes=1 << 40, **kw))
             est = p["weightsBytes"] + p["kvBytes"] + p["transientBytes"]
-            row["fused" if fused else "unfused"] = {"planned": est, "ratio": est / m["peak"], **p}
+            row[key] = {"planned": est, "ratio": est / m["peak"], **p}
         rows.append(row)
-        print(f"{name:16s} n={n:5d} kv={kv}: measured {m['peak'] / 1e6:8.1f} MB; planned unfused "
-              f"{row['unfused']['planned'] / 1e6:8.1f} ({row['unfused']['ratio']:.3f}), fused "
-              f"{row['fused']['planned'] / 1e6:8.1f} ({row['fused']['ratio']:.3f}); prefill {m['prompt_seconds']:.2f}s",
-              flush=True)
+        print(f"{name:16s} n={n:5d} kv={kv}: measured {m['peak'] / 1e6:8.1f} MB; planned {row['plan']['planned'] / 1e6:8.1f} "
+              f"({row['plan']['ratio']:.3f}); one layer: unfused {row['unfused']['planned'] / 1e6:8.1f} "
+              f"({row['unfused']['ratio']:.3f}), fused {row['fused']['planned'] / 1e6:8.1f} ({row['fused']['ratio']:.3f}); "
+              f"prefill {m['prompt_seconds']:.2f}s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"runtime": info, "rows": rows}, indent=2, default=str))
     return 0

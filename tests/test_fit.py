@@ -199,10 +199,22 @@ def test_skus() -> None:
         assert set(p) == SCHEMA_KEYS and p["contextTokens"] == 8192
         assert p["usableBytes"] == int(x["memoryBytes"] * 0.75)
         assert x["decodeTpsCeiling"] == pytest.approx(x["bandwidthGBs"] * 1e9 / (p["weightsBytes"] + p["kvBytes"]))
-    # Macs are planned with Metal's fused attention (no materialized scores), NVIDIA GPUs without
-    unfused = plan(d, 8192, fused_attention=False, device_bytes=8 << 30)["transientBytes"]
+    # each SKU is planned for its backend: Macs with Metal's fused attention, NVIDIA GPUs (this model
+    # is float32) with materialized scores, both with two layers' prefill activations in flight
     for x in rows:
-        assert (x["plan"]["transientBytes"] < unfused) == (x["kind"] == "apple"), x["sku"]
+        want = plan(d, 8192, device_bytes=8 << 30, backend="metal" if x["kind"] == "apple" else "cuda")
+        assert x["plan"]["transientBytes"] == want["transientBytes"], x["sku"]
+    cpu = plan(d, 8192, device_bytes=8 << 30, backend="cpu")["transientBytes"]
+    metal = plan(d, 8192, device_bytes=8 << 30, backend="metal")["transientBytes"]
+    cuda = plan(d, 8192, device_bytes=8 << 30, backend="cuda")["transientBytes"]
+    assert metal < cpu < cuda
+    # fused_attention overrides the backend's attention, not its two layers
+    fused = plan(d, 8192, device_bytes=8 << 30, backend="cuda", fused_attention=True)["transientBytes"]
+    assert fused == metal
+    # CUDA fuses attention for a 16-bit model
+    b = model("fit-qwen3-bf16")
+    assert plan(b, 8192, device_bytes=8 << 30, backend="cuda")["transientBytes"] < \
+        plan(b, 8192, device_bytes=8 << 30, backend="cuda", fused_attention=False)["transientBytes"]
     # a tiny byte budget: nothing fits anywhere; a fraction: the same share of each
     rows = json.loads(cli("fit", str(d), "--skus", "--json", "--memory-budget", "300M").stdout)
     assert all(x["plan"]["maxSafeContext"] == 0 for x in rows)

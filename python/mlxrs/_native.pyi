@@ -128,12 +128,15 @@ def plan(
     prefill_step_size: int = 2048,
     device_bytes: int | None = None,
     fused_attention: bool | None = None,
+    backend: str | None = None,
 ) -> str:
     """The MemoryPlan (schemaVersion 1) as JSON for the model in `model_dir` (config.json and
     safetensors headers only) at `context_tokens` (None: the model's maximum). `budget` is a
     fraction of device memory ("0.5") or bytes ("12G", "8000000000"); None: 0.75 × device memory.
-    `device_bytes` overrides the device memory; `fused_attention` defaults to true on Metal only
-    (MLX has no fused prefill attention on the CPU or CUDA)."""
+    `device_bytes` overrides the device memory and `backend` ("cpu", "cuda", "metal"; None: this
+    machine's) the backend, which decides whether attention is fused (Metal; CUDA with 16-bit
+    activations; never on the CPU) and how many decoder layers' prefill activations are alive at
+    once (two on a GPU, one on the CPU). `fused_attention` overrides the first."""
 
 def device_memory() -> tuple[int, str]:
     """(bytes, source) of the memory the default budget is a fraction of; source is "mlx-gpu",

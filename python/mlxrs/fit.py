@@ -30,6 +30,10 @@ class Sku:
     def memory_bytes(self) -> int:
         return int(self.memory_gib * GIB)
 
+    @property
+    def backend(self) -> str:
+        return "metal" if self.kind == "apple" else "cuda"
+
 
 def _apple(chip: str, sizes: tuple[int, ...], bw: float) -> list[Sku]:
     return [Sku(f"{chip} {gb}GB", "apple", gb, bw) for gb in sizes]
@@ -105,25 +109,26 @@ def _budget_is_bytes(budget: str | None) -> bool:
 
 def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
          budget: str | None = None, device_bytes: int | None = None,
-         fused_attention: bool | None = None) -> dict[str, Any]:
+         fused_attention: bool | None = None, backend: str | None = None) -> dict[str, Any]:
     """The MemoryPlan (schemaVersion 1) for a model directory or .gguf file."""
     return dict(json.loads(_native.plan(str(model), ctx, kv_bits, budget, device_bytes=device_bytes,
-                                        fused_attention=fused_attention)))
+                                        fused_attention=fused_attention, backend=backend)))
 
 
 def sku_plans(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
               budget: str | None = None) -> list[dict[str, Any]]:
     """One plan per SKU. A fraction budget applies to each SKU's memory; a byte budget is capped
-    at it. Attention is planned as MLX runs it there: fused on Metal, materialized scores on CUDA
-    (MLX 0.30.6 has no fused prefill attention on CUDA; bench/RESULTS-fit.md)."""
+    at it. Each is planned for its backend (Metal on Macs, CUDA on NVIDIA GPUs): attention as MLX
+    0.30.6 runs it there (fused on Metal; on CUDA fused for 16-bit models, materialized scores for
+    float32 ones) and two decoder layers' prefill activations alive at once (bench/RESULTS-fit.md)."""
     out = []
     for s in SKUS:
         b = budget
         if _budget_is_bytes(budget):
-            probe = plan(model, ctx, kv_bits, budget, s.memory_bytes, s.kind == "apple")
+            probe = plan(model, ctx, kv_bits, budget, s.memory_bytes, backend=s.backend)
             if probe["usableBytes"] > s.memory_bytes:
                 b = str(s.memory_bytes)
-        p = plan(model, ctx, kv_bits, b, s.memory_bytes, s.kind == "apple")
+        p = plan(model, ctx, kv_bits, b, s.memory_bytes, backend=s.backend)
         # the bandwidth roofline: each decoded token reads the weights and the KV cache once
         read = p["weightsBytes"] + p["kvBytes"]
         ceiling = s.bandwidth_gbs * 1e9 / read if read else None

@@ -4,7 +4,7 @@
 use crate::cache::LayerCache;
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, Dtype, Stream};
-use crate::models::CausalLm;
+use crate::models::{CausalLm, Staging};
 use crate::sample::Sampler;
 use crate::weights::QuantSpec;
 use std::time::Instant;
@@ -45,6 +45,37 @@ pub struct StepOut {
     pub logprob: Option<f32>,
     /// The most likely alternatives (id, logprob), best first.
     pub top: Vec<(i32, f32)>,
+}
+
+/// Overrides how the prefill evaluates between decoder layers: `k` (evaluate every k layers; 0: a
+/// whole chunk's graph at a time) or `ka` (the same, queuing the next stage before waiting for the
+/// previous one). Unset, empty or anything else: [`prefill_staging`]'s default.
+pub const PREFILL_EVAL_ENV: &str = "MLXRS_PREFILL_EVAL_LAYERS";
+
+/// How a prefill chunk evaluates between decoder layers ([`CausalLm::forward_staged`]). On a GPU
+/// (CUDA, Metal): after every layer, queuing the next layer before waiting for the previous one. A
+/// chunk evaluated as one graph keeps several layers' intermediates alive at once there and peaked
+/// up to 2.8× the per-layer memory plan on an H200; waiting for every layer held the peak to one
+/// layer's activations but cost 20–35% of the prefill speed (the GPU idles while the host builds
+/// the next layer); one layer queued ahead holds it to about two layers' (what the planner counts on
+/// a GPU) and prefills as fast as the whole graph or up to 15% faster (bench/RESULTS-fit.md). On the
+/// CPU, the whole chunk as one graph: execution is synchronous and a layer's intermediates are freed
+/// as the next consumes them. [`PREFILL_EVAL_ENV`] overrides it. Decode steps always run as one graph.
+pub fn prefill_staging() -> Staging {
+    if let Ok(v) = std::env::var(PREFILL_EVAL_ENV) {
+        let v = v.trim();
+        let (num, lookahead) = match v.strip_suffix('a') {
+            Some(n) => (n, true),
+            None => (v, false),
+        };
+        if let Ok(every) = num.parse::<usize>() {
+            return Staging { every, lookahead };
+        }
+    }
+    match mx::default_device() {
+        Ok(d) if d.kind() == mx::DeviceKind::Gpu => Staging { every: 1, lookahead: true },
+        _ => Staging::NONE,
+    }
 }
 
 /// Prefill/decode timing of one generation.
@@ -121,11 +152,12 @@ impl<'a> TokenGenerator<'a> {
             p(0, total);
         }
         let stream = g.stream.clone();
+        let staging = prefill_staging();
         mx::with_stream(&stream, || -> Result<()> {
             while total - done > 1 {
                 let n = (g.opts.prefill_step_size as usize).min(total - done - 1);
                 let chunk = Array::from_slice(&prompt[done..done + n], &[1, n as i32])?;
-                g.model.forward(&chunk, g.cache)?;
+                g.model.forward_staged(&chunk, g.cache, staging)?;
                 g.maybe_quantize()?;
                 let state: Vec<&Array> = g.cache.iter().flat_map(|c| c.state()).collect();
                 mx::eval(&state)?;

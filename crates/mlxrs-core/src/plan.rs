@@ -299,6 +299,64 @@ fn text_config(config: &Value) -> &Value {
     config.get("text_config").filter(|v| v.is_object()).unwrap_or(config)
 }
 
+/// The MLX backend a plan is for: it decides how attention runs and how many decoder layers'
+/// prefill activations are alive at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl Backend {
+    /// "cpu", "cuda" or "metal".
+    pub fn parse(s: &str) -> Result<Backend> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Backend::Cpu),
+            "cuda" => Ok(Backend::Cuda),
+            "metal" => Ok(Backend::Metal),
+            _ => Err(Error::Invalid(format!("backend {s:?} is not one of cpu, cuda, metal"))),
+        }
+    }
+
+    /// The backend MLX computes on here: a GPU is Metal on macOS and CUDA elsewhere (as
+    /// `runtime_info` says).
+    pub fn detect() -> Backend {
+        match crate::handle::default_device() {
+            Ok(d) if d.kind() == crate::handle::DeviceKind::Gpu => {
+                if cfg!(target_os = "macos") {
+                    Backend::Metal
+                } else {
+                    Backend::Cuda
+                }
+            }
+            _ => Backend::Cpu,
+        }
+    }
+
+    /// Whether MLX's prefill attention is a fused kernel (no materialized scores) for a model with
+    /// `act_bytes`-byte activations: always on Metal; on CUDA for 16-bit activations only (MLX 0.30.6
+    /// runs cuDNN's fused attention for float16 / bfloat16 and the general path for float32: measured
+    /// on an H200, bench/RESULTS-fit.md); never on the CPU.
+    pub fn fused_attention(self, act_bytes: u64) -> bool {
+        match self {
+            Backend::Metal => true,
+            Backend::Cuda => act_bytes == 2,
+            Backend::Cpu => false,
+        }
+    }
+
+    /// How many decoder layers' prefill activations are alive at once: one on the CPU,
+    /// [`GPU_LAYERS_IN_FLIGHT`] on a GPU.
+    pub fn layers_in_flight(self) -> u64 {
+        match self {
+            Backend::Cpu => 1,
+            Backend::Cuda | Backend::Metal => GPU_LAYERS_IN_FLIGHT,
+        }
+    }
+}
+
 /// Options of one plan.
 #[derive(Clone, Debug)]
 pub struct PlanOptions {
@@ -308,10 +366,11 @@ pub struct PlanOptions {
     pub kv_bits: Option<u32>,
     pub kv_group_size: u64,
     pub prefill_step: u64,
-    /// Attention runs as a fused kernel that never materializes the scores (MLX's SDPA on Metal);
-    /// false on CPU and on CUDA, where MLX 0.30.6 prefills through the general path (measured on an
-    /// H200: bench/RESULTS-fit.md).
+    /// Attention runs as a fused kernel that never materializes the scores:
+    /// [`Backend::fused_attention`] for the plan's backend and model.
     pub fused_attention: bool,
+    /// Decoder layers whose prefill activations are alive at once: [`Backend::layers_in_flight`].
+    pub layers_in_flight: u64,
     /// The usable bytes.
     pub usable_bytes: u64,
 }
@@ -370,18 +429,21 @@ impl ModelFacts {
 
     /// Peak activation bytes while prefilling a context of `ctx` tokens in chunks of `step`.
     ///
-    /// Derivation (one decoder layer is live at a time; MLX frees a layer's intermediates once
-    /// the next consumes them), for a chunk of P = min(step, ctx) tokens attending over ctx keys,
-    /// in the activation dtype (a bytes) unless noted:
+    /// Derivation (`layers_in_flight` decoder layers are live at a time: one on the CPU, where MLX
+    /// frees a layer's intermediates once the next consumes them; two on a GPU, where the prefill
+    /// queues one layer ahead), for a chunk of P = min(step, ctx) tokens attending over ctx keys,
+    /// in the activation dtype (a bytes) unless noted; per layer in flight:
     /// - hidden states: residual, normed input, attention output, MLP output: 4·P·hidden·a
     /// - q, k, v projections: P·(heads + 2·kv_heads)·head_dim·a
-    /// - attention scores, materialized by SDPA's general path (CPU; the fused Metal and CUDA
-    ///   kernels do not, see [`PlanOptions::fused_attention`]): heads·P·ctx·a. MLX's precise
+    /// - attention scores, materialized by SDPA's general path (CPU, float32 on CUDA; the fused
+    ///   kernels do not, see [`Backend::fused_attention`]): heads·P·ctx·a. MLX's precise
     ///   softmax accumulates in float32 row by row without a float32 copy of the scores: an
     ///   isolated `mx.fast.scaled_dot_product_attention` (L = 1024, causal) adds 4.5–6.3 bytes
     ///   per score element in float32 and 2.3–3.3 in bfloat16 (the scores, the masked copy
     ///   sharing their buffer, the boolean mask and the output)
     /// - MLP gate, up and their product: 3·P·intermediate·a
+    ///
+    /// and once:
     /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
     ///   kv(ctx) / layers
     /// - last-position logits and log-probabilities in float32: 2·vocab·4
@@ -389,7 +451,7 @@ impl ModelFacts {
     /// The sum is multiplied by [`TRANSIENT_SLACK`] for the allocator's rounding and the
     /// intermediates of norms and RoPE that the terms above do not name.
     ///
-    /// Calibrated against MLX's peak memory: see [`TRANSIENT_SLACK`].
+    /// Calibrated against MLX's peak memory: see [`TRANSIENT_SLACK`] (CPU) and [`GPU_LAYERS_IN_FLIGHT`] (CUDA).
     pub fn transient_bytes(&self, ctx: u64, o: &PlanOptions) -> u64 {
         let (step, kv_bits, group) = (o.prefill_step, o.kv_bits, o.kv_group_size);
         if ctx == 0 {
@@ -401,9 +463,10 @@ impl ModelFacts {
         let qkv = p * ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim) as f64 * a;
         let scores = if o.fused_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
         let mlp = 3.0 * p * self.intermediate_size as f64 * a;
+        let layers = o.layers_in_flight.clamp(1, self.num_layers.max(1)) as f64;
         let regrow = self.kv_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
         let logits = 2.0 * self.vocab_size as f64 * 4.0;
-        ((hidden + qkv + scores + mlp + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
+        ((layers * (hidden + qkv + scores + mlp) + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
     }
 
     /// The model's own context limit.
@@ -500,6 +563,42 @@ impl ModelFacts {
 /// n = 512 / 2048 was planned at 1.19 / 1.81× its peak.
 pub const TRANSIENT_SLACK: f64 = 1.2;
 
+/// Decoder layers whose prefill activations the planner counts on a GPU (CUDA, Metal), where the
+/// prefill evaluates every layer and queues the next one before waiting for the previous one
+/// (`generate::prefill_staging`): the layer being queued allocates while the previous one runs; MLX
+/// releases a finished layer's buffers from its completion thread, so part of a third is sometimes
+/// still held. With [`TRANSIENT_SLACK`], and attention per [`Backend::fused_attention`].
+///
+/// Measured on an NVIDIA H200 (MLX 0.30.6's CUDA backend, bench/device_fit.sh, 2026-11-30): MLX's
+/// peak over a prefill of n random tokens + 2 generated, against weights + KV + transient at n + 2
+/// (bench/RESULTS-fit.md has every row and the runs' spread). "Queued ahead" is the default; the
+/// last column evaluates every layer and waits for it (`MLXRS_PREFILL_EVAL_LAYERS=1`).
+///
+/// | model (random weights)                                   | n    | planned MB | queued ahead: peak MB (planned ÷ peak) | waiting: peak MB (ratio) |
+/// |----------------------------------------------------------|------|------------|----------------------------------------|--------------------------|
+/// | Llama-1B shape (bench_device.py), bf16                   | 512  | 2324.2     | 2294.4 (1.013)                         | 2304.8 (1.008)           |
+/// |                                                          | 2048 | 2642.2     | 2705.4 / 2594.3 (0.977 / 1.018)        | 2437.0 (1.084)           |
+/// |                                                          | 4000 | 2705.3     | 2663.0 (1.016)                         | 2504.7 (1.080)           |
+/// |                                                          | 8000 | 2849.6     | 2901.0 / 2798.9 (0.982 / 1.018)        | 2786.3 (1.023)           |
+/// | Llama-3B shape (28 layers, hidden 3072), bf16            | 2048 | 6719.3     | 6513.1 (1.032)                         | 6555.1 (1.025)           |
+/// |                                                          | 4000 | 6933.6     | 6929.5 (1.001)                         | 6732.0 (1.030)           |
+/// |                                                          | 8000 | 7423.5     | 7193.2 (1.032)                         | 7184.8 (1.033)           |
+/// | fit-llama-bf16 (fit-llama-f32's shape), bf16             | 512  | 238.0      | 222.5 (1.07)                           | 226.7 (1.05)             |
+/// |                                                          | 4000 | 461.4      | 446.1 (1.03)                           | 369.8 (1.25)             |
+/// | fit-qwen3-bf16                                           | 4000 | 361.6      | 350.2 (1.03)                           | 267.7 (1.35)             |
+/// | fit-llama-f32 (materialized scores)                      | 512  | 496.3      | 453.4 (1.09)                           | 445.0 (1.12)             |
+/// |                                                          | 4000 | 1552.3     | 1424.1 (1.09)                          | 997.1 (1.56)             |
+/// | fit-gemma3-f32 (materialized scores)                     | 4000 | 850.7      | 614.0 (1.39)                           | 516.6 (1.65)             |
+///
+/// Whether the second layer is still alive depends on timing: the small float32 models, whose one
+/// layer is mostly attention scores, often peak at one layer (up to 1.8× below the plan at some n);
+/// the larger models at two, and twice a little above (0.977, 0.982: 2–3% of the peak, inside
+/// [`RESERVE_BYTES`]). Three layers would cover those two runs at the cost of one more layer's
+/// activations in every GPU plan. Before the staged prefill (a whole chunk as one graph), the same
+/// models peaked up to 2.8× the plan of then (one layer; fit-llama-f32 at n = 4000: 3125.5 MB against
+/// 1106.7) and up to 2.0× this one, varying from run to run.
+pub const GPU_LAYERS_IN_FLIGHT: u64 = 2;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -516,7 +615,7 @@ mod tests {
     fn opts(usable: u64) -> PlanOptions {
         PlanOptions {
             context_tokens: None, kv_bits: None, kv_group_size: 64, prefill_step: 2048, fused_attention: false,
-            usable_bytes: usable,
+            layers_in_flight: 1, usable_bytes: usable,
         }
     }
 

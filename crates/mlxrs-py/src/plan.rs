@@ -1,6 +1,6 @@
 //! `mlxrs._native.plan` / `device_memory`: the memory planner (mlxrs-core's `plan.rs`).
 use crate::PyResultExt;
-use mlxrs_core::plan::{self as core_plan, Budget, ModelFacts, PlanOptions};
+use mlxrs_core::plan::{self as core_plan, Backend, Budget, ModelFacts, PlanOptions};
 use mlxrs_core::Error;
 use pyo3::prelude::*;
 
@@ -8,12 +8,13 @@ use pyo3::prelude::*;
 /// `.gguf` file, planned as its bf16 import) at
 /// `context_tokens` (None: the model's maximum), with a quantized KV cache of `kv_bits` and the
 /// `budget` ("0.75"-style fraction of device memory or bytes such as "12G"; None: 0.75).
-/// `device_bytes` overrides the device memory (what `--skus` evaluates); `fused_attention`
-/// defaults to true on Metal only: MLX 0.30.6 has no fused prefill attention on CUDA, where the
-/// peaks measured on an H200 (bench/RESULTS-fit.md) are up to 3.4x the fused plan.
+/// `device_bytes` overrides the device memory and `backend` ("cpu", "cuda", "metal") the backend
+/// (what `--skus` evaluates; None: this machine's). The backend decides whether attention is
+/// fused (Metal; CUDA with 16-bit activations) and how many layers' prefill activations are alive
+/// at once (two on a GPU); `fused_attention` overrides the first.
 #[pyfunction]
 #[pyo3(signature = (model_dir, context_tokens=None, kv_bits=None, budget=None, kv_group_size=64,
-                    prefill_step_size=2048, device_bytes=None, fused_attention=None))]
+                    prefill_step_size=2048, device_bytes=None, fused_attention=None, backend=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     py: Python<'_>,
@@ -25,6 +26,7 @@ pub fn plan(
     prefill_step_size: u64,
     device_bytes: Option<u64>,
     fused_attention: Option<bool>,
+    backend: Option<&str>,
 ) -> PyResult<String> {
     if let Some(b) = kv_bits {
         if ![2, 3, 4, 6, 8].contains(&b) {
@@ -35,21 +37,23 @@ pub fn plan(
         return Err(Error::Invalid("kv_group_size and prefill_step_size must be >= 1".into())).py(py);
     }
     let budget = budget.map(Budget::parse).transpose().py(py)?.unwrap_or(Budget::Default);
+    let backend = backend.map(Backend::parse).transpose().py(py)?;
     let facts = py.allow_threads(|| ModelFacts::from_path(&model_dir)).py(py)?;
-    let (dev_bytes, gpu) = match (device_bytes, fused_attention) {
-        (Some(b), Some(f)) => (b, f),
-        _ => {
-            let d = py.allow_threads(core_plan::device_memory);
-            let metal = d.source == "mlx-gpu" && cfg!(target_os = "macos");
-            (device_bytes.unwrap_or(d.bytes), fused_attention.unwrap_or(metal))
-        }
+    let dev_bytes = match device_bytes {
+        Some(b) => b,
+        None => py.allow_threads(core_plan::device_memory).bytes,
+    };
+    let backend = match backend {
+        Some(b) => b,
+        None => py.allow_threads(Backend::detect),
     };
     let o = PlanOptions {
         context_tokens,
         kv_bits,
         kv_group_size,
         prefill_step: prefill_step_size,
-        fused_attention: gpu,
+        fused_attention: fused_attention.unwrap_or_else(|| backend.fused_attention(facts.act_bytes)),
+        layers_in_flight: backend.layers_in_flight(),
         usable_bytes: core_plan::budget_bytes(budget, dev_bytes),
     };
     serde_json::to_string(&facts.plan(&o)).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))

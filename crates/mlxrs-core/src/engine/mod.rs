@@ -292,10 +292,14 @@ fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions) -> Resu
     let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
     let step = opts.prefill_step_size.max(1) as usize;
     let (head, tail) = prompt.split_at(prompt.len() - 1);
+    let n_head = head.chunks(step).count();
+    let staging = crate::generate::prefill_staging();
     let mut logits = None;
-    for chunk in head.chunks(step).chain(std::iter::once(tail)) {
+    for (i, chunk) in head.chunks(step).chain(std::iter::once(tail)).enumerate() {
         let a = crate::handle::Array::from_slice(chunk, &[1, chunk.len() as i32])?;
-        logits = Some(model.forward(&a, &mut cache)?);
+        // the prefill chunks layer by layer on a GPU, as generation does; the last token in one graph
+        let st = if i < n_head { staging } else { models::Staging::NONE };
+        logits = Some(model.forward_staged(&a, &mut cache, st)?);
         if let Some(bits) = opts.kv_bits {
             let q = crate::weights::QuantSpec { group_size: opts.kv_group_size, bits };
             for c in cache.iter_mut() {

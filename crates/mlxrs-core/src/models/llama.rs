@@ -125,7 +125,7 @@ impl Model {
 }
 
 impl CausalLm for Model {
-    fn forward(&self, tokens: &Array, cache: &mut [LayerCache]) -> Result<Array> {
+    fn forward_staged(&self, tokens: &Array, cache: &mut [LayerCache], staging: super::Staging) -> Result<Array> {
         let mut h = self.embed.forward(tokens)?;
         let n = tokens.dim(1);
         let fa = self.layers.iter().position(|l| !l.sliding).unwrap_or(0);
@@ -134,12 +134,15 @@ impl CausalLm for Model {
             Some(i) => Some(cache[i].make_mask(n, self.sliding_window)?),
             None => None,
         };
-        for (layer, c) in self.layers.iter().zip(cache.iter_mut()) {
+        let n_layers = self.layers.len();
+        let mut stager = super::Stager::new(staging);
+        for (i, layer) in self.layers.iter().enumerate() {
             let mask = if layer.sliding { swa_mask.as_ref().unwrap_or(&fa_mask) } else { &fa_mask };
-            let r = layer.attn.forward(&layer.in_norm.forward(&h)?, mask, c)?;
+            let r = layer.attn.forward(&layer.in_norm.forward(&h)?, mask, &mut cache[i])?;
             let hh = mx::add(&h, &r)?;
             let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
             h = mx::add(&hh, &r)?;
+            stager.after_layer(i, n_layers, &h, cache)?;
         }
         let h = self.norm.forward(&h)?;
         match &self.lm_head {
