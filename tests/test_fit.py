@@ -200,7 +200,7 @@ def test_skus() -> None:
         assert p["usableBytes"] == int(x["memoryBytes"] * 0.75)
         assert x["decodeTpsCeiling"] == pytest.approx(x["bandwidthGBs"] * 1e9 / (p["weightsBytes"] + p["kvBytes"]))
     # each SKU is planned for its backend: Macs with Metal's fused attention, NVIDIA GPUs (this model
-    # is float32) with materialized scores, both with two layers' prefill activations in flight
+    # is float32) with materialized scores, both with three layers' prefill activations in flight
     for x in rows:
         want = plan(d, 8192, device_bytes=8 << 30, backend="metal" if x["kind"] == "apple" else "cuda")
         assert x["plan"]["transientBytes"] == want["transientBytes"], x["sku"]
@@ -208,7 +208,7 @@ def test_skus() -> None:
     metal = plan(d, 8192, device_bytes=8 << 30, backend="metal")["transientBytes"]
     cuda = plan(d, 8192, device_bytes=8 << 30, backend="cuda")["transientBytes"]
     assert metal < cpu < cuda
-    # fused_attention overrides the backend's attention, not its two layers
+    # fused_attention overrides the backend's attention, not its three layers
     fused = plan(d, 8192, device_bytes=8 << 30, backend="cuda", fused_attention=True)["transientBytes"]
     assert fused == metal
     # CUDA fuses attention for a 16-bit model

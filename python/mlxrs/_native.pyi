@@ -136,7 +136,7 @@ def plan(
     `device_bytes` overrides the device memory and `backend` ("cpu", "cuda", "metal"; None: this
     machine's) the backend, which decides whether attention is fused (Metal; CUDA with 16-bit
     activations; never on the CPU) and how many decoder layers' prefill activations are alive at
-    once (two on a GPU, one on the CPU). `fused_attention` overrides the first."""
+    once (three on a GPU, one on the CPU). `fused_attention` overrides the first."""
 
 def device_memory() -> tuple[int, str]:
     """(bytes, source) of the memory the default budget is a fraction of; source is "mlx-gpu",

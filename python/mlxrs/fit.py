@@ -120,7 +120,7 @@ def sku_plans(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: in
     """One plan per SKU. A fraction budget applies to each SKU's memory; a byte budget is capped
     at it. Each is planned for its backend (Metal on Macs, CUDA on NVIDIA GPUs): attention as MLX
     0.30.6 runs it there (fused on Metal; on CUDA fused for 16-bit models, materialized scores for
-    float32 ones) and two decoder layers' prefill activations alive at once (bench/RESULTS-fit.md)."""
+    float32 ones) and three decoder layers' prefill activations alive at once (bench/RESULTS-fit.md)."""
     out = []
     for s in SKUS:
         b = budget

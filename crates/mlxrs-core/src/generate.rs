@@ -57,8 +57,9 @@ pub const PREFILL_EVAL_ENV: &str = "MLXRS_PREFILL_EVAL_LAYERS";
 /// chunk evaluated as one graph keeps several layers' intermediates alive at once there and peaked
 /// up to 2.8× the per-layer memory plan on an H200; waiting for every layer held the peak to one
 /// layer's activations but cost 20–35% of the prefill speed (the GPU idles while the host builds
-/// the next layer); one layer queued ahead holds it to about two layers' (what the planner counts on
-/// a GPU) and prefills as fast as the whole graph or up to 15% faster (bench/RESULTS-fit.md). On the
+/// the next layer); one layer queued ahead holds it to two or three layers' (what the planner counts
+/// on a GPU: `plan::GPU_LAYERS_IN_FLIGHT`) at about the whole graph's prefill speed (0.8–1.2× on the
+/// H200, bench/RESULTS-fit.md). On the
 /// CPU, the whole chunk as one graph: execution is synchronous and a layer's intermediates are freed
 /// as the next consumes them. [`PREFILL_EVAL_ENV`] overrides it. Decode steps always run as one graph.
 pub fn prefill_staging() -> Staging {

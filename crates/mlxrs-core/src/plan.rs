@@ -430,8 +430,8 @@ impl ModelFacts {
     /// Peak activation bytes while prefilling a context of `ctx` tokens in chunks of `step`.
     ///
     /// Derivation (`layers_in_flight` decoder layers are live at a time: one on the CPU, where MLX
-    /// frees a layer's intermediates once the next consumes them; two on a GPU, where the prefill
-    /// queues one layer ahead), for a chunk of P = min(step, ctx) tokens attending over ctx keys,
+    /// frees a layer's intermediates once the next consumes them; [`GPU_LAYERS_IN_FLIGHT`] on a GPU,
+    /// where the prefill queues one layer ahead), for a chunk of P = min(step, ctx) tokens attending over ctx keys,
     /// in the activation dtype (a bytes) unless noted; per layer in flight:
     /// - hidden states: residual, normed input, attention output, MLP output: 4·P·hidden·a
     /// - q, k, v projections: P·(heads + 2·kv_heads)·head_dim·a
@@ -565,39 +565,39 @@ pub const TRANSIENT_SLACK: f64 = 1.2;
 
 /// Decoder layers whose prefill activations the planner counts on a GPU (CUDA, Metal), where the
 /// prefill evaluates every layer and queues the next one before waiting for the previous one
-/// (`generate::prefill_staging`): the layer being queued allocates while the previous one runs; MLX
-/// releases a finished layer's buffers from its completion thread, so part of a third is sometimes
-/// still held. With [`TRANSIENT_SLACK`], and attention per [`Backend::fused_attention`].
+/// (`generate::prefill_staging`): the layer being queued allocates while the previous one runs, and
+/// MLX releases a finished layer's buffers from its completion thread, so part of the one before can
+/// still be held. With [`TRANSIENT_SLACK`], and attention per [`Backend::fused_attention`].
 ///
-/// Measured on an NVIDIA H200 (MLX 0.30.6's CUDA backend, bench/device_fit.sh, 2026-11-30): MLX's
-/// peak over a prefill of n random tokens + 2 generated, against weights + KV + transient at n + 2
-/// (bench/RESULTS-fit.md has every row and the runs' spread). "Queued ahead" is the default; the
-/// last column evaluates every layer and waits for it (`MLXRS_PREFILL_EVAL_LAYERS=1`).
+/// Measured on an NVIDIA H200 (MLX 0.30.6's CUDA backend, bench/device_fit.sh and
+/// bench/prefill_eval_speed.py, four runs on fresh machines, 2026-11-30): MLX's peak over a prefill of
+/// n random tokens + 2 generated, against weights + KV + transient at n + 2 (bench/RESULTS-fit.md has
+/// every row). "Queued ahead" is the default (the highest of 1–11 runs); the last column evaluates
+/// every layer and waits for it (`MLXRS_PREFILL_EVAL_LAYERS=1`).
 ///
-/// | model (random weights)                                   | n    | planned MB | queued ahead: peak MB (planned ÷ peak) | waiting: peak MB (ratio) |
-/// |----------------------------------------------------------|------|------------|----------------------------------------|--------------------------|
-/// | Llama-1B shape (bench_device.py), bf16                   | 512  | 2324.2     | 2294.4 (1.013)                         | 2304.8 (1.008)           |
-/// |                                                          | 2048 | 2642.2     | 2705.4 / 2594.3 (0.977 / 1.018)        | 2437.0 (1.084)           |
-/// |                                                          | 4000 | 2705.3     | 2663.0 (1.016)                         | 2504.7 (1.080)           |
-/// |                                                          | 8000 | 2849.6     | 2901.0 / 2798.9 (0.982 / 1.018)        | 2786.3 (1.023)           |
-/// | Llama-3B shape (28 layers, hidden 3072), bf16            | 2048 | 6719.3     | 6513.1 (1.032)                         | 6555.1 (1.025)           |
-/// |                                                          | 4000 | 6933.6     | 6929.5 (1.001)                         | 6732.0 (1.030)           |
-/// |                                                          | 8000 | 7423.5     | 7193.2 (1.032)                         | 7184.8 (1.033)           |
-/// | fit-llama-bf16 (fit-llama-f32's shape), bf16             | 512  | 238.0      | 222.5 (1.07)                           | 226.7 (1.05)             |
-/// |                                                          | 4000 | 461.4      | 446.1 (1.03)                           | 369.8 (1.25)             |
-/// | fit-qwen3-bf16                                           | 4000 | 361.6      | 350.2 (1.03)                           | 267.7 (1.35)             |
-/// | fit-llama-f32 (materialized scores)                      | 512  | 496.3      | 453.4 (1.09)                           | 445.0 (1.12)             |
-/// |                                                          | 4000 | 1552.3     | 1424.1 (1.09)                          | 997.1 (1.56)             |
-/// | fit-gemma3-f32 (materialized scores)                     | 4000 | 850.7      | 614.0 (1.39)                           | 516.6 (1.65)             |
+/// | model (random weights)                                | n    | planned MB | queued ahead: peak MB (ratio) | waiting: peak MB (ratio) |
+/// |-------------------------------------------------------|------|------------|-------------------------------|--------------------------|
+/// | Llama-1B shape (bench_device.py), bf16                | 512  | 2368.4     | 2294.4 (1.032)                | 2304.8 (1.028)           |
+/// |                                                       | 2048 | 2818.4     | 2705.4 (1.042)                | 2437.0 (1.156)           |
+/// |                                                       | 4000 | 2881.5     | 2738.7 (1.052)                | 2504.7 (1.150)           |
+/// |                                                       | 8000 | 3025.8     | 2945.6 (1.027)                | 2786.3 (1.086)           |
+/// | Llama-3B shape (28 layers, hidden 3072), bf16         | 2048 | 6925.7     | 6513.1 (1.063)                | 6555.1 (1.057)           |
+/// |                                                       | 4000 | 7140.0     | 6929.5 (1.030)                | 6732.0 (1.061)           |
+/// |                                                       | 8000 | 7629.9     | 7306.4 (1.044)                | 7184.8 (1.062)           |
+/// | fit-llama-bf16 (fit-llama-f32's shape), bf16          | 512  | 254.4      | 222.5 (1.14)                  | 226.7 (1.12)             |
+/// |                                                       | 4000 | 526.9      | 446.1 (1.18)                  | 369.8 (1.42)             |
+/// | fit-qwen3-bf16                                        | 4000 | 430.8      | 350.2 (1.23)                  | 267.7 (1.61)             |
+/// | fit-llama-f32 (materialized scores)                   | 512  | 539.3      | 453.4 (1.19)                  | 445.0 (1.21)             |
+/// |                                                       | 4000 | 1997.9     | 1424.1 (1.40)                 | 997.1 (2.00)             |
+/// | fit-gemma3-f32 (materialized scores)                  | 4000 | 1144.0     | 614.0 (1.86)                  | 516.6 (2.21)             |
 ///
-/// Whether the second layer is still alive depends on timing: the small float32 models, whose one
-/// layer is mostly attention scores, often peak at one layer (up to 1.8× below the plan at some n);
-/// the larger models at two, and twice a little above (0.977, 0.982: 2–3% of the peak, inside
-/// [`RESERVE_BYTES`]). Three layers would cover those two runs at the cost of one more layer's
-/// activations in every GPU plan. Before the staged prefill (a whole chunk as one graph), the same
-/// models peaked up to 2.8× the plan of then (one layer; fit-llama-f32 at n = 4000: 3125.5 MB against
-/// 1106.7) and up to 2.0× this one, varying from run to run.
-pub const GPU_LAYERS_IN_FLIGHT: u64 = 2;
+/// How many layers are alive depends on timing: the 1B and 3B shapes peak at two to two and a half
+/// layers' worth (with two counted, 1B runs peaked up to 3.3% above the plan: 2945.6 MB at 8000 against
+/// 2849.6); the small float32 models, whose one layer is mostly attention scores, often at one, up to
+/// 2.3× below this plan — an upper bound for them. Before the staged prefill (a whole chunk as one
+/// graph), the same models peaked up to 2.8× the plan of then (one layer; fit-llama-f32 at n = 4000:
+/// 3125.5 MB against 1106.7), varying from run to run.
+pub const GPU_LAYERS_IN_FLIGHT: u64 = 3;
 
 #[cfg(test)]
 mod tests {

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 /// `device_bytes` overrides the device memory and `backend` ("cpu", "cuda", "metal") the backend
 /// (what `--skus` evaluates; None: this machine's). The backend decides whether attention is
 /// fused (Metal; CUDA with 16-bit activations) and how many layers' prefill activations are alive
-/// at once (two on a GPU); `fused_attention` overrides the first.
+/// at once (three on a GPU); `fused_attention` overrides the first.
 #[pyfunction]
 #[pyo3(signature = (model_dir, context_tokens=None, kv_bits=None, budget=None, kv_group_size=64,
                     prefill_step_size=2048, device_bytes=None, fused_attention=None, backend=None))]

@@ -47,7 +47,8 @@ pub struct Staging {
     /// Evaluate after every `every` decoder layers; 0: never (one graph, as [`CausalLm::forward`]).
     pub every: usize,
     /// Queue the next stage before waiting for the previous one, so that the GPU never waits for the
-    /// host to build a layer's graph; up to two stages' intermediates are then alive at once.
+    /// host to build a layer's graph; two (or, while MLX releases the oldest, three) stages'
+    /// intermediates are then alive at once.
     pub lookahead: bool,
 }
 
