@@ -9,6 +9,18 @@ use pyo3::types::PyDict;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// A transfer's result with a callback's exception (or Ctrl-C): raised even when the transfer
+/// completed (an interrupt that arrived at the last callback still propagates) and in place of the
+/// cancellation it caused; any other failure is reported as such.
+fn settle<T>(py: Python<'_>, result: Result<T, DownloadError>, raised: Option<PyErr>) -> PyResult<T> {
+    match (result, raised) {
+        (Ok(_), Some(e)) => Err(e),
+        (Ok(o), None) => Ok(o),
+        (Err(DownloadError::Cancelled(_)), Some(e)) => Err(e),
+        (Err(e), _) => Err(download_error(py, e)),
+    }
+}
+
 fn download_error(py: Python<'_>, e: DownloadError) -> PyErr {
     let cls = if matches!(e, DownloadError::Invalid(_)) { "InvalidArgumentError" } else { "DownloadError" };
     let msg = e.to_string();
@@ -78,15 +90,7 @@ pub fn download<'py>(
         };
         dl::fetch(&req, &mut cb)
     });
-    let out = match result {
-        // the file is complete, but an interrupt that arrived at the last callback still propagates
-        Ok(_) if raised.is_some() => return Err(raised.take().expect("checked")),
-        Ok(o) => o,
-        Err(DownloadError::Cancelled(what)) => {
-            return Err(raised.unwrap_or_else(|| download_error(py, DownloadError::Cancelled(what))))
-        }
-        Err(e) => return Err(download_error(py, e)),
-    };
+    let out = settle(py, result, raised)?;
     let d = PyDict::new(py);
     d.set_item("transferred", out.transferred)?;
     d.set_item("resumed_from", out.resumed_from)?;
@@ -149,7 +153,7 @@ pub fn native_pack_install<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let backend = checked_backend(py, backend)?;
     let src = native_pack::source(backend).map_err(|e| download_error(py, e))?;
-    let (result, mut raised) = py.allow_threads(|| {
+    let (result, raised) = py.allow_threads(|| {
         let raised: std::cell::RefCell<Option<PyErr>> = std::cell::RefCell::new(None);
         // a callback's exception (or Ctrl-C) stops the transfer and is raised afterwards
         let call = |f: &Option<PyObject>, args: Option<(u64, u64)>| -> bool {
@@ -175,14 +179,7 @@ pub fn native_pack_install<'py>(
         let r = native_pack::install(backend, &src, force, native_pack::Hooks { progress: &mut prog, waiting: &mut waiting });
         (r, raised.into_inner())
     });
-    let out = match result {
-        Ok(_) if raised.is_some() => return Err(raised.take().expect("checked")),
-        Ok(o) => o,
-        Err(DownloadError::Cancelled(what)) => {
-            return Err(raised.unwrap_or_else(|| download_error(py, DownloadError::Cancelled(what))))
-        }
-        Err(e) => return Err(download_error(py, e)),
-    };
+    let out = settle(py, result, raised)?;
     let d = PyDict::new(py);
     d.set_item("dir", out.dir.display().to_string())?;
     d.set_item("fetched", out.fetched.is_some())?;
