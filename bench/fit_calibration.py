@@ -24,18 +24,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-# the same models as tests/test_fit.py
-MODELS: dict[str, tuple[str, str, dict[str, int]]] = {
-    "fit-llama-f32": ("llama", "float32", dict(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128,
-                                                inter=2048, vocab=2048)),
-    "fit-gemma3-f32": ("gemma3_text", "float32", dict(hidden=768, layers=6, heads=4, kv_heads=2, head_dim=192,
-                                                      inter=3072, vocab=2048)),
-    "fit-qwen3-bf16": ("qwen3", "bfloat16", dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64,
-                                                 inter=2816, vocab=2048)),
-    # fit-llama-f32's shape in bfloat16: separates the dtype from the architecture
-    "fit-llama-bf16": ("llama", "bfloat16", dict(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128,
-                                                 inter=2048, vocab=2048)),
-}
 CASES = ["fit-llama-f32:512", "fit-llama-f32:1000", "fit-llama-f32:2048", "fit-llama-f32:3000", "fit-llama-f32:4000",
          "fit-llama-f32:3000:8", "fit-llama-f32:3000:4", "fit-llama-bf16:512", "fit-llama-bf16:2048",
          "fit-llama-bf16:4000", "fit-gemma3-f32:1000", "fit-gemma3-f32:2048", "fit-gemma3-f32:4000",
@@ -62,15 +50,15 @@ def main() -> int:
     from mlxrs import _native
 
     info = mlxrs.runtime_info()  # loads the runtime (and the BLAS preload) before mlx is imported
-    from tinymodels import make_model
+    from tinymodels import FIT_MODELS, make_fit_model
 
     print(f"backend {info['backend']} ({info['device']}), device memory {_native.device_memory()}", flush=True)
     rows: list[dict[str, Any]] = []
     for case in args.cases:
         name, n_s, *kv_s = case.split(":")
         n, kv = int(n_s), (int(kv_s[0]) if kv_s else None)
-        arch, dtype, shape = MODELS[name]
-        d = make_model(name, arch, dtype=dtype, **shape)
+        shape = FIT_MODELS[name][2]
+        d = make_fit_model(name)
         r = subprocess.run([sys.executable, "-c", MEASURE, str(d), str(n), str(kv or "none"), str(shape["vocab"])],
                            capture_output=True, text=True, timeout=1800)
         if r.returncode != 0:

@@ -26,25 +26,14 @@ import pytest
 import mlxrs
 from mlxrs import _native
 from server_util import Server
-from tinymodels import make_model
+from tinymodels import FIT_MODELS, make_fit_model, make_model
 
 TOLERANCE = 0.15
 SCHEMA_KEYS = {"schemaVersion", "strategy", "fits", "contextTokens", "maxSafeContext", "weightsBytes", "kvBytes",
                "transientBytes", "reserveBytes", "totalBytes", "usableBytes", "predictedDecodeTps",
                "allocatorLimitBytes"}
 
-# name: (architecture, dtype, shape). Weights of 100-350 MB, and a KV cache of up to 64 KiB/token.
-MODELS: dict[str, tuple[str, str, dict[str, int]]] = {
-    # 8 layers × 8 KV heads × 128 × K,V × 4 B = 64 KiB/token; 88M parameters (352 MB)
-    "fit-llama-f32": ("llama", "float32", dict(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128,
-                                                inter=2048, vocab=2048)),
-    # Gemma 3: every 2nd layer full attention, the others a 16-token sliding window (KV capped)
-    "fit-gemma3-f32": ("gemma3_text", "float32", dict(hidden=768, layers=6, heads=4, kv_heads=2, head_dim=192,
-                                                      inter=3072, vocab=2048)),
-    # bfloat16 weights, KV and activations; GQA 16/4 (MLX's CPU matmul is slow in bfloat16: short prompts)
-    "fit-qwen3-bf16": ("qwen3", "bfloat16", dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64,
-                                                 inter=2816, vocab=2048)),
-}
+MODELS = FIT_MODELS  # tests/tinymodels.py
 
 # (model, prompt tokens, kv bits); the calibration table at TRANSIENT_SLACK in plan.rs lists these
 # and more (bfloat16 prompts of 2048+ tokens take minutes on the CPU)
@@ -62,9 +51,7 @@ CASES = [
 GENERATED = 2
 
 
-def model(name: str) -> Path:
-    arch, dtype, shape = MODELS[name]
-    return make_model(name, arch, dtype=dtype, **shape)
+model = make_fit_model
 
 
 def plan(d: Path | str, ctx: int | None = None, kv_bits: int | None = None, budget: str | None = None,

@@ -153,3 +153,27 @@ def make_model(name: str, arch: str, *, dtype: str = "float32", quant_bits: int 
         shutil.rmtree(src, ignore_errors=True)
     (d / ".complete").write_text("ok")
     return d
+
+
+# The memory planner's test models (tests/test_fit.py, bench/fit_calibration.py): name -> (architecture,
+# dtype, shape). Weights of 100-350 MB, and a KV cache of up to 64 KiB/token.
+FIT_MODELS: dict[str, tuple[str, str, dict[str, int]]] = {
+    # 8 layers × 8 KV heads × 128 × K,V × 4 B = 64 KiB/token; 88M parameters (352 MB)
+    "fit-llama-f32": ("llama", "float32", dict(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128,
+                                                inter=2048, vocab=2048)),
+    # Gemma 3: every 2nd layer full attention, the others a 16-token sliding window (KV capped)
+    "fit-gemma3-f32": ("gemma3_text", "float32", dict(hidden=768, layers=6, heads=4, kv_heads=2, head_dim=192,
+                                                      inter=3072, vocab=2048)),
+    # bfloat16 weights, KV and activations; GQA 16/4 (MLX's CPU matmul is slow in bfloat16: short prompts)
+    "fit-qwen3-bf16": ("qwen3", "bfloat16", dict(hidden=1024, layers=8, heads=16, kv_heads=4, head_dim=64,
+                                                 inter=2816, vocab=2048)),
+    # fit-llama-f32's shape in bfloat16: separates the dtype from the architecture
+    "fit-llama-bf16": ("llama", "bfloat16", dict(hidden=1024, layers=8, heads=8, kv_heads=8, head_dim=128,
+                                                 inter=2048, vocab=2048)),
+}
+
+
+def make_fit_model(name: str) -> Path:
+    """Write (once) and return one of FIT_MODELS."""
+    arch, dtype, shape = FIT_MODELS[name]
+    return make_model(name, arch, dtype=dtype, **shape)
