@@ -224,14 +224,14 @@ impl Resolver {
     pub(crate) fn open(&self) -> Result<(Runtime, libloading::Library), LoadError> {
         let (source, libmlxc) = self.find()?;
         let libmlx = self.find_libmlx(&libmlxc);
-        let cpu_blas = !is_cuda_mlx(libmlx.as_deref()) && !blas_disabled(self.blas.as_deref());
         // The BLAS opens locally first; the gemv router (when present) goes into the global scope,
         // then the BLAS is promoted after it, so that libmlx binds cblas_sgemm to the router and
         // everything else to the BLAS.
-        let blas = if cpu_blas { preload_blas(self.blas.as_deref())? } else { None };
+        // (preload_blas opens nothing off Linux or with MLXRS_BLAS=off)
+        let blas = if is_cuda_mlx(libmlx.as_deref()) { None } else { preload_blas(self.blas.as_deref())? };
         let router = blas_gemv_candidates(&libmlxc).into_iter().find(|p| p.is_file());
         let blas_gemv = match (&blas, router) {
-            (Some((_, _, local)), Some(p)) if !self.blas_gemv_off && cfg!(target_os = "linux") => {
+            (Some((_, _, local)), Some(p)) if !self.blas_gemv_off => {
                 let lib = open_global(&p).map_err(|detail| LoadError::Open {
                     path: p.clone(),
                     detail: format!("{detail} (set MLXRS_BLAS_GEMV=off to skip it)"),
