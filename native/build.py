@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -25,7 +26,7 @@ EXTRA = ["libmlxrs_blas.so"] if sys.platform.startswith("linux") else []
 def mlx_cmake_dir() -> Path:
     spec = importlib.util.find_spec("mlx")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("MLX is not installed in this Python: pip install 'mlx[cpu]==0.30.6' (or mlx[cuda13])")
+        raise SystemExit("MLX is not installed in this Python: pip install 'mlx[cpu]==0.32.4' (or mlx[cuda13])")
     d = Path(list(spec.submodule_search_locations)[0]) / "share" / "cmake" / "MLX"
     if not (d / "MLXConfig.cmake").is_file():
         raise SystemExit(f"no MLXConfig.cmake under {d}: this MLX wheel does not ship its CMake config")
@@ -34,7 +35,7 @@ def mlx_cmake_dir() -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--fetchcontent", action="store_true", help="fetch upstream mlx-c by git tag (needs GitHub)")
+    ap.add_argument("--fetchcontent", action="store_true", help="build upstream mlx-c at the pinned commit (needs GitHub)")
     ap.add_argument("--build-dir", type=Path, default=HERE / "build")
     ap.add_argument("--dest", type=Path, default=ROOT / "python" / "mlxrs")
     args = ap.parse_args()
@@ -46,7 +47,10 @@ def main() -> int:
         src_opt = out.strip().splitlines()[-1]
     bdir: Path = args.build_dir
     # reconfigure (from scratch) when the source or the MLX it builds against changes
-    signature = f"src={src_opt or 'fetchcontent'}\nmlx={mlx_cmake_dir()}\n"
+    # the patches and the signature-table generator feed the configure step: a change reconfigures
+    inputs = sorted((HERE / "patches").glob("*.patch")) + [ROOT / "crates" / "mlxrs-sys" / "gen_bindings.py"]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in inputs)).hexdigest()
+    signature = f"src={src_opt or 'fetchcontent'}\nmlx={mlx_cmake_dir()}\ninputs={digest}\n"
     stamp = bdir / ".mlxrs-configure"
     if (bdir / "CMakeCache.txt").exists() and (not stamp.exists() or stamp.read_text() != signature):
         shutil.rmtree(bdir)
@@ -55,6 +59,7 @@ def main() -> int:
         subprocess.run([cmake, "-S", str(HERE), "-B", str(bdir), *gen,
                         "-DCMAKE_BUILD_TYPE=Release",
                         f"-DMLX_DIR={mlx_cmake_dir()}",
+                        f"-DMLXRS_PYTHON={sys.executable}",
                         f"-DMLXRS_MLXC_SOURCE_DIR={src_opt}"], check=True)
         stamp.write_text(signature)
     jobs = str(os.cpu_count() or 2)

@@ -36,7 +36,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LINUX = sys.platform.startswith("linux")
 LIBMLXC = "libmlxc.dylib" if sys.platform == "darwin" else "libmlxc.so"
-MLX_VERSION = "0.30.6"
+MLX_VERSION = "0.32.4"
 
 _LOG: list[str] = []  # timings, printed by the first test that runs the installed wheel
 
@@ -231,7 +231,7 @@ def test_installed_wheel_version(venv: Path, tmp_path: Path, capsys: pytest.Capt
     site = _site(venv)
     out = _py(venv, ["-m", "mlxrs", "--version"], "python -m mlxrs --version", cwd=tmp_path)
     assert out.startswith("mlxrs "), out
-    assert f"MLX {MLX_VERSION}, mlx-c 0.5.0" in out, out
+    assert f"MLX {MLX_VERSION}, mlx-c 0.5.0+mlxrs" in out, out
     assert f"libmlxc: {site / 'mlxrs' / LIBMLXC} (from sidecar)" in out, out
     assert f"libmlx: {site / 'mlx' / 'lib'}" in out, out
     # the console script too
@@ -260,7 +260,7 @@ def test_installed_wheel_session(venv: Path, model: Path, tmp_path: Path) -> Non
     info = r["info"]
     assert info["source"] == "sidecar" and Path(info["libmlxc"]).resolve() == (site / "mlxrs" / LIBMLXC).resolve(), info
     assert Path(info["libmlx"]).resolve().is_relative_to(site.resolve()), info
-    assert info["mlx_version"] == MLX_VERSION and info["mlxc_version"] == "0.5.0", info
+    assert info["mlx_version"] == MLX_VERSION and info["mlxc_version"] == "0.5.0+mlxrs", info
     if info["blas"]:  # Linux CPU with OpenBLAS: the wheel's gemv router is loaded ahead of it
         assert Path(info["blas_gemv"]).resolve() == (site / "mlxrs" / "libmlxrs_blas.so").resolve(), info
     text, tokens, finish, n_prompt, n_out = r["a"]

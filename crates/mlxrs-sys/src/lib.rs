@@ -35,6 +35,38 @@ pub struct ExtraApi {
     ) -> mlx_closure,
     /// Present in libmlxc built by native/ (mlxrs_version.c): the mlx-c release it was built from.
     pub mlxrs_mlxc_version: Option<unsafe extern "C" fn() -> *const std::os::raw::c_char>,
+    /// Present in libmlxc built by native/: the signature of every function of the mlx-c tree it was
+    /// built from, one `name=(types) -> ret` per line (gen_bindings.py --c-table).
+    pub mlxrs_mlxc_signatures: Option<unsafe extern "C" fn() -> *const std::os::raw::c_char>,
+    /// native/mlxrs_ext.cpp: MLX 0.32's fused-attention switch (absent from a libmlxc built elsewhere).
+    pub mlxrs_fast_scaled_dot_product_attention_fused: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_array,
+            queries: mlx_array,
+            keys: mlx_array,
+            values: mlx_array,
+            scale: f32,
+            mask_mode: *const std::os::raw::c_char,
+            mask_arr: mlx_array,
+            sinks: mlx_array,
+            force_fused: bool,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
+    /// native/mlxrs_ext.cpp: MLX 0.32's gated DeltaNet recurrence kernel ([output, state]).
+    pub mlxrs_fast_gated_delta_update: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_vector_array,
+            queries: mlx_array,
+            keys: mlx_array,
+            values: mlx_array,
+            gates: mlx_array,
+            beta: mlx_array,
+            initial_state: mlx_array,
+            mask: mlx_array,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
 }
 
 impl ExtraApi {
@@ -49,6 +81,12 @@ impl ExtraApi {
                     .get(b"mlx_closure_new_func_payload\0")
                     .map_err(|_| "mlx_closure_new_func_payload".to_string())?,
                 mlxrs_mlxc_version: lib.get(b"mlxrs_mlxc_version\0").ok().map(|s| *s),
+                mlxrs_mlxc_signatures: lib.get(b"mlxrs_mlxc_signatures\0").ok().map(|s| *s),
+                mlxrs_fast_scaled_dot_product_attention_fused: lib
+                    .get(b"mlxrs_fast_scaled_dot_product_attention_fused\0")
+                    .ok()
+                    .map(|s| *s),
+                mlxrs_fast_gated_delta_update: lib.get(b"mlxrs_fast_gated_delta_update\0").ok().map(|s| *s),
             })
         }
     }
@@ -108,6 +146,13 @@ pub fn load_with(resolver: &Resolver) -> Result<&'static Runtime, LoadError> {
         path: runtime.libmlxc.clone(),
         detail: format!("symbol {sym} is missing"),
     })?;
+    if let Some(table) = extra.mlxrs_mlxc_signatures {
+        // SAFETY: returns a static NUL-terminated string.
+        let table = unsafe { std::ffi::CStr::from_ptr(table()) }.to_string_lossy().into_owned();
+        if let Some(detail) = signature_mismatch(&table) {
+            return Err(LoadError::Mismatch { path: runtime.libmlxc.clone(), detail });
+        }
+    }
     let loaded = Loaded { api, extra, runtime };
     std::mem::forget(lib); // the library stays mapped for the life of the process
     let loaded = LOADED.get_or_init(|| loaded);
@@ -123,7 +168,10 @@ fn check_versions(rt: &Runtime) -> Result<(), LoadError> {
             detail: format!("MLX reports version {mlx}, mlxrs was built for MLX {BUILT_FOR_MLX}"),
         });
     }
-    if mlxc != "unknown" && !version_matches(&mlxc, BUILT_FOR_MLXC) {
+    // A library with a signature table passed the stricter check already (it may be another mlx-c
+    // release with the same C API, e.g. upstream's commit built by --fetchcontent).
+    let has_table = LOADED.get().is_some_and(|l| l.extra.mlxrs_mlxc_signatures.is_some());
+    if mlxc != "unknown" && !has_table && !version_matches(&mlxc, BUILT_FOR_MLXC) {
         return Err(LoadError::Mismatch {
             path: rt.libmlxc.clone(),
             detail: format!("it is mlx-c {mlxc}, mlxrs was built for mlx-c {BUILT_FOR_MLXC}"),
@@ -143,6 +191,27 @@ pub fn loaded_versions() -> Option<(String, String)> {
         None => "unknown".to_string(),
     };
     Some((mlxc, mlx))
+}
+
+/// Compare the library's signature table with the bindings' ([`SIGNATURES`]): the first bound
+/// function whose signature differs, or that the table lacks, as a message (None: they agree).
+/// Functions the library has beyond the bindings are fine.
+pub fn signature_mismatch(table: &str) -> Option<String> {
+    let lib: std::collections::HashMap<&str, &str> = table.lines().filter_map(|l| l.split_once('=')).collect();
+    let bad: Vec<String> = SIGNATURES
+        .iter()
+        .filter(|(name, sig)| lib.get(name) != Some(sig))
+        .map(|(name, sig)| match lib.get(name) {
+            Some(theirs) => format!("{name}: library {theirs}, bindings {sig}"),
+            None => format!("{name}: not in the library's table"),
+        })
+        .collect();
+    let first = bad.first()?;
+    Some(format!(
+        "its C API differs from the one mlxrs's bindings were generated for ({} function(s); first: {first}). \
+         Rebuild libmlxc with python native/build.py (mlx-c v{BUILT_FOR_MLXC} + native/patches)",
+        bad.len()
+    ))
 }
 
 /// `"0.5.0"` matches `"0.5.0"`, `"0.5.0.dev…"` and `"0.5.0-…"`.

@@ -5,12 +5,13 @@ use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-/// The mlx-c release this build of mlxrs was written against.
+/// The mlx-c release this build of mlxrs was written against (with native/patches/ applied, which
+/// bring it to MLX 0.32; the signature table is the real check, see `signature_mismatch`).
 pub const BUILT_FOR_MLXC: &str = "0.5.0";
-/// The MLX release that mlx-c release pairs with (the pip `mlx` version).
-pub const BUILT_FOR_MLX: &str = "0.30.6";
+/// The MLX release libmlxc is built against (the pip `mlx` version).
+pub const BUILT_FOR_MLX: &str = "0.32.4";
 /// Version of the native pack layout/contents (`native-v<ver>-<os>-<arch>-<backend>`).
-pub const NATIVE_PACK_VERSION: &str = "0.30.6";
+pub const NATIVE_PACK_VERSION: &str = "0.32.4";
 
 #[cfg(target_os = "macos")]
 pub const LIBMLXC: &str = "libmlxc.dylib";
@@ -259,7 +260,7 @@ impl Resolver {
         let lib = open_global(&libmlxc).map_err(|detail| LoadError::Open {
             path: libmlxc.clone(),
             detail: if libmlx.is_none() {
-                format!("{detail} (libmlx was not found beside it nor in a pip `mlx` package: pip install 'mlx==0.30.6' or set MLXRS_MLX_LIB_DIR)")
+                format!("{detail} (libmlx was not found beside it nor in a pip `mlx` package: pip install 'mlx==0.32.4' or set MLXRS_MLX_LIB_DIR)")
             } else {
                 detail
             },

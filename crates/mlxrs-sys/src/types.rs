@@ -46,6 +46,8 @@ pub const MLX_CPU: mlx_device_type = 0;
 pub const MLX_GPU: mlx_device_type = 1;
 
 pub type mlx_compile_mode = c_int;
+/// fft.h's mlx_fft_norm (native/patches/0003): 0 backward, 1 ortho, 2 forward.
+pub type mlx_fft_norm = c_int;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]

@@ -267,7 +267,7 @@ impl Drop for Engine {
 }
 
 fn engine_loop(model: Box<dyn CausalLm>, rx: Receiver<Cmd>, opts: LoadOptions, stats: Arc<Stats>, tok: Arc<Tokenizer>) {
-    let stream = match mx::default_device().and_then(|d| Stream::new(&d)) {
+    let stream = match Stream::generation() {
         Ok(s) => s,
         Err(_) => return,
     };

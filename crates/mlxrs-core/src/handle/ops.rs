@@ -331,7 +331,8 @@ pub fn triu(a: &Array, k: i32) -> Result<Array> {
 pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
     let mut v = VecArray::empty();
     let mode = c"affine";
-    check(unsafe { sys::mlx_quantize(&mut v.0, w.0, opt_int(Some(group_size)), opt_int(Some(bits)), mode.as_ptr(), s()) })?;
+    check(unsafe { sys::mlx_quantize(&mut v.0, w.0, opt_int(Some(group_size)), opt_int(Some(bits)), mode.as_ptr(),
+                                   raw_or_null(None), s()) })?;
     let mut parts = v.to_vec()?.into_iter();
     match (parts.next(), parts.next(), parts.next()) {
         (Some(q), Some(sc), Some(b)) => Ok((q, sc, b)),
@@ -344,7 +345,7 @@ pub fn dequantize(w: &Array, scales: &Array, biases: Option<&Array>, group_size:
     let dt = sys::mlx_optional_dtype::default();
     out1(|r| unsafe {
         sys::mlx_dequantize(r, w.0, scales.0, raw_or_null(biases), opt_int(Some(group_size)), opt_int(Some(bits)),
-                            mode.as_ptr(), dt, s())
+                            mode.as_ptr(), raw_or_null(None), dt, s())
     })
 }
 
@@ -369,7 +370,7 @@ pub fn gather_qmm(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, 
     let mode = c"affine";
     out1(|r| unsafe {
         sys::mlx_gather_qmm(r, x.0, w.0, scales.0, raw_or_null(biases), raw_or_null(lhs), raw_or_null(rhs), transpose,
-                            opt_int(Some(group_size)), opt_int(Some(bits)), mode.as_ptr(), sorted, s())
+                            opt_int(Some(group_size)), opt_int(Some(bits)), mode.as_ptr(), raw_or_null(None), sorted, s())
     })
 }
 
