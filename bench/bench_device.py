@@ -1,11 +1,18 @@
-"""mlxrs vs mlx-lm on a GPU (MLX's CUDA backend on the H200 test machine, or Metal), alternating in
-one process after the same warm-up, on random-weight Llama-1B-shaped models (bf16 and 4-bit).
+"""mlxrs vs mlx-lm on a GPU (MLX's CUDA backend on the H200 test machine, or Metal): random-weight
+Llama-shaped models (1B and 8B; bf16, 8-bit, 4-bit), one process, alternating after the same warm-up.
 
-    python bench/bench_device.py --out results.json      # on the GPU machine (see bench/README.md)
+    python bench/bench_device.py --models 1b_bf16,1b_q4 --out results.json     # on the GPU machine
+
+For every model: prefill tokens/s at each --prefill length (time to the first token, median of --runs),
+decode tokens/s at batch 1 (prompt --prompt, --gen greedy tokens; later tokens / time after the first),
+the share of the device copy bound (weight bytes per token / measured device-to-device copy bandwidth),
+and where the two engines' greedy tokens first diverge. --second-session also opens a second
+mlxrs.Session after closing the first on the same model and compares their decode speed.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -16,11 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-L1B = dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
-           num_key_value_heads=8, vocab_size=32000, head_dim=64)
+SHAPES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000, head_dim=64),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, head_dim=128),
+}
+BITS = {"bf16": None, "q8": 8, "q4": 4}
 
 
-def make_model(d: Path, bits: int | None) -> Path:
+def make_model(d: Path, shape: str, bits: int | None) -> tuple[Path, int]:
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -30,19 +42,40 @@ def make_model(d: Path, bits: int | None) -> Path:
 
     d.mkdir(parents=True, exist_ok=True)
     cfg = dict(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
-               max_position_embeddings=8192, **L1B)
+               max_position_embeddings=8192, **SHAPES[shape])
     mx.random.seed(0)
     m = llama.Model(llama.ModelArgs(**cfg))
+    # random weights at a realistic scale (init's uniform(-1/sqrt(fan_in)) keeps activations tame)
     m.set_dtype(mx.bfloat16)
     if bits:
         nn.quantize(m, group_size=64, bits=bits)
         cfg["quantization"] = {"group_size": 64, "bits": bits}
     w = dict(tree_flatten(m.parameters()))
     mx.eval(w)
+    nbytes = sum(v.nbytes for v in w.values())
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
     (d / "config.json").write_text(json.dumps(cfg))
     write_tokenizer(d, cfg["vocab_size"])
-    return d
+    del m, w
+    gc.collect()
+    mx.clear_cache()
+    return d, nbytes
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes/s): read + write of a 1 GiB buffer, best of 5."""
+    import mlx.core as mx
+
+    a = mx.random.uniform(shape=(256 * 1024 * 1024,))  # float32, 1 GiB
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        b = mx.array(a * 1.0)
+        mx.eval(b)
+        best = min(best, time.perf_counter() - t0)
+        del b
+    return 2 * a.nbytes / best
 
 
 def run_mlxlm(model, prompt, gen):
@@ -58,7 +91,7 @@ def run_mlxlm(model, prompt, gen):
             first = time.perf_counter()
         toks.append(int(tok))
     t1 = time.perf_counter()
-    return len(prompt) / (first - t0), (len(toks) - 1) / (t1 - first), toks
+    return len(prompt) / (first - t0), (len(toks) - 1) / max(t1 - first, 1e-9), toks
 
 
 def run_mlxrs(sess, prompt, gen):
@@ -71,56 +104,110 @@ def run_mlxrs(sess, prompt, gen):
                 first = time.perf_counter()
             toks.append(ch.token)
     t1 = time.perf_counter()
-    return len(prompt) / (first - t0), (len(toks) - 1) / (t1 - first), toks
+    return len(prompt) / (first - t0), (len(toks) - 1) / max(t1 - first, 1e-9), toks
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
     import mlx.core as mx
     from mlx_lm import load
 
     import mlxrs
 
+    ref, _ = load(str(d))
+    sess = mlxrs.Session(d)
+    key = mx.random.key(1)
+    prompts = {n: [int(x) for x in mx.random.randint(0, 1000, (n,), key=key).tolist()] for n in {args.prompt, *args.prefill}}
+    # warm-up on the same shapes (kernel JIT; quantized kernels compile for ~45 s on the first use)
+    for n in sorted(prompts):
+        run_mlxlm(ref, prompts[n], 8)
+        run_mlxrs(sess, prompts[n], 8)
+    res: dict = {"weight_bytes": nbytes, "prefill": {}, "decode": {}}
+    for n in args.prefill:
+        rows: dict[str, list[float]] = {"mlxrs": [], "mlx-lm": []}
+        for _ in range(args.runs):
+            rows["mlxrs"].append(run_mlxrs(sess, prompts[n], 1)[0])
+            rows["mlx-lm"].append(run_mlxlm(ref, prompts[n], 1)[0])
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        res["prefill"][str(n)] = {"mlxrs_tps": med["mlxrs"], "mlxlm_tps": med["mlx-lm"],
+                                  "ratio": med["mlxrs"] / med["mlx-lm"], "runs": rows}
+    rows = {"mlxrs": [], "mlx-lm": []}
+    div = []
+    for _ in range(args.runs):
+        a = run_mlxrs(sess, prompts[args.prompt], args.gen)
+        b = run_mlxlm(ref, prompts[args.prompt], args.gen)
+        rows["mlxrs"].append(a[1])
+        rows["mlx-lm"].append(b[1])
+        div.append(first_divergence(a[2], b[2]))
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    bound = bw / nbytes
+    res["decode"] = {"mlxrs_tps": med["mlxrs"], "mlxlm_tps": med["mlx-lm"], "ratio": med["mlxrs"] / med["mlx-lm"],
+                     "copy_bound_tps": bound, "mlxrs_share_of_bound": med["mlxrs"] / bound,
+                     "mlxlm_share_of_bound": med["mlx-lm"] / bound, "runs": rows,
+                     "first_divergence": div}
+    sess.close()
+    del sess
+    if args.second_session:
+        speeds = []
+        for _ in range(2):
+            s = mlxrs.Session(d)
+            run_mlxrs(s, prompts[args.prompt], 8)
+            speeds.append(statistics.median(run_mlxrs(s, prompts[args.prompt], args.gen)[1] for _ in range(args.runs)))
+            s.close()
+            del s
+            gc.collect()
+        res["second_session"] = {"decode_tps": speeds, "ratio_second_to_first": speeds[1] / speeds[0]}
+    del ref
+    gc.collect()
+    mx.clear_cache()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="1b_bf16,1b_q4,8b_bf16,8b_q8,8b_q4",
+                    help="comma-separated SHAPE_TYPE: shape 1b or 8b, type bf16, q8 or q4")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--prefill", default="512,2048")
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--second-session", action="store_true")
+    ap.add_argument("--dir", help="where the random-weight models are written (default: a temporary directory)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    import mlx.core as mx
+
+    import mlxrs
+
     info = mlxrs.runtime_info()
-    out = {"runtime": info, "mlx_device": str(mx.default_device()), "models": {}}
+    out: dict = {"runtime": info, "mlx_device": str(mx.default_device()), "args": vars(args), "models": {}}
     print(json.dumps(info), flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        # MLX 0.30.6's CUDA backend has no quantized matmul for these shapes ("QMM NYI"): bf16 only there
-        models = [("llama1b_bf16", None)] + ([] if info["backend"] == "cuda" else [("llama1b_q4", 4)])
-        for name, bits in models:
-            d = make_model(Path(tmp) / name, bits)
-            ref, _ = load(str(d))
-            sess = mlxrs.Session(d)
-            prompt = [int(x) for x in (mx.random.randint(0, 1000, (args.prompt,), key=mx.random.key(1))).tolist()]
-            # warm-up on the same shapes (kernel JIT) for both
-            run_mlxlm(ref, prompt, 16)
-            run_mlxrs(sess, prompt, 16)
-            rows = {"mlxrs": [], "mlx-lm": []}
-            same = True
-            for _ in range(args.runs):
-                a = run_mlxrs(sess, prompt, args.gen)
-                b = run_mlxlm(ref, prompt, args.gen)
-                rows["mlxrs"].append(a[:2])
-                rows["mlx-lm"].append(b[:2])
-                same = same and a[2] == b[2]
-            res = {}
-            for k, v in rows.items():
-                res[k] = {"prefill_tps": statistics.median(x[0] for x in v), "decode_tps": statistics.median(x[1] for x in v),
-                          "runs": v}
-            res["decode_ratio"] = res["mlxrs"]["decode_tps"] / res["mlx-lm"]["decode_tps"]
-            res["prefill_ratio"] = res["mlxrs"]["prefill_tps"] / res["mlx-lm"]["prefill_tps"]
-            res["same_greedy_tokens"] = same
+    bw = copy_bandwidth()
+    out["copy_bandwidth_gbs"] = bw / 1e9
+    print(f"device copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for name in args.models.split(","):
+            shape, kind = name.split("_")
+            t0 = time.perf_counter()
+            d, nbytes = make_model(Path(tmp) / name, shape, BITS[kind])
+            print(f"{name}: written in {time.perf_counter() - t0:.0f} s ({nbytes / 2**30:.2f} GiB)", flush=True)
+            try:
+                res = bench_model(name, d, nbytes, bw, args)
+            except Exception as e:  # one model failing (e.g. a kernel missing) must not lose the others
+                res = {"error": f"{type(e).__name__}: {e}"}
             out["models"][name] = res
-            print(name, json.dumps(res), flush=True)
-            sess.close()
-            del ref
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2))
+            print(name, json.dumps({k: v for k, v in res.items() if k != "runs"}), flush=True)
+            for f in d.glob("*.safetensors"):
+                f.unlink()
+            if args.out:
+                Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Run on the GPU test machine (the `device` tool), with .device/ carried: the repacked MLX CUDA
-# bundle (shared/device/pack-mlx-cuda.sh .device 0.30.6) and an abi3 mlxrs wheel built here.
+# bundle (shared/device/pack-mlx-cuda.sh .device 0.32.4 0.32.2) and an abi3 mlxrs wheel built here
+# (maturin build --release --auditwheel skip --out .device). Arguments go to bench/bench_device.py.
 set -euo pipefail
 SITE=/tmp/site
-mkdir -p "$SITE"
-tar xJf .device/mlx-cuda13-*-cp312.tar.xz -C "$SITE"
-python3 -m pip install -q --no-deps --target "$SITE" .device/mlxrs-*.whl
+if [ ! -d "$SITE/mlxrs" ]; then
+    mkdir -p "$SITE"
+    tar xJf .device/mlx-cuda13-*-cp312.tar.xz -C "$SITE"
+    python3 -m pip install -q --no-deps --target "$SITE" .device/mlxrs-*.whl
+fi
 export PYTHONPATH="$SITE" LD_LIBRARY_PATH="$SITE/mlx/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m mlxrs --version
-python3 bench/bench_device.py --runs 3 --out "${OUT:-/tmp}/device_bench.json"
+python3 bench/bench_device.py --dir /tmp "$@"

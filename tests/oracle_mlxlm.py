@@ -34,7 +34,7 @@ def main() -> None:
     last = logits[0, -1].astype(mx.float32)
     tokens = []
     for tok, _ in generate_step(prompt, model, max_tokens=job["max_tokens"], max_kv_size=job.get("max_kv_size"),
-                                prefill_step_size=step, kv_bits=kv_bits):
+                                prefill_step_size=step, kv_bits=kv_bits, quantized_kv_start=0):
         tokens.append(int(tok))
     json.dump({"tokens": tokens, "logits": last.tolist()}, sys.stdout)
 

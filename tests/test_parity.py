@@ -1,4 +1,4 @@
-"""Parity with mlx-lm 0.30.6 on the same weights: greedy tokens identical for 64 tokens and
+"""Parity with mlx-lm 0.32.2 on the same weights: greedy tokens identical for 64 tokens and
 last-position logits within 1e-4 (fp32) / 2e-2 (bf16), for every architecture, plain and 4-bit,
 with and without a quantized KV cache, a prompt longer than one prefill chunk, a sliding-window
 model past its window, and a rotating (max_kv_size) cache."""

@@ -72,7 +72,7 @@ def test_default_resolution_uses_the_sidecar() -> None:
     assert info["source"] == "sidecar"
     assert Path(str(info["libmlxc"])).resolve() == sidecar.resolve()
     assert info["mlx_version"] == mlxrs._native.BUILT_FOR_MLX
-    assert info["mlxc_version"] == mlxrs._native.BUILT_FOR_MLXC
+    assert info["mlxc_version"] == mlxrs._native.BUILT_FOR_MLXC + "+mlxrs"  # v0.5.0 + native/patches
 
 
 def openblas_present() -> bool:

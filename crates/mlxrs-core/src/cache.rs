@@ -20,7 +20,9 @@ pub enum Mask {
     Array(Array),
 }
 
-/// One layer's cache.
+/// One layer's cache. Cloning is cheap (MLX arrays are reference-counted and never written in
+/// place while shared): the prompt-prefix cache keeps clones as snapshots.
+#[derive(Clone)]
 pub enum LayerCache {
     Full(KvCache),
     Rotating(RotatingKvCache),
@@ -155,7 +157,7 @@ fn write_seq(buf: &Array, upd: &Array, at: i32) -> Result<Array> {
 }
 
 /// Growing buffer in steps of 256 (mlx-lm `KVCache`).
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct KvCache {
     pub keys: Option<Array>,
     pub values: Option<Array>,
@@ -199,7 +201,7 @@ impl KvCache {
 }
 
 /// Fixed-size ring buffer keeping the first `keep` tokens (mlx-lm `RotatingKVCache`).
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct RotatingKvCache {
     pub keys: Option<Array>,
     pub values: Option<Array>,
@@ -350,6 +352,7 @@ impl RotatingKvCache {
 }
 
 /// Keys and values stored MLX-quantized (mlx-lm `QuantizedKVCache`).
+#[derive(Clone)]
 pub struct QuantizedKvCache {
     pub keys: Option<[Array; 3]>,
     pub values: Option<[Array; 3]>,
@@ -423,4 +426,49 @@ impl QuantizedKvCache {
 pub struct CacheOptions {
     /// Rotating cache of this size (keep 4) for layers that would otherwise grow without bound.
     pub max_kv_size: Option<i32>,
+}
+
+/// The caches of the sequences one forward pass runs over: row `b` of the batch appends to
+/// `seqs[b]` (one [`LayerCache`] per layer). One sequence is the plain case; the engine's batched
+/// decode step passes several, each with its own length, offset and cache kinds (full, rotating,
+/// quantized), so that attention runs per sequence over exactly the keys that sequence alone would
+/// see (docs/design/scheduler.md says why, and what it costs).
+pub struct Caches<'a> {
+    seqs: Vec<&'a mut [LayerCache]>,
+}
+
+impl<'a> Caches<'a> {
+    pub fn one(c: &'a mut [LayerCache]) -> Caches<'a> {
+        Caches { seqs: vec![c] }
+    }
+
+    pub fn many(seqs: Vec<&'a mut [LayerCache]>) -> Caches<'a> {
+        Caches { seqs }
+    }
+
+    /// Number of sequences (the batch size).
+    pub fn batch(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Layers per sequence.
+    pub fn layers(&self) -> usize {
+        self.seqs.first().map_or(0, |s| s.len())
+    }
+
+    /// Each sequence's mask for a chunk of `n` new tokens at layer `layer`.
+    pub fn masks(&self, layer: usize, n: i32, window: Option<i32>) -> Result<Vec<Mask>> {
+        let layer = layer.min(self.layers().saturating_sub(1));
+        self.seqs.iter().map(|s| s[layer].make_mask(n, window)).collect()
+    }
+
+    /// Layer `i`'s cache of every sequence, in batch order.
+    pub fn layer_mut(&mut self, i: usize) -> Vec<&mut LayerCache> {
+        self.seqs.iter_mut().map(|s| &mut s[i]).collect()
+    }
+
+    /// The state arrays of layers `lo..=hi` of every sequence.
+    pub fn state(&self, lo: usize, hi: usize) -> Vec<&Array> {
+        self.seqs.iter().flat_map(|s| s[lo..=hi].iter().flat_map(|c| c.state())).collect()
+    }
 }

@@ -267,7 +267,9 @@ impl Drop for Engine {
 }
 
 fn engine_loop(model: Box<dyn CausalLm>, rx: Receiver<Cmd>, opts: LoadOptions, stats: Arc<Stats>, tok: Arc<Tokenizer>) {
-    let stream = match Stream::generation() {
+    // A stream of this thread's own: on MLX 0.32 a stream belongs to the thread that made it (its
+    // command encoder is thread-local; another thread cannot use it) and is released with it.
+    let stream = match mx::default_device().and_then(|d| Stream::new(&d)) {
         Ok(s) => s,
         Err(_) => return,
     };

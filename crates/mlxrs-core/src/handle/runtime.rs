@@ -107,19 +107,6 @@ impl Stream {
         Ok(Stream(unsafe { sys::mlx_stream_new_device(dev.0) }))
     }
 
-    /// The process's generation stream on the default device, created on first use and shared by
-    /// every engine after it, as mlx-lm's module-level `generation_stream` is (a new stream per
-    /// engine is what mlxrs did while a second session in a process decoded at 35–40% of the
-    /// first's speed on an H200; bench/RESULTS-gpu.md).
-    pub fn generation() -> Result<Stream> {
-        static GENERATION: std::sync::Mutex<Option<Stream>> = std::sync::Mutex::new(None);
-        let mut g = GENERATION.lock().unwrap_or_else(|e| e.into_inner());
-        if g.is_none() {
-            *g = Some(Stream::new(&default_device()?)?);
-        }
-        Ok(g.as_ref().map(Stream::clone).expect("set above"))
-    }
-
     /// The default stream of the default device.
     pub fn default_stream() -> Result<Stream> {
         let dev = default_device()?;

@@ -2,7 +2,7 @@
 //! sandwich norms around attention and MLP, GELU (tanh) MLP.
 use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope};
 use super::{CausalLm, Cfg, ModelShape};
-use crate::cache::{CacheOptions, LayerCache};
+use crate::cache::{CacheOptions, Caches, LayerCache};
 use crate::error::Result;
 use crate::handle::{self as mx, Array, Dtype};
 use crate::weights::Weights;
@@ -122,23 +122,23 @@ fn clip_residual(x: &Array, y: &Array) -> Result<Array> {
 }
 
 impl CausalLm for Model {
-    fn forward_staged(&self, tokens: &Array, cache: &mut [LayerCache], staging: super::Staging) -> Result<Array> {
+    fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let h0 = self.embed.forward(tokens)?;
         let mut h = mx::multiply(&h0, &mx::astype(&self.embed_scale, h0.dtype())?)?;
         let n = tokens.dim(1);
         let g = (self.pattern - 1) as usize;
-        let global_mask = cache[g.min(cache.len() - 1)].make_mask(n, None)?;
-        let sliding_mask = if self.pattern > 1 { Some(cache[0].make_mask(n, Some(self.window))?) } else { None };
+        let global_mask = caches.masks(g, n, None)?;
+        let sliding_mask = if self.pattern > 1 { Some(caches.masks(0, n, Some(self.window))?) } else { None };
         let n_layers = self.layers.len();
         let mut stager = super::Stager::new(staging);
         for (i, layer) in self.layers.iter().enumerate() {
             let is_global = (i as i32) % self.pattern == self.pattern - 1;
             let mask = if is_global { &global_mask } else { sliding_mask.as_ref().unwrap_or(&global_mask) };
-            let r = layer.attn.forward(&layer.input_norm.forward(&h)?, mask, &mut cache[i])?;
+            let r = layer.attn.forward_many(&layer.input_norm.forward(&h)?, mask, &mut caches.layer_mut(i))?;
             let hh = clip_residual(&h, &layer.post_attn_norm.forward(&r)?)?;
             let r = layer.mlp.forward(&layer.pre_ff_norm.forward(&hh)?)?;
             h = clip_residual(&hh, &layer.post_ff_norm.forward(&r)?)?;
-            stager.after_layer(i, n_layers, &h, cache)?;
+            stager.after_layer(i, n_layers, &h, caches)?;
         }
         let h = self.norm.forward(&h)?;
         match &self.lm_head {

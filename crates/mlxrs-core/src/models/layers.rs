@@ -290,6 +290,34 @@ pub struct Attention {
 
 impl Attention {
     pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+        let (b, l) = (x.dim(0), x.dim(1));
+        let (q, k, v) = self.project(x)?;
+        let out = self.attend(q, k, v, mask, cache)?;
+        self.output(&out, b, l)
+    }
+
+    /// Attention over a batch whose rows have caches of their own (the engine's batched decode):
+    /// the projections run batched; the rotary embedding (at each row's offset), the cache update
+    /// and the attention run per row, over exactly the keys that row alone would see.
+    pub fn forward_many(&self, x: &Array, masks: &[Mask], caches: &mut [&mut LayerCache]) -> Result<Array> {
+        if caches.len() == 1 {
+            return self.forward(x, &masks[0], caches[0]);
+        }
+        let (b, l) = (x.dim(0), x.dim(1));
+        let (q, k, v) = self.project(x)?;
+        let mut outs = Vec::with_capacity(caches.len());
+        for (i, (cache, mask)) in caches.iter_mut().zip(masks).enumerate() {
+            let i = i as i32;
+            let row = |a: &Array| mx::slice_axis(a, 0, i, i + 1);
+            outs.push(self.attend(row(&q)?, row(&k)?, row(&v)?, mask, cache)?);
+        }
+        let refs: Vec<&Array> = outs.iter().collect();
+        let out = mx::concatenate(&refs, 0)?;
+        self.output(&out, b, l)
+    }
+
+    /// q, k, v as `[B, heads, L, head_dim]` (before the rotary embedding).
+    fn project(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let sh = x.shape();
         let (b, l) = (sh[0], sh[1]);
         let heads = |t: Array, n: i32| -> Result<Array> { mx::reshape(&t, &[b, l, n, -1]) };
@@ -301,24 +329,29 @@ impl Attention {
             k = n.k.forward(&k)?;
         }
         let perm = [0, 2, 1, 3];
-        let q = mx::transpose_axes(&q, &perm)?;
-        let k = mx::transpose_axes(&k, &perm)?;
-        let v = mx::transpose_axes(&v, &perm)?;
+        Ok((mx::transpose_axes(&q, &perm)?, mx::transpose_axes(&k, &perm)?, mx::transpose_axes(&v, &perm)?))
+    }
+
+    /// Rotary embedding at the cache's offset, cache update, attention: `[B, heads, L, head_dim]`.
+    fn attend(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
         let offset = cache.offset();
         let q = self.rope.forward(&q, offset)?;
         let k = self.rope.forward(&k, offset)?;
-        let out = match cache.update_and_fetch(k, v)? {
+        match cache.update_and_fetch(k, v)? {
             Fetched::Dense(k, v) => {
                 let m = match mask {
                     Mask::None => AttnMask::None,
                     Mask::Causal => AttnMask::Causal,
                     Mask::Array(a) => AttnMask::Array(a),
                 };
-                mx::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)?
+                mx::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)
             }
-            Fetched::Quant { k, v, q: spec } => quantized_sdpa(&q, &k, &v, self.scale, mask, spec)?,
-        };
-        let out = mx::reshape(&mx::transpose_axes(&out, &perm)?, &[b, l, -1])?;
+            Fetched::Quant { k, v, q: spec } => quantized_sdpa(&q, &k, &v, self.scale, mask, spec),
+        }
+    }
+
+    fn output(&self, out: &Array, b: i32, l: i32) -> Result<Array> {
+        let out = mx::reshape(&mx::transpose_axes(out, &[0, 2, 1, 3])?, &[b, l, -1])?;
         self.o_proj.forward(&out)
     }
 }

@@ -1,7 +1,7 @@
 //! Llama (and Mistral, remapped here): pre-norm decoder, SwiGLU MLP, optional sliding layers.
 use super::layers::{Activation, Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
 use super::{CausalLm, Cfg, ModelShape};
-use crate::cache::{CacheOptions, LayerCache};
+use crate::cache::{CacheOptions, Caches, LayerCache};
 use crate::error::Result;
 use crate::handle::{self as mx, Array};
 use crate::weights::Weights;
@@ -125,24 +125,24 @@ impl Model {
 }
 
 impl CausalLm for Model {
-    fn forward_staged(&self, tokens: &Array, cache: &mut [LayerCache], staging: super::Staging) -> Result<Array> {
+    fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let mut h = self.embed.forward(tokens)?;
         let n = tokens.dim(1);
         let fa = self.layers.iter().position(|l| !l.sliding).unwrap_or(0);
-        let fa_mask = cache[fa].make_mask(n, None)?;
+        let fa_mask = caches.masks(fa, n, None)?;
         let swa_mask = match self.layers.iter().position(|l| l.sliding) {
-            Some(i) => Some(cache[i].make_mask(n, self.sliding_window)?),
+            Some(i) => Some(caches.masks(i, n, self.sliding_window)?),
             None => None,
         };
         let n_layers = self.layers.len();
         let mut stager = super::Stager::new(staging);
         for (i, layer) in self.layers.iter().enumerate() {
             let mask = if layer.sliding { swa_mask.as_ref().unwrap_or(&fa_mask) } else { &fa_mask };
-            let r = layer.attn.forward(&layer.in_norm.forward(&h)?, mask, &mut cache[i])?;
+            let r = layer.attn.forward_many(&layer.in_norm.forward(&h)?, mask, &mut caches.layer_mut(i))?;
             let hh = mx::add(&h, &r)?;
             let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
             h = mx::add(&hh, &r)?;
-            stager.after_layer(i, n_layers, &h, cache)?;
+            stager.after_layer(i, n_layers, &h, caches)?;
         }
         let h = self.norm.forward(&h)?;
         match &self.lm_head {

@@ -6,7 +6,7 @@ pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
 
-use crate::cache::{CacheOptions, LayerCache};
+use crate::cache::{CacheOptions, Caches, LayerCache};
 use crate::error::{Error, Result};
 use crate::handle::Array;
 use crate::weights::Weights;
@@ -31,11 +31,16 @@ pub trait CausalLm: Send {
     /// Logits `[B, L, vocab]` for `tokens` `[B, L]`, appending to `cache`. Builds the whole graph
     /// lazily (nothing is evaluated).
     fn forward(&self, tokens: &Array, cache: &mut [LayerCache]) -> Result<Array> {
-        self.forward_staged(tokens, cache, Staging::NONE)
+        self.forward_caches(tokens, &mut Caches::one(cache), Staging::NONE)
     }
     /// [`CausalLm::forward`], evaluating the hidden state and the cache between decoder layers as
     /// `staging` says (see [`Stager`]). The prefill uses it on GPU backends.
-    fn forward_staged(&self, tokens: &Array, cache: &mut [LayerCache], staging: Staging) -> Result<Array>;
+    fn forward_staged(&self, tokens: &Array, cache: &mut [LayerCache], staging: Staging) -> Result<Array> {
+        self.forward_caches(tokens, &mut Caches::one(cache), staging)
+    }
+    /// The forward pass over one cache per batch row: `tokens` `[B, L]` with `caches.batch() == B`.
+    /// The engine's batched decode step runs several sequences (each its own cache) through it.
+    fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: Staging) -> Result<Array>;
     /// A fresh cache for this model.
     fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache>;
     fn shape(&self) -> &ModelShape;
@@ -77,14 +82,14 @@ impl Stager {
     /// After decoder layer `i` of `n`: at a stage boundary, evaluate the hidden state `h` and the
     /// caches of the layers since the previous stage. Not after the last layer: the prefill only
     /// needs the caches, which the caller evaluates.
-    pub fn after_layer(&mut self, i: usize, n: usize, h: &Array, cache: &[LayerCache]) -> Result<()> {
+    pub fn after_layer(&mut self, i: usize, n: usize, h: &Array, caches: &Caches) -> Result<()> {
         let every = self.staging.every;
         if every == 0 || !(i + 1).is_multiple_of(every) || i + 1 >= n {
             return Ok(());
         }
         let lo = (i + 1).saturating_sub(every);
         let mut arrays: Vec<&Array> = vec![h];
-        arrays.extend(cache[lo..=i].iter().flat_map(|c| c.state()));
+        arrays.extend(caches.state(lo, i));
         if !self.staging.lookahead {
             return crate::handle::eval(&arrays);
         }
