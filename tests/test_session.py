@@ -129,7 +129,9 @@ def test_generate_and_stream_agree(greedy, hf):
     assert [ch.token for ch in chunks if ch.token is not None] == c.tokens
     assert "".join(ch.text for ch in chunks) == c.text
     assert c.text == decode(hf, c.tokens)
-    assert final.usage == c.usage
+    # the same prompt twice: the second run reuses the first's KV (all but the last prompt token)
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (c.usage.prompt_tokens, N)
+    assert final.usage.cached_tokens == c.usage.prompt_tokens - 1
     assert c.usage.completion_tokens == N and c.usage.total_tokens == c.usage.prompt_tokens + N
     t = c.timings
     assert t.prompt_seconds > 0 and t.generation_seconds > 0 and t.generation_tps > 0 and t.peak_memory > 0
@@ -388,9 +390,11 @@ def test_concurrent_generate_from_four_threads(session):
         assert toks == expected[i]
 
 
-def test_stream_releases_the_gil(session):
-    # Occupy the engine with a long generation, then ask for another: the second stream waits in
-    # native code for its first event. A ticker thread must keep running all that time.
+def test_stream_releases_the_gil(model_dir):
+    # One sequence at a time (max_concurrency=1): occupy the engine with a long generation, then ask
+    # for another, which waits in the engine's queue, in native code, for its first event. A ticker
+    # thread must keep running all that time.
+    session = mlxrs.Session(model_dir, max_concurrency=1)
     started = threading.Event()
     done = threading.Event()
 
@@ -422,6 +426,7 @@ def test_stream_releases_the_gil(session):
         stop.set()
         tk.join()
         b.join()
+        session.close()
     assert first.token is not None and done.is_set()
     wait = t1 - t0
     assert wait > 0.1, f"the blocking generation was too short to test anything ({wait:.3f}s)"
@@ -635,10 +640,11 @@ import mlxrs
 d = sys.argv[1]
 speeds = []
 for _ in range(2):
-    with mlxrs.Session(d) as s:
-        s.generate([1, 2, 3, 4], max_tokens=8, ignore_eos=True)  # warm-up
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        for _ in range(3):  # warm-up
+            s.generate([1, 2, 3, 4], max_tokens=16, ignore_eos=True)
         runs = [s.generate(list(range(5, 37)), max_tokens=96, ignore_eos=True).timings.generation_tps
-                for _ in range(5)]
+                for _ in range(7)]
         speeds.append(max(runs))
 print(json.dumps(speeds))
 """
@@ -646,13 +652,20 @@ print(json.dumps(speeds))
 
 def test_second_session_decodes_as_fast_as_the_first(tmp_path: Path) -> None:
     """Two sessions opened in turn in one process decode within 10% of each other (issue #11: on an
-    H200 a second session ran at 35-40% of the first's speed). In a fresh process, best of five each:
-    the other tests' sessions must not be what is measured."""
+    H200 a second session ran at 35-40% of the first's speed). In a fresh process, best of seven
+    each: the other tests' sessions must not be what is measured. A shared 2-core machine's noise
+    reaches 15% between two such measurements, so up to three attempts; the slowdown this guards
+    against fails all of them."""
     import subprocess
     import sys
 
     d = make_model("llama-second-session", "llama", hidden=512, layers=4, inter=1024)
-    r = subprocess.run([sys.executable, "-c", SECOND_SESSION, str(d)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    first, second = json.loads(r.stdout.strip().splitlines()[-1])
-    assert second >= 0.9 * first, f"second session {second:.1f} tok/s vs first {first:.1f} tok/s"
+    seen = []
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", SECOND_SESSION, str(d)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        first, second = json.loads(r.stdout.strip().splitlines()[-1])
+        seen.append((round(first, 1), round(second, 1)))
+        if second >= 0.9 * first:
+            return
+    raise AssertionError(f"second session slower than 90% of the first in every attempt (tok/s): {seen}")

@@ -60,6 +60,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bytes_arg(s: str) -> int:
+    """'2G', '512M', '1048576' → bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    v = s.strip().upper().removesuffix("B").removesuffix("I")
+    num, unit = (v[:-1], v[-1]) if v and v[-1] in units else (v, "")
+    try:
+        n = int(float(num) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {s!r} (e.g. 2G, 512M, 1048576)") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return n
+
+
 def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     sp = sub.add_parser("serve", help="serve a model over HTTP (OpenAI- and Anthropic-compatible)",
                         description="Serve MODEL over HTTP: OpenAI /v1/chat/completions, /v1/completions, "
@@ -77,8 +91,13 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     sp.add_argument("--memory-budget", default=None, metavar="BYTES|FRACTION",
                     help="memory the model may use: bytes (e.g. 12G, 8000000000) or a fraction of device "
                          "memory in (0, 1]; default 0.75")
-    sp.add_argument("--max-queue", type=int, default=32,
-                    help="requests that may wait for the engine before new ones get 429 (default 32)")
+    sp.add_argument("--max-concurrency", type=int, default=32,
+                    help="generations decoded together in one batch at most (default 32)")
+    sp.add_argument("--max-queue", type=int, default=64,
+                    help="requests that may wait beyond those before new ones get 429 (default 64)")
+    sp.add_argument("--prompt-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
+                    help="memory for the prompt-prefix cache, e.g. 2G (0: off; default: half of the KV "
+                         "memory the plan leaves)")
     sp.add_argument("--max-body-bytes", type=int, default=32 << 20,
                     help="largest request body accepted, larger ones get 413 (default 32 MiB)")
     sp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

@@ -26,6 +26,10 @@ class UnsupportedModelError(ModelLoadError):
     """The model's architecture (model_type) is not one mlxrs implements."""
 
 
+class BusyError(MlxrsError):
+    """The engine's queue is full (max_concurrency running, max_queue waiting): retry later."""
+
+
 class ContextLengthError(MlxrsError):
     """A request does not fit the memory admission ceiling."""
 
@@ -40,5 +44,5 @@ class GenerationCancelled(MlxrsError):
 
 __all__ = [
     "MlxrsError", "MlxError", "NativeRuntimeError", "InvalidArgumentError", "ModelLoadError",
-    "UnsupportedModelError", "ContextLengthError", "DownloadError", "GenerationCancelled",
+    "UnsupportedModelError", "BusyError", "ContextLengthError", "DownloadError", "GenerationCancelled",
 ]

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from . import _native
 from .errors import InvalidArgumentError
@@ -28,6 +28,8 @@ _SAMPLING_KEYS = {
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    #: prompt tokens taken from the prompt-prefix cache instead of prefilled
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -108,7 +110,10 @@ class Session:
     (imported once into a cache keyed by its sha256), or None for the embedded default model
     (Gemma 3 270M, installed by the `mlxrs[demo]` extra).
 
-    Thread-safe: requests from several threads queue in order (one generation at a time).
+    Thread-safe, and concurrent: generations started from several threads (or `generate_batch`,
+    or `astream` tasks) are decoded together in one batch, up to `max_concurrency` at a time; more
+    wait in a queue of `max_queue` (one more raises `BusyError`). Prompts that share a prefix with
+    an earlier prompt or conversation reuse its KV cache (`prompt_cache_bytes`, 0 turns it off).
     """
 
     def __init__(
@@ -119,6 +124,10 @@ class Session:
         max_kv_size: int | None = None,
         prefill_step_size: int = 2048,
         kv_group_size: int = 64,
+        max_concurrency: int | None = None,
+        max_queue: int | None = None,
+        prompt_cache_bytes: int | None = None,
+        kv_budget_bytes: int | None = None,
     ) -> None:
         from .models import DEFAULT_MODEL_NAME, resolve_model
 
@@ -128,6 +137,8 @@ class Session:
         self._s = _native.Session(
             self.model_path, kv_bits=kv_bits, max_kv_size=max_kv_size,
             prefill_step_size=prefill_step_size, kv_group_size=kv_group_size,
+            max_concurrency=max_concurrency, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes,
+            kv_budget_bytes=kv_budget_bytes,
         )
 
     # -- text <-> tokens ---------------------------------------------------------------------------
@@ -200,7 +211,7 @@ class Session:
                             logprob=ev["logprob"], top_logprobs=list(ev["top"]))
             elif t == "done":
                 yield Chunk(text="", token=None, finish_reason=ev["finish_reason"],
-                            usage=Usage(ev["prompt_tokens"], ev["completion_tokens"]), timings=_timings(ev))
+                            usage=_usage(ev), timings=_timings(ev))
 
     def generate(
         self,
@@ -212,24 +223,66 @@ class Session:
     ) -> Completion:
         """Generate to the end and return the whole Completion."""
         ids = self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs)
-        text: list[str] = []
-        tokens: list[int] = []
-        lps: list[TokenLogprob] = []
         want_lp = bool(sampling.get("logprobs")) or bool(sampling.get("top_logprobs"))
-        for ev in self._events(ids, sampling):
-            if ev["type"] == "token":
-                text.append(ev["text"])
-                if ev["id"] >= 0:
-                    tokens.append(ev["id"])
-                    if want_lp:
-                        lps.append(TokenLogprob(ev["id"], ev["logprob"], list(ev["top"])))
-            elif ev["type"] == "done":
-                return Completion(
-                    text="".join(text), tokens=tokens, finish_reason=ev["finish_reason"],
-                    usage=Usage(ev["prompt_tokens"], ev["completion_tokens"]), timings=_timings(ev),
-                    stop_string=ev["stop_string"], logprobs=lps if want_lp else None,
-                )
-        raise RuntimeError("the engine ended the stream without a final event")
+        return _collect(self._events(ids, sampling), want_lp)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[Message] | Sequence[int]],
+        **sampling: Any,
+    ) -> list[Completion]:
+        """Generate for several prompts at once (decoded together in one batch); the results in
+        the prompts' order. Sampling options apply to every prompt."""
+        streams = [self._s.start(self.encode_prompt(p), _params(sampling)) for p in prompts]
+        want_lp = bool(sampling.get("logprobs")) or bool(sampling.get("top_logprobs"))
+        try:
+            return [_collect(iter(st), want_lp) for st in streams]
+        finally:
+            for st in streams:
+                st.cancel()
+
+    async def astream(
+        self,
+        prompt: str | Sequence[Message] | Sequence[int],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Chunk]:
+        """`stream` for asyncio: chunks arrive on the running loop without blocking it (one
+        dispatcher thread serves every async stream); leaving the loop early cancels."""
+        import asyncio
+
+        from . import _dispatch
+
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(None, lambda: self.encode_prompt(
+            prompt, tools=tools, template_kwargs=template_kwargs))
+        d = _dispatch.default()
+        st = self._s.start(ids, _params(sampling), d.hub)
+        q = d.register(st.id)
+        finished = False
+        try:
+            while True:
+                ev = await q.get()
+                if isinstance(ev, BaseException):
+                    finished = True
+                    raise ev
+                t = ev["type"]
+                if t == "token":
+                    if ev["id"] < 0 and not ev["text"]:
+                        continue
+                    yield Chunk(text=ev["text"], token=ev["id"] if ev["id"] >= 0 else None,
+                                logprob=ev["logprob"], top_logprobs=list(ev["top"]))
+                elif t == "done":
+                    finished = True
+                    yield Chunk(text="", token=None, finish_reason=ev["finish_reason"],
+                                usage=_usage(ev), timings=_timings(ev))
+                    return
+        finally:
+            if not finished:
+                st.cancel()
+            d.unregister(st.id, finished)
 
     def chat(
         self,
@@ -268,6 +321,29 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _usage(ev: Mapping[str, Any]) -> Usage:
+    return Usage(ev["prompt_tokens"], ev["completion_tokens"], ev.get("cached_tokens", 0))
+
+
+def _collect(events: Iterator[dict[str, Any]], want_lp: bool) -> Completion:
+    text: list[str] = []
+    tokens: list[int] = []
+    lps: list[TokenLogprob] = []
+    for ev in events:
+        if ev["type"] == "token":
+            text.append(ev["text"])
+            if ev["id"] >= 0:
+                tokens.append(ev["id"])
+                if want_lp:
+                    lps.append(TokenLogprob(ev["id"], ev["logprob"], list(ev["top"])))
+        elif ev["type"] == "done":
+            return Completion(
+                text="".join(text), tokens=tokens, finish_reason=ev["finish_reason"], usage=_usage(ev),
+                timings=_timings(ev), stop_string=ev["stop_string"], logprobs=lps if want_lp else None,
+            )
+    raise RuntimeError("the engine ended the stream without a final event")
 
 
 def _timings(ev: Mapping[str, Any]) -> Timings:

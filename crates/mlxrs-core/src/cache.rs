@@ -77,6 +77,16 @@ impl LayerCache {
         }
     }
 
+    /// Whether [`LayerCache::trim`] can drop the last `n` tokens (a rotating cache only before it
+    /// wrapped, as mlx-lm's `is_trimmable`).
+    pub fn can_trim(&self, n: i32) -> bool {
+        match self {
+            LayerCache::Full(c) => n <= c.offset,
+            LayerCache::Quantized(c) => n <= c.offset,
+            LayerCache::Rotating(c) => n == 0 || (c.offset < c.max_size && n <= c.offset),
+        }
+    }
+
     /// Drop the last `n` tokens (where the cache allows it); returns how many were dropped.
     pub fn trim(&mut self, n: i32) -> i32 {
         match self {

@@ -24,6 +24,9 @@ pub enum Error {
     Unsupported(String),
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+    /// The engine's queue is full: retry later (a 429 with Retry-After in the server).
+    #[error("{0}")]
+    Busy(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

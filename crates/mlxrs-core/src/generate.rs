@@ -84,6 +84,8 @@ pub fn prefill_staging() -> Staging {
 pub struct Timings {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
+    /// Prompt tokens taken from the prompt-prefix cache (not prefilled).
+    pub cached_tokens: usize,
     pub prompt_seconds: f64,
     pub generation_seconds: f64,
     pub peak_memory: usize,

@@ -149,6 +149,10 @@ pub struct ModelFacts {
     pub act_bytes: u64,
     /// Sum of every tensor's bytes, from the safetensors headers.
     pub weights_bytes: u64,
+    /// The weights are MLX-quantized (config.json has `quantization`): a GPU prefill then
+    /// dequantizes one weight at a time ([`Backend::dequant_rows`]).
+    #[serde(default)]
+    pub quantized_weights: bool,
     pub max_position_embeddings: Option<u64>,
 }
 
@@ -290,6 +294,7 @@ impl ModelFacts {
             sliding,
             act_bytes,
             weights_bytes,
+            quantized_weights: config.get("quantization").or_else(|| config.get("quantization_config")).is_some(),
             max_position_embeddings: u("max_position_embeddings"),
         })
     }
@@ -347,6 +352,18 @@ impl Backend {
         }
     }
 
+    /// From how many rows (tokens of a prefill chunk) a quantized matmul dequantizes its weight and
+    /// runs a plain matmul (`models::layers::quant_matmul`): 128 on CUDA, where MLX's quantized
+    /// matmul for many rows does not use tensor cores (an 8B 4-bit model prefilled 2048 tokens at
+    /// 8.6k tok/s on an H200 against 38k for bf16; bench/RESULTS-gpu.md); never on Metal, whose
+    /// quantized kernels are fast, nor on the CPU. A decode step, even batched, stays below.
+    pub fn dequant_rows(self) -> u64 {
+        match self {
+            Backend::Cuda => DEQUANT_ROWS_CUDA,
+            Backend::Cpu | Backend::Metal => u64::MAX,
+        }
+    }
+
     /// How many decoder layers' prefill activations are alive at once: one on the CPU,
     /// [`GPU_LAYERS_IN_FLIGHT`] on a GPU.
     pub fn layers_in_flight(self) -> u64 {
@@ -356,6 +373,9 @@ impl Backend {
         }
     }
 }
+
+/// [`Backend::dequant_rows`] on CUDA.
+pub const DEQUANT_ROWS_CUDA: u64 = 128;
 
 /// Options of one plan.
 #[derive(Clone, Debug)]
@@ -371,6 +391,8 @@ pub struct PlanOptions {
     pub fused_attention: bool,
     /// Decoder layers whose prefill activations are alive at once: [`Backend::layers_in_flight`].
     pub layers_in_flight: u64,
+    /// Rows from which quantized weights are dequantized for a matmul: [`Backend::dequant_rows`].
+    pub dequant_rows: u64,
     /// The usable bytes.
     pub usable_bytes: u64,
 }
@@ -442,6 +464,8 @@ impl ModelFacts {
     ///   per score element in float32 and 2.3–3.3 in bfloat16 (the scores, the masked copy
     ///   sharing their buffer, the boolean mask and the output)
     /// - MLP gate, up and their product: 3·P·intermediate·a
+    /// - quantized weights dequantized for a prefill chunk of at least `dequant_rows` tokens: the
+    ///   MLP's three matrices in the activation dtype, 3·intermediate·hidden·a
     ///
     /// and once:
     /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
@@ -463,10 +487,15 @@ impl ModelFacts {
         let qkv = p * ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim) as f64 * a;
         let scores = if o.fused_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
         let mlp = 3.0 * p * self.intermediate_size as f64 * a;
+        let dequant = if self.quantized_weights && p as u64 >= o.dequant_rows {
+            3.0 * (self.intermediate_size * self.hidden_size) as f64 * a
+        } else {
+            0.0
+        };
         let layers = o.layers_in_flight.clamp(1, self.num_layers.max(1)) as f64;
         let regrow = self.kv_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
         let logits = 2.0 * self.vocab_size as f64 * 4.0;
-        ((layers * (hidden + qkv + scores + mlp) + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
+        ((layers * (hidden + qkv + scores + mlp + dequant) + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
     }
 
     /// The model's own context limit.
@@ -615,6 +644,7 @@ mod tests {
     fn opts(usable: u64) -> PlanOptions {
         PlanOptions {
             context_tokens: None, kv_bits: None, kv_group_size: 64, prefill_step: 2048, fused_attention: false,
+            dequant_rows: u64::MAX,
             layers_in_flight: 1, usable_bytes: usable,
         }
     }

@@ -17,6 +17,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Invalid(_) => "InvalidArgumentError",
         Error::ModelLoad(_) | Error::Io { .. } => "ModelLoadError",
         Error::Unsupported(_) => "UnsupportedModelError",
+        Error::Busy(_) => "BusyError",
     };
     let msg = e.to_string();
     match py.import("mlxrs.errors").and_then(|m| m.getattr(cls)) {
@@ -207,5 +208,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     download::register(m)?;
     m.add_class::<session::Session>()?;
     m.add_class::<session::TokenStream>()?;
+    m.add_class::<session::EventHub>()?;
     Ok(())
 }

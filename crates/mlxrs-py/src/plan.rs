@@ -54,6 +54,7 @@ pub fn plan(
         prefill_step: prefill_step_size,
         fused_attention: fused_attention.unwrap_or_else(|| backend.fused_attention(facts.act_bytes)),
         layers_in_flight: backend.layers_in_flight(),
+        dequant_rows: backend.dequant_rows(),
         usable_bytes: core_plan::budget_bytes(budget, dev_bytes),
     };
     serde_json::to_string(&facts.plan(&o)).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))

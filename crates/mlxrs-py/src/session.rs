@@ -1,13 +1,14 @@
 //! `Session` and `TokenStream`: thin wrappers over the core engine.
 use crate::{to_py, PyResultExt};
-use mlxrs_core::engine::{Engine, Event, LoadOptions, Pending, Request};
+use mlxrs_core::engine::{Engine, Event, EventSink, LoadOptions, Request};
 use mlxrs_core::sample::SamplingParams;
 use mlxrs_core::Error;
 use pyo3::exceptions::{PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use serde_json::Value;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 
 fn json_arg(s: Option<&str>, what: &str) -> PyResult<Option<Value>> {
@@ -89,7 +90,9 @@ pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, 
 #[pymethods]
 impl Session {
     #[new]
-    #[pyo3(signature = (model_dir, kv_bits=None, max_kv_size=None, prefill_step_size=2048, kv_group_size=64))]
+    #[pyo3(signature = (model_dir, kv_bits=None, max_kv_size=None, prefill_step_size=2048, kv_group_size=64,
+                        max_concurrency=None, max_queue=None, prompt_cache_bytes=None, kv_budget_bytes=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         model_dir: std::path::PathBuf,
@@ -97,15 +100,33 @@ impl Session {
         max_kv_size: Option<i32>,
         prefill_step_size: i32,
         kv_group_size: i32,
+        max_concurrency: Option<usize>,
+        max_queue: Option<usize>,
+        prompt_cache_bytes: Option<usize>,
+        kv_budget_bytes: Option<usize>,
     ) -> PyResult<Session> {
-        let opts = LoadOptions { kv_bits, kv_group_size, max_kv_size, prefill_step_size };
+        if kv_group_size < 1 {
+            return Err(to_py(py, Error::Invalid(format!("kv_group_size must be >= 1 (got {kv_group_size})"))));
+        }
+        let d = LoadOptions::default();
+        let opts = LoadOptions {
+            kv_bits,
+            kv_group_size,
+            max_kv_size,
+            prefill_step_size,
+            max_concurrency: max_concurrency.unwrap_or(d.max_concurrency).max(1),
+            max_queue: max_queue.unwrap_or(d.max_queue),
+            prompt_cache_bytes: prompt_cache_bytes.unwrap_or(d.prompt_cache_bytes),
+            kv_budget_bytes,
+        };
         let engine = py.allow_threads(|| Engine::load(&model_dir, opts)).py(py)?;
         Ok(Session { engine: Some(Arc::new(engine)) })
     }
 
     #[pyo3(signature = (text, add_special_tokens=true))]
     fn tokenize(&self, py: Python<'_>, text: &str, add_special_tokens: bool) -> PyResult<Vec<i32>> {
-        self.engine(py)?.tokenizer.encode(text, add_special_tokens).py(py)
+        let e = self.engine(py)?.clone();
+        py.allow_threads(|| e.tokenizer.encode(text, add_special_tokens)).py(py)
     }
 
     #[pyo3(signature = (ids, skip_special_tokens=false))]
@@ -115,7 +136,8 @@ impl Session {
         if let Some(bad) = ids.iter().find(|&&t| t < 0 || t >= v) {
             return Err(to_py(py, Error::Invalid(format!("token id {bad} is outside the vocabulary (0..{v})"))));
         }
-        e.tokenizer.decode(&ids, skip_special_tokens).py(py)
+        let e = e.clone();
+        py.allow_threads(|| e.tokenizer.decode(&ids, skip_special_tokens)).py(py)
     }
 
     /// Render the chat template; `messages`, `tools` and `kwargs` are JSON.
@@ -134,21 +156,36 @@ impl Session {
             Some(Value::Object(o)) => o,
             _ => serde_json::Map::new(),
         };
-        self.engine(py)?.apply_chat_template(&m, t.as_ref(), add_generation_prompt, &extra).py(py)
+        let e = self.engine(py)?.clone();
+        py.allow_threads(|| e.apply_chat_template(&m, t.as_ref(), add_generation_prompt, &extra)).py(py)
     }
 
     /// Token ids of a rendered chat prompt (the template's BOS is not doubled).
     fn encode_rendered(&self, py: Python<'_>, text: &str) -> PyResult<Vec<i32>> {
-        self.engine(py)?.encode_rendered(text).py(py)
+        let e = self.engine(py)?.clone();
+        py.allow_threads(|| e.encode_rendered(text)).py(py)
     }
 
     /// Start generating from `prompt` token ids; `params` is a JSON object of sampling options.
-    #[pyo3(signature = (prompt, params="{}"))]
-    fn start(&self, py: Python<'_>, prompt: Vec<i32>, params: &str) -> PyResult<TokenStream> {
+    /// With `hub`, the events go to the hub (tagged with the returned stream's `id`) and the stream
+    /// itself only cancels.
+    #[pyo3(signature = (prompt, params="{}", hub=None))]
+    fn start(&self, py: Python<'_>, prompt: Vec<i32>, params: &str, hub: Option<&EventHub>) -> PyResult<TokenStream> {
         let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
         let req = request_from(&p, prompt).py(py)?;
-        let pending = self.engine(py)?.submit(req).py(py)?;
-        Ok(TokenStream { inner: Mutex::new(Some(pending)) })
+        let e = self.engine(py)?.clone();
+        match hub {
+            None => {
+                let pending = py.allow_threads(|| e.submit(req)).py(py)?;
+                Ok(TokenStream { events: Mutex::new(Some(pending.events)), cancel: pending.cancel, id: 0 })
+            }
+            Some(h) => {
+                let id = h.next_id.fetch_add(1, Ordering::Relaxed);
+                let sink = EventSink::new(h.tx.clone(), id);
+                let cancel = py.allow_threads(|| e.submit_to(req, sink)).py(py)?;
+                Ok(TokenStream { events: Mutex::new(None), cancel, id })
+            }
+        }
     }
 
     /// Last-position logits of `prompt` (float32), from a fresh cache.
@@ -176,14 +213,33 @@ impl Session {
         d.set_item("eos_token_ids", e.tokenizer.eos_ids.clone())?;
         d.set_item("bos_token", e.tokenizer.bos_token.clone())?;
         d.set_item("has_chat_template", e.has_chat_template())?;
-        d.set_item("requests", e.stats.requests.load(Ordering::Relaxed))?;
-        d.set_item("cancelled", e.stats.cancelled.load(Ordering::Relaxed))?;
-        d.set_item("prompt_tokens_total", e.stats.prompt_tokens.load(Ordering::Relaxed))?;
-        d.set_item("generated_tokens_total", e.stats.generated_tokens.load(Ordering::Relaxed))?;
+        let s = &e.stats;
+        let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        d.set_item("requests", n(&s.requests))?;
+        d.set_item("served", n(&s.served))?;
+        d.set_item("cancelled", n(&s.cancelled))?;
+        d.set_item("rejected", n(&s.rejected))?;
+        d.set_item("failed", n(&s.failed))?;
+        d.set_item("inflight", n(&s.inflight))?;
+        d.set_item("running", n(&s.running))?;
+        d.set_item("waiting", n(&s.waiting))?;
+        d.set_item("prompt_tokens_total", n(&s.prompt_tokens))?;
+        d.set_item("generated_tokens_total", n(&s.generated_tokens))?;
+        let p = s.prefix();
+        let pc = PyDict::new(py);
+        pc.set_item("hits", p.hits)?;
+        pc.set_item("misses", p.misses)?;
+        pc.set_item("entries", p.entries)?;
+        pc.set_item("bytes", p.bytes)?;
+        pc.set_item("budget_bytes", p.budget)?;
+        pc.set_item("cached_tokens", p.cached_tokens)?;
+        d.set_item("prompt_cache", pc)?;
+        d.set_item("max_concurrency", e.options.max_concurrency)?;
+        d.set_item("max_queue", e.options.max_queue)?;
         Ok(d)
     }
 
-    /// Stop the engine thread; the session cannot be used afterwards.
+    /// Cancel what runs or waits, stop the engine thread; the session cannot be used afterwards.
     fn close(&mut self, py: Python<'_>) {
         if let Some(e) = self.engine.take() {
             py.allow_threads(|| e.close());
@@ -196,10 +252,102 @@ impl Session {
     }
 }
 
-/// Events of one generation; iterating blocks (without the GIL) until the next event.
+/// Events of one generation; iterating blocks (without the GIL) until the next event. The cancel
+/// flag lives outside the receiver's mutex: `cancel()` never waits for a blocked `__next__`.
 #[pyclass(module = "mlxrs._native")]
 pub struct TokenStream {
-    inner: Mutex<Option<Pending>>,
+    events: Mutex<Option<Receiver<(u64, Event)>>>,
+    cancel: Arc<AtomicBool>,
+    /// The tag of its events in an [`EventHub`] (0 for a stream of its own).
+    #[pyo3(get)]
+    id: u64,
+}
+
+/// One event as the Python side sees it; Err for an engine error.
+fn event_to_dict<'py>(py: Python<'py>, ev: Event) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    match ev {
+        Event::Progress { done, total } => {
+            d.set_item("type", "progress")?;
+            d.set_item("done", done)?;
+            d.set_item("total", total)?;
+        }
+        Event::Token { id, text, logprob, top } => {
+            d.set_item("type", "token")?;
+            d.set_item("id", id)?;
+            d.set_item("text", text)?;
+            d.set_item("logprob", logprob)?;
+            d.set_item("top", top)?;
+        }
+        Event::Done { reason, stop_string, timings } => {
+            d.set_item("type", "done")?;
+            d.set_item("finish_reason", reason.as_str())?;
+            d.set_item("stop_string", stop_string)?;
+            d.set_item("prompt_tokens", timings.prompt_tokens)?;
+            d.set_item("cached_tokens", timings.cached_tokens)?;
+            d.set_item("completion_tokens", timings.generated_tokens)?;
+            d.set_item("prompt_seconds", timings.prompt_seconds)?;
+            d.set_item("generation_seconds", timings.generation_seconds)?;
+            d.set_item("prompt_tps", timings.prompt_tps())?;
+            d.set_item("generation_tps", timings.generation_tps())?;
+            d.set_item("peak_memory", timings.peak_memory)?;
+        }
+        Event::Error(e) => return Err(to_py(py, e)),
+    }
+    Ok(d)
+}
+
+/// One channel for the events of many streams (`Session.start(..., hub=hub)`): the server's single
+/// dispatcher thread waits on it, instead of a thread per stream.
+#[pyclass(module = "mlxrs._native")]
+pub struct EventHub {
+    tx: Sender<(u64, Event)>,
+    rx: Mutex<Receiver<(u64, Event)>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+#[pymethods]
+impl EventHub {
+    #[new]
+    fn new() -> EventHub {
+        let (tx, rx) = channel();
+        EventHub { tx, rx: Mutex::new(rx), next_id: std::sync::atomic::AtomicU64::new(1) }
+    }
+
+    /// Wait (without the GIL) up to `timeout` seconds for events; returns every event available
+    /// then, as (stream id, event dict or exception) pairs, oldest first (empty after a timeout).
+    fn wait<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Vec<(u64, PyObject)>> {
+        let evs = py.allow_threads(|| {
+            let rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+            let mut out = Vec::new();
+            match rx.recv_timeout(std::time::Duration::from_secs_f64(timeout.max(0.0))) {
+                Ok(ev) => out.push(ev),
+                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => return out,
+            }
+            while let Ok(ev) = rx.try_recv() {
+                out.push(ev);
+            }
+            out
+        });
+        evs.into_iter()
+            .map(|(id, ev)| {
+                let obj: PyObject = match event_to_dict(py, ev) {
+                    Ok(d) => d.into_any().unbind(),
+                    Err(e) => e.into_value(py).into_any(),
+                };
+                Ok((id, obj))
+            })
+            .collect()
+    }
+}
+
+impl TokenStream {
+    fn event_dict<'py>(&self, py: Python<'py>, ev: Event) -> PyResult<Bound<'py, PyDict>> {
+        if matches!(ev, Event::Done { .. } | Event::Error(_)) {
+            self.events.lock().unwrap_or_else(|e| e.into_inner()).take();
+        }
+        event_to_dict(py, ev)
+    }
 }
 
 #[pymethods]
@@ -210,58 +358,56 @@ impl TokenStream {
 
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let ev = py.allow_threads(|| {
-            let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            g.as_ref().map(|p| p.events.recv())
+            let g = self.events.lock().unwrap_or_else(|e| e.into_inner());
+            g.as_ref().map(|r| r.recv())
         });
-        let ev = match ev {
-            Some(Ok(ev)) => ev,
-            _ => return Err(PyStopIteration::new_err(())),
-        };
-        let d = PyDict::new(py);
         match ev {
-            Event::Progress { done, total } => {
-                d.set_item("type", "progress")?;
-                d.set_item("done", done)?;
-                d.set_item("total", total)?;
-            }
-            Event::Token { id, text, logprob, top } => {
-                d.set_item("type", "token")?;
-                d.set_item("id", id)?;
-                d.set_item("text", text)?;
-                d.set_item("logprob", logprob)?;
-                d.set_item("top", top)?;
-            }
-            Event::Done { reason, stop_string, timings } => {
-                d.set_item("type", "done")?;
-                d.set_item("finish_reason", reason.as_str())?;
-                d.set_item("stop_string", stop_string)?;
-                d.set_item("prompt_tokens", timings.prompt_tokens)?;
-                d.set_item("completion_tokens", timings.generated_tokens)?;
-                d.set_item("prompt_seconds", timings.prompt_seconds)?;
-                d.set_item("generation_seconds", timings.generation_seconds)?;
-                d.set_item("prompt_tps", timings.prompt_tps())?;
-                d.set_item("generation_tps", timings.generation_tps())?;
-                d.set_item("peak_memory", timings.peak_memory)?;
-                self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
-            }
-            Event::Error(e) => {
-                self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
-                return Err(to_py(py, e));
-            }
+            Some(Ok((_, ev))) => self.event_dict(py, ev),
+            _ => Err(PyStopIteration::new_err(())),
         }
-        Ok(d)
     }
 
-    /// Ask the engine to stop this generation (it ends within a token or two).
-    fn cancel(&self) {
-        if let Some(p) = self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            p.cancel.store(true, Ordering::Relaxed);
+    /// Every event available now, without blocking (an empty list when none is; None once the
+    /// stream has ended). The server's dispatcher polls many streams with it.
+    fn drain<'py>(&self, py: Python<'py>) -> PyResult<Option<Vec<Bound<'py, PyDict>>>> {
+        let mut out = Vec::new();
+        loop {
+            let ev = {
+                let Ok(g) = self.events.try_lock() else { return Ok(Some(out)) };
+                match g.as_ref() {
+                    None => return Ok(if out.is_empty() { None } else { Some(out) }),
+                    Some(r) => r.try_recv(),
+                }
+            };
+            match ev {
+                Ok((_, ev)) => {
+                    let end = matches!(ev, Event::Done { .. } | Event::Error(_));
+                    match self.event_dict(py, ev) {
+                        Ok(d) => out.push(d),
+                        Err(e) if out.is_empty() => return Err(e),
+                        Err(_) => return Ok(Some(out)), // the error comes on the next call
+                    }
+                    if end {
+                        return Ok(Some(out));
+                    }
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(Some(out)),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    self.events.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    return Ok(if out.is_empty() { None } else { Some(out) });
+                }
+            }
         }
+    }
+
+    /// Ask the engine to stop this generation (at the next prefill chunk or decode step).
+    fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
     }
 }
 
 impl Drop for TokenStream {
     fn drop(&mut self) {
-        self.cancel();
+        self.cancel.store(true, Ordering::Relaxed);
     }
 }

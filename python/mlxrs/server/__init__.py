@@ -108,7 +108,14 @@ def run(args: argparse.Namespace) -> int:
         # the planner reads config.json and the safetensors headers only: a bad --memory-budget
         # is reported before any weight is loaded
         plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget))
-        session = Session(model_dir, kv_bits=args.kv_quant)
+        # the KV every running sequence may reserve: what the plan leaves beside the weights, the
+        # reserve and one prefill's transient; the prompt cache may use half of it by default and
+        # gives way when sequences need the room
+        kv_budget = max(0, int(plan["usableBytes"]) - int(plan["weightsBytes"]) - int(plan["reserveBytes"])
+                        - int(plan["transientBytes"]))
+        cache_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else kv_budget // 2
+        session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
+                          max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget)
     except MlxrsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     aliases = [model_id, str(args.model or ""), session.model_path, Path(session.model_path).name]
     state = ServerState(session, model_id=model_id, aliases=aliases, plan=plan, kv_bits=args.kv_quant,
-                        api_key=api_key, max_queue=args.max_queue, max_body=args.max_body_bytes,
+                        api_key=api_key, max_body=args.max_body_bytes,
                         budget_source=budget_source)
     _report_plan(state)
     try:

@@ -1,9 +1,11 @@
 """The aiohttp application: routing, authentication, body limits, error envelopes, memory
-admission, the FIFO generation queue and /health, /stats, /v1/models.
+admission and /health, /stats, /v1/models; a thin async client of the engine for generation.
 
-One generation runs at a time (the engine thread owns the model); requests wait in a bounded FIFO
-queue (`--max-queue`), and a full queue answers 429. A client that disconnects cancels its
-generation (`TokenStream.cancel()`, honoured by the engine within a token).
+The engine (Rust) schedules: up to `--max-concurrency` generations are decoded together in one
+batch, more wait in its bounded queue (`--max-queue`; one more answers 429 with Retry-After), and a
+prompt that shares a prefix with an earlier one reuses its KV cache. Events come back through one
+dispatcher thread (mlxrs._dispatch) to the loop. A client that disconnects cancels its generation
+(honoured by the engine at its next prefill chunk or decode step).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from aiohttp import web
 
+from .. import _dispatch
 from ..session import Session, _params
 from .common import loads_strict
 from .errors import ApiError, admission_error, from_exception
@@ -29,20 +32,19 @@ log = logging.getLogger("mlxrs.server")
 STATE: web.AppKey["ServerState"] = web.AppKey("mlxrs_state")
 
 DEFAULT_MAX_BODY = 32 << 20
-DEFAULT_MAX_QUEUE = 32
 KEEPALIVE_SECONDS = 10.0
 
 
 @dataclass
 class Stats:
+    """What the HTTP layer counts itself; the engine counts generations (ServerState.stats_body)."""
+
     started: float = field(default_factory=time.time)
-    requests: int = 0  # generations admitted to the queue
-    served: int = 0  # generations that ran to their end
-    cancelled: int = 0  # generations stopped because their client went away
     rejected_admission: int = 0
     errors: int = 0
     clamped: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     recent: collections.deque[tuple[int, float, int, float]] = field(
         default_factory=lambda: collections.deque(maxlen=20))  # (gen tokens, gen s, prompt tokens, prompt s)
@@ -52,7 +54,7 @@ class ServerState:
     """What the handlers share: the session, the model's names, the plan and the queue."""
 
     def __init__(self, session: Session, *, model_id: str, aliases: Sequence[str], plan: Mapping[str, Any],
-                 kv_bits: int | None, api_key: str | None, max_queue: int = DEFAULT_MAX_QUEUE,
+                 kv_bits: int | None, api_key: str | None,
                  max_body: int = DEFAULT_MAX_BODY, budget_source: str = "") -> None:
         self.session = session
         self.model_id = model_id
@@ -60,7 +62,6 @@ class ServerState:
         self.plan = dict(plan)
         self.kv_bits = kv_bits
         self.api_key = api_key
-        self.max_queue = max_queue
         self.max_body = max_body
         self.budget_source = budget_source
         info = session.info
@@ -72,9 +73,7 @@ class ServerState:
             ceiling = min(ceiling, self.model_context)
         self.context_tokens = ceiling
         self.stats = Stats()
-        self.lock = asyncio.Lock()
-        self.waiting = 0
-        self.active = 0
+        self.dispatcher = _dispatch.default()
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxrs-server")
         model_dir = Path(session.model_path)
         self.template = _read_template(model_dir)
@@ -139,40 +138,21 @@ class ServerState:
 
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, ids: list[int], opts: dict[str, Any]) -> "Generation":
-        """Wait for the engine (FIFO), then start; 429 when the queue is full."""
+        """Hand the request to the engine (it queues and batches); 429 when its queue is full."""
         if self.closing or self.session.closed:
-            raise ApiError(503, "the server is shutting down")
-        if self.waiting >= self.max_queue and (self.lock.locked() or self.waiting):
-            raise ApiError(429, f"the server is busy: {self.waiting} requests are already waiting "
-                                "(one generation runs at a time) — retry later", headers={"Retry-After": "1"})
-        self.stats.requests += 1
-        self.waiting += 1
-        try:
-            await self.lock.acquire()
-        finally:
-            self.waiting -= 1
-        if self.closing or self.session.closed:
-            self.lock.release()
             raise ApiError(503, "the server is shutting down")
         try:
             params = _params(opts)
-            stream = self.session._s.start(ids, params)
+            stream = self.session._s.start(ids, params, self.dispatcher.hub)
         except Exception as e:
-            self.lock.release()
             raise from_exception(e) from None
-        self.active += 1
         return Generation(self, stream)
 
-    def finished(self, done: Mapping[str, Any] | None, cancelled: bool) -> None:
-        self.active -= 1
-        if cancelled:
-            self.stats.cancelled += 1
-        if done is None:
+    def finished(self, done: Mapping[str, Any] | None) -> None:
+        if done is None or done.get("finish_reason") == "cancelled":
             return
-        if done.get("finish_reason") == "cancelled" and not cancelled:
-            self.stats.cancelled += 1
-        self.stats.served += 1
         self.stats.prompt_tokens += int(done["prompt_tokens"])
+        self.stats.cached_tokens += int(done.get("cached_tokens", 0))
         self.stats.completion_tokens += int(done["completion_tokens"])
         self.stats.recent.append((int(done["completion_tokens"]), float(done["generation_seconds"]),
                                   int(done["prompt_tokens"]), float(done["prompt_seconds"])))
@@ -195,87 +175,80 @@ class ServerState:
             "kv_bits": self.kv_bits,
             "memory_plan": self.plan,
             "memory_budget_source": self.budget_source,
+            # the engine's counts: received = served + cancelled + rejected + failed + active + queued
             "requests": {
-                "received": st.requests,
-                "served": st.served,
-                "cancelled": st.cancelled,
+                "received": engine.get("requests", 0),
+                "served": engine.get("served", 0),
+                "cancelled": engine.get("cancelled", 0),
+                "rejected": engine.get("rejected", 0),
+                "failed": engine.get("failed", 0),
+                "active": engine.get("running", 0),
+                "queued": max(0, int(engine.get("inflight", 0)) - int(engine.get("running", 0))),
                 "rejected_memory_admission": st.rejected_admission,
                 "clamped_max_tokens": st.clamped,
                 "errors": st.errors,
-                "active": self.active,
-                "queued": self.waiting,
             },
-            "tokens": {"prompt": st.prompt_tokens, "completion": st.completion_tokens},
+            "scheduler": {"max_concurrency": engine.get("max_concurrency"), "max_queue": engine.get("max_queue")},
+            "prompt_cache": engine.get("prompt_cache"),
+            "tokens": {"prompt": st.prompt_tokens, "cached": st.cached_tokens, "completion": st.completion_tokens},
             "recent": {
                 "window": len(st.recent),
                 "generation_tokens_per_second": round(gen_t / gen_s, 2) if gen_s > 0 else None,
                 "prompt_tokens_per_second": round(pr_t / pr_s, 2) if pr_s > 0 else None,
             },
-            "engine": {k: engine.get(k) for k in ("requests", "cancelled", "prompt_tokens_total",
-                                                  "generated_tokens_total")},
+            "engine": {k: engine.get(k) for k in ("prompt_tokens_total", "generated_tokens_total")},
             "uptime_seconds": round(time.time() - st.started, 1),
         }
 
 
 class Generation:
-    """One running generation: engine events as an async iterator, cancellable.
-
-    A worker thread iterates the TokenStream (blocking, without the GIL) and hands events to the
-    loop; the queue slot is released when that thread has seen the engine finish, so the next
-    request starts on an idle engine."""
-
-    _END = object()
+    """One generation: its engine events as an async iterator (delivered by the dispatcher
+    thread, no thread of its own), cancellable."""
 
     def __init__(self, state: ServerState, stream: Any) -> None:
         self.state = state
         self.stream = stream
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queue = state.dispatcher.register(stream.id)
         self.done: dict[str, Any] | None = None
-        self.cancelled = False
-        self.fut = self.loop.run_in_executor(state.executor, self._pump)
-        self.fut.add_done_callback(self._release)
-
-    def _put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed (shutdown)
-            pass
-
-    def _pump(self) -> None:
-        try:
-            for ev in self.stream:
-                if ev["type"] == "done":
-                    self.done = ev
-                self._put(ev)
-        except BaseException as e:  # engine errors surface in the handler
-            self._put(e)
-        finally:
-            self._put(self._END)
-
-    def _release(self, _f: Any) -> None:
-        self.state.finished(self.done, self.cancelled)
-        self.state.lock.release()
+        self.ended = False
 
     def cancel(self) -> None:
-        if self.done is None and not self.fut.done():
-            self.cancelled = True
+        """Stop the generation (if it still runs) and drop whatever it still sends."""
+        if not self.ended:
+            self.ended = True
             self.stream.cancel()
+            self.state.dispatcher.unregister(self.stream.id, False)
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.state.dispatcher.unregister(self.stream.id, True)
+            self.state.finished(self.done)
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[dict[str, Any] | None]:
         """Engine events (progress/token/done); None after `keepalive` seconds of silence."""
-        while True:
-            try:
-                item = await asyncio.wait_for(self.queue.get(), keepalive) if keepalive else await self.queue.get()
-            except asyncio.TimeoutError:
-                yield None
-                continue
-            if item is self._END:
-                return
-            if isinstance(item, BaseException):
-                self.state.stats.errors += 1
-                raise from_exception(item)
-            yield item
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), keepalive) if keepalive else await self.queue.get()
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                if isinstance(item, BaseException):
+                    self._end()
+                    self.state.stats.errors += 1
+                    raise from_exception(item)
+                if item["type"] == "done":
+                    self.done = item
+                    self._end()
+                    yield item
+                    return
+                yield item
+        finally:
+            if not self.ended:  # the consumer left early: cancel, drop what still comes
+                self.ended = True
+                self.stream.cancel()
+                self.state.dispatcher.unregister(self.stream.id, False)
 
 
 # -- middleware ----------------------------------------------------------------------------------

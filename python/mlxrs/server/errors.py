@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..errors import ContextLengthError, InvalidArgumentError, MlxrsError
+from ..errors import BusyError, ContextLengthError, InvalidArgumentError, MlxrsError
 
 # status -> (OpenAI type, OpenAI code, Anthropic type)
 _KIND = {
@@ -68,6 +68,8 @@ def from_exception(e: BaseException) -> ApiError:
         return e
     if isinstance(e, ContextLengthError):
         return admission_error(str(e))
+    if isinstance(e, BusyError):
+        return ApiError(429, f"the server is busy: {e}", headers={"Retry-After": "1"})
     if isinstance(e, InvalidArgumentError):
         return ApiError(400, str(e))
     if isinstance(e, web.HTTPRequestEntityTooLarge):

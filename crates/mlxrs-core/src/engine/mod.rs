@@ -1,13 +1,19 @@
-//! The engine thread: it owns every piece of MLX state (model, cache, streams) and serves
-//! generation requests one at a time from a FIFO channel, sending events back per request.
-use crate::cache::CacheOptions;
+//! The engine thread: it owns every piece of MLX state (model, caches, stream) and runs the
+//! scheduler ([`sched`]): requests from a channel, batched decoding of every running sequence,
+//! chunked prefill in between, a prompt-prefix cache ([`prefix`]), events back per request.
+mod prefix;
+mod sched;
+
+pub use prefix::{PrefixCache, PrefixStats};
+use sched::{Cmd, Scheduler};
+
 use crate::error::{Error, Result};
-use crate::generate::{GenOptions, TokenGenerator, Timings};
+use crate::generate::Timings;
 use crate::handle::{self as mx, Stream};
 use crate::models::{self, CausalLm, ModelShape};
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::SamplingParams;
 use crate::template::{ChatInput, ChatTemplate};
-use crate::tokenizer::{Detokenizer, StopMatcher, Tokenizer};
+use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -22,11 +28,35 @@ pub struct LoadOptions {
     pub kv_group_size: i32,
     pub max_kv_size: Option<i32>,
     pub prefill_step_size: i32,
+    /// Sequences decoded together at most; more wait in the queue.
+    pub max_concurrency: usize,
+    /// Requests waiting beyond the running ones at most; one more is refused
+    /// ([`Error::Busy`], a 429 in the server).
+    pub max_queue: usize,
+    /// Bytes the prompt-prefix cache may hold (0: off).
+    pub prompt_cache_bytes: usize,
+    /// KV bytes all running sequences may reserve (prompt + max_tokens each); None: no limit.
+    pub kv_budget_bytes: Option<usize>,
 }
+
+/// Defaults for [`LoadOptions::max_concurrency`], [`LoadOptions::max_queue`] and
+/// [`LoadOptions::prompt_cache_bytes`].
+pub const DEFAULT_MAX_CONCURRENCY: usize = 32;
+pub const DEFAULT_MAX_QUEUE: usize = 64;
+pub const DEFAULT_PROMPT_CACHE_BYTES: usize = 1 << 30;
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { kv_bits: None, kv_group_size: 64, max_kv_size: None, prefill_step_size: 2048 }
+        LoadOptions {
+            kv_bits: None,
+            kv_group_size: 64,
+            max_kv_size: None,
+            prefill_step_size: 2048,
+            max_concurrency: DEFAULT_MAX_CONCURRENCY,
+            max_queue: DEFAULT_MAX_QUEUE,
+            prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
+            kv_budget_bytes: None,
+        }
     }
 }
 
@@ -78,19 +108,34 @@ pub enum Event {
     Error(Error),
 }
 
-/// Counters the server reports at /stats.
+/// Counters the server reports at /stats. Every submitted request ends as exactly one of served,
+/// cancelled, rejected (the queue was full) or failed: requests = served + cancelled + rejected +
+/// failed + inflight.
 #[derive(Debug, Default)]
 pub struct Stats {
     pub requests: AtomicU64,
+    pub served: AtomicU64,
     pub cancelled: AtomicU64,
+    pub rejected: AtomicU64,
+    pub failed: AtomicU64,
+    /// Submitted and not finished (waiting or running).
+    pub inflight: AtomicU64,
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
-    pub last: Mutex<Option<Timings>>,
+    prefix: Mutex<PrefixStats>,
+    /// Set by [`Engine::close`]: the scheduler cancels everything and stops.
+    pub(crate) shutdown: AtomicBool,
 }
 
-enum Cmd {
-    Generate { req: Request, events: Sender<Event>, cancel: Arc<AtomicBool> },
-    Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
+impl Stats {
+    pub fn prefix(&self) -> PrefixStats {
+        *self.prefix.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn set_prefix(&self, p: PrefixStats) {
+        *self.prefix.lock().unwrap_or_else(|e| e.into_inner()) = p;
+    }
 }
 
 /// A loaded model behind its engine thread.
@@ -109,8 +154,27 @@ pub struct Engine {
 
 /// A handle on a submitted request.
 pub struct Pending {
-    pub events: Receiver<Event>,
+    pub events: Receiver<(u64, Event)>,
     pub cancel: Arc<AtomicBool>,
+}
+
+/// Where a request's events go: a channel of its own, or one shared by many requests (the server's
+/// dispatcher waits on one channel for every stream), each event tagged with the request's `id`.
+#[derive(Clone)]
+pub struct EventSink {
+    tx: Sender<(u64, Event)>,
+    id: u64,
+}
+
+impl EventSink {
+    pub fn new(tx: Sender<(u64, Event)>, id: u64) -> EventSink {
+        EventSink { tx, id }
+    }
+
+    /// False when the receiving side is gone.
+    pub fn send(&self, ev: Event) -> bool {
+        self.tx.send((self.id, ev)).is_ok()
+    }
 }
 
 fn read_config(dir: &Path) -> Result<Value> {
@@ -160,7 +224,10 @@ impl Engine {
                 match loaded {
                     Ok((model, bytes)) => {
                         let _ = ready_tx.send(Ok((model.shape().clone(), bytes)));
-                        engine_loop(model, rx, opts, st, tk);
+                        // A stream of this thread's own: on MLX 0.32 a stream belongs to the thread
+                        // that made it (its command encoder is thread-local) and goes with it.
+                        let Ok(stream) = mx::default_device().and_then(|d| Stream::new(&d)) else { return };
+                        Scheduler::new(&*model, &tk, opts, st, stream).run(rx);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -187,6 +254,14 @@ impl Engine {
 
     /// Queue a request; events arrive on the returned receiver.
     pub fn submit(&self, req: Request) -> Result<Pending> {
+        let (etx, erx) = channel();
+        let cancel = self.submit_to(req, EventSink::new(etx, 0))?;
+        Ok(Pending { events: erx, cancel })
+    }
+
+    /// Queue a request whose events go to `sink`; returns its cancel flag. [`Error::Busy`] when
+    /// `max_concurrency + max_queue` requests are already in flight.
+    pub fn submit_to(&self, req: Request, sink: EventSink) -> Result<Arc<AtomicBool>> {
         if req.prompt.is_empty() {
             return Err(Error::Invalid("the prompt is empty: at least one token is needed".into()));
         }
@@ -195,13 +270,26 @@ impl Engine {
             return Err(Error::Invalid(format!("prompt token id {bad} is outside the vocabulary (0..{vocab})")));
         }
         req.sampling.validate(vocab)?;
-        let (etx, erx) = channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let tx = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
-        tx.send(Cmd::Generate { req, events: etx, cancel: cancel.clone() })
-            .map_err(|_| Error::Invalid("the engine thread has stopped".into()))?;
-        Ok(Pending { events: erx, cancel })
+        let st = &self.stats;
+        st.requests.fetch_add(1, Ordering::Relaxed);
+        let limit = (self.options.max_concurrency.max(1) + self.options.max_queue) as u64;
+        if st.inflight.fetch_add(1, Ordering::Relaxed) >= limit {
+            st.inflight.fetch_sub(1, Ordering::Relaxed);
+            st.rejected.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::Busy(format!(
+                "{} requests are running or queued (--max-concurrency {} + --max-queue {}); retry shortly",
+                limit, self.options.max_concurrency, self.options.max_queue
+            )));
+        }
+        if tx.send(Cmd::Generate { req, events: sink, cancel: cancel.clone() }).is_err() {
+            st.inflight.fetch_sub(1, Ordering::Relaxed);
+            st.failed.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::Invalid("the engine thread has stopped".into()));
+        }
+        Ok(cancel)
     }
 
     /// Last-position logits (float32) of `prompt` from a fresh cache, through the same chunked
@@ -251,8 +339,10 @@ impl Engine {
         self.template.is_some()
     }
 
-    /// Stop the engine thread (pending requests finish first).
+    /// Stop the engine thread: what runs or waits is cancelled (each gets its Done event), and the
+    /// call returns once the current step has ended.
     pub fn close(&self) {
+        self.stats.shutdown.store(true, Ordering::Relaxed);
         self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = t.join();
@@ -264,131 +354,4 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-fn engine_loop(model: Box<dyn CausalLm>, rx: Receiver<Cmd>, opts: LoadOptions, stats: Arc<Stats>, tok: Arc<Tokenizer>) {
-    // A stream of this thread's own: on MLX 0.32 a stream belongs to the thread that made it (its
-    // command encoder is thread-local; another thread cannot use it) and is released with it.
-    let stream = match mx::default_device().and_then(|d| Stream::new(&d)) {
-        Ok(s) => s,
-        Err(_) => return,
-    };
-    while let Ok(cmd) = rx.recv() {
-        match cmd {
-            Cmd::Generate { req, events, cancel } => {
-                stats.requests.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = run_one(&*model, &tok, &req, &events, &cancel, &opts, &stream, &stats) {
-                    let _ = events.send(Event::Error(e));
-                }
-            }
-            Cmd::Logits { prompt, reply } => {
-                let _ = reply.send(mx::with_stream(&stream, || last_logits(&*model, &prompt, &opts)));
-            }
-        }
-    }
-}
-
-fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions) -> Result<Vec<f32>> {
-    // the same schedule as generation: all but the last token in chunks, then the last token,
-    // quantizing the KV cache after each call when kv_bits is set
-    let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
-    let step = opts.prefill_step_size.max(1) as usize;
-    let (head, tail) = prompt.split_at(prompt.len() - 1);
-    let n_head = head.chunks(step).count();
-    let staging = crate::generate::prefill_staging();
-    let mut logits = None;
-    for (i, chunk) in head.chunks(step).chain(std::iter::once(tail)).enumerate() {
-        let a = crate::handle::Array::from_slice(chunk, &[1, chunk.len() as i32])?;
-        // the prefill chunks layer by layer on a GPU, as generation does; the last token in one graph
-        let st = if i < n_head { staging } else { models::Staging::NONE };
-        logits = Some(model.forward_staged(&a, &mut cache, st)?);
-        if let Some(bits) = opts.kv_bits {
-            let q = crate::weights::QuantSpec { group_size: opts.kv_group_size, bits };
-            for c in cache.iter_mut() {
-                c.quantize(q)?;
-            }
-        }
-    }
-    let l = logits.ok_or_else(|| Error::Invalid("empty prompt".into()))?;
-    let n = l.dim(1);
-    let last = mx::slice_axis(&l, 1, n - 1, n)?;
-    mx::astype(&last, crate::handle::Dtype::Float32)?.to_vec::<f32>()
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_one(
-    model: &dyn CausalLm,
-    tok: &Tokenizer,
-    req: &Request,
-    events: &Sender<Event>,
-    cancel: &AtomicBool,
-    opts: &LoadOptions,
-    stream: &Stream,
-    stats: &Stats,
-) -> Result<()> {
-    let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
-    let sampler = Sampler::new(req.sampling.clone(), model.shape().vocab_size)?;
-    let gen_opts = GenOptions {
-        max_tokens: req.max_tokens,
-        prefill_step_size: opts.prefill_step_size,
-        kv_bits: opts.kv_bits,
-        kv_group_size: opts.kv_group_size,
-        quantized_kv_start: 0,
-        top_logprobs: req.top_logprobs,
-        logprobs: req.logprobs,
-    };
-    let mut progress = |done: usize, total: usize| {
-        let _ = events.send(Event::Progress { done, total });
-    };
-    stats.prompt_tokens.fetch_add(req.prompt.len() as u64, Ordering::Relaxed);
-    let mut gen = TokenGenerator::new(model, &mut cache, &req.prompt, sampler, gen_opts, stream.clone(), Some(&mut progress))?;
-    let mut detok = Detokenizer::new(&req.prompt);
-    let mut stops = StopMatcher::new(req.stop.clone());
-    let eos: Vec<i32> = if req.ignore_eos { Vec::new() } else { tok.eos_ids.clone() };
-    let mut reason = FinishReason::Length;
-    let mut stop_string = None;
-    loop {
-        if cancel.load(Ordering::Relaxed) {
-            reason = FinishReason::Cancelled;
-            stats.cancelled.fetch_add(1, Ordering::Relaxed);
-            break;
-        }
-        let Some(step) = gen.next_token()? else { break };
-        stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        if eos.contains(&step.token) || req.stop_token_ids.contains(&step.token) {
-            reason = FinishReason::Stop;
-            break;
-        }
-        let piece = detok.push(tok, step.token)?;
-        let (text, hit) = stops.feed(&piece);
-        let sent = events.send(Event::Token { id: step.token, text, logprob: step.logprob, top: step.top });
-        if hit.is_some() {
-            reason = FinishReason::Stop;
-            stop_string = hit;
-            break;
-        }
-        if sent.is_err() {
-            // the receiver is gone: the caller disconnected
-            reason = FinishReason::Cancelled;
-            stats.cancelled.fetch_add(1, Ordering::Relaxed);
-            break;
-        }
-    }
-    if stop_string.is_none() {
-        let tail = detok.flush(tok)?;
-        let (mut tail, hit) = stops.feed(&tail);
-        if hit.is_some() {
-            reason = FinishReason::Stop;
-            stop_string = hit;
-        } else {
-            tail.push_str(&stops.finish());
-        }
-        if !tail.is_empty() {
-            let _ = events.send(Event::Token { id: -1, text: tail, logprob: None, top: Vec::new() });
-        }
-    }
-    let timings = gen.timings.clone();
-    *stats.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(timings.clone());
-    let _ = events.send(Event::Done { reason, stop_string, timings });
-    Ok(())
 }

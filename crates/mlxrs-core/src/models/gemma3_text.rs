@@ -89,6 +89,7 @@ impl Model {
         let scale = mx::astype(&Array::f32((hidden as f32).sqrt())?, Dtype::Bfloat16)?;
         let embed_scale = mx::astype(&scale, embed.dtype())?;
         let sliding = (0..n_layers).map(|i| if (i + 1) % pattern != 0 { Some(window) } else { None }).collect();
+        let dtype_bytes = embed.dtype().size();
         Ok(Model {
             embed,
             layers,
@@ -106,6 +107,7 @@ impl Model {
                 head_dim,
                 sliding,
                 max_position_embeddings: c.opt_i("max_position_embeddings"),
+                dtype_bytes,
             },
         })
     }

@@ -38,7 +38,7 @@ impl Linear {
                 None => mx::matmul(x, wt),
             },
             Linear::Quant { w, scales, biases, b, q } => {
-                let y = mx::quantized_matmul(x, w, scales, biases.as_ref(), true, q.group_size, q.bits)?;
+                let y = quant_matmul(x, w, scales, biases.as_ref(), *q)?;
                 match b {
                     Some(b) => mx::add(&y, b),
                     None => Ok(y),
@@ -56,6 +56,35 @@ impl Linear {
             }
         }
     }
+}
+
+/// Rows of `x` (all but its last axis) from which a quantized matmul dequantizes its weight to the
+/// activation dtype and runs a plain matmul instead ([`dequant_rows`]).
+pub const DEQUANT_ROWS_ENV: &str = "MLXRS_DEQUANT_PREFILL_ROWS";
+
+/// From how many rows a quantized matmul goes through a dequantized weight:
+/// [`crate::plan::Backend::dequant_rows`] for the backend here (why, and the transient the planner
+/// counts for it, are there); [`DEQUANT_ROWS_ENV`] overrides it (0: never).
+pub fn dequant_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        if let Some(n) = std::env::var(DEQUANT_ROWS_ENV).ok().and_then(|v| v.trim().parse::<usize>().ok()) {
+            return if n == 0 { usize::MAX } else { n };
+        }
+        usize::try_from(crate::plan::Backend::detect().dequant_rows()).unwrap_or(usize::MAX)
+    })
+}
+
+/// `x W^T` for an MLX-quantized W: the packed kernel, or from [`dequant_rows`] rows of `x` on,
+/// W dequantized to x's dtype and a plain matmul (same values up to summation order).
+fn quant_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Array> {
+    let rows = x.size() / (x.dim(-1).max(1) as usize);
+    if rows >= dequant_rows() {
+        let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits)?;
+        let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
+        return mx::matmul(x, &mx::transpose(&wd)?);
+    }
+    mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits)
 }
 
 /// Token embedding (dense or quantized); `as_linear` is the tied output head.
@@ -96,9 +125,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
             Embedding::Dense { wt, .. } => mx::matmul(x, wt),
-            Embedding::Quant { w, scales, biases, q } => {
-                mx::quantized_matmul(x, w, scales, biases.as_ref(), true, q.group_size, q.bits)
-            }
+            Embedding::Quant { w, scales, biases, q } => quant_matmul(x, w, scales, biases.as_ref(), *q),
         }
     }
 

@@ -104,6 +104,7 @@ impl Model {
         let norm = RmsNorm::load(&mut w, "model.norm", eps)?;
         let lm_head = if tie { None } else { Some(Linear::load(&mut w, "lm_head", false)?) };
         let sliding = layers.iter().map(|l| if l.sliding { sliding_window } else { None }).collect();
+        let dtype_bytes = embed.dtype().size();
         Ok(Model {
             embed,
             layers,
@@ -119,6 +120,7 @@ impl Model {
                 head_dim,
                 sliding,
                 max_position_embeddings: c.opt_i("max_position_embeddings"),
+                dtype_bytes,
             },
         })
     }

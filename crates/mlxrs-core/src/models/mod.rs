@@ -24,6 +24,23 @@ pub struct ModelShape {
     /// Per layer: Some(window) for sliding-window layers.
     pub sliding: Vec<Option<i32>>,
     pub max_position_embeddings: Option<i32>,
+    /// Bytes per element of activations and of an unquantized KV cache.
+    pub dtype_bytes: usize,
+}
+
+impl ModelShape {
+    /// KV cache bytes for `tokens` tokens of one sequence: full layers in steps of 256 slots,
+    /// sliding layers at most their window (the engine's admission; `plan.rs` plans the same way).
+    pub fn kv_bytes(&self, tokens: usize, kv_bits: Option<i32>, group: i32) -> usize {
+        let elems = (self.num_kv_heads.max(0) * self.head_dim.max(0) * 2) as f64;
+        let per = match kv_bits {
+            Some(b) => elems * (b as f64 / 8.0 + 2.0 * self.dtype_bytes as f64 / group.max(1) as f64),
+            None => elems * self.dtype_bytes as f64,
+        };
+        let slots = tokens.div_ceil(256) * 256;
+        let total: f64 = self.sliding.iter().map(|w| w.map_or(slots, |w| slots.min(w.max(0) as usize)) as f64 * per).sum();
+        total.ceil() as usize
+    }
 }
 
 /// A causal language model: tokens in, logits out, over a cache it does not own.

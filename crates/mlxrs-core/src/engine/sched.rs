@@ -1,0 +1,536 @@
+//! The engine thread's step loop (the shape of mistral.rs's `Engine::run` and mlx-lm's
+//! `BatchGenerator`): every iteration takes new requests without blocking, drops cancelled ones,
+//! admits what fits, runs one prefill chunk for one waiting sequence, then one batched decode step
+//! for every running sequence, and sends each its events. docs/design/scheduler.md explains the
+//! choices (per-sequence caches, attention per row, the prefix cache, admission).
+use super::prefix::PrefixCache;
+use super::{Event, EventSink, FinishReason, LoadOptions, Request, Stats};
+use crate::cache::{CacheOptions, Caches, LayerCache};
+use crate::error::{Error, Result};
+use crate::generate::{prefill_staging, Timings};
+use crate::handle::{self as mx, Array, Dtype, Stream};
+use crate::models::{CausalLm, Staging};
+use crate::sample::Sampler;
+use crate::tokenizer::{Detokenizer, StopMatcher, Tokenizer};
+use crate::weights::QuantSpec;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Generated tokens a sequence reserves KV for at admission (see `kv_reservation`).
+const RESERVE_GENERATED: usize = 2048;
+
+/// What the engine thread is asked to do.
+pub(crate) enum Cmd {
+    Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool> },
+    Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
+}
+
+/// One generation in flight: everything it needs is its own.
+struct Seq {
+    req: Request,
+    events: EventSink,
+    cancel: Arc<AtomicBool>,
+    cache: Vec<LayerCache>,
+    sampler: Sampler,
+    detok: Detokenizer,
+    stops: StopMatcher,
+    /// Prompt tokens already in the cache (from the prefix cache or prefilled).
+    done: usize,
+    /// Prompt tokens the prefix cache supplied.
+    cached: usize,
+    /// The input of the next decode step when it is not the previous step's token (the last
+    /// prompt token, before the first step).
+    first_input: Option<Array>,
+    /// The last queued step's (token [1], log-probabilities [V]), not read back yet.
+    pending: Option<(Array, Array)>,
+    generated: Vec<i32>,
+    started: Instant,
+    first_token_at: Option<Instant>,
+    /// The caller went away (its receiver is gone).
+    gone: bool,
+}
+
+impl Seq {
+    fn decoding(&self) -> bool {
+        self.first_input.is_some() || self.pending.is_some()
+    }
+
+    fn send(&mut self, ev: Event) {
+        if !self.events.send(ev) {
+            self.gone = true;
+        }
+    }
+
+    fn timings(&self) -> Timings {
+        let now = Instant::now();
+        let first = self.first_token_at.unwrap_or(now);
+        Timings {
+            prompt_tokens: self.req.prompt.len(),
+            generated_tokens: self.generated.len(),
+            cached_tokens: self.cached,
+            prompt_seconds: (first - self.started).as_secs_f64(),
+            generation_seconds: (now - first).as_secs_f64(),
+            peak_memory: mx::peak_memory(),
+        }
+    }
+
+    /// The tokens its cache holds, in order.
+    fn cached_tokens(&self) -> Vec<i32> {
+        let held = self.cache.first().map_or(0, |c| c.offset()).max(0) as usize;
+        self.req.prompt.iter().chain(&self.generated).take(held).copied().collect()
+    }
+}
+
+/// The loop's state.
+pub(crate) struct Scheduler<'a> {
+    model: &'a dyn CausalLm,
+    tok: &'a Tokenizer,
+    opts: LoadOptions,
+    stats: Arc<Stats>,
+    stream: Stream,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    prefix: PrefixCache,
+    staging: Staging,
+    steps: u64,
+}
+
+impl<'a> Scheduler<'a> {
+    pub(crate) fn new(model: &'a dyn CausalLm, tok: &'a Tokenizer, opts: LoadOptions, stats: Arc<Stats>, stream: Stream) -> Self {
+        let prefix = PrefixCache::new(opts.prompt_cache_bytes);
+        stats.set_prefix(prefix.stats());
+        Scheduler {
+            model,
+            tok,
+            opts,
+            stats,
+            stream,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            prefix,
+            staging: prefill_staging(),
+            steps: 0,
+        }
+    }
+
+    /// Serve until the command channel closes and everything in flight has finished.
+    pub(crate) fn run(mut self, rx: Receiver<Cmd>) {
+        let mut open = true;
+        loop {
+            if self.waiting.is_empty() && self.running.is_empty() {
+                if !open {
+                    return;
+                }
+                match rx.recv() {
+                    Ok(cmd) => self.take(cmd),
+                    Err(_) => return,
+                }
+            }
+            while open {
+                match rx.try_recv() {
+                    Ok(cmd) => self.take(cmd),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            let stream = self.stream.clone();
+            mx::with_stream(&stream, || self.iteration());
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        self.stats.running.store(self.running.len() as u64, Ordering::Relaxed);
+        self.stats.waiting.store(self.waiting.len() as u64, Ordering::Relaxed);
+        self.stats.set_prefix(self.prefix.stats());
+    }
+
+    fn take(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Generate { req, events, cancel } => match self.make_seq(req, events.clone(), cancel) {
+                Ok(s) => self.waiting.push_back(s),
+                Err(e) => {
+                    self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                    self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
+                    let _ = events.send(Event::Error(e));
+                }
+            },
+            Cmd::Logits { prompt, reply } => {
+                let stream = self.stream.clone();
+                let r = mx::with_stream(&stream, || last_logits(self.model, &prompt, &self.opts));
+                let _ = reply.send(r);
+            }
+        }
+    }
+
+    fn make_seq(&self, req: Request, events: EventSink, cancel: Arc<AtomicBool>) -> Result<Seq> {
+        let sampler = Sampler::new(req.sampling.clone(), self.model.shape().vocab_size)?;
+        let detok = Detokenizer::new(&req.prompt);
+        let stops = StopMatcher::new(req.stop.clone());
+        Ok(Seq {
+            cache: Vec::new(),
+            sampler,
+            detok,
+            stops,
+            done: 0,
+            cached: 0,
+            first_input: None,
+            pending: None,
+            generated: Vec::new(),
+            started: Instant::now(),
+            first_token_at: None,
+            gone: false,
+            req,
+            events,
+            cancel,
+        })
+    }
+
+    fn iteration(&mut self) {
+        // cancelled or abandoned (or the engine is closing): out at once, queued or running
+        let closing = self.stats.shutdown.load(Ordering::Relaxed);
+        let cancelled = |s: &Seq| closing || s.cancel.load(Ordering::Relaxed) || s.gone;
+        for mut s in std::mem::take(&mut self.waiting) {
+            if cancelled(&s) {
+                self.finish(&mut s, FinishReason::Cancelled, None, false);
+            } else {
+                self.waiting.push_back(s);
+            }
+        }
+        let mut i = 0;
+        while i < self.running.len() {
+            if cancelled(&self.running[i]) {
+                let mut s = self.running.swap_remove(i);
+                self.finish(&mut s, FinishReason::Cancelled, None, false);
+            } else {
+                i += 1;
+            }
+        }
+        self.admit();
+        if let Err(e) = self.prefill_one() {
+            self.fail_all(e);
+            return;
+        }
+        if let Err(e) = self.decode_step() {
+            self.fail_all(e);
+        }
+        self.steps += 1;
+        if self.steps.is_multiple_of(256) {
+            mx::clear_cache();
+        }
+    }
+
+    /// Move waiting sequences to running while there is room: at most `max_concurrency`, and the
+    /// KV cache they will need (prompt + max_tokens) within the KV budget, when there is one.
+    fn admit(&mut self) {
+        while self.running.len() < self.opts.max_concurrency.max(1) {
+            let Some(front) = self.waiting.front() else { break };
+            if let Some(budget) = self.opts.kv_budget_bytes {
+                let need = self.kv_reservation(front);
+                let held: usize = self.running.iter().map(|s| self.kv_reservation(s)).sum();
+                // the prefix cache gives way first
+                if held + need + self.prefix.stats().bytes > budget {
+                    self.prefix.shrink_to(budget.saturating_sub(held + need));
+                }
+                if held + need > budget && !self.running.is_empty() {
+                    break; // waits until running sequences free their KV
+                }
+            }
+            let mut s = self.waiting.pop_front().expect("front exists");
+            match self.prefix.lookup(&s.req.prompt) {
+                Some((cache, n)) => {
+                    s.cache = cache;
+                    s.done = n;
+                    s.cached = n;
+                }
+                None => s.cache = self.model.make_cache(&CacheOptions { max_kv_size: self.opts.max_kv_size }),
+            }
+            s.started = Instant::now();
+            s.send(Event::Progress { done: s.done, total: s.req.prompt.len() });
+            self.running.push(s);
+        }
+    }
+
+    /// The KV a sequence is admitted against: its prompt and up to [`RESERVE_GENERATED`] tokens of
+    /// its max_tokens (clients that omit max_tokens get the whole context as the server's limit;
+    /// reserving all of it would serialize them). A sequence that grows past its reservation is not
+    /// stopped: the plan's reserve absorbs it.
+    fn kv_reservation(&self, s: &Seq) -> usize {
+        let tokens = s.req.prompt.len() + s.req.max_tokens.min(RESERVE_GENERATED);
+        self.model.shape().kv_bytes(tokens, self.opts.kv_bits, self.opts.kv_group_size)
+    }
+
+    /// One prefill chunk for the first running sequence that still has prompt to process (all of
+    /// its prompt but the last token, which its first decode step runs).
+    fn prefill_one(&mut self) -> Result<()> {
+        let Some(idx) = self.running.iter().position(|s| !s.decoding()) else { return Ok(()) };
+        let step = self.opts.prefill_step_size.max(1) as usize;
+        let s = &mut self.running[idx];
+        let total = s.req.prompt.len();
+        if total - s.done > 1 {
+            let n = step.min(total - s.done - 1);
+            let chunk = Array::from_slice(&s.req.prompt[s.done..s.done + n], &[1, n as i32])?;
+            self.model.forward_caches(&chunk, &mut Caches::one(&mut s.cache), self.staging)?;
+            maybe_quantize(&mut s.cache, &self.opts)?;
+            let state: Vec<&Array> = s.cache.iter().flat_map(|c| c.state()).collect();
+            mx::eval(&state)?;
+            s.done += n;
+            let (done, total) = (s.done, total);
+            s.send(Event::Progress { done, total });
+            mx::clear_cache();
+        }
+        if total - s.done <= 1 {
+            // the prompt but its last token is in the cache: snapshot it, then decode
+            if self.prefix.enabled() && s.done > s.cached {
+                let tokens = s.req.prompt[..s.done].to_vec();
+                self.prefix.insert(tokens, s.cache.clone());
+            }
+            let s = &mut self.running[idx];
+            s.first_input = Some(Array::from_slice(&s.req.prompt[s.done..], &[1, 1])?);
+        }
+        Ok(())
+    }
+
+    /// One decode step for every running sequence past its prefill: queue step n+1 for all of them
+    /// in one batched forward pass, then read back step n's tokens (mlx-lm's double buffering).
+    fn decode_step(&mut self) -> Result<()> {
+        // who gets a new step: decoding, and not at max_tokens once the pending token is counted
+        let mut rows: Vec<usize> = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            if !s.decoding() {
+                continue;
+            }
+            let after_pending = s.generated.len() + usize::from(s.pending.is_some());
+            if after_pending < s.req.max_tokens {
+                rows.push(i);
+            }
+        }
+        let mut queued: Vec<Option<(Array, Array)>> = (0..self.running.len()).map(|_| None).collect();
+        if !rows.is_empty() {
+            let mut inputs = Vec::with_capacity(rows.len());
+            for &i in &rows {
+                let s = &mut self.running[i];
+                let input = match (&s.pending, &s.first_input) {
+                    (Some((y, _)), _) => {
+                        s.sampler.observe(y)?;
+                        mx::reshape(y, &[1, 1])?
+                    }
+                    (None, Some(first)) => first.clone(),
+                    (None, None) => unreachable!("decoding"),
+                };
+                inputs.push(mx::astype(&input, Dtype::Int32)?);
+            }
+            let refs: Vec<&Array> = inputs.iter().collect();
+            let tokens = if refs.len() == 1 { refs[0].clone() } else { mx::concatenate(&refs, 0)? };
+            let logits = {
+                let mut seqs: Vec<&mut [LayerCache]> = Vec::with_capacity(rows.len());
+                let mut rest: &mut [Seq] = &mut self.running;
+                let mut base = 0;
+                for &i in &rows {
+                    let (_, tail) = rest.split_at_mut(i - base);
+                    let (s, tail) = tail.split_first_mut().expect("row index in range");
+                    seqs.push(&mut s.cache);
+                    rest = tail;
+                    base = i + 1;
+                }
+                self.model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE)?
+            };
+            let l = logits.dim(1);
+            let last = mx::slice_axis(&logits, 1, l - 1, l)?; // [B, 1, V]
+            let mut outs: Vec<&Array> = Vec::new();
+            let mut made = Vec::with_capacity(rows.len());
+            for (r, &i) in rows.iter().enumerate() {
+                let s = &mut self.running[i];
+                let row = if rows.len() == 1 { mx::squeeze(&last, &[1])? } else {
+                    mx::squeeze(&mx::slice_axis(&last, 0, r as i32, r as i32 + 1)?, &[1])?
+                };
+                let row = s.sampler.process(&row)?;
+                maybe_quantize(&mut s.cache, &self.opts)?;
+                let lse = mx::logsumexp(&row, &[-1], true)?;
+                let lp = mx::subtract(&row, &lse)?;
+                let y = s.sampler.sample(&lp)?;
+                made.push((i, y, mx::squeeze(&lp, &[0])?));
+            }
+            for (_, y, lp) in &made {
+                outs.push(y);
+                outs.push(lp);
+            }
+            mx::async_eval(&outs)?;
+            for (i, y, lp) in made {
+                queued[i] = Some((y, lp));
+            }
+        }
+        // read back the previous step's tokens; emit; stop where a sequence is done
+        let mut i = 0;
+        let mut idx = 0; // index into `queued`, which follows the original order
+        while i < self.running.len() {
+            let next = queued[idx].take();
+            idx += 1;
+            let s = &mut self.running[i];
+            let prev = s.pending.take();
+            if s.first_input.is_some() && next.is_some() {
+                s.first_input = None;
+            }
+            s.pending = next;
+            let outcome = match prev {
+                Some((y, lp)) => self.emit(i, &y, &lp)?,
+                None => None,
+            };
+            // nothing queued and nothing left to read: max_tokens reached (0 included)
+            let s = &self.running[i];
+            let outcome = outcome.or_else(|| {
+                (s.decoding() && s.pending.is_none() && s.generated.len() >= s.req.max_tokens)
+                    .then_some((FinishReason::Length, None))
+            });
+            match outcome {
+                Some((reason, stop)) => {
+                    let mut s = self.running.remove(i);
+                    self.finish(&mut s, reason, stop, true);
+                    // `queued` keeps its original indexing: shift by leaving `idx` as is
+                }
+                None => i += 1,
+            }
+        }
+        Ok(())
+    }
+
+    /// Read one sequence's token, send its text; Some(why) when the sequence is done.
+    fn emit(&mut self, i: usize, y: &Array, lp: &Array) -> Result<Option<(FinishReason, Option<String>)>> {
+        let tok = self.tok;
+        let s = &mut self.running[i];
+        let token = mx::astype(y, Dtype::Int32)?.item_i32()?;
+        if s.first_token_at.is_none() {
+            s.first_token_at = Some(Instant::now());
+        }
+        s.generated.push(token);
+        self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        let (logprob, top) = if s.req.logprobs || s.req.top_logprobs > 0 {
+            top_logprobs(lp, token, s.req.top_logprobs)?
+        } else {
+            (None, Vec::new())
+        };
+        let eos = !s.req.ignore_eos && tok.eos_ids.contains(&token);
+        if eos || s.req.stop_token_ids.contains(&token) {
+            return Ok(Some((FinishReason::Stop, None)));
+        }
+        let piece = s.detok.push(tok, token)?;
+        let (text, hit) = s.stops.feed(&piece);
+        s.send(Event::Token { id: token, text, logprob, top });
+        if hit.is_some() {
+            return Ok(Some((FinishReason::Stop, hit)));
+        }
+        if s.gone {
+            return Ok(Some((FinishReason::Cancelled, None)));
+        }
+        if s.generated.len() >= s.req.max_tokens {
+            return Ok(Some((FinishReason::Length, None)));
+        }
+        Ok(None)
+    }
+
+    /// End a sequence: flush its text, snapshot its cache, send Done, count it.
+    fn finish(&mut self, s: &mut Seq, reason: FinishReason, stop: Option<String>, ran: bool) {
+        let mut reason = reason;
+        let mut stop_string = stop;
+        if reason != FinishReason::Cancelled && stop_string.is_none() {
+            let flushed = s.detok.flush(self.tok).unwrap_or_default();
+            let (mut tail, hit) = s.stops.feed(&flushed);
+            if hit.is_some() {
+                reason = FinishReason::Stop;
+                stop_string = hit;
+            } else {
+                tail.push_str(&s.stops.finish());
+            }
+            if !tail.is_empty() {
+                s.send(Event::Token { id: -1, text: tail, logprob: None, top: Vec::new() });
+            }
+        }
+        if ran && reason != FinishReason::Cancelled && self.prefix.enabled() {
+            // the conversation so far, for the next turn (its pending step is dropped: evaluate
+            // the cache so the snapshot holds no pending graph)
+            let state: Vec<&Array> = s.cache.iter().flat_map(|c| c.state()).collect();
+            if mx::eval(&state).is_ok() {
+                let tokens = s.cached_tokens();
+                if tokens.len() > s.req.prompt.len() {
+                    self.prefix.insert(tokens, std::mem::take(&mut s.cache));
+                }
+            }
+        }
+        let timings = s.timings();
+        let st = &self.stats;
+        st.prompt_tokens.fetch_add(s.req.prompt.len() as u64, Ordering::Relaxed);
+        match reason {
+            FinishReason::Cancelled => st.cancelled.fetch_add(1, Ordering::Relaxed),
+            _ => st.served.fetch_add(1, Ordering::Relaxed),
+        };
+        st.inflight.fetch_sub(1, Ordering::Relaxed);
+        s.send(Event::Done { reason, stop_string, timings });
+    }
+
+    /// An MLX failure inside a step: every sequence in it gets the error; the engine goes on.
+    fn fail_all(&mut self, e: Error) {
+        let msg = e.to_string();
+        for mut s in self.running.drain(..) {
+            self.stats.failed.fetch_add(1, Ordering::Relaxed);
+            self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
+            s.send(Event::Error(Error::Mlx(msg.clone())));
+        }
+        mx::clear_cache();
+    }
+}
+
+/// mlx-lm's `maybe_quantize_kv_cache` with quantized_kv_start 0: full caches become quantized
+/// after every model call once kv_bits is set.
+fn maybe_quantize(cache: &mut [LayerCache], opts: &LoadOptions) -> Result<()> {
+    if let Some(bits) = opts.kv_bits {
+        let q = QuantSpec { group_size: opts.kv_group_size, bits };
+        for c in cache.iter_mut() {
+            if matches!(c, LayerCache::Full(_)) {
+                c.quantize(q)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Last-position logits of `prompt` from a fresh cache on generation's schedule (the parity tests
+/// compare them with mlx-lm's): all but the last token in chunks, then the last token.
+pub(crate) fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions) -> Result<Vec<f32>> {
+    let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
+    let step = opts.prefill_step_size.max(1) as usize;
+    let (head, tail) = prompt.split_at(prompt.len() - 1);
+    let n_head = head.chunks(step).count();
+    let staging = prefill_staging();
+    let mut logits = None;
+    for (i, chunk) in head.chunks(step).chain(std::iter::once(tail)).enumerate() {
+        let a = Array::from_slice(chunk, &[1, chunk.len() as i32])?;
+        let st = if i < n_head { staging } else { Staging::NONE };
+        logits = Some(model.forward_staged(&a, &mut cache, st)?);
+        maybe_quantize(&mut cache, opts)?;
+    }
+    let l = logits.ok_or_else(|| Error::Invalid("empty prompt".into()))?;
+    let n = l.dim(1);
+    let last = mx::slice_axis(&l, 1, n - 1, n)?;
+    mx::astype(&last, Dtype::Float32)?.to_vec::<f32>()
+}
+
+fn top_logprobs(lp: &Array, token: i32, k: usize) -> Result<(Option<f32>, Vec<(i32, f32)>)> {
+    let lp32 = mx::astype(lp, Dtype::Float32)?;
+    let chosen = mx::take(&lp32, &Array::from_slice(&[token], &[1])?, 0)?.to_vec::<f32>()?;
+    let mut top = Vec::new();
+    if k > 0 {
+        let v = lp32.dim(0) as usize;
+        let k = k.min(v);
+        let part = mx::argpartition(&mx::negative(&lp32)?, (k - 1) as i32, 0)?;
+        let idx = mx::slice_axis(&part, 0, 0, k as i32)?;
+        let vals = mx::take(&lp32, &idx, 0)?;
+        let ids = idx.to_vec::<i32>()?;
+        let vals = vals.to_vec::<f32>()?;
+        top = ids.into_iter().zip(vals).collect();
+        top.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal));
+    }
+    Ok((chosen.first().copied(), top))
+}
