@@ -154,11 +154,13 @@ def test_disconnect_frees_the_engine(talker_dir, path, body):
                                                     "messages": [{"role": "user", "content": "hi"}]})
         elapsed = time.monotonic() - t0
         assert status == 200 and r["usage"]["completion_tokens"] == 3
+        deadline = time.monotonic() + 10
+        while s.stats()["requests"]["cancelled"] < base["requests"]["cancelled"] + 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
         st = s.stats()
         assert st["requests"]["cancelled"] == base["requests"]["cancelled"] + 1
-        assert st["engine"]["cancelled"] == 1
         # the abandoned generation stopped early: far fewer tokens than its 1158 were made
-        assert st["tokens"]["completion"] - 3 < 500
+        assert st["engine"]["generated_tokens_total"] - 3 < 500
         assert elapsed < 3.0, elapsed
 
 

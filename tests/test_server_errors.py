@@ -214,9 +214,12 @@ def _long_stream(port: int, max_tokens: int = 100000) -> socket.socket:
 
 
 def test_full_queue_is_429(model_dir):
-    with Server(model_dir, "--max-queue", "1") as s:
+    with Server(model_dir, "--max-concurrency", "1", "--max-queue", "1") as s:
         first = _long_stream(s.port)
-        first.recv(4096)  # it is running
+        first.recv(4096)
+        deadline = time.monotonic() + 10
+        while s.stats()["requests"]["active"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)  # it is running (a request is queued until the engine admits it)
         results: dict[str, tuple[int, float]] = {}
 
         def waiter() -> None:

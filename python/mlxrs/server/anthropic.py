@@ -271,8 +271,16 @@ async def _collect(state: ServerState, gen: Generation, parser: Any, mid: str) -
     return web.json_response({
         "id": mid, "type": "message", "role": "assistant", "model": state.model_id, "content": blocks,
         "stop_reason": reason, "stop_sequence": seq,
-        "usage": {"input_tokens": int(done["prompt_tokens"]), "output_tokens": int(done["completion_tokens"])},
+        "usage": usage(done),
     })
+
+
+def usage(done: dict[str, Any]) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are the prompt tokens that were processed, cache_read the
+    ones taken from the prompt-prefix cache (their sum is the prompt)."""
+    cached = int(done.get("cached_tokens", 0))
+    return {"input_tokens": int(done["prompt_tokens"]) - cached, "output_tokens": int(done["completion_tokens"]),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 async def _stream(request: web.Request, state: ServerState, gen: Generation, parser: Any, mid: str,
@@ -328,8 +336,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, par
                 await close_block()
                 reason, seq = stop_reason(step.done, calls)
                 await send("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                             "usage": {"input_tokens": int(step.done["prompt_tokens"]),
-                                                       "output_tokens": int(step.done["completion_tokens"])}})
+                                             "usage": usage(step.done)})
                 await send("message_stop", {})
     except ApiError as e:
         try:

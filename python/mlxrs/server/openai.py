@@ -199,7 +199,8 @@ def finish_reason(done: dict[str, Any], calls: bool) -> str:
 
 def usage(done: dict[str, Any]) -> dict[str, int]:
     p, c = int(done["prompt_tokens"]), int(done["completion_tokens"])
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))}}
 
 
 def _tool_call_json(c: ToolCall, index: int | None = None) -> dict[str, Any]:
