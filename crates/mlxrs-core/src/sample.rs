@@ -129,6 +129,11 @@ impl Sampler {
         &self.p
     }
 
+    /// Greedy with no logit processors: the engine may sample such rows together.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.p.is_greedy() && !self.has_processors()
+    }
+
     /// Whether logits need processing (penalties or bias).
     fn has_processors(&self) -> bool {
         self.bias.is_some()

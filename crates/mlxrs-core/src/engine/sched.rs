@@ -44,8 +44,8 @@ struct Seq {
     /// The input of the next decode step when it is not the previous step's token (the last
     /// prompt token, before the first step).
     first_input: Option<Array>,
-    /// The last queued step's (token [1], log-probabilities [V]), not read back yet.
-    pending: Option<(Array, Array)>,
+    /// The last queued step's token and log-probabilities, not read back yet.
+    pending: Option<Step>,
     generated: Vec<i32>,
     started: Instant,
     first_token_at: Option<Instant>,
@@ -81,6 +81,54 @@ impl Seq {
     fn cached_tokens(&self) -> Vec<i32> {
         let held = self.cache.first().map_or(0, |c| c.offset()).max(0) as usize;
         self.req.prompt.iter().chain(&self.generated).take(held).copied().collect()
+    }
+}
+
+/// One decode step's output for a batch of rows sampled together (greedy rows without logit
+/// processors): tokens [n], log-probabilities [n, V], read back once for all rows.
+struct Shared {
+    y: Array,
+    lp: Array,
+    tokens: std::cell::OnceCell<Vec<i32>>,
+}
+
+/// A queued step's result for one sequence.
+enum Step {
+    /// Sampled on its own: token [1], log-probabilities [V].
+    Own(Array, Array),
+    /// Row `row` of a shared batch.
+    Shared(std::rc::Rc<Shared>, usize),
+}
+
+impl Step {
+    /// The token as an int32 array of shape [1] (lazy), the next step's input.
+    fn token_array(&self) -> Result<Array> {
+        match self {
+            Step::Own(y, _) => Ok(y.clone()),
+            Step::Shared(s, r) => mx::slice_axis(&s.y, 0, *r as i32, *r as i32 + 1),
+        }
+    }
+
+    /// Read the token back (one read for every row of a shared batch).
+    fn token(&self) -> Result<i32> {
+        match self {
+            Step::Own(y, _) => mx::astype(y, Dtype::Int32)?.item_i32(),
+            Step::Shared(s, r) => {
+                if s.tokens.get().is_none() {
+                    let v = mx::astype(&s.y, Dtype::Int32)?.to_vec::<i32>()?;
+                    let _ = s.tokens.set(v);
+                }
+                Ok(s.tokens.get().expect("set above")[*r])
+            }
+        }
+    }
+
+    /// Log-probabilities [V].
+    fn logprobs(&self) -> Result<Array> {
+        match self {
+            Step::Own(_, lp) => Ok(lp.clone()),
+            Step::Shared(s, r) => mx::squeeze(&mx::slice_axis(&s.lp, 0, *r as i32, *r as i32 + 1)?, &[0]),
+        }
     }
 }
 
@@ -308,23 +356,40 @@ impl<'a> Scheduler<'a> {
                 rows.push(i);
             }
         }
-        let mut queued: Vec<Option<(Array, Array)>> = (0..self.running.len()).map(|_| None).collect();
+        let mut queued: Vec<Option<Step>> = (0..self.running.len()).map(|_| None).collect();
         if !rows.is_empty() {
-            let mut inputs = Vec::with_capacity(rows.len());
+            // the inputs: when every row continues the same shared step in order, its tokens as they
+            // are; otherwise one [1, 1] token per row, concatenated
+            let same_batch = match &self.running[rows[0]].pending {
+                Some(Step::Shared(first, _)) => rows.iter().enumerate().all(|(k, &i)| {
+                    matches!(&self.running[i].pending, Some(Step::Shared(s, r)) if std::rc::Rc::ptr_eq(s, first) && *r == k)
+                }) && first.y.dim(0) as usize == rows.len(),
+                _ => false,
+            };
             for &i in &rows {
                 let s = &mut self.running[i];
-                let input = match (&s.pending, &s.first_input) {
-                    (Some((y, _)), _) => {
-                        s.sampler.observe(y)?;
-                        mx::reshape(y, &[1, 1])?
-                    }
-                    (None, Some(first)) => first.clone(),
-                    (None, None) => unreachable!("decoding"),
-                };
-                inputs.push(mx::astype(&input, Dtype::Int32)?);
+                if let Some(p) = &s.pending {
+                    let y = p.token_array()?;
+                    s.sampler.observe(&y)?;
+                }
             }
-            let refs: Vec<&Array> = inputs.iter().collect();
-            let tokens = if refs.len() == 1 { refs[0].clone() } else { mx::concatenate(&refs, 0)? };
+            let tokens = if same_batch {
+                let Some(Step::Shared(s, _)) = &self.running[rows[0]].pending else { unreachable!("checked") };
+                mx::reshape(&mx::astype(&s.y, Dtype::Int32)?, &[rows.len() as i32, 1])?
+            } else {
+                let mut inputs = Vec::with_capacity(rows.len());
+                for &i in &rows {
+                    let s = &self.running[i];
+                    let input = match (&s.pending, &s.first_input) {
+                        (Some(p), _) => mx::reshape(&p.token_array()?, &[1, 1])?,
+                        (None, Some(first)) => first.clone(),
+                        (None, None) => unreachable!("decoding"),
+                    };
+                    inputs.push(mx::astype(&input, Dtype::Int32)?);
+                }
+                let refs: Vec<&Array> = inputs.iter().collect();
+                if refs.len() == 1 { refs[0].clone() } else { mx::concatenate(&refs, 0)? }
+            };
             let logits = {
                 let mut seqs: Vec<&mut [LayerCache]> = Vec::with_capacity(rows.len());
                 let mut rest: &mut [Seq] = &mut self.running;
@@ -338,30 +403,47 @@ impl<'a> Scheduler<'a> {
                 }
                 self.model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE)?
             };
+            for &i in &rows {
+                maybe_quantize(&mut self.running[i].cache, &self.opts)?;
+            }
             let l = logits.dim(1);
-            let last = mx::slice_axis(&logits, 1, l - 1, l)?; // [B, 1, V]
-            let mut outs: Vec<&Array> = Vec::new();
-            let mut made = Vec::with_capacity(rows.len());
-            for (r, &i) in rows.iter().enumerate() {
-                let s = &mut self.running[i];
-                let row = if rows.len() == 1 { mx::squeeze(&last, &[1])? } else {
-                    mx::squeeze(&mx::slice_axis(&last, 0, r as i32, r as i32 + 1)?, &[1])?
+            let last = mx::squeeze(&mx::slice_axis(&logits, 1, l - 1, l)?, &[1])?; // [B, V]
+            // greedy rows without logit processors: sampled together (one argmax, one read back)
+            let simple: Vec<usize> = (0..rows.len()).filter(|&r| self.running[rows[r]].sampler.is_plain_greedy()).collect();
+            let mut outs: Vec<Array> = Vec::new();
+            if simple.len() > 1 {
+                let sub = if simple.len() == rows.len() {
+                    last.clone()
+                } else {
+                    let idx: Vec<i32> = simple.iter().map(|&r| r as i32).collect();
+                    mx::take(&last, &Array::from_slice(&idx, &[idx.len() as i32])?, 0)?
                 };
+                let lse = mx::logsumexp(&sub, &[-1], true)?;
+                let lp = mx::subtract(&sub, &lse)?;
+                let y = mx::argmax(&lp, -1, false)?;
+                outs.push(y.clone());
+                outs.push(lp.clone());
+                let shared = std::rc::Rc::new(Shared { y, lp, tokens: std::cell::OnceCell::new() });
+                for (k, &r) in simple.iter().enumerate() {
+                    queued[rows[r]] = Some(Step::Shared(shared.clone(), k));
+                }
+            }
+            for (r, &i) in rows.iter().enumerate() {
+                if queued[i].is_some() {
+                    continue;
+                }
+                let s = &mut self.running[i];
+                let row = if rows.len() == 1 { last.clone() } else { mx::slice_axis(&last, 0, r as i32, r as i32 + 1)? };
                 let row = s.sampler.process(&row)?;
-                maybe_quantize(&mut s.cache, &self.opts)?;
                 let lse = mx::logsumexp(&row, &[-1], true)?;
                 let lp = mx::subtract(&row, &lse)?;
                 let y = s.sampler.sample(&lp)?;
-                made.push((i, y, mx::squeeze(&lp, &[0])?));
+                outs.push(y.clone());
+                outs.push(lp.clone());
+                queued[i] = Some(Step::Own(y, mx::squeeze(&lp, &[0])?));
             }
-            for (_, y, lp) in &made {
-                outs.push(y);
-                outs.push(lp);
-            }
-            mx::async_eval(&outs)?;
-            for (i, y, lp) in made {
-                queued[i] = Some((y, lp));
-            }
+            let refs: Vec<&Array> = outs.iter().collect();
+            mx::async_eval(&refs)?;
         }
         // read back the previous step's tokens; emit; stop where a sequence is done
         let mut i = 0;
@@ -376,7 +458,7 @@ impl<'a> Scheduler<'a> {
             }
             s.pending = next;
             let outcome = match prev {
-                Some((y, lp)) => self.emit(i, &y, &lp)?,
+                Some(step) => self.emit(i, &step)?,
                 None => None,
             };
             // nothing queued and nothing left to read: max_tokens reached (0 included)
@@ -398,17 +480,17 @@ impl<'a> Scheduler<'a> {
     }
 
     /// Read one sequence's token, send its text; Some(why) when the sequence is done.
-    fn emit(&mut self, i: usize, y: &Array, lp: &Array) -> Result<Option<(FinishReason, Option<String>)>> {
+    fn emit(&mut self, i: usize, step: &Step) -> Result<Option<(FinishReason, Option<String>)>> {
         let tok = self.tok;
         let s = &mut self.running[i];
-        let token = mx::astype(y, Dtype::Int32)?.item_i32()?;
+        let token = step.token()?;
         if s.first_token_at.is_none() {
             s.first_token_at = Some(Instant::now());
         }
         s.generated.push(token);
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
         let (logprob, top) = if s.req.logprobs || s.req.top_logprobs > 0 {
-            top_logprobs(lp, token, s.req.top_logprobs)?
+            top_logprobs(&step.logprobs()?, token, s.req.top_logprobs)?
         } else {
             (None, Vec::new())
         };

@@ -392,6 +392,13 @@ pub fn rope(x: &Array, dims: i32, traditional: bool, base: Option<f32>, scale: f
     out1(|r| unsafe { sys::mlx_fast_rope(r, x.0, dims, traditional, b, scale, offset, raw_or_null(freqs), s()) })
 }
 
+/// [`rope`] with one offset per batch row: `offsets` int32 `[B]` for `x` `[B, ..., L, D]`.
+pub fn rope_rows(x: &Array, dims: i32, traditional: bool, base: Option<f32>, scale: f32, offsets: &Array,
+                 freqs: Option<&Array>) -> Result<Array> {
+    let b = sys::mlx_optional_float { value: base.unwrap_or(0.0), has_value: base.is_some() };
+    out1(|r| unsafe { sys::mlx_fast_rope_dynamic(r, x.0, dims, traditional, b, scale, offsets.0, raw_or_null(freqs), s()) })
+}
+
 /// Attention mask for [`scaled_dot_product_attention`].
 pub enum AttnMask<'a> {
     None,

@@ -270,6 +270,38 @@ impl Rope {
         }
     }
 
+    /// Rotate `x` `[B, H, 1, D]` (one decode token per row) with row b at position `offsets[b]`:
+    /// the same values as [`Rope::forward`] on each row alone, in one set of ops for the batch.
+    pub fn forward_rows(&self, x: &Array, offsets: &[i32]) -> Result<Array> {
+        let b = offsets.len() as i32;
+        if self.traditional || x.ndim() != 4 || x.dim(2) != 1 || offsets.iter().any(|&o| o < 0) || on_gpu() {
+            let off = Array::from_slice(offsets, &[b])?;
+            return match &self.freqs {
+                Some(f) => mx::rope_rows(x, self.dims, self.traditional, None, self.scale, &off, Some(f)),
+                None => mx::rope_rows(x, self.dims, self.traditional, Some(self.base), self.scale, &off, None),
+            };
+        }
+        let (d, half) = (x.dim(3), self.dims / 2);
+        let max = offsets.iter().copied().max().unwrap_or(0);
+        let (cos, sin) = self.table(max + 1, x.dtype())?;
+        let idx = Array::from_slice(offsets, &[b])?;
+        let rows = |t: &Array| -> Result<Array> {
+            let flat = mx::reshape(t, &[t.dim(2), half])?;
+            mx::reshape(&mx::take(&flat, &idx, 0)?, &[b, 1, 1, half])
+        };
+        let (c, s) = (rows(&cos)?, rows(&sin)?);
+        let x1 = mx::slice_axis(x, 3, 0, half)?;
+        let x2 = mx::slice_axis(x, 3, half, self.dims)?;
+        let a = mx::subtract(&mx::multiply(&x1, &c)?, &mx::multiply(&x2, &s)?)?;
+        let bb = mx::add(&mx::multiply(&x1, &s)?, &mx::multiply(&x2, &c)?)?;
+        if self.dims < d {
+            let rest = mx::slice_axis(x, 3, self.dims, d)?;
+            mx::concatenate(&[&a, &bb, &rest], 3)
+        } else {
+            mx::concatenate(&[&a, &bb], 3)
+        }
+    }
+
     /// cos and sin `[1, 1, len', dims/2]` (len' >= len) in `dtype`. They are computed by MLX's own
     /// rope applied to rows [1, .., 1, 0, .., 0] (x1 = 1, x2 = 0 gives exactly cos and sin), so they
     /// are the values its fallback computes, bit for bit.
@@ -330,13 +362,26 @@ impl Attention {
         if caches.len() == 1 {
             return self.forward(x, &masks[0], caches[0]);
         }
+        let n = caches.len() as i32;
         let (b, l) = (x.dim(0), x.dim(1));
         let (q, k, v) = self.project(x)?;
+        let offsets: Vec<i32> = caches.iter().map(|c| c.offset()).collect();
+        // one token per row (a decode step): the rotary embedding for all rows at once
+        let (q, k, roped) = if l == 1 {
+            (self.rope.forward_rows(&q, &offsets)?, self.rope.forward_rows(&k, &offsets)?, true)
+        } else {
+            (q, k, false)
+        };
+        let (qs, ks, vs) = (mx::split(&q, n, 0)?, mx::split(&k, n, 0)?, mx::split(&v, n, 0)?);
         let mut outs = Vec::with_capacity(caches.len());
-        for (i, (cache, mask)) in caches.iter_mut().zip(masks).enumerate() {
-            let i = i as i32;
-            let row = |a: &Array| mx::slice_axis(a, 0, i, i + 1);
-            outs.push(self.attend(row(&q)?, row(&k)?, row(&v)?, mask, cache)?);
+        for (((cache, mask), (q, k)), v) in caches.iter_mut().zip(masks).zip(qs.into_iter().zip(ks)).zip(vs) {
+            let (q, k) = if roped {
+                (q, k)
+            } else {
+                let o = cache.offset();
+                (self.rope.forward(&q, o)?, self.rope.forward(&k, o)?)
+            };
+            outs.push(self.attend_roped(q, k, v, mask, cache)?);
         }
         let refs: Vec<&Array> = outs.iter().collect();
         let out = mx::concatenate(&refs, 0)?;
@@ -364,6 +409,11 @@ impl Attention {
         let offset = cache.offset();
         let q = self.rope.forward(&q, offset)?;
         let k = self.rope.forward(&k, offset)?;
+        self.attend_roped(q, k, v, mask, cache)
+    }
+
+    /// Cache update and attention for q, k already rotated.
+    fn attend_roped(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
         match cache.update_and_fetch(k, v)? {
             Fetched::Dense(k, v) => {
                 let m = match mask {
