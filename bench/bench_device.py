@@ -120,7 +120,7 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
 
     import mlxrs
 
-    ref, _ = load(str(d))
+    ref, ref_tok = load(str(d))
     sess = mlxrs.Session(d)
     key = mx.random.key(1)
     prompts = {n: [int(x) for x in mx.random.randint(0, 1000, (n,), key=key).tolist()] for n in {args.prompt, *args.prefill}}
@@ -151,6 +151,25 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
                      "copy_bound_tps": bound, "mlxrs_share_of_bound": med["mlxrs"] / bound,
                      "mlxlm_share_of_bound": med["mlx-lm"] / bound, "runs": rows,
                      "first_divergence": div}
+    for bsz in args.batch:
+        from mlx_lm.generate import batch_generate
+        bkey = mx.random.key(7)
+        ps = [[int(x) for x in mx.random.randint(0, 1000, (128,), key=mx.random.split(bkey, bsz)[i]).tolist()]
+              for i in range(bsz)]
+        tok = ref_tok
+        batch_generate(ref, tok, ps, max_tokens=8)  # warm-up
+        sess.generate_batch(ps, max_tokens=8, ignore_eos=True)
+        rows = {"mlxrs": [], "mlx-lm": []}
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            outs = sess.generate_batch(ps, max_tokens=args.gen, ignore_eos=True)
+            rows["mlxrs"].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            r = batch_generate(ref, tok, ps, max_tokens=args.gen, return_token_ids=True)
+            rows["mlx-lm"].append(sum(len(x) for x in r.token_ids) / (time.perf_counter() - t0))
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        res[f"batch_{bsz}"] = {"mlxrs_tps": med["mlxrs"], "mlxlm_tps": med["mlx-lm"], "ratio": med["mlxrs"] / med["mlx-lm"],
+                               "runs": rows, "note": "aggregate tokens/s incl. a 128-token prefill per row"}
     sess.close()
     del sess
     if args.second_session:
@@ -178,10 +197,12 @@ def main() -> int:
     ap.add_argument("--prefill", default="512,2048")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--second-session", action="store_true")
+    ap.add_argument("--batch", default="", help="comma-separated batch sizes for aggregate decode (mlx-lm: batch_generate)")
     ap.add_argument("--dir", help="where the random-weight models are written (default: a temporary directory)")
     ap.add_argument("--out")
     args = ap.parse_args()
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    args.batch = [int(x) for x in args.batch.split(",") if x]
     import mlx.core as mx
 
     import mlxrs

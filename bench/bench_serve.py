@@ -73,10 +73,10 @@ def free_port() -> int:
 
 
 class Proc:
-    def __init__(self, cmd: list[str], port: int) -> None:
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:
         self.port = port
         self.log = tempfile.NamedTemporaryFile("w+", prefix="bench-serve-", suffix=".log", delete=False)
-        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
         import urllib.request
 
         t0 = time.monotonic()
@@ -102,8 +102,12 @@ def start(engine: str, d: Path) -> Proc:
     port = free_port()
     py = sys.executable
     if engine == "mlx_lm.server":
+        # the same BLAS as mlxrs (OpenBLAS and its gemv router preloaded on Linux CPU), as the
+        # parity oracle runs: MLX's CPU wheel alone links a slow reference BLAS
+        from conftest import blas_env
+
         return Proc([py, "-m", "mlx_lm", "server", "--model", str(d), "--port", str(port),
-                     "--decode-concurrency", "32", "--max-tokens", "100000"], port)
+                     "--decode-concurrency", "32", "--max-tokens", "100000"], port, env=blas_env())
     extra = ["--prompt-cache-bytes", "0"] if engine == "mlxrs (cache off)" else []
     return Proc([py, "-m", "mlxrs", "serve", str(d), "--port", str(port), "--log-level", "warning", *extra], port)
 

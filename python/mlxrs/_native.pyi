@@ -34,6 +34,7 @@ __all__ = [
     "_gguf_tokenizer",
     "Session",
     "TokenStream",
+    "EventHub",
 ]
 
 # ---- module constants -------------------------------------------------------------------------
@@ -41,7 +42,7 @@ __all__ = [
 __version__: Final[str]
 """mlxrs's version (the Cargo workspace version)."""
 BUILT_FOR_MLX: Final[str]
-"""The MLX release (pip `mlx` version) this build expects, e.g. "0.30.6"."""
+"""The MLX release (pip `mlx` version) this build expects, e.g. "0.32.4"."""
 BUILT_FOR_MLXC: Final[str]
 """The mlx-c release this build was written against, e.g. "0.5.0"."""
 
