@@ -8,6 +8,7 @@ per stream, and a stream's consumer never blocks the loop.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 from typing import Any
 
@@ -47,7 +48,12 @@ class Dispatcher:
                 self._queues[stream_id] = None
 
     def close(self) -> None:
+        """Stop the thread and wait for it (it wakes at least every 0.25 s). Called at interpreter
+        exit: a daemon thread still inside native code when the interpreter tears down would be
+        killed mid-call and abort the process."""
         self._stop = True
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5)
 
     def _run(self) -> None:
         while not self._stop:
@@ -93,4 +99,5 @@ def default() -> Dispatcher:
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
             _DEFAULT = Dispatcher()
+            atexit.register(_DEFAULT.close)
         return _DEFAULT

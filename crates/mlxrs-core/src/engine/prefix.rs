@@ -162,7 +162,7 @@ fn trimmable(cache: &[LayerCache], n: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::{KvCache, RotatingKvCache};
+    use crate::cache::KvCache;
 
     fn full(offset: i32) -> Vec<LayerCache> {
         vec![LayerCache::Full(KvCache { keys: None, values: None, offset })]
@@ -198,7 +198,11 @@ mod tests {
     #[test]
     fn a_wrapped_rotating_cache_is_reused_only_whole() {
         let wrapped = || {
-            vec![LayerCache::Rotating(RotatingKvCache { offset: 10, max_size: 4, ..Default::default() })]
+            let mut c = LayerCache::rotating(4, 0);
+            if let LayerCache::Rotating(r) = &mut c {
+                r.offset = 10; // 10 tokens through a 4-slot window: wrapped
+            }
+            vec![c]
         };
         let mut p = PrefixCache::new(1 << 30);
         p.insert((0..10).collect(), wrapped());

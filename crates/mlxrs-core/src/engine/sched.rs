@@ -109,13 +109,17 @@ impl Step {
         }
     }
 
-    /// Read the token back (one read for every row of a shared batch).
+    /// Read the token back (one read for every row of a shared batch). Call it on the read-back
+    /// stream, not the generation stream: whatever a read queues (a conversion, a contiguous copy)
+    /// would wait there behind the step just queued, and so would the read, losing the overlap of
+    /// the host's work with the device's (measured on an H200: 8B 4-bit decode at 131-138 tok/s that
+    /// way against 173-175 before the scheduler, which read on the default stream).
     fn token(&self) -> Result<i32> {
         match self {
-            Step::Own(y, _) => mx::astype(y, Dtype::Int32)?.item_i32(),
+            Step::Own(y, _) => y.item_i32(),
             Step::Shared(s, r) => {
                 if s.tokens.get().is_none() {
-                    let v = mx::astype(&s.y, Dtype::Int32)?.to_vec::<i32>()?;
+                    let v = s.y.to_vec::<i32>()?;
                     let _ = s.tokens.set(v);
                 }
                 Ok(s.tokens.get().expect("set above")[*r])
@@ -139,6 +143,8 @@ pub(crate) struct Scheduler<'a> {
     opts: LoadOptions,
     stats: Arc<Stats>,
     stream: Stream,
+    /// This thread's default stream: token read-back runs there (see `Step::token`).
+    readback: Stream,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     prefix: PrefixCache,
@@ -150,12 +156,14 @@ impl<'a> Scheduler<'a> {
     pub(crate) fn new(model: &'a dyn CausalLm, tok: &'a Tokenizer, opts: LoadOptions, stats: Arc<Stats>, stream: Stream) -> Self {
         let prefix = PrefixCache::new(opts.prompt_cache_bytes);
         stats.set_prefix(prefix.stats());
+        let readback = Stream::default_stream().unwrap_or_else(|_| stream.clone());
         Scheduler {
             model,
             tok,
             opts,
             stats,
             stream,
+            readback,
             waiting: VecDeque::new(),
             running: Vec::new(),
             prefix,
@@ -375,7 +383,7 @@ impl<'a> Scheduler<'a> {
             }
             let tokens = if same_batch {
                 let Some(Step::Shared(s, _)) = &self.running[rows[0]].pending else { unreachable!("checked") };
-                mx::reshape(&mx::astype(&s.y, Dtype::Int32)?, &[rows.len() as i32, 1])?
+                mx::reshape(&s.y, &[rows.len() as i32, 1])?
             } else {
                 let mut inputs = Vec::with_capacity(rows.len());
                 for &i in &rows {
@@ -420,7 +428,7 @@ impl<'a> Scheduler<'a> {
                 };
                 let lse = mx::logsumexp(&sub, &[-1], true)?;
                 let lp = mx::subtract(&sub, &lse)?;
-                let y = mx::argmax(&lp, -1, false)?;
+                let y = mx::astype(&mx::argmax(&lp, -1, false)?, Dtype::Int32)?;
                 outs.push(y.clone());
                 outs.push(lp.clone());
                 let shared = std::rc::Rc::new(Shared { y, lp, tokens: std::cell::OnceCell::new() });
@@ -437,7 +445,7 @@ impl<'a> Scheduler<'a> {
                 let row = s.sampler.process(&row)?;
                 let lse = mx::logsumexp(&row, &[-1], true)?;
                 let lp = mx::subtract(&row, &lse)?;
-                let y = s.sampler.sample(&lp)?;
+                let y = mx::astype(&s.sampler.sample(&lp)?, Dtype::Int32)?;
                 outs.push(y.clone());
                 outs.push(lp.clone());
                 queued[i] = Some(Step::Own(y, mx::squeeze(&lp, &[0])?));
@@ -482,15 +490,16 @@ impl<'a> Scheduler<'a> {
     /// Read one sequence's token, send its text; Some(why) when the sequence is done.
     fn emit(&mut self, i: usize, step: &Step) -> Result<Option<(FinishReason, Option<String>)>> {
         let tok = self.tok;
+        let readback = self.readback.clone();
         let s = &mut self.running[i];
-        let token = step.token()?;
+        let token = mx::with_stream(&readback, || step.token())?;
         if s.first_token_at.is_none() {
             s.first_token_at = Some(Instant::now());
         }
         s.generated.push(token);
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
         let (logprob, top) = if s.req.logprobs || s.req.top_logprobs > 0 {
-            top_logprobs(&step.logprobs()?, token, s.req.top_logprobs)?
+            mx::with_stream(&readback, || top_logprobs(&step.logprobs()?, token, s.req.top_logprobs))?
         } else {
             (None, Vec::new())
         };
