@@ -203,15 +203,9 @@ class Session:
         Closing the iterator early cancels the generation."""
         ids = self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs)
         for ev in self._events(ids, sampling):
-            t = ev["type"]
-            if t == "token":
-                if ev["id"] < 0 and not ev["text"]:
-                    continue
-                yield Chunk(text=ev["text"], token=ev["id"] if ev["id"] >= 0 else None,
-                            logprob=ev["logprob"], top_logprobs=list(ev["top"]))
-            elif t == "done":
-                yield Chunk(text="", token=None, finish_reason=ev["finish_reason"],
-                            usage=_usage(ev), timings=_timings(ev))
+            ch = _chunk(ev)
+            if ch is not None:
+                yield ch
 
     def generate(
         self,
@@ -268,17 +262,12 @@ class Session:
                 if isinstance(ev, BaseException):
                     finished = True
                     raise ev
-                t = ev["type"]
-                if t == "token":
-                    if ev["id"] < 0 and not ev["text"]:
-                        continue
-                    yield Chunk(text=ev["text"], token=ev["id"] if ev["id"] >= 0 else None,
-                                logprob=ev["logprob"], top_logprobs=list(ev["top"]))
-                elif t == "done":
-                    finished = True
-                    yield Chunk(text="", token=None, finish_reason=ev["finish_reason"],
-                                usage=_usage(ev), timings=_timings(ev))
-                    return
+                ch = _chunk(ev)
+                if ch is not None:
+                    finished = ch.finish_reason is not None
+                    yield ch
+                    if finished:
+                        return
         finally:
             if not finished:
                 st.cancel()
@@ -321,6 +310,18 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chunk(ev: Mapping[str, Any]) -> Chunk | None:
+    """The Chunk an engine event stands for (None for progress and for an empty final flush)."""
+    if ev["type"] == "token":
+        if ev["id"] < 0 and not ev["text"]:
+            return None
+        return Chunk(text=ev["text"], token=ev["id"] if ev["id"] >= 0 else None,
+                     logprob=ev["logprob"], top_logprobs=list(ev["top"]))
+    if ev["type"] == "done":
+        return Chunk(text="", token=None, finish_reason=ev["finish_reason"], usage=_usage(ev), timings=_timings(ev))
+    return None
 
 
 def _usage(ev: Mapping[str, Any]) -> Usage:

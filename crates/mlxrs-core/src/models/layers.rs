@@ -254,14 +254,20 @@ impl Rope {
         if self.traditional || x.ndim() != 4 || offset < 0 || on_gpu() {
             return self.mlx_rope(x, offset);
         }
-        let (l, d, half) = (x.dim(2), x.dim(3), self.dims / 2);
+        let l = x.dim(2);
         let (cos, sin) = self.table(offset + l, x.dtype())?;
         let c = mx::slice_axis(&cos, 2, offset, offset + l)?;
         let s = mx::slice_axis(&sin, 2, offset, offset + l)?;
+        self.rotate(x, &c, &s)
+    }
+
+    /// MLX's fallback formula with cos `c` and sin `s` broadcast against `x`'s first half-dims.
+    fn rotate(&self, x: &Array, c: &Array, s: &Array) -> Result<Array> {
+        let (d, half) = (x.dim(3), self.dims / 2);
         let x1 = mx::slice_axis(x, 3, 0, half)?;
         let x2 = mx::slice_axis(x, 3, half, self.dims)?;
-        let a = mx::subtract(&mx::multiply(&x1, &c)?, &mx::multiply(&x2, &s)?)?;
-        let b = mx::add(&mx::multiply(&x1, &s)?, &mx::multiply(&x2, &c)?)?;
+        let a = mx::subtract(&mx::multiply(&x1, c)?, &mx::multiply(&x2, s)?)?;
+        let b = mx::add(&mx::multiply(&x1, s)?, &mx::multiply(&x2, c)?)?;
         if self.dims < d {
             let rest = mx::slice_axis(x, 3, self.dims, d)?;
             mx::concatenate(&[&a, &b, &rest], 3)
@@ -281,7 +287,7 @@ impl Rope {
                 None => mx::rope_rows(x, self.dims, self.traditional, Some(self.base), self.scale, &off, None),
             };
         }
-        let (d, half) = (x.dim(3), self.dims / 2);
+        let half = self.dims / 2;
         let max = offsets.iter().copied().max().unwrap_or(0);
         let (cos, sin) = self.table(max + 1, x.dtype())?;
         let idx = Array::from_slice(offsets, &[b])?;
@@ -289,17 +295,7 @@ impl Rope {
             let flat = mx::reshape(t, &[t.dim(2), half])?;
             mx::reshape(&mx::take(&flat, &idx, 0)?, &[b, 1, 1, half])
         };
-        let (c, s) = (rows(&cos)?, rows(&sin)?);
-        let x1 = mx::slice_axis(x, 3, 0, half)?;
-        let x2 = mx::slice_axis(x, 3, half, self.dims)?;
-        let a = mx::subtract(&mx::multiply(&x1, &c)?, &mx::multiply(&x2, &s)?)?;
-        let bb = mx::add(&mx::multiply(&x1, &s)?, &mx::multiply(&x2, &c)?)?;
-        if self.dims < d {
-            let rest = mx::slice_axis(x, 3, self.dims, d)?;
-            mx::concatenate(&[&a, &bb, &rest], 3)
-        } else {
-            mx::concatenate(&[&a, &bb], 3)
-        }
+        self.rotate(x, &rows(&cos)?, &rows(&sin)?)
     }
 
     /// cos and sin `[1, 1, len', dims/2]` (len' >= len) in `dtype`. They are computed by MLX's own
