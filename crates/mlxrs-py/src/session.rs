@@ -367,39 +367,6 @@ impl TokenStream {
         }
     }
 
-    /// Every event available now, without blocking (an empty list when none is; None once the
-    /// stream has ended). The server's dispatcher polls many streams with it.
-    fn drain<'py>(&self, py: Python<'py>) -> PyResult<Option<Vec<Bound<'py, PyDict>>>> {
-        let mut out = Vec::new();
-        loop {
-            let ev = {
-                let Ok(g) = self.events.try_lock() else { return Ok(Some(out)) };
-                match g.as_ref() {
-                    None => return Ok(if out.is_empty() { None } else { Some(out) }),
-                    Some(r) => r.try_recv(),
-                }
-            };
-            match ev {
-                Ok((_, ev)) => {
-                    let end = matches!(ev, Event::Done { .. } | Event::Error(_));
-                    match self.event_dict(py, ev) {
-                        Ok(d) => out.push(d),
-                        Err(e) if out.is_empty() => return Err(e),
-                        Err(_) => return Ok(Some(out)), // the error comes on the next call
-                    }
-                    if end {
-                        return Ok(Some(out));
-                    }
-                }
-                Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(Some(out)),
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    self.events.lock().unwrap_or_else(|e| e.into_inner()).take();
-                    return Ok(if out.is_empty() { None } else { Some(out) });
-                }
-            }
-        }
-    }
-
     /// Ask the engine to stop this generation (at the next prefill chunk or decode step).
     fn cancel(&self) {
         self.cancel.store(true, Ordering::Relaxed);
