@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -164,6 +165,12 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
                      "copy_bound_tps": bound, "mlxrs_share_of_bound": med["mlxrs"] / bound,
                      "mlxlm_share_of_bound": med["mlx-lm"] / bound, "runs": rows,
                      "first_divergence": div}
+    # the same batches through per-row attention (MLXRS_BATCH_KV=0), to show what the stacked KV buys
+    sess_rows = None
+    if args.batch:
+        os.environ["MLXRS_BATCH_KV"] = "0"
+        sess_rows = open_session(d)
+        del os.environ["MLXRS_BATCH_KV"]
     for bsz in args.batch:
         from mlx_lm.generate import batch_generate
         bkey = mx.random.key(7)
@@ -172,17 +179,29 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
         tok = ref_tok
         batch_generate(ref, tok, ps, max_tokens=8)  # warm-up
         sess.generate_batch(ps, max_tokens=8, ignore_eos=True)
-        rows = {"mlxrs": [], "mlx-lm": []}
+        sess_rows.generate_batch(ps, max_tokens=8, ignore_eos=True)
+        rows = {"mlxrs": [], "mlxrs per-row": [], "mlx-lm": []}
+        same = []
         for _ in range(args.runs):
             t0 = time.perf_counter()
             outs = sess.generate_batch(ps, max_tokens=args.gen, ignore_eos=True)
             rows["mlxrs"].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t0))
             t0 = time.perf_counter()
+            outs_rows = sess_rows.generate_batch(ps, max_tokens=args.gen, ignore_eos=True)
+            rows["mlxrs per-row"].append(sum(len(o.tokens) for o in outs_rows) / (time.perf_counter() - t0))
+            same.append(sum(a.tokens == b.tokens for a, b in zip(outs, outs_rows)))
+            t0 = time.perf_counter()
             r = batch_generate(ref, tok, ps, max_tokens=args.gen, return_token_ids=True)
             rows["mlx-lm"].append(sum(len(x) for x in r.token_ids) / (time.perf_counter() - t0))
         med = {k: statistics.median(v) for k, v in rows.items()}
-        res[f"batch_{bsz}"] = {"mlxrs_tps": med["mlxrs"], "mlxlm_tps": med["mlx-lm"], "ratio": med["mlxrs"] / med["mlx-lm"],
+        res[f"batch_{bsz}"] = {"mlxrs_tps": med["mlxrs"], "mlxrs_per_row_tps": med["mlxrs per-row"],
+                               "mlxlm_tps": med["mlx-lm"], "ratio": med["mlxrs"] / med["mlx-lm"],
+                               "ratio_per_row": med["mlxrs per-row"] / med["mlx-lm"],
+                               "rows_equal_stack_vs_per_row": same,
                                "runs": rows, "note": "aggregate tokens/s incl. a 128-token prefill per row"}
+    if sess_rows is not None:
+        sess_rows.close()
+        del sess_rows
     sess.close()
     del sess
     if args.second_session:

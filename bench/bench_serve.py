@@ -43,15 +43,14 @@ def model_dir(name: str) -> Path:
 
     if name == "tiny":
         return make_model("qwen3-float32", "qwen3")
-    if name in FIT_MODELS:
-        d = make_fit_model(name)
-        _ensure_template(d)
-        return d
-    return Path(name)
+    d = make_fit_model(name) if name in FIT_MODELS else Path(name)
+    _ensure_template(d)
+    return d
 
 
 def _ensure_template(d: Path) -> None:
-    """FIT_MODELS have no chat template: give them the tests' qwen3 one (both servers read it)."""
+    """FIT_MODELS and bench_device.py's models have no chat template: give them the tests' qwen3 one
+    (both servers read it)."""
     from chat_templates import TEMPLATES
 
     cfg_path = d / "tokenizer_config.json"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Run on the GPU test machine (the `device` tool), with .device/ carried: the repacked MLX CUDA
 # bundle (shared/device/pack-mlx-cuda.sh .device 0.32.4 0.32.2) and an abi3 mlxrs wheel built here
-# (maturin build --release --auditwheel skip --out .device). Arguments go to bench/bench_device.py.
+# (maturin build --release --auditwheel skip --out .device).
+#   bash bench/device_run.sh ARGS...        bench/bench_device.py ARGS (generation vs mlx-lm)
+#   bash bench/device_run.sh serve ARGS...  bench/bench_serve.py ARGS on bench_device.py's 1B bf16
+#                                           model (serving vs mlx_lm.server)
 set -euo pipefail
 SITE=/tmp/site
 if [ ! -d "$SITE/mlxrs" ]; then
@@ -12,4 +15,11 @@ fi
 export PYTHONPATH="$SITE" LD_LIBRARY_PATH="$SITE/mlx/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m mlxrs --version
+if [ "${1:-}" = serve ]; then
+    shift
+    M=/tmp/serve-1b-bf16
+    [ -f "$M/config.json" ] || PYTHONPATH="$SITE:bench:tests" python3 -c \
+        "from pathlib import Path; from bench_device import make_model; make_model(Path('$M'), '1b', None)"
+    exec python3 bench/bench_serve.py --model "$M" "$@"
+fi
 python3 bench/bench_device.py --dir /tmp "$@"

@@ -439,46 +439,270 @@ pub struct CacheOptions {
 }
 
 /// The caches of the sequences one forward pass runs over: row `b` of the batch appends to
-/// `seqs[b]` (one [`LayerCache`] per layer). One sequence is the plain case; the engine's batched
-/// decode step passes several, each with its own length, offset and cache kinds (full, rotating,
-/// quantized), so that attention runs per sequence over exactly the keys that sequence alone would
-/// see (docs/design/scheduler.md says why, and what it costs).
+/// `seqs[b]` (one [`LayerCache`] per layer), each with its own length, offset and cache kinds (full,
+/// rotating, quantized); attention then runs per row over exactly the keys that row alone would see.
+/// One sequence is the plain case. Or all rows' layers live in one [`BatchKv`] (models whose layers
+/// are all full caches), read and written for all rows at once. docs/design/scheduler.md says when
+/// each is used, and what each costs.
 pub struct Caches<'a> {
     seqs: Vec<&'a mut [LayerCache]>,
+    stack: Option<&'a mut BatchKv>,
+}
+
+/// One layer's caches for a forward pass.
+pub enum LayerCaches<'b> {
+    /// One cache per row.
+    Rows(Vec<&'b mut LayerCache>),
+    /// Layer `.1` of the stack (a decode step: one token per row).
+    Batch(&'b mut BatchKv, usize),
+}
+
+/// One layer's attention masks for a forward pass.
+pub enum Masks {
+    /// One per row.
+    Rows(Vec<Mask>),
+    /// `[B, 1, 1, keys]` for a [`BatchKv`]: row b sees its own keys only.
+    Batch(Array),
 }
 
 impl<'a> Caches<'a> {
     pub fn one(c: &'a mut [LayerCache]) -> Caches<'a> {
-        Caches { seqs: vec![c] }
+        Caches { seqs: vec![c], stack: None }
     }
 
     pub fn many(seqs: Vec<&'a mut [LayerCache]>) -> Caches<'a> {
-        Caches { seqs }
+        Caches { seqs, stack: None }
     }
 
-    /// Number of sequences (the batch size).
-    pub fn batch(&self) -> usize {
-        self.seqs.len()
+    /// The rows of a stack (after [`BatchKv::begin_step`]).
+    pub fn stacked(stack: &'a mut BatchKv) -> Caches<'a> {
+        Caches { seqs: Vec::new(), stack: Some(stack) }
     }
 
     /// Layers per sequence.
     pub fn layers(&self) -> usize {
-        self.seqs.first().map_or(0, |s| s.len())
+        match &self.stack {
+            Some(s) => s.layers(),
+            None => self.seqs.first().map_or(0, |s| s.len()),
+        }
     }
 
     /// Each sequence's mask for a chunk of `n` new tokens at layer `layer`.
-    pub fn masks(&self, layer: usize, n: i32, window: Option<i32>) -> Result<Vec<Mask>> {
+    pub fn masks(&self, layer: usize, n: i32, window: Option<i32>) -> Result<Masks> {
+        if let Some(s) = self.stack.as_deref() {
+            return Ok(Masks::Batch(s.mask(window)?));
+        }
         let layer = layer.min(self.layers().saturating_sub(1));
-        self.seqs.iter().map(|s| s[layer].make_mask(n, window)).collect()
+        Ok(Masks::Rows(self.seqs.iter().map(|s| s[layer].make_mask(n, window)).collect::<Result<_>>()?))
     }
 
-    /// Layer `i`'s cache of every sequence, in batch order.
-    pub fn layer_mut(&mut self, i: usize) -> Vec<&mut LayerCache> {
-        self.seqs.iter_mut().map(|s| &mut s[i]).collect()
+    /// Layer `i`'s caches, in batch order.
+    pub fn layer_mut(&mut self, i: usize) -> LayerCaches<'_> {
+        match self.stack.as_deref_mut() {
+            Some(s) => LayerCaches::Batch(s, i),
+            None => LayerCaches::Rows(self.seqs.iter_mut().map(|s| &mut s[i]).collect()),
+        }
     }
 
     /// The state arrays of layers `lo..=hi` of every sequence.
     pub fn state(&self, lo: usize, hi: usize) -> Vec<&Array> {
-        self.seqs.iter().flat_map(|s| s[lo..=hi].iter().flat_map(|c| c.state())).collect()
+        match self.stack.as_deref() {
+            Some(s) => s.layers[lo..=hi].iter().flatten().flat_map(|(k, v)| [k, v]).collect(),
+            None => self.seqs.iter().flat_map(|s| s[lo..=hi].iter().flat_map(|c| c.state())).collect(),
+        }
+    }
+}
+
+/// The KV of the rows of a batched decode step, stacked, for models whose layers are all full
+/// caches: per layer one key and one value buffer `[slots, kv_heads, cap, head_dim]`. Slot s holds
+/// its sequence's `lens[s]` tokens at its start, anything after them is never read (right padding,
+/// masked). A decode step runs over slots `0..hi`: it writes every row's new key at its own
+/// position in one `put_along_axis` (in place: the buffers are held only here), and attends over
+/// the first `max(lens) + 1` positions with a mask hiding each row's padding: the same few
+/// operations per layer whatever the batch size. A sequence joins by one in-place write of its
+/// caches into a free slot and leaves by one copy of its own row; a free slot (a hole) runs a dummy
+/// row until a joiner takes it, and [`BatchKv::compact`] closes holes with one copy of the stack.
+pub struct BatchKv {
+    layers: Vec<Option<(Array, Array)>>,
+    /// Per slot.
+    lens: Vec<i32>,
+    cap: i32,
+    /// Slots in the current step (`begin_step`).
+    hi: usize,
+    /// This step's write positions `[slots, 1, 1, 1]`.
+    at: Option<Array>,
+}
+
+impl BatchKv {
+    pub fn new(layers: usize) -> BatchKv {
+        BatchKv { layers: vec![None; layers], lens: Vec::new(), cap: 0, hi: 0, at: None }
+    }
+
+    /// Slots allocated.
+    pub fn slots(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// Layers.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The buffers (to evaluate).
+    pub fn arrays(&self) -> Vec<&Array> {
+        self.layers.iter().flatten().flat_map(|(k, v)| [k, v]).collect()
+    }
+
+    /// Grow to at least `slots` slots and `cap` positions (one copy of the stack when it grows).
+    fn reserve(&mut self, slots: usize, cap: i32) -> Result<()> {
+        let s_old = self.lens.len();
+        let s_new = if slots > s_old { slots.max(2 * s_old).max(4) } else { s_old };
+        let c_new = if cap > self.cap { (cap + STEP - 1) / STEP * STEP + STEP } else { self.cap };
+        if s_new != s_old || c_new != self.cap {
+            for (k, v) in self.layers.iter_mut().flatten() {
+                let z = mx::scalar_as(0.0, k.dtype())?;
+                let (ds, dc) = ((s_new - s_old) as i32, c_new - self.cap);
+                *k = mx::pad(k, &[0, 2], &[0, 0], &[ds, dc], &z)?;
+                *v = mx::pad(v, &[0, 2], &[0, 0], &[ds, dc], &z)?;
+            }
+            self.lens.resize(s_new, 0);
+            self.cap = c_new;
+        }
+        Ok(())
+    }
+
+    /// Write a sequence's caches (full caches, one per layer) into `slot`.
+    pub fn put_row(&mut self, slot: usize, caches: &[LayerCache]) -> Result<()> {
+        let len = caches.first().map_or(0, |c| c.offset());
+        self.reserve(slot + 1, len + 1)?;
+        let (slots, cap) = (self.lens.len() as i32, self.cap);
+        let at = slot as i32;
+        for (layer, c) in self.layers.iter_mut().zip(caches) {
+            let LayerCache::Full(KvCache { keys: Some(k), values: Some(v), offset }) = c else { continue };
+            let n = *offset;
+            if n == 0 {
+                continue;
+            }
+            if layer.is_none() {
+                let (ks, vs) = (k.shape(), v.shape());
+                *layer = Some((
+                    mx::zeros(&[slots, ks[1], cap, ks[3]], k.dtype())?,
+                    mx::zeros(&[slots, vs[1], cap, vs[3]], v.dtype())?,
+                ));
+            }
+            let (kb, vb) = layer.as_mut().expect("allocated above");
+            let put = |buf: &Array, x: &Array| -> Result<Array> {
+                let x = if x.dim(2) != n { seq_slice(x, 0, n)? } else { x.clone() };
+                let sh = buf.shape();
+                mx::slice_update(buf, &x, &[at, 0, 0, 0], &[at + 1, sh[1], n, sh[3]], &[1, 1, 1, 1])
+            };
+            *kb = put(kb, k)?;
+            *vb = put(vb, v)?;
+        }
+        self.lens[slot] = len;
+        Ok(())
+    }
+
+    /// Slot `slot`'s tokens as full caches written into `into` (copies; evaluate the returned
+    /// arrays before the stack is written again, so that the write stays in place).
+    pub fn take_row(&mut self, slot: usize, into: &mut [LayerCache]) -> Result<Vec<Array>> {
+        let len = self.lens[slot];
+        let si = slot as i32;
+        let mut out = Vec::new();
+        for (layer, c) in self.layers.iter().zip(into.iter_mut()) {
+            let (keys, values) = match layer {
+                Some((k, v)) if len > 0 => {
+                    let cut = |a: &Array| -> Result<Array> { mx::copy(&seq_slice(&mx::slice_axis(a, 0, si, si + 1)?, 0, len)?) };
+                    let (k, v) = (cut(k)?, cut(v)?);
+                    out.push(k.clone());
+                    out.push(v.clone());
+                    (Some(k), Some(v))
+                }
+                _ => (None, None),
+            };
+            *c = LayerCache::Full(KvCache { keys, values, offset: len });
+        }
+        self.lens[slot] = 0;
+        Ok(out)
+    }
+
+    /// Free `slot` without reading it.
+    pub fn clear(&mut self, slot: usize) {
+        self.lens[slot] = 0;
+    }
+
+    /// A new stack of the slots `keep`, in that order (one copy).
+    pub fn compact(&self, keep: &[usize]) -> Result<BatchKv> {
+        let idx: Vec<i32> = keep.iter().map(|&s| s as i32).collect();
+        let idx = Array::from_slice(&idx, &[idx.len() as i32])?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| l.as_ref().map(|(k, v)| Ok::<_, crate::error::Error>((mx::take(k, &idx, 0)?, mx::take(v, &idx, 0)?))).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BatchKv { layers, lens: keep.iter().map(|&s| self.lens[s]).collect(), cap: self.cap, hi: 0, at: None })
+    }
+
+    /// The rows' lengths before this step: their rotary offsets.
+    pub fn offsets(&self) -> &[i32] {
+        &self.lens[..self.hi]
+    }
+
+    /// Prepare a decode step over slots `0..hi`: room for one more token in each, write positions.
+    pub fn begin_step(&mut self, hi: usize) -> Result<()> {
+        let need = self.lens.iter().copied().max().unwrap_or(0) + 1;
+        self.reserve(hi, need)?;
+        self.hi = hi;
+        self.at = Some(Array::from_slice(&self.lens, &[self.lens.len() as i32, 1, 1, 1])?);
+        Ok(())
+    }
+
+    /// After the step's forward pass: every slot of the step holds one more token.
+    pub fn advance(&mut self) {
+        for l in self.lens[..self.hi].iter_mut() {
+            *l += 1;
+        }
+        self.at = None;
+    }
+
+    /// `[hi, 1, 1, max+1]`: key j visible to row r iff j <= lens[r] (and within `window`).
+    fn mask(&self, window: Option<i32>) -> Result<Array> {
+        let lens = &self.lens[..self.hi];
+        let n = lens.iter().copied().max().unwrap_or(0) + 1;
+        let keys = mx::reshape(&mx::arange(0.0, n as f64, 1.0, Dtype::Int32)?, &[1, 1, 1, n])?;
+        let at = Array::from_slice(lens, &[lens.len() as i32, 1, 1, 1])?;
+        let mut m = mx::less_equal(&keys, &at)?;
+        if let Some(w) = window {
+            let lo = mx::subtract(&at, &Array::scalar(w)?)?;
+            m = mx::logical_and(&m, &mx::greater(&keys, &lo)?)?;
+        }
+        Ok(m)
+    }
+
+    /// Write the step's keys/values `[hi, H, 1, D]` of layer `l`; the keys and values to attend over.
+    pub fn update_and_fetch(&mut self, l: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let at = self.at.clone().ok_or_else(|| crate::error::Error::Invalid("BatchKv: begin_step not called".into()))?;
+        let (slots, cap, hi) = (self.lens.len() as i32, self.cap, self.hi as i32);
+        let layer = &mut self.layers[l];
+        if layer.is_none() {
+            let (ks, vs) = (k.shape(), v.shape());
+            *layer = Some((mx::zeros(&[slots, ks[1], cap, ks[3]], k.dtype())?, mx::zeros(&[slots, vs[1], cap, vs[3]], v.dtype())?));
+        }
+        let (kb, vb) = layer.as_mut().expect("allocated above");
+        let rows = |x: &Array| -> Result<Array> {
+            if hi == slots {
+                return Ok(x.clone());
+            }
+            let z = mx::scalar_as(0.0, x.dtype())?;
+            mx::pad(x, &[0], &[0], &[slots - hi], &z)
+        };
+        *kb = mx::put_along_axis(kb, &at, &rows(k)?, 2)?;
+        *vb = mx::put_along_axis(vb, &at, &rows(v)?, 2)?;
+        let n = self.lens[..self.hi].iter().copied().max().unwrap_or(0) + 1;
+        let cut = |a: &Array| -> Result<Array> {
+            let a = if hi == slots { a.clone() } else { mx::slice_axis(a, 0, 0, hi)? };
+            seq_slice(&a, 0, n)
+        };
+        Ok((cut(kb)?, cut(vb)?))
     }
 }

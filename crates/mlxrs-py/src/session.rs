@@ -225,6 +225,8 @@ impl Session {
         d.set_item("waiting", n(&s.waiting))?;
         d.set_item("prompt_tokens_total", n(&s.prompt_tokens))?;
         d.set_item("generated_tokens_total", n(&s.generated_tokens))?;
+        d.set_item("decode_steps", n(&s.decode_steps))?;
+        d.set_item("stacked_decode_steps", n(&s.stacked_steps))?;
         let p = s.prefix();
         let pc = PyDict::new(py);
         pc.set_item("hits", p.hits)?;

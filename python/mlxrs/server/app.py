@@ -196,7 +196,8 @@ class ServerState:
                 "generation_tokens_per_second": round(gen_t / gen_s, 2) if gen_s > 0 else None,
                 "prompt_tokens_per_second": round(pr_t / pr_s, 2) if pr_s > 0 else None,
             },
-            "engine": {k: engine.get(k) for k in ("prompt_tokens_total", "generated_tokens_total")},
+            "engine": {k: engine.get(k) for k in ("prompt_tokens_total", "generated_tokens_total", "decode_steps",
+                                                  "stacked_decode_steps")},
             "uptime_seconds": round(time.time() - st.started, 1),
         }
 

@@ -124,6 +124,9 @@ pub struct Stats {
     pub waiting: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub generated_tokens: AtomicU64,
+    /// Batched decode steps run, and how many of them over the stacked KV (`BatchKv`).
+    pub decode_steps: AtomicU64,
+    pub stacked_steps: AtomicU64,
     prefix: Mutex<PrefixStats>,
     /// Set by [`Engine::close`]: the scheduler cancels everything and stops.
     pub(crate) shutdown: AtomicBool,

@@ -2,10 +2,11 @@
 //! `BatchGenerator`): every iteration takes new requests without blocking, drops cancelled ones,
 //! admits what fits, runs one prefill chunk for one waiting sequence, then one batched decode step
 //! for every running sequence, and sends each its events. docs/design/scheduler.md explains the
-//! choices (per-sequence caches, attention per row, the prefix cache, admission).
+//! choices (per-sequence caches, the stacked KV of full-attention layers while decoding, the prefix
+//! cache, admission).
 use super::prefix::PrefixCache;
 use super::{Event, EventSink, FinishReason, LoadOptions, Request, Stats};
-use crate::cache::{CacheOptions, Caches, LayerCache};
+use crate::cache::{BatchKv, CacheOptions, Caches, LayerCache};
 use crate::error::{Error, Result};
 use crate::generate::{prefill_staging, Timings};
 use crate::handle::{self as mx, Array, Dtype, Stream};
@@ -22,6 +23,10 @@ use std::time::Instant;
 /// Generated tokens a sequence reserves KV for at admission (see `kv_reservation`).
 const RESERVE_GENERATED: usize = 2048;
 
+/// `0` keeps every decode step on per-row attention (no [`BatchKv`]): a switch for comparisons and
+/// for ruling the stacked KV out when a result looks wrong. Read when an engine starts.
+pub const BATCH_KV_ENV: &str = "MLXRS_BATCH_KV";
+
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
     Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool> },
@@ -30,6 +35,8 @@ pub(crate) enum Cmd {
 
 /// One generation in flight: everything it needs is its own.
 struct Seq {
+    /// Unique within the engine: names the sequence's row of the stacked KV.
+    uid: u64,
     req: Request,
     events: EventSink,
     cancel: Arc<AtomicBool>,
@@ -150,6 +157,12 @@ pub(crate) struct Scheduler<'a> {
     prefix: PrefixCache,
     staging: Staging,
     steps: u64,
+    next_uid: u64,
+    /// Whether decode steps of two or more rows run over a [`BatchKv`]: every layer a full cache,
+    /// unquantized, and not switched off.
+    stackable: bool,
+    /// The decoding rows' stacked KV and which sequence each slot holds (None: a hole).
+    stack: Option<(BatchKv, Vec<Option<u64>>)>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -157,6 +170,9 @@ impl<'a> Scheduler<'a> {
         let prefix = PrefixCache::new(opts.prompt_cache_bytes);
         stats.set_prefix(prefix.stats());
         let readback = Stream::default_stream().unwrap_or_else(|_| stream.clone());
+        let off = std::env::var(BATCH_KV_ENV).is_ok_and(|v| v.trim() == "0");
+        let kinds = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
+        let stackable = !off && opts.kv_bits.is_none() && kinds.iter().all(|c| matches!(c, LayerCache::Full(_)));
         Scheduler {
             model,
             tok,
@@ -169,6 +185,9 @@ impl<'a> Scheduler<'a> {
             prefix,
             staging: prefill_staging(),
             steps: 0,
+            next_uid: 0,
+            stack: None,
+            stackable,
         }
     }
 
@@ -222,11 +241,13 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    fn make_seq(&self, req: Request, events: EventSink, cancel: Arc<AtomicBool>) -> Result<Seq> {
+    fn make_seq(&mut self, req: Request, events: EventSink, cancel: Arc<AtomicBool>) -> Result<Seq> {
         let sampler = Sampler::new(req.sampling.clone(), self.model.shape().vocab_size)?;
         let detok = Detokenizer::new(&req.prompt);
         let stops = StopMatcher::new(req.stop.clone());
+        self.next_uid += 1;
         Ok(Seq {
+            uid: self.next_uid,
             cache: Vec::new(),
             sampler,
             detok,
@@ -381,35 +402,62 @@ impl<'a> Scheduler<'a> {
                     s.sampler.observe(&y)?;
                 }
             }
-            let tokens = if same_batch {
+            let slots = self.plan_stack(&rows)?;
+            // the stack's slots are the rows, in order (no holes)
+            let in_order = slots.as_ref().is_none_or(|o| o.len() == rows.len() && o.iter().zip(&rows).all(|(a, b)| *a == Some(*b)));
+            let tokens = if same_batch && in_order {
                 let Some(Step::Shared(s, _)) = &self.running[rows[0]].pending else { unreachable!("checked") };
                 mx::reshape(&s.y, &[rows.len() as i32, 1])?
             } else {
-                let mut inputs = Vec::with_capacity(rows.len());
-                for &i in &rows {
-                    let s = &self.running[i];
-                    let input = match (&s.pending, &s.first_input) {
-                        (Some(p), _) => mx::reshape(&p.token_array()?, &[1, 1])?,
-                        (None, Some(first)) => first.clone(),
-                        (None, None) => unreachable!("decoding"),
+                // one [1, 1] token per row (per slot of the stack, a hole's a dummy 0)
+                let order: Vec<Option<usize>> = match &slots {
+                    Some(v) => v.clone(),
+                    None => rows.iter().map(|&i| Some(i)).collect(),
+                };
+                let mut inputs = Vec::with_capacity(order.len());
+                for o in &order {
+                    let input = match o.map(|i| &self.running[i]) {
+                        Some(s) => match (&s.pending, &s.first_input) {
+                            (Some(p), _) => mx::reshape(&p.token_array()?, &[1, 1])?,
+                            (None, Some(first)) => first.clone(),
+                            (None, None) => unreachable!("decoding"),
+                        },
+                        None => Array::from_slice(&[0i32], &[1, 1])?,
                     };
                     inputs.push(mx::astype(&input, Dtype::Int32)?);
                 }
                 let refs: Vec<&Array> = inputs.iter().collect();
                 if refs.len() == 1 { refs[0].clone() } else { mx::concatenate(&refs, 0)? }
             };
-            let logits = {
-                let mut seqs: Vec<&mut [LayerCache]> = Vec::with_capacity(rows.len());
-                let mut rest: &mut [Seq] = &mut self.running;
-                let mut base = 0;
-                for &i in &rows {
-                    let (_, tail) = rest.split_at_mut(i - base);
-                    let (s, tail) = tail.split_first_mut().expect("row index in range");
-                    seqs.push(&mut s.cache);
-                    rest = tail;
-                    base = i + 1;
+            self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+            let logits = match (&mut self.stack, &slots) {
+                (Some((kv, _)), Some(order)) => {
+                    self.stats.stacked_steps.fetch_add(1, Ordering::Relaxed);
+                    kv.begin_step(order.len())?;
+                    let logits = self.model.forward_caches(&tokens, &mut Caches::stacked(kv), Staging::NONE)?;
+                    kv.advance();
+                    // the decoding rows' logits, in `rows` order
+                    let pick: Vec<i32> =
+                        rows.iter().map(|i| order.iter().position(|o| *o == Some(*i)).expect("every row has a slot") as i32).collect();
+                    if pick.iter().enumerate().all(|(k, &p)| k as i32 == p) && pick.len() == order.len() {
+                        logits
+                    } else {
+                        mx::take(&logits, &Array::from_slice(&pick, &[pick.len() as i32])?, 0)?
+                    }
                 }
-                self.model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE)?
+                _ => {
+                    let mut seqs: Vec<&mut [LayerCache]> = Vec::with_capacity(rows.len());
+                    let mut rest: &mut [Seq] = &mut self.running;
+                    let mut base = 0;
+                    for &i in &rows {
+                        let (_, tail) = rest.split_at_mut(i - base);
+                        let (s, tail) = tail.split_first_mut().expect("row index in range");
+                        seqs.push(&mut s.cache);
+                        rest = tail;
+                        base = i + 1;
+                    }
+                    self.model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE)?
+                }
             };
             for &i in &rows {
                 maybe_quantize(&mut self.running[i].cache, &self.opts)?;
@@ -487,6 +535,94 @@ impl<'a> Scheduler<'a> {
         Ok(())
     }
 
+    /// Make the stack hold the decoding `rows` (indices into `running`) when they are two or more
+    /// and the model is stackable; otherwise give every slot back to its sequence and drop it.
+    /// Returns each slot's row (None: a hole) when this step runs over the stack. A sequence that
+    /// stops decoding (still running) gets its row back; a joiner is written into the first hole or
+    /// at the end; holes are closed by one compaction when they are more than a quarter.
+    fn plan_stack(&mut self, rows: &[usize]) -> Result<Option<Vec<Option<usize>>>> {
+        let uids: Vec<u64> = rows.iter().map(|&i| self.running[i].uid).collect();
+        let want = self.stackable && rows.len() >= 2;
+        let Some((mut kv, mut ids)) = self.stack.take().or_else(|| want.then(|| (BatchKv::new(self.model.shape().num_layers as usize), Vec::new())))
+        else {
+            return Ok(None);
+        };
+        // slots whose sequence does not decode now: back to its own caches
+        let mut pending = Vec::new();
+        for slot in 0..ids.len() {
+            let Some(uid) = ids[slot] else { continue };
+            if want && uids.contains(&uid) {
+                continue;
+            }
+            ids[slot] = None;
+            match self.running.iter_mut().find(|s| s.uid == uid) {
+                Some(s) => pending.extend(kv.take_row(slot, &mut s.cache)?),
+                None => kv.clear(slot),
+            }
+        }
+        // evaluated now, so that the stack's next write is in place
+        let refs: Vec<&Array> = pending.iter().collect();
+        mx::eval(&refs)?;
+        if !want {
+            return Ok(None);
+        }
+        for (&i, &uid) in rows.iter().zip(&uids) {
+            if ids.contains(&Some(uid)) {
+                continue;
+            }
+            let slot = match ids.iter().position(|x| x.is_none()) {
+                Some(h) => h,
+                None => {
+                    ids.push(None);
+                    ids.len() - 1
+                }
+            };
+            let s = &mut self.running[i];
+            kv.put_row(slot, &s.cache)?;
+            ids[slot] = Some(uid);
+            for c in s.cache.iter_mut() {
+                if let LayerCache::Full(c) = c {
+                    c.keys = None; // lives in the stack now
+                    c.values = None;
+                }
+            }
+        }
+        while ids.last() == Some(&None) {
+            ids.pop();
+        }
+        let holes = ids.iter().filter(|x| x.is_none()).count();
+        if holes > 0 && holes * 4 > ids.len() {
+            let keep: Vec<usize> = (0..ids.len()).filter(|&s| ids[s].is_some()).collect();
+            kv = kv.compact(&keep)?;
+            ids = keep.iter().map(|&s| ids[s]).collect();
+        }
+        let order = ids.iter().map(|id| id.and_then(|u| self.running.iter().position(|s| s.uid == u))).collect();
+        self.stack = Some((kv, ids));
+        Ok(Some(order))
+    }
+
+    /// A sequence leaving `running`: its row of the stack back into its own caches (`keep`: it will
+    /// be snapshotted) or just freed.
+    fn leave_stack(&mut self, s: &mut Seq, keep: bool) {
+        let Some((kv, ids)) = &mut self.stack else { return };
+        let Some(slot) = ids.iter().position(|h| *h == Some(s.uid)) else { return };
+        ids[slot] = None;
+        if !keep {
+            kv.clear(slot);
+            s.cache.clear();
+            return;
+        }
+        match kv.take_row(slot, &mut s.cache) {
+            Ok(arrays) => {
+                let refs: Vec<&Array> = arrays.iter().collect();
+                if mx::eval(&refs).is_err() {
+                    s.cache.clear();
+                }
+            }
+            Err(_) => s.cache.clear(), // nothing to snapshot rather than a wrong snapshot
+        }
+    }
+
     /// Read one sequence's token, send its text; Some(why) when the sequence is done.
     fn emit(&mut self, i: usize, step: &Step) -> Result<Option<(FinishReason, Option<String>)>> {
         let tok = self.tok;
@@ -524,6 +660,7 @@ impl<'a> Scheduler<'a> {
 
     /// End a sequence: flush its text, snapshot its cache, send Done, count it.
     fn finish(&mut self, s: &mut Seq, reason: FinishReason, stop: Option<String>, ran: bool) {
+        self.leave_stack(s, ran && reason != FinishReason::Cancelled && self.prefix.enabled());
         let mut reason = reason;
         let mut stop_string = stop;
         if reason != FinishReason::Cancelled && stop_string.is_none() {
@@ -564,6 +701,7 @@ impl<'a> Scheduler<'a> {
     /// An MLX failure inside a step: every sequence in it gets the error; the engine goes on.
     fn fail_all(&mut self, e: Error) {
         let msg = e.to_string();
+        self.stack = None;
         for mut s in self.running.drain(..) {
             self.stats.failed.fetch_add(1, Ordering::Relaxed);
             self.stats.inflight.fetch_sub(1, Ordering::Relaxed);

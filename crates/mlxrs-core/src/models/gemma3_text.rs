@@ -136,7 +136,7 @@ impl CausalLm for Model {
         for (i, layer) in self.layers.iter().enumerate() {
             let is_global = (i as i32) % self.pattern == self.pattern - 1;
             let mask = if is_global { &global_mask } else { sliding_mask.as_ref().unwrap_or(&global_mask) };
-            let r = layer.attn.forward_many(&layer.input_norm.forward(&h)?, mask, &mut caches.layer_mut(i))?;
+            let r = layer.attn.forward_many(&layer.input_norm.forward(&h)?, mask, caches.layer_mut(i))?;
             let hh = clip_residual(&h, &layer.post_attn_norm.forward(&r)?)?;
             let r = layer.mlp.forward(&layer.pre_ff_norm.forward(&hh)?)?;
             h = clip_residual(&hh, &layer.post_ff_norm.forward(&r)?)?;

@@ -1,6 +1,6 @@
 //! Building blocks shared by the architectures: linear (dense or MLX-quantized), embedding,
 //! RMSNorm, rotary embedding, attention over an external KV cache, gated MLPs.
-use crate::cache::{Fetched, LayerCache, Mask};
+use crate::cache::{Fetched, LayerCache, LayerCaches, Mask, Masks};
 use crate::error::Result;
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
 use crate::weights::{QuantSpec, Weights};
@@ -351,15 +351,31 @@ impl Attention {
         self.output(&out, b, l)
     }
 
-    /// Attention over a batch whose rows have caches of their own (the engine's batched decode):
-    /// the projections run batched; the rotary embedding (at each row's offset), the cache update
-    /// and the attention run per row, over exactly the keys that row alone would see.
-    pub fn forward_many(&self, x: &Array, masks: &[Mask], caches: &mut [&mut LayerCache]) -> Result<Array> {
+    /// Attention over a batch (the engine's batched decode). The projections always run batched.
+    /// Over a [`crate::cache::BatchKv`] layer the rest does too: rotary embedding at each row's
+    /// offset, one write of every row's keys, one masked attention. Over rows with caches of their
+    /// own (rotating, quantized), the cache update and the attention run per row, over exactly the
+    /// keys that row alone would see.
+    pub fn forward_many(&self, x: &Array, masks: &Masks, caches: LayerCaches) -> Result<Array> {
+        let (b, l) = (x.dim(0), x.dim(1));
+        let (caches, masks) = match (caches, masks) {
+            (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
+                // every row's keys in one stacked buffer: the same few ops for any batch size
+                let (q, k, v) = self.project(x)?;
+                let q = self.rope.forward_rows(&q, kv.offsets())?;
+                let k = self.rope.forward_rows(&k, kv.offsets())?;
+                let (kk, vv) = kv.update_and_fetch(layer, &k, &v)?;
+                let out = mx::scaled_dot_product_attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), None)?;
+                return self.output(&out, b, l);
+            }
+            (LayerCaches::Rows(c), Masks::Rows(m)) => (c, m),
+            _ => return Err(crate::error::Error::Invalid("attention: masks and caches of different kinds".into())),
+        };
+        let mut caches = caches;
         if caches.len() == 1 {
             return self.forward(x, &masks[0], caches[0]);
         }
         let n = caches.len() as i32;
-        let (b, l) = (x.dim(0), x.dim(1));
         let (q, k, v) = self.project(x)?;
         let offsets: Vec<i32> = caches.iter().map(|c| c.offset()).collect();
         // one token per row (a decode step): the rotary embedding for all rows at once

@@ -140,7 +140,7 @@ impl CausalLm for Model {
         let mut stager = super::Stager::new(staging);
         for (i, layer) in self.layers.iter().enumerate() {
             let mask = if layer.sliding { swa_mask.as_ref().unwrap_or(&fa_mask) } else { &fa_mask };
-            let r = layer.attn.forward_many(&layer.in_norm.forward(&h)?, mask, &mut caches.layer_mut(i))?;
+            let r = layer.attn.forward_many(&layer.in_norm.forward(&h)?, mask, caches.layer_mut(i))?;
             let hh = mx::add(&h, &r)?;
             let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
             h = mx::add(&hh, &r)?;

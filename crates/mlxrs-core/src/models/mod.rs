@@ -55,7 +55,7 @@ pub trait CausalLm: Send {
     fn forward_staged(&self, tokens: &Array, cache: &mut [LayerCache], staging: Staging) -> Result<Array> {
         self.forward_caches(tokens, &mut Caches::one(cache), staging)
     }
-    /// The forward pass over one cache per batch row: `tokens` `[B, L]` with `caches.batch() == B`.
+    /// The forward pass over one cache per batch row: `tokens` `[B, L]`, B the rows of `caches`.
     /// The engine's batched decode step runs several sequences (each its own cache) through it.
     fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: Staging) -> Result<Array>;
     /// A fresh cache for this model.
