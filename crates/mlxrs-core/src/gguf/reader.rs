@@ -350,24 +350,48 @@ pub fn parse_header<R: Read>(r: R, len: u64) -> Result<GgufHeader, GgufError> {
         tensors.push(TensorInfo { name, dims, ty, offset });
     }
     let data_offset = p.pos.div_ceil(alignment) * alignment;
-    // every tensor's bytes must lie inside the file
-    for t in &tensors {
-        if let Some((be, bb)) = t.ty.block() {
-            let nb = t.nbytes();
-            let end = nb.and_then(|nb| data_offset.checked_add(t.offset)?.checked_add(nb));
-            if end.is_none_or(|e| e > len) {
-                let size = match nb {
-                    Some(nb) => format!("{nb} bytes"),
-                    None => format!("{} blocks of {bb} bytes", t.n_elements().div_ceil(be)),
-                };
-                return Err(GgufError {
-                    offset: data_offset.saturating_add(t.offset),
-                    msg: format!("tensor {} ({size} at data offset {}) runs past the end of the file ({len} bytes)", t.name, t.offset),
-                });
-            }
+    check_tensors(&tensors, alignment, data_offset, len)?;
+    Ok(GgufHeader { version, metadata, index, tensors, alignment, data_offset })
+}
+
+/// Every tensor listed once, its offset aligned, its dimensions MLX-sized (below 2^31), whole blocks
+/// of its type along the first dimension, its bytes inside the file and overlapping no other's.
+fn check_tensors(tensors: &[TensorInfo], alignment: u64, data_offset: u64, len: u64) -> Result<(), GgufError> {
+    let err = |t: &TensorInfo, msg: String| GgufError { offset: data_offset.saturating_add(t.offset), msg: format!("tensor {} {msg}", t.name) };
+    let mut names = std::collections::HashSet::new();
+    let mut spans = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        if !names.insert(t.name.as_str()) {
+            return Err(err(t, "is listed twice".into()));
+        }
+        if t.offset % alignment != 0 {
+            return Err(err(t, format!("has data offset {}, not a multiple of the alignment {alignment}", t.offset)));
+        }
+        if let Some(d) = t.dims.iter().find(|&&d| d > i32::MAX as u64) {
+            return Err(err(t, format!("has a dimension of {d} (at most 2^31 - 1)")));
+        }
+        let Some((be, bb)) = t.ty.block() else { continue };
+        if t.dims[0] % be != 0 {
+            return Err(err(t, format!("has {} values per row, not whole {}-value blocks of {}", t.dims[0], be, t.ty.name())));
+        }
+        let nb = t.nbytes();
+        let end = nb.and_then(|nb| data_offset.checked_add(t.offset)?.checked_add(nb));
+        if end.is_none_or(|e| e > len) {
+            let size = match nb {
+                Some(nb) => format!("{nb} bytes"),
+                None => format!("{} blocks of {bb} bytes", t.n_elements().div_ceil(be)),
+            };
+            return Err(err(t, format!("({size} at data offset {}) runs past the end of the file ({len} bytes)", t.offset)));
+        }
+        spans.push((t.offset, t.offset + nb.unwrap_or(0), t));
+    }
+    spans.sort_by_key(|s| s.0);
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(err(w[1].2, format!("(at data offset {}) overlaps tensor {} (data offsets {}..{})", w[1].0, w[0].2.name, w[0].0, w[0].1)));
         }
     }
-    Ok(GgufHeader { version, metadata, index, tensors, alignment, data_offset })
+    Ok(())
 }
 
 /// An open GGUF file.

@@ -160,10 +160,101 @@ pub fn build(config: &Value, mut weights: Weights) -> Result<Box<dyn CausalLm>> 
     })
 }
 
+/// Upper bounds on the sizes a config (or GGUF metadata) may give: far above every released model,
+/// they keep a corrupt or hostile file from sizing allocations (`num_hidden_layers = 1e9` would
+/// otherwise abort the process before any weight is looked at).
+pub mod limits {
+    pub const LAYERS: i64 = 1024;
+    pub const HIDDEN: i64 = 1 << 17;
+    pub const HEADS: i64 = 1024;
+    pub const HEAD_DIM: i64 = 1024;
+    pub const VOCAB: i64 = 1 << 22;
+    pub const INTERMEDIATE: i64 = 1 << 20;
+    /// Sliding windows and context lengths.
+    pub const POSITIONS: i64 = 1 << 30;
+}
+
+/// The sizes a decoder is built from, each checked positive, bounded ([`limits`]) and consistent
+/// with the others before anything is allocated from them; the weights' shapes are then checked
+/// against them as each tensor is taken (`Weights::take_matrix`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    pub hidden: i32,
+    pub layers: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub vocab: i32,
+    /// None: not in the config (the MLP's shape then comes from its first gate_proj).
+    pub intermediate: Option<i32>,
+}
+
+/// Defaults for fields a config may leave out (Gemma 3's; none for the llama family).
+#[derive(Clone, Copy, Default)]
+pub struct DimDefaults {
+    pub hidden: Option<i64>,
+    pub layers: Option<i64>,
+    pub heads: Option<i64>,
+    pub kv_heads: Option<i64>,
+    pub head_dim: Option<i64>,
+    pub vocab: Option<i64>,
+}
+
+impl Dims {
+    pub fn from_config(c: &Cfg, d: DimDefaults) -> Result<Dims> {
+        use limits::*;
+        let hidden = c.size("hidden_size", d.hidden, HIDDEN)?;
+        let layers = c.size("num_hidden_layers", d.layers, LAYERS)?;
+        let heads = c.size("num_attention_heads", d.heads, HEADS)?;
+        let kv_heads = c.size("num_key_value_heads", Some(d.kv_heads.unwrap_or(heads as i64)), HEADS)?;
+        let head_dim = match (c.get("head_dim"), d.head_dim) {
+            (None, None) if hidden % heads != 0 => {
+                return Err(Error::ModelLoad(format!(
+                    "config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and there is no head_dim)"
+                )))
+            }
+            (None, None) => hidden / heads,
+            (_, def) => c.size("head_dim", def, HEAD_DIM)?,
+        };
+        if head_dim % 2 != 0 {
+            return Err(Error::ModelLoad(format!("config.json: head_dim {head_dim} is odd (the rotary embedding rotates pairs)")));
+        }
+        if heads % kv_heads != 0 {
+            return Err(Error::ModelLoad(format!(
+                "config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )));
+        }
+        let vocab = c.size("vocab_size", d.vocab, VOCAB)?;
+        let intermediate = match c.get("intermediate_size") {
+            Some(_) => Some(c.size("intermediate_size", None, INTERMEDIATE)?),
+            None => None,
+        };
+        Ok(Dims { hidden, layers, heads, kv_heads, head_dim, vocab, intermediate })
+    }
+
+    /// The MLP width: the config's, else the first layer's gate_proj rows.
+    pub fn intermediate(&self, w: &Weights) -> Result<i32> {
+        self.intermediate
+            .or_else(|| w.rows_of("model.layers.0.mlp.gate_proj"))
+            .ok_or_else(|| Error::ModelLoad("config.json: intermediate_size is missing".into()))
+    }
+}
+
 /// Config accessors with clear errors.
-pub(crate) struct Cfg<'a>(pub &'a Value);
+pub struct Cfg<'a>(pub &'a Value);
 
 impl Cfg<'_> {
+    /// A size field: an integer in 1..=max (`default` when absent), else an error naming it.
+    pub fn size(&self, k: &str, default: Option<i64>, max: i64) -> Result<i32> {
+        let v = match self.get(k) {
+            None => default.ok_or_else(|| Error::ModelLoad(format!("config.json: {k} is missing or not an integer")))?,
+            Some(v) => v.as_i64().ok_or_else(|| Error::ModelLoad(format!("config.json: {k} = {v} is not an integer")))?,
+        };
+        if !(1..=max).contains(&v) {
+            return Err(Error::ModelLoad(format!("config.json: {k} = {v} is out of range (1..={max})")));
+        }
+        Ok(v as i32)
+    }
     pub fn i(&self, k: &str) -> Result<i32> {
         self.0
             .get(k)
