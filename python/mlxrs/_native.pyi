@@ -247,10 +247,16 @@ class Session:
         """Queue a generation; `params` is a JSON object of sampling options. With `hub`, its
         events go to the hub, tagged with the stream's `id`."""
     def logits(self, prompt: Sequence[int]) -> list[float]: ...
-    def info(self) -> dict[str, Any]: ...
+    def info(self) -> dict[str, Any]:
+        """Model facts and counters; `info()["engine"]` is {"state": "running" | "dead" | "closed",
+        "error": the engine's death message or None}. Works on a closed session."""
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...
+    def _inject_engine_panic(self) -> None:
+        """TEST-ONLY hook: the engine thread panics at its next iteration, as a bug in its step loop
+        would; in-flight and later requests then fail with `mlxrs.errors.EngineError`. Never call it
+        outside tests: the session is unusable afterwards."""
 
 @final
 class TokenStream:
