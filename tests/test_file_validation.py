@@ -221,8 +221,8 @@ def test_kv_group_size_is_validated_in_rust(tmp_path, good):
             _native.Session(str(good), kv_bits=4, kv_group_size=g)
     with pytest.raises(InvalidArgumentError, match="max_concurrency"):
         _native.Session(str(good), max_concurrency=0)
-    # a group size that does not divide head_dim (64): refused, not an MLX failure mid-generation
-    with pytest.raises(InvalidArgumentError, match="does not divide the model's head_dim 64"):
+    # a group size that does not divide head_dim (32 here): refused, not an MLX failure mid-generation
+    with pytest.raises(InvalidArgumentError, match="kv_group_size 64 does not divide the model's head_dim 32"):
         _native.Session(str(make_model("qwen3-hd32", "qwen3", head_dim=32, heads=8, kv_heads=4)), kv_bits=4,
                         kv_group_size=64)
     with mlxrs.Session(good, kv_bits=4, kv_group_size=32) as s:  # the valid ones still work
@@ -263,7 +263,7 @@ def test_gguf_metadata_sizes_are_bounded(tmp_path, good_gguf):
     }
     jobs = []
     for name, (key, value) in cases.items():
-        off, width = next(v for k, v in fields.items() if k.startswith(key + ": value"))
+        off, width = next(v for k, v in fields.items() if k.startswith(key + ": value of type"))
         p = tmp_path / f"{name}.gguf"
         p.write_bytes(set_field(data, off, width, value))
         jobs.append({"name": name, "path": str(p), "out": str(tmp_path / f"{name}-out")})
