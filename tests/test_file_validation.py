@@ -219,8 +219,6 @@ def test_kv_group_size_is_validated_in_rust(tmp_path, good):
     for g in (0, 48):
         with pytest.raises(InvalidArgumentError, match=rf"kv_group_size must be one of 32, 64, 128 \(got {g}\)"):
             _native.Session(str(good), kv_bits=4, kv_group_size=g)
-    with pytest.raises(InvalidArgumentError, match="max_concurrency"):
-        _native.Session(str(good), max_concurrency=0)
     # a group size that does not divide head_dim (32 here): refused, not an MLX failure mid-generation
     with pytest.raises(InvalidArgumentError, match="kv_group_size 64 does not divide the model's head_dim 32"):
         _native.Session(str(make_model("qwen3-hd32", "qwen3", head_dim=32, heads=8, kv_heads=4)), kv_bits=4,

@@ -32,6 +32,7 @@ __all__ = [
     "_gguf_header",
     "_gguf_tensor",
     "_gguf_tokenizer",
+    "_safetensors_header",
     "Session",
     "TokenStream",
     "EventHub",
@@ -106,6 +107,10 @@ def _gguf_header(
 
 def _gguf_tensor(path: str | os.PathLike[str], name: str) -> bytes:
     """One tensor of a GGUF file dequantized to float32 bytes (row-major)."""
+
+def _safetensors_header(path: str | os.PathLike[str]) -> str:
+    """The validated header of a safetensors file as JSON: {name: {"dtype", "shape", "data_offsets"}};
+    raises ModelLoadError naming the tensor and field when offsets, dtypes or shapes disagree."""
 
 def _gguf_tokenizer(path: str | os.PathLike[str]) -> tuple[str, str]:
     """The tokenizer a GGUF file describes: (tokenizer.json, tokenizer_config.json) as JSON text."""

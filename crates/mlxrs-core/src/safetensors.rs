@@ -95,8 +95,9 @@ pub fn parse_header(json: &[u8], data_len: u64) -> std::result::Result<Header, S
             return Err(format!("lists tensor {name} twice"));
         }
         if name == "__metadata__" {
-            if !t.as_object().is_some_and(|m| m.values().all(Value::is_string)) {
-                return Err("has a __metadata__ that is not an object of strings".into());
+            // MLX writes null when there is none
+            if !(t.is_null() || t.as_object().is_some_and(|m| m.values().all(Value::is_string))) {
+                return Err("has a __metadata__ that is neither null nor an object of strings".into());
             }
             continue;
         }
@@ -180,6 +181,8 @@ mod tests {
 
     #[test]
     fn a_consistent_header_is_accepted() {
+        assert!(parse_header(&hdr(json!({"__metadata__": null})), 0).unwrap().tensors.is_empty());
+        assert!(parse_header(&hdr(json!({"__metadata__": {"a": 1}})), 0).is_err());
         let h = hdr(json!({"__metadata__": {"format": "mlx"},
             "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
             "b": {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]},

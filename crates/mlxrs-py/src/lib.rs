@@ -164,6 +164,19 @@ fn _gguf_header(py: Python<'_>, data: Option<&[u8]>, path: Option<std::path::Pat
     Ok((h.version, meta.to_string(), tensors, h.data_offset))
 }
 
+/// The validated header of a safetensors file (mlxrs-core's `safetensors::read_header`) as JSON:
+/// {name: {"dtype", "shape", "data_offsets"}} (the registry reads headers through it).
+#[pyfunction]
+fn _safetensors_header(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
+    let h = native(py, || mlxrs_core::safetensors::read_header(&path))?;
+    let m: serde_json::Map<String, serde_json::Value> = h
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [t.begin, t.end]})))
+        .collect();
+    Ok(serde_json::Value::Object(m).to_string())
+}
+
 /// Dequantize one tensor of a GGUF file to float32 bytes (row-major).
 #[pyfunction]
 fn _gguf_tensor<'py>(py: Python<'py>, path: std::path::PathBuf, name: &str) -> PyResult<Bound<'py, PyBytes>> {
@@ -220,6 +233,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_gguf_header, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tokenizer, m)?)?;
+    m.add_function(wrap_pyfunction!(_safetensors_header, m)?)?;
     plan::register(m)?;
     download::register(m)?;
     m.add_class::<session::Session>()?;

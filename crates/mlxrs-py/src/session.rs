@@ -116,7 +116,7 @@ impl Session {
             kv_group_size,
             max_kv_size,
             prefill_step_size,
-            max_concurrency: max_concurrency.unwrap_or(d.max_concurrency),
+            max_concurrency: max_concurrency.unwrap_or(d.max_concurrency).max(1),
             max_queue: max_queue.unwrap_or(d.max_queue),
             prompt_cache_bytes: prompt_cache_bytes.unwrap_or(d.prompt_cache_bytes),
             kv_budget_bytes,
