@@ -278,3 +278,72 @@ impl Cfg<'_> {
         self.0.get(k).filter(|v| !v.is_null())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    #[test]
+    fn sizes_are_bounded_and_consistent() {
+        let ok = json!({"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512});
+        let d = Dims::from_config(&Cfg(&ok), DimDefaults::default()).unwrap();
+        assert_eq!((d.heads, d.kv_heads, d.head_dim, d.intermediate), (4, 2, 64, None));
+        let with = |k: &str, v: Value| {
+            let mut c = ok.clone();
+            c[k] = v;
+            Dims::from_config(&Cfg(&c), DimDefaults::default()).unwrap_err().to_string()
+        };
+        assert!(with("num_hidden_layers", json!(1_000_000_000)).contains("num_hidden_layers = 1000000000 is out of range"));
+        assert!(with("num_hidden_layers", json!(0)).contains("out of range"));
+        // 2^32 + 2 would wrap to 2 as an i32
+        assert!(with("num_hidden_layers", json!(4_294_967_298u64)).contains("out of range"));
+        assert!(with("head_dim", json!(1_000_000)).contains("head_dim = 1000000"));
+        assert!(with("num_attention_heads", json!(0)).contains("num_attention_heads = 0"));
+        assert!(with("num_attention_heads", json!(3)).contains("not a multiple"));
+        assert!(with("hidden_size", json!(1e9)).contains("not an integer"));
+        assert!(with("head_dim", json!(33)).contains("odd"));
+        let mut no_hd = ok.clone();
+        no_hd.as_object_mut().unwrap().remove("head_dim");
+        no_hd["hidden_size"] = json!(250);
+        assert!(Dims::from_config(&Cfg(&no_hd), DimDefaults::default()).unwrap_err().to_string().contains("not a multiple"));
+    }
+
+    fn value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            (-3i64..70).prop_map(Value::from),
+            prop::sample::select(vec![1i64 << 31, (1 << 31) - 1, 1 << 32, i64::MAX, 1_000_000_000, 262_144]).prop_map(Value::from),
+            any::<f64>().prop_map(|f| json!(f)),
+            Just(Value::Null),
+            Just(json!("64")),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+        /// Arbitrary size fields: never a panic; accepted sizes are in range and consistent.
+        #[test]
+        fn accepted_configs_are_consistent(vals in prop::collection::vec(value(), 7), gemma in any::<bool>()) {
+            let keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                        "head_dim", "vocab_size", "intermediate_size"];
+            let cfg = Value::Object(keys.iter().map(|k| k.to_string()).zip(vals).collect());
+            let defaults = if gemma {
+                DimDefaults { hidden: Some(1152), layers: Some(26), heads: Some(4), kv_heads: Some(1), head_dim: Some(256), vocab: Some(262144) }
+            } else {
+                DimDefaults::default()
+            };
+            if let Ok(d) = Dims::from_config(&Cfg(&cfg), defaults) {
+                use limits::*;
+                for (v, max) in [(d.hidden, HIDDEN), (d.layers, LAYERS), (d.heads, HEADS), (d.kv_heads, HEADS),
+                                 (d.head_dim, HEAD_DIM), (d.vocab, VOCAB), (d.intermediate.unwrap_or(1), INTERMEDIATE)] {
+                    prop_assert!(v >= 1 && v as i64 <= max);
+                }
+                prop_assert_eq!(d.heads % d.kv_heads, 0);
+                prop_assert_eq!(d.head_dim % 2, 0);
+            }
+        }
+    }
+}
