@@ -336,3 +336,15 @@ def test_engine_error_is_exported():
     import mlxrs.errors as errors
 
     assert "EngineError" in errors.__all__ and errors.EngineError is EngineError
+
+
+def test_the_fuzz_script_runs_clean():
+    """scripts/fuzz_files.py on a few cases of each kind (docs/fuzzing.md has the long run)."""
+    pytest.importorskip("gguf")
+    p = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "fuzz_files.py"), "--n", "25", "--seed", "3"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    for kind in ("safetensors", "gguf", "config"):
+        line = next(x for x in p.stdout.splitlines() if x.startswith(kind + ":"))
+        assert "crashed 0, hung 0, accepted-inconsistent 0" in line, line
+        assert "accepted-consistent 0," not in line, line  # at least the unmutated file loads
