@@ -173,6 +173,7 @@ def test_weights_must_have_the_shapes_the_config_implies(tmp_path, good):
     d = edit_config(copy_model(tmp_path, good, "hd"), head_dim=32)  # in range, but not the weights' 64
     msg = pytest.raises(ModelLoadError, mlxrs.Session, d).value.args[0]
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "[128, 256]" in msg and "config.json" in msg
+    assert msg.startswith(f"{d}: "), msg  # which model
 
 
 # ---- config.json --------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def test_weights_must_have_the_shapes_the_config_implies(tmp_path, good):
 def test_config_sizes_are_bounded(tmp_path, good, field, value, needle):
     d = edit_config(copy_model(tmp_path, good, "cfg"), **{field: value})
     r = load_in_subprocess([{"name": "c", "path": str(d)}])["c"]
-    assert_refused(r, "config.json", needle)
+    assert_refused(r, str(d), "config.json", needle)
 
 
 def test_gemma_window_pattern_is_bounded(tmp_path):

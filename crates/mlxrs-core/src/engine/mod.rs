@@ -279,7 +279,11 @@ impl Engine {
                 let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Box<dyn CausalLm>, usize)> {
                     let weights = Weights::load_dir(&d, &cfg)?;
                     let bytes = weights.nbytes();
-                    let model = models::build(&cfg, weights)?;
+                    // the config's and the weights' checks name the field or tensor; say which model
+                    let model = models::build(&cfg, weights).map_err(|e| match e {
+                        Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
+                        e => e,
+                    })?;
                     Ok((model, bytes))
                 }))
                 .unwrap_or_else(|p| {
