@@ -255,16 +255,6 @@ impl Cfg<'_> {
         }
         Ok(v as i32)
     }
-    pub fn i(&self, k: &str) -> Result<i32> {
-        self.0
-            .get(k)
-            .and_then(Value::as_i64)
-            .map(|v| v as i32)
-            .ok_or_else(|| Error::ModelLoad(format!("config.json: {k} is missing or not an integer")))
-    }
-    pub fn i_or(&self, k: &str, d: i32) -> i32 {
-        self.0.get(k).and_then(Value::as_i64).map(|v| v as i32).unwrap_or(d)
-    }
     pub fn opt_i(&self, k: &str) -> Option<i32> {
         self.0.get(k).and_then(Value::as_i64).map(|v| v as i32)
     }
