@@ -443,10 +443,11 @@ def test_close_and_context_manager(model_dir):
     assert s.closed
     for call in (lambda: s.generate(PROMPT, max_tokens=2), lambda: list(s.stream(PROMPT, max_tokens=2)),
                  lambda: s.tokenize("x"), lambda: s.detokenize([1]), lambda: s.logits([1, 2]),
-                 lambda: s.apply_chat_template([{"role": "user", "content": "x"}]), lambda: s.info,
+                 lambda: s.apply_chat_template([{"role": "user", "content": "x"}]),
                  lambda: s.chat([{"role": "user", "content": "x"}])):
         with pytest.raises(InvalidArgumentError, match="closed"):
             call()
+    assert s.info["engine"] == {"state": "closed", "error": None}  # info still answers, and says so
     s.close()  # closing twice is harmless
     s2 = mlxrs.Session(model_dir)
     s2.close()

@@ -32,6 +32,7 @@ __all__ = [
     "_gguf_header",
     "_gguf_tensor",
     "_gguf_tokenizer",
+    "_safetensors_header",
     "Session",
     "TokenStream",
     "EventHub",
@@ -106,6 +107,10 @@ def _gguf_header(
 
 def _gguf_tensor(path: str | os.PathLike[str], name: str) -> bytes:
     """One tensor of a GGUF file dequantized to float32 bytes (row-major)."""
+
+def _safetensors_header(path: str | os.PathLike[str]) -> str:
+    """The validated header of a safetensors file as JSON: {name: {"dtype", "shape", "data_offsets"}};
+    raises ModelLoadError naming the tensor and field when offsets, dtypes or shapes disagree."""
 
 def _gguf_tokenizer(path: str | os.PathLike[str]) -> tuple[str, str]:
     """The tokenizer a GGUF file describes: (tokenizer.json, tokenizer_config.json) as JSON text."""
@@ -247,10 +252,16 @@ class Session:
         """Queue a generation; `params` is a JSON object of sampling options. With `hub`, its
         events go to the hub, tagged with the stream's `id`."""
     def logits(self, prompt: Sequence[int]) -> list[float]: ...
-    def info(self) -> dict[str, Any]: ...
+    def info(self) -> dict[str, Any]:
+        """Model facts and counters; `info()["engine"]` is {"state": "running" | "dead" | "closed",
+        "error": the engine's death message or None}. Works on a closed session."""
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...
+    def _inject_engine_panic(self) -> None:
+        """TEST-ONLY hook: the engine thread panics at its next iteration, as a bug in its step loop
+        would; in-flight and later requests then fail with `mlxrs.errors.EngineError`. Never call it
+        outside tests: the session is unusable afterwards."""
 
 @final
 class TokenStream:

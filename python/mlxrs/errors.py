@@ -30,6 +30,12 @@ class BusyError(MlxrsError):
     """The engine's queue is full (max_concurrency running, max_queue waiting): retry later."""
 
 
+class EngineError(MlxrsError):
+    """The session's engine thread died (an internal error): what was running and every later
+    request fail with this; `Session.info["engine"]` says "dead" with the message. Close the
+    session and load the model again."""
+
+
 class ContextLengthError(MlxrsError):
     """A request does not fit the memory admission ceiling."""
 
@@ -44,5 +50,5 @@ class GenerationCancelled(MlxrsError):
 
 __all__ = [
     "MlxrsError", "MlxError", "NativeRuntimeError", "InvalidArgumentError", "ModelLoadError",
-    "UnsupportedModelError", "BusyError", "ContextLengthError", "DownloadError", "GenerationCancelled",
+    "UnsupportedModelError", "BusyError", "EngineError", "ContextLengthError", "DownloadError", "GenerationCancelled",
 ]

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import sqlite3
-import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -24,8 +23,6 @@ from .errors import ModelLoadError
 
 SCHEMA_VERSION = 1
 SCAN_HINT = "(try `mlxrs scan`)"
-#: The safetensors header of a model file is JSON of a few MB at most; anything larger is not one.
-MAX_SAFETENSORS_HEADER = 100 << 20
 #: How deep below an `MLXRS_MODEL_DIRS` entry model directories and .gguf files are looked for.
 MODEL_DIRS_DEPTH = 3
 
@@ -116,19 +113,16 @@ def db_path() -> Path:
 # ---- metadata readers -------------------------------------------------------------------------
 
 def safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (the 8-byte little-endian length, then the JSON)."""
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path.name}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        size = path.stat().st_size
-        if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
-            raise ValueError(f"{path.name}: not a safetensors file (header length {n}, file {size} bytes)")
-        head = json.loads(f.read(n))
-    if not isinstance(head, dict):
-        raise ValueError(f"{path.name}: safetensors header is not a JSON object")
-    return head
+    """The validated header of a safetensors file, {name: {"dtype", "shape", "data_offsets"}}: the
+    one reader the loader and the planner use (crates/mlxrs-core/src/safetensors.rs), which refuses
+    offsets, dtypes and shapes that disagree. Raises ValueError saying why."""
+    from . import _native
+    from .errors import MlxrsError
+
+    try:
+        return dict(json.loads(_native._safetensors_header(str(path))))
+    except MlxrsError as e:
+        raise ValueError(str(e)) from None
 
 
 def _weight_files(d: Path) -> list[str]:

@@ -301,6 +301,10 @@ class Session:
     def close(self) -> None:
         self._s.close()
 
+    def _inject_engine_panic(self) -> None:
+        """Test-only: the engine thread panics at its next iteration (see `_native.Session`)."""
+        self._s._inject_engine_panic()
+
     @property
     def closed(self) -> bool:
         return bool(self._s.closed)

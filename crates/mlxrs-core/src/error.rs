@@ -27,6 +27,10 @@ pub enum Error {
     /// The engine's queue is full: retry later (a 429 with Retry-After in the server).
     #[error("{0}")]
     Busy(String),
+    /// The engine thread died (a panic inside its step loop): what was in flight and every later
+    /// request of the session fail with this.
+    #[error("{0}")]
+    Engine(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

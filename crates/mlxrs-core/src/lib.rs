@@ -12,6 +12,7 @@ pub use handle::{Array, Dtype};
 pub mod cache;
 pub mod models;
 pub mod weights;
+pub mod safetensors;
 pub mod sample;
 pub mod generate;
 pub mod tokenizer;

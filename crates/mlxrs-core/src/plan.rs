@@ -166,36 +166,10 @@ fn dtype_bytes(name: &str) -> Option<u64> {
     })
 }
 
-/// One safetensors header: (tensor name → (dtype, bytes)).
+/// One safetensors header, validated ([`crate::safetensors::read_header`]): (name, dtype, bytes).
 fn safetensors_header(path: &Path) -> Result<Vec<(String, String, u64)>> {
-    use std::io::Read;
-    let io = |e| Error::Io { path: path.to_path_buf(), source: e };
-    let mut f = std::fs::File::open(path).map_err(io)?;
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n).map_err(io)?;
-    let n = u64::from_le_bytes(n);
-    if n > 100 << 20 {
-        return Err(Error::ModelLoad(format!("{}: not a valid safetensors header ({n} bytes)", path.display())));
-    }
-    let mut buf = vec![0u8; n as usize];
-    f.read_exact(&mut buf).map_err(io)?;
-    let v: Value = serde_json::from_slice(&buf)
-        .map_err(|e| Error::ModelLoad(format!("{}: invalid safetensors header: {e}", path.display())))?;
-    let obj = v.as_object().ok_or_else(|| Error::ModelLoad(format!("{}: invalid safetensors header", path.display())))?;
-    let mut out = Vec::new();
-    for (k, t) in obj {
-        if k == "__metadata__" {
-            continue;
-        }
-        let dtype = t.get("dtype").and_then(Value::as_str).unwrap_or("").to_string();
-        let offs = t.get("data_offsets").and_then(Value::as_array);
-        let bytes = match offs {
-            Some(o) if o.len() == 2 => o[1].as_u64().unwrap_or(0).saturating_sub(o[0].as_u64().unwrap_or(0)),
-            _ => 0,
-        };
-        out.push((k.clone(), dtype, bytes));
-    }
-    Ok(out)
+    let h = crate::safetensors::read_header(path)?;
+    Ok(h.tensors.into_iter().map(|t| (t.name.clone(), t.dtype.clone(), t.nbytes())).collect())
 }
 
 impl ModelFacts {
@@ -258,6 +232,10 @@ impl ModelFacts {
         let need = |k: &str| u(k).ok_or_else(|| Error::ModelLoad(format!("config.json has no {k}")));
         let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("").to_string();
         let num_layers = need("num_hidden_layers")?;
+        let max_layers = crate::models::limits::LAYERS as u64;
+        if !(1..=max_layers).contains(&num_layers) {
+            return Err(Error::ModelLoad(format!("config.json: num_hidden_layers = {num_layers} is out of range (1..={max_layers})")));
+        }
         let hidden = need("hidden_size")?;
         let heads = need("num_attention_heads")?.max(1);
         let kv_heads = u("num_key_value_heads").unwrap_or(heads);

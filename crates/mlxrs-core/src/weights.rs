@@ -1,6 +1,7 @@
 //! Model weights: safetensors files (sharded or not), and MLX's quantization config.
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array};
+use crate::safetensors;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -29,36 +30,40 @@ fn parse_spec(v: &Value, fallback: Option<QuantSpec>) -> Option<QuantSpec> {
     }
 }
 
-/// Check that a safetensors file is whole before handing it to MLX, which reads tensor data lazily
-/// and would otherwise compute with whatever a truncated download left.
-fn check_safetensors(path: &Path) -> Result<()> {
-    use std::io::Read;
-    let bad = |why: String| {
-        Error::ModelLoad(format!("{} {why}: the download is incomplete or corrupt; re-download the model", path.display()))
-    };
-    let mut f = std::fs::File::open(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
-    let len = f.metadata().map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?.len();
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n).map_err(|_| bad(format!("is too short to be a safetensors file ({len} bytes)")))?;
-    let n = u64::from_le_bytes(n);
-    if n > len.saturating_sub(8) || n > 100 << 20 {
-        return Err(bad(format!("is not a valid safetensors file (header of {n} bytes in a file of {len})")));
+/// A weight matrix `[out, in]` as stored: dense, or MLX-quantized (packed uint32 values, with a
+/// scale and an optional bias per group of `q.group_size` inputs).
+pub enum Matrix {
+    Dense(Array),
+    Quant { w: Array, scales: Array, biases: Option<Array>, q: QuantSpec },
+}
+
+/// Bit widths and group sizes of MLX's affine quantization.
+const QUANT_BITS: &[i32] = &[2, 3, 4, 5, 6, 8];
+const QUANT_GROUPS: &[i32] = &[32, 64, 128];
+
+fn shape_error(name: &str, got: &[i32], want: &str) -> Error {
+    Error::ModelLoad(format!(
+        "weight {name} has shape {got:?} but config.json implies {want}: the checkpoint does not match config.json; \
+         re-download or re-convert the model"
+    ))
+}
+
+/// Load one safetensors file through MLX, after its header passed [`safetensors::read_header`], and
+/// check that MLX read what the header says (names, dtypes, shapes).
+fn load_file(path: &Path) -> Result<HashMap<String, Array>> {
+    let header = safetensors::read_header(path)?;
+    let (tensors, _meta) = mx::load_safetensors(path).map_err(|e| Error::ModelLoad(format!("{}: {e}", path.display())))?;
+    let disagree = |what: String| Error::ModelLoad(format!("{}: MLX read {what}: the file is corrupt; re-download the model", path.display()));
+    if tensors.len() != header.tensors.len() {
+        return Err(disagree(format!("{} tensors where the header lists {}", tensors.len(), header.tensors.len())));
     }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header).map_err(|_| bad("has an unreadable header".into()))?;
-    let header: Value = serde_json::from_slice(&header).map_err(|e| bad(format!("has an invalid header ({e})")))?;
-    let obj = header.as_object().ok_or_else(|| bad("has an invalid header".into()))?;
-    let end = obj
-        .iter()
-        .filter(|(k, _)| k.as_str() != "__metadata__")
-        .filter_map(|(_, t)| t.get("data_offsets")?.as_array()?.get(1)?.as_u64())
-        .max()
-        .unwrap_or(0);
-    let need = (8 + n).saturating_add(end);
-    if need > len {
-        return Err(bad(format!("is truncated ({len} bytes; its header describes {need})")));
+    for t in &header.tensors {
+        let a = tensors.get(&t.name).ok_or_else(|| disagree(format!("no tensor {}", t.name)))?;
+        if a.shape() != t.shape || a.dtype() != t.mlx_dtype() {
+            return Err(disagree(format!("tensor {} as {:?} {:?} (the header: {} {:?})", t.name, a.dtype(), a.shape(), t.dtype, t.shape)));
+        }
     }
-    Ok(())
+    Ok(tensors.into_iter().collect())
 }
 
 impl Weights {
@@ -107,10 +112,7 @@ impl Weights {
         }
         let mut map = HashMap::new();
         for f in &files {
-            check_safetensors(f)?;
-            let (tensors, _meta) = mx::load_safetensors(f)
-                .map_err(|e| Error::ModelLoad(format!("{}: {e}", f.display())))?;
-            map.extend(tensors);
+            map.extend(load_file(f)?);
         }
         Ok(Weights::from_map(map, config))
     }
@@ -165,6 +167,50 @@ impl Weights {
                      match config.json; re-download or re-convert the model"
                 ))
             })
+    }
+
+    /// Take a float tensor whose shape must be `want`.
+    pub fn take_shaped(&mut self, name: &str, want: &[i32]) -> Result<Array> {
+        let a = self.take(name)?;
+        if a.shape() != want {
+            return Err(shape_error(name, &a.shape(), &format!("{want:?}")));
+        }
+        if !a.dtype().is_float() {
+            return Err(Error::ModelLoad(format!("weight {name} is {}, not a float type: re-convert the model", a.dtype().name())));
+        }
+        Ok(a)
+    }
+
+    /// The rows of `{prefix}.weight` as stored (None when it is missing or not 2-D).
+    pub fn rows_of(&self, prefix: &str) -> Option<i32> {
+        let s = self.map.get(&format!("{prefix}.weight"))?.shape();
+        (s.len() == 2).then_some(s[0])
+    }
+
+    /// Take the `[out, inp]` matrix of module `prefix`, dense or quantized, every part's shape and
+    /// dtype checked (and the quantization's bits and group size) before it is used.
+    pub fn take_matrix(&mut self, prefix: &str, out: i32, inp: i32) -> Result<Matrix> {
+        let name = format!("{prefix}.weight");
+        let Some(q) = self.quant_of(prefix) else {
+            return Ok(Matrix::Dense(self.take_shaped(&name, &[out, inp])?));
+        };
+        if !QUANT_BITS.contains(&q.bits) || !QUANT_GROUPS.contains(&q.group_size) || inp % q.group_size != 0 {
+            return Err(Error::ModelLoad(format!(
+                "{prefix}: quantization bits {} / group_size {} do not fit its {inp} inputs (bits: {QUANT_BITS:?}, \
+                 group_size: {QUANT_GROUPS:?} dividing the inputs): config.json's quantization is wrong",
+                q.bits, q.group_size
+            )));
+        }
+        let w = self.take(&name)?;
+        let packed = [out, inp / 32 * q.bits];
+        if w.shape() != packed || w.dtype() != crate::handle::Dtype::Uint32 {
+            return Err(shape_error(&name, &w.shape(), &format!("uint32 {packed:?} ({}-bit quantized [{out}, {inp}])", q.bits)));
+        }
+        let groups = [out, inp / q.group_size];
+        let scales = self.take_shaped(&format!("{prefix}.scales"), &groups)?;
+        let bname = format!("{prefix}.biases");
+        let biases = if self.contains(&bname) { Some(self.take_shaped(&bname, &groups)?) } else { None };
+        Ok(Matrix::Quant { w, scales, biases, q })
     }
 
     /// Quantization of module `prefix` (present when `{prefix}.scales` exists).

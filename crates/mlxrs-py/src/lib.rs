@@ -18,11 +18,28 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::ModelLoad(_) | Error::Io { .. } => "ModelLoadError",
         Error::Unsupported(_) => "UnsupportedModelError",
         Error::Busy(_) => "BusyError",
+        Error::Engine(_) => "EngineError",
     };
     let msg = e.to_string();
     match py.import("mlxrs.errors").and_then(|m| m.getattr(cls)) {
         Ok(c) => PyErr::from_value(c.call1((msg,)).unwrap_or_else(|err| err.into_value(py).into_bound(py).into_any())),
         Err(_) => PyValueError::new_err(msg),
+    }
+}
+
+/// The one boundary between Python and the core: `f` runs without the GIL, its error maps to its
+/// `mlxrs.errors` class, and a panic (a bug) to `MlxrsError` instead of PyO3's `PanicException`,
+/// a BaseException that `except Exception` (and the server's error handling) would not catch.
+pub(crate) fn native<T: Send>(py: Python<'_>, f: impl FnOnce() -> mlxrs_core::Result<T> + Send) -> PyResult<T> {
+    match py.allow_threads(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))) {
+        Ok(r) => r.py(py),
+        Err(p) => {
+            let msg = format!("internal error in mlxrs: {} (a bug: please report it)", mlxrs_core::engine::panic_text(&*p));
+            match py.import("mlxrs.errors").and_then(|m| m.getattr("MlxrsError")) {
+                Ok(c) => Err(PyErr::from_value(c.call1((msg,)).unwrap_or_else(|err| err.into_value(py).into_bound(py).into_any()))),
+                Err(_) => Err(PyValueError::new_err(msg)),
+            }
+        }
     }
 }
 
@@ -44,7 +61,7 @@ fn _register_mlx_lib_dir(dir: std::path::PathBuf) {
 /// Load the native runtime and describe it (paths, versions, backend, BLAS, memory).
 #[pyfunction]
 fn runtime_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let info = py.allow_threads(mlxrs_core::info::runtime_info).py(py)?;
+    let info = crate::native(py, mlxrs_core::info::runtime_info)?;
     let d = PyDict::new(py);
     let v = serde_json::to_value(&info).map_err(|e| PyValueError::new_err(e.to_string()))?;
     if let serde_json::Value::Object(m) = v {
@@ -97,7 +114,7 @@ fn _array_roundtrip(py: Python<'_>, data: &[u8], shape: Vec<i32>, dtype: &str) -
 fn _op(py: Python<'_>, name: &str, inputs: Vec<(Vec<u8>, Vec<i32>, String)>, params: &str) -> PyResult<Vec<Raw>> {
     let arrays = inputs.iter().map(|(d, s, t)| array_in(d, s, t)).collect::<mlxrs_core::Result<Vec<_>>>().py(py)?;
     let params: serde_json::Value = serde_json::from_str(params).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let outs = mx::dispatch(name, &arrays, &params).py(py)?;
+    let outs = native(py, || mx::dispatch(name, &arrays, &params))?;
     outs.iter().map(|a| array_out(py, a).py(py)).collect()
 }
 
@@ -107,14 +124,14 @@ fn _op(py: Python<'_>, name: &str, inputs: Vec<(Vec<u8>, Vec<i32>, String)>, par
 fn _sample(py: Python<'_>, logits: Vec<f32>, params: &str, draws: usize) -> PyResult<(Vec<f32>, Vec<i32>)> {
     let p: serde_json::Value = serde_json::from_str(params).map_err(|e| PyValueError::new_err(e.to_string()))?;
     let req = session::request_from(&p, Vec::new()).py(py)?;
-    py.allow_threads(|| mlxrs_core::sample::sample_fixed(&logits, req.sampling, draws)).py(py)
+    crate::native(py, || mlxrs_core::sample::sample_fixed(&logits, req.sampling, draws))
 }
 
 /// Dequantize `n` values of ggml type id `ty` from raw block bytes; returns float32 bytes.
 #[pyfunction]
 fn _gguf_dequantize<'py>(py: Python<'py>, ty: u32, raw: &[u8], n: usize) -> PyResult<Bound<'py, PyBytes>> {
     let t = mlxrs_core::gguf::GgmlType::from_id(ty);
-    let v = py.allow_threads(|| mlxrs_core::gguf::dequant::dequantize(t, raw, n)).map_err(|e| to_py(py, Error::Invalid(e)))?;
+    let v = native(py, || mlxrs_core::gguf::dequant::dequantize(t, raw, n).map_err(Error::Invalid))?;
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     Ok(PyBytes::new(py, &bytes))
 }
@@ -125,8 +142,8 @@ fn _gguf_dequantize<'py>(py: Python<'py>, ty: u32, raw: &[u8], n: usize) -> PyRe
 fn _gguf_header(py: Python<'_>, data: Option<&[u8]>, path: Option<std::path::PathBuf>) -> PyResult<(u32, String, Vec<(String, Vec<u64>, u32, u64)>, u64)> {
     use mlxrs_core::gguf::{reader, GgmlType};
     let h = match (data, path) {
-        (Some(d), _) => reader::parse_header(d, d.len() as u64).map_err(|e| to_py(py, Error::ModelLoad(e.to_string())))?,
-        (None, Some(p)) => mlxrs_core::gguf::GgufFile::open(&p).py(py)?.header,
+        (Some(d), _) => native(py, || reader::parse_header(d, d.len() as u64).map_err(|e| Error::ModelLoad(e.to_string())))?,
+        (None, Some(p)) => native(py, || mlxrs_core::gguf::GgufFile::open(&p))?.header,
         _ => return Err(PyValueError::new_err("pass data or path")),
     };
     let meta = mlxrs_core::gguf::import::metadata_json(&h);
@@ -147,15 +164,28 @@ fn _gguf_header(py: Python<'_>, data: Option<&[u8]>, path: Option<std::path::Pat
     Ok((h.version, meta.to_string(), tensors, h.data_offset))
 }
 
+/// The validated header of a safetensors file (mlxrs-core's `safetensors::read_header`) as JSON:
+/// {name: {"dtype", "shape", "data_offsets"}} (the registry reads headers through it).
+#[pyfunction]
+fn _safetensors_header(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
+    let h = native(py, || mlxrs_core::safetensors::read_header(&path))?;
+    let m: serde_json::Map<String, serde_json::Value> = h
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [t.begin, t.end]})))
+        .collect();
+    Ok(serde_json::Value::Object(m).to_string())
+}
+
 /// Dequantize one tensor of a GGUF file to float32 bytes (row-major).
 #[pyfunction]
 fn _gguf_tensor<'py>(py: Python<'py>, path: std::path::PathBuf, name: &str) -> PyResult<Bound<'py, PyBytes>> {
-    let f = mlxrs_core::gguf::GgufFile::open(&path).py(py)?;
+    let f = native(py, || mlxrs_core::gguf::GgufFile::open(&path))?;
     let t = f.header.tensor(name).cloned().ok_or_else(|| PyValueError::new_err(format!("no tensor {name}")))?;
-    let raw = f.read_raw(&t).py(py)?;
-    let v = py
-        .allow_threads(|| mlxrs_core::gguf::dequant::dequantize(t.ty, &raw, t.n_elements() as usize))
-        .map_err(|e| to_py(py, Error::Invalid(e)))?;
+    let v = native(py, || {
+        let raw = f.read_raw(&t)?;
+        mlxrs_core::gguf::dequant::dequantize(t.ty, &raw, t.n_elements() as usize).map_err(Error::Invalid)
+    })?;
     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     Ok(PyBytes::new(py, &bytes))
 }
@@ -163,8 +193,8 @@ fn _gguf_tensor<'py>(py: Python<'py>, path: std::path::PathBuf, name: &str) -> P
 /// Build the tokenizer a GGUF file describes: (tokenizer.json, tokenizer_config.json) as JSON text.
 #[pyfunction]
 fn _gguf_tokenizer(py: Python<'_>, path: std::path::PathBuf) -> PyResult<(String, String)> {
-    let f = mlxrs_core::gguf::GgufFile::open(&path).py(py)?;
-    let (tok, cfg) = py.allow_threads(|| mlxrs_core::gguf::tokenizer::build_tokenizer_json(&f.header)).py(py)?;
+    let f = native(py, || mlxrs_core::gguf::GgufFile::open(&path))?;
+    let (tok, cfg) = crate::native(py, || mlxrs_core::gguf::tokenizer::build_tokenizer_json(&f.header))?;
     Ok((tok.to_string(), cfg.to_string()))
 }
 
@@ -175,7 +205,7 @@ fn _gguf_tokenizer(py: Python<'_>, path: std::path::PathBuf) -> PyResult<(String
 fn gguf_import(py: Python<'_>, src: std::path::PathBuf, out: std::path::PathBuf, dtype: &str, progress: Option<PyObject>) -> PyResult<()> {
     use mlxrs_core::gguf::import;
     let d = import::OutDtype::parse(dtype).py(py)?;
-    py.allow_threads(|| {
+    native(py, || {
         let mut cb = |done: u64, total: u64, what: &str| {
             if let Some(p) = &progress {
                 Python::with_gil(|py| {
@@ -185,7 +215,6 @@ fn gguf_import(py: Python<'_>, src: std::path::PathBuf, out: std::path::PathBuf,
         };
         import::import(&src, &out, d, &mut cb)
     })
-    .py(py)
 }
 
 #[pymodule]
@@ -204,6 +233,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_gguf_header, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tokenizer, m)?)?;
+    m.add_function(wrap_pyfunction!(_safetensors_header, m)?)?;
     plan::register(m)?;
     download::register(m)?;
     m.add_class::<session::Session>()?;

@@ -38,7 +38,7 @@ pub fn plan(
     }
     let budget = budget.map(Budget::parse).transpose().py(py)?.unwrap_or(Budget::Default);
     let backend = backend.map(Backend::parse).transpose().py(py)?;
-    let facts = py.allow_threads(|| ModelFacts::from_path(&model_dir)).py(py)?;
+    let facts = crate::native(py, || ModelFacts::from_path(&model_dir))?;
     let dev_bytes = match device_bytes {
         Some(b) => b,
         None => py.allow_threads(core_plan::device_memory).bytes,
@@ -73,7 +73,7 @@ pub fn device_memory(py: Python<'_>) -> (u64, String) {
 #[pyfunction]
 #[pyo3(signature = (model_dir, kv_bits=None, kv_group_size=64))]
 pub fn model_facts(py: Python<'_>, model_dir: std::path::PathBuf, kv_bits: Option<u32>, kv_group_size: u64) -> PyResult<String> {
-    let facts = py.allow_threads(|| ModelFacts::from_path(&model_dir)).py(py)?;
+    let facts = crate::native(py, || ModelFacts::from_path(&model_dir))?;
     let mut v = serde_json::to_value(&facts).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
     v["kv_bytes_per_token_layer"] = serde_json::json!(facts.kv_bytes_per_token_layer(kv_bits, kv_group_size.max(1)));
     Ok(v.to_string())

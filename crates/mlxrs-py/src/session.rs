@@ -17,12 +17,17 @@ fn json_arg(s: Option<&str>, what: &str) -> PyResult<Option<Value>> {
 
 #[pyclass(module = "mlxrs._native")]
 pub struct Session {
-    engine: Option<Arc<Engine>>,
+    /// Kept after `close` (the engine thread is gone then), so that `info()` can say so.
+    engine: Arc<Engine>,
+    closed: bool,
 }
 
 impl Session {
     fn engine(&self, py: Python<'_>) -> PyResult<&Arc<Engine>> {
-        self.engine.as_ref().ok_or_else(|| to_py(py, Error::Invalid("this session is closed".into())))
+        if self.closed {
+            return Err(to_py(py, Error::Invalid("this session is closed".into())));
+        }
+        Ok(&self.engine)
     }
 }
 
@@ -105,9 +110,6 @@ impl Session {
         prompt_cache_bytes: Option<usize>,
         kv_budget_bytes: Option<usize>,
     ) -> PyResult<Session> {
-        if kv_group_size < 1 {
-            return Err(to_py(py, Error::Invalid(format!("kv_group_size must be >= 1 (got {kv_group_size})"))));
-        }
         let d = LoadOptions::default();
         let opts = LoadOptions {
             kv_bits,
@@ -119,14 +121,14 @@ impl Session {
             prompt_cache_bytes: prompt_cache_bytes.unwrap_or(d.prompt_cache_bytes),
             kv_budget_bytes,
         };
-        let engine = py.allow_threads(|| Engine::load(&model_dir, opts)).py(py)?;
-        Ok(Session { engine: Some(Arc::new(engine)) })
+        let engine = crate::native(py, || Engine::load(&model_dir, opts))?;
+        Ok(Session { engine: Arc::new(engine), closed: false })
     }
 
     #[pyo3(signature = (text, add_special_tokens=true))]
     fn tokenize(&self, py: Python<'_>, text: &str, add_special_tokens: bool) -> PyResult<Vec<i32>> {
         let e = self.engine(py)?.clone();
-        py.allow_threads(|| e.tokenizer.encode(text, add_special_tokens)).py(py)
+        crate::native(py, || e.tokenizer.encode(text, add_special_tokens))
     }
 
     #[pyo3(signature = (ids, skip_special_tokens=false))]
@@ -137,7 +139,7 @@ impl Session {
             return Err(to_py(py, Error::Invalid(format!("token id {bad} is outside the vocabulary (0..{v})"))));
         }
         let e = e.clone();
-        py.allow_threads(|| e.tokenizer.decode(&ids, skip_special_tokens)).py(py)
+        crate::native(py, || e.tokenizer.decode(&ids, skip_special_tokens))
     }
 
     /// Render the chat template; `messages`, `tools` and `kwargs` are JSON.
@@ -157,13 +159,13 @@ impl Session {
             _ => serde_json::Map::new(),
         };
         let e = self.engine(py)?.clone();
-        py.allow_threads(|| e.apply_chat_template(&m, t.as_ref(), add_generation_prompt, &extra)).py(py)
+        crate::native(py, || e.apply_chat_template(&m, t.as_ref(), add_generation_prompt, &extra))
     }
 
     /// Token ids of a rendered chat prompt (the template's BOS is not doubled).
     fn encode_rendered(&self, py: Python<'_>, text: &str) -> PyResult<Vec<i32>> {
         let e = self.engine(py)?.clone();
-        py.allow_threads(|| e.encode_rendered(text)).py(py)
+        crate::native(py, || e.encode_rendered(text))
     }
 
     /// Start generating from `prompt` token ids; `params` is a JSON object of sampling options.
@@ -176,13 +178,13 @@ impl Session {
         let e = self.engine(py)?.clone();
         match hub {
             None => {
-                let pending = py.allow_threads(|| e.submit(req)).py(py)?;
+                let pending = crate::native(py, || e.submit(req))?;
                 Ok(TokenStream { events: Mutex::new(Some(pending.events)), cancel: pending.cancel, id: 0 })
             }
             Some(h) => {
                 let id = h.next_id.fetch_add(1, Ordering::Relaxed);
                 let sink = EventSink::new(h.tx.clone(), id);
-                let cancel = py.allow_threads(|| e.submit_to(req, sink)).py(py)?;
+                let cancel = crate::native(py, || e.submit_to(req, sink))?;
                 Ok(TokenStream { events: Mutex::new(None), cancel, id })
             }
         }
@@ -191,13 +193,22 @@ impl Session {
     /// Last-position logits of `prompt` (float32), from a fresh cache.
     fn logits(&self, py: Python<'_>, prompt: Vec<i32>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
-        py.allow_threads(move || e.last_logits(prompt)).py(py)
+        crate::native(py, move || e.last_logits(prompt))
     }
 
-    /// Model facts: type, layers, vocab, context, weights bytes, options, eos ids, template presence.
+    /// Model facts: type, layers, vocab, context, weights bytes, options, eos ids, template
+    /// presence, counters, and the engine's state (running, dead with its error, or closed).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let e = self.engine(py)?;
+        let e = &self.engine;
         let d = PyDict::new(py);
+        let state = e.state();
+        let engine = PyDict::new(py);
+        engine.set_item("state", state.name())?;
+        engine.set_item("error", match &state {
+            mlxrs_core::engine::EngineState::Dead(why) => Some(why.clone()),
+            _ => None,
+        })?;
+        d.set_item("engine", engine)?;
         d.set_item("model_type", &e.shape.model_type)?;
         d.set_item("model_dir", e.dir.display().to_string())?;
         d.set_item("num_layers", e.shape.num_layers)?;
@@ -243,14 +254,23 @@ impl Session {
 
     /// Cancel what runs or waits, stop the engine thread; the session cannot be used afterwards.
     fn close(&mut self, py: Python<'_>) {
-        if let Some(e) = self.engine.take() {
+        if !self.closed {
+            self.closed = true;
+            let e = self.engine.clone();
             py.allow_threads(|| e.close());
         }
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.engine.is_none()
+        self.closed
+    }
+
+    /// Test-only: make the engine thread panic at its next iteration (what callers see when the
+    /// engine dies: tests/test_file_validation.py).
+    fn _inject_engine_panic(&self, py: Python<'_>) -> PyResult<()> {
+        let e = self.engine(py)?.clone();
+        crate::native(py, move || e.inject_panic())
     }
 }
 

@@ -45,6 +45,41 @@ pub const DEFAULT_MAX_CONCURRENCY: usize = 32;
 pub const DEFAULT_MAX_QUEUE: usize = 64;
 pub const DEFAULT_PROMPT_CACHE_BYTES: usize = 1 << 30;
 
+/// KV cache quantization: MLX's bit widths and group sizes.
+pub const KV_BITS: &[i32] = &[2, 3, 4, 6, 8];
+pub const KV_GROUP_SIZES: &[i32] = &[32, 64, 128];
+
+impl LoadOptions {
+    /// Every option that reaches a division or an allocation, checked (the Python layer checks
+    /// too; this is the one the engine relies on).
+    pub fn validate(&self) -> Result<()> {
+        if let Some(b) = self.kv_bits {
+            if !KV_BITS.contains(&b) {
+                return Err(Error::Invalid(format!("kv_bits must be one of 2, 3, 4, 6, 8 (got {b})")));
+            }
+        }
+        if self.kv_group_size < 1 || (self.kv_bits.is_some() && !KV_GROUP_SIZES.contains(&self.kv_group_size)) {
+            return Err(Error::Invalid(format!(
+                "kv_group_size must be one of 32, 64, 128 (got {}){}",
+                self.kv_group_size,
+                if self.kv_group_size < 1 { "" } else { " with kv_bits" }
+            )));
+        }
+        if self.prefill_step_size < 1 {
+            return Err(Error::Invalid(format!("prefill_step_size must be >= 1 (got {})", self.prefill_step_size)));
+        }
+        if let Some(m) = self.max_kv_size {
+            if m < 8 {
+                return Err(Error::Invalid(format!("max_kv_size must be at least 8 (got {m})")));
+            }
+        }
+        if self.max_concurrency < 1 {
+            return Err(Error::Invalid("max_concurrency must be >= 1 (got 0)".into()));
+        }
+        Ok(())
+    }
+}
+
 impl Default for LoadOptions {
     fn default() -> Self {
         LoadOptions {
@@ -130,6 +165,8 @@ pub struct Stats {
     prefix: Mutex<PrefixStats>,
     /// Set by [`Engine::close`]: the scheduler cancels everything and stops.
     pub(crate) shutdown: AtomicBool,
+    /// Why the engine thread died (a panic in its step loop); None while it runs.
+    fault: Mutex<Option<String>>,
 }
 
 impl Stats {
@@ -138,6 +175,42 @@ impl Stats {
     }
     pub(crate) fn set_prefix(&self, p: PrefixStats) {
         *self.prefix.lock().unwrap_or_else(|e| e.into_inner()) = p;
+    }
+    /// The engine thread's death, when it has died.
+    pub fn fault(&self) -> Option<String> {
+        self.fault.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    pub(crate) fn set_fault(&self, why: String) {
+        *self.fault.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+    }
+}
+
+/// Whether an engine can serve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EngineState {
+    Running,
+    /// The engine thread died; the error every request now gets.
+    Dead(String),
+    /// [`Engine::close`] was called.
+    Closed,
+}
+
+impl EngineState {
+    pub fn name(&self) -> &'static str {
+        match self {
+            EngineState::Running => "running",
+            EngineState::Dead(_) => "dead",
+            EngineState::Closed => "closed",
+        }
+    }
+}
+
+/// The text of a caught panic's payload.
+pub fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    match (p.downcast_ref::<&str>(), p.downcast_ref::<String>()) {
+        (Some(s), _) => (*s).to_string(),
+        (_, Some(s)) => s.clone(),
+        _ => "a panic without a message".into(),
     }
 }
 
@@ -194,19 +267,7 @@ fn read_config(dir: &Path) -> Result<Value> {
 impl Engine {
     /// Load the model in `dir` on a new engine thread.
     pub fn load(dir: &Path, options: LoadOptions) -> Result<Engine> {
-        if let Some(b) = options.kv_bits {
-            if ![2, 3, 4, 6, 8].contains(&b) {
-                return Err(Error::Invalid(format!("kv_bits must be one of 2, 3, 4, 6, 8 (got {b})")));
-            }
-        }
-        if options.prefill_step_size < 1 {
-            return Err(Error::Invalid(format!("prefill_step_size must be >= 1 (got {})", options.prefill_step_size)));
-        }
-        if let Some(m) = options.max_kv_size {
-            if m < 8 {
-                return Err(Error::Invalid(format!("max_kv_size must be at least 8 (got {m})")));
-            }
-        }
+        options.validate()?;
         let config = read_config(dir)?;
         let tokenizer = Arc::new(Tokenizer::load(dir, &config)?);
         let template = tokenizer.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
@@ -218,12 +279,23 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("mlxrs-engine".into())
             .spawn(move || {
-                let loaded = (|| -> Result<(Box<dyn CausalLm>, usize)> {
+                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Box<dyn CausalLm>, usize)> {
                     let weights = Weights::load_dir(&d, &cfg)?;
                     let bytes = weights.nbytes();
-                    let model = models::build(&cfg, weights)?;
+                    // the config's and the weights' checks name the field or tensor; say which model
+                    let model = models::build(&cfg, weights).map_err(|e| match e {
+                        Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
+                        e => e,
+                    })?;
                     Ok((model, bytes))
-                })();
+                }))
+                .unwrap_or_else(|p| {
+                    Err(Error::ModelLoad(format!(
+                        "loading {} failed inside mlxrs: {} (a bug in mlxrs: please report it)",
+                        d.display(),
+                        panic_text(&*p)
+                    )))
+                });
                 match loaded {
                     Ok((model, bytes)) => {
                         let _ = ready_tx.send(Ok((model.shape().clone(), bytes)));
@@ -241,6 +313,14 @@ impl Engine {
         let (shape, weights_bytes) = ready_rx
             .recv()
             .map_err(|_| Error::ModelLoad("the engine thread stopped while loading".into()))??;
+        if let Some(b) = options.kv_bits {
+            if shape.head_dim % options.kv_group_size != 0 {
+                return Err(Error::Invalid(format!(
+                    "kv_group_size {} does not divide the model's head_dim {} (needed with kv_bits {b})",
+                    options.kv_group_size, shape.head_dim
+                )));
+            }
+        }
         Ok(Engine {
             tx: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
@@ -278,6 +358,10 @@ impl Engine {
         let tx = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
         let st = &self.stats;
         st.requests.fetch_add(1, Ordering::Relaxed);
+        if let Some(why) = st.fault() {
+            st.failed.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::Engine(why));
+        }
         let limit = (self.options.max_concurrency.max(1) + self.options.max_queue) as u64;
         if st.inflight.fetch_add(1, Ordering::Relaxed) >= limit {
             st.inflight.fetch_sub(1, Ordering::Relaxed);
@@ -290,7 +374,7 @@ impl Engine {
         if tx.send(Cmd::Generate { req, events: sink, cancel: cancel.clone() }).is_err() {
             st.inflight.fetch_sub(1, Ordering::Relaxed);
             st.failed.fetch_add(1, Ordering::Relaxed);
-            return Err(Error::Invalid("the engine thread has stopped".into()));
+            return Err(Error::Engine("the engine thread has stopped".into()));
         }
         Ok(cancel)
     }
@@ -306,9 +390,12 @@ impl Engine {
         {
             let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
             let s = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
-            s.send(Cmd::Logits { prompt, reply: tx }).map_err(|_| Error::Invalid("the engine thread has stopped".into()))?;
+            if let Some(why) = self.stats.fault() {
+                return Err(Error::Engine(why));
+            }
+            s.send(Cmd::Logits { prompt, reply: tx }).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
         }
-        rx.recv().map_err(|_| Error::Invalid("the engine thread has stopped".into()))?
+        rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
     }
 
     /// Render the chat template (transformers semantics).
@@ -340,6 +427,25 @@ impl Engine {
 
     pub fn has_chat_template(&self) -> bool {
         self.template.is_some()
+    }
+
+    /// Running, dead (with the error every request now gets) or closed.
+    pub fn state(&self) -> EngineState {
+        if self.tx.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
+            return EngineState::Closed;
+        }
+        match self.stats.fault() {
+            Some(why) => EngineState::Dead(why),
+            None => EngineState::Running,
+        }
+    }
+
+    /// Test-only: make the engine thread panic at its next iteration, as a bug inside the step loop
+    /// would (the tests of what callers see when the engine dies use it).
+    pub fn inject_panic(&self) -> Result<()> {
+        let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
+        tx.send(Cmd::Panic).map_err(|_| Error::Engine("the engine thread has stopped".into()))
     }
 
     /// Stop the engine thread: what runs or waits is cancelled (each gets its Done event), and the

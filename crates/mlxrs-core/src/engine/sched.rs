@@ -31,6 +31,8 @@ pub const BATCH_KV_ENV: &str = "MLXRS_BATCH_KV";
 pub(crate) enum Cmd {
     Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool> },
     Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
+    /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
+    Panic,
 }
 
 /// One generation in flight: everything it needs is its own.
@@ -191,8 +193,46 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// Serve until the command channel closes and everything in flight has finished.
+    /// Serve until the command channel closes and everything in flight has finished. A panic
+    /// inside the loop kills the engine, not silently: everything in flight fails with
+    /// [`Error::Engine`], the fault is recorded in the stats (so later requests fail at once), and
+    /// whatever still arrives is answered with the same error until the session closes.
     pub(crate) fn run(mut self, rx: Receiver<Cmd>) {
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve(&rx)));
+        let Err(panic) = served else { return };
+        let why = format!(
+            "the engine thread failed: {} (a bug in mlxrs: please report it); this session can no longer \
+             generate: close it and load the model again",
+            super::panic_text(&*panic)
+        );
+        self.stats.set_fault(why.clone());
+        let seqs: Vec<Seq> = self.waiting.drain(..).chain(self.running.drain(..)).collect();
+        for s in seqs {
+            // in flight since its submission, as a command still in the channel is
+            self.refuse(Cmd::Generate { req: s.req, events: s.events, cancel: s.cancel }, &why);
+        }
+        self.publish();
+        for cmd in rx.iter() {
+            self.refuse(cmd, &why);
+        }
+    }
+
+    /// Answer a command with the engine's death.
+    fn refuse(&self, cmd: Cmd, why: &str) {
+        match cmd {
+            Cmd::Generate { events, .. } => {
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
+                let _ = events.send(Event::Error(Error::Engine(why.to_string())));
+            }
+            Cmd::Logits { reply, .. } => {
+                let _ = reply.send(Err(Error::Engine(why.to_string())));
+            }
+            Cmd::Panic => {}
+        }
+    }
+
+    fn serve(&mut self, rx: &Receiver<Cmd>) {
         let mut open = true;
         loop {
             if self.waiting.is_empty() && self.running.is_empty() {
@@ -238,6 +278,7 @@ impl<'a> Scheduler<'a> {
                 let r = mx::with_stream(&stream, || last_logits(self.model, &prompt, &self.opts));
                 let _ = reply.send(r);
             }
+            Cmd::Panic => panic!("injected engine panic (test hook)"),
         }
     }
 

@@ -94,14 +94,21 @@ impl Meta<'_> {
     fn key(&self, k: &str) -> String {
         format!("{}.{k}", self.arch)
     }
-    fn u(&self, k: &str) -> Option<i64> {
-        self.h.get(&self.key(k)).and_then(MetaValue::as_u64).map(|v| v as i64)
-    }
     fn f(&self, k: &str) -> Option<f64> {
         self.h.get(&self.key(k)).and_then(MetaValue::as_f64)
     }
-    fn need(&self, k: &str) -> Result<i64> {
-        self.u(k).ok_or_else(|| Error::ModelLoad(format!("GGUF metadata {} is missing", self.key(k))))
+    /// A size: present (or `default`), an integer in 1..=max ([`crate::models::limits`]).
+    fn size(&self, k: &str, default: Option<i64>, max: i64) -> Result<i64> {
+        let key = self.key(k);
+        let v = match self.h.get(&key) {
+            None => default.ok_or_else(|| Error::ModelLoad(format!("GGUF metadata {key} is missing")))?,
+            Some(v) => v.as_u64().and_then(|v| i64::try_from(v).ok()).unwrap_or(-1),
+        };
+        if !(1..=max).contains(&v) {
+            let shown = self.h.get(&key).map_or(v.to_string(), |m| format!("{m:?}"));
+            return Err(Error::ModelLoad(format!("GGUF metadata {key} = {shown} is out of range (1..={max})")));
+        }
+        Ok(v)
     }
 }
 
@@ -120,16 +127,30 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
         ))
     })?;
     let m = Meta { h, arch: arch.clone() };
-    let hidden = m.need("embedding_length")?;
-    let heads = m.need("attention.head_count")?;
-    let kv = m.u("attention.head_count_kv").unwrap_or(heads);
-    let head_dim = m.u("attention.key_length").unwrap_or(hidden / heads);
+    use crate::models::limits;
+    let hidden = m.size("embedding_length", None, limits::HIDDEN)?;
+    let heads = m.size("attention.head_count", None, limits::HEADS)?;
+    let kv = m.size("attention.head_count_kv", Some(heads), limits::HEADS)?;
+    if heads % kv != 0 {
+        return Err(Error::ModelLoad(format!(
+            "GGUF metadata {} = {heads} is not a multiple of {} = {kv}",
+            m.key("attention.head_count"),
+            m.key("attention.head_count_kv")
+        )));
+    }
+    let head_dim = m.size("attention.key_length", (hidden % heads == 0).then_some(hidden / heads), limits::HEAD_DIM)?;
+    let layers = m.size("block_count", None, limits::LAYERS)?;
+    let intermediate = m.size("feed_forward_length", None, limits::INTERMEDIATE)?;
+    let context = m.size("context_length", Some(4096), limits::POSITIONS)?;
     let vocab = h
         .get("tokenizer.ggml.tokens")
         .and_then(MetaValue::as_array)
         .map(|a| a.len() as i64)
         .or_else(|| h.tensor("token_embd.weight").map(|t| t.shape()[0] as i64))
         .ok_or_else(|| Error::ModelLoad("cannot tell the vocabulary size (no tokenizer.ggml.tokens)".into()))?;
+    if !(1..=limits::VOCAB).contains(&vocab) {
+        return Err(Error::ModelLoad(format!("GGUF vocabulary of {vocab} tokens is out of range (1..={})", limits::VOCAB)));
+    }
     let tied = h.tensor("output.weight").is_none();
     let mut cfg = json!({
         "model_type": model_type,
@@ -140,14 +161,14 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
             _ => "LlamaForCausalLM",
         }],
         "hidden_size": hidden,
-        "num_hidden_layers": m.need("block_count")?,
-        "intermediate_size": m.need("feed_forward_length")?,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "head_dim": head_dim,
         "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
         "vocab_size": vocab,
-        "max_position_embeddings": m.u("context_length").unwrap_or(4096),
+        "max_position_embeddings": context,
         "tie_word_embeddings": tied,
         "torch_dtype": "bfloat16",
     });
@@ -162,7 +183,7 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
         "gemma3_text" => {
             o.insert("rope_theta".into(), json!(m.f("rope.freq_base").unwrap_or(1_000_000.0)));
             o.insert("rope_local_base_freq".into(), json!(10_000.0));
-            o.insert("sliding_window".into(), json!(m.u("attention.sliding_window").unwrap_or(512)));
+            o.insert("sliding_window".into(), json!(m.size("attention.sliding_window", Some(512), limits::POSITIONS)?));
             o.insert("sliding_window_pattern".into(), json!(6));
             o.insert("query_pre_attn_scalar".into(), json!(head_dim));
             o.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));

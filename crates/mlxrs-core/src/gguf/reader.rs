@@ -350,24 +350,48 @@ pub fn parse_header<R: Read>(r: R, len: u64) -> Result<GgufHeader, GgufError> {
         tensors.push(TensorInfo { name, dims, ty, offset });
     }
     let data_offset = p.pos.div_ceil(alignment) * alignment;
-    // every tensor's bytes must lie inside the file
-    for t in &tensors {
-        if let Some((be, bb)) = t.ty.block() {
-            let nb = t.nbytes();
-            let end = nb.and_then(|nb| data_offset.checked_add(t.offset)?.checked_add(nb));
-            if end.is_none_or(|e| e > len) {
-                let size = match nb {
-                    Some(nb) => format!("{nb} bytes"),
-                    None => format!("{} blocks of {bb} bytes", t.n_elements().div_ceil(be)),
-                };
-                return Err(GgufError {
-                    offset: data_offset.saturating_add(t.offset),
-                    msg: format!("tensor {} ({size} at data offset {}) runs past the end of the file ({len} bytes)", t.name, t.offset),
-                });
-            }
+    check_tensors(&tensors, alignment, data_offset, len)?;
+    Ok(GgufHeader { version, metadata, index, tensors, alignment, data_offset })
+}
+
+/// Every tensor listed once, its offset aligned, its dimensions MLX-sized (below 2^31), whole blocks
+/// of its type along the first dimension, its bytes inside the file and overlapping no other's.
+fn check_tensors(tensors: &[TensorInfo], alignment: u64, data_offset: u64, len: u64) -> Result<(), GgufError> {
+    let err = |t: &TensorInfo, msg: String| GgufError { offset: data_offset.saturating_add(t.offset), msg: format!("tensor {} {msg}", t.name) };
+    let mut names = std::collections::HashSet::new();
+    let mut spans = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        if !names.insert(t.name.as_str()) {
+            return Err(err(t, "is listed twice".into()));
+        }
+        if t.offset % alignment != 0 {
+            return Err(err(t, format!("has data offset {}, not a multiple of the alignment {alignment}", t.offset)));
+        }
+        if let Some(d) = t.dims.iter().find(|&&d| d > i32::MAX as u64) {
+            return Err(err(t, format!("has a dimension of {d} (at most 2^31 - 1)")));
+        }
+        let Some((be, bb)) = t.ty.block() else { continue };
+        if t.dims[0] % be != 0 {
+            return Err(err(t, format!("has {} values per row, not whole {}-value blocks of {}", t.dims[0], be, t.ty.name())));
+        }
+        let nb = t.nbytes();
+        let end = nb.and_then(|nb| data_offset.checked_add(t.offset)?.checked_add(nb));
+        if end.is_none_or(|e| e > len) {
+            let size = match nb {
+                Some(nb) => format!("{nb} bytes"),
+                None => format!("{} blocks of {bb} bytes", t.n_elements().div_ceil(be)),
+            };
+            return Err(err(t, format!("({size} at data offset {}) runs past the end of the file ({len} bytes)", t.offset)));
+        }
+        spans.push((t.offset, t.offset + nb.unwrap_or(0), t));
+    }
+    spans.sort_by_key(|s| s.0);
+    for w in spans.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(err(w[1].2, format!("(at data offset {}) overlaps tensor {} (data offsets {}..{})", w[1].0, w[0].2.name, w[0].0, w[0].1)));
         }
     }
-    Ok(GgufHeader { version, metadata, index, tensors, alignment, data_offset })
+    Ok(())
 }
 
 /// An open GGUF file.
@@ -397,5 +421,111 @@ impl GgufFile {
         let mut buf = vec![0u8; nb as usize];
         f.read_exact(&mut buf).map_err(io)?;
         Ok(buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A small valid GGUF: two metadata entries and three tensors (F32, Q8_0, F16), alignment 32.
+    fn sample() -> Vec<u8> {
+        let mut b = Vec::new();
+        let s = |b: &mut Vec<u8>, t: &str| {
+            b.extend((t.len() as u64).to_le_bytes());
+            b.extend(t.as_bytes());
+        };
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(3u64.to_le_bytes()); // tensors
+        b.extend(2u64.to_le_bytes()); // metadata
+        s(&mut b, "general.architecture");
+        b.extend(8u32.to_le_bytes());
+        s(&mut b, "llama");
+        s(&mut b, "llama.block_count");
+        b.extend(4u32.to_le_bytes());
+        b.extend(2u32.to_le_bytes());
+        // (name, dims, type, offset, bytes)
+        let tensors: [(&str, &[u64], u32, u64); 3] = [("a", &[8, 2], 0, 0), ("q", &[64], 8, 64), ("h", &[4], 1, 160)];
+        for (name, dims, ty, off) in tensors {
+            s(&mut b, name);
+            b.extend((dims.len() as u32).to_le_bytes());
+            for d in dims {
+                b.extend(d.to_le_bytes());
+            }
+            b.extend(ty.to_le_bytes());
+            b.extend(off.to_le_bytes());
+        }
+        let data = b.len().div_ceil(32) * 32;
+        b.resize(data + 168, 7); // a: 0..64, q: 64..132 (two 34-byte blocks), h: 160..168
+        b
+    }
+
+    fn parse(b: &[u8]) -> Result<GgufHeader, GgufError> {
+        parse_header(b, b.len() as u64)
+    }
+
+    #[test]
+    fn the_sample_parses_and_bad_offsets_are_refused() {
+        let b = sample();
+        let h = parse(&b).unwrap();
+        assert_eq!(h.tensors.len(), 3);
+        let off_of = |name: &str| {
+            let pos = b.windows(name.len() + 8).position(|w| w[..8] == (name.len() as u64).to_le_bytes() && &w[8..] == name.as_bytes());
+            let pos = pos.unwrap() + 8 + name.len();
+            let nd = u32::from_le_bytes(b[pos..pos + 4].try_into().unwrap()) as usize;
+            pos + 4 + 8 * nd + 4
+        };
+        let with = |name: &str, v: u64| {
+            let mut m = b.clone();
+            let o = off_of(name);
+            m[o..o + 8].copy_from_slice(&v.to_le_bytes());
+            m
+        };
+        assert!(parse(&with("q", 65)).unwrap_err().msg.contains("not a multiple of the alignment 32"));
+        assert!(parse(&with("q", 32)).unwrap_err().msg.contains("overlaps tensor a"));
+        assert!(parse(&with("h", 1 << 40)).unwrap_err().msg.contains("runs past the end"));
+        let mut dup = b.clone();
+        let o = off_of("h") - 4 - 8 - 4 - 1;
+        dup[o] = b'q';
+        assert!(parse(&dup).unwrap_err().msg.contains("listed twice"));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+        /// Byte edits and truncations of a valid file: never a panic; an accepted header's tensors
+        /// are aligned, inside the file and disjoint.
+        #[test]
+        fn accepted_headers_are_consistent(
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), any::<bool>()), 1..6),
+            cut in prop::option::of(any::<prop::sample::Index>()),
+        ) {
+            let mut b = sample();
+            for (i, v, wide) in edits {
+                let i = i.index(b.len());
+                if wide && i + 8 <= b.len() {
+                    b[i..i + 8].copy_from_slice(&(u64::MAX >> (v % 64)).to_le_bytes());
+                } else {
+                    b[i] = v;
+                }
+            }
+            if let Some(c) = cut {
+                b.truncate(c.index(b.len()));
+            }
+            if let Ok(h) = parse(&b) {
+                let mut spans = Vec::new();
+                for t in &h.tensors {
+                    prop_assert_eq!(t.offset % h.alignment, 0);
+                    if let Some(nb) = t.nbytes() {
+                        prop_assert!(h.data_offset + t.offset + nb <= b.len() as u64);
+                        spans.push((t.offset, t.offset + nb));
+                    }
+                }
+                spans.sort();
+                prop_assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0));
+            }
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! Gemma 3 (text): sliding-window and global layers, qk-norm, scaled embeddings, `1 + w` norms,
 //! sandwich norms around attention and MLP, GELU (tanh) MLP.
 use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope};
-use super::{CausalLm, Cfg, ModelShape};
+use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::{CacheOptions, Caches, LayerCache};
 use crate::error::Result;
 use crate::handle::{self as mx, Array, Dtype};
@@ -38,17 +38,25 @@ impl Model {
         // a multimodal gemma3 config nests the text model
         let text = config.get("text_config").unwrap_or(config);
         let c = Cfg(text);
-        let hidden = c.i_or("hidden_size", 1152);
-        let n_layers = c.i_or("num_hidden_layers", 26);
-        let n_heads = c.i_or("num_attention_heads", 4);
-        let n_kv = c.i_or("num_key_value_heads", 1);
-        let head_dim = c.i_or("head_dim", 256);
+        let defaults = DimDefaults {
+            hidden: Some(1152),
+            layers: Some(26),
+            heads: Some(4),
+            kv_heads: Some(1),
+            head_dim: Some(256),
+            vocab: Some(262144),
+        };
+        let d = Dims::from_config(&c, defaults)?;
+        let (hidden, n_layers, n_heads, n_kv, head_dim) = (d.hidden, d.layers, d.heads, d.kv_heads, d.head_dim);
+        let inter = d.intermediate(&w)?;
         let eps = c.f_or("rms_norm_eps", 1e-6) as f32;
         let theta = c.f_or("rope_theta", 1_000_000.0) as f32;
         let local_theta = c.f_or("rope_local_base_freq", 10_000.0) as f32;
         let qpas = c.f_or("query_pre_attn_scalar", 256.0);
-        let window = c.i_or("sliding_window", 512);
-        let pattern = c.i_or("sliding_window_pattern", 6);
+        let window = c.size("sliding_window", Some(512), super::limits::POSITIONS)?;
+        // every `pattern`-th layer is global: at least one must be (its mask serves them all)
+        let pattern = c.size("sliding_window_pattern", Some(6), n_layers as i64)?;
+        let (q_out, kv_out) = (n_heads * head_dim, n_kv * head_dim);
         let mut layers = Vec::with_capacity(n_layers as usize);
         for i in 0..n_layers {
             let p = format!("model.layers.{i}");
@@ -59,13 +67,13 @@ impl Model {
                 Rope::from_config(head_dim, theta, false, c.get("rope_scaling"))?
             };
             let attn = Attention {
-                q_proj: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), false)?,
-                k_proj: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), false)?,
-                v_proj: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), false)?,
-                o_proj: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), false)?,
+                q_proj: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), false, q_out, hidden)?,
+                k_proj: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), false, kv_out, hidden)?,
+                v_proj: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), false, kv_out, hidden)?,
+                o_proj: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), false, hidden, q_out)?,
                 qk_norm: Some(QkNorm {
-                    q: RmsNorm::load_offset(&mut w, &format!("{p}.self_attn.q_norm"), eps)?,
-                    k: RmsNorm::load_offset(&mut w, &format!("{p}.self_attn.k_norm"), eps)?,
+                    q: RmsNorm::load_offset(&mut w, &format!("{p}.self_attn.q_norm"), eps, head_dim)?,
+                    k: RmsNorm::load_offset(&mut w, &format!("{p}.self_attn.k_norm"), eps, head_dim)?,
                 }),
                 n_heads,
                 n_kv_heads: n_kv,
@@ -73,18 +81,20 @@ impl Model {
                 scale: qpas.powf(-0.5) as f32,
                 rope,
             };
+            let norm = |w: &mut Weights, name: &str| RmsNorm::load_offset(w, &format!("{p}.{name}"), eps, hidden);
             layers.push(Block {
                 attn,
-                mlp: Mlp::load(&mut w, &format!("{p}.mlp"), false, Activation::GeluApprox)?,
-                input_norm: RmsNorm::load_offset(&mut w, &format!("{p}.input_layernorm"), eps)?,
-                post_attn_norm: RmsNorm::load_offset(&mut w, &format!("{p}.post_attention_layernorm"), eps)?,
-                pre_ff_norm: RmsNorm::load_offset(&mut w, &format!("{p}.pre_feedforward_layernorm"), eps)?,
-                post_ff_norm: RmsNorm::load_offset(&mut w, &format!("{p}.post_feedforward_layernorm"), eps)?,
+                mlp: Mlp::load(&mut w, &format!("{p}.mlp"), false, Activation::GeluApprox, hidden, inter)?,
+                input_norm: norm(&mut w, "input_layernorm")?,
+                post_attn_norm: norm(&mut w, "post_attention_layernorm")?,
+                pre_ff_norm: norm(&mut w, "pre_feedforward_layernorm")?,
+                post_ff_norm: norm(&mut w, "post_feedforward_layernorm")?,
             });
         }
-        let embed = Embedding::load(&mut w, "model.embed_tokens")?;
-        let norm = RmsNorm::load_offset(&mut w, "model.norm", eps)?;
-        let lm_head = if w.contains("lm_head.weight") { Some(Linear::load(&mut w, "lm_head", false)?) } else { None };
+        let embed = Embedding::load(&mut w, "model.embed_tokens", d.vocab, hidden)?;
+        let norm = RmsNorm::load_offset(&mut w, "model.norm", eps, hidden)?;
+        let lm_head =
+            if w.contains("lm_head.weight") { Some(Linear::load(&mut w, "lm_head", false, embed.rows(), hidden)?) } else { None };
         // mlx-lm rounds sqrt(hidden) to bfloat16 before casting to the activation dtype
         let scale = mx::astype(&Array::f32((hidden as f32).sqrt())?, Dtype::Bfloat16)?;
         let embed_scale = mx::astype(&scale, embed.dtype())?;
@@ -102,7 +112,7 @@ impl Model {
                 model_type: "gemma3_text".into(),
                 num_layers: n_layers,
                 hidden_size: hidden,
-                vocab_size: c.i_or("vocab_size", 262144),
+                vocab_size: d.vocab,
                 num_kv_heads: n_kv,
                 head_dim,
                 sliding,

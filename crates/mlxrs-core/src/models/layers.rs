@@ -3,7 +3,7 @@
 use crate::cache::{Fetched, LayerCache, LayerCaches, Mask, Masks};
 use crate::error::Result;
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
-use crate::weights::{QuantSpec, Weights};
+use crate::weights::{Matrix, QuantSpec, Weights};
 
 /// `y = x W^T + b`, W dense or quantized.
 pub enum Linear {
@@ -14,21 +14,14 @@ pub enum Linear {
 }
 
 impl Linear {
-    pub fn load(ws: &mut Weights, prefix: &str, bias: bool) -> Result<Linear> {
-        let b = if bias { Some(ws.take(&format!("{prefix}.bias"))?) } else { ws.remove(&format!("{prefix}.bias")) };
-        match ws.quant_of(prefix) {
-            Some(q) => Ok(Linear::Quant {
-                w: ws.take(&format!("{prefix}.weight"))?,
-                scales: ws.take(&format!("{prefix}.scales"))?,
-                biases: ws.remove(&format!("{prefix}.biases")),
-                b,
-                q,
-            }),
-            None => {
-                let w = ws.take(&format!("{prefix}.weight"))?;
-                Ok(Linear::Dense { wt: mx::transpose(&w)?, w, b })
-            }
-        }
+    /// `{prefix}.weight` `[out, inp]` (and `{prefix}.bias` `[out]`), shapes checked.
+    pub fn load(ws: &mut Weights, prefix: &str, bias: bool, out: i32, inp: i32) -> Result<Linear> {
+        let bname = format!("{prefix}.bias");
+        let b = if bias || ws.contains(&bname) { Some(ws.take_shaped(&bname, &[out])?) } else { None };
+        Ok(match ws.take_matrix(prefix, out, inp)? {
+            Matrix::Quant { w, scales, biases, q } => Linear::Quant { w, scales, biases, b, q },
+            Matrix::Dense(w) => Linear::Dense { wt: mx::transpose(&w)?, w, b },
+        })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -95,18 +88,25 @@ pub enum Embedding {
 }
 
 impl Embedding {
-    pub fn load(ws: &mut Weights, prefix: &str) -> Result<Embedding> {
-        match ws.quant_of(prefix) {
-            Some(q) => Ok(Embedding::Quant {
-                w: ws.take(&format!("{prefix}.weight"))?,
-                scales: ws.take(&format!("{prefix}.scales"))?,
-                biases: ws.remove(&format!("{prefix}.biases")),
-                q,
-            }),
-            None => {
-                let w = ws.take(&format!("{prefix}.weight"))?;
-                Ok(Embedding::Dense { wt: mx::transpose(&w)?, w })
-            }
+    /// `{prefix}.weight` `[rows, hidden]` with at least `vocab` rows (a token id indexes it).
+    pub fn load(ws: &mut Weights, prefix: &str, vocab: i32, hidden: i32) -> Result<Embedding> {
+        let rows = ws.rows_of(prefix).unwrap_or(vocab);
+        if rows < vocab {
+            return Err(crate::Error::ModelLoad(format!(
+                "weight {prefix}.weight has {rows} rows but config.json's vocab_size is {vocab}: token ids past \
+                 row {rows} would read outside it; the checkpoint does not match config.json"
+            )));
+        }
+        Ok(match ws.take_matrix(prefix, rows, hidden)? {
+            Matrix::Quant { w, scales, biases, q } => Embedding::Quant { w, scales, biases, q },
+            Matrix::Dense(w) => Embedding::Dense { wt: mx::transpose(&w)?, w },
+        })
+    }
+
+    /// Rows of the table (the logits' width when it is the tied output head).
+    pub fn rows(&self) -> i32 {
+        match self {
+            Embedding::Dense { w, .. } | Embedding::Quant { w, .. } => w.dim(0),
         }
     }
 
@@ -144,12 +144,13 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(ws: &mut Weights, prefix: &str, eps: f32) -> Result<RmsNorm> {
-        Ok(RmsNorm { weight: ws.take(&format!("{prefix}.weight"))?, eps })
+    /// `{prefix}.weight` `[dim]`.
+    pub fn load(ws: &mut Weights, prefix: &str, eps: f32, dim: i32) -> Result<RmsNorm> {
+        Ok(RmsNorm { weight: ws.take_shaped(&format!("{prefix}.weight"), &[dim])?, eps })
     }
     /// Gemma's convention: the stored weight is an offset from one.
-    pub fn load_offset(ws: &mut Weights, prefix: &str, eps: f32) -> Result<RmsNorm> {
-        let w = ws.take(&format!("{prefix}.weight"))?;
+    pub fn load_offset(ws: &mut Weights, prefix: &str, eps: f32, dim: i32) -> Result<RmsNorm> {
+        let w = ws.take_shaped(&format!("{prefix}.weight"), &[dim])?;
         let one = mx::scalar_as(1.0, w.dtype())?;
         Ok(RmsNorm { weight: mx::add(&one, &w)?, eps })
     }
@@ -517,11 +518,12 @@ pub enum Activation {
 }
 
 impl Mlp {
-    pub fn load(ws: &mut Weights, prefix: &str, bias: bool, act: Activation) -> Result<Mlp> {
+    /// gate and up `[inter, hidden]`, down `[hidden, inter]`.
+    pub fn load(ws: &mut Weights, prefix: &str, bias: bool, act: Activation, hidden: i32, inter: i32) -> Result<Mlp> {
         Ok(Mlp {
-            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), bias)?,
-            up: Linear::load(ws, &format!("{prefix}.up_proj"), bias)?,
-            down: Linear::load(ws, &format!("{prefix}.down_proj"), bias)?,
+            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), bias, inter, hidden)?,
+            up: Linear::load(ws, &format!("{prefix}.up_proj"), bias, inter, hidden)?,
+            down: Linear::load(ws, &format!("{prefix}.down_proj"), bias, hidden, inter)?,
             act,
         })
     }

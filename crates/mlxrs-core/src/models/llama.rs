@@ -1,6 +1,6 @@
 //! Llama (and Mistral, remapped here): pre-norm decoder, SwiGLU MLP, optional sliding layers.
 use super::layers::{Activation, Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
-use super::{CausalLm, Cfg, ModelShape};
+use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::{CacheOptions, Caches, LayerCache};
 use crate::error::Result;
 use crate::handle::{self as mx, Array};
@@ -54,11 +54,9 @@ impl Model {
 
     pub fn load_variant(config: &Value, mut w: Weights, v: Variant, mlp_bias: bool) -> Result<Model> {
         let c = Cfg(config);
-        let hidden = c.i("hidden_size")?;
-        let n_layers = c.i("num_hidden_layers")?;
-        let n_heads = c.i("num_attention_heads")?;
-        let n_kv = c.i_or("num_key_value_heads", n_heads);
-        let head_dim = c.opt_i("head_dim").unwrap_or(hidden / n_heads);
+        let d = Dims::from_config(&c, DimDefaults::default())?;
+        let (hidden, n_layers, n_heads, n_kv, head_dim) = (d.hidden, d.layers, d.heads, d.kv_heads, d.head_dim);
+        let inter = d.intermediate(&w)?;
         let eps = c.f_or("rms_norm_eps", 1e-6) as f32;
         let theta = c.f_or("rope_theta", 10000.0) as f32;
         let traditional = c.b_or("rope_traditional", false);
@@ -67,24 +65,29 @@ impl Model {
             .get("layer_types")
             .and_then(Value::as_array)
             .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
-            .unwrap_or_else(|| vec!["full_attention".into(); n_layers as usize]);
-        let sliding_window = c.opt_i("sliding_window");
+            .unwrap_or_default();
+        let is_sliding = |i: i32| layer_types.get(i as usize).is_some_and(|t| t == "sliding_attention");
+        let sliding_window = match c.get("sliding_window") {
+            Some(_) if (0..n_layers).any(is_sliding) => Some(c.size("sliding_window", None, super::limits::POSITIONS)?),
+            _ => None,
+        };
+        let (q_out, kv_out) = (n_heads * head_dim, n_kv * head_dim);
         let mut layers = Vec::with_capacity(n_layers as usize);
         for i in 0..n_layers {
             let p = format!("model.layers.{i}");
             let qk_norm = if v.qk_norm {
                 Some(super::layers::QkNorm {
-                    q: RmsNorm::load(&mut w, &format!("{p}.self_attn.q_norm"), eps)?,
-                    k: RmsNorm::load(&mut w, &format!("{p}.self_attn.k_norm"), eps)?,
+                    q: RmsNorm::load(&mut w, &format!("{p}.self_attn.q_norm"), eps, head_dim)?,
+                    k: RmsNorm::load(&mut w, &format!("{p}.self_attn.k_norm"), eps, head_dim)?,
                 })
             } else {
                 None
             };
             let attn = Attention {
-                q_proj: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), v.qkv_bias)?,
-                k_proj: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), v.qkv_bias)?,
-                v_proj: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), v.qkv_bias)?,
-                o_proj: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), v.o_bias)?,
+                q_proj: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), v.qkv_bias, q_out, hidden)?,
+                k_proj: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), v.qkv_bias, kv_out, hidden)?,
+                v_proj: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), v.qkv_bias, kv_out, hidden)?,
+                o_proj: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), v.o_bias, hidden, q_out)?,
                 qk_norm,
                 n_heads,
                 n_kv_heads: n_kv,
@@ -94,15 +97,15 @@ impl Model {
             };
             layers.push(Block {
                 attn,
-                mlp: Mlp::load(&mut w, &format!("{p}.mlp"), mlp_bias, Activation::Silu)?,
-                in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps)?,
-                post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps)?,
-                sliding: layer_types.get(i as usize).is_some_and(|t| t == "sliding_attention"),
+                mlp: Mlp::load(&mut w, &format!("{p}.mlp"), mlp_bias, Activation::Silu, hidden, inter)?,
+                in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, hidden)?,
+                post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps, hidden)?,
+                sliding: is_sliding(i) && sliding_window.is_some(),
             });
         }
-        let embed = Embedding::load(&mut w, "model.embed_tokens")?;
-        let norm = RmsNorm::load(&mut w, "model.norm", eps)?;
-        let lm_head = if tie { None } else { Some(Linear::load(&mut w, "lm_head", false)?) };
+        let embed = Embedding::load(&mut w, "model.embed_tokens", d.vocab, hidden)?;
+        let norm = RmsNorm::load(&mut w, "model.norm", eps, hidden)?;
+        let lm_head = if tie { None } else { Some(Linear::load(&mut w, "lm_head", false, embed.rows(), hidden)?) };
         let sliding = layers.iter().map(|l| if l.sliding { sliding_window } else { None }).collect();
         let dtype_bytes = embed.dtype().size();
         Ok(Model {
@@ -115,7 +118,7 @@ impl Model {
                 model_type: config.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string(),
                 num_layers: n_layers,
                 hidden_size: hidden,
-                vocab_size: c.i("vocab_size")?,
+                vocab_size: d.vocab,
                 num_kv_heads: n_kv,
                 head_dim,
                 sliding,

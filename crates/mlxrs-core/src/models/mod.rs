@@ -160,19 +160,100 @@ pub fn build(config: &Value, mut weights: Weights) -> Result<Box<dyn CausalLm>> 
     })
 }
 
+/// Upper bounds on the sizes a config (or GGUF metadata) may give: far above every released model,
+/// they keep a corrupt or hostile file from sizing allocations (`num_hidden_layers = 1e9` would
+/// otherwise abort the process before any weight is looked at).
+pub mod limits {
+    pub const LAYERS: i64 = 1024;
+    pub const HIDDEN: i64 = 1 << 17;
+    pub const HEADS: i64 = 1024;
+    pub const HEAD_DIM: i64 = 1024;
+    pub const VOCAB: i64 = 1 << 22;
+    pub const INTERMEDIATE: i64 = 1 << 20;
+    /// Sliding windows and context lengths.
+    pub const POSITIONS: i64 = 1 << 30;
+}
+
+/// The sizes a decoder is built from, each checked positive, bounded ([`limits`]) and consistent
+/// with the others before anything is allocated from them; the weights' shapes are then checked
+/// against them as each tensor is taken (`Weights::take_matrix`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    pub hidden: i32,
+    pub layers: i32,
+    pub heads: i32,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub vocab: i32,
+    /// None: not in the config (the MLP's shape then comes from its first gate_proj).
+    pub intermediate: Option<i32>,
+}
+
+/// Defaults for fields a config may leave out (Gemma 3's; none for the llama family).
+#[derive(Clone, Copy, Default)]
+pub struct DimDefaults {
+    pub hidden: Option<i64>,
+    pub layers: Option<i64>,
+    pub heads: Option<i64>,
+    pub kv_heads: Option<i64>,
+    pub head_dim: Option<i64>,
+    pub vocab: Option<i64>,
+}
+
+impl Dims {
+    pub fn from_config(c: &Cfg, d: DimDefaults) -> Result<Dims> {
+        use limits::*;
+        let hidden = c.size("hidden_size", d.hidden, HIDDEN)?;
+        let layers = c.size("num_hidden_layers", d.layers, LAYERS)?;
+        let heads = c.size("num_attention_heads", d.heads, HEADS)?;
+        let kv_heads = c.size("num_key_value_heads", Some(d.kv_heads.unwrap_or(heads as i64)), HEADS)?;
+        let head_dim = match (c.get("head_dim"), d.head_dim) {
+            (None, None) if hidden % heads != 0 => {
+                return Err(Error::ModelLoad(format!(
+                    "config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (and there is no head_dim)"
+                )))
+            }
+            (None, None) => hidden / heads,
+            (_, def) => c.size("head_dim", def, HEAD_DIM)?,
+        };
+        if head_dim % 2 != 0 {
+            return Err(Error::ModelLoad(format!("config.json: head_dim {head_dim} is odd (the rotary embedding rotates pairs)")));
+        }
+        if heads % kv_heads != 0 {
+            return Err(Error::ModelLoad(format!(
+                "config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )));
+        }
+        let vocab = c.size("vocab_size", d.vocab, VOCAB)?;
+        let intermediate = match c.get("intermediate_size") {
+            Some(_) => Some(c.size("intermediate_size", None, INTERMEDIATE)?),
+            None => None,
+        };
+        Ok(Dims { hidden, layers, heads, kv_heads, head_dim, vocab, intermediate })
+    }
+
+    /// The MLP width: the config's, else the first layer's gate_proj rows.
+    pub fn intermediate(&self, w: &Weights) -> Result<i32> {
+        self.intermediate
+            .or_else(|| w.rows_of("model.layers.0.mlp.gate_proj"))
+            .ok_or_else(|| Error::ModelLoad("config.json: intermediate_size is missing".into()))
+    }
+}
+
 /// Config accessors with clear errors.
-pub(crate) struct Cfg<'a>(pub &'a Value);
+pub struct Cfg<'a>(pub &'a Value);
 
 impl Cfg<'_> {
-    pub fn i(&self, k: &str) -> Result<i32> {
-        self.0
-            .get(k)
-            .and_then(Value::as_i64)
-            .map(|v| v as i32)
-            .ok_or_else(|| Error::ModelLoad(format!("config.json: {k} is missing or not an integer")))
-    }
-    pub fn i_or(&self, k: &str, d: i32) -> i32 {
-        self.0.get(k).and_then(Value::as_i64).map(|v| v as i32).unwrap_or(d)
+    /// A size field: an integer in 1..=max (`default` when absent), else an error naming it.
+    pub fn size(&self, k: &str, default: Option<i64>, max: i64) -> Result<i32> {
+        let v = match self.get(k) {
+            None => default.ok_or_else(|| Error::ModelLoad(format!("config.json: {k} is missing or not an integer")))?,
+            Some(v) => v.as_i64().ok_or_else(|| Error::ModelLoad(format!("config.json: {k} = {v} is not an integer")))?,
+        };
+        if !(1..=max).contains(&v) {
+            return Err(Error::ModelLoad(format!("config.json: {k} = {v} is out of range (1..={max})")));
+        }
+        Ok(v as i32)
     }
     pub fn opt_i(&self, k: &str) -> Option<i32> {
         self.0.get(k).and_then(Value::as_i64).map(|v| v as i32)
@@ -185,5 +266,74 @@ impl Cfg<'_> {
     }
     pub fn get(&self, k: &str) -> Option<&Value> {
         self.0.get(k).filter(|v| !v.is_null())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    #[test]
+    fn sizes_are_bounded_and_consistent() {
+        let ok = json!({"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512});
+        let d = Dims::from_config(&Cfg(&ok), DimDefaults::default()).unwrap();
+        assert_eq!((d.heads, d.kv_heads, d.head_dim, d.intermediate), (4, 2, 64, None));
+        let with = |k: &str, v: Value| {
+            let mut c = ok.clone();
+            c[k] = v;
+            Dims::from_config(&Cfg(&c), DimDefaults::default()).unwrap_err().to_string()
+        };
+        assert!(with("num_hidden_layers", json!(1_000_000_000)).contains("num_hidden_layers = 1000000000 is out of range"));
+        assert!(with("num_hidden_layers", json!(0)).contains("out of range"));
+        // 2^32 + 2 would wrap to 2 as an i32
+        assert!(with("num_hidden_layers", json!(4_294_967_298u64)).contains("out of range"));
+        assert!(with("head_dim", json!(1_000_000)).contains("head_dim = 1000000"));
+        assert!(with("num_attention_heads", json!(0)).contains("num_attention_heads = 0"));
+        assert!(with("num_attention_heads", json!(3)).contains("not a multiple"));
+        assert!(with("hidden_size", json!(1e9)).contains("not an integer"));
+        assert!(with("head_dim", json!(33)).contains("odd"));
+        let mut no_hd = ok.clone();
+        no_hd.as_object_mut().unwrap().remove("head_dim");
+        no_hd["hidden_size"] = json!(250);
+        assert!(Dims::from_config(&Cfg(&no_hd), DimDefaults::default()).unwrap_err().to_string().contains("not a multiple"));
+    }
+
+    fn value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            (-3i64..70).prop_map(Value::from),
+            prop::sample::select(vec![1i64 << 31, (1 << 31) - 1, 1 << 32, i64::MAX, 1_000_000_000, 262_144]).prop_map(Value::from),
+            any::<f64>().prop_map(|f| json!(f)),
+            Just(Value::Null),
+            Just(json!("64")),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+        /// Arbitrary size fields: never a panic; accepted sizes are in range and consistent.
+        #[test]
+        fn accepted_configs_are_consistent(vals in prop::collection::vec(value(), 7), gemma in any::<bool>()) {
+            let keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                        "head_dim", "vocab_size", "intermediate_size"];
+            let cfg = Value::Object(keys.iter().map(|k| k.to_string()).zip(vals).collect());
+            let defaults = if gemma {
+                DimDefaults { hidden: Some(1152), layers: Some(26), heads: Some(4), kv_heads: Some(1), head_dim: Some(256), vocab: Some(262144) }
+            } else {
+                DimDefaults::default()
+            };
+            if let Ok(d) = Dims::from_config(&Cfg(&cfg), defaults) {
+                use limits::*;
+                for (v, max) in [(d.hidden, HIDDEN), (d.layers, LAYERS), (d.heads, HEADS), (d.kv_heads, HEADS),
+                                 (d.head_dim, HEAD_DIM), (d.vocab, VOCAB), (d.intermediate.unwrap_or(1), INTERMEDIATE)] {
+                    prop_assert!(v >= 1 && v as i64 <= max);
+                }
+                prop_assert_eq!(d.heads % d.kv_heads, 0);
+                prop_assert_eq!(d.head_dim % 2, 0);
+            }
+        }
     }
 }
