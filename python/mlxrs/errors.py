@@ -38,6 +38,10 @@ class DownloadError(MlxrsError):
     """A download failed or did not verify."""
 
 
+class EngineError(MlxrsError):
+    """The engine thread died; the session cannot generate."""
+
+
 class GenerationCancelled(MlxrsError):
     """A generation was cancelled before it finished."""
 
@@ -45,4 +49,5 @@ class GenerationCancelled(MlxrsError):
 __all__ = [
     "MlxrsError", "MlxError", "NativeRuntimeError", "InvalidArgumentError", "ModelLoadError",
     "UnsupportedModelError", "BusyError", "ContextLengthError", "DownloadError", "GenerationCancelled",
+    "EngineError",
 ]
