@@ -183,7 +183,7 @@ class ServerState:
         if self.engine()["state"] != "running":
             raise self.engine_unavailable()
         try:
-            params = _params(opts)
+            params = _params(opts, self.vocab)
             stream = self.session._s.start(ids, params, self.dispatcher.hub)
         except EngineError as e:
             raise self.engine_unavailable(e) from None
