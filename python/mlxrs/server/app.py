@@ -36,6 +36,7 @@ DEFAULT_MAX_BODY = 32 << 20
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "*"}
 KEEPALIVE_SECONDS = 10.0
+PREFIX_CHARS_PER_TOKEN = 16  # longer prompts are first measured by a prefix this many chars per token
 
 
 @dataclass
@@ -110,15 +111,26 @@ class ServerState:
 
     # -- prompts ------------------------------------------------------------------------------
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template_kwargs: Mapping[str, Any]) -> tuple[str, list[int]]:
+                     template_kwargs: Mapping[str, Any], param: str = "messages") -> tuple[str, list[int]]:
         """Chat template → (rendered text, token ids), off the event loop."""
         def work() -> tuple[str, list[int]]:
             text = self.session.apply_chat_template(messages, tools=tools, **dict(template_kwargs))
-            return text, list(self.session._s.encode_rendered(text))
+            return text, self._encode(text, lambda t: list(self.session._s.encode_rendered(t)), param)
         return await self._blocking(work)
 
-    async def tokenize(self, text: str) -> list[int]:
-        return await self._blocking(lambda: self.session.tokenize(text))
+    async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
+        return await self._blocking(lambda: self._encode(text, self.session.tokenize, param))
+
+    def _encode(self, text: str, encode: Callable[[str], list[int]], param: str) -> list[int]:
+        """encode(text), but a text far past the context ceiling is refused from the tokens of a
+        prefix: tokenizing megabytes only to refuse them would leave the process hundreds of MB
+        larger (the allocator keeps what the tokenizer took)."""
+        limit = self.context_tokens * PREFIX_CHARS_PER_TOKEN
+        if len(text) > limit:
+            n = len(encode(text[:limit]))
+            if n > self.context_tokens + 8:  # a cut word adds a token or two at most
+                raise self.over_ceiling(f"more than {n - 8}", param)
+        return encode(text)
 
     async def _blocking(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -138,11 +150,7 @@ class ServerState:
         ceiling = self.context_tokens
         room = ceiling - n_prompt
         if room < 1:
-            self.stats.rejected_admission += 1
-            raise admission_error(
-                f"the prompt ({n_prompt} tokens) leaves no room to generate within the context ceiling of "
-                f"{ceiling} tokens (memory budget {self.plan['usableBytes']} bytes; see /stats) — shorten the "
-                "prompt, raise --memory-budget, or serve with --kv-quant 4|8", param=param)
+            raise self.over_ceiling(str(n_prompt), param)
         if max_tokens is None:
             return room
         if max_tokens > room:
@@ -173,6 +181,13 @@ class ServerState:
         if e is not None and eng["state"] == "running":
             eng = {"state": "dead", "error": str(e)}
         return engine_error(eng["state"], eng["error"])
+
+    def over_ceiling(self, n_prompt: str, param: str) -> ApiError:
+        self.stats.rejected_admission += 1
+        return admission_error(
+            f"the prompt ({n_prompt} tokens) leaves no room to generate within the context ceiling of "
+            f"{self.context_tokens} tokens (memory budget {self.plan['usableBytes']} bytes; see /stats) — shorten "
+            "the prompt, raise --memory-budget, or serve with --kv-quant 4|8", param=param)
 
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, ids: list[int], opts: dict[str, Any]) -> "Generation":
@@ -534,7 +549,7 @@ class _JsonErrorHandler(web_protocol.RequestHandler):
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         super().handle_error(request, status, exc, message)  # logs; raises once a response has started
-        text = (message or "").strip() or "error"
+        text = " ".join((message or "").split()) or "error"
         err = ApiError(status, f"malformed HTTP request: {text}" if status == 400 else text)
         resp = err.response("openai")
         resp.force_close()

@@ -13,6 +13,7 @@ INT32_MAX = 2**31 - 1
 
 
 MAX_DEPTH = 64  # nesting levels a request body (or a tool call's `arguments`) may have
+NAMED_DEPTH = 8  # errors name the value's path down to this many levels
 
 
 class _Bad:
@@ -55,29 +56,32 @@ def parse_json(text: str) -> Any:
         raise ValueError(f"nested more than {MAX_DEPTH} levels deep") from None
 
 
-def check_json(value: Any, where: str = "", *, surrogates: bool = True) -> None:
+def check_json(value: Any, where: str = "", *, surrogates: bool = True, depth: int = 1) -> None:
     """400, naming the parameter, for the first value no engine or template can take: NaN or
     Infinity, a number beyond float range, a lone UTF-16 surrogate (from a `\\ud800` escape) in a
-    string or key, nesting deeper than MAX_DEPTH."""
-    stack: list[tuple[str, Any, int]] = [(where, value, 1)]
+    string or key, nesting deeper than MAX_DEPTH. `depth`: the level `value` is at in the body."""
+    # the path names values down to NAMED_DEPTH levels; below that, the value there ("…" added)
+    stack: list[tuple[str, Any, int]] = [(where, value, depth)]
     while stack:
         path, v, depth = stack.pop()
+        shown = path if depth <= NAMED_DEPTH else path + "…"
         if isinstance(v, (dict, list)):
             if depth > MAX_DEPTH:
-                raise _at(path, f"is nested more than {MAX_DEPTH} levels deep")
+                raise _at(shown, f"is nested more than {MAX_DEPTH} levels deep")
+            deeper = depth >= NAMED_DEPTH
             if isinstance(v, dict):
                 for k, x in v.items():
                     if surrogates and _SURROGATE.search(k):
-                        raise _at(path, f"the key {ascii(k)} contains a lone UTF-16 surrogate: text must be "
-                                        "valid Unicode")
-                    stack.append((f"{path}.{k}" if path else k, x, depth + 1))
+                        raise _at(shown, f"the key {ascii(k)} contains a lone UTF-16 surrogate: text must be "
+                                         "valid Unicode")
+                    stack.append((path if deeper else f"{path}.{k}" if path else k, x, depth + 1))
             else:
-                stack.extend((f"{path}[{i}]", x, depth + 1) for i, x in enumerate(v))
+                stack.extend((path if deeper else f"{path}[{i}]", x, depth + 1) for i, x in enumerate(v))
         elif isinstance(v, _Bad):
-            raise _at(path, v.why)
+            raise _at(shown, v.why)
         elif surrogates and isinstance(v, str) and _SURROGATE.search(v):
-            raise _at(path, "contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): text "
-                            "must be valid Unicode")
+            raise _at(shown, "contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
+                             "text must be valid Unicode")
 
 
 def _at(path: str, msg: str) -> ApiError:

@@ -105,7 +105,7 @@ def convert_messages(state: ServerState, msgs: Any) -> list[dict[str, Any]]:
                         except ValueError:
                             parsed = args  # templates that print strings still get it
                         else:
-                            check_json(parsed, f"{cw}.function.arguments")
+                            check_json(parsed, f"{cw}.function.arguments", depth=7)  # its level in the body
                         args = parsed
                     cid = c.get("id") if isinstance(c.get("id"), str) else f"call_{i}_{k}"
                     names[cid] = fn["name"]
