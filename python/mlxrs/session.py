@@ -127,7 +127,7 @@ def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, 
         if v is None:
             continue
         if k == "max_tokens":
-            v = _int(k, v, 1, 2**63 - 1)
+            v = _int(k, v, 0, 2**63 - 1)  # 0: prefill only
         elif k in ("temperature", "presence_penalty", "frequency_penalty"):
             v = _float(k, v, 0.0 if k == "temperature" else None)
         elif k in ("top_p", "min_p"):
