@@ -132,8 +132,8 @@ def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, 
             v = _float(k, v, 0.0 if k == "temperature" else None)
         elif k in ("top_p", "min_p"):
             v = _float(k, v, 0.0, 1.0)
-        elif k == "repetition_penalty":
-            v = _float(k, v, 0.0, lo_open=True)
+        elif k == "repetition_penalty":  # 0 or 1: off
+            v = _float(k, v, 0.0)
         elif k == "top_k":  # 0: off; past the vocabulary: all of it
             v = _int(k, v, 0, _INT32_MAX)
             v = min(v, vocab) if vocab else v

@@ -181,7 +181,7 @@ def sampling(state: ServerState, body: dict[str, Any]) -> Sampling:
     s = common_sampling(body, temperature_max=2.0, defaults=state.gen_defaults, vocab=state.vocab)
     s.set("presence_penalty", opt_number(body, "presence_penalty", -2.0, 2.0))
     s.set("frequency_penalty", opt_number(body, "frequency_penalty", -2.0, 2.0))
-    s.set("repetition_penalty", opt_number(body, "repetition_penalty", 0.01, 10.0))
+    s.set("repetition_penalty", opt_number(body, "repetition_penalty", 0.0, 10.0))
     s.set("logit_bias", logit_bias(body.get("logit_bias"), state.vocab))
     s.set("stop", stop_list(body.get("stop"), "stop") or None)
     n = opt_int(body, "n", 1)
