@@ -446,3 +446,29 @@ def test_sigterm_lets_a_short_stream_finish(model_dir):
         assert chunks[-1].choices[0].finish_reason == "length"
         assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None) >= 1
         assert "ended early" not in s.stderr()
+
+
+# -- a huge prompt ---------------------------------------------------------------------------------
+def _rss_mb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
+def test_huge_prompt_is_refused_without_tokenizing_it_all(app):
+    """A 5 MB prompt far past the context ceiling is refused from the tokens of a prefix: before,
+    tokenizing all of it left the process ~600 MB larger."""
+    big = "hello world " * (5_000_000 // 12)
+    before = _rss_mb()
+    for path, body in [("/v1/completions", {"prompt": big, "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 2}),
+                       ("/v1/messages", {"messages": [{"role": "user", "content": big}], "max_tokens": 2})]:
+        status, _, body = app.post(path, body)
+        assert status == 400, body
+        err = body["error"]
+        assert err["type"] == "memory_admission" and err["message"].startswith("the prompt (more than"), err
+    assert _rss_mb() - before < 200
+    # one just past the ceiling is still measured exactly
+    ceiling = app.state.context_tokens
+    status, _, body = app.post("/v1/completions", {"prompt": [7] * ceiling, "max_tokens": 2})
+    assert status == 400 and f"({ceiling} tokens)" in body["error"]["message"], body
