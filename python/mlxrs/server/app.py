@@ -167,6 +167,7 @@ class ServerState:
             return {"state": "closed", "error": None}
         try:
             info = self.session.info
+            info = info() if callable(info) else info
             eng = info.get("engine") if isinstance(info, Mapping) else None
         except Exception as e:  # an engine that died may not answer
             return {"state": "dead", "error": f"{type(e).__name__}: {e}"}
