@@ -119,3 +119,47 @@ def sse_events(raw: str) -> list[tuple[str | None, Any]]:
         except ValueError:
             out.append((event, text))
     return out
+
+
+class InProcess:
+    """The server's aiohttp app in this process (aiohttp's test server on a loopback port, driven
+    from a private event loop): fast enough for many requests (the fuzz tests). `kw` goes to
+    ServerState (api_key, allowed_hosts, cors_origins, …)."""
+
+    def __init__(self, model_dir: Path | str, **kw: Any) -> None:
+        import asyncio
+
+        from aiohttp.test_utils import TestClient, TestServer
+
+        from mlxrs import Session, _native
+        from mlxrs.server.app import ServerState, build_app
+
+        self.session = Session(model_dir)
+        plan = json.loads(_native.plan(str(model_dir), None, None, None))
+        self.state = ServerState(self.session, model_id=Path(model_dir).name, aliases=[Path(model_dir).name],
+                                 plan=plan, kv_bits=None, **{"api_key": None, **kw})
+        self.loop = asyncio.new_event_loop()
+        self.client = TestClient(TestServer(build_app(self.state), host="127.0.0.1"), loop=self.loop)
+        self.loop.run_until_complete(self.client.start_server())
+
+    def request(self, method: str, path: str, body: bytes | str | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+        """(status, headers, body as JSON where it is JSON, else text)."""
+        async def go() -> tuple[int, dict[str, str], Any]:
+            async with self.client.request(method, path, data=body, headers={
+                    "Content-Type": "application/json", **(headers or {})}) as r:
+                raw = await r.read()
+                try:
+                    return r.status, dict(r.headers), json.loads(raw)
+                except ValueError:
+                    return r.status, dict(r.headers), raw.decode(errors="replace")
+        return self.loop.run_until_complete(go())
+
+    def post(self, path: str, obj: Any, **kw: Any) -> tuple[int, dict[str, str], Any]:
+        return self.request("POST", path, json.dumps(obj), **kw)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+        self.state.executor.shutdown(wait=False, cancel_futures=True)
+        self.session.close()

@@ -131,7 +131,7 @@ def talker_dir():
 def _start_stream(port: int, path: str, body: dict) -> socket.socket:
     raw = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
                  + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
     return sock
 

@@ -208,7 +208,7 @@ def _long_stream(port: int, max_tokens: int = 100000) -> socket.socket:
     """Start a streaming chat that would run for a long time; returns the open socket."""
     body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return sock
 

@@ -85,7 +85,17 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sp.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     sp.add_argument("--api-key", default=None,
-                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY); also MLXRS_API_KEY")
+                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY); also MLXRS_API_KEY; "
+                         "must not be empty")
+    sp.add_argument("--allowed-hosts", default="", metavar="NAME[,NAME…]",
+                    help="Host names the server answers to besides localhost and the --host address "
+                         "(a DNS-rebinding guard; '*' turns the check off)")
+    sp.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                    help="a web origin (e.g. http://localhost:3000; '*' for any) whose pages may call the "
+                         "server; repeatable; default: none")
+    sp.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="on SIGTERM/SIGINT, how long running generations may continue before they are "
+                         "ended (default 10)")
     sp.add_argument("--kv-quant", type=int, choices=[4, 8], default=None,
                     help="quantize the KV cache to 4 or 8 bits (a longer context in the same memory)")
     sp.add_argument("--memory-budget", default=None, metavar="BYTES|FRACTION",

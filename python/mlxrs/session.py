@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from . import _native
-from .errors import InvalidArgumentError
+from .errors import ContextLengthError, InvalidArgumentError
 
 Message = Mapping[str, Any]
 
@@ -76,31 +77,103 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
 
 
-def _params(kwargs: dict[str, Any]) -> str:
+_INT32_MAX = 2**31 - 1
+
+
+def _show(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _int(k: str, v: Any, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{k} must be an int, not {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise InvalidArgumentError(f"{k} must be in [{lo}, {hi}], got {_show(v)}")
+    return int(v)
+
+
+def _float(k: str, v: Any, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{k} must be a number, not {type(v).__name__}")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise InvalidArgumentError(f"{k} must be a finite number, got {_show(v)}") from None
+    if not math.isfinite(f):
+        raise InvalidArgumentError(f"{k} must be a finite number, got {_show(v)}")
+    if lo is not None and (f < lo or lo_open and f == lo) or hi is not None and f > hi:
+        low = f"({lo}" if lo_open else f"[{lo}"
+        raise InvalidArgumentError(f"{k} must be in {low}, {hi if hi is not None else 'inf'}], got {_show(v)}")
+    return f
+
+
+def _bool(k: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{k} must be a bool, not {type(v).__name__}")
+    return v
+
+
+def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, Any]:
+    """Every generation option checked for type and range (TypeError / InvalidArgumentError, a
+    ValueError), None dropped: the one validator of generate, stream, astream, generate_batch
+    and the server. `vocab` bounds token ids (logit_bias, stop_token_ids) and caps top_k."""
     unknown = set(kwargs) - _SAMPLING_KEYS
     if unknown:
         raise InvalidArgumentError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
-    p = {k: v for k, v in kwargs.items() if v is not None}
-    stop = p.get("stop")
-    if isinstance(stop, str):
-        p["stop"] = [stop]
-    if "logit_bias" in p:
-        p["logit_bias"] = {str(k): float(v) for k, v in dict(p["logit_bias"]).items()}
-    try:
-        return json.dumps(p, allow_nan=False)
-    except ValueError:
-        bad = sorted(k for k, v in p.items() if _has_nan(v))
-        raise InvalidArgumentError(f"generation option(s) {', '.join(bad)} must be finite numbers") from None
+    ids_hi = (vocab - 1) if vocab else _INT32_MAX
+    out: dict[str, Any] = {}
+    for k, v in kwargs.items():
+        if v is None:
+            continue
+        if k == "max_tokens":
+            v = _int(k, v, 0, 2**63 - 1)  # 0: prefill only
+        elif k in ("temperature", "presence_penalty", "frequency_penalty"):
+            v = _float(k, v, 0.0 if k == "temperature" else None)
+        elif k in ("top_p", "min_p"):
+            v = _float(k, v, 0.0, 1.0)
+        elif k == "repetition_penalty":  # 0 or 1: off
+            v = _float(k, v, 0.0)
+        elif k == "top_k":  # 0: off; past the vocabulary: all of it
+            v = _int(k, v, 0, _INT32_MAX)
+            v = min(v, vocab) if vocab else v
+        elif k in ("repetition_context_size", "min_tokens_to_keep"):
+            v = _int(k, v, 0 if k == "repetition_context_size" else 1, _INT32_MAX)
+        elif k == "top_logprobs":
+            v = _int(k, v, 0, ids_hi + 1)
+        elif k == "seed":
+            v = _int(k, v, 0, 2**64 - 1)
+        elif k in ("ignore_eos", "logprobs"):
+            v = _bool(k, v)
+        elif k == "stop":
+            stops = [v] if isinstance(v, str) else v
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) for x in stops):
+                raise TypeError(f"stop must be a str or a list of str, not {type(v).__name__}")
+            if not all(stops):
+                raise InvalidArgumentError("stop sequences must not be empty strings")
+            v = list(stops)
+        elif k == "stop_token_ids":
+            if not isinstance(v, (list, tuple)):
+                raise TypeError(f"stop_token_ids must be a list of int, not {type(v).__name__}")
+            v = [_int("stop_token_ids[]", x, 0, ids_hi) for x in v]
+        elif k == "logit_bias":
+            if not isinstance(v, Mapping):
+                raise TypeError(f"logit_bias must be a mapping of token id to bias, not {type(v).__name__}")
+            bias = {}
+            for tid, b in v.items():
+                try:
+                    i = int(tid)
+                except (TypeError, ValueError):
+                    raise InvalidArgumentError(f"logit_bias key {tid!r} is not a token id") from None
+                bias[str(_int("logit_bias key", i, 0, ids_hi))] = _float(f"logit_bias[{i}]", b)
+            v = bias
+        out[k] = v
+    return out
 
 
-def _has_nan(v: Any) -> bool:
-    if isinstance(v, float):
-        return v != v or v in (float("inf"), float("-inf"))
-    if isinstance(v, Mapping):
-        return any(_has_nan(x) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return any(_has_nan(x) for x in v)
-    return False
+def _params(kwargs: Mapping[str, Any], vocab: int | None = None) -> str:
+    """The engine's JSON options, validated (see _validate)."""
+    return json.dumps(_validate(kwargs, vocab))
 
 
 class Session:
@@ -140,6 +213,22 @@ class Session:
             max_concurrency=max_concurrency, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes,
             kv_budget_bytes=kv_budget_bytes,
         )
+        info = self._s.info()
+        self._vocab = int(info["vocab_size"])
+        self._context = int(info.get("max_position_embeddings") or 0) or None
+
+    def _start_params(self, ids: list[int], sampling: Mapping[str, Any]) -> str:
+        """The engine options for a prompt of `ids`: validated; max_tokens clamped to the room the
+        model's context leaves (ContextLengthError when the prompt leaves none)."""
+        opts = _validate(sampling, self._vocab)
+        if self._context:
+            room = self._context - len(ids)
+            if room < 1:
+                raise ContextLengthError(f"the prompt ({len(ids)} tokens) leaves no room to generate within the "
+                                         f"model's context of {self._context} tokens")
+            if opts.get("max_tokens", 256) > room:
+                opts["max_tokens"] = room
+        return json.dumps(opts)
 
     # -- text <-> tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -185,7 +274,7 @@ class Session:
 
     # -- generation --------------------------------------------------------------------------------
     def _events(self, ids: list[int], kwargs: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        stream = self._s.start(ids, _params(kwargs))
+        stream = self._s.start(ids, self._start_params(ids, kwargs))
         try:
             yield from stream
         finally:
@@ -200,7 +289,13 @@ class Session:
         **sampling: Any,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are generated; the last chunk carries finish_reason and usage.
-        Closing the iterator early cancels the generation."""
+        Closing the iterator early cancels the generation. Options are checked here, before the
+        first chunk is asked for."""
+        _validate(sampling, self._vocab)
+        return self._stream(prompt, tools, template_kwargs, sampling)
+
+    def _stream(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
+                template_kwargs: Mapping[str, Any] | None, sampling: dict[str, Any]) -> Iterator[Chunk]:
         ids = self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs)
         for ev in self._events(ids, sampling):
             ch = _chunk(ev)
@@ -227,7 +322,16 @@ class Session:
     ) -> list[Completion]:
         """Generate for several prompts at once (decoded together in one batch); the results in
         the prompts' order. Sampling options apply to every prompt."""
-        streams = [self._s.start(self.encode_prompt(p), _params(sampling)) for p in prompts]
+        _validate(sampling)  # before any prompt starts
+        streams = []
+        try:
+            for p in prompts:
+                ids = self.encode_prompt(p)
+                streams.append(self._s.start(ids, self._start_params(ids, sampling)))
+        except BaseException:
+            for st in streams:
+                st.cancel()
+            raise
         want_lp = bool(sampling.get("logprobs")) or bool(sampling.get("top_logprobs"))
         try:
             return [_collect(iter(st), want_lp) for st in streams]
@@ -235,7 +339,7 @@ class Session:
             for st in streams:
                 st.cancel()
 
-    async def astream(
+    def astream(
         self,
         prompt: str | Sequence[Message] | Sequence[int],
         *,
@@ -244,7 +348,14 @@ class Session:
         **sampling: Any,
     ) -> AsyncIterator[Chunk]:
         """`stream` for asyncio: chunks arrive on the running loop without blocking it (one
-        dispatcher thread serves every async stream); leaving the loop early cancels."""
+        dispatcher thread serves every async stream); leaving the loop early cancels. Options
+        are checked here, when it is called."""
+        _validate(sampling, self._vocab)
+        return self._astream(prompt, tools, template_kwargs, sampling)
+
+    async def _astream(self, prompt: str | Sequence[Message] | Sequence[int],
+                       tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any] | None,
+                       sampling: dict[str, Any]) -> AsyncIterator[Chunk]:
         import asyncio
 
         from . import _dispatch
@@ -253,7 +364,7 @@ class Session:
         ids = await loop.run_in_executor(None, lambda: self.encode_prompt(
             prompt, tools=tools, template_kwargs=template_kwargs))
         d = _dispatch.default()
-        st = self._s.start(ids, _params(sampling), d.hub)
+        st = self._s.start(ids, self._start_params(ids, sampling), d.hub)
         q = d.register(st.id)
         finished = False
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import ipaddress
 import json
 import logging
 import os
@@ -73,6 +74,22 @@ def probe_port(host: str, port: int, api_key: str | None = None, timeout: float 
             "— stop it, or pass --port <other>")
 
 
+def _api_key(flag: str | None) -> tuple[str | None, str | None]:
+    """(the API key or None, why it is refused): an empty key would silently turn auth off."""
+    key, source = (flag, "--api-key") if flag is not None else (os.environ.get("MLXRS_API_KEY"), "MLXRS_API_KEY")
+    if key is not None and not key.strip():
+        return None, (f"{source} is empty: give a non-empty key, or leave it out to serve without one "
+                      "(loopback only is advised)")
+    return key, None
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
 def _model_label(model: str | None) -> tuple[str, str]:
     """(first output line, model id) for MODEL."""
     if model is None:
@@ -89,9 +106,15 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(
         logging.INFO if str(args.log_level).lower() == "debug" else logging.WARNING)
+    api_key, why = _api_key(args.api_key)
+    if why:
+        print(f"error: {why}", file=sys.stderr, flush=True)
+        return 2
+    if args.shutdown_timeout < 0:
+        print("error: --shutdown-timeout must be >= 0", file=sys.stderr, flush=True)
+        return 2
     first, model_id = _model_label(args.model)
     print(first, flush=True)
-    api_key = args.api_key or os.environ.get("MLXRS_API_KEY") or None
     why = probe_port(args.host, args.port, api_key)
     if why:
         print(why, file=sys.stderr, flush=True)
@@ -128,8 +151,16 @@ def run(args: argparse.Namespace) -> int:
     aliases = [model_id, str(args.model or ""), session.model_path, Path(session.model_path).name]
     state = ServerState(session, model_id=model_id, aliases=aliases, plan=plan, kv_bits=args.kv_quant,
                         api_key=api_key, max_body=args.max_body_bytes,
-                        budget_source=budget_source)
+                        budget_source=budget_source, host=args.host,
+                        allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
+                        cors_origins=args.cors_origin, shutdown_timeout=args.shutdown_timeout)
     _report_plan(state)
+    if not is_loopback(args.host) and not api_key:
+        log.warning("*** listening on %s without an API key: anyone who can reach this address can use the "
+                    "model. Pass --api-key (or MLXRS_API_KEY) unless this network is trusted. ***", args.host)
+        if not state.any_host:
+            log.warning("without an API key only these Host names are answered: %s (--allowed-hosts to add the "
+                        "names clients use, or '*')", ", ".join(sorted(state.allowed_hosts)))
     try:
         return asyncio.run(_serve(state, build_app(state), args.host, args.port))
     finally:
@@ -156,7 +187,12 @@ def _report_plan(state: Any) -> None:
 async def _serve(state: Any, app: Any, host: str, port: int) -> int:
     from aiohttp import web
 
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=logging.getLogger("aiohttp.access"))
+    from .app import Runner
+
+    # after the shutdown timeout (ServerState.end_generations) handlers need only write their last
+    # event: a short wait for them
+    runner = Runner(app, handler_cancellation=True, access_log=logging.getLogger("aiohttp.access"),
+                    shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -169,15 +205,37 @@ async def _serve(state: Any, app: Any, host: str, port: int) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"listening on http://{shown}:{port} — OpenAI /v1/chat/completions, /v1/completions; "
           f"Anthropic /v1/messages; context ceiling {state.context_tokens} tokens", flush=True)
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass
     await stop.wait()
-    log.info("shutting down")
-    state.closing = True
-    await runner.cleanup()
+    await shutdown(state, runner, hurry)
     return 0
+
+
+async def shutdown(state: Any, runner: Any, hurry: asyncio.Event) -> None:
+    """Stop accepting; queued requests answer 503; running generations get --shutdown-timeout
+    seconds to finish (a second signal cuts it short) and are then ended with a final event."""
+    state.closing = True
+    for site in list(runner.sites):
+        await site.stop()
+    queued = state.end_generations(running=False)
+    running = len(state.generations) - queued
+    log.info("shutting down: %d queued request(s) answered 503; %d running generation(s) get up to %g s",
+             queued, max(0, running), state.shutdown_timeout)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.shutdown_timeout
+    while state.generations and loop.time() < deadline and not hurry.is_set():
+        await asyncio.sleep(0.05)
+    cut = state.end_generations(running=True)
+    if cut:
+        log.warning("shutdown timeout: %d generation(s) ended early (finish_reason \"length\")", cut)
+    await runner.cleanup()

@@ -49,6 +49,8 @@ def _blocks_text(state: ServerState, content: Any, where: str) -> str:
         if not isinstance(b, dict):
             raise bad(bw, f"expected a content block object, got {type_name(b)}")
         t = b.get("type")
+        if not isinstance(t, str):
+            raise bad(bw, f"a content block needs a string `type`, got {type_name(t)}")
         if t == "text":
             if not isinstance(b.get("text"), str):
                 raise bad(bw, "a text block needs a string `text`")
@@ -99,6 +101,8 @@ def convert_messages(state: ServerState, body: dict[str, Any]) -> list[dict[str,
             if not isinstance(b, dict):
                 raise bad(bw, f"expected a content block object, got {type_name(b)}")
             t = b.get("type")
+            if not isinstance(t, str):
+                raise bad(bw, f"a content block needs a string `type`, got {type_name(t)}")
             if t == "text":
                 if not isinstance(b.get("text"), str):
                     raise bad(bw, "a text block needs a string `text`")
@@ -150,6 +154,11 @@ def convert_messages(state: ServerState, body: dict[str, Any]) -> list[dict[str,
 def convert_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, list[str] | None]:
     tools = body.get("tools")
     choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+            raise bad("tool_choice", "expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
+        if choice["type"] in ("any", "tool") and tools is None:
+            raise bad("tool_choice", f"{choice['type']!r} requires `tools`")
     if tools is None:
         return None, None
     if not isinstance(tools, list):
@@ -173,8 +182,6 @@ def convert_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, li
         out.append({"type": "function", "function": fn})
         names.append(t["name"])
     if choice is not None:
-        if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
-            raise bad("tool_choice", "expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
         if choice["type"] == "tool" and choice.get("name") not in names:
             raise bad("tool_choice.name", f"{choice.get('name')!r} is not one of the tools")
         if choice["type"] == "none":
@@ -225,8 +232,8 @@ def _input(c: ToolCall) -> dict[str, Any]:
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    if "max_tokens" not in body:
-        raise bad("max_tokens", "is required")
+    if body.get("max_tokens") is None:
+        raise bad("max_tokens", "is required (an integer >= 1)")
     requested = opt_int(body, "max_tokens", 1)
     rendered, ids, names = await _prepare(state, body)
     s = common_sampling(body, temperature_max=1.0, defaults=state.gen_defaults, vocab=state.vocab)

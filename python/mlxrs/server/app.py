@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
-from aiohttp import web
+from aiohttp import web, web_protocol
 
 from .. import _dispatch
 from ..session import Session, _params
 from .common import loads_strict
-from .errors import ApiError, admission_error, from_exception
+from ..errors import EngineError
+from .errors import ApiError, admission_error, engine_error, from_exception
 from .events import OutputParser, think_markers_for
 
 log = logging.getLogger("mlxrs.server")
@@ -32,7 +33,10 @@ log = logging.getLogger("mlxrs.server")
 STATE: web.AppKey["ServerState"] = web.AppKey("mlxrs_state")
 
 DEFAULT_MAX_BODY = 32 << 20
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+WILDCARD_HOSTS = {"", "0.0.0.0", "::", "*"}
 KEEPALIVE_SECONDS = 10.0
+PREFIX_CHARS_PER_TOKEN = 16  # longer prompts are first measured by a prefix this many chars per token
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Stats:
     rejected_admission: int = 0
     errors: int = 0
     clamped: int = 0
+    engine_unavailable: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -55,7 +60,9 @@ class ServerState:
 
     def __init__(self, session: Session, *, model_id: str, aliases: Sequence[str], plan: Mapping[str, Any],
                  kv_bits: int | None, api_key: str | None,
-                 max_body: int = DEFAULT_MAX_BODY, budget_source: str = "") -> None:
+                 max_body: int = DEFAULT_MAX_BODY, budget_source: str = "", host: str = "127.0.0.1",
+                 allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
+                 shutdown_timeout: float = 10.0) -> None:
         self.session = session
         self.model_id = model_id
         self.aliases = {a.lower() for a in aliases if a} | {model_id.lower()}
@@ -81,6 +88,16 @@ class ServerState:
         self.gen_defaults = _generation_defaults(model_dir)
         self.created = int(time.time())
         self.closing = False
+        self.shutdown_timeout = shutdown_timeout
+        self.generations: set[Generation] = set()
+        # Host names a request may address (DNS rebinding): loopback names, the bound address,
+        # --allowed-hosts; any name when --allowed-hosts '*', or when bound to every interface
+        # with an API key (which a rebinding page cannot know)
+        names = {h.strip().lower().strip("[]") for h in allowed_hosts if h.strip()}
+        self.any_host = "*" in names or (host in WILDCARD_HOSTS and bool(api_key))
+        self.allowed_hosts = names | LOOPBACK_NAMES | ({host.lower().strip("[]")} if host not in WILDCARD_HOSTS
+                                                        else set())
+        self.cors_origins = {o.strip().rstrip("/").lower() for o in cors_origins if o.strip()}
 
     # -- names -------------------------------------------------------------------------------
     def check_model(self, name: Any, param: str = "model") -> None:
@@ -94,15 +111,26 @@ class ServerState:
 
     # -- prompts ------------------------------------------------------------------------------
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template_kwargs: Mapping[str, Any]) -> tuple[str, list[int]]:
+                     template_kwargs: Mapping[str, Any], param: str = "messages") -> tuple[str, list[int]]:
         """Chat template → (rendered text, token ids), off the event loop."""
         def work() -> tuple[str, list[int]]:
             text = self.session.apply_chat_template(messages, tools=tools, **dict(template_kwargs))
-            return text, list(self.session._s.encode_rendered(text))
+            return text, self._encode(text, lambda t: list(self.session._s.encode_rendered(t)), param)
         return await self._blocking(work)
 
-    async def tokenize(self, text: str) -> list[int]:
-        return await self._blocking(lambda: self.session.tokenize(text))
+    async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
+        return await self._blocking(lambda: self._encode(text, self.session.tokenize, param))
+
+    def _encode(self, text: str, encode: Callable[[str], list[int]], param: str) -> list[int]:
+        """encode(text), but a text far past the context ceiling is refused from the tokens of a
+        prefix: tokenizing megabytes only to refuse them would leave the process hundreds of MB
+        larger (the allocator keeps what the tokenizer took)."""
+        limit = self.context_tokens * PREFIX_CHARS_PER_TOKEN
+        if len(text) > limit:
+            n = len(encode(text[:limit]))
+            if n > self.context_tokens + 8:  # a cut word adds a token or two at most
+                raise self.over_ceiling(f"more than {n - 8}", param)
+        return encode(text)
 
     async def _blocking(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -122,11 +150,7 @@ class ServerState:
         ceiling = self.context_tokens
         room = ceiling - n_prompt
         if room < 1:
-            self.stats.rejected_admission += 1
-            raise admission_error(
-                f"the prompt ({n_prompt} tokens) leaves no room to generate within the context ceiling of "
-                f"{ceiling} tokens (memory budget {self.plan['usableBytes']} bytes; see /stats) — shorten the "
-                "prompt, raise --memory-budget, or serve with --kv-quant 4|8", param=param)
+            raise self.over_ceiling(str(n_prompt), param)
         if max_tokens is None:
             return room
         if max_tokens > room:
@@ -136,17 +160,62 @@ class ServerState:
             return room
         return max_tokens
 
+    # -- the engine ---------------------------------------------------------------------------
+    def engine(self) -> dict[str, Any]:
+        """{"state": "running" | "dead" | "closed", "error": str | None}: whether it can generate."""
+        if self.session.closed:
+            return {"state": "closed", "error": None}
+        try:
+            info = self.session.info
+            info = info() if callable(info) else info
+            eng = info.get("engine") if isinstance(info, Mapping) else None
+        except Exception as e:  # an engine that died may not answer
+            return {"state": "dead", "error": f"{type(e).__name__}: {e}"}
+        if not isinstance(eng, Mapping):
+            return {"state": "running", "error": None}
+        return {"state": str(eng.get("state", "running")), "error": eng.get("error")}
+
+    def engine_unavailable(self, e: BaseException | None = None) -> ApiError:
+        """The 503 for a request the engine cannot serve (counted in /stats)."""
+        self.stats.engine_unavailable += 1
+        eng = self.engine()
+        if e is not None and eng["state"] == "running":
+            eng = {"state": "dead", "error": str(e)}
+        return engine_error(eng["state"], eng["error"])
+
+    def over_ceiling(self, n_prompt: str, param: str) -> ApiError:
+        self.stats.rejected_admission += 1
+        return admission_error(
+            f"the prompt ({n_prompt} tokens) leaves no room to generate within the context ceiling of "
+            f"{self.context_tokens} tokens (memory budget {self.plan['usableBytes']} bytes; see /stats) — shorten "
+            "the prompt, raise --memory-budget, or serve with --kv-quant 4|8", param=param)
+
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, ids: list[int], opts: dict[str, Any]) -> "Generation":
-        """Hand the request to the engine (it queues and batches); 429 when its queue is full."""
-        if self.closing or self.session.closed:
-            raise ApiError(503, "the server is shutting down")
+        """Hand the request to the engine (it queues and batches); 429 when its queue is full,
+        503 while shutting down or when the engine cannot generate."""
+        if self.closing:
+            raise shutting_down()
+        if self.engine()["state"] != "running":
+            raise self.engine_unavailable()
         try:
-            params = _params(opts)
+            params = _params(opts, self.vocab)
             stream = self.session._s.start(ids, params, self.dispatcher.hub)
+        except EngineError as e:
+            raise self.engine_unavailable(e) from None
         except Exception as e:
             raise from_exception(e) from None
-        return Generation(self, stream)
+        return Generation(self, stream, len(ids))
+
+    def end_generations(self, *, running: bool) -> int:
+        """Shutdown: end the generations still waiting for the engine (each answers 503) and, with
+        `running`, the ones decoding too (each ends with a final event). How many were ended."""
+        ended = 0
+        for gen in list(self.generations):
+            if running or not gen.started:
+                gen.queue.put_nowait(SHUTDOWN)
+                ended += 1
+        return ended
 
     def finished(self, done: Mapping[str, Any] | None) -> None:
         if done is None or done.get("finish_reason") == "cancelled":
@@ -187,6 +256,7 @@ class ServerState:
                 "rejected_memory_admission": st.rejected_admission,
                 "clamped_max_tokens": st.clamped,
                 "errors": st.errors,
+                "engine_unavailable": st.engine_unavailable,
             },
             "scheduler": {"max_concurrency": engine.get("max_concurrency"), "max_queue": engine.get("max_queue")},
             "prompt_cache": engine.get("prompt_cache"),
@@ -196,35 +266,59 @@ class ServerState:
                 "generation_tokens_per_second": round(gen_t / gen_s, 2) if gen_s > 0 else None,
                 "prompt_tokens_per_second": round(pr_t / pr_s, 2) if pr_s > 0 else None,
             },
-            "engine": {k: engine.get(k) for k in ("prompt_tokens_total", "generated_tokens_total", "decode_steps",
-                                                  "stacked_decode_steps")},
+            "engine": {**{k: engine.get(k) for k in ("prompt_tokens_total", "generated_tokens_total", "decode_steps",
+                                                     "stacked_decode_steps")},
+                       **self.engine()},
             "uptime_seconds": round(time.time() - st.started, 1),
         }
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down: retry on another instance or after it restarts",
+                    code="shutting_down", headers={"Retry-After": "5"})
+
+
+SHUTDOWN = object()  # queued into a Generation by ServerState.end_generations
 
 
 class Generation:
     """One generation: its engine events as an async iterator (delivered by the dispatcher
     thread, no thread of its own), cancellable."""
 
-    def __init__(self, state: ServerState, stream: Any) -> None:
+    def __init__(self, state: ServerState, stream: Any, n_prompt: int = 0) -> None:
         self.state = state
         self.stream = stream
         self.queue = state.dispatcher.register(stream.id)
         self.done: dict[str, Any] | None = None
         self.ended = False
+        self.started = False  # the engine has sent an event (it is no longer queued)
+        self.n_prompt = n_prompt
+        self.n_generated = 0
+        state.generations.add(self)
 
     def cancel(self) -> None:
         """Stop the generation (if it still runs) and drop whatever it still sends."""
+        self.state.generations.discard(self)
         if not self.ended:
             self.ended = True
             self.stream.cancel()
             self.state.dispatcher.unregister(self.stream.id, False)
 
     def _end(self) -> None:
+        self.state.generations.discard(self)
         if not self.ended:
             self.ended = True
             self.state.dispatcher.unregister(self.stream.id, True)
             self.state.finished(self.done)
+
+    def _shutdown(self) -> dict[str, Any]:
+        """The server is stopping: cancel; a queued generation answers 503, a running one gets a
+        final event that reports the cut as the length limit (finish_reason "length")."""
+        self.cancel()
+        if not self.started:
+            raise shutting_down()
+        return {"type": "done", "finish_reason": "length", "stop_string": None, "shutdown": True,
+                "prompt_tokens": self.n_prompt, "completion_tokens": self.n_generated, "cached_tokens": 0}
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[dict[str, Any] | None]:
         """Engine events (progress/token/done); None after `keepalive` seconds of silence."""
@@ -235,10 +329,19 @@ class Generation:
                 except asyncio.TimeoutError:
                     yield None
                     continue
+                if item is SHUTDOWN:
+                    self.done = self._shutdown()
+                    yield self.done
+                    return
+                self.started = True
                 if isinstance(item, BaseException):
                     self._end()
                     self.state.stats.errors += 1
+                    if isinstance(item, EngineError):
+                        raise self.state.engine_unavailable(item)
                     raise from_exception(item)
+                if item["type"] == "token" and item["id"] >= 0:
+                    self.n_generated += 1
                 if item["type"] == "done":
                     self.done = item
                     self._end()
@@ -246,10 +349,7 @@ class Generation:
                     return
                 yield item
         finally:
-            if not self.ended:  # the consumer left early: cancel, drop what still comes
-                self.ended = True
-                self.stream.cancel()
-                self.state.dispatcher.unregister(self.stream.id, False)
+            self.cancel()  # when the consumer left early: cancel, drop what still comes
 
 
 # -- middleware ----------------------------------------------------------------------------------
@@ -267,7 +367,10 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
     try:
         return await handler(request)
     except ApiError as e:
-        return e.response(proto)
+        resp = e.response(proto)
+        if request.content.exception() is not None:  # a body that cannot be read (bad gzip): do not drain it
+            resp.force_close()
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -281,10 +384,69 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         return from_exception(e).response(proto)
 
 
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8080" → "::1")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return (host.rsplit(":", 1)[0] if host.count(":") == 1 else host).rstrip(".")
+
+
+def cors_origin(request: web.Request) -> str | None:
+    """The request's Origin when --cors-origin allows it (answered with CORS headers)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return None
+    allowed = request.app[STATE].cors_origins
+    return origin if origin.rstrip("/").lower() in allowed or "*" in allowed else None
+
+
+def check_origin(request: web.Request) -> None:
+    """403 for what a web page elsewhere could send: a Host this server does not answer to (DNS
+    rebinding), an Origin that is neither this server nor a --cors-origin."""
+    state = request.app[STATE]
+    host = request.headers.get("Host")
+    if host is not None and not state.any_host and request.path not in OPEN_PATHS:
+        name = _host_name(host)
+        if name not in state.allowed_hosts and not name.endswith(".localhost"):
+            raise ApiError(403, f"Host {host!r} is not one this server answers to (a DNS-rebinding guard): "
+                                f"pass --allowed-hosts {name} to allow it", code="host_not_allowed")
+    origin = request.headers.get("Origin")
+    if origin is None or cors_origin(request):
+        return
+    same = host is not None and origin.lower().split("://", 1)[-1].rstrip("/") == host.lower()
+    if not same:
+        raise ApiError(403, f"cross-origin request from {origin!r} refused: pass --cors-origin {origin} to allow "
+                            "a web page there to call this server", code="origin_not_allowed")
+
+
+def _preflight(request: web.Request) -> web.Response:
+    """A CORS preflight from an allowed origin (check_origin has refused any other)."""
+    return web.Response(status=204, headers={
+        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+        "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                            "authorization, content-type, x-api-key"),
+        "Access-Control-Max-Age": "600"})
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    origin = cors_origin(request)
+    if origin:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
+
+
 @web.middleware
 async def guard_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
     state = request.app[STATE]
+    check_origin(request)
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers \
+            and request.headers.get("Origin"):
+        if not cors_origin(request):
+            raise ApiError(403, "CORS preflight refused: this server allows no cross-origin callers "
+                                "(--cors-origin)", code="origin_not_allowed")
+        return _preflight(request)
     if state.api_key and request.path not in OPEN_PATHS:
         given = None
         auth = request.headers.get("Authorization", "")
@@ -301,13 +463,25 @@ async def guard_middleware(request: web.Request, handler: Callable[[web.Request]
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object: 400 for anything else, 413 over the limit."""
+    """The body as a JSON object: 415 unless sent as application/json (what a web page elsewhere
+    cannot send without a CORS preflight), 400 for anything else, 413 over the limit."""
+    ctype = request.content_type
+    if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
+        shown = request.headers.get("Content-Type")
+        raise ApiError(415, f"Content-Type must be application/json, got {shown!r}" if shown
+                       else "Content-Type must be application/json (the header is missing)")
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         state = request.app[STATE]
         raise ApiError(413, f"request body is larger than the limit of {state.max_body} bytes (--max-body-bytes)") \
             from None
+    except web.HTTPException as e:
+        raise ApiError(e.status if 400 <= e.status < 500 else 400, f"request body cannot be read: {e.text or e.reason}") \
+            from None
+    except Exception as e:  # a Content-Encoding the body does not have (bad gzip, …)
+        raise ApiError(400, f"request body cannot be read ({request.headers.get('Content-Encoding') or 'identity'} "
+                            f"encoding): {type(e).__name__}: {e}") from None
     if not raw.strip():
         raise ApiError(400, "request body is empty: expected a JSON object")
     body = loads_strict(raw)
@@ -318,8 +492,12 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 # -- plain endpoints -----------------------------------------------------------------------------
 async def health(request: web.Request) -> web.Response:
+    """200 while the server can generate; 503 once its engine has stopped or while it shuts down."""
     state = request.app[STATE]
-    return web.json_response({"status": "ok", "model": state.model_id, "context_tokens": state.context_tokens})
+    engine = state.engine()
+    status = "shutting_down" if state.closing else "ok" if engine["state"] == "running" else "unavailable"
+    return web.json_response({"status": status, "model": state.model_id, "context_tokens": state.context_tokens,
+                              "engine": engine}, status=200 if status == "ok" else 503)
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -355,6 +533,7 @@ def build_app(state: ServerState) -> web.Application:
 
     app = web.Application(middlewares=[error_middleware, guard_middleware], client_max_size=state.max_body)
     app[STATE] = state
+    app.on_response_prepare.append(_cors_headers)
     r = app.router
     r.add_get("/health", health)
     r.add_get("/stats", stats)
@@ -363,6 +542,34 @@ def build_app(state: ServerState) -> web.Application:
     openai.setup(r)
     anthropic.setup(r)
     return app
+
+
+class _JsonErrorHandler(web_protocol.RequestHandler):
+    """aiohttp answers what it cannot parse as HTTP (and a few other protocol errors) itself, in
+    plain text: here those answers carry the OpenAI error envelope."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises once a response has started
+        text = " ".join((message or "").split()) or "error"
+        err = ApiError(status, f"malformed HTTP request: {text}" if status == 400 else text)
+        resp = err.response("openai")
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class Runner(web.AppRunner):
+    """web.AppRunner whose protocol-level errors are JSON envelopes too."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer
+        return server
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -11,18 +12,95 @@ from .errors import ApiError
 INT32_MAX = 2**31 - 1
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+MAX_DEPTH = 64  # nesting levels a request body (or a tool call's `arguments`) may have
+NAMED_DEPTH = 8  # errors name the value's path down to this many levels
+
+
+class _Bad:
+    """A value the JSON decoder refused in place, so that the walk can name where it is."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _const(name: str) -> _Bad:
+    return _Bad(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _float(text: str) -> float | _Bad:
+    f = float(text)
+    return f if math.isfinite(f) else _Bad(f"the number {text} is out of range")
+
+
+def _int(text: str) -> int | _Bad:
+    i = int(text)
+    try:
+        float(i)
+    except OverflowError:
+        return _Bad(f"the number {text[:20]}… is out of range")
+    return i
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def parse_json(text: str) -> Any:
+    """`text` decoded with out-of-place values (NaN, Infinity, numbers beyond float range) left
+    as markers for `check_json`; ValueError for what is not JSON at all."""
+    try:
+        return json.loads(text, parse_constant=_const, parse_float=_float, parse_int=_int)
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep") from None
+
+
+def check_json(value: Any, where: str = "", *, surrogates: bool = True, depth: int = 1) -> None:
+    """400, naming the parameter, for the first value no engine or template can take: NaN or
+    Infinity, a number beyond float range, a lone UTF-16 surrogate (from a `\\ud800` escape) in a
+    string or key, nesting deeper than MAX_DEPTH. `depth`: the level `value` is at in the body."""
+    # the path names values down to NAMED_DEPTH levels; below that, the value there ("…" added)
+    stack: list[tuple[str, Any, int]] = [(where, value, depth)]
+    while stack:
+        path, v, depth = stack.pop()
+        shown = path if depth <= NAMED_DEPTH else path + "…"
+        if isinstance(v, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise _at(shown, f"is nested more than {MAX_DEPTH} levels deep")
+            deeper = depth >= NAMED_DEPTH
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    if surrogates and _SURROGATE.search(k):
+                        raise _at(shown, f"the key {ascii(k)} contains a lone UTF-16 surrogate: text must be "
+                                         "valid Unicode")
+                    stack.append((path if deeper else f"{path}.{k}" if path else k, x, depth + 1))
+            else:
+                stack.extend((path if deeper else f"{path}[{i}]", x, depth + 1) for i, x in enumerate(v))
+        elif isinstance(v, _Bad):
+            raise _at(shown, v.why)
+        elif surrogates and isinstance(v, str) and _SURROGATE.search(v):
+            raise _at(shown, "contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
+                             "text must be valid Unicode")
+
+
+def _at(path: str, msg: str) -> ApiError:
+    return ApiError(400, f"{path}: {msg}" if path else f"request body: {msg}", param=path or None)
 
 
 def loads_strict(raw: bytes) -> Any:
-    """JSON as the spec has it: NaN and Infinity are errors (Python's json accepts them)."""
+    """A request body as JSON the engine can take (see check_json): 400 for anything else."""
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ApiError(400, f"request body is not UTF-8: {e}") from None
-    except (ValueError, RecursionError) as e:
+    try:
+        value = parse_json(text)
+    except ValueError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    # a lone surrogate can only come from a \\uD800-\\uDFFF escape: look for strings only then
+    check_json(value, surrogates=bool(_SURROGATE_ESCAPE.search(text)))
+    return value
 
 
 def type_name(v: Any) -> str:

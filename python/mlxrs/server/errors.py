@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..errors import BusyError, ContextLengthError, InvalidArgumentError, MlxrsError
+from ..errors import BusyError, ContextLengthError, EngineError, InvalidArgumentError, MlxrsError
 
 # status -> (OpenAI type, OpenAI code, Anthropic type)
 _KIND = {
@@ -20,6 +20,7 @@ _KIND = {
     404: ("invalid_request_error", "not_found", "not_found_error"),
     405: ("invalid_request_error", "method_not_allowed", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type", "invalid_request_error"),
     429: ("rate_limit_error", "queue_full", "rate_limit_error"),
     500: ("server_error", None, "api_error"),
     503: ("server_error", "overloaded", "overloaded_error"),
@@ -30,8 +31,10 @@ class ApiError(Exception):
     """An error response. `type`/`code` override the status's defaults (memory admission)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 anthropic_type: str | None = None) -> None:
         super().__init__(message)
+        self.anthropic_type = anthropic_type
         self.status = status
         self.message = message
         self.param = param
@@ -42,7 +45,7 @@ class ApiError(Exception):
     def body(self, protocol: str) -> dict[str, Any]:
         oa_type, oa_code, an_type = _KIND.get(self.status, _KIND[500])
         if protocol == "anthropic":
-            err: dict[str, Any] = {"type": self.type or an_type, "message": self.message}
+            err: dict[str, Any] = {"type": self.type or self.anthropic_type or an_type, "message": self.message}
             if self.code and self.type:  # memory admission's code rides along in its own type
                 err["code"] = self.code
             return {"type": "error", "error": err}
@@ -62,6 +65,12 @@ def admission_error(message: str, param: str | None = "messages") -> ApiError:
     return ApiError(400, message, param=param, type="memory_admission", code="context_over_budget")
 
 
+def engine_error(state: str, why: str | None) -> ApiError:
+    """503 for a server whose engine cannot generate (its thread died, or it was closed)."""
+    return ApiError(503, f"the engine cannot generate ({state}{': ' + why if why else ''}): restart the server",
+                    code="engine_unavailable", anthropic_type="api_error")
+
+
 def from_exception(e: BaseException) -> ApiError:
     """An mlxrs (or aiohttp) exception as the ApiError it means."""
     if isinstance(e, ApiError):
@@ -70,6 +79,8 @@ def from_exception(e: BaseException) -> ApiError:
         return admission_error(str(e))
     if isinstance(e, BusyError):
         return ApiError(429, f"the server is busy: {e}", headers={"Retry-After": "1"})
+    if isinstance(e, EngineError):
+        return engine_error("dead", str(e))
     if isinstance(e, InvalidArgumentError):
         return ApiError(400, str(e))
     if isinstance(e, web.HTTPRequestEntityTooLarge):

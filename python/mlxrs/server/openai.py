@@ -12,8 +12,8 @@ from aiohttp import web
 from .. import __version__
 from .app import (KEEPALIVE_SECONDS, STATE, Generation, ServerState, Step, TokenText, read_json, sse, start_sse,
                   steps)
-from .common import (Sampling, bad, common_sampling, logit_bias, opt_bool, opt_int, opt_number,
-                     opt_object, stop_list, type_name)
+from .common import (Sampling, bad, check_json, common_sampling, logit_bias, opt_bool, opt_int, opt_number,
+                     opt_object, parse_json, stop_list, type_name)
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
@@ -51,6 +51,8 @@ def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool =
         if not isinstance(part, dict):
             raise bad(pw, f"expected a content part object, got {type_name(part)}")
         t = part.get("type")
+        if not isinstance(t, str):
+            raise bad(pw, f"a content part needs a string `type`, got {type_name(t)}")
         if t in ("text", "input_text", "refusal"):
             v = part.get("text" if t != "refusal" else "refusal")
             if not isinstance(v, str):
@@ -99,9 +101,11 @@ def convert_messages(state: ServerState, msgs: Any) -> list[dict[str, Any]]:
                     args = fn.get("arguments", "{}")
                     if isinstance(args, str):
                         try:
-                            parsed = json.loads(args) if args.strip() else {}
+                            parsed = parse_json(args) if args.strip() else {}
                         except ValueError:
                             parsed = args  # templates that print strings still get it
+                        else:
+                            check_json(parsed, f"{cw}.function.arguments", depth=7)  # its level in the body
                         args = parsed
                     cid = c.get("id") if isinstance(c.get("id"), str) else f"call_{i}_{k}"
                     names[cid] = fn["name"]
@@ -132,6 +136,8 @@ def convert_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, li
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", "requires `tools`")
         return None, None
     if not isinstance(tools, list):
         raise bad("tools", f"expected an array, got {type_name(tools)}")
@@ -156,6 +162,19 @@ def convert_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, li
     if choice == "none" or not tools:
         return None, None
     return tools, names
+
+
+TEMPLATE_ARGS = {"messages", "tools", "documents"}  # what the server itself passes to the template
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs: extra variables for the chat template; not the ones the server sets."""
+    kwargs = opt_object(body, "chat_template_kwargs") or {}
+    for k in kwargs:
+        if k in TEMPLATE_ARGS:
+            raise bad("chat_template_kwargs", f"{k!r} cannot be set here: send it as the request's own field")
+    opt_bool(kwargs, "add_generation_prompt", param="chat_template_kwargs.add_generation_prompt")
+    return kwargs
 
 
 def sampling(state: ServerState, body: dict[str, Any]) -> Sampling:
@@ -228,7 +247,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if rf is not None and rf.get("type") not in (None, "text"):
         raise bad("response_format", f"{rf.get('type')!r} is not supported (no constrained decoding): "
                                      "ask for JSON in the prompt instead")
-    kwargs = opt_object(body, "chat_template_kwargs") or {}
+    kwargs = template_kwargs(body)
     requested = max_tokens_of(body)
     rendered, ids = await state.render(messages, tools, kwargs)
     s.set("max_tokens", state.admit(len(ids), requested))
