@@ -6,8 +6,10 @@ close() cancels promptly; the queue refuses past its bound."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -29,6 +31,7 @@ def prompts(s: mlxrs.Session) -> list[list[int]]:
 
 CASES = [
     ("llama", {}),
+    ("llama", {"stack": 0}),  # MLXRS_BATCH_KV=0: per-row attention over full caches
     ("qwen2", {}),
     ("qwen3", {}),
     ("gemma3_text", {}),  # window 16, pattern 2: every prompt and generation runs past the window
@@ -39,15 +42,50 @@ CASES = [
 
 @pytest.mark.parametrize("arch,opts", CASES, ids=[f"{a}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'plain'}"
                                                    for a, o in CASES])
-def test_batch_equals_alone(arch, opts):
+def test_batch_equals_alone(arch, opts, monkeypatch):
+    opts = dict(opts)
+    if "stack" in opts:
+        monkeypatch.setenv("MLXRS_BATCH_KV", str(opts.pop("stack")))
     d = make_model(f"{arch}-float32", arch)
     with mlxrs.Session(d, prompt_cache_bytes=0, **opts) as s:
         ps = prompts(s)
         alone = [s.generate(p, max_tokens=N, ignore_eos=True, temperature=0.0).tokens for p in ps]
         batch = s.generate_batch(ps, max_tokens=N, ignore_eos=True, temperature=0.0)
+        info = s.info
     for i, (a, b) in enumerate(zip(alone, batch)):
         assert b.tokens == a, f"prompt {i} ({len(ps[i])} tokens): batched tokens differ from alone"
         assert b.finish_reason == "length" and b.usage.completion_tokens == N
+    # which attention ran: the stacked KV exactly where every layer keeps a full cache
+    stacked = arch != "gemma3_text" and not opts and os.environ.get("MLXRS_BATCH_KV") != "0"
+    assert info["decode_steps"] > 0
+    assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rows_join_and_leave_a_running_batch(arch):
+    """Sequences finishing at different steps leave holes in the stacked KV, later ones join into
+    them (and past them), holes get compacted: every sequence still gets exactly its tokens alone."""
+    d = make_model(f"{arch}-float32", arch)
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        ps = prompts(s) + [p[::-1] for p in prompts(s)][:6]
+        lengths = [6, 40, 3, 22, 9, 31, 14, 27, 5, 18, 36, 8, 12, 25]
+        alone = [s.generate(p, max_tokens=n, ignore_eos=True).tokens for p, n in zip(ps, lengths)]
+
+        def start(i: int) -> Any:
+            return s._s.start(ps[i], mlxrs.session._params(dict(max_tokens=lengths[i], ignore_eos=True)))
+
+        first = [start(i) for i in range(8)]
+        got: dict[int, list[int]] = {}
+        # drain the shortest two, then add the rest while the others run
+        for i in (2, 0):
+            got[i] = mlxrs.session._collect(iter(first[i]), False).tokens
+        late = {i: start(i) for i in range(8, len(ps))}
+        for i, st in [(i, first[i]) for i in range(8) if i not in got] + list(late.items()):
+            got[i] = mlxrs.session._collect(iter(st), False).tokens
+        info = s.info
+    for i, a in enumerate(alone):
+        assert got[i] == a, f"sequence {i}: tokens differ from alone"
+    assert info["stacked_decode_steps"] > 0
 
 
 def test_batch_with_mixed_lengths_and_sampling(tmp_path):

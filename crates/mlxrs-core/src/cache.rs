@@ -706,3 +706,74 @@ impl BatchKv {
         Ok((cut(kb)?, cut(vb)?))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handle::AttnMask;
+
+    const H: i32 = 2;
+    const D: i32 = 8;
+
+    fn randn(seed: u64, shape: &[i32]) -> Array {
+        mx::random_normal(shape, Dtype::Float32, &mx::random_key(seed).unwrap()).unwrap()
+    }
+
+    /// A sequence's one-layer full cache holding `len` random tokens.
+    fn seq(seed: u64, len: i32) -> Vec<LayerCache> {
+        let mut c = LayerCache::full();
+        if len > 0 {
+            c.update_and_fetch(randn(seed, &[1, H, len, D]), randn(seed + 1000, &[1, H, len, D])).unwrap();
+        }
+        vec![c]
+    }
+
+    fn max_abs_diff(a: &Array, b: &Array) -> f32 {
+        let d = mx::abs(&mx::subtract(a, b).unwrap()).unwrap();
+        d.to_vec::<f32>().unwrap().into_iter().fold(0.0, f32::max)
+    }
+
+    /// One decode step over the stack (with a hole) gives each row the attention it gets over its
+    /// own cache, and a row taken back out holds exactly its tokens.
+    #[test]
+    fn a_stacked_step_attends_like_each_row_alone() {
+        let lens = [5, 0, 300, 17]; // slot 1 stays a hole; 300 crosses a growth step
+        let mut rows: Vec<Vec<LayerCache>> = lens.iter().enumerate().map(|(i, &n)| seq(10 * i as u64, n)).collect();
+        let mut kv = BatchKv::new(1);
+        for (slot, r) in rows.iter().enumerate() {
+            if slot != 1 {
+                kv.put_row(slot, r).unwrap();
+            }
+        }
+        kv.clear(1);
+        let b = lens.len() as i32;
+        for step in 0..3 {
+            let (q, k, v) = (randn(100 + step, &[b, H, 1, D]), randn(200 + step, &[b, H, 1, D]), randn(300 + step, &[b, H, 1, D]));
+            kv.begin_step(lens.len()).unwrap();
+            let (kk, vv) = kv.update_and_fetch(0, &k, &v).unwrap();
+            let mask = kv.mask(None).unwrap();
+            let out = mx::scaled_dot_product_attention(&q, &kk, &vv, 0.3, AttnMask::Array(&mask), None).unwrap();
+            kv.advance();
+            for (r, cache) in rows.iter_mut().enumerate() {
+                if r == 1 {
+                    continue;
+                }
+                let row = |a: &Array| mx::slice_axis(a, 0, r as i32, r as i32 + 1).unwrap();
+                let Fetched::Dense(k1, v1) = cache[0].update_and_fetch(row(&k), row(&v)).unwrap() else { unreachable!() };
+                let alone = mx::scaled_dot_product_attention(&row(&q), &k1, &v1, 0.3, AttnMask::None, None).unwrap();
+                assert!(max_abs_diff(&row(&out), &alone) < 1e-5, "row {r}, step {step}");
+            }
+        }
+        // out again: the same tokens as the row's own cache; compaction keeps rows in order
+        let kept = kv.compact(&[0, 2, 3]).unwrap();
+        let mut back = vec![LayerCache::full()];
+        let mut kept = kept;
+        kept.take_row(1, &mut back).unwrap();
+        assert_eq!(back[0].offset(), rows[2][0].offset());
+        let (LayerCache::Full(a), LayerCache::Full(b)) = (&back[0], &rows[2][0]) else { unreachable!() };
+        let n = a.offset;
+        let cut = |x: &Option<Array>| seq_slice(x.as_ref().unwrap(), 0, n).unwrap();
+        assert_eq!(max_abs_diff(&cut(&a.keys), &cut(&b.keys)), 0.0);
+        assert_eq!(max_abs_diff(&cut(&a.values), &cut(&b.values)), 0.0);
+    }
+}
