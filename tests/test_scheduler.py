@@ -30,10 +30,10 @@ def prompts(s: mlxrs.Session) -> list[list[int]]:
 
 
 CASES = [
+    ("llama", {"stack": 1}),  # MLXRS_BATCH_KV=1: the stacked KV (the default on GPUs only)
     ("llama", {}),
-    ("llama", {"stack": 0}),  # MLXRS_BATCH_KV=0: per-row attention over full caches
-    ("qwen2", {}),
-    ("qwen3", {}),
+    ("qwen2", {"stack": 1}),
+    ("qwen3", {"stack": 1}),
     ("gemma3_text", {}),  # window 16, pattern 2: every prompt and generation runs past the window
     ("llama", {"kv_bits": 8}),
     ("qwen3", {"kv_bits": 4}),
@@ -55,16 +55,17 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
     for i, (a, b) in enumerate(zip(alone, batch)):
         assert b.tokens == a, f"prompt {i} ({len(ps[i])} tokens): batched tokens differ from alone"
         assert b.finish_reason == "length" and b.usage.completion_tokens == N
-    # which attention ran: the stacked KV exactly where every layer keeps a full cache
-    stacked = arch != "gemma3_text" and not opts and os.environ.get("MLXRS_BATCH_KV") != "0"
+    # which attention ran: the stacked KV exactly where asked for and every layer keeps a full cache
+    stacked = arch != "gemma3_text" and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
     assert info["decode_steps"] > 0
     assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_rows_join_and_leave_a_running_batch(arch):
+def test_rows_join_and_leave_a_running_batch(arch, monkeypatch):
     """Sequences finishing at different steps leave holes in the stacked KV, later ones join into
     them (and past them), holes get compacted: every sequence still gets exactly its tokens alone."""
+    monkeypatch.setenv("MLXRS_BATCH_KV", "1")
     d = make_model(f"{arch}-float32", arch)
     with mlxrs.Session(d, prompt_cache_bytes=0) as s:
         ps = prompts(s) + [p[::-1] for p in prompts(s)][:6]

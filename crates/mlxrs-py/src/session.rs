@@ -120,6 +120,7 @@ impl Session {
             max_queue: max_queue.unwrap_or(d.max_queue),
             prompt_cache_bytes: prompt_cache_bytes.unwrap_or(d.prompt_cache_bytes),
             kv_budget_bytes,
+            stacked_kv: None,
         };
         let engine = crate::native(py, || Engine::load(&model_dir, opts))?;
         Ok(Session { engine: Arc::new(engine), closed: false })

@@ -3,6 +3,8 @@
 //! chunked prefill in between, a prompt-prefix cache ([`prefix`]), events back per request.
 mod prefix;
 mod sched;
+#[cfg(test)]
+mod tests;
 
 pub use prefix::{PrefixCache, PrefixStats};
 use sched::{Cmd, Scheduler};
@@ -37,6 +39,9 @@ pub struct LoadOptions {
     pub prompt_cache_bytes: usize,
     /// KV bytes all running sequences may reserve (prompt + max_tokens each); None: no limit.
     pub kv_budget_bytes: Option<usize>,
+    /// Batched decode over the stacked KV of all rows (`cache::BatchKv`) where the model allows it;
+    /// None: `MLXRS_BATCH_KV`, else on a GPU only (see `sched::stacked_kv_default`).
+    pub stacked_kv: Option<bool>,
 }
 
 /// Defaults for [`LoadOptions::max_concurrency`], [`LoadOptions::max_queue`] and
@@ -91,6 +96,7 @@ impl Default for LoadOptions {
             max_queue: DEFAULT_MAX_QUEUE,
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             kv_budget_bytes: None,
+            stacked_kv: None,
         }
     }
 }
