@@ -14,7 +14,9 @@ Recognised:
     separated by ``;``, or a JSON list) at the start of the output,
   - Mistral ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`` and ``[TOOL_CALLS]name[ARGS]{…}``,
   - Gemma ```` ```tool_code\\nname(key=value, …)\\n``` ```` blocks, and Gemma's bare JSON (the
-    Llama form, ``{"name": …, "parameters": …}``).
+    Llama form, ``{"name": …, "parameters": …}``),
+  - the generic format the server asks for when a chat template ignores `tools` (server/adapt.py):
+    ``{"tool_call": {"name": …, "arguments": {…}}}`` or ``{"tool_calls": [{…}, …]}``, bare JSON.
 Bare JSON must name one of the offered tools to count as a call. Text that does not parse as a
 call comes back as content, unchanged: nothing the model wrote is dropped.
 """
@@ -125,6 +127,11 @@ def _call_from_obj(obj: Any, known: set[str] | None) -> ToolCall | None:
 
 
 def _calls_from_json(value: Any, known: set[str] | None) -> list[ToolCall] | None:
+    if isinstance(value, dict) and len(value) == 1:  # the generic format (server/adapt.py)
+        if isinstance(value.get("tool_call"), dict):
+            value = value["tool_call"]
+        elif isinstance(value.get("tool_calls"), list):
+            value = value["tool_calls"]
     items = value if isinstance(value, list) else [value]
     if not items:
         return None

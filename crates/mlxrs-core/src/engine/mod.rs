@@ -409,6 +409,19 @@ impl Engine {
         let t = self.template.as_ref().ok_or_else(|| {
             Error::Invalid("this model has no chat template: pass a plain string prompt instead of messages".into())
         })?;
+        self.render_chat_template(t, messages, tools, add_generation_prompt, extra)
+    }
+
+    /// Render `t` (a template other than the model's own, e.g. the server's --chat-template)
+    /// with this model's BOS/EOS tokens.
+    pub fn render_chat_template(
+        &self,
+        t: &ChatTemplate,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, Value>,
+    ) -> Result<String> {
         t.render(&ChatInput {
             messages,
             tools,
