@@ -550,7 +550,7 @@ async def model_one(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    from . import anthropic, openai
+    from . import anthropic, openai, responses
 
     app = web.Application(middlewares=[error_middleware, guard_middleware], client_max_size=state.max_body)
     app[STATE] = state
@@ -562,6 +562,7 @@ def build_app(state: ServerState) -> web.Application:
     r.add_get("/v1/models/{model}", model_one)
     openai.setup(r)
     anthropic.setup(r)
+    responses.setup(r)
     return app
 
 
