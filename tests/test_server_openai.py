@@ -63,8 +63,7 @@ def test_models_and_health(scripted):
     ids = [m.id for m in c.models.list()]
     assert ids == ["scripted-qwen3"]
     assert c.models.retrieve("scripted-qwen3").id == "scripted-qwen3"
-    with pytest.raises(openai.NotFoundError):
-        c.models.retrieve("nope")
+    assert c.models.retrieve("nope").id == "scripted-qwen3"  # any name (404 only with --strict-model-names)
     status, body = scripted.get("/health")
     assert status == 200 and body["model"] == "scripted-qwen3"
 

@@ -199,6 +199,12 @@ impl Session {
         }
     }
 
+    /// The embedding of `prompt`: final normed hidden states, mean-pooled, L2-normalised.
+    fn embed(&self, py: Python<'_>, prompt: Vec<i32>) -> PyResult<Vec<f32>> {
+        let e = self.engine(py)?.clone();
+        crate::native(py, move || e.embed(prompt))
+    }
+
     /// Last-position logits of `prompt` (float32), from a fresh cache.
     fn logits(&self, py: Python<'_>, prompt: Vec<i32>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
