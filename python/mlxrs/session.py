@@ -423,6 +423,14 @@ class Session:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         return list(self._s.logits(ids))
 
+    def embed(self, text: str | Sequence[int]) -> list[float]:
+        """An embedding of `text` (a string, tokenized with the BOS rule, or token ids): the model's
+        final normed hidden states (what its LM head reads) mean-pooled over the tokens and
+        L2-normalised; float32 values, the model's hidden size. From a generative model: good for
+        similarity, weaker than a dedicated embedding model."""
+        ids = self.tokenize(text) if isinstance(text, str) else [int(t) for t in text]
+        return list(self._s.embed(ids))
+
     # -- lifecycle ---------------------------------------------------------------------------------
     @property
     def info(self) -> dict[str, Any]:

@@ -212,7 +212,7 @@ async def _serve(state: Any, app: Any, host: str, port: int) -> int:
         await runner.cleanup()
         return 1
     shown = f"[{host}]" if ":" in host else host
-    print(f"listening on http://{shown}:{port} — OpenAI /v1/chat/completions, /v1/completions, /v1/responses; "
+    print(f"listening on http://{shown}:{port} — OpenAI /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings; "
           f"Anthropic /v1/messages; context ceiling {state.context_tokens} tokens", flush=True)
     stop, hurry = asyncio.Event(), asyncio.Event()
 

@@ -550,7 +550,7 @@ async def model_one(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
-    from . import anthropic, openai, responses
+    from . import anthropic, embeddings, openai, responses
 
     app = web.Application(middlewares=[error_middleware, guard_middleware], client_max_size=state.max_body)
     app[STATE] = state
@@ -563,6 +563,7 @@ def build_app(state: ServerState) -> web.Application:
     openai.setup(r)
     anthropic.setup(r)
     responses.setup(r)
+    embeddings.setup(r)
     return app
 
 
