@@ -14,7 +14,7 @@ import pytest
 import mlxrs
 from mlxrs.errors import MlxrsError
 from mlxrs.server import adapt
-from mlxrs.server.events import Content, ToolCall, parse_all
+from mlxrs.server.events import Content, OutputParser, ToolCall, parse_all
 from server_util import Server
 from tinymodels import make_model
 
@@ -144,6 +144,14 @@ def test_generic_tool_format_is_parsed():
     text = '{"tool_call": {"name": "other", "arguments": {}}}'
     assert parse_all(text, tools=["a"]) == [Content(text)]
     assert parse_all(text) == [Content(text)]
+    # in a ```json fence at the start (what small models often write), also fed piece by piece
+    fenced = '```json\n{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}\n```'
+    for feed in ([fenced], list(fenced)):
+        p = OutputParser(tools=["get_weather"])
+        events = [e for piece in feed for e in p.feed(piece)] + p.finish()
+        assert [(e.name, e.arguments) for e in events] == [("get_weather", '{"city": "Paris"}')]
+    other = '```json\n{"a": 1}\n```\nThat is the object.'
+    assert parse_all(other, tools=["get_weather"]) == [Content(other)]
 
 
 @pytest.fixture(scope="module")
