@@ -249,3 +249,19 @@ def test_gemma_tool_loop_anthropic(gemma):
                           tools=[WEATHER_ANTHROPIC], system="Be brief.")
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == base
     assert m.model == gemma_model_id(gemma)
+
+
+def test_probe_leaves_capable_templates_alone(tiny_dir):
+    """Templates with tool support (tests/chat_templates.py) are passed requests as they are; Gemma's
+    (Hugging Face's, like the embedded one) has every adaptation."""
+    from chat_templates import TEMPLATES
+
+    for name, source in TEMPLATES.items():
+        with mlxrs.Session(tiny_dir, chat_template=source) as s:
+            caps = adapt.probe(lambda m, t: s.apply_chat_template(m, tools=t))
+        want = ["multi_system", "system_only", "tool_role", "tool_calls", "tools"] if name == "gemma" else []
+        assert caps.adapted() == want, name
+    plain = adapt.Caps()
+    msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}, {"role": "system", "content": "c"},
+            {"role": "tool", "tool_call_id": "x", "content": "d"}]
+    assert adapt.adapt(plain, msgs, [WEATHER]) == (msgs, [WEATHER])

@@ -57,7 +57,8 @@ def _renders(render: Render, msgs: list[dict[str, Any]], *markers: str,
     return all(m in out for m in markers)
 
 
-_CALL = {"id": "call_probe", "type": "function",
+# a call id of 9 alphanumerics: Mistral's templates refuse any other
+_CALL = {"id": "a1b2c3d4e", "type": "function",
          "function": {"name": "probe_fn_q7", "arguments": {"k": "ARGS_Q7"}}}
 _TOOL = {"type": "function", "function": {"name": "probe_tool_q7", "description": "DESC_Q7",
                                           "parameters": {"type": "object", "properties": {}}}}
@@ -72,7 +73,7 @@ def probe(render: Render) -> Caps:
                               {"role": "user", "content": "U2_Q7"}], "SYS1_Q7", "SYS2_Q7", "SYS3_Q7")
     only = _renders(render, [{"role": "system", "content": "ONLY_Q7"}], "ONLY_Q7")
     calls = _renders(render, [u, {"role": "assistant", "content": "", "tool_calls": [_CALL]}], "probe_fn_q7")
-    result = {"role": "tool", "tool_call_id": "call_probe", "name": "probe_fn_q7", "content": "RESULT_Q7"}
+    result = {"role": "tool", "tool_call_id": "a1b2c3d4e", "name": "probe_fn_q7", "content": "RESULT_Q7"}
     tool_role = (_renders(render, [u, {"role": "assistant", "content": "", "tool_calls": [_CALL]}, result],
                           "RESULT_Q7")
                  or _renders(render, [u, {"role": "assistant", "content": "A_Q7"}, result], "RESULT_Q7"))
