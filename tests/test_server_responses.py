@@ -130,3 +130,17 @@ def test_store_keeps_the_most_recent():
     assert s.get("a") == []  # a is now the most recently used
     s.put("c", [])
     assert s.get("b") is None and s.get("a") == [] and s.get("c") == []
+
+
+def test_errors_name_the_responses_parameters(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="m", input="hi", max_output_tokens=0)
+    assert e.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="m", input="hi", temperature=5)
+    assert e.value.body["param"] == "temperature"
+    # text.format goes to the chat path as response_format; what it refuses is named text.format
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="m", input="hi", text={"format": {"type": "json_schema"}})
+    assert e.value.body["param"].startswith("text.format") and "response_format" not in e.value.message

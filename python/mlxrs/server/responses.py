@@ -161,6 +161,19 @@ def chat_body(state: ServerState, body: dict[str, Any]) -> tuple[dict[str, Any],
     return {k: v for k, v in chat.items() if v is not None}, conversation
 
 
+# chat parameters named as the Responses request names them, in errors
+RENAMED = [("response_format.json_schema", "text.format"), ("response_format", "text.format")]
+
+
+def _renamed(e: ApiError) -> ApiError:
+    for chat, ours in RENAMED:
+        if e.param and e.param.startswith(chat):
+            e.message = e.message.replace(e.param, ours + e.param[len(chat):], 1)
+            e.param = ours + e.param[len(chat):]
+            break
+    return e
+
+
 def _usage(done: dict[str, Any]) -> dict[str, Any]:
     p, c = int(done["prompt_tokens"]), int(done["completion_tokens"])
     return {"input_tokens": p, "input_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))},
@@ -214,7 +227,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     chat, conversation = chat_body(state, body)
     stream = bool(body.get("stream"))
-    gen, parser, _, _, _ = await start_chat(state, chat)
+    try:
+        gen, parser, _, _, _ = await start_chat(state, chat)
+    except ApiError as e:
+        raise _renamed(e) from None
     b = Builder(state, body)
     try:
         if stream:
