@@ -144,11 +144,13 @@ def test_bad_completions_requests(server):
     still_serving(server)
 
 
-def test_unknown_model_404_both_envelopes(server):
-    status, body = server.post("/v1/chat/completions", chat(model="gpt-4o"))
-    assert openai_error(status, body, 404)["code"] == "model_not_found"
-    status, body = server.post("/v1/messages", msg(model="claude"))
-    assert anthropic_error(status, body, 404)["type"] == "not_found_error"
+def test_unknown_model_404_both_envelopes(model_dir):
+    # any name is answered unless --strict-model-names (tests/test_server_compat.py)
+    with Server(model_dir, "--strict-model-names") as server:
+        status, body = server.post("/v1/chat/completions", chat(model="gpt-4o"))
+        assert openai_error(status, body, 404)["code"] == "model_not_found"
+        status, body = server.post("/v1/messages", msg(model="claude"))
+        assert anthropic_error(status, body, 404)["type"] == "not_found_error"
 
 
 def test_unknown_route_and_wrong_method(server):

@@ -110,6 +110,15 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                          "memory the plan leaves)")
     sp.add_argument("--max-body-bytes", type=int, default=32 << 20,
                     help="largest request body accepted, larger ones get 413 (default 32 MiB)")
+    sp.add_argument("--alias", action="append", default=[], metavar="NAME",
+                    help="another name for the model, listed in /v1/models; repeatable (any name is answered "
+                         "unless --strict-model-names)")
+    sp.add_argument("--strict-model-names", action="store_true",
+                    help="answer 404 model_not_found for a model name that is neither the model's nor an --alias")
+    sp.add_argument("--max-tokens", type=int, default=4096, metavar="N",
+                    help="max_tokens of a chat request that sets none (default 4096, or the context left if smaller)")
+    sp.add_argument("--chat-template", default=None, metavar="FILE",
+                    help="a Jinja chat template file used instead of the model's own")
     sp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="log verbosity on stderr (debug adds an access log)")
     sp.set_defaults(func=_cmd_serve)

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
@@ -114,6 +115,18 @@ def _bool(k: str, v: Any) -> bool:
     return v
 
 
+def _template_source(t: str | os.PathLike[str] | None) -> str | None:
+    """A chat template given as its Jinja source or as a file holding it → the source."""
+    if t is None:
+        return None
+    if isinstance(t, os.PathLike) or ("{" not in t and "\n" not in t):
+        try:
+            return Path(t).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InvalidArgumentError(f"chat_template: cannot read {os.fspath(t)!r}: {e.strerror or e}") from None
+    return t
+
+
 def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, Any]:
     """Every generation option checked for type and range (TypeError / InvalidArgumentError, a
     ValueError), None dropped: the one validator of generate, stream, astream, generate_batch
@@ -187,6 +200,9 @@ class Session:
     or `astream` tasks) are decoded together in one batch, up to `max_concurrency` at a time; more
     wait in a queue of `max_queue` (one more raises `BusyError`). Prompts that share a prefix with
     an earlier prompt or conversation reuse its KV cache (`prompt_cache_bytes`, 0 turns it off).
+
+    `chat_template`: a Jinja chat template (its source, or the path of a file holding it) used
+    instead of the model's own by `apply_chat_template`, `chat` and `encode_prompt`.
     """
 
     def __init__(
@@ -201,8 +217,11 @@ class Session:
         max_queue: int | None = None,
         prompt_cache_bytes: int | None = None,
         kv_budget_bytes: int | None = None,
+        chat_template: str | os.PathLike[str] | None = None,
     ) -> None:
         from .models import DEFAULT_MODEL_NAME, resolve_model
+
+        self.chat_template = _template_source(chat_template)
 
         if model is None:
             print(f"mlxrs: no model given; using the embedded default, {DEFAULT_MODEL_NAME}", file=sys.stderr)
@@ -250,7 +269,7 @@ class Session:
         msgs = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
         return str(self._s.apply_chat_template(
             json.dumps(msgs), json.dumps(list(tools)) if tools is not None else None,
-            add_generation_prompt, json.dumps(template_kwargs),
+            add_generation_prompt, json.dumps(template_kwargs), self.chat_template,
         ))
 
     def encode_prompt(
@@ -403,6 +422,14 @@ class Session:
         schedule as generation."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         return list(self._s.logits(ids))
+
+    def embed(self, text: str | Sequence[int]) -> list[float]:
+        """An embedding of `text` (a string, tokenized with the BOS rule, or token ids): the model's
+        final normed hidden states (what its LM head reads) mean-pooled over the tokens and
+        L2-normalised; float32 values, the model's hidden size. From a generative model: good for
+        similarity, weaker than a dedicated embedding model."""
+        ids = self.tokenize(text) if isinstance(text, str) else [int(t) for t in text]
+        return list(self._s.embed(ids))
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @property

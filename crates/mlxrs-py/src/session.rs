@@ -143,8 +143,9 @@ impl Session {
         crate::native(py, || e.tokenizer.decode(&ids, skip_special_tokens))
     }
 
-    /// Render the chat template; `messages`, `tools` and `kwargs` are JSON.
-    #[pyo3(signature = (messages, tools=None, add_generation_prompt=true, kwargs=None))]
+    /// Render the chat template; `messages`, `tools` and `kwargs` are JSON. `template`: a Jinja
+    /// source used instead of the model's own.
+    #[pyo3(signature = (messages, tools=None, add_generation_prompt=true, kwargs=None, template=None))]
     fn apply_chat_template(
         &self,
         py: Python<'_>,
@@ -152,6 +153,7 @@ impl Session {
         tools: Option<&str>,
         add_generation_prompt: bool,
         kwargs: Option<&str>,
+        template: Option<&str>,
     ) -> PyResult<String> {
         let m = json_arg(Some(messages), "messages")?.unwrap_or(Value::Null);
         let t = json_arg(tools, "tools")?;
@@ -160,7 +162,14 @@ impl Session {
             _ => serde_json::Map::new(),
         };
         let e = self.engine(py)?.clone();
-        crate::native(py, || e.apply_chat_template(&m, t.as_ref(), add_generation_prompt, &extra))
+        let source = template.map(str::to_owned);
+        crate::native(py, || match source {
+            Some(src) => {
+                let tpl = mlxrs_core::template::ChatTemplate::new(&src)?;
+                e.render_chat_template(&tpl, &m, t.as_ref(), add_generation_prompt, &extra)
+            }
+            None => e.apply_chat_template(&m, t.as_ref(), add_generation_prompt, &extra),
+        })
     }
 
     /// Token ids of a rendered chat prompt (the template's BOS is not doubled).
@@ -189,6 +198,12 @@ impl Session {
                 Ok(TokenStream { events: Mutex::new(None), cancel, id })
             }
         }
+    }
+
+    /// The embedding of `prompt`: final normed hidden states, mean-pooled, L2-normalised.
+    fn embed(&self, py: Python<'_>, prompt: Vec<i32>) -> PyResult<Vec<f32>> {
+        let e = self.engine(py)?.clone();
+        crate::native(py, move || e.embed(prompt))
     }
 
     /// Last-position logits of `prompt` (float32), from a fresh cache.

@@ -113,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         print("error: --shutdown-timeout must be >= 0", file=sys.stderr, flush=True)
         return 2
+    if args.max_tokens < 1:
+        print("error: --max-tokens must be >= 1", file=sys.stderr, flush=True)
+        return 2
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        print(f"error: --chat-template {args.chat_template}: no such file", file=sys.stderr, flush=True)
+        return 2
     first, model_id = _model_label(args.model)
     print(first, flush=True)
     why = probe_port(args.host, args.port, api_key)
@@ -138,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
                         - int(plan["transientBytes"]))
         cache_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else kv_budget // 2
         session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
-                          max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget)
+                          max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget,
+                          chat_template=Path(args.chat_template) if args.chat_template else None)
     except MlxrsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -153,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
                         api_key=api_key, max_body=args.max_body_bytes,
                         budget_source=budget_source, host=args.host,
                         allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
-                        cors_origins=args.cors_origin, shutdown_timeout=args.shutdown_timeout)
+                        cors_origins=args.cors_origin, shutdown_timeout=args.shutdown_timeout,
+                        listed_aliases=args.alias, strict_names=args.strict_model_names,
+                        default_max_tokens=args.max_tokens)
     _report_plan(state)
     if not is_loopback(args.host) and not api_key:
         log.warning("*** listening on %s without an API key: anyone who can reach this address can use the "
@@ -203,7 +212,7 @@ async def _serve(state: Any, app: Any, host: str, port: int) -> int:
         await runner.cleanup()
         return 1
     shown = f"[{host}]" if ":" in host else host
-    print(f"listening on http://{shown}:{port} — OpenAI /v1/chat/completions, /v1/completions; "
+    print(f"listening on http://{shown}:{port} — OpenAI /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings; "
           f"Anthropic /v1/messages; context ceiling {state.context_tokens} tokens", flush=True)
     stop, hurry = asyncio.Event(), asyncio.Event()
 

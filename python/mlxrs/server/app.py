@@ -26,6 +26,7 @@ from ..session import Session, _params
 from .common import loads_strict
 from ..errors import EngineError
 from .errors import ApiError, admission_error, engine_error, from_exception
+from . import adapt
 from .events import OutputParser, think_markers_for
 
 log = logging.getLogger("mlxrs.server")
@@ -37,6 +38,7 @@ LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 WILDCARD_HOSTS = {"", "0.0.0.0", "::", "*"}
 KEEPALIVE_SECONDS = 10.0
 PREFIX_CHARS_PER_TOKEN = 16  # longer prompts are first measured by a prefix this many chars per token
+DEFAULT_MAX_TOKENS = 4096  # a chat request without max_tokens (--max-tokens)
 
 
 @dataclass
@@ -62,10 +64,16 @@ class ServerState:
                  kv_bits: int | None, api_key: str | None,
                  max_body: int = DEFAULT_MAX_BODY, budget_source: str = "", host: str = "127.0.0.1",
                  allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
-                 shutdown_timeout: float = 10.0) -> None:
+                 shutdown_timeout: float = 10.0, listed_aliases: Sequence[str] = (), strict_names: bool = False,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.session = session
         self.model_id = model_id
-        self.aliases = {a.lower() for a in aliases if a} | {model_id.lower()}
+        # --alias names: answered and listed in /v1/models; any other name is answered too unless
+        # --strict-model-names (clients send their own defaults: gpt-4o-mini, claude-sonnet-4-5, …)
+        self.listed_aliases = list(dict.fromkeys(a for a in listed_aliases if a and a != model_id))
+        self.aliases = {a.lower() for a in (*aliases, *self.listed_aliases) if a} | {model_id.lower()}
+        self.strict_names = strict_names
+        self.default_max_tokens = default_max_tokens
         self.plan = dict(plan)
         self.kv_bits = kv_bits
         self.api_key = api_key
@@ -83,7 +91,13 @@ class ServerState:
         self.dispatcher = _dispatch.default()
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxrs-server")
         model_dir = Path(session.model_path)
-        self.template = _read_template(model_dir)
+        self.template = session.chat_template or _read_template(model_dir)
+        # what the chat template cannot render is adapted (server/adapt.py)
+        self.caps = adapt.probe(lambda m, t: session.apply_chat_template(m, tools=t)) \
+            if self.template is not None else adapt.Caps()
+        if self.caps.adapted():
+            log.info("the chat template lacks %s: such requests are adapted (docs/server-api.md)",
+                     ", ".join(self.caps.adapted()))
         self.think = think_markers_for(self.template)
         self.gen_defaults = _generation_defaults(model_dir)
         self.created = int(time.time())
@@ -105,16 +119,19 @@ class ServerState:
             return
         if not isinstance(name, str):
             raise ApiError(400, f"{param}: expected a string", param=param)
-        if name.lower() not in self.aliases:
+        if self.strict_names and name.lower() not in self.aliases:
             raise ApiError(404, f"The model `{name}` does not exist: this server serves `{self.model_id}`",
                            param=param, code="model_not_found")
 
     # -- prompts ------------------------------------------------------------------------------
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      template_kwargs: Mapping[str, Any], param: str = "messages") -> tuple[str, list[int]]:
-        """Chat template → (rendered text, token ids), off the event loop."""
+        """Chat template → (rendered text, token ids), off the event loop; what the template
+        cannot render is adapted first (server/adapt.py)."""
+        msgs, tools = adapt.adapt(self.caps, messages, tools)
+
         def work() -> tuple[str, list[int]]:
-            text = self.session.apply_chat_template(messages, tools=tools, **dict(template_kwargs))
+            text = self.session.apply_chat_template(msgs, tools=tools, **dict(template_kwargs))
             return text, self._encode(text, lambda t: list(self.session._s.encode_rendered(t)), param)
         return await self._blocking(work)
 
@@ -152,7 +169,7 @@ class ServerState:
         if room < 1:
             raise self.over_ceiling(str(n_prompt), param)
         if max_tokens is None:
-            return room
+            return min(self.default_max_tokens, room)
         if max_tokens > room:
             self.stats.clamped += 1
             log.info("max_tokens %d clamped to %d (context ceiling %d, prompt %d tokens)",
@@ -504,32 +521,36 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE].stats_body())
 
 
-def _model_card(state: ServerState, anthropic: bool) -> dict[str, Any]:
+def _model_card(state: ServerState, anthropic: bool, name: str | None = None) -> dict[str, Any]:
+    """The card of the served model, under `name` (one of its --alias names) or its own id."""
+    mid = name or state.model_id
     if anthropic:
-        return {"type": "model", "id": state.model_id, "display_name": state.model_id,
+        return {"type": "model", "id": mid, "display_name": mid,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))}
-    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlxrs",
+    return {"id": mid, "object": "model", "created": state.created, "owned_by": "mlxrs",
             "context_length": state.context_tokens}
 
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     anthropic = "anthropic-version" in request.headers
-    card = _model_card(state, anthropic)
+    ids = [state.model_id, *state.listed_aliases]
+    cards = [_model_card(state, anthropic, i) for i in ids]
     if anthropic:
-        return web.json_response({"data": [card], "has_more": False, "first_id": state.model_id,
-                                  "last_id": state.model_id})
-    return web.json_response({"object": "list", "data": [card]})
+        return web.json_response({"data": cards, "has_more": False, "first_id": ids[0], "last_id": ids[-1]})
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def model_one(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.check_model(request.match_info["model"])
-    return web.json_response(_model_card(state, "anthropic-version" in request.headers))
+    name = request.match_info["model"]
+    state.check_model(name)
+    listed = name if name in state.listed_aliases else None
+    return web.json_response(_model_card(state, "anthropic-version" in request.headers, listed))
 
 
 def build_app(state: ServerState) -> web.Application:
-    from . import anthropic, openai
+    from . import anthropic, embeddings, openai, responses
 
     app = web.Application(middlewares=[error_middleware, guard_middleware], client_max_size=state.max_body)
     app[STATE] = state
@@ -541,6 +562,8 @@ def build_app(state: ServerState) -> web.Application:
     r.add_get("/v1/models/{model}", model_one)
     openai.setup(r)
     anthropic.setup(r)
+    responses.setup(r)
+    embeddings.setup(r)
     return app
 
 

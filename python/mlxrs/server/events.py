@@ -14,7 +14,10 @@ Recognised:
     separated by ``;``, or a JSON list) at the start of the output,
   - Mistral ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`` and ``[TOOL_CALLS]name[ARGS]{…}``,
   - Gemma ```` ```tool_code\\nname(key=value, …)\\n``` ```` blocks, and Gemma's bare JSON (the
-    Llama form, ``{"name": …, "parameters": …}``).
+    Llama form, ``{"name": …, "parameters": …}``),
+  - the generic format the server asks for when a chat template ignores `tools` (server/adapt.py):
+    ``{"tool_call": {"name": …, "arguments": {…}}}`` or ``{"tool_calls": [{…}, …]}``, bare JSON;
+  - any of the bare-JSON forms in a ```` ```json ```` fence at the start of the output.
 Bare JSON must name one of the offered tools to count as a call. Text that does not parse as a
 call comes back as content, unchanged: nothing the model wrote is dropped.
 """
@@ -50,6 +53,7 @@ Event = Union[Content, Reasoning, ToolCall]
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL = "[TOOL_CALLS]"
 GEMMA_OPEN, FENCE = "```tool_code", "```"
+JSON_FENCE = "```json"  # a bare-JSON call in a Markdown fence, at the start of the output
 PYTHON_TAG = "<|python_tag|>"
 
 THINK_MARKERS = {"<think>": ("<think>", "</think>"), "[THINK]": ("[THINK]", "[/THINK]")}
@@ -125,6 +129,11 @@ def _call_from_obj(obj: Any, known: set[str] | None) -> ToolCall | None:
 
 
 def _calls_from_json(value: Any, known: set[str] | None) -> list[ToolCall] | None:
+    if isinstance(value, dict) and len(value) == 1:  # the generic format (server/adapt.py)
+        if isinstance(value.get("tool_call"), dict):
+            value = value["tool_call"]
+        elif isinstance(value.get("tool_calls"), list):
+            value = value["tool_calls"]
     items = value if isinstance(value, list) else [value]
     if not items:
         return None
@@ -302,6 +311,8 @@ class OutputParser:
             return self._gemma(out, final)
         if st == "json":
             return self._json(out, final)
+        if st == "fenced":
+            return self._fenced(out, final)
         raise AssertionError(st)
 
     def _start(self, out: list[Event], final: bool) -> bool:
@@ -325,6 +336,12 @@ class OutputParser:
         if self.tools:
             if not final and any(m.startswith(s) and len(s) < len(m) for m in (PYTHON_TAG, *self.openers)):
                 return False
+            if not final and JSON_FENCE.startswith(s) and len(s) < len(JSON_FENCE):
+                return False
+            if s.startswith(JSON_FENCE):
+                self.buf = s[len(JSON_FENCE):]
+                self.state = "fenced"
+                return True
             json_start = s.startswith(PYTHON_TAG) or s[0] == "{"
             if s[0] == "[" and not s.startswith(MISTRAL):
                 rest = s[1:].lstrip()
@@ -474,6 +491,24 @@ class OutputParser:
         self.buf = rest[end:]  # type: ignore[index]
         # the next call repeats the marker
         self.state = "after"
+        return True
+
+    def _fenced(self, out: list[Event], final: bool) -> bool:
+        """After ```json at the start: a call when the fenced text is one, else the text as is."""
+        i = self.buf.find(FENCE)
+        if i < 0 and not final:
+            return False
+        body = self.buf[:i] if i >= 0 else self.buf
+        try:
+            calls = _calls_from_json(json.loads(body), self.known)
+        except ValueError:
+            calls = None
+        if calls:
+            self._emit_call(out, calls)
+        else:
+            out.append(Content(JSON_FENCE + body + (FENCE if i >= 0 else "")))
+        self.buf = self.buf[i + len(FENCE):] if i >= 0 else ""
+        self.state = "after" if calls else "text"
         return True
 
     def _json(self, out: list[Event], final: bool) -> bool:

@@ -233,6 +233,18 @@ def _tool_call_json(c: ToolCall, index: int | None = None) -> dict[str, Any]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
+    gen, parser, lp, stream, include_usage = await start_chat(state, body)
+    try:
+        if stream:
+            return await _stream_chat(request, state, gen, parser, lp, include_usage)
+        return await _collect_chat(state, gen, parser, lp)
+    finally:
+        gen.cancel()
+
+
+async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generation, Any, Logprobs, bool, bool]:
+    """A chat request's generation, started: (generation, output parser, logprobs, stream,
+    include_usage). /v1/responses goes through here too, its request translated to this one."""
     state.check_model(body.get("model"))
     messages = convert_messages(state, body.get("messages"))
     tools, tool_names = convert_tools(body)
@@ -256,12 +268,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         s.set("top_logprobs", lp.top or None)
     parser = state.parser(rendered, tool_names)
     gen = await state.generate(ids, s.opts)
-    try:
-        if stream:
-            return await _stream_chat(request, state, gen, parser, lp, include_usage)
-        return await _collect_chat(state, gen, parser, lp)
-    finally:
-        gen.cancel()
+    return gen, parser, lp, stream, include_usage
 
 
 async def _collect_chat(state: ServerState, gen: Generation, parser: Any, lp: Logprobs) -> web.Response:

@@ -404,6 +404,25 @@ impl Engine {
         rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
     }
 
+    /// The embedding of `prompt`: its final normed hidden states mean-pooled over the tokens and
+    /// L2-normalised (float32, the model's hidden size).
+    pub fn embed(&self, prompt: Vec<i32>) -> Result<Vec<f32>> {
+        let vocab = self.shape.vocab_size;
+        if prompt.is_empty() || prompt.iter().any(|&t| t < 0 || t >= vocab) {
+            return Err(Error::Invalid("prompt must be non-empty token ids inside the vocabulary".into()));
+        }
+        let (tx, rx) = channel();
+        {
+            let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+            let s = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
+            if let Some(why) = self.stats.fault() {
+                return Err(Error::Engine(why));
+            }
+            s.send(Cmd::Embed { prompt, reply: tx }).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
+        }
+        rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
+    }
+
     /// Render the chat template (transformers semantics).
     pub fn apply_chat_template(
         &self,
@@ -415,6 +434,19 @@ impl Engine {
         let t = self.template.as_ref().ok_or_else(|| {
             Error::Invalid("this model has no chat template: pass a plain string prompt instead of messages".into())
         })?;
+        self.render_chat_template(t, messages, tools, add_generation_prompt, extra)
+    }
+
+    /// Render `t` (a template other than the model's own, e.g. the server's --chat-template)
+    /// with this model's BOS/EOS tokens.
+    pub fn render_chat_template(
+        &self,
+        t: &ChatTemplate,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, Value>,
+    ) -> Result<String> {
         t.render(&ChatInput {
             messages,
             tools,

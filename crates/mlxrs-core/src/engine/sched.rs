@@ -45,6 +45,7 @@ fn stacked_kv_default() -> bool {
 pub(crate) enum Cmd {
     Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool> },
     Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
+    Embed { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
     /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
     Panic,
 }
@@ -240,7 +241,7 @@ impl<'a> Scheduler<'a> {
                 self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
                 let _ = events.send(Event::Error(Error::Engine(why.to_string())));
             }
-            Cmd::Logits { reply, .. } => {
+            Cmd::Logits { reply, .. } | Cmd::Embed { reply, .. } => {
                 let _ = reply.send(Err(Error::Engine(why.to_string())));
             }
             Cmd::Panic => {}
@@ -294,6 +295,11 @@ impl<'a> Scheduler<'a> {
             Cmd::Logits { prompt, reply } => {
                 let stream = self.stream.clone();
                 let r = mx::with_stream(&stream, || last_logits(self.model, &prompt, &self.opts));
+                let _ = reply.send(r);
+            }
+            Cmd::Embed { prompt, reply } => {
+                let stream = self.stream.clone();
+                let r = mx::with_stream(&stream, || embedding(self.model, &prompt, &self.opts));
                 let _ = reply.send(r);
             }
             Cmd::Panic => panic!("injected engine panic (test hook)"),
@@ -808,6 +814,32 @@ pub(crate) fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptio
     let n = l.dim(1);
     let last = mx::slice_axis(&l, 1, n - 1, n)?;
     mx::astype(&last, Dtype::Float32)?.to_vec::<f32>()
+}
+
+/// The embedding of `prompt`: the final normed hidden states, mean-pooled over its tokens (in
+/// float32) and L2-normalised; the prompt runs in prefill chunks from a fresh cache.
+pub(crate) fn embedding(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions) -> Result<Vec<f32>> {
+    if prompt.is_empty() {
+        return Err(Error::Invalid("empty prompt".into()));
+    }
+    let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
+    let step = opts.prefill_step_size.max(1) as usize;
+    let mut total: Option<Array> = None;
+    for chunk in prompt.chunks(step) {
+        let a = Array::from_slice(chunk, &[1, chunk.len() as i32])?;
+        let h = model.hidden_caches(&a, &mut Caches::one(&mut cache), Staging::NONE)?;
+        let s = mx::sum(&mx::astype(&h, Dtype::Float32)?, &[0, 1], false)?; // [hidden]
+        s.eval()?;
+        total = Some(match total {
+            Some(t) => mx::add(&t, &s)?,
+            None => s,
+        });
+        maybe_quantize(&mut cache, opts)?;
+    }
+    let mean = mx::divide(&total.expect("non-empty"), &mx::scalar_as(prompt.len() as f64, Dtype::Float32)?)?;
+    let norm = mx::sqrt(&mx::sum(&mx::square(&mean)?, &[0], false)?)?;
+    let eps = mx::scalar_as(1e-12, Dtype::Float32)?;
+    mx::divide(&mean, &mx::maximum(&norm, &eps)?)?.to_vec::<f32>()
 }
 
 fn top_logprobs(lp: &Array, token: i32, k: usize) -> Result<(Option<f32>, Vec<(i32, f32)>)> {

@@ -135,6 +135,14 @@ fn clip_residual(x: &Array, y: &Array) -> Result<Array> {
 
 impl CausalLm for Model {
     fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let h = self.hidden_caches(tokens, caches, staging)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+
+    fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let h0 = self.embed.forward(tokens)?;
         let mut h = mx::multiply(&h0, &mx::astype(&self.embed_scale, h0.dtype())?)?;
         let n = tokens.dim(1);
@@ -152,11 +160,7 @@ impl CausalLm for Model {
             h = clip_residual(&hh, &layer.post_ff_norm.forward(&r)?)?;
             stager.after_layer(i, n_layers, &h, caches)?;
         }
-        let h = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
-        }
+        self.norm.forward(&h)
     }
 
     fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache> {

@@ -131,6 +131,14 @@ impl Model {
 
 impl CausalLm for Model {
     fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let h = self.hidden_caches(tokens, caches, staging)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+
+    fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let mut h = self.embed.forward(tokens)?;
         let n = tokens.dim(1);
         let fa = self.layers.iter().position(|l| !l.sliding).unwrap_or(0);
@@ -149,11 +157,7 @@ impl CausalLm for Model {
             h = mx::add(&hh, &r)?;
             stager.after_layer(i, n_layers, &h, caches)?;
         }
-        let h = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
-        }
+        self.norm.forward(&h)
     }
 
     fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache> {

@@ -58,6 +58,9 @@ pub trait CausalLm: Send {
     /// The forward pass over one cache per batch row: `tokens` `[B, L]`, B the rows of `caches`.
     /// The engine's batched decode step runs several sequences (each its own cache) through it.
     fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: Staging) -> Result<Array>;
+    /// The final normed hidden state `[B, L, hidden]` (what the LM head reads) for `tokens`
+    /// `[B, L]`, appending to `caches`: the embeddings of `/v1/embeddings` are pooled from it.
+    fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: Staging) -> Result<Array>;
     /// A fresh cache for this model.
     fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache>;
     fn shape(&self) -> &ModelShape;
