@@ -436,11 +436,15 @@ def test_sigterm_lets_a_short_stream_finish(model_dir):
     with Server(model_dir, "--shutdown-timeout", "30") as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=300, stream=True)
-        first = next(iter(stream))
+        it = iter(stream)
+        first = next(it)
         assert first.choices[0].delta.role == "assistant"
+        # running, not queued: wait for its first text (the role chunk comes before the engine admits it)
+        while not (c := next(it)).choices or c.choices[0].delta.content is None:
+            pass
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
-        chunks = list(stream)
+        chunks = [c, *it]
         s.proc.wait(30)
         assert time.monotonic() - t0 < 20
         assert chunks[-1].choices[0].finish_reason == "length"

@@ -244,13 +244,17 @@ class Session:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
     def apply_chat_template(
-        self, messages: str, tools: str | None = None, add_generation_prompt: bool = True, kwargs: str | None = None
+        self, messages: str, tools: str | None = None, add_generation_prompt: bool = True, kwargs: str | None = None,
+        template: str | None = None,
     ) -> str:
-        """`messages`, `tools` and `kwargs` are JSON."""
+        """`messages`, `tools` and `kwargs` are JSON; `template`: a Jinja source used instead of the
+        model's own."""
     def encode_rendered(self, text: str) -> list[int]: ...
     def start(self, prompt: Sequence[int], params: str = "{}", hub: EventHub | None = None) -> TokenStream:
         """Queue a generation; `params` is a JSON object of sampling options. With `hub`, its
         events go to the hub, tagged with the stream's `id`."""
+    def embed(self, prompt: Sequence[int]) -> list[float]:
+        """Final normed hidden states of `prompt`, mean-pooled, L2-normalised."""
     def logits(self, prompt: Sequence[int]) -> list[float]: ...
     def info(self) -> dict[str, Any]:
         """Model facts and counters; `info()["engine"]` is {"state": "running" | "dead" | "closed",
