@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .common import bad, type_name
+from .errors import ApiError
 
 
 def _schema(v: Any, param: str) -> dict[str, Any]:
@@ -87,9 +88,17 @@ def tool_call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str,
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def combine(param: str, *parts: dict[str, Any]) -> dict[str, Any]:
-    """At most one constraint per request: two (a response format and a forced tool call, say) is a 400."""
-    found = [p for p in parts if p]
+def combine(**parts: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The request's constraint and the field that asked for it. At most one per request: two (a
+    response format and a forced tool call, say) is a 400."""
+    found = [(k, v) for k, v in parts.items() if v]
     if len(found) > 1:
-        raise bad(param, "only one constraint per request: response format, forced tool call or mlxrs grammar")
-    return found[0] if found else {}
+        raise bad(found[1][0], f"only one constraint per request ({' and '.join(k for k, _ in found)} were given)")
+    return found[0][1] if found else {}, found[0][0] if found else None
+
+
+def naming(e: ApiError, param: str | None) -> ApiError:
+    """The engine's refusal of a grammar ("json_schema: …") as a 400 naming the request's field."""
+    if param and e.status == 400 and e.message.split(":", 1)[0] in ("json_schema", "json_object", "regex", "grammar"):
+        return bad(param, e.message)
+    return e

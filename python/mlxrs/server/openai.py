@@ -14,7 +14,7 @@ from .app import (KEEPALIVE_SECONDS, STATE, Generation, ServerState, Step, Token
                   steps)
 from .common import (Sampling, bad, check_json, common_sampling, logit_bias, opt_bool, opt_int, opt_number,
                      opt_object, parse_json, stop_list, type_name)
-from .constrain import combine, extension, openai_response_format, tool_call_schema
+from .constrain import combine, extension, naming, openai_response_format, tool_call_schema
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
@@ -248,7 +248,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     forced = {}
     if tools and (choice == "required" or isinstance(choice, dict)):
         forced = {"json_schema": tool_call_schema(tools, choice["function"]["name"] if isinstance(choice, dict) else None)}
-    for k, v in combine("response_format", openai_response_format(body), forced, extension(body)).items():
+    constraint, cparam = combine(response_format=openai_response_format(body), tool_choice=forced,
+                                 mlxrs=extension(body))
+    for k, v in constraint.items():
         s.set(k, v)
     kwargs = template_kwargs(body)
     requested = max_tokens_of(body)
@@ -257,8 +259,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if lp.want:
         s.set("logprobs", True)
         s.set("top_logprobs", lp.top or None)
-    parser = state.parser(rendered, tool_names)
-    gen = await state.generate(ids, s.opts)
+    # constrained output starts at once (a template's open <think> is not continued)
+    parser = state.parser(None if constraint else rendered, tool_names)
+    try:
+        gen = await state.generate(ids, s.opts)
+    except ApiError as e:
+        raise naming(e, cparam) from None
     try:
         if stream:
             return await _stream_chat(request, state, gen, parser, lp, include_usage)
