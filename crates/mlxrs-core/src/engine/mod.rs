@@ -361,7 +361,7 @@ impl Engine {
         req.sampling.validate(vocab)?;
         // a grammar that does not compile is the caller's error, here rather than in the stream
         let guide = match &req.grammar {
-            Some(g) => Some(self.guides.guide(g, &self.tokenizer, vocab as usize)?),
+            Some(g) => Some(Box::new(self.guides.guide(g, &self.tokenizer, vocab as usize)?)),
             None => None,
         };
         let cancel = Arc::new(AtomicBool::new(false));

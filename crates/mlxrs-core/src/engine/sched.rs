@@ -30,7 +30,7 @@ pub const BATCH_KV_ENV: &str = "MLXRS_BATCH_KV";
 
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
-    Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Guide> },
+    Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>> },
     Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
     /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
     Panic,
@@ -46,7 +46,7 @@ struct Seq {
     cache: Vec<LayerCache>,
     sampler: Sampler,
     /// The request's constraint: masks the logits before each sampling step.
-    guide: Option<Guide>,
+    guide: Option<Box<Guide>>,
     detok: Detokenizer,
     stops: StopMatcher,
     /// Prompt tokens already in the cache (from the prefix cache or prefilled).
@@ -285,7 +285,7 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    fn make_seq(&mut self, req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Guide>) -> Result<Seq> {
+    fn make_seq(&mut self, req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>>) -> Result<Seq> {
         let sampler = Sampler::new(req.sampling.clone(), self.model.shape().vocab_size)?;
         let detok = Detokenizer::new(&req.prompt);
         let stops = StopMatcher::new(req.stop.clone());
