@@ -92,7 +92,9 @@ CHAT_BAD = [
     ("presence_penalty", chat(presence_penalty=3), "presence_penalty"),
     ("tools not a list", chat(tools={"x": 1}), "tools"),
     ("tool without name", chat(tools=[{"type": "function", "function": {}}]), "tools[0]"),
-    ("response_format json", chat(response_format={"type": "json_object"}), "response_format"),
+    ("response_format xml", chat(response_format={"type": "xml"}), "response_format.type"),
+    ("response_format schema not an object", chat(response_format={"type": "json_schema", "json_schema": {"schema": 3}}),
+     "response_format.json_schema.schema"),
 ]
 
 

@@ -23,6 +23,9 @@ _SAMPLING_KEYS = {
     "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep", "repetition_penalty", "repetition_context_size",
     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop",
     "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+    # constrained decoding (at most one): the output follows a JSON schema, is any JSON object,
+    # matches a regex, or a Lark grammar (llguidance's syntax)
+    "json_schema", "json_object", "regex", "grammar",
 }
 
 
@@ -158,6 +161,23 @@ def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, 
             v = _int(k, v, 0, 2**64 - 1)
         elif k in ("ignore_eos", "logprobs"):
             v = _bool(k, v)
+        elif k == "json_object":
+            if not _bool(k, v):
+                continue
+        elif k == "json_schema":
+            if isinstance(v, type) and hasattr(v, "model_json_schema"):  # a pydantic model class
+                v = v.model_json_schema()
+            if not isinstance(v, (Mapping, bool)):
+                raise TypeError(f"json_schema must be a JSON schema (a dict), not {type(v).__name__}")
+            try:
+                v = json.loads(json.dumps(v, allow_nan=False))
+            except (TypeError, ValueError) as e:
+                raise InvalidArgumentError(f"json_schema is not JSON: {e}") from None
+        elif k in ("regex", "grammar"):
+            if not isinstance(v, str):
+                raise TypeError(f"{k} must be a str, not {type(v).__name__}")
+            if not v:
+                raise InvalidArgumentError(f"{k} must not be empty")
         elif k == "stop":
             stops = [v] if isinstance(v, str) else v
             if not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) for x in stops):
@@ -181,6 +201,9 @@ def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, 
                 bias[str(_int("logit_bias key", i, 0, ids_hi))] = _float(f"logit_bias[{i}]", b)
             v = bias
         out[k] = v
+    constraints = [k for k in ("json_schema", "json_object", "regex", "grammar") if k in out]
+    if len(constraints) > 1:
+        raise InvalidArgumentError(f"at most one of json_schema, json_object, regex, grammar (got {', '.join(constraints)})")
     return out
 
 

@@ -18,6 +18,7 @@ pub mod generate;
 pub mod tokenizer;
 pub mod template;
 pub mod engine;
+pub mod guide;
 pub mod gguf;
 pub mod plan;
 pub mod download;

@@ -99,6 +99,11 @@ impl Tokenizer {
         self.inner.token_to_id(t).map(|i| i as i32)
     }
 
+    /// The tokenizer as tokenizer.json (constrained decoding reads every token's bytes from it).
+    pub fn to_json(&self) -> std::result::Result<String, String> {
+        self.inner.to_string(false).map_err(|e| e.to_string())
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

@@ -1,6 +1,7 @@
 //! `Session` and `TokenStream`: thin wrappers over the core engine.
 use crate::{to_py, PyResultExt};
 use mlxrs_core::engine::{Engine, Event, EventSink, LoadOptions, Request};
+use mlxrs_core::guide::Grammar;
 use mlxrs_core::sample::SamplingParams;
 use mlxrs_core::Error;
 use pyo3::exceptions::{PyStopIteration, PyValueError};
@@ -72,7 +73,29 @@ pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, 
     if max_tokens < 0 {
         return Err(Error::Invalid(format!("max_tokens must be >= 0, got {max_tokens}")));
     }
+    // constrained decoding: at most one of json_schema, json_object, regex, grammar
+    let mut grammars = Vec::new();
+    match params.get("json_schema") {
+        None | Some(Value::Null) => {}
+        Some(v @ (Value::Object(_) | Value::Bool(_))) => grammars.push(Grammar::JsonSchema(v.clone())),
+        Some(_) => return Err(Error::Invalid("json_schema must be a JSON schema (an object)".into())),
+    }
+    if params.get("json_object").and_then(Value::as_bool).unwrap_or(false) {
+        grammars.push(Grammar::JsonObject);
+    }
+    for (k, make) in [("regex", Grammar::Regex as fn(String) -> Grammar), ("grammar", Grammar::Lark)] {
+        match params.get(k) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(t)) => grammars.push(make(t.clone())),
+            Some(_) => return Err(Error::Invalid(format!("{k} must be a string"))),
+        }
+    }
+    if grammars.len() > 1 {
+        let names: Vec<&str> = grammars.iter().map(Grammar::param).collect();
+        return Err(Error::Invalid(format!("at most one of json_schema, json_object, regex, grammar (got {})", names.join(", "))));
+    }
     Ok(Request {
+        grammar: grammars.pop(),
         prompt,
         sampling: s,
         max_tokens: max_tokens as usize,

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from .app import KEEPALIVE_SECONDS, STATE, Generation, ServerState, read_json, sse, start_sse, steps
 from .common import bad, common_sampling, opt_bool, opt_int, stop_list, type_name
+from .constrain import anthropic_output_config, combine, extension, naming, tool_call_schema
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
@@ -237,11 +238,25 @@ async def messages(request: web.Request) -> web.StreamResponse:
     requested = opt_int(body, "max_tokens", 1)
     rendered, ids, names = await _prepare(state, body)
     s = common_sampling(body, temperature_max=1.0, defaults=state.gen_defaults, vocab=state.vocab)
+    choice = body.get("tool_choice")
+    forced = {}
+    if names and isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        tools, _ = convert_tools(body)
+        assert tools is not None
+        forced = {"json_schema": tool_call_schema(tools, choice.get("name") if choice["type"] == "tool" else None)}
+    constraint, cparam = combine(output_config=anthropic_output_config(body), tool_choice=forced,
+                                 mlxrs=extension(body))
+    for k, v in constraint.items():
+        s.set(k, v)
     s.set("stop", stop_list(body.get("stop_sequences"), "stop_sequences") or None)
     stream = bool(opt_bool(body, "stream"))
     s.set("max_tokens", state.admit(len(ids), requested))
-    parser = state.parser(rendered, names)
-    gen = await state.generate(ids, s.opts)
+    # constrained output starts at once (a template's open <think> is not continued)
+    parser = state.parser(None if constraint else rendered, names)
+    try:
+        gen = await state.generate(ids, s.opts)
+    except ApiError as e:
+        raise naming(e, cparam) from None
     mid = "msg_" + secrets.token_hex(12)
     try:
         if stream:

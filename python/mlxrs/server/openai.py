@@ -14,6 +14,7 @@ from .app import (KEEPALIVE_SECONDS, STATE, Generation, ServerState, Step, Token
                   steps)
 from .common import (Sampling, bad, check_json, common_sampling, logit_bias, opt_bool, opt_int, opt_number,
                      opt_object, parse_json, stop_list, type_name)
+from .constrain import combine, extension, naming, openai_response_format, tool_call_schema
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
@@ -255,10 +256,14 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     lp = Logprobs(bool(opt_bool(body, "logprobs")), opt_int(body, "top_logprobs", 0, 20) or 0)
     if lp.top and not lp.want:
         raise bad("top_logprobs", "requires logprobs: true")
-    rf = opt_object(body, "response_format")
-    if rf is not None and rf.get("type") not in (None, "text"):
-        raise bad("response_format", f"{rf.get('type')!r} is not supported (no constrained decoding): "
-                                     "ask for JSON in the prompt instead")
+    choice = body.get("tool_choice")
+    forced = {}
+    if tools and (choice == "required" or isinstance(choice, dict)):
+        forced = {"json_schema": tool_call_schema(tools, choice["function"]["name"] if isinstance(choice, dict) else None)}
+    constraint, cparam = combine(response_format=openai_response_format(body), tool_choice=forced,
+                                 mlxrs=extension(body))
+    for k, v in constraint.items():
+        s.set(k, v)
     kwargs = template_kwargs(body)
     requested = max_tokens_of(body)
     rendered, ids = await state.render(messages, tools, kwargs)
@@ -266,8 +271,12 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     if lp.want:
         s.set("logprobs", True)
         s.set("top_logprobs", lp.top or None)
-    parser = state.parser(rendered, tool_names)
-    gen = await state.generate(ids, s.opts)
+    # constrained output starts at once (a template's open <think> is not continued)
+    parser = state.parser(None if constraint else rendered, tool_names)
+    try:
+        gen = await state.generate(ids, s.opts)
+    except ApiError as e:
+        raise naming(e, cparam) from None
     return gen, parser, lp, stream, include_usage
 
 

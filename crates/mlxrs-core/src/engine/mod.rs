@@ -11,6 +11,7 @@ use sched::{Cmd, Scheduler};
 
 use crate::error::{Error, Result};
 use crate::generate::Timings;
+use crate::guide::{Grammar, Guides};
 use crate::handle::{self as mx, Stream};
 use crate::models::{self, CausalLm, ModelShape};
 use crate::sample::SamplingParams;
@@ -114,6 +115,8 @@ pub struct Request {
     pub ignore_eos: bool,
     pub logprobs: bool,
     pub top_logprobs: usize,
+    /// What the output must match (constrained decoding); None: anything.
+    pub grammar: Option<Grammar>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,6 +235,8 @@ pub struct Engine {
     pub options: LoadOptions,
     pub stats: Arc<Stats>,
     pub weights_bytes: usize,
+    /// Constrained decoding's token environment, built on the first constrained request.
+    guides: Guides,
 }
 
 /// A handle on a submitted request.
@@ -338,6 +343,7 @@ impl Engine {
             options,
             stats,
             weights_bytes,
+            guides: Guides::default(),
         })
     }
 
@@ -359,6 +365,11 @@ impl Engine {
             return Err(Error::Invalid(format!("prompt token id {bad} is outside the vocabulary (0..{vocab})")));
         }
         req.sampling.validate(vocab)?;
+        // a grammar that does not compile is the caller's error, here rather than in the stream
+        let guide = match &req.grammar {
+            Some(g) => Some(Box::new(self.guides.guide(g, &self.tokenizer, vocab as usize)?)),
+            None => None,
+        };
         let cancel = Arc::new(AtomicBool::new(false));
         let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let tx = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
@@ -377,7 +388,7 @@ impl Engine {
                 limit, self.options.max_concurrency, self.options.max_queue
             )));
         }
-        if tx.send(Cmd::Generate { req, events: sink, cancel: cancel.clone() }).is_err() {
+        if tx.send(Cmd::Generate { req, events: sink, cancel: cancel.clone(), guide }).is_err() {
             st.inflight.fetch_sub(1, Ordering::Relaxed);
             st.failed.fetch_add(1, Ordering::Relaxed);
             return Err(Error::Engine("the engine thread has stopped".into()));

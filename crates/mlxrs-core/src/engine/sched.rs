@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::generate::{prefill_staging, Timings};
 use crate::handle::{self as mx, Array, Dtype, Stream};
 use crate::models::{CausalLm, Staging};
+use crate::guide::{apply_mask, Guide};
 use crate::sample::Sampler;
 use crate::tokenizer::{Detokenizer, StopMatcher, Tokenizer};
 use crate::weights::QuantSpec;
@@ -43,7 +44,7 @@ fn stacked_kv_default() -> bool {
 
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
-    Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool> },
+    Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>> },
     Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
     Embed { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
     /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
@@ -59,6 +60,8 @@ struct Seq {
     cancel: Arc<AtomicBool>,
     cache: Vec<LayerCache>,
     sampler: Sampler,
+    /// The request's constraint: masks the logits before each sampling step.
+    guide: Option<Box<Guide>>,
     detok: Detokenizer,
     stops: StopMatcher,
     /// Prompt tokens already in the cache (from the prefix cache or prefilled).
@@ -225,7 +228,7 @@ impl<'a> Scheduler<'a> {
         let seqs: Vec<Seq> = self.waiting.drain(..).chain(self.running.drain(..)).collect();
         for s in seqs {
             // in flight since its submission, as a command still in the channel is
-            self.refuse(Cmd::Generate { req: s.req, events: s.events, cancel: s.cancel }, &why);
+            self.refuse(Cmd::Generate { req: s.req, events: s.events, cancel: s.cancel, guide: None }, &why);
         }
         self.publish();
         for cmd in rx.iter() {
@@ -284,7 +287,7 @@ impl<'a> Scheduler<'a> {
 
     fn take(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Generate { req, events, cancel } => match self.make_seq(req, events.clone(), cancel) {
+            Cmd::Generate { req, events, cancel, guide } => match self.make_seq(req, events.clone(), cancel, guide) {
                 Ok(s) => self.waiting.push_back(s),
                 Err(e) => {
                     self.stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -306,7 +309,7 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    fn make_seq(&mut self, req: Request, events: EventSink, cancel: Arc<AtomicBool>) -> Result<Seq> {
+    fn make_seq(&mut self, req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>>) -> Result<Seq> {
         let sampler = Sampler::new(req.sampling.clone(), self.model.shape().vocab_size)?;
         let detok = Detokenizer::new(&req.prompt);
         let stops = StopMatcher::new(req.stop.clone());
@@ -315,6 +318,7 @@ impl<'a> Scheduler<'a> {
             uid: self.next_uid,
             cache: Vec::new(),
             sampler,
+            guide,
             detok,
             stops,
             done: 0,
@@ -532,8 +536,16 @@ impl<'a> Scheduler<'a> {
             }
             let l = logits.dim(1);
             let last = mx::squeeze(&mx::slice_axis(&logits, 1, l - 1, l)?, &[1])?; // [B, V]
-            // greedy rows without logit processors: sampled together (one argmax, one read back)
-            let simple: Vec<usize> = (0..rows.len()).filter(|&r| self.running[rows[r]].sampler.is_plain_greedy()).collect();
+            // greedy rows without logit processors or a constraint: sampled together (one argmax,
+            // one read back)
+            let simple: Vec<usize> = (0..rows.len())
+                .filter(|&r| self.running[rows[r]].sampler.is_plain_greedy() && self.running[rows[r]].guide.is_none())
+                .collect();
+            // constrained rows read their previous token back before their mask: the forward pass
+            // is queued first, so the device runs it while the host computes the masks
+            if rows.iter().any(|&i| self.running[i].guide.is_some()) {
+                mx::async_eval(&[&last])?;
+            }
             let mut outs: Vec<Array> = Vec::new();
             if simple.len() > 1 {
                 let sub = if simple.len() == rows.len() {
@@ -556,9 +568,27 @@ impl<'a> Scheduler<'a> {
                 if queued[i].is_some() {
                     continue;
                 }
+                let readback = self.readback.clone();
                 let s = &mut self.running[i];
+                let allowed = match &mut s.guide {
+                    Some(g) => {
+                        if let Some(p) = &s.pending {
+                            if g.fed == s.generated.len() {
+                                g.consume(mx::with_stream(&readback, || p.token())?);
+                            }
+                        }
+                        match g.mask() {
+                            Some(m) => Some(m),
+                            None => continue, // complete (or failed): nothing more to sample
+                        }
+                    }
+                    None => None,
+                };
                 let row = if rows.len() == 1 { last.clone() } else { mx::slice_axis(&last, 0, r as i32, r as i32 + 1)? };
-                let row = s.sampler.process(&row)?;
+                let mut row = s.sampler.process(&row)?;
+                if let Some(m) = &allowed {
+                    row = apply_mask(&row, m)?;
+                }
                 let lse = mx::logsumexp(&row, &[-1], true)?;
                 let lp = mx::subtract(&row, &lse)?;
                 let y = mx::astype(&s.sampler.sample(&lp)?, Dtype::Int32)?;
@@ -590,6 +620,10 @@ impl<'a> Scheduler<'a> {
             let outcome = outcome.or_else(|| {
                 (s.decoding() && s.pending.is_none() && s.generated.len() >= s.req.max_tokens)
                     .then_some((FinishReason::Length, None))
+            });
+            // a constraint with nothing left to sample (complete, or no token allowed)
+            let outcome = outcome.or_else(|| {
+                (s.pending.is_none() && s.guide.as_ref().is_some_and(|g| g.done())).then_some((FinishReason::Stop, None))
             });
             match outcome {
                 Some((reason, stop)) => {
@@ -718,6 +752,14 @@ impl<'a> Scheduler<'a> {
         s.send(Event::Token { id: token, text, logprob, top });
         if hit.is_some() {
             return Ok(Some((FinishReason::Stop, hit)));
+        }
+        if let Some(g) = &mut s.guide {
+            if g.fed < s.generated.len() {
+                g.consume(token);
+            }
+            if g.done() {
+                return Ok(Some((FinishReason::Stop, None)));
+            }
         }
         if s.gone {
             return Ok(Some((FinishReason::Cancelled, None)));
