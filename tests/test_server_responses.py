@@ -142,5 +142,21 @@ def test_errors_name_the_responses_parameters(server):
     assert e.value.body["param"] == "temperature"
     # text.format goes to the chat path as response_format; what it refuses is named text.format
     with pytest.raises(openai.BadRequestError) as e:
-        c.responses.create(model="m", input="hi", text={"format": {"type": "json_schema"}})
+        c.responses.create(model="m", input="hi", text={"format": {"type": "xml"}})
     assert e.value.body["param"].startswith("text.format") and "response_format" not in e.value.message
+
+
+def test_responses_parse_with_a_pydantic_model(server):
+    """`text.format` reaches the chat path's constrained decoding: the SDK's parse helper gets its model."""
+    from typing import Literal
+
+    import pydantic
+
+    class Verdict(pydantic.BaseModel):
+        label: Literal["yes", "no", "maybe"]
+        sure: bool
+
+    r = client(server).responses.parse(model="gpt-4o-mini", input="is it raining?", text_format=Verdict,
+                                       max_output_tokens=48, extra_body=NO_THINK)
+    assert isinstance(r.output_parsed, Verdict)
+    assert Verdict.model_validate_json(r.output_text) == r.output_parsed
