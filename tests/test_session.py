@@ -495,6 +495,32 @@ def test_sampled_token_logprob(session):
     assert c.logprobs[0].logprob == pytest.approx(ref[c.tokens[0]], abs=1e-4)
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even) -> float32."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+
+
+def test_logprobs_are_float32_for_a_bfloat16_model():
+    """Reported log-probabilities come from the float32 log-softmax of the (processed) logits, whatever
+    the weights' dtype. logit_bias brings the two best tokens within a fraction of a nat of each other,
+    so that their log-probabilities are not bfloat16 numbers (checked: bfloat16 would be off)."""
+    with mlxrs.Session(make_model("qwen3-bfloat16", "qwen3"), prompt_cache_bytes=0) as s:
+        ids = s.tokenize(PROMPT)
+        x = np.array(s.logits(ids), dtype=np.float32)
+        t1, t2 = (int(t) for t in np.argsort(-x)[:2])
+        bias = {t2: float(x[t1] - x[t2]) + 0.37}
+        # the processors (here the bias) run in the model's dtype, as in mlx-lm; the log-softmax in float32
+        ref = _log_softmax(_bf16(x + np.array([bias.get(i, 0.0) for i in range(len(x))], dtype=np.float32)))
+        assert np.abs(_bf16(ref[[t1, t2]]) - ref[[t1, t2]]).max() > 1e-4  # the test can tell
+        for kw in ({}, {"temperature": 1.0, "seed": 5}):
+            lp = s.generate(ids, max_tokens=1, ignore_eos=True, logprobs=True, top_logprobs=2, logit_bias=bias,
+                            **kw).logprobs[0]
+            assert lp.logprob == pytest.approx(ref[lp.id], abs=2e-5)
+            assert [t for t, _ in lp.top] == [t2, t1]
+            np.testing.assert_allclose([v for _, v in lp.top], ref[[t2, t1]], atol=2e-5)
+
+
 # -- chat templates against transformers ----------------------------------------------------------------------
 TOOLS = [{
     "type": "function",

@@ -104,6 +104,10 @@ impl Seq {
         }
     }
 
+    fn wants_logprobs(&self) -> bool {
+        self.req.logprobs || self.req.top_logprobs > 0
+    }
+
     /// The tokens its cache holds, in order.
     fn cached_tokens(&self) -> Vec<i32> {
         let held = self.cache.first().map_or(0, |c| c.offset()).max(0) as usize;
@@ -557,6 +561,8 @@ impl<'a> Scheduler<'a> {
                 let lse = mx::logsumexp(&sub, &[-1], true)?;
                 let lp = mx::subtract(&sub, &lse)?;
                 let y = mx::astype(&mx::argmax(&lp, -1, false)?, Dtype::Int32)?;
+                let wants = simple.iter().any(|&r| self.running[rows[r]].wants_logprobs());
+                let lp = if wants { reported_logprobs(&sub, lp)? } else { lp };
                 outs.push(y.clone());
                 outs.push(lp.clone());
                 let shared = std::rc::Rc::new(Shared { y, lp, tokens: std::cell::OnceCell::new() });
@@ -592,6 +598,7 @@ impl<'a> Scheduler<'a> {
                 let lse = mx::logsumexp(&row, &[-1], true)?;
                 let lp = mx::subtract(&row, &lse)?;
                 let y = mx::astype(&s.sampler.sample(&lp)?, Dtype::Int32)?;
+                let lp = if s.wants_logprobs() { reported_logprobs(&row, lp)? } else { lp };
                 outs.push(y.clone());
                 outs.push(lp.clone());
                 queued[i] = Some(Step::Own(y, mx::squeeze(&lp, &[0])?));
@@ -738,7 +745,7 @@ impl<'a> Scheduler<'a> {
         }
         s.generated.push(token);
         self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let (logprob, top) = if s.req.logprobs || s.req.top_logprobs > 0 {
+        let (logprob, top) = if s.wants_logprobs() {
             mx::with_stream(&readback, || top_logprobs(&step.logprobs()?, token, s.req.top_logprobs))?
         } else {
             (None, Vec::new())
@@ -882,6 +889,16 @@ pub(crate) fn embedding(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions
     let norm = mx::sqrt(&mx::sum(&mx::square(&mean)?, &[0], false)?)?;
     let eps = mx::scalar_as(1e-12, Dtype::Float32)?;
     mx::divide(&mean, &mx::maximum(&norm, &eps)?)?.to_vec::<f32>()
+}
+
+/// The log-probabilities a request reports: in float32 from the float32 logits whatever the model's
+/// dtype (the token is still sampled from `lp`, computed in the model's dtype as mlx-lm does).
+fn reported_logprobs(logits: &Array, lp: Array) -> Result<Array> {
+    if logits.dtype() == Dtype::Float32 {
+        return Ok(lp);
+    }
+    let l32 = mx::astype(logits, Dtype::Float32)?;
+    mx::subtract(&l32, &mx::logsumexp(&l32, &[-1], true)?)
 }
 
 fn top_logprobs(lp: &Array, token: i32, k: usize) -> Result<(Option<f32>, Vec<(i32, f32)>)> {
