@@ -130,7 +130,6 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
     import mlx.core as mx
     from mlx_lm import load
 
-    import mlxrs
 
     ref, ref_tok = load(str(d))
     sess = open_session(d)

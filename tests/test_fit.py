@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-import mlxrs
 from mlxrs import _native
 from server_util import Server
 from tinymodels import FIT_MODELS, make_fit_model, make_model

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from server_util import Server
 from tinymodels import make_model

@@ -1,7 +1,6 @@
 """OpenAI protocol: /v1/chat/completions and /v1/completions, translated from the engine's events."""
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from dataclasses import dataclass, field

@@ -86,6 +86,7 @@ fn request(prompt: Vec<i32>, max_tokens: usize) -> Request {
         ignore_eos: true,
         logprobs: false,
         top_logprobs: 0,
+        grammar: None,
     }
 }
 
