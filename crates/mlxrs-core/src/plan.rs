@@ -80,7 +80,7 @@ impl Budget {
             _ => return Err(bad()),
         };
         let bytes = n * mult;
-        if !bytes.is_finite() || bytes < 1.0 || bytes >= 1.8e19 {
+        if !bytes.is_finite() || !(1.0..1.8e19).contains(&bytes) {
             return Err(bad());
         }
         Ok(Budget::Bytes(bytes as u64))

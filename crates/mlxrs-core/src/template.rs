@@ -172,7 +172,7 @@ impl ChatTemplate {
         ctx.insert("bos_token".into(), input.bos_token.map(Value::from).unwrap_or(Value::from("")));
         ctx.insert("eos_token".into(), input.eos_token.map(Value::from).unwrap_or(Value::from("")));
         let tmpl = self.env.get_template("chat").map_err(|e| Error::ModelLoad(e.to_string()))?;
-        tmpl.render(JValue::from_serialize(&Value::Object(ctx))).map_err(|e| {
+        tmpl.render(JValue::from_serialize(Value::Object(ctx))).map_err(|e| {
             let mut msg = format!("chat template error: {e}");
             let mut src = std::error::Error::source(&e);
             while let Some(s) = src {

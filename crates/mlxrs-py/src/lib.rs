@@ -139,6 +139,7 @@ fn _gguf_dequantize<'py>(py: Python<'py>, ty: u32, raw: &[u8], n: usize) -> PyRe
 /// Parse a GGUF header from bytes (or a file path): (version, metadata as JSON, tensors as
 /// [(name, row-major shape, ggml type id, offset)], data offset).
 #[pyfunction]
+#[allow(clippy::type_complexity)] // the Python tuple it returns, spelled out
 fn _gguf_header(py: Python<'_>, data: Option<&[u8]>, path: Option<std::path::PathBuf>) -> PyResult<(u32, String, Vec<(String, Vec<u64>, u32, u64)>, u64)> {
     use mlxrs_core::gguf::{reader, GgmlType};
     let h = match (data, path) {

@@ -388,7 +388,7 @@ impl Engine {
                 limit, self.options.max_concurrency, self.options.max_queue
             )));
         }
-        if tx.send(Cmd::Generate { req, events: sink, cancel: cancel.clone(), guide }).is_err() {
+        if tx.send(Cmd::Generate { req: Box::new(req), events: sink, cancel: cancel.clone(), guide }).is_err() {
             st.inflight.fetch_sub(1, Ordering::Relaxed);
             st.failed.fetch_add(1, Ordering::Relaxed);
             return Err(Error::Engine("the engine thread has stopped".into()));

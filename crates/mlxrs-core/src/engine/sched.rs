@@ -44,7 +44,7 @@ fn stacked_kv_default() -> bool {
 
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
-    Generate { req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>> },
+    Generate { req: Box<Request>, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>> },
     Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
     Embed { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
     /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
@@ -232,7 +232,7 @@ impl<'a> Scheduler<'a> {
         let seqs: Vec<Seq> = self.waiting.drain(..).chain(self.running.drain(..)).collect();
         for s in seqs {
             // in flight since its submission, as a command still in the channel is
-            self.refuse(Cmd::Generate { req: s.req, events: s.events, cancel: s.cancel, guide: None }, &why);
+            self.refuse(Cmd::Generate { req: Box::new(s.req), events: s.events, cancel: s.cancel, guide: None }, &why);
         }
         self.publish();
         for cmd in rx.iter() {
@@ -291,7 +291,7 @@ impl<'a> Scheduler<'a> {
 
     fn take(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Generate { req, events, cancel, guide } => match self.make_seq(req, events.clone(), cancel, guide) {
+            Cmd::Generate { req, events, cancel, guide } => match self.make_seq(*req, events.clone(), cancel, guide) {
                 Ok(s) => self.waiting.push_back(s),
                 Err(e) => {
                     self.stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -901,7 +901,10 @@ fn reported_logprobs(logits: &Array, lp: Array) -> Result<Array> {
     mx::subtract(&l32, &mx::logsumexp(&l32, &[-1], true)?)
 }
 
-fn top_logprobs(lp: &Array, token: i32, k: usize) -> Result<(Option<f32>, Vec<(i32, f32)>)> {
+/// The chosen token's log-probability and the `k` most likely (id, log-probability).
+type TopLogprobs = (Option<f32>, Vec<(i32, f32)>);
+
+fn top_logprobs(lp: &Array, token: i32, k: usize) -> Result<TopLogprobs> {
     let lp32 = mx::astype(lp, Dtype::Float32)?;
     let chosen = mx::take(&lp32, &Array::from_slice(&[token], &[1])?, 0)?.to_vec::<f32>()?;
     let mut top = Vec::new();

@@ -236,8 +236,10 @@ pub const OPS: &[&str] = &[
     "eval", "async_eval", "compiled", "save_safetensors", "load_safetensors", "safetensors_roundtrip",
 ];
 
+type ArrayFn = fn(&[Array]) -> Result<Vec<Array>>;
+
 /// The functions `"compiled"` can trace, by the expression they compute over inputs `x`, `y`.
-fn compiled_fn(expr: &str) -> Option<fn(&[Array]) -> Result<Vec<Array>>> {
+fn compiled_fn(expr: &str) -> Option<ArrayFn> {
     fn two(xs: &[Array]) -> Result<(&Array, &Array)> {
         match xs {
             [x, y] => Ok((x, y)),

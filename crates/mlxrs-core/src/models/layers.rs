@@ -179,8 +179,8 @@ fn on_gpu() -> bool {
 /// cos/sin tables of the positions 0..len, one per set of rope parameters and dtype, shared by all
 /// layers and models of the process; grown on demand.
 type RopeKey = (i32, u32, u32, Vec<u32>, Dtype);
-static ROPE_TABLES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<RopeKey, (Array, Array, i32)>>> =
-    std::sync::OnceLock::new();
+type RopeTables = std::collections::HashMap<RopeKey, (Array, Array, i32)>;
+static ROPE_TABLES: std::sync::OnceLock<std::sync::Mutex<RopeTables>> = std::sync::OnceLock::new();
 
 impl Rope {
     /// mlx-lm's `initialize_rope` for the scaling types the supported architectures use.
@@ -209,7 +209,7 @@ impl Rope {
                 // computed in float32 as mlx-lm does
                 let freqs: Vec<f32> = (0..dims / 2)
                     .map(|i| {
-                        let fr = (base as f32).powf((2 * i) as f32 / dims as f32);
+                        let fr = base.powf((2 * i) as f32 / dims as f32);
                         let wl = 2.0 * std::f32::consts::PI * fr;
                         let fr2 = if (wl as f64) > low_wl { fr * factor as f32 } else { fr };
                         let medium = (wl as f64) > high_wl && (wl as f64) < low_wl;
