@@ -404,7 +404,7 @@ def test_ctrl_c_stops_get_keeps_the_partial_file_and_the_rerun_resumes(fake: Fak
     import signal
     import time
 
-    fake.delay = 0.05  # ~2.5 s for the big file
+    fake.delay = 0.2  # ~10 s for the big file: time to interrupt it even on a loaded machine
     p = subprocess.Popen([sys.executable, "-m", "mlxrs", "get", "org/model"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
     part = cache_of(env) / "models--org--model" / "blobs" / (sha256(MODEL) + ".incomplete")
