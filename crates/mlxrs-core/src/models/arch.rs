@@ -131,3 +131,60 @@ pub fn uniform(
 pub fn dense(_i: i32, d: &Dims) -> Result<FfnKind> {
     Ok(FfnKind::Dense { intermediate: d.intermediate.unwrap_or(0) })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_table_gives_the_supported_types_and_gguf_names() {
+        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3"]);
+        let mut g = gguf_architectures();
+        g.sort();
+        assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]);
+        assert_eq!(find("mistral").map(|a| a.name), Some("llama"));
+        assert!(find("qwen9").is_none());
+    }
+
+    fn base(mt: &str) -> Value {
+        json!({"model_type": mt, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "intermediate_size": 512})
+    }
+
+    #[test]
+    fn layouts_per_architecture() {
+        let mut g = base("gemma3_text");
+        g["sliding_window"] = json!(16);
+        g["sliding_window_pattern"] = json!(2);
+        let l = layout_of(&g).unwrap().unwrap();
+        let attn: Vec<_> = l.iter().map(|l| l.attn).collect();
+        let s = AttnKind::Sliding { window: 16 };
+        assert_eq!(attn, [s, AttnKind::Full, s, AttnKind::Full]);
+
+        let mut m = base("qwen3_moe");
+        m["num_experts"] = json!(8);
+        m["num_experts_per_tok"] = json!(2);
+        m["moe_intermediate_size"] = json!(128);
+        m["mlp_only_layers"] = json!([1]);
+        m["decoder_sparse_step"] = json!(1);
+        m["norm_topk_prob"] = json!(true);
+        let l = layout_of(&m).unwrap().unwrap();
+        let moe = FfnKind::Moe { experts: 8, top_k: 2, intermediate: 128, shared: 0, norm_topk_prob: true };
+        let ffn: Vec<_> = l.iter().map(|l| l.ffn).collect();
+        assert_eq!(ffn, [moe, FfnKind::Dense { intermediate: 512 }, moe, moe]);
+        assert!(l.iter().all(|l| l.attn == AttnKind::Full && l.kv_elems() == 2 * 64 * 2));
+        m["num_experts_per_tok"] = json!(9);
+        assert!(layout_of(&m).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 9 exceeds num_experts 8"));
+    }
+
+    #[test]
+    fn caches_follow_the_layout() {
+        let full = LayerLayout { attn: AttnKind::Full, kv_heads: 2, head_dim: 64, ffn: FfnKind::Dense { intermediate: 1 } };
+        let slide = LayerLayout { attn: AttnKind::Sliding { window: 16 }, ..full };
+        let shape = super::super::ModelShape::new("x", vec![slide, full], 256, 512, None, 4);
+        assert_eq!(shape.sliding, [Some(16), None]);
+        // 300 tokens: 512 slots in the full layer, 16 in the sliding one, 256 elements × 4 bytes each
+        assert_eq!(shape.kv_bytes(300, None, 64), (512 + 16) * 256 * 4);
+    }
+}
