@@ -79,13 +79,15 @@ pub struct Variant {
     pub qkv_bias: bool,
     pub o_bias: bool,
     pub qk_norm: bool,
+    /// Whether the config's `rope_scaling` applies (mlx-lm's qwen3_moe builds a plain RoPE).
+    pub rope_scaling: bool,
 }
 
 impl Model {
     pub fn load(config: &Value, w: Weights) -> Result<Model> {
         let c = Cfg(config);
         let bias = c.b_or("attention_bias", false);
-        Model::load_variant(config, w, Variant { qkv_bias: bias, o_bias: bias, qk_norm: false }, c.b_or("mlp_bias", false), layout(config)?)
+        Model::load_variant(config, w, Variant { qkv_bias: bias, o_bias: bias, qk_norm: false, rope_scaling: true }, c.b_or("mlp_bias", false), layout(config)?)
     }
 
     /// The decoder of `layout` (its attention kinds and FFNs).
@@ -122,7 +124,7 @@ impl Model {
                 n_kv_heads: n_kv,
                 head_dim,
                 scale: (head_dim as f32).powf(-0.5),
-                rope: Rope::from_config(head_dim, theta, traditional, c.get("rope_scaling"))?,
+                rope: Rope::from_config(head_dim, theta, traditional, if v.rope_scaling { c.get("rope_scaling") } else { None })?,
             };
             layers.push(Block {
                 attn,

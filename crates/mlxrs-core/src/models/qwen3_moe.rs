@@ -73,5 +73,5 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
 }
 
 pub fn load(config: &Value, w: Weights) -> Result<Model> {
-    Model::load_variant(config, w, Variant { qkv_bias: false, o_bias: false, qk_norm: true }, false, layout(config)?)
+    Model::load_variant(config, w, Variant { qkv_bias: false, o_bias: false, qk_norm: true, rope_scaling: false }, false, layout(config)?)
 }
