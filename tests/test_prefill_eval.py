@@ -31,6 +31,7 @@ CASES = [
     pytest.param("gemma3_text", {"prefill_step_size": 16}, id="gemma3-past-window"),
     pytest.param("llama", {"prefill_step_size": 16, "kv_bits": 8}, id="llama-kv8-chunked"),
     pytest.param("qwen2", {"prefill_step_size": 16, "max_kv_size": 24}, id="qwen2-rotating"),
+    pytest.param("qwen3_moe", {"prefill_step_size": 16}, id="qwen3_moe-chunked"),
 ]
 
 

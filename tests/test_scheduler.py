@@ -37,6 +37,8 @@ CASES = [
     ("gemma3_text", {}),  # window 16, pattern 2: every prompt and generation runs past the window
     ("llama", {"kv_bits": 8}),
     ("qwen3", {"kv_bits": 4}),
+    ("qwen3_moe", {"stack": 1}),  # routed experts per row: a batch row must not change another's
+    ("qwen3_moe", {}),
 ]
 
 

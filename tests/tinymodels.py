@@ -69,6 +69,11 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
         cfg.update(tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
     elif arch == "qwen3":
         cfg.update(tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"])
+    elif arch == "qwen3_moe":
+        # 8 experts of width 128, 2 per token; layer 1 of 3 dense (mlp_only_layers)
+        cfg.update(tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[1],
+                   norm_topk_prob=True, num_hidden_layers=max(layers, 3))
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
@@ -100,16 +105,25 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
         w[f"{p}.self_attn.k_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
         w[f"{p}.self_attn.v_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
         w[f"{p}.self_attn.o_proj.weight"] = rnd((h, nh * hd), (nh * hd) ** -0.5)
-        w[f"{p}.mlp.gate_proj.weight"] = rnd((i, h), h ** -0.5)
-        w[f"{p}.mlp.up_proj.weight"] = rnd((i, h), h ** -0.5)
-        w[f"{p}.mlp.down_proj.weight"] = rnd((h, i), i ** -0.5)
+        if arch == "qwen3_moe" and l not in cfg["mlp_only_layers"]:
+            # the Hugging Face layout, one tensor per expert (the loaders stack them)
+            ne, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+            w[f"{p}.mlp.gate.weight"] = rnd((ne, h), h ** -0.5)
+            for e in range(ne):
+                w[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rnd((mi, h), h ** -0.5)
+                w[f"{p}.mlp.experts.{e}.up_proj.weight"] = rnd((mi, h), h ** -0.5)
+                w[f"{p}.mlp.experts.{e}.down_proj.weight"] = rnd((h, mi), mi ** -0.5)
+        else:
+            w[f"{p}.mlp.gate_proj.weight"] = rnd((i, h), h ** -0.5)
+            w[f"{p}.mlp.up_proj.weight"] = rnd((i, h), h ** -0.5)
+            w[f"{p}.mlp.down_proj.weight"] = rnd((h, i), i ** -0.5)
         w[f"{p}.input_layernorm.weight"] = norm(h)
         w[f"{p}.post_attention_layernorm.weight"] = norm(h)
         if arch == "qwen2":
             w[f"{p}.self_attn.q_proj.bias"] = rnd((nh * hd,), 0.1)
             w[f"{p}.self_attn.k_proj.bias"] = rnd((nkv * hd,), 0.1)
             w[f"{p}.self_attn.v_proj.bias"] = rnd((nkv * hd,), 0.1)
-        if arch in ("qwen3", "gemma3_text"):
+        if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
             w[f"{p}.self_attn.q_norm.weight"] = norm(hd)
             w[f"{p}.self_attn.k_norm.weight"] = norm(hd)
         if gemma:

@@ -25,6 +25,7 @@ __all__ = [
     "device_memory",
     "model_facts",
     "SUPPORTED_MODEL_TYPES",
+    "GGUF_ARCHITECTURES",
     "download",
     "native_pack_info",
     "native_pack_install",
@@ -151,11 +152,16 @@ def device_memory() -> tuple[int, str]:
 def model_facts(model_dir: str | os.PathLike[str], kv_bits: int | None = None, kv_group_size: int = 64) -> str:
     """What the planner knows about a model directory or .gguf file, as JSON: model_type,
     num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size,
-    sliding (per layer: its window or null), act_bytes, weights_bytes, max_position_embeddings,
+    sliding (per layer: its window or null), kv_elems (per layer: K and V elements per token), act_bytes, weights_bytes, max_position_embeddings,
     and kv_bytes_per_token_layer for `kv_bits`."""
 
 SUPPORTED_MODEL_TYPES: Final[list[str]]
-"""The config.json model_type values mlxrs can load (crates/mlxrs-core/src/models/mod.rs)."""
+"""The config.json model_type values mlxrs can load (the architecture table,
+crates/mlxrs-core/src/models/arch.rs)."""
+
+GGUF_ARCHITECTURES: Final[list[tuple[str, str]]]
+"""(GGUF general.architecture, model_type) for every architecture the GGUF importer maps (the
+same table)."""
 
 # ---- transfers (crates/mlxrs-core/src/download.rs, native_pack.rs) ----------------------------
 

@@ -26,8 +26,6 @@ SCAN_HINT = "(try `mlxrs scan`)"
 #: How deep below an `MLXRS_MODEL_DIRS` entry model directories and .gguf files are looked for.
 MODEL_DIRS_DEPTH = 3
 
-#: GGUF `general.architecture` → the HF model_type mlxrs imports it as (gguf/import.rs IMPORTABLE).
-GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 #: llama.cpp's `general.file_type` (enum llama_ftype in llama.h).
 GGUF_FILE_TYPES = {
@@ -190,6 +188,14 @@ def _supported_types() -> list[str]:
     return list(_native.SUPPORTED_MODEL_TYPES)
 
 
+def gguf_architectures() -> dict[str, str]:
+    """GGUF `general.architecture` → the HF model_type mlxrs imports it as (from the Rust
+    architecture table, models/arch.rs, through the extension)."""
+    from . import _native
+
+    return dict(_native.GGUF_ARCHITECTURES)
+
+
 def inspect_dir(d: Path, supported: Sequence[str]) -> Entry:
     """An entry for a model directory; raises ValueError saying why it is not loadable."""
     cfg_path = d / "config.json"
@@ -273,7 +279,7 @@ def inspect_gguf(p: Path) -> Entry:
         raise ValueError(str(e)) from None
     meta = json.loads(meta_json)
     arch = meta.get("general.architecture")
-    model_type = GGUF_ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+    model_type = gguf_architectures().get(arch) if isinstance(arch, str) else None
     params = sum(math.prod(shape) if shape else 1 for _n, shape, _t, _o in tensors)
     ft = meta.get("general.file_type")
     quant = GGUF_FILE_TYPES.get(ft, f"file_type {ft}") if isinstance(ft, int) else None

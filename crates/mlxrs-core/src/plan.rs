@@ -145,6 +145,8 @@ pub struct ModelFacts {
     pub vocab_size: u64,
     /// Per layer: Some(window) for sliding-window layers (their KV is capped at the window).
     pub sliding: Vec<Option<u64>>,
+    /// Per layer: K and V elements per cached token (0: no KV cache of its own).
+    pub kv_elems: Vec<u64>,
     /// Bytes per element of activations and of an unquantized KV cache (the model's float dtype).
     pub act_bytes: u64,
     /// Sum of every tensor's bytes, from the safetensors headers.
@@ -240,26 +242,27 @@ impl ModelFacts {
         let heads = need("num_attention_heads")?.max(1);
         let kv_heads = u("num_key_value_heads").unwrap_or(heads);
         let head_dim = u("head_dim").unwrap_or(hidden / heads);
-        let gemma = model_type.starts_with("gemma3");
-        let window = u("sliding_window");
-        let layer_types: Option<Vec<String>> = c
-            .get("layer_types")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect());
-        // the same rules as the models (models/gemma3_text.rs, models/llama.rs)
-        let sliding: Vec<Option<u64>> = (0..num_layers)
-            .map(|i| {
-                if let Some(lt) = &layer_types {
-                    return if lt.get(i as usize).is_some_and(|t| t == "sliding_attention") { window } else { None };
-                }
-                if gemma {
-                    let pattern = u("sliding_window_pattern").unwrap_or(6).max(1);
-                    let w = window.unwrap_or(512);
-                    return if (i + 1) % pattern != 0 { Some(w) } else { None };
-                }
-                None
-            })
-            .collect();
+        // the architecture's own layout (models/arch.rs); all layers full for an unknown
+        // architecture or a config it refuses (loading it says why)
+        let mut cfg = c.clone();
+        if cfg.get("model_type").is_none() {
+            cfg["model_type"] = Value::from(model_type.as_str());
+        }
+        let layout = crate::models::arch::layout_of(&cfg).and_then(Result::ok).filter(|l| l.len() == num_layers as usize);
+        let sliding: Vec<Option<u64>> = match &layout {
+            Some(l) => l
+                .iter()
+                .map(|l| match l.attn {
+                    crate::models::AttnKind::Sliding { window } => Some(window as u64),
+                    _ => None,
+                })
+                .collect(),
+            None => vec![None; num_layers as usize],
+        };
+        let kv_elems: Vec<u64> = match &layout {
+            Some(l) => l.iter().map(|l| l.kv_elems() as u64).collect(),
+            None => vec![kv_heads * head_dim * 2; num_layers as usize],
+        };
         Ok(ModelFacts {
             model_type,
             num_layers,
@@ -270,6 +273,7 @@ impl ModelFacts {
             head_dim,
             vocab_size: u("vocab_size").unwrap_or(0),
             sliding,
+            kv_elems,
             act_bytes,
             weights_bytes,
             quantized_weights: config.get("quantization").or_else(|| config.get("quantization_config")).is_some(),
@@ -400,7 +404,10 @@ const NO_LIMIT_CONTEXT: u64 = 1 << 20;
 impl ModelFacts {
     /// Bytes of one cached token in one layer (K and V).
     pub fn kv_bytes_per_token_layer(&self, kv_bits: Option<u32>, group: u64) -> f64 {
-        let elems = (self.num_kv_heads * self.head_dim * 2) as f64;
+        self.kv_bytes_per_token_elems((self.num_kv_heads * self.head_dim * 2) as f64, kv_bits, group)
+    }
+
+    fn kv_bytes_per_token_elems(&self, elems: f64, kv_bits: Option<u32>, group: u64) -> f64 {
         match kv_bits {
             // packed values plus one scale and one bias (in the activation dtype) per group
             Some(b) => elems * (b as f64 / 8.0 + 2.0 * self.act_bytes as f64 / group.max(1) as f64),
@@ -414,15 +421,15 @@ impl ModelFacts {
         if ctx == 0 {
             return 0;
         }
-        let per = self.kv_bytes_per_token_layer(kv_bits, group);
         let full_slots = ctx.div_ceil(KV_STEP) * KV_STEP;
         let mut total = 0f64;
-        for s in &self.sliding {
+        for (i, s) in self.sliding.iter().enumerate() {
             let slots = match s {
                 Some(w) => full_slots.min(*w),
                 None => full_slots,
             };
-            total += slots as f64 * per;
+            let elems = self.kv_elems.get(i).copied().unwrap_or(self.num_kv_heads * self.head_dim * 2);
+            total += slots as f64 * self.kv_bytes_per_token_elems(elems as f64, kv_bits, group);
         }
         total.ceil() as u64
     }

@@ -213,6 +213,32 @@ impl Weights {
         Ok(Matrix::Quant { w, scales, biases, q })
     }
 
+    /// Take the `[experts, out, inp]` stacked expert matrices of module `prefix` (mlx-lm's
+    /// `SwitchLinear`), dense or quantized, every part's shape checked as [`Weights::take_matrix`]
+    /// does: a checkpoint with another expert count or width is refused naming the tensor.
+    pub fn take_experts(&mut self, prefix: &str, experts: i32, out: i32, inp: i32) -> Result<Matrix> {
+        let name = format!("{prefix}.weight");
+        let Some(q) = self.quant_of(prefix) else {
+            return Ok(Matrix::Dense(self.take_shaped(&name, &[experts, out, inp])?));
+        };
+        if !QUANT_BITS.contains(&q.bits) || !QUANT_GROUPS.contains(&q.group_size) || inp % q.group_size != 0 {
+            return Err(Error::ModelLoad(format!(
+                "{prefix}: quantization bits {} / group_size {} do not fit its {inp} inputs: config.json's quantization is wrong",
+                q.bits, q.group_size
+            )));
+        }
+        let w = self.take(&name)?;
+        let packed = [experts, out, inp / 32 * q.bits];
+        if w.shape() != packed || w.dtype() != crate::handle::Dtype::Uint32 {
+            return Err(shape_error(&name, &w.shape(), &format!("uint32 {packed:?} ({}-bit quantized [{experts}, {out}, {inp}])", q.bits)));
+        }
+        let groups = [experts, out, inp / q.group_size];
+        let scales = self.take_shaped(&format!("{prefix}.scales"), &groups)?;
+        let bname = format!("{prefix}.biases");
+        let biases = if self.contains(&bname) { Some(self.take_shaped(&bname, &groups)?) } else { None };
+        Ok(Matrix::Quant { w, scales, biases, q })
+    }
+
     /// Quantization of module `prefix` (present when `{prefix}.scales` exists).
     pub fn quant_of(&self, prefix: &str) -> Option<QuantSpec> {
         if !self.map.contains_key(&format!("{prefix}.scales")) {

@@ -84,6 +84,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_memory, m)?)?;
     m.add_function(wrap_pyfunction!(model_facts, m)?)?;
     // the model_type values mlxrs can load (models/mod.rs), for the registry's `supported` column
-    m.add("SUPPORTED_MODEL_TYPES", mlxrs_core::models::SUPPORTED.to_vec())?;
+    m.add("SUPPORTED_MODEL_TYPES", mlxrs_core::models::supported())?;
+    // GGUF general.architecture -> model_type, from the same table (gguf/import.rs)
+    m.add("GGUF_ARCHITECTURES", mlxrs_core::gguf::import::importable())?;
     Ok(())
 }

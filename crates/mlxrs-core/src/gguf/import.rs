@@ -81,9 +81,13 @@ impl OutDtype {
     }
 }
 
-/// Architectures the importer maps, with their HF model_type.
-pub const IMPORTABLE: &[(&str, &str)] =
-    &[("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")];
+/// Architectures the importer maps, with their HF model_type (the architecture table's
+/// [`crate::models::Arch::gguf`]), sorted by GGUF name.
+pub fn importable() -> Vec<(&'static str, &'static str)> {
+    let mut v = crate::models::arch::gguf_architectures();
+    v.sort();
+    v
+}
 
 struct Meta<'a> {
     h: &'a GgufHeader,
@@ -120,10 +124,11 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
         .and_then(MetaValue::as_str)
         .ok_or_else(|| Error::ModelLoad("GGUF metadata general.architecture is missing".into()))?
         .to_string();
-    let model_type = IMPORTABLE.iter().find(|(a, _)| *a == arch).map(|(_, m)| *m).ok_or_else(|| {
+    let importable = importable();
+    let model_type = importable.iter().find(|(a, _)| *a == arch).map(|(_, m)| *m).ok_or_else(|| {
         Error::Unsupported(format!(
             "GGUF architecture {arch:?} cannot be imported; supported: {}",
-            IMPORTABLE.iter().map(|(a, _)| *a).collect::<Vec<_>>().join(", ")
+            importable.iter().map(|(a, _)| *a).collect::<Vec<_>>().join(", ")
         ))
     })?;
     let m = Meta { h, arch: arch.clone() };

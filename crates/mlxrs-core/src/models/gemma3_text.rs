@@ -1,16 +1,53 @@
 //! Gemma 3 (text): sliding-window and global layers, qk-norm, scaled embeddings, `1 + w` norms,
 //! sandwich norms around attention and MLP, GELU (tanh) MLP.
 use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope};
+use super::arch::{self, Arch, AttnKind, LayerLayout};
 use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
-use crate::cache::{CacheOptions, Caches, LayerCache};
+use crate::cache::Caches;
 use crate::error::Result;
 use crate::handle::{self as mx, Array, Dtype};
 use crate::weights::Weights;
 use serde_json::Value;
 
+pub const ARCH: Arch = Arch {
+    name: "gemma3_text",
+    model_types: &["gemma3_text", "gemma3"],
+    sanitize,
+    load: |c, w| Ok(Box::new(Model::load(c, w)?)),
+    layout,
+    gguf: Some("gemma3"),
+};
+
 /// Nothing is dropped; a missing lm_head means the head is tied to the embedding.
-pub fn sanitize(_config: &Value, w: &mut Weights) {
+pub fn sanitize(_config: &Value, w: &mut Weights) -> Result<()> {
     w.retain(|k| !k.contains("self_attn.rotary_emb.inv_freq"));
+    Ok(())
+}
+
+const DEFAULTS: DimDefaults = DimDefaults {
+    hidden: Some(1152),
+    layers: Some(26),
+    heads: Some(4),
+    kv_heads: Some(1),
+    head_dim: Some(256),
+    vocab: Some(262144),
+};
+
+/// Every `sliding_window_pattern`-th layer global, the others a sliding window (of 512 unless
+/// the config says); dense FFNs. A multimodal config nests the text model.
+pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
+    let text = config.get("text_config").unwrap_or(config);
+    let c = Cfg(text);
+    let d = Dims::from_config(&c, DEFAULTS)?;
+    let window = c.size("sliding_window", Some(512), super::limits::POSITIONS)?;
+    // every `pattern`-th layer is global: at least one must be (its mask serves them all)
+    let pattern = c.size("sliding_window_pattern", Some(6), d.layers as i64)?;
+    arch::uniform(
+        text,
+        DEFAULTS,
+        |i| if (i + 1) % pattern != 0 { AttnKind::Sliding { window } } else { AttnKind::Full },
+        arch::dense,
+    )
 }
 
 struct Block {
@@ -38,15 +75,8 @@ impl Model {
         // a multimodal gemma3 config nests the text model
         let text = config.get("text_config").unwrap_or(config);
         let c = Cfg(text);
-        let defaults = DimDefaults {
-            hidden: Some(1152),
-            layers: Some(26),
-            heads: Some(4),
-            kv_heads: Some(1),
-            head_dim: Some(256),
-            vocab: Some(262144),
-        };
-        let d = Dims::from_config(&c, defaults)?;
+        let d = Dims::from_config(&c, DEFAULTS)?;
+        let layout = layout(config)?;
         let (hidden, n_layers, n_heads, n_kv, head_dim) = (d.hidden, d.layers, d.heads, d.kv_heads, d.head_dim);
         let inter = d.intermediate(&w)?;
         let eps = c.f_or("rms_norm_eps", 1e-6) as f32;
@@ -60,7 +90,7 @@ impl Model {
         let mut layers = Vec::with_capacity(n_layers as usize);
         for i in 0..n_layers {
             let p = format!("model.layers.{i}");
-            let sliding = (i + 1) % pattern != 0;
+            let sliding = matches!(layout[i as usize].attn, AttnKind::Sliding { .. });
             let rope = if sliding {
                 Rope::from_config(head_dim, local_theta, false, None)?
             } else {
@@ -98,8 +128,11 @@ impl Model {
         // mlx-lm rounds sqrt(hidden) to bfloat16 before casting to the activation dtype
         let scale = mx::astype(&Array::f32((hidden as f32).sqrt())?, Dtype::Bfloat16)?;
         let embed_scale = mx::astype(&scale, embed.dtype())?;
-        let sliding = (0..n_layers).map(|i| if (i + 1) % pattern != 0 { Some(window) } else { None }).collect();
         let dtype_bytes = embed.dtype().size();
+        let layout = layout
+            .into_iter()
+            .map(|l| LayerLayout { ffn: super::FfnKind::Dense { intermediate: inter }, ..l })
+            .collect();
         Ok(Model {
             embed,
             layers,
@@ -108,17 +141,7 @@ impl Model {
             embed_scale,
             window,
             pattern,
-            shape: ModelShape {
-                model_type: "gemma3_text".into(),
-                num_layers: n_layers,
-                hidden_size: hidden,
-                vocab_size: d.vocab,
-                num_kv_heads: n_kv,
-                head_dim,
-                sliding,
-                max_position_embeddings: c.opt_i("max_position_embeddings"),
-                dtype_bytes,
-            },
+            shape: ModelShape::new("gemma3_text", layout, hidden, d.vocab, c.opt_i("max_position_embeddings"), dtype_bytes),
         })
     }
 }
@@ -161,21 +184,6 @@ impl CausalLm for Model {
             stager.after_layer(i, n_layers, &h, caches)?;
         }
         self.norm.forward(&h)
-    }
-
-    fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache> {
-        (0..self.layers.len() as i32)
-            .map(|i| {
-                if i % self.pattern == self.pattern - 1 {
-                    match opts.max_kv_size {
-                        Some(m) => LayerCache::rotating(m, 4),
-                        None => LayerCache::full(),
-                    }
-                } else {
-                    LayerCache::rotating(self.window, 0)
-                }
-            })
-            .collect()
     }
 
     fn shape(&self) -> &ModelShape {

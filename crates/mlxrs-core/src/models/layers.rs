@@ -569,3 +569,171 @@ pub fn gelu_approx(x: &Array) -> Result<Array> {
     let t = mx::add(&c(1.0)?, &mx::tanh(&inner)?)?;
     mx::multiply(&mx::multiply(&c(0.5)?, x)?, &t)
 }
+
+/// A layer's feed-forward part, as its [`super::FfnKind`] says.
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(SparseMoe),
+}
+
+impl Ffn {
+    /// A SwiGLU MLP of width `inter` (the kind's own width when it gives one), or a sparse MoE.
+    pub fn load(ws: &mut Weights, prefix: &str, bias: bool, kind: super::FfnKind, hidden: i32, inter: i32) -> Result<Ffn> {
+        Ok(match kind {
+            super::FfnKind::Dense { intermediate } => {
+                let inter = if intermediate > 0 { intermediate } else { inter };
+                Ffn::Dense(Mlp::load(ws, prefix, bias, Activation::Silu, hidden, inter)?)
+            }
+            super::FfnKind::Moe { experts, top_k, intermediate, shared, norm_topk_prob } => {
+                if shared != 0 {
+                    return Err(crate::Error::Unsupported(format!("{prefix}: shared experts are not implemented yet")));
+                }
+                let mut moe = SparseMoe::load(ws, prefix, experts, top_k, intermediate, hidden)?;
+                moe.norm_topk_prob = norm_topk_prob;
+                Ffn::Moe(moe)
+            }
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Moe(m) => m.forward(x),
+        }
+    }
+}
+
+/// One projection of every expert: `[experts, out, in]`, dense or MLX-quantized (mlx-lm's
+/// `SwitchLinear` / `QuantizedSwitchLinear`, without bias).
+pub enum SwitchLinear {
+    /// The weight and its `[experts, in, out]` view (no copy).
+    Dense { w: Array, wt: Array },
+    Quant { w: Array, scales: Array, biases: Option<Array>, q: QuantSpec },
+}
+
+impl SwitchLinear {
+    pub fn load(ws: &mut Weights, prefix: &str, experts: i32, out: i32, inp: i32) -> Result<SwitchLinear> {
+        Ok(match ws.take_experts(prefix, experts, out, inp)? {
+            Matrix::Dense(w) => SwitchLinear::Dense { wt: mx::swapaxes(&w, -1, -2)?, w },
+            Matrix::Quant { w, scales, biases, q } => SwitchLinear::Quant { w, scales, biases, q },
+        })
+    }
+
+    /// `x @ W[idx]^T`: `x` `[..., 1, in]` against the experts `idx` selects.
+    pub fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
+        match self {
+            SwitchLinear::Dense { wt, .. } => mx::gather_mm(x, wt, None, Some(idx), sorted),
+            SwitchLinear::Quant { w, scales, biases, q } => {
+                mx::gather_qmm(x, w, scales, biases.as_ref(), None, Some(idx), true, q.group_size, q.bits, sorted)
+            }
+        }
+    }
+
+    pub fn nbytes(&self) -> usize {
+        match self {
+            SwitchLinear::Dense { w, .. } => w.nbytes(),
+            SwitchLinear::Quant { w, scales, biases, .. } => w.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes),
+        }
+    }
+}
+
+/// The routed experts of one layer: where their weights are. Resident today; a store that pages
+/// experts in from disk would replace this type, with the same `forward`.
+pub struct Experts {
+    pub gate: SwitchLinear,
+    pub up: SwitchLinear,
+    pub down: SwitchLinear,
+    pub count: i32,
+}
+
+impl Experts {
+    /// `{prefix}.{gate,up,down}_proj` of `count` experts, each `[inter, hidden]` / `[hidden, inter]`.
+    pub fn load(ws: &mut Weights, prefix: &str, count: i32, hidden: i32, inter: i32) -> Result<Experts> {
+        Ok(Experts {
+            gate: SwitchLinear::load(ws, &format!("{prefix}.gate_proj"), count, inter, hidden)?,
+            up: SwitchLinear::load(ws, &format!("{prefix}.up_proj"), count, inter, hidden)?,
+            down: SwitchLinear::load(ws, &format!("{prefix}.down_proj"), count, hidden, inter)?,
+            count,
+        })
+    }
+
+    /// mlx-lm's `SwitchGLU`: `x` `[..., hidden]`, `indices` `[..., k]` → `[..., k, hidden]`, each
+    /// token through each of its k experts' SwiGLU. From 64 (token, expert) pairs on, the pairs are
+    /// sorted by expert first (as mlx-lm does) so each expert's weights are read once.
+    pub fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
+        let ish = indices.shape();
+        let k = *ish.last().unwrap_or(&1);
+        let x = mx::expand_dims(&mx::expand_dims(x, -2)?, -3)?; // [..., 1, 1, hidden]
+        let do_sort = indices.size() >= 64;
+        let (x, idx, inv) = if do_sort {
+            let flat = mx::flatten(indices, 0, -1)?;
+            let order = mx::argsort(&flat, 0)?;
+            let inv = mx::argsort(&order, 0)?;
+            let xs = mx::flatten(&x, 0, -3)?; // [tokens, 1, hidden]
+            let kk = mx::scalar_as(k as f64, order.dtype())?;
+            let rows = mx::floor_divide(&order, &kk)?;
+            (mx::take(&xs, &rows, 0)?, mx::take(&flat, &order, 0)?, Some(inv))
+        } else {
+            (x, indices.clone(), None)
+        };
+        let up = self.up.forward(&x, &idx, do_sort)?;
+        let gate = self.gate.forward(&x, &idx, do_sort)?;
+        let h = compiled(&SWIGLU, swiglu, &[&gate, &up])?;
+        let mut y = self.down.forward(&h, &idx, do_sort)?;
+        if let Some(inv) = inv {
+            y = mx::take(&y, &inv, 0)?; // [tokens*k, 1, hidden]
+            let mut shape = ish.clone();
+            shape.extend([1, y.dim(-1)]);
+            y = mx::reshape(&y, &shape)?;
+        }
+        mx::squeeze(&y, &[-2])
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.gate.nbytes() + self.up.nbytes() + self.down.nbytes()
+    }
+}
+
+/// A sparse MoE block with a softmax top-k router (mlx-lm's `Qwen3MoeSparseMoeBlock`): the
+/// router's softmax over all experts (in float32), the top k, their probabilities renormalised to
+/// sum to one when `norm_topk_prob`, the experts' outputs weighted by them.
+pub struct SparseMoe {
+    pub router: Linear,
+    pub experts: Experts,
+    pub top_k: i32,
+    pub norm_topk_prob: bool,
+}
+
+impl SparseMoe {
+    /// `{prefix}.gate` (the router, `[experts, hidden]`) and `{prefix}.switch_mlp.*`.
+    pub fn load(ws: &mut Weights, prefix: &str, experts: i32, top_k: i32, inter: i32, hidden: i32) -> Result<SparseMoe> {
+        if !(1..=experts).contains(&top_k) {
+            return Err(crate::Error::ModelLoad(format!("config.json: num_experts_per_tok {top_k} is not in 1..={experts}")));
+        }
+        Ok(SparseMoe {
+            router: Linear::load(ws, &format!("{prefix}.gate"), false, experts, hidden)?,
+            experts: Experts::load(ws, &format!("{prefix}.switch_mlp"), experts, hidden, inter)?,
+            top_k,
+            norm_topk_prob: false,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let gates = mx::softmax(&self.router.forward(x)?, &[-1], true)?;
+        let e = self.experts.count;
+        let k = self.top_k;
+        let inds = mx::slice_axis(&mx::argpartition(&gates, e - k, -1)?, -1, e - k, e)?;
+        let mut scores = mx::take_along_axis(&gates, &inds, -1)?;
+        if self.norm_topk_prob {
+            scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
+        }
+        let y = self.experts.forward(x, &inds)?;
+        let dt = y.dtype();
+        let y = mx::sum(&mx::multiply(&y, &mx::expand_dims(&scores, -1)?)?, &[-2], false)?;
+        if y.dtype() == dt {
+            Ok(y)
+        } else {
+            mx::astype(&y, dt)
+        }
+    }
+}

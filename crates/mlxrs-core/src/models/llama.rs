@@ -1,28 +1,64 @@
 //! Llama (and Mistral, remapped here): pre-norm decoder, SwiGLU MLP, optional sliding layers.
-use super::layers::{Activation, Attention, Embedding, Linear, Mlp, RmsNorm, Rope};
+use super::arch::{self, Arch, AttnKind, LayerLayout};
+use super::layers::{Attention, Embedding, Ffn, Linear, RmsNorm, Rope};
 use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
-use crate::cache::{CacheOptions, Caches, LayerCache};
+use crate::cache::Caches;
 use crate::error::Result;
 use crate::handle::{self as mx, Array};
 use crate::weights::Weights;
 use serde_json::Value;
 
+pub const ARCH: Arch = Arch {
+    name: "llama",
+    model_types: &["llama", "mistral"],
+    sanitize,
+    load: |c, w| Ok(Box::new(Model::load(c, w)?)),
+    layout,
+    gguf: Some("llama"),
+};
+
 /// Drop what mlx-lm drops: rotary inv_freq buffers and a tied lm_head.
-pub fn sanitize(config: &Value, w: &mut Weights) {
+pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
     w.retain(|k| !k.contains("self_attn.rotary_emb.inv_freq"));
     if Cfg(config).b_or("tie_word_embeddings", default_tie(config)) {
         w.remove("lm_head.weight");
     }
+    Ok(())
+}
+
+/// Full attention, or a sliding window for the layers `layer_types` marks `sliding_attention`
+/// (when the config has a `sliding_window`); dense FFNs.
+pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
+    let c = Cfg(config);
+    let layer_types: Vec<String> = c
+        .get("layer_types")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
+        .unwrap_or_default();
+    let is_sliding = |i: i32| layer_types.get(i as usize).is_some_and(|t| t == "sliding_attention");
+    let window = match c.get("sliding_window") {
+        Some(_) if layer_types.iter().any(|t| t == "sliding_attention") => Some(c.size("sliding_window", None, super::limits::POSITIONS)?),
+        _ => None,
+    };
+    arch::uniform(
+        config,
+        DimDefaults::default(),
+        |i| match window {
+            Some(window) if is_sliding(i) => AttnKind::Sliding { window },
+            _ => AttnKind::Full,
+        },
+        arch::dense,
+    )
 }
 
 fn default_tie(config: &Value) -> bool {
     // mlx-lm's defaults: llama/qwen2 tie unless told otherwise; qwen3 requires the field
-    !matches!(config.get("model_type").and_then(Value::as_str), Some("qwen3"))
+    !matches!(config.get("model_type").and_then(Value::as_str), Some("qwen3" | "qwen3_moe"))
 }
 
 pub struct Block {
     pub attn: Attention,
-    pub mlp: Mlp,
+    pub mlp: Ffn,
     pub in_norm: RmsNorm,
     pub post_norm: RmsNorm,
     pub sliding: bool,
@@ -43,34 +79,29 @@ pub struct Variant {
     pub qkv_bias: bool,
     pub o_bias: bool,
     pub qk_norm: bool,
+    /// Whether the config's `rope_scaling` applies (mlx-lm's qwen3_moe builds a plain RoPE).
+    pub rope_scaling: bool,
 }
 
 impl Model {
     pub fn load(config: &Value, w: Weights) -> Result<Model> {
         let c = Cfg(config);
         let bias = c.b_or("attention_bias", false);
-        Model::load_variant(config, w, Variant { qkv_bias: bias, o_bias: bias, qk_norm: false }, c.b_or("mlp_bias", false))
+        Model::load_variant(config, w, Variant { qkv_bias: bias, o_bias: bias, qk_norm: false, rope_scaling: true }, c.b_or("mlp_bias", false), layout(config)?)
     }
 
-    pub fn load_variant(config: &Value, mut w: Weights, v: Variant, mlp_bias: bool) -> Result<Model> {
+    /// The decoder of `layout` (its attention kinds and FFNs).
+    pub fn load_variant(config: &Value, mut w: Weights, v: Variant, mlp_bias: bool, layout: Vec<LayerLayout>) -> Result<Model> {
         let c = Cfg(config);
         let d = Dims::from_config(&c, DimDefaults::default())?;
         let (hidden, n_layers, n_heads, n_kv, head_dim) = (d.hidden, d.layers, d.heads, d.kv_heads, d.head_dim);
-        let inter = d.intermediate(&w)?;
+        let dense = layout.iter().any(|l| matches!(l.ffn, super::FfnKind::Dense { .. }));
+        let inter = if dense { d.intermediate(&w)? } else { 0 };
         let eps = c.f_or("rms_norm_eps", 1e-6) as f32;
         let theta = c.f_or("rope_theta", 10000.0) as f32;
         let traditional = c.b_or("rope_traditional", false);
         let tie = c.b_or("tie_word_embeddings", default_tie(config));
-        let layer_types: Vec<String> = c
-            .get("layer_types")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
-            .unwrap_or_default();
-        let is_sliding = |i: i32| layer_types.get(i as usize).is_some_and(|t| t == "sliding_attention");
-        let sliding_window = match c.get("sliding_window") {
-            Some(_) if (0..n_layers).any(is_sliding) => Some(c.size("sliding_window", None, super::limits::POSITIONS)?),
-            _ => None,
-        };
+        let sliding_window = layout.iter().find_map(|l| if let AttnKind::Sliding { window } = l.attn { Some(window) } else { None });
         let (q_out, kv_out) = (n_heads * head_dim, n_kv * head_dim);
         let mut layers = Vec::with_capacity(n_layers as usize);
         for i in 0..n_layers {
@@ -93,38 +124,36 @@ impl Model {
                 n_kv_heads: n_kv,
                 head_dim,
                 scale: (head_dim as f32).powf(-0.5),
-                rope: Rope::from_config(head_dim, theta, traditional, c.get("rope_scaling"))?,
+                rope: Rope::from_config(head_dim, theta, traditional, if v.rope_scaling { c.get("rope_scaling") } else { None })?,
             };
             layers.push(Block {
                 attn,
-                mlp: Mlp::load(&mut w, &format!("{p}.mlp"), mlp_bias, Activation::Silu, hidden, inter)?,
+                mlp: Ffn::load(&mut w, &format!("{p}.mlp"), mlp_bias, layout[i as usize].ffn, hidden, inter)?,
                 in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, hidden)?,
                 post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps, hidden)?,
-                sliding: is_sliding(i) && sliding_window.is_some(),
+                sliding: matches!(layout[i as usize].attn, AttnKind::Sliding { .. }),
             });
         }
         let embed = Embedding::load(&mut w, "model.embed_tokens", d.vocab, hidden)?;
         let norm = RmsNorm::load(&mut w, "model.norm", eps, hidden)?;
         let lm_head = if tie { None } else { Some(Linear::load(&mut w, "lm_head", false, embed.rows(), hidden)?) };
-        let sliding = layers.iter().map(|l| if l.sliding { sliding_window } else { None }).collect();
         let dtype_bytes = embed.dtype().size();
+        // a dense FFN whose width the config left to the weights: the layout says it now
+        let layout = layout
+            .into_iter()
+            .map(|l| match l.ffn {
+                super::FfnKind::Dense { intermediate: 0 } => LayerLayout { ffn: super::FfnKind::Dense { intermediate: inter }, ..l },
+                _ => l,
+            })
+            .collect();
+        let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("llama");
         Ok(Model {
             embed,
             layers,
             norm,
             lm_head,
             sliding_window,
-            shape: ModelShape {
-                model_type: config.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string(),
-                num_layers: n_layers,
-                hidden_size: hidden,
-                vocab_size: d.vocab,
-                num_kv_heads: n_kv,
-                head_dim,
-                sliding,
-                max_position_embeddings: c.opt_i("max_position_embeddings"),
-                dtype_bytes,
-            },
+            shape: ModelShape::new(model_type, layout, hidden, d.vocab, c.opt_i("max_position_embeddings"), dtype_bytes),
         })
     }
 }
@@ -158,17 +187,6 @@ impl CausalLm for Model {
             stager.after_layer(i, n_layers, &h, caches)?;
         }
         self.norm.forward(&h)
-    }
-
-    fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache> {
-        self.layers
-            .iter()
-            .map(|l| match (l.sliding, self.sliding_window, opts.max_kv_size) {
-                (true, Some(w), _) => LayerCache::rotating(w, 0),
-                (_, _, Some(m)) => LayerCache::rotating(m, 4),
-                _ => LayerCache::full(),
-            })
-            .collect()
     }
 
     fn shape(&self) -> &ModelShape {

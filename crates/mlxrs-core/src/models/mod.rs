@@ -1,10 +1,14 @@
 //! Architectures, one file per Hugging Face `model_type`, and the one registry that maps a config
 //! to an implementation.
+pub mod arch;
 pub mod gemma3_text;
 pub mod layers;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_moe;
+
+pub use arch::{Arch, AttnKind, FfnKind, LayerLayout};
 
 use crate::cache::{CacheOptions, Caches, LayerCache};
 use crate::error::{Error, Result};
@@ -26,19 +30,39 @@ pub struct ModelShape {
     pub max_position_embeddings: Option<i32>,
     /// Bytes per element of activations and of an unquantized KV cache.
     pub dtype_bytes: usize,
+    /// Per layer: its attention, KV geometry and FFN (the architecture's [`Arch::layout`]).
+    pub layers: Vec<LayerLayout>,
 }
 
 impl ModelShape {
+    /// The shape of a model of `layers`: the KV geometry and sliding windows from the layout
+    /// (`num_kv_heads`/`head_dim` those of the first layer with a KV cache).
+    pub fn new(model_type: &str, layers: Vec<LayerLayout>, hidden_size: i32, vocab_size: i32, max_position_embeddings: Option<i32>,
+               dtype_bytes: usize) -> ModelShape {
+        let kv = layers.iter().find(|l| l.kv_elems() > 0).or(layers.first());
+        ModelShape {
+            model_type: model_type.to_string(),
+            num_layers: layers.len() as i32,
+            hidden_size,
+            vocab_size,
+            num_kv_heads: kv.map_or(0, |l| l.kv_heads),
+            head_dim: kv.map_or(0, |l| l.head_dim),
+            sliding: layers.iter().map(|l| if let AttnKind::Sliding { window } = l.attn { Some(window) } else { None }).collect(),
+            max_position_embeddings,
+            dtype_bytes,
+            layers,
+        }
+    }
+
     /// KV cache bytes for `tokens` tokens of one sequence: full layers in steps of 256 slots,
     /// sliding layers at most their window (the engine's admission; `plan.rs` plans the same way).
     pub fn kv_bytes(&self, tokens: usize, kv_bits: Option<i32>, group: i32) -> usize {
-        let elems = (self.num_kv_heads.max(0) * self.head_dim.max(0) * 2) as f64;
-        let per = match kv_bits {
+        let per = |elems: f64| match kv_bits {
             Some(b) => elems * (b as f64 / 8.0 + 2.0 * self.dtype_bytes as f64 / group.max(1) as f64),
             None => elems * self.dtype_bytes as f64,
         };
         let slots = tokens.div_ceil(256) * 256;
-        let total: f64 = self.sliding.iter().map(|w| w.map_or(slots, |w| slots.min(w.max(0) as usize)) as f64 * per).sum();
+        let total: f64 = self.layers.iter().map(|l| l.kv_slots(slots) as f64 * per(l.kv_elems() as f64)).sum();
         total.ceil() as usize
     }
 }
@@ -61,8 +85,10 @@ pub trait CausalLm: Send {
     /// The final normed hidden state `[B, L, hidden]` (what the LM head reads) for `tokens`
     /// `[B, L]`, appending to `caches`: the embeddings of `/v1/embeddings` are pooled from it.
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: Staging) -> Result<Array>;
-    /// A fresh cache for this model.
-    fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache>;
+    /// A fresh cache for this model (from its layout).
+    fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache> {
+        arch::make_cache(&self.shape().layers, opts)
+    }
     fn shape(&self) -> &ModelShape;
 }
 
@@ -121,17 +147,12 @@ impl Stager {
     }
 }
 
-/// Architectures with an implementation, and the aliases that map onto them.
-pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3"];
+/// The architecture table: one line per architecture, each declared in its own file.
+pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH];
 
-fn canonical(model_type: &str) -> Option<&'static str> {
-    Some(match model_type {
-        "llama" | "mistral" => "llama",
-        "qwen2" => "qwen2",
-        "qwen3" => "qwen3",
-        "gemma3_text" | "gemma3" => "gemma3_text",
-        _ => return None,
-    })
+/// Every supported `model_type`, aliases included (from [`ARCHS`]).
+pub fn supported() -> Vec<&'static str> {
+    arch::supported()
 }
 
 /// Build the model a config describes from its weights (after that architecture's sanitize).
@@ -140,27 +161,11 @@ pub fn build(config: &Value, mut weights: Weights) -> Result<Box<dyn CausalLm>> 
         .get("model_type")
         .and_then(Value::as_str)
         .ok_or_else(|| Error::ModelLoad("config.json has no model_type".into()))?;
-    let arch = canonical(mt).ok_or_else(|| {
-        Error::Unsupported(format!("model_type {mt:?} is not supported; supported: {}", SUPPORTED.join(", ")))
+    let arch = arch::find(mt).ok_or_else(|| {
+        Error::Unsupported(format!("model_type {mt:?} is not supported; supported: {}", supported().join(", ")))
     })?;
-    Ok(match arch {
-        "llama" => {
-            llama::sanitize(config, &mut weights);
-            Box::new(llama::Model::load(config, weights)?)
-        }
-        "qwen2" => {
-            llama::sanitize(config, &mut weights);
-            Box::new(qwen2::load(config, weights)?)
-        }
-        "qwen3" => {
-            llama::sanitize(config, &mut weights);
-            Box::new(qwen3::load(config, weights)?)
-        }
-        _ => {
-            gemma3_text::sanitize(config, &mut weights);
-            Box::new(gemma3_text::Model::load(config, weights)?)
-        }
-    })
+    (arch.sanitize)(config, &mut weights)?;
+    (arch.load)(config, weights)
 }
 
 /// Upper bounds on the sizes a config (or GGUF metadata) may give: far above every released model,
@@ -173,6 +178,8 @@ pub mod limits {
     pub const HEAD_DIM: i64 = 1024;
     pub const VOCAB: i64 = 1 << 22;
     pub const INTERMEDIATE: i64 = 1 << 20;
+    /// Experts of a MoE layer (and experts per token).
+    pub const EXPERTS: i64 = 1 << 12;
     /// Sliding windows and context lengths.
     pub const POSITIONS: i64 = 1 << 30;
 }

@@ -1,0 +1,190 @@
+//! The architecture table: what each architecture is, declared once. Each architecture file
+//! exports one [`Arch`]; [`super::ARCHS`] lists them. Derived from it and written nowhere else:
+//! the supported `model_type`s, the dispatch of [`super::build`], every model's cache
+//! construction ([`make_cache`]), the planner's per-layer KV bytes (`plan.rs`), the GGUF
+//! architectures the importer accepts and the registry's copy of them (through the extension).
+use super::{CausalLm, Cfg, DimDefaults, Dims};
+use crate::cache::{CacheOptions, LayerCache};
+use crate::error::Result;
+use crate::weights::Weights;
+use serde::Serialize;
+use serde_json::Value;
+
+/// How one layer attends, and so what it caches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttnKind {
+    /// Every position: a growing KV cache.
+    Full,
+    /// The last `window` positions: a rotating cache of at most `window` slots.
+    Sliding { window: i32 },
+    /// Reads the KV cache of layer `from` (no cache of its own). Not used by any architecture yet.
+    SharedKv { from: usize },
+    /// A fixed-size recurrent state instead of a KV cache. Not used by any architecture yet.
+    LinearRecurrent,
+}
+
+/// The feed-forward part of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfnKind {
+    Dense { intermediate: i32 },
+    /// `experts` routed experts of width `intermediate`, `top_k` of them per token, plus
+    /// `shared` always-on experts; the router's top-k probabilities renormalised when
+    /// `norm_topk_prob`.
+    Moe { experts: i32, top_k: i32, intermediate: i32, shared: i32, norm_topk_prob: bool },
+}
+
+/// One decoder layer's geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct LayerLayout {
+    pub attn: AttnKind,
+    pub kv_heads: i32,
+    pub head_dim: i32,
+    pub ffn: FfnKind,
+}
+
+impl LayerLayout {
+    /// Cached K and V elements per token (0 for a layer without a KV cache of its own).
+    pub fn kv_elems(&self) -> usize {
+        match self.attn {
+            AttnKind::Full | AttnKind::Sliding { .. } => (self.kv_heads.max(0) * self.head_dim.max(0) * 2) as usize,
+            AttnKind::SharedKv { .. } | AttnKind::LinearRecurrent => 0,
+        }
+    }
+    /// The KV slots a layer holds at `slots` tokens (a sliding layer at most its window).
+    pub fn kv_slots(&self, slots: usize) -> usize {
+        match self.attn {
+            AttnKind::Sliding { window } => slots.min(window.max(0) as usize),
+            _ => slots,
+        }
+    }
+}
+
+/// Loads a model from its config and its weights (after [`Arch::sanitize`]).
+pub type Loader = fn(&Value, Weights) -> Result<Box<dyn CausalLm>>;
+
+/// One architecture.
+pub struct Arch {
+    /// The canonical `model_type`.
+    pub name: &'static str,
+    /// Every `model_type` that maps onto it (the canonical one included).
+    pub model_types: &'static [&'static str],
+    /// mlx-lm's sanitize: drop or rename tensors before the loader takes them.
+    pub sanitize: fn(&Value, &mut Weights) -> Result<()>,
+    pub load: Loader,
+    /// The per-layer layout a config describes (the loader builds the same layers from it).
+    pub layout: fn(&Value) -> Result<Vec<LayerLayout>>,
+    /// The GGUF `general.architecture` imported as this architecture (`gguf/import.rs`).
+    pub gguf: Option<&'static str>,
+}
+
+/// The architecture of a `model_type`.
+pub fn find(model_type: &str) -> Option<&'static Arch> {
+    super::ARCHS.iter().find(|a| a.model_types.contains(&model_type))
+}
+
+/// Every supported `model_type`, aliases included.
+pub fn supported() -> Vec<&'static str> {
+    super::ARCHS.iter().flat_map(|a| a.model_types.iter().copied()).collect()
+}
+
+/// (GGUF architecture, model_type) for every architecture the GGUF importer maps.
+pub fn gguf_architectures() -> Vec<(&'static str, &'static str)> {
+    super::ARCHS.iter().filter_map(|a| a.gguf.map(|g| (g, a.name))).collect()
+}
+
+/// The layout of `config` (the text config of a multimodal one), when its architecture is known.
+pub fn layout_of(config: &Value) -> Option<Result<Vec<LayerLayout>>> {
+    let mt = config.get("model_type").and_then(Value::as_str)?;
+    find(mt).map(|a| (a.layout)(config))
+}
+
+/// The caches of a model of this layout: a rotating cache of `window` slots for a sliding layer,
+/// for the others a growing one (a rotating one of `max_kv_size` when set).
+pub fn make_cache(layers: &[LayerLayout], opts: &CacheOptions) -> Vec<LayerCache> {
+    layers
+        .iter()
+        .map(|l| match (l.attn, opts.max_kv_size) {
+            (AttnKind::Sliding { window }, _) => LayerCache::rotating(window, 0),
+            (_, Some(m)) => LayerCache::rotating(m, 4),
+            _ => LayerCache::full(),
+        })
+        .collect()
+}
+
+/// The layout of a uniform decoder: every layer `attn(i)`, the config's KV heads and head dim,
+/// and `ffn(i)`.
+pub fn uniform(
+    config: &Value,
+    defaults: DimDefaults,
+    attn: impl Fn(i32) -> AttnKind,
+    ffn: impl Fn(i32, &Dims) -> Result<FfnKind>,
+) -> Result<Vec<LayerLayout>> {
+    let d = Dims::from_config(&Cfg(config), defaults)?;
+    (0..d.layers)
+        .map(|i| Ok(LayerLayout { attn: attn(i), kv_heads: d.kv_heads, head_dim: d.head_dim, ffn: ffn(i, &d)? }))
+        .collect()
+}
+
+/// A dense FFN of the config's `intermediate_size` (0 when the config leaves it to the weights).
+pub fn dense(_i: i32, d: &Dims) -> Result<FfnKind> {
+    Ok(FfnKind::Dense { intermediate: d.intermediate.unwrap_or(0) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_table_gives_the_supported_types_and_gguf_names() {
+        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3"]);
+        let mut g = gguf_architectures();
+        g.sort();
+        assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]);
+        assert_eq!(find("mistral").map(|a| a.name), Some("llama"));
+        assert!(find("qwen9").is_none());
+    }
+
+    fn base(mt: &str) -> Value {
+        json!({"model_type": mt, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "intermediate_size": 512})
+    }
+
+    #[test]
+    fn layouts_per_architecture() {
+        let mut g = base("gemma3_text");
+        g["sliding_window"] = json!(16);
+        g["sliding_window_pattern"] = json!(2);
+        let l = layout_of(&g).unwrap().unwrap();
+        let attn: Vec<_> = l.iter().map(|l| l.attn).collect();
+        let s = AttnKind::Sliding { window: 16 };
+        assert_eq!(attn, [s, AttnKind::Full, s, AttnKind::Full]);
+
+        let mut m = base("qwen3_moe");
+        m["num_experts"] = json!(8);
+        m["num_experts_per_tok"] = json!(2);
+        m["moe_intermediate_size"] = json!(128);
+        m["mlp_only_layers"] = json!([1]);
+        m["decoder_sparse_step"] = json!(1);
+        m["norm_topk_prob"] = json!(true);
+        let l = layout_of(&m).unwrap().unwrap();
+        let moe = FfnKind::Moe { experts: 8, top_k: 2, intermediate: 128, shared: 0, norm_topk_prob: true };
+        let ffn: Vec<_> = l.iter().map(|l| l.ffn).collect();
+        assert_eq!(ffn, [moe, FfnKind::Dense { intermediate: 512 }, moe, moe]);
+        assert!(l.iter().all(|l| l.attn == AttnKind::Full && l.kv_elems() == 2 * 64 * 2));
+        m["num_experts_per_tok"] = json!(9);
+        assert!(layout_of(&m).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 9 exceeds num_experts 8"));
+    }
+
+    #[test]
+    fn caches_follow_the_layout() {
+        let full = LayerLayout { attn: AttnKind::Full, kv_heads: 2, head_dim: 64, ffn: FfnKind::Dense { intermediate: 1 } };
+        let slide = LayerLayout { attn: AttnKind::Sliding { window: 16 }, ..full };
+        let shape = super::super::ModelShape::new("x", vec![slide, full], 256, 512, None, 4);
+        assert_eq!(shape.sliding, [Some(16), None]);
+        // 300 tokens: 512 slots in the full layer, 16 in the sliding one, 256 elements × 4 bytes each
+        assert_eq!(shape.kv_bytes(300, None, 64), (512 + 16) * 256 * 4);
+    }
+}
