@@ -52,7 +52,9 @@ WEATHER_TOOL = {
 }
 
 
-def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = TOOL_SCRIPT) -> Path:
+def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = TOOL_SCRIPT,
+                        think_script: list[str] = THINK_SCRIPT) -> Path:
+    """`think_script` replaces THINK_SCRIPT (what a thinking-on prompt gets), e.g. for markup in an answer."""
     import mlx.core as mx
     import numpy as np
     from tokenizers import AddedToken, Tokenizer
@@ -64,7 +66,7 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     d.mkdir(parents=True)
     write_tokenizer(d, 512)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    pieces = sorted({p for s in (THINK_SCRIPT, tool_script, ANSWER_SCRIPT) for p in s} | {"\n\n"})
+    pieces = sorted({p for s in (think_script, tool_script, ANSWER_SCRIPT) for p in s} | {"\n\n"})
     tok.add_tokens([AddedToken(p, normalized=False) for p in pieces])
     tok.save(str(d / "tokenizer.json"))
     tc = json.loads((d / "tokenizer_config.json").read_text())
@@ -81,11 +83,11 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     assert think_on != think_off and think_off == ids["\n\n"], (think_on, think_off)
 
     table = np.zeros((vocab, vocab), dtype=np.float32)  # [next, last]
-    for script in (THINK_SCRIPT, tool_script, ANSWER_SCRIPT):
+    for script in (think_script, tool_script, ANSWER_SCRIPT):
         seq = [ids[p] for p in script] + [0]
         for a, b in zip(seq, seq[1:]):
             table[b, a] = CHAIN
-    table[ids[THINK_SCRIPT[0]], think_on] = DEFAULT
+    table[ids[think_script[0]], think_on] = DEFAULT
     table[ids[tool_script[0]], think_off] = DEFAULT
     scale = 1.0 / np.sqrt(hidden)
     lm_head = np.zeros((vocab, hidden), dtype=np.float32)
