@@ -187,12 +187,18 @@
       parts.push("prompt " + usage.prompt_tokens + " (" + cached + " cached)");
     }
     msg.meta = parts.join(" · ");
+    pending = null;
     if (!msg.tool_calls.length) delete msg.tool_calls;
     save();
     renderAll();
     refreshStats();
   }
+  let pending = null;  // the streamed message is redrawn at most once a frame
   function updateLast(msg) {
+    if (pending === null) requestAnimationFrame(() => { const m = pending; pending = null; if (m) drawLast(m); });
+    pending = msg;
+  }
+  function drawLast(msg) {
     const list = $("messages");
     const node = renderMessage(msg);
     if (list.lastChild) list.replaceChild(node, list.lastChild); else list.appendChild(node);
