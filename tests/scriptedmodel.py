@@ -53,8 +53,10 @@ WEATHER_TOOL = {
 
 
 def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = TOOL_SCRIPT,
-                        think_script: list[str] = THINK_SCRIPT) -> Path:
-    """`think_script` replaces THINK_SCRIPT (what a thinking-on prompt gets), e.g. for markup in an answer."""
+                        think_script: list[str] = THINK_SCRIPT, loop_to: int | None = None) -> Path:
+    """`think_script` replaces THINK_SCRIPT (what a thinking-on prompt gets), e.g. for markup in an answer;
+    with `loop_to` its last piece leads back to think_script[loop_to] instead of EOS: it talks until
+    max_tokens (a long stream to interrupt)."""
     import mlx.core as mx
     import numpy as np
     from tokenizers import AddedToken, Tokenizer
@@ -85,6 +87,8 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     table = np.zeros((vocab, vocab), dtype=np.float32)  # [next, last]
     for script in (think_script, tool_script, ANSWER_SCRIPT):
         seq = [ids[p] for p in script] + [0]
+        if script is think_script and loop_to is not None:
+            seq[-1] = ids[script[loop_to]]
         for a, b in zip(seq, seq[1:]):
             table[b, a] = CHAIN
     table[ids[think_script[0]], think_on] = DEFAULT
@@ -128,3 +132,11 @@ def token_id(model_dir: Path, piece: str) -> int:
     i = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(piece)
     assert i is not None, piece
     return int(i)
+
+
+# a model that thinks briefly, then counts "one two three two three …" until max_tokens
+LOOP_SCRIPT = ["<think>", "\nLet me count.\n", "</think>", "\n\nOne ", "two ", "three "]
+
+
+def make_looping_model() -> Path:
+    return make_scripted_model("scripted-loop", think_script=LOOP_SCRIPT, loop_to=4)

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from scriptedmodel import THINK_ANSWER, make_scripted_model
+from scriptedmodel import THINK_ANSWER, make_looping_model, make_scripted_model
 from server_util import Server, free_port
 from tinymodels import make_model
 
@@ -89,9 +89,17 @@ def test_pipe_respects_the_api_key(talker_dir):
         assert bad.returncode == 1 and "incorrect API key" in bad.stderr and bad.stdout == ""
 
 
-def test_terminal_stream_cancel_then_ask_again_and_save(talker, tmp_path):
+@pytest.fixture(scope="module")
+def looper():
+    """Talks until max_tokens (~1000 tokens a second here): a stream to interrupt."""
+    with Server(make_looping_model()) as s:
+        yield s
+
+
+def test_terminal_stream_cancel_then_ask_again_and_save(looper, tmp_path):
+    talker = looper
     base = talker.stats()["requests"]
-    child = spawn("--port", str(talker.port), "--temperature", "0")
+    child = spawn("--port", str(talker.port), "--temperature", "0", "--max-tokens", "2000")
     try:
         child.expect("attached to")
         child.expect("chatting with")
@@ -99,7 +107,7 @@ def test_terminal_stream_cancel_then_ask_again_and_save(talker, tmp_path):
         # a long answer streams: text appears while the server is still generating
         child.sendline("hi")
         assert wait_for(lambda: talker.stats()["requests"]["active"] >= 1)
-        child.expect(r"\S{8}")  # streamed text before the end
+        child.expect("two three")  # streamed text before the end
         assert talker.stats()["requests"]["active"] >= 1, "the answer had finished: nothing to cancel"
         child.sendintr()  # Ctrl-C mid-answer
         child.expect(r"\[cancelled\]")
@@ -126,7 +134,8 @@ def test_terminal_stream_cancel_then_ask_again_and_save(talker, tmp_path):
         child.close(force=True)
     saved = json.loads(out.read_text())
     c = client(talker)
-    want = c.chat.completions.create(model="x", messages=[{"role": "user", "content": q2}], temperature=0)
+    want = c.chat.completions.create(model="x", messages=[{"role": "user", "content": q2}], temperature=0,
+                                     max_tokens=2000)
     # the cancelled question was dropped; the second answer is the API's own
     assert saved["messages"] == [{"role": "user", "content": q2},
                                  {"role": "assistant", "content": want.choices[0].message.content}]

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from scriptedmodel import THINK_SCRIPT, make_scripted_model
+from scriptedmodel import THINK_SCRIPT, make_looping_model, make_scripted_model
 from server_util import Server
-from tinymodels import make_model
 
 XSS = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"> **bold** `x<b>y</b>`'
 XSS_SCRIPT = [THINK_SCRIPT[0], "\nthinking <b>hard</b>\n", THINK_SCRIPT[2], "\n\n" + XSS]
@@ -35,7 +34,8 @@ def xss(xss_model):
 
 @pytest.fixture(scope="module")
 def talker():
-    with Server(make_model("llama-float32", "llama")) as s:
+    """Talks until max_tokens (4078 tokens, some seconds): a stream to stop."""
+    with Server(make_looping_model()) as s:
         yield s
 
 
@@ -170,6 +170,7 @@ def test_browser_streams_stops_regenerates_and_shows_stats(page, talker):
                                                          "temperature": 0, "max_tokens": 12})
     got = page.evaluate("JSON.parse(localStorage.getItem('mlxrs.chat.conversation'))")
     assert got[1]["content"] == want["choices"][0]["message"]["content"]
+    assert got[1]["reasoning"] == want["choices"][0]["message"]["reasoning_content"]
     assert page.locator(".msg.assistant .meta").text_content().startswith("length · 12 tokens")
     # the stats panel shows the server's figures
     page.click("#toggle-stats")
