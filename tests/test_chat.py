@@ -48,6 +48,16 @@ def spawn(*args: str) -> "pexpect.spawn":
 PROMPT = "\x1b[?2004h"
 
 
+def say(child, line: str | None) -> None:
+    """Type `line` (None: Ctrl-D) once the prompt is up: what is typed before prompt_toolkit reads
+    meets the terminal's cooked mode (where a Ctrl-D is lost)."""
+    child.expect_exact(PROMPT)
+    if line is None:
+        child.sendeof()
+    else:
+        child.sendline(line)
+
+
 def wait_for(pred, timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -103,9 +113,8 @@ def test_terminal_stream_cancel_then_ask_again_and_save(looper, tmp_path):
     try:
         child.expect("attached to")
         child.expect("chatting with")
-        child.expect_exact(PROMPT)
         # a long answer streams: text appears while the server is still generating
-        child.sendline("hi")
+        say(child, "hi")
         assert wait_for(lambda: talker.stats()["requests"]["active"] >= 1)
         child.expect("two three")  # streamed text before the end
         assert talker.stats()["requests"]["active"] >= 1, "the answer had finished: nothing to cancel"
@@ -114,21 +123,19 @@ def test_terminal_stream_cancel_then_ask_again_and_save(looper, tmp_path):
         assert wait_for(lambda: talker.stats()["requests"]["cancelled"] == base["cancelled"] + 1), talker.stats()
         assert talker.stats()["requests"]["active"] == 0
         # the program is still there: the next question is answered in full
-        child.expect_exact(PROMPT)
         q2 = "What is two plus two?"
-        child.sendline(q2)
+        say(child, q2)
         child.expect(r"\[(\d+) tokens, [\d.]+ tok/s · context (\d+)/(\d+) · prefix cache (\d+)/(\d+) prompt tokens",
                      timeout=300)
         n_tokens, used, ceiling = (int(child.match.group(i)) for i in (1, 2, 3))
         assert ceiling == talker.stats()["context_tokens"]
-        child.expect_exact(PROMPT)
         out = tmp_path / "conv.json"
-        child.sendline(f"/save {out}")
+        say(child, f"/save {out}")
         child.expect("saved 2 messages")
-        child.sendline("/stats")
+        say(child, "/stats")
         child.expect(r"(\d+) cancelled")
         assert int(child.match.group(1)) == base["cancelled"] + 1
-        child.sendline("/quit")
+        say(child, "/quit")
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)
@@ -156,26 +163,25 @@ def test_terminal_load_system_reset_and_reasoning(tmp_path):
     with Server(model) as s:
         child = spawn("--port", str(s.port), "--temperature", "0")
         try:
-            child.expect_exact(PROMPT)
-            child.sendline(f"/load {conv}")
+            say(child, f"/load {conv}")
             child.expect("loaded 2 messages")
-            child.sendline("/model")
+            say(child, "/model")
             child.expect(f"{model.name} at {s.url}")
-            child.sendline("hi")
+            say(child, "hi")
             child.expect(r"\(thinking\) ")
             child.expect("The user greets me")
             child.expect(THINK_ANSWER.replace("?", r"\?"))
             child.expect(r"\[\d+ tokens")
             out = tmp_path / "out.json"
-            child.sendline("/system short answers")
+            say(child, "/system short answers")
             child.expect("system prompt set")
-            child.sendline(f"/save {out}")
+            say(child, f"/save {out}")
             child.expect("saved 4 messages")
-            child.sendline("/reset")
+            say(child, "/reset")
             child.expect("conversation cleared")
-            child.sendline(f"/save {tmp_path / 'empty.json'}")
+            say(child, f"/save {tmp_path / 'empty.json'}")
             child.expect("saved 0 messages")
-            child.sendeof()
+            say(child, None)
             child.expect(pexpect.EOF)
         finally:
             child.close(force=True)

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Generator
 from urllib.parse import urlsplit
 
 HELP = """commands:
@@ -70,7 +70,7 @@ class Client:
             conn.close()
         return _decode(r.status, body)
 
-    def stream_chat(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def stream_chat(self, body: dict[str, Any]) -> Generator[dict[str, Any], None, None]:
         """The chunks of a streamed chat completion. Closing the generator (or an exception in the
         consumer, Ctrl-C) closes the connection: the server cancels the generation."""
         conn = self._connect(None)
