@@ -52,7 +52,11 @@ WEATHER_TOOL = {
 }
 
 
-def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = TOOL_SCRIPT) -> Path:
+def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = TOOL_SCRIPT,
+                        think_script: list[str] = THINK_SCRIPT, loop_to: int | None = None) -> Path:
+    """`think_script` replaces THINK_SCRIPT (what a thinking-on prompt gets), e.g. for markup in an answer;
+    with `loop_to` its last piece leads back to think_script[loop_to] instead of EOS: it talks until
+    max_tokens (a long stream to interrupt)."""
     import mlx.core as mx
     import numpy as np
     from tokenizers import AddedToken, Tokenizer
@@ -64,7 +68,7 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     d.mkdir(parents=True)
     write_tokenizer(d, 512)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    pieces = sorted({p for s in (THINK_SCRIPT, tool_script, ANSWER_SCRIPT) for p in s} | {"\n\n"})
+    pieces = sorted({p for s in (think_script, tool_script, ANSWER_SCRIPT) for p in s} | {"\n\n"})
     tok.add_tokens([AddedToken(p, normalized=False) for p in pieces])
     tok.save(str(d / "tokenizer.json"))
     tc = json.loads((d / "tokenizer_config.json").read_text())
@@ -81,11 +85,13 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     assert think_on != think_off and think_off == ids["\n\n"], (think_on, think_off)
 
     table = np.zeros((vocab, vocab), dtype=np.float32)  # [next, last]
-    for script in (THINK_SCRIPT, tool_script, ANSWER_SCRIPT):
+    for script in (think_script, tool_script, ANSWER_SCRIPT):
         seq = [ids[p] for p in script] + [0]
+        if script is think_script and loop_to is not None:
+            seq[-1] = ids[script[loop_to]]
         for a, b in zip(seq, seq[1:]):
             table[b, a] = CHAIN
-    table[ids[THINK_SCRIPT[0]], think_on] = DEFAULT
+    table[ids[think_script[0]], think_on] = DEFAULT
     table[ids[tool_script[0]], think_off] = DEFAULT
     scale = 1.0 / np.sqrt(hidden)
     lm_head = np.zeros((vocab, hidden), dtype=np.float32)
@@ -126,3 +132,11 @@ def token_id(model_dir: Path, piece: str) -> int:
     i = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(piece)
     assert i is not None, piece
     return int(i)
+
+
+# a model that thinks briefly, then counts "one two three two three …" until max_tokens
+LOOP_SCRIPT = ["<think>", "\nLet me count.\n", "</think>", "\n\nOne ", "two ", "three "]
+
+
+def make_looping_model() -> Path:
+    return make_scripted_model("scripted-loop", think_script=LOOP_SCRIPT, loop_to=4)

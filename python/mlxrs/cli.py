@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print runtime information and run a tiny computation")
     info.set_defaults(func=_cmd_info)
     _add_serve(sub)
-    from mlxrs import hub, native_pack
+    from mlxrs import chat, hub, native_pack
+
+    chat.add_parser(sub)  # chat
 
     hub.add_parser(sub)  # get
     native_pack.add_parser(sub)  # native

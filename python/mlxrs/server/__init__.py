@@ -24,17 +24,16 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
 
 
-def probe_port(host: str, port: int, api_key: str | None = None, timeout: float = 3.0) -> str | None:
-    """Why `port` cannot be served, or None when nothing listens there.
-
-    Something that answers `/v1` (an OpenAI-compatible server: /v1/models, or its error envelope)
-    is named by its model; anything else is "held by another program"."""
+def probe_v1(host: str, port: int, api_key: str | None = None, timeout: float = 3.0
+             ) -> tuple[bool, bool, str | None]:
+    """(something listens on `port`, it answers `/v1` as an OpenAI-compatible server, its model
+    names or None). An mlxrs server that wants a key it was not given is named from /health."""
     h = _connect_host(host)
     try:
         with socket.create_connection((h, port), timeout=timeout):
             pass
     except OSError:
-        return None  # nothing listens (bind problems are reported when binding)
+        return False, False, None
     model = None
     answers_v1 = False
     try:
@@ -67,6 +66,17 @@ def probe_port(host: str, port: int, api_key: str | None = None, timeout: float 
             conn.close()
     except (OSError, http.client.HTTPException):
         pass
+    return True, answers_v1, model
+
+
+def probe_port(host: str, port: int, api_key: str | None = None, timeout: float = 3.0) -> str | None:
+    """Why `port` cannot be served, or None when nothing listens there.
+
+    Something that answers `/v1` (an OpenAI-compatible server: /v1/models, or its error envelope)
+    is named by its model; anything else is "held by another program"."""
+    listening, answers_v1, model = probe_v1(host, port, api_key, timeout)
+    if not listening:
+        return None  # nothing listens (bind problems are reported when binding)
     if answers_v1:
         name = model or "a model (its API key is required to say which)"
         return f"port {port} is already serving {name} — reuse it, stop it, or pass --port <other>"
@@ -126,43 +136,15 @@ def run(args: argparse.Namespace) -> int:
         print(why, file=sys.stderr, flush=True)
         return 1
 
-    from .. import _native
     from ..errors import MlxrsError
-    from ..session import Session
-
-    from ..models import resolve_model
+    from .app import build_app
 
     try:
-        model_dir = resolve_model(args.model)
-        # the planner reads config.json and the safetensors headers only: a bad --memory-budget
-        # is reported before any weight is loaded
-        plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget))
-        # the KV every running sequence may reserve: what the plan leaves beside the weights, the
-        # reserve and one prefill's transient; the prompt cache may use half of it by default and
-        # gives way when sequences need the room
-        kv_budget = max(0, int(plan["usableBytes"]) - int(plan["weightsBytes"]) - int(plan["reserveBytes"])
-                        - int(plan["transientBytes"]))
-        cache_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else kv_budget // 2
-        session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
-                          max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget,
-                          chat_template=Path(args.chat_template) if args.chat_template else None)
+        state = make_state(args, api_key, model_id)
     except MlxrsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    dev_bytes, dev_source = _native.device_memory()
-    budget_source = (f"--memory-budget {args.memory_budget}" if args.memory_budget is not None
-                     else f"0.75 × device memory ({dev_bytes} bytes, {dev_source})")
-
-    from .app import ServerState, build_app
-
-    aliases = [model_id, str(args.model or ""), session.model_path, Path(session.model_path).name]
-    state = ServerState(session, model_id=model_id, aliases=aliases, plan=plan, kv_bits=args.kv_quant,
-                        api_key=api_key, max_body=args.max_body_bytes,
-                        budget_source=budget_source, host=args.host,
-                        allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
-                        cors_origins=args.cors_origin, shutdown_timeout=args.shutdown_timeout,
-                        listed_aliases=args.alias, strict_names=args.strict_model_names,
-                        default_max_tokens=args.max_tokens)
+    session = state.session
     _report_plan(state)
     if not is_loopback(args.host) and not api_key:
         log.warning("*** listening on %s without an API key: anyone who can reach this address can use the "
@@ -175,6 +157,39 @@ def run(args: argparse.Namespace) -> int:
     finally:
         state.executor.shutdown(wait=False, cancel_futures=True)
         session.close()
+
+
+def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> Any:
+    """Load MODEL (args.model) under its memory plan: the ServerState the app serves (raises MlxrsError)."""
+    from .. import _native
+    from ..models import resolve_model
+    from ..session import Session
+    from .app import ServerState
+
+    model_dir = resolve_model(args.model)
+    # the planner reads config.json and the safetensors headers only: a bad --memory-budget
+    # is reported before any weight is loaded
+    plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget))
+    # the KV every running sequence may reserve: what the plan leaves beside the weights, the
+    # reserve and one prefill's transient; the prompt cache may use half of it by default and
+    # gives way when sequences need the room
+    kv_budget = max(0, int(plan["usableBytes"]) - int(plan["weightsBytes"]) - int(plan["reserveBytes"])
+                    - int(plan["transientBytes"]))
+    cache_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else kv_budget // 2
+    session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
+                      max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget,
+                      chat_template=Path(args.chat_template) if args.chat_template else None)
+    dev_bytes, dev_source = _native.device_memory()
+    budget_source = (f"--memory-budget {args.memory_budget}" if args.memory_budget is not None
+                     else f"0.75 × device memory ({dev_bytes} bytes, {dev_source})")
+    aliases = [model_id, str(args.model or ""), session.model_path, Path(session.model_path).name]
+    return ServerState(session, model_id=model_id, aliases=aliases, plan=plan, kv_bits=args.kv_quant,
+                       api_key=api_key, max_body=args.max_body_bytes,
+                       budget_source=budget_source, host=args.host,
+                       allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
+                       cors_origins=args.cors_origin, shutdown_timeout=args.shutdown_timeout,
+                       listed_aliases=args.alias, strict_names=args.strict_model_names,
+                       default_max_tokens=args.max_tokens)
 
 
 def _report_plan(state: Any) -> None:

@@ -375,6 +375,17 @@ def protocol_of(request: web.Request) -> str:
 
 
 OPEN_PATHS = {"/health"}
+# the chat page and its assets: served without the API key (the page asks for it and sends it with
+# its API calls); the Host guard applies
+STATIC_DIR = Path(__file__).with_name("static")
+PAGE_FILES = {"chat.js": "text/javascript", "chat.css": "text/css"}
+PAGE_PATHS = {"/", "/index.html", *(f"/static/{n}" for n in PAGE_FILES)}
+# the page runs only its own script and style and talks only to this server: model output that
+# slipped into the DOM as markup still could not run or load anything
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+            "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PAGE_HEADERS = {"Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff",
+                "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
 
 
 @web.middleware
@@ -464,7 +475,8 @@ async def guard_middleware(request: web.Request, handler: Callable[[web.Request]
             raise ApiError(403, "CORS preflight refused: this server allows no cross-origin callers "
                                 "(--cors-origin)", code="origin_not_allowed")
         return _preflight(request)
-    if state.api_key and request.path not in OPEN_PATHS:
+    if state.api_key and request.path not in OPEN_PATHS and not (request.method == "GET"
+                                                                   and request.path in PAGE_PATHS):
         given = None
         auth = request.headers.get("Authorization", "")
         if auth.lower().startswith("bearer "):
@@ -517,6 +529,16 @@ async def health(request: web.Request) -> web.Response:
                               "engine": engine}, status=200 if status == "ok" else 503)
 
 
+async def page(request: web.Request) -> web.Response:
+    """The chat page (docs/chat.md): static files shipped in the package, no CDN."""
+    name = request.match_info.get("name", "index.html")
+    ctype = "text/html" if name == "index.html" else PAGE_FILES.get(name)
+    if ctype is None:
+        raise web.HTTPNotFound()
+    return web.Response(body=(STATIC_DIR / name).read_bytes(), content_type=ctype, charset="utf-8",
+                        headers=PAGE_HEADERS)
+
+
 async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE].stats_body())
 
@@ -557,6 +579,9 @@ def build_app(state: ServerState) -> web.Application:
     app.on_response_prepare.append(_cors_headers)
     r = app.router
     r.add_get("/health", health)
+    r.add_get("/", page)
+    r.add_get("/index.html", page)
+    r.add_get("/static/{name}", page)
     r.add_get("/stats", stats)
     r.add_get("/v1/models", models)
     r.add_get("/v1/models/{model}", model_one)
