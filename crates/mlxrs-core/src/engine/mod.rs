@@ -399,25 +399,17 @@ impl Engine {
     /// Last-position logits (float32) of `prompt` from a fresh cache, through the same chunked
     /// prefill as generation (parity tests compare them with mlx-lm's).
     pub fn last_logits(&self, prompt: Vec<i32>) -> Result<Vec<f32>> {
-        let vocab = self.shape.vocab_size;
-        if prompt.is_empty() || prompt.iter().any(|&t| t < 0 || t >= vocab) {
-            return Err(Error::Invalid("prompt must be non-empty token ids inside the vocabulary".into()));
-        }
-        let (tx, rx) = channel();
-        {
-            let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-            let s = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
-            if let Some(why) = self.stats.fault() {
-                return Err(Error::Engine(why));
-            }
-            s.send(Cmd::Logits { prompt, reply: tx }).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
-        }
-        rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
+        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, reply })
     }
 
     /// The embedding of `prompt`: its final normed hidden states mean-pooled over the tokens and
     /// L2-normalised (float32, the model's hidden size).
     pub fn embed(&self, prompt: Vec<i32>) -> Result<Vec<f32>> {
+        self.ask(prompt, |prompt, reply| Cmd::Embed { prompt, reply })
+    }
+
+    /// Run a one-off command over `prompt` (checked token ids) on the engine thread; wait for its reply.
+    fn ask(&self, prompt: Vec<i32>, cmd: impl FnOnce(Vec<i32>, Sender<Result<Vec<f32>>>) -> Cmd) -> Result<Vec<f32>> {
         let vocab = self.shape.vocab_size;
         if prompt.is_empty() || prompt.iter().any(|&t| t < 0 || t >= vocab) {
             return Err(Error::Invalid("prompt must be non-empty token ids inside the vocabulary".into()));
@@ -429,7 +421,7 @@ impl Engine {
             if let Some(why) = self.stats.fault() {
                 return Err(Error::Engine(why));
             }
-            s.send(Cmd::Embed { prompt, reply: tx }).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
+            s.send(cmd(prompt, tx)).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
         }
         rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
     }
