@@ -21,6 +21,20 @@ stage() {  # stage NAME CMD...: run CMD, stop everything with a clear line if it
 
 stage "setup (scripts/setup.sh)" bash scripts/setup.sh
 
+# The chat page's tests drive a headless Chromium (Playwright over the system browser): a test-only
+# dependency, so it is installed here and not by setup.sh. Without one those tests skip, saying so.
+if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        printf '\n==> installing chromium for the chat page tests (apt-get)\n'
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q chromium >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+            || printf '[test] could not install chromium: the chat page browser tests will skip\n' >&2
+    else
+        printf '[test] no chromium (Debian/Ubuntu: apt-get install chromium): the chat page browser tests will skip\n' >&2
+    fi
+fi
+
 # Rust tests load the native runtime the way an installed mlxrs does, pointed at this checkout's build.
 case "$(uname -s)" in Darwin) LIBMLXC=libmlxc.dylib ;; *) LIBMLXC=libmlxc.so ;; esac
 export MLXRS_LIBMLXC="$ROOT/python/mlxrs/$LIBMLXC"
