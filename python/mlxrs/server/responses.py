@@ -7,6 +7,7 @@ request may continue one with `previous_response_id`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import secrets
 import time
 from typing import Any
@@ -352,11 +353,9 @@ async def _stream(request: web.Request, b: Builder, gen: Generation, parser: Any
                 status = "incomplete" if step.done["finish_reason"] == "length" else "completed"
                 await send(f"response.{status}", {"response": b.response(status, step.done)})
     except ApiError as e:
-        try:
-            err = e.body("openai")["error"]
+        err = e.body("openai")["error"]
+        with contextlib.suppress(ConnectionResetError):  # the client left: nothing to tell
             await send("error", {"code": err["code"], "message": err["message"], "param": err["param"]})
-        except ConnectionResetError:
-            pass
     except ConnectionResetError:
         gen.cancel()
     return resp
