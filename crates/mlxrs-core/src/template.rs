@@ -22,19 +22,13 @@ pub struct ChatTemplate {
 }
 
 /// How `json.dumps` writes: `indent`, `ensure_ascii`, `sort_keys` and `separators` as Python has them.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct JsonStyle {
     pub indent: Option<usize>,
     pub ensure_ascii: bool,
     pub sort_keys: bool,
     /// (item separator, key separator); Python's default is `(", ", ": ")`, `(",", ": ")` with an indent.
     pub separators: Option<(String, String)>,
-}
-
-impl Default for JsonStyle {
-    fn default() -> Self {
-        JsonStyle { indent: None, ensure_ascii: false, sort_keys: false, separators: None }
-    }
 }
 
 /// A JSON string literal as Python's `json.dumps` writes it (`\uXXXX` for non-ASCII when `ascii`).
