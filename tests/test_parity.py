@@ -155,3 +155,29 @@ def test_gemma4_batch_and_prefix_hit(oracle, arch, stack, monkeypatch):
     assert hit.usage.cached_tokens >= len(ps[1]) - 1, "the extended prompt missed the prefix cache"
     assert hit.tokens == _oracle_tokens(oracle, d, longer), "prefix-cache hit: tokens differ from mlx-lm's"
     assert (info["stacked_decode_steps"] > 0) == stack
+
+
+def test_gemma4_config_disagreeing_with_weights_is_refused(tmp_path):
+    """An unknown layer_types entry, or a head dim / KV-head count the weights do not have, is
+    refused at load naming the config field."""
+    import json
+    import re
+    import shutil
+
+    for arch, field, value, needle in [
+        ("gemma4_text", "layer_types", "chunked_attention", 'layer_types[1] = "chunked_attention"'),
+        ("gemma4_text", "global_head_dim", 96, "global_head_dim = 96 implies 384 rows of model.layers.1.self_attn.q_proj"),
+        ("gemma4_text", "head_dim", 32, "head_dim = 32 implies 128 rows of model.layers.0.self_attn.q_proj"),
+        ("gemma4_text_moe", "num_global_key_value_heads", 2, "num_global_key_value_heads × global_head_dim"),
+        ("gemma4_text", "num_kv_shared_layers", 6, "num_kv_shared_layers = 6"),
+    ]:
+        d = tmp_path / f"{arch}-{field}"
+        shutil.copytree(make_model(f"{arch}-float32", arch), d)
+        cfg = json.loads((d / "config.json").read_text())
+        if field == "layer_types":
+            cfg[field][1] = value
+        else:
+            cfg[field] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(mlxrs.errors.ModelLoadError, match=re.escape(needle)):
+            mlxrs.Session(d)

@@ -554,7 +554,7 @@ impl Model {
             let attn = Attn {
                 q_proj: lin(&mut w, "self_attn.q_proj", n_heads * head_dim, hidden)?,
                 k_proj: if has_kv { Some(lin(&mut w, "self_attn.k_proj", n_kv * head_dim, hidden)?) } else { None },
-                v_proj: if has_kv && !(p.k_eq_v && !sliding) { Some(lin(&mut w, "self_attn.v_proj", n_kv * head_dim, hidden)?) } else { None },
+                v_proj: if has_kv && (sliding || !p.k_eq_v) { Some(lin(&mut w, "self_attn.v_proj", n_kv * head_dim, hidden)?) } else { None },
                 o_proj: lin(&mut w, "self_attn.o_proj", hidden, n_heads * head_dim)?,
                 q_norm: RmsNorm::load(&mut w, &format!("{pre}.self_attn.q_norm"), eps, head_dim)?,
                 k_norm: if has_kv { Some(RmsNorm::load(&mut w, &format!("{pre}.self_attn.k_norm"), eps, head_dim)?) } else { None },
