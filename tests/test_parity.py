@@ -118,6 +118,14 @@ def test_moe_4bit_bf16(oracle):
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
 
 
+@pytest.mark.parametrize("quant", [None, 4])
+def test_gemma4_multimodal_layout(oracle, quant):
+    """A `gemma4` checkpoint (text_config, model.language_model.* weights, a vision tower): its text
+    model, as mlx-lm's gemma4.py loads it."""
+    d = make_model("gemma4-mm-float32" if quant is None else "gemma4-mm-q4", "gemma4", quant_bits=quant)
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+
+
 @pytest.mark.parametrize("arch", GEMMA4)
 def test_gemma4_past_window_and_shared_kv(oracle, arch):
     # window 16: a ~60-token prompt in chunks of 16 and 64 generated tokens, through layers 4 and 5

@@ -97,6 +97,13 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
                        attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False)
         if arch == "gemma4_text_full":
             cfg.update(layer_types=["full_attention"] * len(types))
+    elif arch == "gemma4":
+        # the multimodal layout: the text model in text_config, its weights under
+        # model.language_model.*, a vision tower the loaders drop
+        text = base_config("gemma4_text", vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                           head_dim=head_dim, inter=inter)
+        cfg = {"model_type": "gemma4", "vocab_size": vocab, "text_config": text, "eos_token_id": 0,
+               "tie_word_embeddings": True, "architectures": ["Gemma4ForConditionalGeneration"]}
     return cfg
 
 
@@ -111,6 +118,10 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
         return mx.random.normal(shape, key=mx.random.fold_in(key, counter[0])) * scale if hasattr(mx.random, "fold_in") \
             else mx.random.normal(shape, key=mx.random.split(key, counter[0] + 1)[counter[0]]) * scale
 
+    if cfg["model_type"] == "gemma4":
+        w = {k.replace("model.", "model.language_model.", 1): x for k, x in _gemma4_weights(cfg["text_config"], rnd).items()}
+        w["model.vision_tower.patch_embedder.weight"] = rnd((8, 8), 1.0)
+        return w
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     if cfg["model_type"] == "gemma4_text":
