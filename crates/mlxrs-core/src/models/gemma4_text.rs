@@ -479,6 +479,8 @@ struct Block {
     attn: Attn,
     /// The layer whose keys and values this one reads.
     shared_from: Option<usize>,
+    /// Whether a KV-shared layer reads this one's keys and values (kept through the forward pass).
+    shared_to: bool,
     sliding: bool,
     mlp: Mlp,
     /// With the MoE block: the dense MLP's own post-norm (`post_feedforward_layernorm_1`).
@@ -593,6 +595,7 @@ impl Model {
             layers.push(Block {
                 attn,
                 shared_from: p.shared_from[i],
+                shared_to: p.shared_from.contains(&Some(i)),
                 sliding,
                 mlp: Mlp::load(&mut w, &format!("{pre}.mlp"), false, Activation::GeluApprox, hidden, p.mlp_width(i))?,
                 mlp_post_norm: if moe.is_some() { Some(norm(&mut w, "post_feedforward_layernorm_1")?) } else { None },
@@ -676,7 +679,7 @@ impl CausalLm for Model {
             };
             let (a, kv) = layer.attn.forward(&layer.input_norm.forward(&h)?, mask, caches.layer_mut(i), shared)?;
             // only the layers some KV-shared layer reads keep theirs
-            if self.layers.iter().any(|l| l.shared_from == Some(i)) {
+            if layer.shared_to {
                 kvs[i] = Some(kv);
             }
             let hh = mx::add(&h, &layer.post_attn_norm.forward(&a)?)?;
