@@ -34,6 +34,7 @@ TOOL_SCRIPTS = {
     "llama3": ['{"name": "get_weather", "parameters": {"city": "Paris"}}'],
     "mistral": ["[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Paris"}'],
     "gemma": ["```tool_code\n", 'get_weather(city="Paris")\n```'],
+    "gemma4": ["<|tool_call>", 'call:get_weather{city:<|"|>Paris<|"|>}', "<tool_call|>"],
 }
 ANSWER_SCRIPT = ["It is sunny in Paris."]
 THINK_TEXT = "The user greets me; I should greet them back."

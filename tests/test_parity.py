@@ -1,7 +1,9 @@
 """Parity with mlx-lm 0.32.2 on the same weights: greedy tokens identical for 64 tokens and
 last-position logits within 1e-4 (fp32) / 2e-2 (bf16), for every architecture, plain and 4-bit,
 with and without a quantized KV cache, a prompt longer than one prefill chunk, a sliding-window
-model past its window, and a rotating (max_kv_size) cache."""
+model past its window, and a rotating (max_kv_size) cache. Gemma 4 (dense, and MoE with keys as values
+and an untied head) also in a batch of mixed lengths, on a prompt-prefix cache hit, and with every layer
+global (the stacked KV decode over its KV-shared layers)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +12,8 @@ import pytest
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe"]
+GEMMA4 = ["gemma4_text", "gemma4_text_moe"]
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -43,7 +46,7 @@ def _check(oracle, model_dir, prompt_text: str, *, dtype: str, kv_bits=None, max
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plain(oracle, arch, dtype):
-    if arch == "qwen3_moe" and dtype != "float32" and _on_cpu():
+    if arch.endswith("moe") and dtype != "float32" and _on_cpu():
         pytest.skip("MLX's CPU GatherMM supports only float32 (mlx-lm fails the same way)")
     d = make_model(f"{arch}-{dtype}", arch, dtype=dtype)
     _check(oracle, d, TEXT, dtype=dtype)
@@ -113,3 +116,76 @@ def test_moe_4bit_bf16(oracle):
     # bfloat16 experts go through gather_qmm, which MLX's CPU backend runs in any float dtype
     d = make_model("qwen3_moe-bf16-q4", "qwen3_moe", dtype="bfloat16", quant_bits=4)
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
+
+
+@pytest.mark.parametrize("quant", [None, 4])
+def test_gemma4_multimodal_layout(oracle, quant):
+    """A `gemma4` checkpoint (text_config, model.language_model.* weights, a vision tower): its text
+    model, as mlx-lm's gemma4.py loads it."""
+    d = make_model("gemma4-mm-float32" if quant is None else "gemma4-mm-q4", "gemma4", quant_bits=quant)
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+
+
+@pytest.mark.parametrize("arch", GEMMA4)
+def test_gemma4_past_window_and_shared_kv(oracle, arch):
+    # window 16: a ~60-token prompt in chunks of 16 and 64 generated tokens, through layers 4 and 5
+    # reading layers 2 and 3's keys (a rotating and a growing cache)
+    d = make_model(f"{arch}-float32", arch)
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+    _check(oracle, d, TEXT, dtype="float32", repeat=2)
+
+
+def _oracle_tokens(oracle, d, ids: list[int]) -> list[int]:
+    return oracle({"model": str(d), "prompt": ids, "max_tokens": N_TOKENS, "kv_bits": None, "max_kv_size": None,
+                   "prefill_step_size": 2048})["tokens"]
+
+
+@pytest.mark.parametrize("stack", [False, True])
+@pytest.mark.parametrize("arch", GEMMA4 + ["gemma4_text_full"])
+def test_gemma4_batch_and_prefix_hit(oracle, arch, stack, monkeypatch):
+    """A batch of mixed lengths (3 to ~60 tokens: some inside the window, some past it) decoded
+    together, then a prompt extending a cached one (a prefix-cache hit): each row gets mlx-lm's
+    greedy tokens alone. With every layer global and MLXRS_BATCH_KV=1 the decode runs over the
+    stacked KV, KV-shared layers included."""
+    if stack and arch != "gemma4_text_full":
+        pytest.skip("only a model whose every layer is global stacks its KV")
+    monkeypatch.setenv("MLXRS_BATCH_KV", "1" if stack else "0")
+    d = make_model(f"{arch}-float32", arch)
+    with mlxrs.Session(d) as s:
+        ids = s.tokenize(TEXT) * 2
+        ps = [ids[i:i + n] for i, n in [(0, 3), (5, 60), (2, 17), (9, 30)]]
+        batch = s.generate_batch(ps, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+        longer = ps[1] + ids[:12]
+        hit = s.generate(longer, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+        info = s.info
+    for p, b in zip(ps, batch):
+        assert b.tokens == _oracle_tokens(oracle, d, p), f"{len(p)}-token prompt: batched tokens differ from mlx-lm's"
+    assert hit.usage.cached_tokens >= len(ps[1]) - 1, "the extended prompt missed the prefix cache"
+    assert hit.tokens == _oracle_tokens(oracle, d, longer), "prefix-cache hit: tokens differ from mlx-lm's"
+    assert (info["stacked_decode_steps"] > 0) == stack
+
+
+def test_gemma4_config_disagreeing_with_weights_is_refused(tmp_path):
+    """An unknown layer_types entry, or a head dim / KV-head count the weights do not have, is
+    refused at load naming the config field."""
+    import json
+    import re
+    import shutil
+
+    for arch, field, value, needle in [
+        ("gemma4_text", "layer_types", "chunked_attention", 'layer_types[1] = "chunked_attention"'),
+        ("gemma4_text", "global_head_dim", 96, "global_head_dim = 96 implies 384 rows of model.layers.1.self_attn.q_proj"),
+        ("gemma4_text", "head_dim", 32, "head_dim = 32 implies 128 rows of model.layers.0.self_attn.q_proj"),
+        ("gemma4_text_moe", "num_global_key_value_heads", 2, "num_global_key_value_heads × global_head_dim"),
+        ("gemma4_text", "num_kv_shared_layers", 6, "num_kv_shared_layers = 6"),
+    ]:
+        d = tmp_path / f"{arch}-{field}"
+        shutil.copytree(make_model(f"{arch}-float32", arch), d)
+        cfg = json.loads((d / "config.json").read_text())
+        if field == "layer_types":
+            cfg[field][1] = value
+        else:
+            cfg[field] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(mlxrs.errors.ModelLoadError, match=re.escape(needle)):
+            mlxrs.Session(d)

@@ -39,6 +39,9 @@ CASES = [
     ("qwen3", {"kv_bits": 4}),
     ("qwen3_moe", {"stack": 1}),  # routed experts per row: a batch row must not change another's
     ("qwen3_moe", {}),
+    ("gemma4_text", {}),  # KV-shared layers reading a rotating and a growing cache, per row
+    ("gemma4_text_moe", {"kv_bits": 8}),  # ... reading a quantized cache
+    ("gemma4_text_full", {"stack": 1}),  # every layer global: the stacked KV, KV-shared layers included
 ]
 
 
@@ -58,7 +61,8 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
         assert b.tokens == a, f"prompt {i} ({len(ps[i])} tokens): batched tokens differ from alone"
         assert b.finish_reason == "length" and b.usage.completion_tokens == N
     # which attention ran: the stacked KV exactly where asked for and every layer keeps a full cache
-    stacked = arch != "gemma3_text" and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
+    sliding = arch in ("gemma3_text", "gemma4_text", "gemma4_text_moe")
+    stacked = not sliding and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
     assert info["decode_steps"] > 0
     assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)
 

@@ -274,3 +274,53 @@ def test_plan_against_measured_peak(model_dir, n):
     p = plan(model_dir, n + 2, None, None, 64, 2048, 10**12, False)
     est = p["weightsBytes"] + p["kvBytes"] + p["transientBytes"]
     assert peak <= est <= peak * 1.3, (n, peak, est)
+
+
+# -- Gemma 4 ---------------------------------------------------------------------------------------
+GEMMA4_THINK = ("<|channel>thought", "<channel|>")
+GEMMA4_BODIES = [
+    'call:get_weather{city:<|"|>Paris<|"|>}',
+    'call:search{query:<|"|>a {braced}, "quoted" text<|"|>,limit:5,exact:false,tags:[<|"|>x<|"|>,2.5]}',
+    'call:get_weather{city:<|"|>Paris<|"|>,opts:{units:<|"|>metric<|"|>,days:[1,2]}}',
+    'call:search{}',
+]
+
+
+@pytest.mark.parametrize("body", GEMMA4_BODIES)
+def test_gemma4_tool_call_matches_mlx_lm(body):
+    """mlx-lm 0.32.2's gemma4 tool parser is the oracle for the arguments; whole and streamed."""
+    from mlx_lm.tool_parsers import gemma4
+
+    ref = gemma4.parse_tool_call(body)
+    text = f"Checking.{gemma4.tool_call_start}{body}{gemma4.tool_call_end}"
+    check(text, [("content", "Checking."), call(ref["name"], ref["arguments"])], tools=TOOLS)
+
+
+def test_gemma4_two_calls_then_the_response_marker():
+    from mlx_lm.tool_parsers import gemma4
+
+    a, b = GEMMA4_BODIES[0], GEMMA4_BODIES[1]
+    ra, rb = gemma4.parse_tool_call(a), gemma4.parse_tool_call(b)
+    text = f"<|tool_call>{a}<tool_call|><|tool_call>{b}<tool_call|><|tool_response>"
+    check(text, [call(ra["name"], ra["arguments"]), call(rb["name"], rb["arguments"])], tools=TOOLS)
+
+
+def test_gemma4_malformed_call_stays_content():
+    for body in ('call:get_weather{city:<|"|>Paris}', "get_weather(city='Paris')", 'call:x{a:1} trailing'):
+        text = f"<|tool_call>{body}<tool_call|>"
+        check(text, [("content", text)], tools=TOOLS)
+    text = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+    check(text, [("content", text)])  # no tools offered: text as written
+
+
+def test_gemma4_thinking_channel():
+    check("<|channel>thought\nFirst, the weather.\n<channel|>It is sunny.",
+          [("reasoning", "First, the weather."), ("content", "It is sunny.")], think=GEMMA4_THINK)
+    check("<|channel>thought\nhmm\n<channel|><|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>}<tool_call|>",
+          [("reasoning", "hmm"), call(*CALL)], think=GEMMA4_THINK, tools=TOOLS)
+
+
+def test_gemma4_markers_come_from_its_chat_template():
+    from chat_templates import gemma4_template
+
+    assert think_markers_for(gemma4_template()) == GEMMA4_THINK

@@ -1,5 +1,5 @@
 """Each tool-call format the server parses, end to end: a scripted model (tests/scriptedmodel.py)
-writes the same call in the Hermes, Llama 3, Mistral or Gemma format, and both SDKs get it back as a
+writes the same call in the Hermes, Llama 3, Mistral, Gemma or Gemma 4 format, and both SDKs get it back as a
 structured call; without tools, the same output is plain content, unchanged."""
 from __future__ import annotations
 

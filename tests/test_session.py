@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 import mlxrs
 from mlxrs.errors import InvalidArgumentError
-from chat_templates import TEMPLATES, chat_model
+from chat_templates import TEMPLATES, chat_model, gemma4_template
 from tinymodels import make_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -568,7 +568,7 @@ PROBE = (
     "{% for m in messages %}{{ m.role }}:{{ 'content' in m }}:{{ m | length }};{% endfor %}|"
     "{{ add_generation_prompt }}|{{ custom | default('no custom') }}"
 )
-ALL_TEMPLATES = {**TEMPLATES, "probe": PROBE}
+ALL_TEMPLATES = {**TEMPLATES, "probe": PROBE, "gemma4": gemma4_template()}  # gemma4: llama.cpp's real one
 
 
 @pytest.fixture(scope="module")

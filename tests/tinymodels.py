@@ -77,6 +77,33 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
+    elif arch in ("gemma4_text", "gemma4_text_moe", "gemma4_text_full"):
+        # 6 layers sliding/global alternating (window 16), the last 2 reading layers 2 and 3's KV
+        # (double-wide MLPs); global layers with twice the head dim and a proportional rope on a
+        # quarter of it; per-layer inputs of 64; soft-capped logits. The MoE variant: 8 GeGLU experts
+        # (2 per token) beside the MLP, keys as values on the global layers (1 KV head), an untied
+        # head. The full variant: every layer global (a model the engine can stack).
+        types = ["sliding_attention", "full_attention"] * (max(layers, 6) // 2)
+        cfg.update(model_type="gemma4_text", num_hidden_layers=len(types), layer_types=types, sliding_window=16,
+                   global_head_dim=2 * head_dim, num_kv_shared_layers=2, hidden_size_per_layer_input=64,
+                   vocab_size_per_layer_input=vocab, final_logit_softcapping=30.0, use_double_wide_mlp=True,
+                   tie_word_embeddings=True, architectures=["Gemma4ForCausalLM"],
+                   rope_parameters={
+                       "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                          "rope_type": "proportional"},
+                       "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}})
+        if arch == "gemma4_text_moe":
+            cfg.update(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=128,
+                       attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False)
+        if arch == "gemma4_text_full":
+            cfg.update(layer_types=["full_attention"] * len(types))
+    elif arch == "gemma4":
+        # the multimodal layout: the text model in text_config, its weights under
+        # model.language_model.*, a vision tower the loaders drop
+        text = base_config("gemma4_text", vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                           head_dim=head_dim, inter=inter)
+        cfg = {"model_type": "gemma4", "vocab_size": vocab, "text_config": text, "eos_token_id": 0,
+               "tie_word_embeddings": True, "architectures": ["Gemma4ForConditionalGeneration"]}
     return cfg
 
 
@@ -91,8 +118,14 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
         return mx.random.normal(shape, key=mx.random.fold_in(key, counter[0])) * scale if hasattr(mx.random, "fold_in") \
             else mx.random.normal(shape, key=mx.random.split(key, counter[0] + 1)[counter[0]]) * scale
 
+    if cfg["model_type"] == "gemma4":
+        w = {k.replace("model.", "model.language_model.", 1): x for k, x in _gemma4_weights(cfg["text_config"], rnd).items()}
+        w["model.vision_tower.patch_embedder.weight"] = rnd((8, 8), 1.0)
+        return w
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    if cfg["model_type"] == "gemma4_text":
+        return _gemma4_weights(cfg, rnd)
     gemma = arch == "gemma3_text"
 
     def norm(n: int) -> Any:  # gemma stores an offset from one
@@ -132,6 +165,57 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
         if arch == "llama":
             w[f"{p}.self_attn.rotary_emb.inv_freq"] = rnd((hd // 2,), 1.0)  # sanitize must drop it
     if not cfg.get("tie_word_embeddings", True) and not gemma:
+        w["lm_head.weight"] = rnd((v, h), h ** -0.5)
+    return w
+
+
+def _gemma4_weights(cfg: dict[str, Any], rnd: Any) -> dict[str, Any]:
+    """Gemma 4 in the Hugging Face layout: every layer with k/v projections (sanitize drops the
+    KV-shared layers'), the experts as `gate_up_proj` / `down_proj` (sanitize splits them)."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv, n = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    pl, first_shared = cfg["hidden_size_per_layer_input"], n - cfg["num_kv_shared_layers"]
+
+    def norm(k: int) -> Any:
+        return 1.0 + rnd((k,), 0.1)
+
+    w: dict[str, Any] = {"model.embed_tokens.weight": rnd((v, h), 0.05), "model.norm.weight": norm(h),
+                         "model.embed_tokens_per_layer.weight": rnd((v, n * pl), 0.1),
+                         "model.per_layer_model_projection.weight": rnd((n * pl, h), h ** -0.5),
+                         "model.per_layer_projection_norm.weight": norm(pl)}
+    for l in range(n):
+        p = f"model.layers.{l}"
+        full = cfg["layer_types"][l] == "full_attention"
+        hd = cfg["global_head_dim"] if full else cfg["head_dim"]
+        kv = cfg.get("num_global_key_value_heads", nkv) if full and cfg.get("attention_k_eq_v") else nkv
+        w[f"{p}.self_attn.q_proj.weight"] = rnd((nh * hd, h), h ** -0.5)
+        w[f"{p}.self_attn.k_proj.weight"] = rnd((kv * hd, h), h ** -0.5)
+        if not (full and cfg.get("attention_k_eq_v")):
+            w[f"{p}.self_attn.v_proj.weight"] = rnd((kv * hd, h), h ** -0.5)
+        w[f"{p}.self_attn.o_proj.weight"] = rnd((h, nh * hd), (nh * hd) ** -0.5)
+        w[f"{p}.self_attn.q_norm.weight"] = norm(hd)
+        w[f"{p}.self_attn.k_norm.weight"] = norm(hd)
+        w[f"{p}.self_attn.rotary_emb.inv_freq"] = rnd((hd // 2,), 1.0)  # sanitize must drop it
+        wi = i * (2 if l >= first_shared and cfg["use_double_wide_mlp"] else 1)
+        w[f"{p}.mlp.gate_proj.weight"] = rnd((wi, h), h ** -0.5)
+        w[f"{p}.mlp.up_proj.weight"] = rnd((wi, h), h ** -0.5)
+        w[f"{p}.mlp.down_proj.weight"] = rnd((h, wi), wi ** -0.5)
+        for k in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            w[f"{p}.{k}.weight"] = norm(h)
+        w[f"{p}.per_layer_input_gate.weight"] = rnd((pl, h), h ** -0.5)
+        w[f"{p}.per_layer_projection.weight"] = rnd((h, pl), pl ** -0.5)
+        w[f"{p}.layer_scalar"] = 1.0 + rnd((1,), 0.1)
+        if cfg.get("enable_moe_block"):
+            ne, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+            w[f"{p}.router.proj.weight"] = rnd((ne, h), h ** -0.5)
+            w[f"{p}.router.scale"] = norm(h)
+            w[f"{p}.router.per_expert_scale"] = norm(ne)
+            w[f"{p}.experts.gate_up_proj"] = rnd((ne, 2 * mi, h), h ** -0.5)
+            w[f"{p}.experts.down_proj"] = rnd((ne, h, mi), mi ** -0.5)
+            for k in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+                w[f"{p}.{k}.weight"] = norm(h)
+    if not cfg.get("tie_word_embeddings", True):
         w["lm_head.weight"] = rnd((v, h), h ** -0.5)
     return w
 

@@ -8,6 +8,7 @@ use crate::weights::QuantSpec;
 const STEP: i32 = 256;
 
 /// What a layer attends over after appending the new keys/values.
+#[derive(Clone)]
 pub enum Fetched {
     Dense(Array, Array),
     Quant { k: [Array; 3], v: [Array; 3], q: QuantSpec },

@@ -5,7 +5,8 @@ OpenAI and Anthropic translators consume its events; neither re-parses the other
 streaming and non-streaming responses carry the same result.
 
 Recognised:
-- reasoning: ``<think>…</think>`` (or ``[THINK]…[/THINK]`` when the chat template uses those) at
+- reasoning: ``<think>…</think>`` (or ``[THINK]…[/THINK]``, or Gemma 4's
+  ``<|channel>thought…<channel|>``, when the chat template uses those) at
   the start of the output, or from the first token when the rendered prompt already opened it;
 - tool calls, only when the request offered tools:
   - Hermes/Qwen ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` (and Qwen3-Coder's
@@ -15,6 +16,8 @@ Recognised:
   - Mistral ``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`` and ``[TOOL_CALLS]name[ARGS]{…}``,
   - Gemma ```` ```tool_code\\nname(key=value, …)\\n``` ```` blocks, and Gemma's bare JSON (the
     Llama form, ``{"name": …, "parameters": …}``),
+  - Gemma 4 ``<|tool_call>call:name{key:<|"|>text<|"|>,n:1}<tool_call|>`` (bare keys, ``<|"|>``
+    string delimiters; a ``<|tool_response>`` right after the calls is the turn's end, not content),
   - the generic format the server asks for when a chat template ignores `tools` (server/adapt.py):
     ``{"tool_call": {"name": …, "arguments": {…}}}`` or ``{"tool_calls": [{…}, …]}``, bare JSON;
   - any of the bare-JSON forms in a ```` ```json ```` fence at the start of the output.
@@ -55,14 +58,21 @@ MISTRAL = "[TOOL_CALLS]"
 GEMMA_OPEN, FENCE = "```tool_code", "```"
 JSON_FENCE = "```json"  # a bare-JSON call in a Markdown fence, at the start of the output
 PYTHON_TAG = "<|python_tag|>"
+GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_STR = "<|tool_call>", "<tool_call|>", '<|"|>'
+GEMMA4_RESPONSE = "<|tool_response>"
 
-THINK_MARKERS = {"<think>": ("<think>", "</think>"), "[THINK]": ("[THINK]", "[/THINK]")}
+THINK_MARKERS = {"<think>": ("<think>", "</think>"), "[THINK]": ("[THINK]", "[/THINK]"),
+                 "<|channel>": ("<|channel>thought", "<channel|>")}
 
 
 def think_markers_for(template: str | None) -> tuple[str, str]:
-    """The reasoning markers a chat template uses (``<think>`` unless it speaks ``[THINK]``)."""
-    if template and "[THINK]" in template and "<think>" not in template:
-        return THINK_MARKERS["[THINK]"]
+    """The reasoning markers a chat template uses (``<think>`` unless it speaks ``[THINK]`` or
+    Gemma 4's ``<|channel>thought``)."""
+    if template and "<think>" not in template:
+        if "[THINK]" in template:
+            return THINK_MARKERS["[THINK]"]
+        if "<|channel>" in template and "<channel|>" in template:
+            return THINK_MARKERS["<|channel>"]
     return THINK_MARKERS["<think>"]
 
 
@@ -207,6 +217,66 @@ def parse_python_calls(body: str) -> list[ToolCall] | None:
     return calls or None
 
 
+_GEMMA4_CALL = re.compile(r"call:([\w-]+)\{")
+_GEMMA4_KEY = re.compile(r"(?<=[{,])(\w+):")
+
+
+def _gemma4_args(text: str) -> Any:
+    """Gemma 4's argument object (bare keys, ``<|"|>`` strings) as a Python value, as mlx-lm's
+    ``tool_parsers/gemma4.py`` converts it: strings set aside, keys after ``{`` or ``,`` quoted,
+    the strings put back JSON-escaped."""
+    strings: list[str] = []
+
+    def keep(m: re.Match[str]) -> str:
+        strings.append(m.group(1))
+        return f"\x00{len(strings) - 1}\x00"
+
+    text = re.sub(r'<\|"\|>(.*?)<\|"\|>', keep, text, flags=re.S)
+    text = _GEMMA4_KEY.sub(r'"\1":', text)
+    for i, v in enumerate(strings):
+        text = text.replace(f"\x00{i}\x00", json.dumps(v))
+    return json.loads(text)
+
+
+def parse_gemma4_calls(body: str) -> list[ToolCall] | None:
+    """The inside of ``<|tool_call>…<tool_call|>``: one or more ``call:name{…}`` (braces balanced,
+    braces inside ``<|"|>`` strings ignored), nothing else but whitespace; None when it is not."""
+    calls, pos = [], 0
+    while True:
+        rest = body[pos:]
+        if not rest.strip():
+            break
+        m = _GEMMA4_CALL.match(rest.lstrip())
+        if not m:
+            return None
+        start = pos + (len(rest) - len(rest.lstrip())) + m.end() - 1  # at the "{"
+        depth, i = 0, start
+        while i < len(body):
+            if body.startswith(GEMMA4_STR, i):
+                j = body.find(GEMMA4_STR, i + len(GEMMA4_STR))
+                if j < 0:
+                    return None
+                i = j + len(GEMMA4_STR)
+                continue
+            c = body[i]
+            depth += c == "{"
+            depth -= c == "}"
+            i += 1
+            if depth == 0:
+                break
+        if depth:
+            return None
+        try:
+            args = _args_text(_gemma4_args(body[start:i]))
+        except ValueError:
+            return None
+        if args is None:
+            return None
+        calls.append(ToolCall(m.group(1), args))
+        pos = i
+    return calls or None
+
+
 _MISTRAL_NAME = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9_\-]+\s*)?\[ARGS\]")
 _NAME_PART = re.compile(r"\s*[A-Za-z0-9_.\-]*\s*")
 
@@ -254,7 +324,8 @@ class OutputParser:
         self.strip_lead = self.state == "reasoning"  # drop the newline after the opener
         self.calls: list[ToolCall] = []
         self.after_json = False
-        self.openers = [TOOL_OPEN, MISTRAL, GEMMA_OPEN] if self.tools else []
+        self.after_gemma4 = False
+        self.openers = [TOOL_OPEN, MISTRAL, GEMMA_OPEN, GEMMA4_OPEN] if self.tools else []
 
     # -- public ------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
@@ -295,9 +366,16 @@ class OutputParser:
             s = self.buf.lstrip()
             if self.after_json:  # Llama 3 separates several calls with ";"
                 s = s.lstrip("; \t\r\n")
+            if self.after_gemma4:  # Gemma 4 ends its calls by waiting for the response
+                if s.startswith(GEMMA4_RESPONSE):
+                    s = s[len(GEMMA4_RESPONSE):].lstrip()
+                elif s and GEMMA4_RESPONSE.startswith(s) and not final:
+                    self.buf = s
+                    return False
             self.buf = s
             if not s:
                 return False
+            self.after_gemma4 = False
             self.after_json = False
             self.state = "start"
             return True
@@ -309,6 +387,8 @@ class OutputParser:
             return self._mistral(out, final)
         if st == "gemma":
             return self._gemma(out, final)
+        if st == "gemma4":
+            return self._gemma4(out, final)
         if st == "json":
             return self._json(out, final)
         if st == "fenced":
@@ -370,7 +450,7 @@ class OutputParser:
             if i:
                 out.append(Content(buf[:i]))
             self.buf = buf[i + len(m):]
-            self.state = {TOOL_OPEN: "tag", MISTRAL: "mistral", GEMMA_OPEN: "gemma"}[m]
+            self.state = {TOOL_OPEN: "tag", MISTRAL: "mistral", GEMMA_OPEN: "gemma", GEMMA4_OPEN: "gemma4"}[m]
             return True
         keep = 0 if final else _partial_suffix(buf, self.openers)
         emit = buf[: len(buf) - keep]
@@ -437,6 +517,21 @@ class OutputParser:
             out.append(Content(GEMMA_OPEN + body + (FENCE if i >= 0 else "")))
         self.buf = self.buf[i + len(FENCE):] if i >= 0 else ""
         self.state = "after" if calls else "text"
+        return True
+
+    def _gemma4(self, out: list[Event], final: bool) -> bool:
+        i = self.buf.find(GEMMA4_CLOSE)
+        if i < 0 and not final:
+            return False
+        body = self.buf[:i] if i >= 0 else self.buf
+        calls = parse_gemma4_calls(body)
+        if calls:
+            self._emit_call(out, calls)
+        else:
+            out.append(Content(GEMMA4_OPEN + body + (GEMMA4_CLOSE if i >= 0 else "")))
+        self.buf = self.buf[i + len(GEMMA4_CLOSE):] if i >= 0 else ""
+        self.state = "after" if calls else "text"
+        self.after_gemma4 = bool(calls)
         return True
 
     def _mistral(self, out: list[Event], final: bool) -> bool:

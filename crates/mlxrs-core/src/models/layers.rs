@@ -231,8 +231,33 @@ impl Rope {
                     freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
                 })
             }
+            "proportional" => {
+                // mlx-lm's ProportionalRoPE (Gemma 4's global layers): the first
+                // `partial_rotary_factor * dims` features' pairs rotate at `factor * base^(2i/dims)`,
+                // the rest at an infinite period (not at all); the pairing spans all `dims`
+                let rotated = (dims as f64 * f("partial_rotary_factor", 1.0)) as i32;
+                if !(0..=dims).contains(&rotated) {
+                    return Err(crate::Error::ModelLoad(format!(
+                        "rope partial_rotary_factor {} rotates {rotated} of {dims} features (must be 0..={dims})",
+                        f("partial_rotary_factor", 1.0)
+                    )));
+                }
+                let factor = f("factor", 1.0) as f32;
+                let freqs: Vec<f32> = (0..dims / 2)
+                    .map(|i| if 2 * i < rotated { factor * base.powf((2 * i) as f32 / dims as f32) } else { f32::INFINITY })
+                    .collect();
+                let n = freqs.len() as i32;
+                Ok(Rope {
+                    dims,
+                    traditional,
+                    base,
+                    scale: 1.0,
+                    freqs: Some(Array::from_slice(&freqs, &[n])?),
+                    freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
+                })
+            }
             other => Err(crate::Error::Unsupported(format!(
-                "rope_scaling type {other:?} is not supported (supported: default, linear, llama3)"
+                "rope_scaling type {other:?} is not supported (supported: default, linear, llama3, proportional)"
             ))),
         }
     }
@@ -427,22 +452,28 @@ impl Attention {
 
     /// Cache update and attention for q, k already rotated.
     fn attend_roped(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
-        match cache.update_and_fetch(k, v)? {
-            Fetched::Dense(k, v) => {
-                let m = match mask {
-                    Mask::None => AttnMask::None,
-                    Mask::Causal => AttnMask::Causal,
-                    Mask::Array(a) => AttnMask::Array(a),
-                };
-                mx::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)
-            }
-            Fetched::Quant { k, v, q: spec } => quantized_sdpa(&q, &k, &v, self.scale, mask, spec),
-        }
+        attend_fetched(&q, &cache.update_and_fetch(k, v)?, self.scale, mask)
     }
 
     fn output(&self, out: &Array, b: i32, l: i32) -> Result<Array> {
         let out = mx::reshape(&mx::transpose_axes(out, &[0, 2, 1, 3])?, &[b, l, -1])?;
         self.o_proj.forward(&out)
+    }
+}
+
+/// Attention of `q` `[B, heads, L, head_dim]` (rotated) over what a cache returned (mlx-lm's
+/// `scaled_dot_product_attention`: the fused kernel, or the quantized path for a quantized cache).
+pub fn attend_fetched(q: &Array, fetched: &Fetched, scale: f32, mask: &Mask) -> Result<Array> {
+    match fetched {
+        Fetched::Dense(k, v) => {
+            let m = match mask {
+                Mask::None => AttnMask::None,
+                Mask::Causal => AttnMask::Causal,
+                Mask::Array(a) => AttnMask::Array(a),
+            };
+            mx::scaled_dot_product_attention(q, k, v, scale, m, None)
+        }
+        Fetched::Quant { k, v, q: spec } => quantized_sdpa(q, k, v, scale, mask, *spec),
     }
 }
 
@@ -533,7 +564,7 @@ impl Mlp {
         let u = self.up.forward(x)?;
         let h = match self.act {
             Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
-            Activation::GeluApprox => mx::multiply(&compiled(&GELU_APPROX, |a| Ok(vec![gelu_approx(&a[0])?]), &[&g])?, &u)?,
+            Activation::GeluApprox => geglu(&g, &u)?,
         };
         self.down.forward(&h)
     }
@@ -558,6 +589,11 @@ fn compiled(slot: &'static CompiledSlot, f: fn(&[Array]) -> Result<Vec<Array>>, 
         None => f(&args.iter().map(|a| (*a).clone()).collect::<Vec<_>>())?,
     };
     out.into_iter().next().ok_or_else(|| crate::Error::Mlx("compiled activation returned nothing".into()))
+}
+
+/// `gelu_approx(gate) * up` (the GELU activation compiled, as mlx.nn.gelu_approx is).
+pub fn geglu(gate: &Array, up: &Array) -> Result<Array> {
+    mx::multiply(&compiled(&GELU_APPROX, |a| Ok(vec![gelu_approx(&a[0])?]), &[gate])?, up)
 }
 
 /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, as mlx.nn.gelu_approx.
@@ -661,6 +697,12 @@ impl Experts {
     /// token through each of its k experts' SwiGLU. From 64 (token, expert) pairs on, the pairs are
     /// sorted by expert first (as mlx-lm does) so each expert's weights are read once.
     pub fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
+        self.forward_act(x, indices, Activation::Silu)
+    }
+
+    /// [`Experts::forward`] with the gated activation `act` (SwiGLU `silu(gate) * up`, or GeGLU
+    /// `gelu_approx(gate) * up` as Gemma 4's experts).
+    pub fn forward_act(&self, x: &Array, indices: &Array, act: Activation) -> Result<Array> {
         let ish = indices.shape();
         let k = *ish.last().unwrap_or(&1);
         let x = mx::expand_dims(&mx::expand_dims(x, -2)?, -3)?; // [..., 1, 1, hidden]
@@ -678,7 +720,10 @@ impl Experts {
         };
         let up = self.up.forward(&x, &idx, do_sort)?;
         let gate = self.gate.forward(&x, &idx, do_sort)?;
-        let h = compiled(&SWIGLU, swiglu, &[&gate, &up])?;
+        let h = match act {
+            Activation::Silu => compiled(&SWIGLU, swiglu, &[&gate, &up])?,
+            Activation::GeluApprox => geglu(&gate, &up)?,
+        };
         let mut y = self.down.forward(&h, &idx, do_sort)?;
         if let Some(inv) = inv {
             y = mx::take(&y, &inv, 0)?; // [tokens*k, 1, hidden]
