@@ -259,7 +259,8 @@ def test_probe_leaves_capable_templates_alone(tiny_dir):
     for name, source in TEMPLATES.items():
         with mlxrs.Session(tiny_dir, chat_template=source) as s:
             caps = adapt.probe(lambda m, t: s.apply_chat_template(m, tools=t))
-        want = ["multi_system", "system_only", "tool_role", "tool_calls", "tools"] if name == "gemma" else []
+        want = ["multi_system", "system_only", "tool_role", "tool_calls", "tools", "alternation"] \
+            if name == "gemma" else []
         assert caps.adapted() == want, name
     plain = adapt.Caps()
     msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}, {"role": "system", "content": "c"},

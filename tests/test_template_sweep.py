@@ -97,3 +97,53 @@ def test_real_template_renders_as_transformers(render_pair, name):
     assert compared > 0 or name in LENIENT, name
     if name in LENIENT:
         assert lenient > 0, f"{name} no longer needs its LENIENT entry"
+
+
+# -- adaptation (server/adapt.py) on every real template ------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "WEATHER_DESC",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
+                   "required": ["city"]}}}
+CALL = {"id": "call1abcd", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "PARIS_ARG"}}}
+# what the protocol layers hand to adapt (openai.py: developer → system, a tool-calling turn's content None)
+HARD = {
+    "system_and_developer": ([{"role": "system", "content": "SYS_ONE"}, {"role": "system", "content": "DEV_TWO"},
+                              {"role": "user", "content": "USER_Q"}], None, ["SYS_ONE", "DEV_TWO", "USER_Q"]),
+    "late_system": ([{"role": "user", "content": "USER_Q"}, {"role": "assistant", "content": "ANS_A"},
+                     {"role": "system", "content": "SYS_LATE"}, {"role": "user", "content": "USER_R"}], None,
+                    ["USER_Q", "ANS_A", "SYS_LATE", "USER_R"]),
+    "two_user_turns": ([{"role": "user", "content": "USER_Q"}, {"role": "user", "content": "USER_R"}], None,
+                       ["USER_Q", "USER_R"]),
+    "system_only": ([{"role": "system", "content": "SYS_ONLY"}], None, ["SYS_ONLY"]),
+    "tool_loop": ([{"role": "system", "content": "SYS_ONE"}, {"role": "user", "content": "USER_Q"},
+                   {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                   {"role": "tool", "tool_call_id": "call1abcd", "name": "get_weather", "content": "RESULT_SUNNY"}],
+                  [WEATHER], ["SYS_ONE", "USER_Q", "get_weather", "PARIS_ARG", "RESULT_SUNNY", "WEATHER_DESC"]),
+    "tools_first_turn": ([{"role": "user", "content": "USER_Q"}], [WEATHER], ["USER_Q", "WEATHER_DESC"]),
+}
+# what a template itself drops even after adaptation
+TEMPLATE_LOSES = {("mistralai-Mistral-Nemo-Instruct-2407", "tool_loop"):
+                  "puts the system prompt only before the last user turn (here the last turn is a tool result)"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_adapted_conversations_render_on_every_real_template(render_pair, name):
+    """Whatever a template cannot render as sent (several system messages, a late system message, two
+    user turns in a row, a system-only conversation, a tool loop, tools it ignores) is adapted so that it
+    renders and keeps every piece of text."""
+    from mlxrs.server import adapt
+
+    s, _ = render_pair(name)
+    extra = EXTRA_KWARGS.get(name, {})
+    try:
+        caps = adapt.probe(lambda m, t: s.apply_chat_template(m, tools=t, **extra))
+        for conv_name, (msgs, tools, markers) in HARD.items():
+            m, t = adapt.adapt(caps, msgs, tools)
+            out = s.apply_chat_template(m, tools=t, **extra)
+            missing = [k for k in markers if k not in out]
+            if (name, conv_name) in TEMPLATE_LOSES:
+                assert missing, f"{name} {conv_name}: no longer loses text"
+                continue
+            assert not missing, (name, conv_name, caps.adapted(), missing)
+    finally:
+        s.close()

@@ -9,6 +9,8 @@ strings (`probe`); `adapt` then rewrites each request's messages:
 - a conversation of only a system message, when the template would lose its text → a user turn;
 - `tool` messages, when the template has no tool role → a user turn starting with ``[tool result``;
 - an assistant's `tool_calls`, when the template does not render them → JSON text in its content;
+- consecutive user (or assistant) messages, when the template insists that roles alternate → one
+  message, their texts joined by a blank line;
 - `tools`, when the template ignores them (the prompt is the same with and without) → their
   definitions in the system prompt with a generic JSON call format (as llama.cpp's "generic"
   tool format), which the output parser (events.py) reads back into tool calls:
@@ -42,6 +44,7 @@ class Caps:
     tool_role: bool = True
     tool_calls: bool = True
     tools: bool = True
+    alternation: bool = True  # two user messages in a row render
 
     def adapted(self) -> list[str]:
         """The names of what is rewritten for this template (for the log)."""
@@ -77,12 +80,13 @@ def probe(render: Render) -> Caps:
     tool_role = (_renders(render, [u, {"role": "assistant", "content": "", "tool_calls": [_CALL]}, result],
                           "RESULT_Q7")
                  or _renders(render, [u, {"role": "assistant", "content": "A_Q7"}, result], "RESULT_Q7"))
+    alternation = _renders(render, [u, {"role": "user", "content": "U2_Q7"}], "USER_Q7", "U2_Q7")
     try:
         tools = render([u], [_TOOL]) != render([u], None)
     except Exception:
         tools = False
     return Caps(system=system, multi_system=multi, system_only=only, tool_role=tool_role, tool_calls=calls,
-                tools=tools)
+                tools=tools, alternation=alternation)
 
 
 def generic_call_text(calls: Sequence[dict[str, Any]]) -> str:
@@ -102,10 +106,34 @@ def _tool_result_text(m: dict[str, Any]) -> str:
     return f"[tool result{' for ' + who if who else ''}]\n{m.get('content') or ''}"
 
 
+def _joined(a: Any, b: Any) -> Any:
+    """Two messages' contents as one: texts joined by a blank line; content-part lists concatenated."""
+    if isinstance(a, str) and isinstance(b, str):
+        return f"{a}\n\n{b}" if a and b else a or b
+    parts = [x if not isinstance(x, str) else {"type": "text", "text": x} for x in (a, b) if x]
+    return [p for x in parts for p in (x if isinstance(x, list) else [x])]
+
+
+def _merge_runs(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user or assistant messages (without tool calls) as one message each."""
+    out: list[dict[str, Any]] = []
+    for m in msgs:
+        prev = out[-1] if out else None
+        if prev is not None and m["role"] == prev["role"] and m["role"] in ("user", "assistant") \
+                and not m.get("tool_calls") and not prev.get("tool_calls"):
+            out[-1] = {**prev, "content": _joined(prev.get("content") or "", m.get("content") or "")}
+        else:
+            out.append(m)
+    return out
+
+
 def adapt(caps: Caps, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) the template can render without losing anything."""
     msgs = [dict(m) for m in messages]
+    for m in msgs:  # a tool-calling turn's null content as the empty text templates expect (Qwen's split it)
+        if m["role"] == "assistant" and m.get("content") is None:
+            m["content"] = ""
     if tools and not caps.tools:
         lead = next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))
         msgs.insert(lead, {"role": "system", "content": tools_prompt(tools)})  # after the caller's system
@@ -139,6 +167,8 @@ def adapt(caps: Caps, messages: list[dict[str, Any]], tools: list[dict[str, Any]
         else:
             rest.insert(0, {"role": "user", "content": text})
         msgs = rest
+    if not caps.alternation:
+        msgs = _merge_runs(msgs)
     if msgs and all(m["role"] == "system" for m in msgs) and not caps.system_only:
         msgs = [{"role": "user", "content": "\n\n".join(str(m.get("content") or "") for m in msgs)}]
     return msgs, tools
