@@ -147,3 +147,37 @@ def test_adapted_conversations_render_on_every_real_template(render_pair, name):
             assert not missing, (name, conv_name, caps.adapted(), missing)
     finally:
         s.close()
+
+
+# -- the chat templates mlxrs ships (`--chat-template chatml|gemma`) ------------------------------------------
+NAMED_ORACLES = {
+    # name -> (the family's real template, conversations where the two must agree)
+    "chatml": ("Qwen-Qwen2.5-7B-Instruct", ["system_multi"]),  # Qwen2.5 with a system prompt, no tools
+    "gemma": ("google-gemma-2-2b-it", ["single", "thinking"]),   # Gemma 2 (it refuses a system prompt)
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_ORACLES))
+def test_named_templates_render_as_their_family(render_pair, bos_dir, name):
+    from mlxrs.session import TEMPLATE_NAMES
+
+    assert name in TEMPLATE_NAMES
+    family, convs = NAMED_ORACLES[name]
+    ref_session, tok = render_pair(family)
+    ref_session.close()
+    with mlxrs.Session(bos_dir, chat_template=name) as s:
+        for conv_name in convs:
+            for agp in (True, False):
+                conv = CONVERSATIONS[conv_name]
+                assert s.apply_chat_template(conv, add_generation_prompt=agp) == \
+                    tok.apply_chat_template(conv, add_generation_prompt=agp, tokenize=False), (name, conv_name)
+
+
+def test_gemma_named_template_puts_the_system_prompt_in_the_first_turn(bos_dir):
+    from chat_templates import GEMMA  # modelled on Gemma 3's Hugging Face template
+
+    conv = CONVERSATIONS["system_multi"]
+    with mlxrs.Session(bos_dir, chat_template="gemma") as ours, mlxrs.Session(bos_dir, chat_template=GEMMA) as ref:
+        assert ours.apply_chat_template(conv) == ref.apply_chat_template(conv)
+        with pytest.raises(mlxrs.errors.InvalidArgumentError, match="alternate"):
+            ours.apply_chat_template(CONVERSATIONS["bad_roles"])

@@ -117,8 +117,9 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                     help="answer 404 model_not_found for a model name that is neither the model's nor an --alias")
     sp.add_argument("--max-tokens", type=int, default=4096, metavar="N",
                     help="max_tokens of a chat request that sets none (default 4096, or the context left if smaller)")
-    sp.add_argument("--chat-template", default=None, metavar="FILE",
-                    help="a Jinja chat template file used instead of the model's own")
+    sp.add_argument("--chat-template", default=None, metavar="FILE|NAME",
+                    help="a Jinja chat template file used instead of the model's own, or the name of one "
+                         "mlxrs ships: chatml, gemma")
     sp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="log verbosity on stderr (debug adds an access log)")
     sp.set_defaults(func=_cmd_serve)

@@ -118,10 +118,16 @@ def _bool(k: str, v: Any) -> bool:
     return v
 
 
+TEMPLATE_NAMES = ("chatml", "gemma")  # the chat templates mlxrs ships (python/mlxrs/templates/NAME.jinja)
+
+
 def _template_source(t: str | os.PathLike[str] | None) -> str | None:
-    """A chat template given as its Jinja source or as a file holding it → the source."""
+    """A chat template given as its Jinja source, as a file holding it, or by the name of one that
+    mlxrs ships (`TEMPLATE_NAMES`; a file of that name in the working directory wins) → the source."""
     if t is None:
         return None
+    if isinstance(t, str) and t in TEMPLATE_NAMES and not Path(t).exists():
+        return (Path(__file__).parent / "templates" / f"{t}.jinja").read_text(encoding="utf-8")
     if isinstance(t, os.PathLike) or ("{" not in t and "\n" not in t):
         try:
             return Path(t).read_text(encoding="utf-8")
@@ -224,8 +230,9 @@ class Session:
     wait in a queue of `max_queue` (one more raises `BusyError`). Prompts that share a prefix with
     an earlier prompt or conversation reuse its KV cache (`prompt_cache_bytes`, 0 turns it off).
 
-    `chat_template`: a Jinja chat template (its source, or the path of a file holding it) used
-    instead of the model's own by `apply_chat_template`, `chat` and `encode_prompt`.
+    `chat_template`: a Jinja chat template (its source, the path of a file holding it, or the name
+    of one mlxrs ships: `"chatml"`, `"gemma"`) used instead of the model's own by
+    `apply_chat_template`, `chat` and `encode_prompt`.
     """
 
     def __init__(

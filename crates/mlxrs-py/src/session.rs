@@ -263,6 +263,8 @@ impl Session {
         d.set_item("eos_token_ids", e.tokenizer.eos_ids.clone())?;
         d.set_item("bos_token", e.tokenizer.bos_token.clone())?;
         d.set_item("has_chat_template", e.has_chat_template())?;
+        // the model's own template (chat_template.jinja, else tokenizer_config.json's), read once in Rust
+        d.set_item("chat_template", e.tokenizer.chat_template.clone())?;
         let s = &e.stats;
         let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         d.set_item("requests", n(&s.requests))?;

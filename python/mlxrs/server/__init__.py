@@ -111,6 +111,15 @@ def _model_label(model: str | None) -> tuple[str, str]:
     return f"mlxrs serve: {mid} ({p.resolve() if p.exists() else model})", mid
 
 
+def _chat_template(arg: str | None) -> str | Path | None:
+    """--chat-template: a file, else the name of a template mlxrs ships; None when it is neither."""
+    from ..session import TEMPLATE_NAMES
+
+    if arg is None or Path(arg).is_file():
+        return Path(arg) if arg else None
+    return arg if arg in TEMPLATE_NAMES else None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -126,8 +135,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr, flush=True)
         return 2
-    if args.chat_template is not None and not Path(args.chat_template).is_file():
-        print(f"error: --chat-template {args.chat_template}: no such file", file=sys.stderr, flush=True)
+    if args.chat_template is not None and _chat_template(args.chat_template) is None:
+        from ..session import TEMPLATE_NAMES
+
+        print(f"error: --chat-template {args.chat_template}: no such file (nor one of the names "
+              f"{', '.join(TEMPLATE_NAMES)})", file=sys.stderr, flush=True)
         return 2
     first, model_id = _model_label(args.model)
     print(first, flush=True)
@@ -178,7 +190,7 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     cache_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else kv_budget // 2
     session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
                       max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget,
-                      chat_template=Path(args.chat_template) if args.chat_template else None)
+                      chat_template=_chat_template(args.chat_template))
     dev_bytes, dev_source = _native.device_memory()
     budget_source = (f"--memory-budget {args.memory_budget}" if args.memory_budget is not None
                      else f"0.75 × device memory ({dev_bytes} bytes, {dev_source})")

@@ -91,7 +91,7 @@ class ServerState:
         self.dispatcher = _dispatch.default()
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxrs-server")
         model_dir = Path(session.model_path)
-        self.template = session.chat_template or _read_template(model_dir)
+        self.template = session.chat_template or session.info.get("chat_template")
         # what the chat template cannot render is adapted (server/adapt.py)
         self.caps = adapt.probe(lambda m, t: session.apply_chat_template(m, tools=t)) \
             if self.template is not None else adapt.Caps()
@@ -621,20 +621,6 @@ class Runner(web.AppRunner):
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _read_template(model_dir: Path) -> str | None:
-    f = model_dir / "chat_template.jinja"
-    if f.is_file():
-        return f.read_text(errors="replace")
-    try:
-        cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    t = cfg.get("chat_template")
-    if isinstance(t, list):
-        t = " ".join(str(x.get("template", "")) for x in t if isinstance(x, dict))
-    return t if isinstance(t, str) else None
-
-
 def _generation_defaults(model_dir: Path) -> dict[str, Any]:
     """Sampling defaults the model ships in generation_config.json (temperature, top_p, top_k, min_p)."""
     try:
