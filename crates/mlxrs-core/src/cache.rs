@@ -27,6 +27,8 @@ pub enum LayerCache {
     Full(KvCache),
     Rotating(RotatingKvCache),
     Quantized(QuantizedKvCache),
+    /// A linear-attention layer's fixed-size state (no KV): [`RecurrentCache`].
+    Recurrent(RecurrentCache),
 }
 
 impl LayerCache {
@@ -37,21 +39,27 @@ impl LayerCache {
         LayerCache::Rotating(RotatingKvCache { keep, max_size, ..Default::default() })
     }
 
+    pub fn recurrent() -> LayerCache {
+        LayerCache::Recurrent(RecurrentCache::default())
+    }
+
     /// Tokens seen so far (the RoPE offset).
     pub fn offset(&self) -> i32 {
         match self {
             LayerCache::Full(c) => c.offset,
             LayerCache::Rotating(c) => c.offset,
             LayerCache::Quantized(c) => c.offset,
+            LayerCache::Recurrent(c) => c.offset,
         }
     }
 
-    /// Tokens currently held.
+    /// Tokens currently held (a recurrent state summarises all it has seen).
     pub fn size(&self) -> i32 {
         match self {
             LayerCache::Full(c) => c.offset,
             LayerCache::Rotating(c) => c.offset.min(c.max_size),
             LayerCache::Quantized(c) => c.offset,
+            LayerCache::Recurrent(c) => c.offset,
         }
     }
 
@@ -60,6 +68,9 @@ impl LayerCache {
             LayerCache::Full(c) => c.update_and_fetch(&k, &v).map(|(k, v)| Fetched::Dense(k, v)),
             LayerCache::Rotating(c) => c.update_and_fetch(&k, &v).map(|(k, v)| Fetched::Dense(k, v)),
             LayerCache::Quantized(c) => c.update_and_fetch(&k, &v),
+            LayerCache::Recurrent(_) => {
+                Err(crate::error::Error::Invalid("a recurrent (linear-attention) layer cache holds no keys/values".into()))
+            }
         }
     }
 
@@ -74,6 +85,8 @@ impl LayerCache {
                 }
             }
             LayerCache::Rotating(c) => c.make_mask(n, window),
+            // mlx-lm's ArraysCache.make_mask without padding or lengths: no mask
+            LayerCache::Recurrent(_) => Ok(Mask::None),
         }
     }
 
@@ -84,6 +97,8 @@ impl LayerCache {
             LayerCache::Full(c) => n <= c.offset,
             LayerCache::Quantized(c) => n <= c.offset,
             LayerCache::Rotating(c) => n == 0 || (c.offset < c.max_size && n <= c.offset),
+            // a recurrent state cannot be rewound: it is reused only whole
+            LayerCache::Recurrent(_) => n == 0,
         }
     }
 
@@ -109,6 +124,7 @@ impl LayerCache {
                 c.idx -= n;
                 n
             }
+            LayerCache::Recurrent(_) => 0,
         }
     }
 
@@ -133,6 +149,7 @@ impl LayerCache {
             LayerCache::Full(c) => c.keys.iter().chain(c.values.iter()).collect(),
             LayerCache::Rotating(c) => c.keys.iter().chain(c.values.iter()).collect(),
             LayerCache::Quantized(c) => c.keys.iter().flatten().chain(c.values.iter().flatten()).collect(),
+            LayerCache::Recurrent(c) => c.conv.iter().chain(c.state.iter()).collect(),
         }
     }
 
@@ -429,6 +446,19 @@ impl QuantizedKvCache {
         self.values = Some(values);
         Ok(out)
     }
+}
+
+/// The state of a linear-attention (Gated DeltaNet) layer, mlx-lm's `ArraysCache(size=2)`: the
+/// last `kernel - 1` inputs of the causal depthwise convolution `conv` `[B, kernel-1, conv_dim]`
+/// and the recurrent state `state` `[B, Hv, Dv, Dk]` (float32). Both are replaced, never written
+/// in place, so a clone is a snapshot. Its size does not depend on the tokens seen; it cannot be
+/// trimmed (a snapshot is reused only at exactly the tokens it holds).
+#[derive(Clone, Default)]
+pub struct RecurrentCache {
+    pub conv: Option<Array>,
+    pub state: Option<Array>,
+    /// Tokens seen.
+    pub offset: i32,
 }
 
 /// Options that shape the cache a model makes.

@@ -182,6 +182,11 @@ impl Weights {
     }
 
     /// The rows of `{prefix}.weight` as stored (None when it is missing or not 2-D).
+    /// The shape of tensor `name`, when present.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<i32>> {
+        self.map.get(name).map(Array::shape)
+    }
+
     pub fn rows_of(&self, prefix: &str) -> Option<i32> {
         let s = self.map.get(&format!("{prefix}.weight"))?.shape();
         (s.len() == 2).then_some(s[0])
