@@ -10,7 +10,9 @@ import pytest
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_next", "qwen3_5"]
+# gather_mm (MoE experts) in MLX's CPU backend: float32 only
+MOE = ("qwen3_moe", "qwen3_next")
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -43,7 +45,7 @@ def _check(oracle, model_dir, prompt_text: str, *, dtype: str, kv_bits=None, max
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plain(oracle, arch, dtype):
-    if arch == "qwen3_moe" and dtype != "float32" and _on_cpu():
+    if arch in MOE and dtype != "float32" and _on_cpu():
         pytest.skip("MLX's CPU GatherMM supports only float32 (mlx-lm fails the same way)")
     d = make_model(f"{arch}-{dtype}", arch, dtype=dtype)
     _check(oracle, d, TEXT, dtype=dtype)
@@ -113,3 +115,32 @@ def test_moe_4bit_bf16(oracle):
     # bfloat16 experts go through gather_qmm, which MLX's CPU backend runs in any float dtype
     d = make_model("qwen3_moe-bf16-q4", "qwen3_moe", dtype="bfloat16", quant_bits=4)
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("quant", [None, 4])
+def test_recurrent_prefix_hit_matches_mlxlm(oracle, arch, quant):
+    """Gated DeltaNet models: a second turn that extends the first (prompt and reply) reuses the
+    first turn's recurrent state from the prefix cache, and still gives mlx-lm's tokens on the whole
+    second prompt (prefilled cold, in chunks of 16); a prompt that diverges inside the snapshot
+    cannot rewind a recurrent state, so it is not served from the cache, and is right too."""
+    d = make_model(f"{arch}-float32" if quant is None else f"{arch}-q4", arch, quant_bits=quant)
+    step = 16
+
+    def ref(ids):
+        return oracle({"model": str(d), "prompt": ids, "max_tokens": 24, "kv_bits": None, "max_kv_size": None,
+                       "prefill_step_size": step})["tokens"]
+
+    with mlxrs.Session(d, prefill_step_size=step) as s:
+        ids = s.tokenize(TEXT) * 2
+        first = s.generate(ids, max_tokens=24, ignore_eos=True, temperature=0.0)
+        assert first.tokens == ref(ids)
+        second = ids + first.tokens + ids[3:20]
+        got = s.generate(second, max_tokens=24, ignore_eos=True, temperature=0.0)
+        # every token the first turn's cache held (its prompt and all but its last reply token)
+        assert got.usage.cached_tokens == len(ids) + len(first.tokens) - 1, got.usage
+        assert got.tokens == ref(second)
+        diverging = ids[:20] + ids[40:60]
+        got = s.generate(diverging, max_tokens=24, ignore_eos=True, temperature=0.0)
+        assert got.usage.cached_tokens == 0, got.usage
+        assert got.tokens == ref(diverging)
