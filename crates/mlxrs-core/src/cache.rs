@@ -806,4 +806,29 @@ mod tests {
         assert_eq!(max_abs_diff(&cut(&a.keys), &cut(&b.keys)), 0.0);
         assert_eq!(max_abs_diff(&cut(&a.values), &cut(&b.values)), 0.0);
     }
+
+    /// A recurrent layer: no keys/values, no mask, never trimmed (only 0 tokens), its state the
+    /// two arrays it holds; a clone is a snapshot that later updates do not change.
+    #[test]
+    fn a_recurrent_cache_is_a_fixed_state_never_rewound() {
+        let mut c = LayerCache::recurrent();
+        assert!(c.update_and_fetch(randn(1, &[1, H, 1, D]), randn(2, &[1, H, 1, D])).is_err());
+        assert!(matches!(c.make_mask(5, None).unwrap(), Mask::None));
+        assert!(c.state().is_empty() && c.nbytes() == 0);
+        let LayerCache::Recurrent(r) = &mut c else { unreachable!() };
+        r.conv = Some(randn(3, &[1, 3, 16]));
+        r.state = Some(randn(4, &[1, 2, 4, 8]));
+        r.offset = 9;
+        let snap = c.clone();
+        assert_eq!((c.offset(), c.size(), c.state().len(), c.nbytes()), (9, 9, 2, (3 * 16 + 2 * 4 * 8) * 4));
+        assert!(c.can_trim(0) && !c.can_trim(1));
+        assert_eq!(c.trim(3), 0);
+        assert_eq!(c.offset(), 9);
+        let LayerCache::Recurrent(r) = &mut c else { unreachable!() };
+        r.state = Some(randn(5, &[1, 2, 4, 8]));
+        r.offset += 1;
+        let (LayerCache::Recurrent(a), LayerCache::Recurrent(b)) = (&snap, &c) else { unreachable!() };
+        assert_eq!(a.offset, 9);
+        assert!(max_abs_diff(a.state.as_ref().unwrap(), b.state.as_ref().unwrap()) > 0.0);
+    }
 }

@@ -673,3 +673,93 @@ impl CausalLm for Model {
         &self.shape
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::arch::layout_of;
+    use serde_json::json;
+
+    fn cfg(mt: &str) -> Value {
+        json!({"model_type": mt, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "intermediate_size": 512,
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+               "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+               "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6})
+    }
+
+    fn err(c: &Value) -> String {
+        layout_of(c).unwrap().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn linear_layers_hold_no_kv() {
+        let l = layout_of(&cfg("qwen3_next")).unwrap().unwrap();
+        let attn: Vec<_> = l.iter().map(|l| l.attn).collect();
+        assert_eq!(attn, [AttnKind::LinearRecurrent, AttnKind::Full, AttnKind::LinearRecurrent, AttnKind::Full]);
+        let shape = ModelShape::new("qwen3_next", l.clone(), 256, 512, None, 4);
+        // two full layers of 2 KV heads × 64 × K,V, 256 slots, 4 bytes: the linear layers add nothing
+        assert_eq!(shape.kv_bytes(10, None, 64), 2 * 256 * (2 * 64 * 2) * 4);
+        let caches = crate::models::arch::make_cache(&l, &Default::default());
+        assert!(matches!(caches[0], LayerCache::Recurrent(_)) && matches!(caches[1], LayerCache::Full(_)));
+        // a multimodal Qwen3.5 config: the text model in text_config
+        let wrapped = json!({"model_type": "qwen3_5", "text_config": cfg("qwen3_5")});
+        assert_eq!(layout_of(&wrapped).unwrap().unwrap(), layout_of(&cfg("qwen3_5")).unwrap().unwrap());
+    }
+
+    #[test]
+    fn bad_configs_are_refused_naming_the_field() {
+        let mut c = cfg("qwen3_next");
+        c["layer_types"] = json!(["linear_attention", "sliding_attention", "linear_attention", "full_attention"]);
+        assert!(err(&c).contains("layer_types[1] = \"sliding_attention\" is not a known layer type"), "{}", err(&c));
+        c["layer_types"] = json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"]);
+        assert!(err(&c).contains("layer_types[1]") && err(&c).contains("full_attention_interval"));
+        c["layer_types"] = json!(["linear_attention"]);
+        assert!(err(&c).contains("layer_types has 1 entries"));
+        let mut c = cfg("qwen3_next");
+        c["linear_num_value_heads"] = json!(3);
+        assert!(err(&c).contains("linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"));
+        let mut c = cfg("qwen3_next");
+        c["partial_rotary_factor"] = json!(0.01);
+        assert!(err(&c).contains("partial_rotary_factor"));
+        let mut c = cfg("qwen3_next");
+        c.as_object_mut().unwrap().remove("linear_key_head_dim");
+        assert!(err(&c).contains("linear_key_head_dim is missing"));
+        let mut c = cfg("qwen3_next");
+        c["linear_conv_kernel_dim"] = json!(1);
+        assert!(err(&c).contains("linear_conv_kernel_dim"));
+        let mut c = cfg("qwen3_5");
+        c["num_attention_heads"] = json!(3);
+        assert!(err(&c).contains("num_attention_heads 3 is not a multiple"));
+    }
+
+    fn randn(seed: u64, shape: &[i32]) -> Array {
+        mx::random_normal(shape, Dtype::Float32, &mx::random_key(seed).unwrap()).unwrap()
+    }
+
+    fn max_abs_diff(a: &Array, b: &Array) -> f32 {
+        let d = mx::abs(&mx::subtract(a, b).unwrap()).unwrap();
+        d.to_vec::<f32>().unwrap().into_iter().fold(0.0, f32::max)
+    }
+
+    /// The recurrence over a prompt in chunks, the state carried between them, gives exactly the
+    /// outputs and final state of one pass (the engine prefills in chunks).
+    #[test]
+    fn chunked_recurrence_equals_one_pass() {
+        let (b, t, hk, hv, dk, dv) = (2, 7, 1, 2, 8, 4);
+        let q = randn(1, &[b, t, hk, dk]);
+        let k = randn(2, &[b, t, hk, dk]);
+        let v = randn(3, &[b, t, hv, dv]);
+        let g = mx::sigmoid(&randn(4, &[b, t, hv])).unwrap();
+        let beta = mx::sigmoid(&randn(5, &[b, t, hv])).unwrap();
+        let s0 = mx::zeros(&[b, hv, dv, dk], Dtype::Float32).unwrap();
+        let (y, s) = gated_delta_ops(&q, &k, &v, &g, &beta, s0.clone()).unwrap();
+        let cut = |x: &Array, lo: i32, hi: i32| mx::slice_axis(x, 1, lo, hi).unwrap();
+        let (y1, s1) = gated_delta_ops(&cut(&q, 0, 3), &cut(&k, 0, 3), &cut(&v, 0, 3), &cut(&g, 0, 3), &cut(&beta, 0, 3), s0).unwrap();
+        let (y2, s2) = gated_delta_ops(&cut(&q, 3, t), &cut(&k, 3, t), &cut(&v, 3, t), &cut(&g, 3, t), &cut(&beta, 3, t), s1).unwrap();
+        assert_eq!(max_abs_diff(&mx::concatenate(&[&y1, &y2], 1).unwrap(), &y), 0.0);
+        assert_eq!(max_abs_diff(&s2, &s), 0.0);
+        // and the recurrence does something: a zero state and a nonzero one differ
+        assert!(max_abs_diff(&s, &mx::zeros(&[b, hv, dv, dk], Dtype::Float32).unwrap()) > 1e-3);
+    }
+}
