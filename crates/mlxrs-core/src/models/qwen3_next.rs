@@ -526,7 +526,7 @@ struct SharedMoe {
 
 enum Ffn {
     Dense(Mlp),
-    Moe(SharedMoe),
+    Moe(Box<SharedMoe>),
 }
 
 impl Ffn {
@@ -537,11 +537,11 @@ impl Ffn {
             FfnKind::Moe { experts, top_k, intermediate, norm_topk_prob, .. } => {
                 let mut moe = SparseMoe::load(w, p, experts, top_k, intermediate, hidden)?;
                 moe.norm_topk_prob = norm_topk_prob;
-                Ffn::Moe(SharedMoe {
+                Ffn::Moe(Box::new(SharedMoe {
                     moe,
                     shared: Mlp::load(w, &format!("{p}.shared_expert"), false, Activation::Silu, hidden, prm.shared_intermediate)?,
                     shared_gate: Linear::load(w, &format!("{p}.shared_expert_gate"), false, 1, hidden)?,
-                })
+                }))
             }
         })
     }
