@@ -58,7 +58,7 @@ def test_4bit(oracle, arch):
 
 
 @pytest.mark.parametrize("kv_bits", [4, 8])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_5"])
 def test_quantized_kv(oracle, arch, kv_bits):
     d = make_model(f"{arch}-float32", arch)
     _check(oracle, d, TEXT, dtype="float32", kv_bits=kv_bits)
