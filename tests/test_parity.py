@@ -117,6 +117,17 @@ def test_moe_4bit_bf16(oracle):
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5-vl", "qwen3_5_moe"])
+def test_qwen35_wrapper_and_moe(oracle, arch):
+    """Qwen3.5 as a multimodal checkpoint (text_config, model.language_model weights, a vision tower
+    to drop) and Qwen3.5-MoE (fused gate_up_proj experts, a gated shared expert): mlx-lm's tokens
+    and logits, fp32 (the CPU's gather_mm) and 4-bit, the prompt in chunks."""
+    d = make_model(f"{arch}-float32", arch)
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+    d = make_model(f"{arch}-q4", arch, quant_bits=4)
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("quant", [None, 4])
 def test_recurrent_prefix_hit_matches_mlxlm(oracle, arch, quant):

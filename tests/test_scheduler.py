@@ -42,8 +42,9 @@ CASES = [
     # linear-attention layers: never stacked (a recurrent state per row, batched per step)
     ("qwen3_5", {"stack": 1}),
     ("qwen3_next", {}),
+    ("qwen3_5_moe", {}),
 ]
-RECURRENT = ("qwen3_5", "qwen3_next")
+RECURRENT = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 
 @pytest.mark.parametrize("arch,opts", CASES, ids=[f"{a}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'plain'}"

@@ -19,21 +19,26 @@ pub const ARCH: Arch = Arch {
 
 /// mlx-lm's wrapper sanitize, in the text model's names: the vision tower dropped,
 /// `model.language_model.*` and `language_model.*` brought to `model.*` / `lm_head.*`.
+/// (The per-layer quantization entries of an mlx-lm conversion, `language_model.model.*`, follow.)
 pub fn rename_text_weights(w: &mut Weights) -> Result<()> {
     w.retain(|k| !(k.starts_with("vision_tower") || k.starts_with("model.visual")));
     let keys: Vec<String> = w.keys().cloned().collect();
     for k in keys {
-        let to = if let Some(rest) = k.strip_prefix("model.language_model") {
-            format!("model{rest}")
-        } else if let Some(rest) = k.strip_prefix("language_model.") {
-            rest.to_string()
-        } else {
-            continue;
-        };
+        let Some(to) = text_name(&k) else { continue };
         let a = w.take(&k)?;
         w.insert(to, a);
     }
+    w.rename_quant_modules(text_name);
     Ok(())
+}
+
+/// The text model's name of a wrapper's tensor or module (None: already one).
+fn text_name(k: &str) -> Option<String> {
+    if let Some(rest) = k.strip_prefix("model.language_model") {
+        Some(format!("model{rest}"))
+    } else {
+        k.strip_prefix("language_model.").map(str::to_string)
+    }
 }
 
 /// Then the text model's sanitize: `mtp.*` dropped, a tied lm_head dropped, conv1d weights
