@@ -155,3 +155,28 @@ def test_recurrent_prefix_hit_matches_mlxlm(oracle, arch, quant):
         got = s.generate(diverging, max_tokens=24, ignore_eos=True, temperature=0.0)
         assert got.usage.cached_tokens == 0, got.usage
         assert got.tokens == ref(diverging)
+
+
+def test_recurrent_config_disagreeing_is_refused(tmp_path):
+    """A Qwen3.5 config with an unknown layer type, layer types disagreeing with
+    full_attention_interval, or linear-attention sizes disagreeing with the weights is refused at
+    load, naming the field or the tensor."""
+    import json
+    import shutil
+
+    src = make_model("qwen3_5-float32", "qwen3_5")
+    for field, value, needle in [
+        ("layer_types", ["linear_attention", "mamba", "linear_attention", "full_attention"], 'layer_types[1] = "mamba"'),
+        ("layer_types", ["full_attention"] * 4, "layer_types[0]"),
+        ("full_attention_interval", 4, "layer_types[1]"),
+        ("linear_key_head_dim", 16, "model.layers.0.linear_attn.in_proj_qkv.weight"),
+        ("linear_num_value_heads", 3, "linear_num_value_heads 3 is not a multiple"),
+        ("linear_conv_kernel_dim", 3, "model.layers.0.linear_attn.conv1d.weight"),
+    ]:
+        d = tmp_path / f"{field}-{value if not isinstance(value, list) else value[1]}"
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg[field] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(mlxrs.errors.ModelLoadError, match=needle.replace(".", r"\.").replace("[", r"\[")):
+            mlxrs.Session(d)
