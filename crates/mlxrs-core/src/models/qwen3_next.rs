@@ -493,8 +493,11 @@ pub fn gated_delta_update(
 
 /// mlx-lm's `gated_delta_ops`, the sequential reference recurrence: q, k `[B, T, Hk, Dk]`, v
 /// `[B, T, Hv, Dv]`, g and beta `[B, T, Hv]`, state `[B, Hv, Dv, Dk]`; returns y `[B, T, Hv, Dv]`
-/// (q's dtype) and the new state. Per token: `S = g S; S += k (beta (v - S k))^T; y = S q`.
+/// (q's dtype) and the new state. Each token is one call of [`delta_step`], compiled as mlx-lm
+/// compiles its `_gated_delta_step_ops` (traced once per shape).
 pub fn gated_delta_ops(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: Array) -> Result<(Array, Array)> {
+    static STEP: std::sync::OnceLock<Option<std::sync::Mutex<mx::Compiled>>> = std::sync::OnceLock::new();
+    let compiled = STEP.get_or_init(|| mx::Compiled::new(delta_step, false).ok().map(std::sync::Mutex::new));
     let (hk, hv) = (q.dim(2), v.dim(2));
     let (q, k) = if hv / hk > 1 { (mx::repeat(q, hv / hk, -2)?, mx::repeat(k, hv / hk, -2)?) } else { (q.clone(), k.clone()) };
     let t_len = q.dim(1);
@@ -502,18 +505,33 @@ pub fn gated_delta_ops(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array,
     let mut state = state;
     let mut ys = Vec::with_capacity(t_len as usize);
     for t in 0..t_len {
-        let (qt, kt, vt, gt, bt) = (at(&q, t)?, at(&k, t)?, at(v, t)?, at(g, t)?, at(beta, t)?);
-        let decay = mx::expand_dims(&mx::expand_dims(&gt, -1)?, -1)?;
-        state = mx::multiply(&state, &decay)?;
-        let kx = mx::expand_dims(&kt, -2)?; // [B, H, 1, Dk]
-        let kv_mem = mx::sum(&mx::multiply(&state, &kx)?, &[-1], false)?; // [B, H, Dv]
-        let delta = mx::multiply(&mx::subtract(&vt, &kv_mem)?, &mx::expand_dims(&bt, -1)?)?;
-        state = mx::add(&state, &mx::multiply(&kx, &mx::expand_dims(&delta, -1)?)?)?;
-        let y = mx::sum(&mx::multiply(&state, &mx::expand_dims(&qt, -2)?)?, &[-1], false)?;
-        ys.push(mx::astype(&y, q.dtype())?);
+        let args = [at(&q, t)?, at(&k, t)?, at(v, t)?, at(g, t)?, at(beta, t)?, state];
+        let mut out = match compiled {
+            Some(c) => c.lock().unwrap_or_else(|e| e.into_inner()).call(&args.iter().collect::<Vec<_>>())?,
+            None => delta_step(&args)?,
+        };
+        state = out.pop().ok_or_else(|| Error::Mlx("delta step returned nothing".into()))?;
+        ys.push(out.pop().ok_or_else(|| Error::Mlx("delta step returned no output".into()))?);
     }
     let refs: Vec<&Array> = ys.iter().collect();
     Ok((mx::stack(&refs, 1)?, state))
+}
+
+/// One token of the gated delta rule (mlx-lm's `_gated_delta_step_ops`, scalar gating, no mask):
+/// `[q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dv, Dk]]` → `[y (q's dtype), state]`:
+/// `S = g S; S += k (beta (v - S k))^T; y = S q`.
+fn delta_step(a: &[Array]) -> Result<Vec<Array>> {
+    let [qt, kt, vt, gt, bt, state] = a else {
+        return Err(Error::Invalid(format!("delta step: {} inputs, not 6", a.len())));
+    };
+    let decay = mx::expand_dims(&mx::expand_dims(gt, -1)?, -1)?;
+    let state = mx::multiply(state, &decay)?;
+    let kx = mx::expand_dims(kt, -2)?; // [B, H, 1, Dk]
+    let kv_mem = mx::sum(&mx::multiply(&state, &kx)?, &[-1], false)?; // [B, H, Dv]
+    let delta = mx::multiply(&mx::subtract(vt, &kv_mem)?, &mx::expand_dims(bt, -1)?)?;
+    let state = mx::add(&state, &mx::multiply(&kx, &mx::expand_dims(&delta, -1)?)?)?;
+    let y = mx::sum(&mx::multiply(&state, &mx::expand_dims(qt, -2)?)?, &[-1], false)?;
+    Ok(vec![mx::astype(&y, qt.dtype())?, state])
 }
 
 /// A sparse MoE plus a shared expert scaled by `sigmoid(shared_expert_gate(x))`
