@@ -31,6 +31,15 @@ def test_stream_gives_mlxlm_tokens(oracle):
     assert got == _ref(oracle, d, ids)
 
 
+def test_one_and_two_token_prompts(oracle):
+    """A prompt with nothing to prefill: the first decode step starts the recurrent state from zero."""
+    d = make_model("qwen3_5-float32", "qwen3_5")
+    with mlxrs.Session(d) as s:
+        for ids in ([5], [7, 300]):
+            got = s.generate(ids, max_tokens=N, ignore_eos=True, temperature=0.0)
+            assert got.tokens == _ref(oracle, d, ids)
+
+
 def test_server_concurrent_and_second_turn(oracle):
     d = make_model("qwen3_5-float32", "qwen3_5")
     with mlxrs.Session(d) as s:
