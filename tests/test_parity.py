@@ -12,8 +12,11 @@ import pytest
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe", "qwen3_next",
+         "qwen3_5"]
 GEMMA4 = ["gemma4_text", "gemma4_text_moe"]
+# gather_mm (MoE experts) in MLX's CPU backend: float32 only
+MOE = ("qwen3_moe", "qwen3_next", "gemma4_text_moe")
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -46,7 +49,7 @@ def _check(oracle, model_dir, prompt_text: str, *, dtype: str, kv_bits=None, max
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plain(oracle, arch, dtype):
-    if arch.endswith("moe") and dtype != "float32" and _on_cpu():
+    if arch in MOE and dtype != "float32" and _on_cpu():
         pytest.skip("MLX's CPU GatherMM supports only float32 (mlx-lm fails the same way)")
     d = make_model(f"{arch}-{dtype}", arch, dtype=dtype)
     _check(oracle, d, TEXT, dtype=dtype)
@@ -59,7 +62,7 @@ def test_4bit(oracle, arch):
 
 
 @pytest.mark.parametrize("kv_bits", [4, 8])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_5"])
 def test_quantized_kv(oracle, arch, kv_bits):
     d = make_model(f"{arch}-float32", arch)
     _check(oracle, d, TEXT, dtype="float32", kv_bits=kv_bits)
@@ -188,4 +191,66 @@ def test_gemma4_config_disagreeing_with_weights_is_refused(tmp_path):
             cfg[field] = value
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(mlxrs.errors.ModelLoadError, match=re.escape(needle)):
+@pytest.mark.parametrize("arch", ["qwen3_5-vl", "qwen3_5_moe"])
+def test_qwen35_wrapper_and_moe(oracle, arch):
+    """Qwen3.5 as a multimodal checkpoint (text_config, model.language_model weights, a vision tower
+    to drop) and Qwen3.5-MoE (fused gate_up_proj experts, a gated shared expert): mlx-lm's tokens
+    and logits, fp32 (the CPU's gather_mm) and 4-bit, the prompt in chunks."""
+    d = make_model(f"{arch}-float32", arch)
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+    d = make_model(f"{arch}-q4", arch, quant_bits=4)
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("quant", [None, 4])
+def test_recurrent_prefix_hit_matches_mlxlm(oracle, arch, quant):
+    """Gated DeltaNet models: a second turn that extends the first (prompt and reply) reuses the
+    first turn's recurrent state from the prefix cache, and still gives mlx-lm's tokens on the whole
+    second prompt (prefilled cold, in chunks of 16); a prompt that diverges inside the snapshot
+    cannot rewind a recurrent state, so it is not served from the cache, and is right too."""
+    d = make_model(f"{arch}-float32" if quant is None else f"{arch}-q4", arch, quant_bits=quant)
+    step = 16
+
+    def ref(ids):
+        return oracle({"model": str(d), "prompt": ids, "max_tokens": 24, "kv_bits": None, "max_kv_size": None,
+                       "prefill_step_size": step})["tokens"]
+
+    with mlxrs.Session(d, prefill_step_size=step) as s:
+        ids = s.tokenize(TEXT) * 2
+        first = s.generate(ids, max_tokens=24, ignore_eos=True, temperature=0.0)
+        assert first.tokens == ref(ids)
+        second = ids + first.tokens + ids[3:20]
+        got = s.generate(second, max_tokens=24, ignore_eos=True, temperature=0.0)
+        # every token the first turn's cache held (its prompt and all but its last reply token)
+        assert got.usage.cached_tokens == len(ids) + len(first.tokens) - 1, got.usage
+        assert got.tokens == ref(second)
+        diverging = ids[:20] + ids[40:60]
+        got = s.generate(diverging, max_tokens=24, ignore_eos=True, temperature=0.0)
+        assert got.usage.cached_tokens == 0, got.usage
+        assert got.tokens == ref(diverging)
+
+
+def test_recurrent_config_disagreeing_is_refused(tmp_path):
+    """A Qwen3.5 config with an unknown layer type, layer types disagreeing with
+    full_attention_interval, or linear-attention sizes disagreeing with the weights is refused at
+    load, naming the field or the tensor."""
+    import json
+    import shutil
+
+    src = make_model("qwen3_5-float32", "qwen3_5")
+    for field, value, needle in [
+        ("layer_types", ["linear_attention", "mamba", "linear_attention", "full_attention"], 'layer_types[1] = "mamba"'),
+        ("layer_types", ["full_attention"] * 4, "layer_types[0]"),
+        ("full_attention_interval", 4, "layer_types[1]"),
+        ("linear_key_head_dim", 16, "model.layers.0.linear_attn.in_proj_qkv.weight"),
+        ("linear_num_value_heads", 3, "linear_num_value_heads 3 is not a multiple"),
+        ("linear_conv_kernel_dim", 3, "model.layers.0.linear_attn.conv1d.weight"),
+    ]:
+        d = tmp_path / f"{field}-{value if not isinstance(value, list) else value[1]}"
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg[field] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(mlxrs.errors.ModelLoadError, match=needle.replace(".", r"\.").replace("[", r"\[")):
             mlxrs.Session(d)

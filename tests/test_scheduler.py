@@ -42,7 +42,12 @@ CASES = [
     ("gemma4_text", {}),  # KV-shared layers reading a rotating and a growing cache, per row
     ("gemma4_text_moe", {"kv_bits": 8}),  # ... reading a quantized cache
     ("gemma4_text_full", {"stack": 1}),  # every layer global: the stacked KV, KV-shared layers included
+    # linear-attention layers: never stacked (a recurrent state per row, batched per step)
+    ("qwen3_5", {"stack": 1}),
+    ("qwen3_next", {}),
+    ("qwen3_5_moe", {}),
 ]
+RECURRENT = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 
 @pytest.mark.parametrize("arch,opts", CASES, ids=[f"{a}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'plain'}"
@@ -62,7 +67,7 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
         assert b.finish_reason == "length" and b.usage.completion_tokens == N
     # which attention ran: the stacked KV exactly where asked for and every layer keeps a full cache
     sliding = arch in ("gemma3_text", "gemma4_text", "gemma4_text_moe")
-    stacked = not sliding and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
+    stacked = not sliding and arch not in RECURRENT and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
     assert info["decode_steps"] > 0
     assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)
 

@@ -74,6 +74,27 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
         cfg.update(tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
                    num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[1],
                    norm_topk_prob=True, num_hidden_layers=max(layers, 3))
+    elif arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        # Gated DeltaNet linear attention on layers 0, 2; gated full attention on 1, 3
+        # (full_attention_interval 2); 2 key heads shared by 4 value heads; a quarter of each
+        # head rotated. qwen3_next as released: every layer a MoE with a gated shared expert.
+        n = max(layers, 4)
+        cfg.update(num_hidden_layers=n, full_attention_interval=2, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                   linear_conv_kernel_dim=4, tie_word_embeddings=False, attention_bias=False,
+                   layer_types=["linear_attention" if (i + 1) % 2 else "full_attention" for i in range(n)])
+        if arch == "qwen3_next":
+            cfg.update(architectures=["Qwen3NextForCausalLM"], partial_rotary_factor=0.25, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        else:
+            del cfg["rope_theta"]
+            if arch == "qwen3_5_moe":
+                cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                           shared_expert_intermediate_size=128, norm_topk_prob=True)
+            cfg.update(architectures=["Qwen3_5ForCausalLM"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                        "mrope_section": [2, 3, 3], "mrope_interleaved": True})
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
@@ -131,6 +152,8 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     def norm(n: int) -> Any:  # gemma stores an offset from one
         return rnd((n,), 0.1) if gemma else 1.0 + rnd((n,), 0.1)
 
+    if arch in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        return _qwen3_next_weights(arch, cfg, rnd)
     w: dict[str, Any] = {"model.embed_tokens.weight": rnd((v, h), 0.5 if not gemma else 0.05), "model.norm.weight": norm(h)}
     for l in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{l}"
@@ -217,6 +240,61 @@ def _gemma4_weights(cfg: dict[str, Any], rnd: Any) -> dict[str, Any]:
                 w[f"{p}.{k}.weight"] = norm(h)
     if not cfg.get("tie_word_embeddings", True):
         w["lm_head.weight"] = rnd((v, h), h ** -0.5)
+def _qwen3_next_weights(arch: str, cfg: dict[str, Any], rnd: Any) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5 in the Hugging Face layout: conv1d weights [C, 1, K], the decoder's
+    RMSNorms stored as offsets from one (the loaders fold them), per-expert MoE tensors."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, kern = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    kd, vd = nk * dk, nv * dv
+    w: dict[str, Any] = {"model.embed_tokens.weight": rnd((v, h), 0.5), "model.norm.weight": rnd((h,), 0.1),
+                         "lm_head.weight": rnd((v, h), h ** -0.5)}
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}"
+        if (l + 1) % cfg["full_attention_interval"]:
+            a = f"{p}.linear_attn"
+            if arch == "qwen3_next":
+                w[f"{a}.in_proj_qkvz.weight"] = rnd((2 * kd + 2 * vd, h), h ** -0.5)
+                w[f"{a}.in_proj_ba.weight"] = rnd((2 * nv, h), h ** -0.5)
+            else:
+                w[f"{a}.in_proj_qkv.weight"] = rnd((2 * kd + vd, h), h ** -0.5)
+                w[f"{a}.in_proj_z.weight"] = rnd((vd, h), h ** -0.5)
+                w[f"{a}.in_proj_b.weight"] = rnd((nv, h), h ** -0.5)
+                w[f"{a}.in_proj_a.weight"] = rnd((nv, h), h ** -0.5)
+            w[f"{a}.conv1d.weight"] = rnd((2 * kd + vd, 1, kern), 0.5)
+            w[f"{a}.dt_bias"] = 1.0 + rnd((nv,), 0.1)
+            w[f"{a}.A_log"] = rnd((nv,), 0.5)
+            w[f"{a}.norm.weight"] = 1.0 + rnd((dv,), 0.1)
+            w[f"{a}.out_proj.weight"] = rnd((h, vd), vd ** -0.5)
+        else:
+            a = f"{p}.self_attn"
+            w[f"{a}.q_proj.weight"] = rnd((2 * nh * hd, h), h ** -0.5)
+            w[f"{a}.k_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
+            w[f"{a}.v_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
+            w[f"{a}.o_proj.weight"] = rnd((h, nh * hd), (nh * hd) ** -0.5)
+            w[f"{a}.q_norm.weight"] = rnd((hd,), 0.1)
+            w[f"{a}.k_norm.weight"] = rnd((hd,), 0.1)
+        if cfg.get("num_experts", 0) > 0:
+            ne, mi, si = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+            w[f"{p}.mlp.gate.weight"] = rnd((ne, h), h ** -0.5)
+            if arch == "qwen3_5_moe":  # the experts fused: gate and up stacked, [experts, 2 * width, hidden]
+                w[f"{p}.mlp.experts.gate_up_proj"] = rnd((ne, 2 * mi, h), h ** -0.5)
+                w[f"{p}.mlp.experts.down_proj"] = rnd((ne, h, mi), mi ** -0.5)
+            for e in range(ne if arch == "qwen3_next" else 0):
+                w[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rnd((mi, h), h ** -0.5)
+                w[f"{p}.mlp.experts.{e}.up_proj.weight"] = rnd((mi, h), h ** -0.5)
+                w[f"{p}.mlp.experts.{e}.down_proj.weight"] = rnd((h, mi), mi ** -0.5)
+            w[f"{p}.mlp.shared_expert.gate_proj.weight"] = rnd((si, h), h ** -0.5)
+            w[f"{p}.mlp.shared_expert.up_proj.weight"] = rnd((si, h), h ** -0.5)
+            w[f"{p}.mlp.shared_expert.down_proj.weight"] = rnd((h, si), si ** -0.5)
+            w[f"{p}.mlp.shared_expert_gate.weight"] = rnd((1, h), h ** -0.5)
+        else:
+            w[f"{p}.mlp.gate_proj.weight"] = rnd((i, h), h ** -0.5)
+            w[f"{p}.mlp.up_proj.weight"] = rnd((i, h), h ** -0.5)
+            w[f"{p}.mlp.down_proj.weight"] = rnd((h, i), i ** -0.5)
+        w[f"{p}.input_layernorm.weight"] = rnd((h,), 0.1)
+        w[f"{p}.post_attention_layernorm.weight"] = rnd((h,), 0.1)
     return w
 
 
@@ -232,15 +310,24 @@ def make_model(name: str, arch: str, *, dtype: str = "float32", quant_bits: int 
     src = d if quant_bits is None else ROOT / f"{name}.src"
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
+    # "qwen3_5-vl": Qwen3.5 as its multimodal checkpoints ship it: the text config in text_config,
+    # the text weights under model.language_model, a vision tower beside them (loaders drop it)
+    wrapped = arch == "qwen3_5-vl"
+    arch = "qwen3_5" if wrapped else arch
     cfg = base_config(arch, **shape)
     cfg["torch_dtype"] = dtype
     w = _weights(arch, cfg, seed)
+    if wrapped:
+        w = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): x for k, x in w.items()}
+        w["model.visual.patch_embed.proj.weight"] = w["lm_head.weight"][:8]
+        cfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": cfg,
+               "vision_config": {"depth": 1}, "eos_token_id": cfg["eos_token_id"], "torch_dtype": dtype}
     dt = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
     w = {k: x.astype(dt) for k, x in w.items()}
     mx.eval(w)
     mx.save_safetensors(str(src / "model.safetensors"), w, metadata={"format": "mlx"})
     (src / "config.json").write_text(json.dumps(cfg, indent=2))
-    write_tokenizer(src, cfg["vocab_size"], bos=bos)
+    write_tokenizer(src, cfg.get("text_config", cfg)["vocab_size"], bos=bos)
     if quant_bits is not None:
         from mlx_lm import convert
 

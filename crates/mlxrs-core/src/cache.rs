@@ -28,6 +28,8 @@ pub enum LayerCache {
     Full(KvCache),
     Rotating(RotatingKvCache),
     Quantized(QuantizedKvCache),
+    /// A linear-attention layer's fixed-size state (no KV): [`RecurrentCache`].
+    Recurrent(RecurrentCache),
 }
 
 impl LayerCache {
@@ -38,21 +40,27 @@ impl LayerCache {
         LayerCache::Rotating(RotatingKvCache { keep, max_size, ..Default::default() })
     }
 
+    pub fn recurrent() -> LayerCache {
+        LayerCache::Recurrent(RecurrentCache::default())
+    }
+
     /// Tokens seen so far (the RoPE offset).
     pub fn offset(&self) -> i32 {
         match self {
             LayerCache::Full(c) => c.offset,
             LayerCache::Rotating(c) => c.offset,
             LayerCache::Quantized(c) => c.offset,
+            LayerCache::Recurrent(c) => c.offset,
         }
     }
 
-    /// Tokens currently held.
+    /// Tokens currently held (a recurrent state summarises all it has seen).
     pub fn size(&self) -> i32 {
         match self {
             LayerCache::Full(c) => c.offset,
             LayerCache::Rotating(c) => c.offset.min(c.max_size),
             LayerCache::Quantized(c) => c.offset,
+            LayerCache::Recurrent(c) => c.offset,
         }
     }
 
@@ -61,6 +69,9 @@ impl LayerCache {
             LayerCache::Full(c) => c.update_and_fetch(&k, &v).map(|(k, v)| Fetched::Dense(k, v)),
             LayerCache::Rotating(c) => c.update_and_fetch(&k, &v).map(|(k, v)| Fetched::Dense(k, v)),
             LayerCache::Quantized(c) => c.update_and_fetch(&k, &v),
+            LayerCache::Recurrent(_) => {
+                Err(crate::error::Error::Invalid("a recurrent (linear-attention) layer cache holds no keys/values".into()))
+            }
         }
     }
 
@@ -75,6 +86,8 @@ impl LayerCache {
                 }
             }
             LayerCache::Rotating(c) => c.make_mask(n, window),
+            // mlx-lm's ArraysCache.make_mask without padding or lengths: no mask
+            LayerCache::Recurrent(_) => Ok(Mask::None),
         }
     }
 
@@ -85,6 +98,8 @@ impl LayerCache {
             LayerCache::Full(c) => n <= c.offset,
             LayerCache::Quantized(c) => n <= c.offset,
             LayerCache::Rotating(c) => n == 0 || (c.offset < c.max_size && n <= c.offset),
+            // a recurrent state cannot be rewound: it is reused only whole
+            LayerCache::Recurrent(_) => n == 0,
         }
     }
 
@@ -110,6 +125,7 @@ impl LayerCache {
                 c.idx -= n;
                 n
             }
+            LayerCache::Recurrent(_) => 0,
         }
     }
 
@@ -134,6 +150,7 @@ impl LayerCache {
             LayerCache::Full(c) => c.keys.iter().chain(c.values.iter()).collect(),
             LayerCache::Rotating(c) => c.keys.iter().chain(c.values.iter()).collect(),
             LayerCache::Quantized(c) => c.keys.iter().flatten().chain(c.values.iter().flatten()).collect(),
+            LayerCache::Recurrent(c) => c.conv.iter().chain(c.state.iter()).collect(),
         }
     }
 
@@ -430,6 +447,19 @@ impl QuantizedKvCache {
         self.values = Some(values);
         Ok(out)
     }
+}
+
+/// The state of a linear-attention (Gated DeltaNet) layer, mlx-lm's `ArraysCache(size=2)`: the
+/// last `kernel - 1` inputs of the causal depthwise convolution `conv` `[B, kernel-1, conv_dim]`
+/// and the recurrent state `state` `[B, Hv, Dv, Dk]` (float32). Both are replaced, never written
+/// in place, so a clone is a snapshot. Its size does not depend on the tokens seen; it cannot be
+/// trimmed (a snapshot is reused only at exactly the tokens it holds).
+#[derive(Clone, Default)]
+pub struct RecurrentCache {
+    pub conv: Option<Array>,
+    pub state: Option<Array>,
+    /// Tokens seen.
+    pub offset: i32,
 }
 
 /// Options that shape the cache a model makes.
@@ -776,5 +806,30 @@ mod tests {
         let cut = |x: &Option<Array>| seq_slice(x.as_ref().unwrap(), 0, n).unwrap();
         assert_eq!(max_abs_diff(&cut(&a.keys), &cut(&b.keys)), 0.0);
         assert_eq!(max_abs_diff(&cut(&a.values), &cut(&b.values)), 0.0);
+    }
+
+    /// A recurrent layer: no keys/values, no mask, never trimmed (only 0 tokens), its state the
+    /// two arrays it holds; a clone is a snapshot that later updates do not change.
+    #[test]
+    fn a_recurrent_cache_is_a_fixed_state_never_rewound() {
+        let mut c = LayerCache::recurrent();
+        assert!(c.update_and_fetch(randn(1, &[1, H, 1, D]), randn(2, &[1, H, 1, D])).is_err());
+        assert!(matches!(c.make_mask(5, None).unwrap(), Mask::None));
+        assert!(c.state().is_empty() && c.nbytes() == 0);
+        let LayerCache::Recurrent(r) = &mut c else { unreachable!() };
+        r.conv = Some(randn(3, &[1, 3, 16]));
+        r.state = Some(randn(4, &[1, 2, 4, 8]));
+        r.offset = 9;
+        let snap = c.clone();
+        assert_eq!((c.offset(), c.size(), c.state().len(), c.nbytes()), (9, 9, 2, (3 * 16 + 2 * 4 * 8) * 4));
+        assert!(c.can_trim(0) && !c.can_trim(1));
+        assert_eq!(c.trim(3), 0);
+        assert_eq!(c.offset(), 9);
+        let LayerCache::Recurrent(r) = &mut c else { unreachable!() };
+        r.state = Some(randn(5, &[1, 2, 4, 8]));
+        r.offset += 1;
+        let (LayerCache::Recurrent(a), LayerCache::Recurrent(b)) = (&snap, &c) else { unreachable!() };
+        assert_eq!(a.offset, 9);
+        assert!(max_abs_diff(a.state.as_ref().unwrap(), b.state.as_ref().unwrap()) > 0.0);
     }
 }

@@ -182,6 +182,18 @@ impl Weights {
     }
 
     /// The rows of `{prefix}.weight` as stored (None when it is missing or not 2-D).
+    /// Rename the modules of the config's per-layer quantization entries as `f` says (None: keep):
+    /// for a sanitize that renames the tensors of those modules.
+    pub fn rename_quant_modules(&mut self, f: impl Fn(&str) -> Option<String>) {
+        let old = std::mem::take(&mut self.per_layer);
+        self.per_layer = old.into_iter().map(|(k, v)| (f(&k).unwrap_or(k), v)).collect();
+    }
+
+    /// The shape of tensor `name`, when present.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<i32>> {
+        self.map.get(name).map(Array::shape)
+    }
+
     pub fn rows_of(&self, prefix: &str) -> Option<i32> {
         let s = self.map.get(&format!("{prefix}.weight"))?.shape();
         (s.len() == 2).then_some(s[0])

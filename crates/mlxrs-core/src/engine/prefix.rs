@@ -223,4 +223,29 @@ mod tests {
         assert!(p.lookup(&[1, 2, 3, 4]).is_none());
         assert_eq!(p.stats().entries, 0);
     }
+
+    /// A model with a recurrent layer: a snapshot serves only prompts that extend exactly the
+    /// tokens it holds (a recurrent state cannot be rewound), never a diverging or shorter one.
+    #[test]
+    fn a_recurrent_snapshot_is_reused_only_whole() {
+        let snap = || {
+            let mut r = LayerCache::recurrent();
+            if let LayerCache::Recurrent(c) = &mut r {
+                c.offset = 4;
+            }
+            let mut kv = full(4);
+            kv.push(r);
+            kv
+        };
+        let mut p = PrefixCache::new(1 << 30);
+        p.insert(vec![1, 2, 3, 4], snap());
+        let (c, l) = p.lookup(&[1, 2, 3, 4, 5]).unwrap();
+        assert_eq!((l, c[0].offset(), c[1].offset()), (4, 4, 4));
+        assert!(p.lookup(&[1, 2, 3, 9, 5]).is_none()); // diverges inside
+        assert!(p.lookup(&[1, 2, 3, 4]).is_none()); // would need the last token rewound
+        // a shorter snapshot is kept beside a longer one (it cannot be cut from it)
+        p.insert(vec![1, 2], { let mut s = snap(); s[0] = full(2)[0].clone(); s });
+        p.insert(vec![1, 2, 3, 4, 5, 6], snap());
+        assert_eq!(p.stats().entries, 3);
+    }
 }

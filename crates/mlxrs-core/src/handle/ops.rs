@@ -82,7 +82,8 @@ binary!(add => mlx_add, subtract => mlx_subtract, multiply => mlx_multiply, divi
         maximum => mlx_maximum, minimum => mlx_minimum, power => mlx_power, matmul => mlx_matmul,
         floor_divide => mlx_floor_divide, remainder => mlx_remainder, greater => mlx_greater,
         greater_equal => mlx_greater_equal, less => mlx_less, less_equal => mlx_less_equal, equal => mlx_equal,
-        not_equal => mlx_not_equal, logical_and => mlx_logical_and, logical_or => mlx_logical_or);
+        not_equal => mlx_not_equal, logical_and => mlx_logical_and, logical_or => mlx_logical_or,
+        logaddexp => mlx_logaddexp);
 
 /// A scalar of `dtype` (MLX's C API has no weakly typed scalars: match the other operand's dtype).
 /// The value is converted straight to `dtype` (integers keep every digit; no float32 detour).
@@ -372,6 +373,11 @@ pub fn gather_qmm(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, 
         sys::mlx_gather_qmm(r, x.0, w.0, scales.0, raw_or_null(biases), raw_or_null(lhs), raw_or_null(rhs), transpose,
                             opt_int(Some(group_size)), opt_int(Some(bits)), mode.as_ptr(), raw_or_null(None), sorted, s())
     })
+}
+
+/// 1-D convolution of `x` `[B, L, C_in]` with `w` `[C_out, K, C_in / groups]` (channels last).
+pub fn conv1d(x: &Array, w: &Array, stride: i32, padding: i32, dilation: i32, groups: i32) -> Result<Array> {
+    out1(|r| unsafe { sys::mlx_conv1d(r, x.0, w.0, stride, padding, dilation, groups, s()) })
 }
 
 // ---- fast kernels ----

@@ -21,7 +21,8 @@ pub enum AttnKind {
     /// Reads the keys and values of layer `from` (Gemma 4's KV-shared layers): no cache of its own.
     /// Its [`LayerCache`] is an empty placeholder that only tracks the token count.
     SharedKv { from: usize },
-    /// A fixed-size recurrent state instead of a KV cache. Not used by any architecture yet.
+    /// A fixed-size recurrent state instead of a KV cache (Gated DeltaNet linear attention:
+    /// qwen3_next, qwen3_5): a [`crate::cache::RecurrentCache`].
     LinearRecurrent,
 }
 
@@ -103,12 +104,13 @@ pub fn layout_of(config: &Value) -> Option<Result<Vec<LayerLayout>>> {
 
 /// The caches of a model of this layout: a rotating cache of `window` slots for a sliding layer,
 /// an empty full cache that is never written for a shared-KV layer (the model keeps its offset in
-/// step, so that trimming and the prefix cache see one length), for the others a growing one (a
-/// rotating one of `max_kv_size` when set).
+/// step, so that trimming and the prefix cache see one length), a recurrent state for a
+/// linear-attention layer, for the others a growing one (a rotating one of `max_kv_size` when set).
 pub fn make_cache(layers: &[LayerLayout], opts: &CacheOptions) -> Vec<LayerCache> {
     layers
         .iter()
         .map(|l| match (l.attn, opts.max_kv_size) {
+            (AttnKind::LinearRecurrent, _) => LayerCache::recurrent(),
             (AttnKind::Sliding { window }, _) => LayerCache::rotating(window, 0),
             (AttnKind::SharedKv { .. }, _) => LayerCache::full(),
             (_, Some(m)) => LayerCache::rotating(m, 4),
@@ -143,7 +145,13 @@ mod tests {
 
     #[test]
     fn the_table_gives_the_supported_types_and_gguf_names() {
-        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4"]);
+        assert_eq!(
+            supported(),
+            [
+                "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "qwen3_next", "qwen3_5",
+                "qwen3_5_moe"
+            ]
+        );
         let mut g = gguf_architectures();
         g.sort();
         assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]);

@@ -417,7 +417,7 @@ impl Attn {
                             match c {
                                 LayerCache::Full(c) => c.offset = o + l,
                                 LayerCache::Quantized(c) => c.offset = o + l,
-                                LayerCache::Rotating(_) => {}
+                                LayerCache::Rotating(_) | LayerCache::Recurrent(_) => {}
                             }
                         }
                     }

@@ -384,25 +384,32 @@ impl Attention {
     /// keys that row alone would see.
     pub fn forward_many(&self, x: &Array, masks: &Masks, caches: LayerCaches) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
+        let (q, k, v) = self.project(x)?;
+        let out = self.attend_many(q, k, v, masks, caches)?;
+        self.output(&out, b, l)
+    }
+
+    /// The attention of [`Attention::forward_many`] for q, k, v already projected (`[B, heads, L,
+    /// head_dim]`, before the rotary embedding): `[B, heads, L, head_dim]`, before the output
+    /// projection. For architectures that project (or gate) differently.
+    pub fn attend_many(&self, q: Array, k: Array, v: Array, masks: &Masks, caches: LayerCaches) -> Result<Array> {
+        let l = q.dim(2);
         let (caches, masks) = match (caches, masks) {
             (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
                 // every row's keys in one stacked buffer: the same few ops for any batch size
-                let (q, k, v) = self.project(x)?;
                 let q = self.rope.forward_rows(&q, kv.offsets())?;
                 let k = self.rope.forward_rows(&k, kv.offsets())?;
                 let (kk, vv) = kv.update_and_fetch(layer, &k, &v)?;
-                let out = mx::scaled_dot_product_attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), None)?;
-                return self.output(&out, b, l);
+                return mx::scaled_dot_product_attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), None);
             }
             (LayerCaches::Rows(c), Masks::Rows(m)) => (c, m),
             _ => return Err(crate::error::Error::Invalid("attention: masks and caches of different kinds".into())),
         };
         let mut caches = caches;
         if caches.len() == 1 {
-            return self.forward(x, &masks[0], caches[0]);
+            return self.attend(q, k, v, &masks[0], caches[0]);
         }
         let n = caches.len() as i32;
-        let (q, k, v) = self.project(x)?;
         let offsets: Vec<i32> = caches.iter().map(|c| c.offset()).collect();
         // one token per row (a decode step): the rotary embedding for all rows at once
         let (q, k, roped) = if l == 1 {
@@ -422,8 +429,7 @@ impl Attention {
             outs.push(self.attend_roped(q, k, v, mask, cache)?);
         }
         let refs: Vec<&Array> = outs.iter().collect();
-        let out = mx::concatenate(&refs, 0)?;
-        self.output(&out, b, l)
+        mx::concatenate(&refs, 0)
     }
 
     /// q, k, v as `[B, heads, L, head_dim]` (before the rotary embedding).

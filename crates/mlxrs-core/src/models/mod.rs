@@ -7,7 +7,10 @@ pub mod layers;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_5;
+pub mod qwen3_5_moe;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 
 pub use arch::{Arch, AttnKind, FfnKind, LayerLayout};
 
@@ -149,7 +152,17 @@ impl Stager {
 }
 
 /// The architecture table: one line per architecture, each declared in its own file.
-pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH, gemma4_text::ARCH];
+pub static ARCHS: &[Arch] = &[
+    llama::ARCH,
+    qwen2::ARCH,
+    qwen3::ARCH,
+    qwen3_moe::ARCH,
+    gemma3_text::ARCH,
+    gemma4_text::ARCH,
+    qwen3_next::ARCH,
+    qwen3_5::ARCH,
+    qwen3_5_moe::ARCH,
+];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
 pub fn supported() -> Vec<&'static str> {
