@@ -515,6 +515,92 @@ fn read_at(f: &File, mut buf: &mut [u8], mut off: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::layers::Experts;
+
+    /// A safetensors file of `tensors` (name, shape, f32 values), written by hand.
+    fn write_safetensors(path: &std::path::Path, tensors: &[(&str, Vec<i32>, Vec<f32>)]) {
+        let mut header = serde_json::Map::new();
+        let mut data = Vec::new();
+        for (name, shape, vals) in tensors {
+            let begin = data.len();
+            for v in vals {
+                data.extend_from_slice(&v.to_le_bytes());
+            }
+            header.insert(name.to_string(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [begin, data.len()]}));
+        }
+        let h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend(h);
+        out.extend(data);
+        std::fs::write(path, out).unwrap();
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 1000) as f32 / 1000.0 - 0.5).collect()
+    }
+
+    /// Four stacked experts (hidden 64, width 32) in one file; a resident and a streamed `Experts`
+    /// over it (the streamed one with room for 2 experts), run on the same inputs and routings.
+    #[test]
+    fn streamed_experts_match_resident_and_count_a_known_routing() {
+        let dir = std::env::temp_dir().join(format!("mlxrs-experts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (e, h, i) = (4, 64, 32);
+        let p = "model.layers.0.mlp.switch_mlp";
+        write_safetensors(&dir.join("model.safetensors"), &[
+            (&format!("{p}.gate_proj.weight"), vec![e, i, h], values((e * i * h) as usize, 1)),
+            (&format!("{p}.up_proj.weight"), vec![e, i, h], values((e * i * h) as usize, 2)),
+            (&format!("{p}.down_proj.weight"), vec![e, h, i], values((e * h * i) as usize, 3)),
+        ]);
+        let cfg = serde_json::json!({});
+        let mut resident_w = Weights::load_dir(&dir, &cfg).unwrap();
+        let resident = Experts::load(&mut resident_w, p, e, h, i).unwrap();
+        let per_expert = 3 * (i * h) as usize * 4;
+        let ctx = Streaming::new(Some(2 * per_expert));
+        let mut streamed_w = Weights::load_dir(&dir, &cfg).unwrap();
+        streamed_w.stream_experts(ctx.clone());
+        let streamed = Experts::load(&mut streamed_w, p, e, h, i).unwrap();
+        ctx.finish_load();
+        assert_eq!(ctx.streamed_bytes(), (e as usize * per_expert) as u64);
+        assert_eq!(streamed.nbytes(), 0);
+
+        // steps of one token, top-2: {0,1} 2 misses; {1,2} 1 hit (1), 1 miss (2 evicts 0);
+        // {2,0} 1 hit (2), 1 miss (0 evicts 1); {0,2} 2 hits; {3,3}: one expert twice, 1 miss
+        let steps: [[i32; 2]; 5] = [[0, 1], [2, 1], [2, 0], [0, 2], [3, 3]];
+        let (mut hits, mut misses) = (0u64, 0u64);
+        for (n, ids) in steps.iter().enumerate() {
+            let x = Array::from_slice(&values(h as usize, 10 + n as u32), &[1, 1, h]).unwrap();
+            let idx = Array::from_slice(&ids.map(|v| v as u32), &[1, 1, 2]).unwrap();
+            let a = resident.forward(&x, &idx).unwrap().to_vec::<f32>().unwrap();
+            let b = streamed.forward(&x, &idx).unwrap().to_vec::<f32>().unwrap();
+            let diff = a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            assert!(diff < 1e-5, "step {n}: streamed differs from resident by {diff}");
+            let (hh, mm) = [(0, 2), (1, 1), (1, 1), (2, 0), (0, 1)][n];
+            hits += hh;
+            misses += mm;
+            let r = ctx.report();
+            assert_eq!((r.hits, r.misses), (hits, misses), "step {n}");
+            assert_eq!(r.bytes_read, misses * per_expert as u64);
+            assert_eq!(r.tokens, n as u64 + 1);
+            assert!(r.cache_bytes <= r.cache_budget_bytes);
+        }
+        // a prefill-sized step (≥ 64 pairs: the sorted path) over every expert
+        let t = 40;
+        let x = Array::from_slice(&values((t * h) as usize, 99), &[1, t, h]).unwrap();
+        let ids: Vec<u32> = (0..t * 2).map(|j| ((j * 7 + j / 3) % e) as u32).collect();
+        let idx = Array::from_slice(&ids, &[1, t, 2]).unwrap();
+        let a = resident.forward(&x, &idx).unwrap().to_vec::<f32>().unwrap();
+        let b = streamed.forward(&x, &idx).unwrap().to_vec::<f32>().unwrap();
+        assert!(a.iter().zip(&b).all(|(p, q)| (p - q).abs() < 1e-5));
+        let r = ctx.report();
+        assert_eq!(r.tokens, 5 + t as u64);
+        assert_eq!(r.cached_experts, 2);
+        // an index outside the experts is refused, not read
+        let bad = Array::from_slice(&[0u32, 4], &[1, 1, 2]).unwrap();
+        let x = Array::from_slice(&values(h as usize, 5), &[1, 1, h]).unwrap();
+        assert!(streamed.forward(&x, &bad).unwrap_err().to_string().contains("expert 4"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn lru_keeps_within_its_byte_budget_evicting_the_least_recent() {
