@@ -136,6 +136,8 @@ def plan(
     device_bytes: int | None = None,
     fused_attention: bool | None = None,
     backend: str | None = None,
+    stream_experts: bool = False,
+    expert_cache_bytes: int | None = None,
 ) -> str:
     """The MemoryPlan (schemaVersion 1) as JSON for the model in `model_dir` (config.json and
     safetensors headers only) at `context_tokens` (None: the model's maximum). `budget` is a

@@ -25,6 +25,13 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
+/// Whether a tensor holds routed experts (what a streamed model leaves in the files): the stacked
+/// `*.switch_mlp.*` of mlx-lm's layout or the per-expert `*.experts.*` of Hugging Face's (shared
+/// experts, `*.shared_experts.*`, are not routed).
+pub fn is_expert_tensor(name: &str) -> bool {
+    name.contains(".switch_mlp.") || name.contains(".experts.")
+}
+
 /// Where one tensor's bytes are: its safetensors file and its entry (offsets into the data section,
 /// which begins at `data_start`). Recorded by `Weights::load_dir` from the validated headers.
 #[derive(Clone, Debug)]
