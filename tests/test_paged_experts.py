@@ -170,3 +170,95 @@ def test_bad_options_are_refused():
         mlxrs.Session(d, expert_cache_bytes=1000)
     with pytest.raises(ValueError, match="stream_experts"):
         mlxrs.Session(d, stream_experts="yes")
+
+
+# -- the memory plan -----------------------------------------------------------------------------------
+CTX = 256
+
+
+def _plan(d: Path, **kw) -> dict:
+    from mlxrs import fit
+
+    return fit.plan(d, CTX, **kw)
+
+
+def _deep_moe() -> Path:
+    """8 layers, 7 of them MoE (layer 1 dense) × 8 experts, top-2, 4-bit."""
+    return make_model("qwen3_moe-q4-l8", "qwen3_moe", quant_bits=4, layers=8)
+
+
+def test_plan_streams_a_moe_model_over_its_budget():
+    d = _deep_moe()
+    experts, weights = _expert_bytes(d), _all_bytes(d)
+    resident = _plan(d, budget="100G")
+    assert resident["strategy"] == "generic-kv" and resident["weightsBytes"] == weights
+    assert "expertCacheBytes" not in resident  # the dense plan's JSON is unchanged
+    # a budget a third of the experts short of the resident total: streamed, and it fits
+    budget = resident["totalBytes"] - experts // 3
+    p = _plan(d, budget=str(budget))
+    assert p["strategy"] == "streamed-experts" and p["fits"]
+    assert p["streamedExpertBytes"] == experts
+    per_expert = experts // 56  # 7 MoE layers × 8 experts
+    step = 2 * 8 * per_expert  # one layer's experts read and stacked (a prefill routes all 8)
+    # resident: the non-expert weights, the cache, one step's experts, KV, transient, reserve
+    assert p["weightsBytes"] == weights - experts + p["expertCacheBytes"]
+    assert p["transientBytes"] == resident["transientBytes"] + step
+    assert p["kvBytes"] == resident["kvBytes"]
+    assert p["totalBytes"] == p["weightsBytes"] + p["kvBytes"] + p["transientBytes"] + p["reserveBytes"] <= budget
+    # the cache gets the rest of the budget
+    assert p["expertCacheBytes"] == budget - (p["totalBytes"] - p["expertCacheBytes"])
+    frac = p["expertCacheBytes"] / experts
+    assert p["expertCacheFraction"] == pytest.approx(frac)
+    # uniform routing: (1 - fraction) × (7 layers × top-2) experts read per token
+    assert p["predictedExpertBytesPerToken"] == pytest.approx((1 - frac) * 14 * per_expert)
+    # forced, with a given cache
+    f = _plan(d, budget="100G", stream_experts=True, expert_cache_bytes=experts // 4)
+    assert f["strategy"] == "streamed-experts" and f["expertCacheBytes"] == experts // 4
+    assert f["predictedExpertBytesPerToken"] == pytest.approx(0.75 * 14 * per_expert)
+    # a dense model is never streamed
+    dense = make_model("qwen3-float32", "qwen3")
+    assert _plan(dense, budget="1000", stream_experts=True)["strategy"] == "generic-kv"
+
+
+def test_fit_cli_reports_streaming(tmp_path):
+    import subprocess
+    import sys
+
+    d = _deep_moe()
+    budget = _plan(d, budget="100G")["totalBytes"] - _expert_bytes(d) // 3
+    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--ctx", str(CTX), "--memory-budget",
+                          str(budget)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "streamed from the files" in out.stdout and "read per token" in out.stdout
+    assert "fits with the experts streamed from disk" in out.stdout
+
+
+def test_served_streamed_when_the_weights_exceed_the_budget():
+    """`serve --memory-budget` below the model's weights: served with its experts streamed (mlx-lm
+    would need every weight in memory), the answer the same as a resident session's."""
+    from server_util import Server
+
+    d = _deep_moe()
+    # the streamed plan at the model's full context, with room for a quarter of the experts: less
+    # than the resident plan needs
+    full = json.loads(mlxrs._native.plan(str(d), None, None, "100G", stream_experts=True,
+                                         expert_cache_bytes=_expert_bytes(d) // 4))
+    budget = full["totalBytes"]
+    assert budget < json.loads(mlxrs._native.plan(str(d), None, None, "100G"))["totalBytes"]
+    with mlxrs.Session(d) as s:
+        ids = s.tokenize(TEXT)
+        want = s.generate(ids, max_tokens=12, ignore_eos=True, temperature=0.0).tokens
+    with Server(d, "--memory-budget", str(budget)) as srv:
+        st = srv.stats()
+        assert st["memory_plan"]["strategy"] == "streamed-experts"
+        assert st["memory_plan"]["expertCacheBytes"] == _expert_bytes(d) // 4
+        status, body = srv.post("/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 12, "temperature": 0,
+                                                    "ignore_eos": True, "logprobs": 1})
+        assert status == 200, body
+        st = srv.stats()
+        x = st["experts"]
+        assert x["misses"] > 0 and x["cache_budget_bytes"] == _expert_bytes(d) // 4
+        assert x["bytes_read_per_token"] > 0 and 0 <= x["hit_rate"] <= 1
+    got = body["choices"][0]
+    with mlxrs.Session(d) as s:
+        assert got["text"] == s.detokenize(want)

@@ -777,6 +777,41 @@ mod tests {
     }
 
     #[test]
+    fn a_moe_model_over_budget_is_planned_streamed() {
+        let cfg = serde_json::json!({
+            "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
+            "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "max_position_embeddings": 4096
+        });
+        let mut f = ModelFacts::from_config(&cfg, 100_000_000, 4).unwrap();
+        assert_eq!(f.moe, vec![(16, 2); 4]);
+        // no expert bytes known (a GGUF): never streamed
+        let o = |usable, stream| PlanOptions { context_tokens: Some(512), stream_experts: stream, ..opts(usable) };
+        assert_eq!(f.plan(&o(1, false)).strategy, "generic-kv");
+        f.expert_bytes = 64_000_000; // 64 experts of 1 MB
+        assert_eq!(f.bytes_per_expert(), 1_000_000);
+        let resident = f.plan(&o(u64::MAX, false));
+        assert_eq!(resident.strategy, "generic-kv");
+        let budget = resident.total_bytes - 20_000_000;
+        let p = f.plan(&o(budget, false));
+        assert_eq!(p.strategy, "streamed-experts");
+        assert!(p.fits && p.total_bytes == budget);
+        // one layer's 16 experts read and stacked during a 512-token prefill chunk
+        assert_eq!(p.transient_bytes, resident.transient_bytes + 32_000_000);
+        let cache = p.expert_cache_bytes.unwrap();
+        assert_eq!(cache, 64_000_000 - 20_000_000 - 32_000_000);
+        assert_eq!(p.weights_bytes, 36_000_000 + cache);
+        let frac = cache as f64 / 64e6;
+        assert!((p.predicted_expert_bytes_per_token.unwrap() - (1.0 - frac) * 8.0 * 1e6).abs() < 1.0);
+        // too small for even the non-expert weights: streamed, not fitting, cache 0
+        let tiny = f.plan(&o(1_000, false));
+        assert!(!tiny.fits && tiny.expert_cache_bytes == Some(0) && tiny.max_safe_context == 0);
+        // forced: streamed with the cache it is given, though everything fits
+        let forced = f.plan(&PlanOptions { expert_cache_bytes: Some(5_000_000), ..o(u64::MAX, true) });
+        assert_eq!((forced.strategy, forced.expert_cache_bytes), ("streamed-experts", Some(5_000_000)));
+    }
+
+    #[test]
     fn budgets_parse() {
         assert_eq!(Budget::parse("0.5").unwrap(), Budget::Fraction(0.5));
         assert_eq!(Budget::parse("1").unwrap(), Budget::Fraction(1.0));
