@@ -1,5 +1,6 @@
 """Paged-expert IO: a random qwen3_moe decoded with its experts streamed from the safetensors files
-(expert cache at 25% and 50% of the expert bytes) vs fully resident, and mlx-lm fully resident.
+(expert cache at 25% and 50% of the expert bytes, and at 100%: every expert cached after the warm-up,
+the cost of streaming without reads) vs fully resident, and mlx-lm fully resident.
 
     python bench/bench_experts.py [--layers 12 --experts 32 --top-k 4 --hidden 384 --moe-inter 384]
                                   [--prompt-tokens 32 --gen-tokens 48] [--dir /tmp/mlxrs-bench-experts]
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ["mlxrs resident", "mlxrs streamed 50%", "mlxrs streamed 25%", "mlx-lm resident"]
+ENGINES = ["mlxrs resident", "mlxrs streamed 100%", "mlxrs streamed 50%", "mlxrs streamed 25%", "mlx-lm resident"]
 
 
 def write_model(d: Path, a: argparse.Namespace) -> None:
@@ -154,7 +155,8 @@ def main() -> None:
         libs = [p for p in (info.get("blas_gemv"), info.get("blas")) if p] if info.get("blas") else []
         results = []
         for eng in ENGINES:
-            cache = {"mlxrs streamed 50%": experts // 2, "mlxrs streamed 25%": experts // 4}.get(eng)
+            cache = {"mlxrs streamed 100%": experts, "mlxrs streamed 50%": experts // 2,
+                     "mlxrs streamed 25%": experts // 4}.get(eng)
             e = dict(env)
             if eng.startswith("mlx-lm") and libs:  # the same BLAS as mlxrs (as the parity oracle runs)
                 e["LD_PRELOAD"] = ":".join(libs)

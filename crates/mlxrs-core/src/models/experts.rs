@@ -373,6 +373,7 @@ impl StreamedExperts {
                 Err(_) => {}
             }
         }
+        let waited = t0.elapsed();
         if let Some(e) = first_err {
             return Err(e);
         }
@@ -386,7 +387,7 @@ impl StreamedExperts {
         }
         let st = &self.ctx.stats;
         st.bytes_read.fetch_add(total, Ordering::Relaxed);
-        st.read_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        st.read_ns.fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
         Ok(out)
     }
 
@@ -435,7 +436,7 @@ fn locate(ws: &Weights, prefix: &str, proj: &str, part: &str, count: i32, stacke
         let l = ws.location(&n).ok_or_else(|| {
             Error::ModelLoad(format!(
                 "weight {name} (or {n}) is not in the model's safetensors files: streamed experts are read from \
-                 there (a GGUF import or a converted model cannot stream its experts)"
+                 there (weights that were not loaded from safetensors files cannot stream their experts)"
             ))
         })?;
         if l.entry.shape != shape || l.entry.mlx_dtype() != dtype {
