@@ -262,3 +262,16 @@ def test_served_streamed_when_the_weights_exceed_the_budget():
     got = body["choices"][0]
     with mlxrs.Session(d) as s:
         assert got["text"] == s.detokenize(want)
+
+
+def test_batched_decode_streamed_matches_mlx_lm(oracle):
+    """Several generations decoded together (one batched step over every row) with the experts
+    streamed: each the tokens mlx-lm generates for its prompt alone."""
+    d = make_model("qwen3_moe-q4", "qwen3_moe", quant_bits=4)
+    with mlxrs.Session(d, stream_experts=True) as s:
+        prompts = [s.tokenize(t) for t in (TEXT, "Large language models predict", "def add(a, b):")]
+        got = s.generate_batch(prompts, max_tokens=16, ignore_eos=True, temperature=0.0)
+        assert s.info["decode_steps"] < 3 * 16  # the rows were decoded together
+    for ids, c in zip(prompts, got):
+        ref = oracle({"model": str(d), "prompt": ids, "max_tokens": 16})
+        assert c.tokens == ref["tokens"]
