@@ -275,3 +275,16 @@ def test_batched_decode_streamed_matches_mlx_lm(oracle):
     for ids, c in zip(prompts, got):
         ref = oracle({"model": str(d), "prompt": ids, "max_tokens": 16})
         assert c.tokens == ref["tokens"]
+
+
+def test_fit_cli_expert_cache_implies_streaming():
+    import subprocess
+    import sys
+
+    d = _deep_moe()
+    cache = _expert_bytes(d) // 4
+    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--ctx", str(CTX), "--json",
+                          "--expert-cache-bytes", str(cache)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    assert p["strategy"] == "streamed-experts" and p["expertCacheBytes"] == cache

@@ -106,7 +106,8 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                          "routed ones per step into an expert cache (automatic when the weights exceed "
                          "--memory-budget); see docs/design/paged-experts.md")
     sp.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
-                    help="the streamed experts' cache, e.g. 4G (default: what the memory plan leaves)")
+                    help="the streamed experts' cache, e.g. 4G; implies --stream-experts (default: what the "
+                         "memory plan leaves)")
     sp.add_argument("--max-concurrency", type=int, default=32,
                     help="generations decoded together in one batch at most (default 32)")
     sp.add_argument("--max-queue", type=int, default=64,
@@ -202,7 +203,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         plans = fit.sku_plans(path, args.ctx, args.kv_quant, args.memory_budget)
         print(json.dumps(plans, indent=2) if args.json else fit.describe_skus(label, plans))
         return 0
-    p = fit.plan(path, args.ctx, args.kv_quant, args.memory_budget, stream_experts=args.stream_experts,
+    p = fit.plan(path, args.ctx, args.kv_quant, args.memory_budget,
+                 stream_experts=args.stream_experts or args.expert_cache_bytes is not None,
                  expert_cache_bytes=args.expert_cache_bytes)
     print(json.dumps(p, indent=2) if args.json else fit.describe(path, label, p, args.kv_quant, args.memory_budget))
     return 0
@@ -236,7 +238,8 @@ def _add_registry(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
                     help="plan a mixture-of-experts model with its experts streamed from disk (automatic when "
                          "it does not fit)")
     ft.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
-                    help="the streamed experts' cache to plan (default: what the budget leaves)")
+                    help="the streamed experts' cache to plan, implies --stream-experts (default: what the "
+                         "budget leaves)")
     ft.add_argument("--skus", action="store_true",
                     help="evaluate the Apple Silicon lineup and common NVIDIA GPUs instead of this machine")
     ft.add_argument("--json", action="store_true", help="print the MemoryPlan (schemaVersion 1) as JSON")
