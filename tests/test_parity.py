@@ -191,6 +191,9 @@ def test_gemma4_config_disagreeing_with_weights_is_refused(tmp_path):
             cfg[field] = value
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(mlxrs.errors.ModelLoadError, match=re.escape(needle)):
+            mlxrs.Session(d)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5-vl", "qwen3_5_moe"])
 def test_qwen35_wrapper_and_moe(oracle, arch):
     """Qwen3.5 as a multimodal checkpoint (text_config, model.language_model weights, a vision tower

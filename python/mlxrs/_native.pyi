@@ -136,6 +136,8 @@ def plan(
     device_bytes: int | None = None,
     fused_attention: bool | None = None,
     backend: str | None = None,
+    stream_experts: bool = False,
+    expert_cache_bytes: int | None = None,
 ) -> str:
     """The MemoryPlan (schemaVersion 1) as JSON for the model in `model_dir` (config.json and
     safetensors headers only) at `context_tokens` (None: the model's maximum). `budget` is a
@@ -246,6 +248,8 @@ class Session:
         max_queue: int | None = None,
         prompt_cache_bytes: int | None = None,
         kv_budget_bytes: int | None = None,
+        stream_experts: bool = False,
+        expert_cache_bytes: int | None = None,
     ) -> Session: ...
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...

@@ -101,6 +101,13 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     sp.add_argument("--memory-budget", default=None, metavar="BYTES|FRACTION",
                     help="memory the model may use: bytes (e.g. 12G, 8000000000) or a fraction of device "
                          "memory in (0, 1]; default 0.75")
+    sp.add_argument("--stream-experts", action="store_true",
+                    help="a mixture-of-experts model keeps its experts in the safetensors files and reads the "
+                         "routed ones per step into an expert cache (automatic when the weights exceed "
+                         "--memory-budget); see docs/design/paged-experts.md")
+    sp.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
+                    help="the streamed experts' cache, e.g. 4G; implies --stream-experts (default: what the "
+                         "memory plan leaves)")
     sp.add_argument("--max-concurrency", type=int, default=32,
                     help="generations decoded together in one batch at most (default 32)")
     sp.add_argument("--max-queue", type=int, default=64,
@@ -197,7 +204,9 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         plans = fit.sku_plans(path, args.ctx, args.kv_quant, args.memory_budget)
         print(json.dumps(plans, indent=2) if args.json else fit.describe_skus(label, plans))
         return 0
-    p = fit.plan(path, args.ctx, args.kv_quant, args.memory_budget)
+    p = fit.plan(path, args.ctx, args.kv_quant, args.memory_budget,
+                 stream_experts=args.stream_experts or args.expert_cache_bytes is not None,
+                 expert_cache_bytes=args.expert_cache_bytes)
     print(json.dumps(p, indent=2) if args.json else fit.describe(path, label, p, args.kv_quant, args.memory_budget))
     return 0
 
@@ -226,6 +235,12 @@ def _add_registry(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
     ft.add_argument("--kv-quant", type=int, choices=[4, 8], default=None, help="plan a 4- or 8-bit KV cache")
     ft.add_argument("--memory-budget", default=None, metavar="BYTES|FRACTION",
                     help="bytes (e.g. 12G) or a fraction of device memory in (0, 1]; default 0.75")
+    ft.add_argument("--stream-experts", action="store_true",
+                    help="plan a mixture-of-experts model with its experts streamed from disk (automatic when "
+                         "it does not fit)")
+    ft.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
+                    help="the streamed experts' cache to plan, implies --stream-experts (default: what the "
+                         "budget leaves)")
     ft.add_argument("--skus", action="store_true",
                     help="evaluate the Apple Silicon lineup and common NVIDIA GPUs instead of this machine")
     ft.add_argument("--json", action="store_true", help="print the MemoryPlan (schemaVersion 1) as JSON")

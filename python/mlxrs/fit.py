@@ -109,10 +109,13 @@ def _budget_is_bytes(budget: str | None) -> bool:
 
 def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
          budget: str | None = None, device_bytes: int | None = None,
-         fused_attention: bool | None = None, backend: str | None = None) -> dict[str, Any]:
-    """The MemoryPlan (schemaVersion 1) for a model directory or .gguf file."""
+         fused_attention: bool | None = None, backend: str | None = None, stream_experts: bool = False,
+         expert_cache_bytes: int | None = None) -> dict[str, Any]:
+    """The MemoryPlan (schemaVersion 1) for a model directory or .gguf file. A mixture-of-experts
+    model that does not fit, or `stream_experts`, gets the `streamed-experts` strategy."""
     return dict(json.loads(_native.plan(str(model), ctx, kv_bits, budget, device_bytes=device_bytes,
-                                        fused_attention=fused_attention, backend=backend)))
+                                        fused_attention=fused_attention, backend=backend,
+                                        stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes)))
 
 
 def sku_plans(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
@@ -173,11 +176,20 @@ def describe(model_path: Path, label: str, p: dict[str, Any], kv_bits: int | Non
         ["KV cache", f"{human_bytes(p['kvBytes'])}  ({_kv_line(f, kv_bits)})"],
         ["transient", f"{human_bytes(p['transientBytes'])}  (prefill activations, calibrated)"],
         ["reserve", f"{human_bytes(p['reserveBytes'])}  (runtime, tokenizer, allocator slack)"],
+        *([["experts", f"streamed from the files ({human_bytes(p['streamedExpertBytes'])}); expert cache "
+                        f"{human_bytes(p['expertCacheBytes'])} ({100 * p['expertCacheFraction']:.0f}% of the experts, "
+                        "counted in weights); predicted "
+                        f"{human_bytes(int(p['predictedExpertBytesPerToken']))} read per token (uniform routing)"]]
+          if p["strategy"] == "streamed-experts" else []),
         ["total", human_bytes(p["totalBytes"])],
         ["budget", f"{human_bytes(p['usableBytes'])}  ({bsrc})"],
         ["max context", f"{p['maxSafeContext']} tokens fit the budget"],
     ]
-    if p["fits"]:
+    if p["fits"] and p["strategy"] == "streamed-experts":
+        verdict = (f"fits with the experts streamed from disk: {p['contextTokens']} tokens need "
+                   f"{human_bytes(p['totalBytes'])} of {human_bytes(p['usableBytes'])} (all weights: "
+                   f"{human_bytes(p['weightsBytes'] - p['expertCacheBytes'] + p['streamedExpertBytes'])})")
+    elif p["fits"]:
         verdict = f"fits: {p['contextTokens']} tokens need {human_bytes(p['totalBytes'])} of {human_bytes(p['usableBytes'])}"
     elif p["maxSafeContext"] > 0:
         verdict = (f"does not fit at {p['contextTokens']} tokens — up to {p['maxSafeContext']} tokens do"

@@ -230,6 +230,10 @@ class Session:
     wait in a queue of `max_queue` (one more raises `BusyError`). Prompts that share a prefix with
     an earlier prompt or conversation reuse its KV cache (`prompt_cache_bytes`, 0 turns it off).
 
+    `stream_experts`: a mixture-of-experts model keeps its experts in the safetensors files and reads
+    the routed ones per step into an expert cache of `expert_cache_bytes` (default: a quarter of the
+    expert bytes); `info["experts"]` has its counters (docs/design/paged-experts.md).
+
     `chat_template`: a Jinja chat template (its source, the path of a file holding it, or the name
     of one mlxrs ships: `"chatml"`, `"gemma"`) used instead of the model's own by
     `apply_chat_template`, `chat` and `encode_prompt`.
@@ -248,10 +252,19 @@ class Session:
         prompt_cache_bytes: int | None = None,
         kv_budget_bytes: int | None = None,
         chat_template: str | os.PathLike[str] | None = None,
+        stream_experts: bool = False,
+        expert_cache_bytes: int | None = None,
     ) -> None:
         from .models import DEFAULT_MODEL_NAME, resolve_model
 
         self.chat_template = _template_source(chat_template)
+        if not isinstance(stream_experts, bool):
+            raise ValueError(f"stream_experts must be True or False (got {stream_experts!r})")
+        if expert_cache_bytes is not None:
+            if isinstance(expert_cache_bytes, bool) or not isinstance(expert_cache_bytes, int) or expert_cache_bytes < 0:
+                raise ValueError(f"expert_cache_bytes must be a non-negative integer (got {expert_cache_bytes!r})")
+            if not stream_experts:
+                raise ValueError("expert_cache_bytes is the streamed experts' cache: pass stream_experts=True with it")
 
         if model is None:
             print(f"mlxrs: no model given; using the embedded default, {DEFAULT_MODEL_NAME}", file=sys.stderr)
@@ -260,7 +273,7 @@ class Session:
             self.model_path, kv_bits=kv_bits, max_kv_size=max_kv_size,
             prefill_step_size=prefill_step_size, kv_group_size=kv_group_size,
             max_concurrency=max_concurrency, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes,
-            kv_budget_bytes=kv_budget_bytes,
+            kv_budget_bytes=kv_budget_bytes, stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes,
         )
         info = self._s.info()
         self._vocab = int(info["vocab_size"])

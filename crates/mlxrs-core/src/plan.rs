@@ -156,6 +156,13 @@ pub struct ModelFacts {
     #[serde(default)]
     pub quantized_weights: bool,
     pub max_position_embeddings: Option<u64>,
+    /// Bytes of the routed experts' tensors ([`crate::models::experts::is_expert_tensor`]): what a
+    /// streamed plan leaves in the files. 0 for a dense model.
+    #[serde(default)]
+    pub expert_bytes: u64,
+    /// Per layer: (experts, experts per token) of its MoE FFN; (0, 0) for a dense FFN.
+    #[serde(default)]
+    pub moe: Vec<(u64, u64)>,
 }
 
 fn dtype_bytes(name: &str) -> Option<u64> {
@@ -205,7 +212,11 @@ impl ModelFacts {
             _ => find("embed_tokens.scales"),
         };
         let act = act.or_else(|| text_config(&config).get("torch_dtype").and_then(Value::as_str).and_then(dtype_bytes));
-        Self::from_config(&config, weights_bytes, act.unwrap_or(2))
+        let mut f = Self::from_config(&config, weights_bytes, act.unwrap_or(2))?;
+        if f.moe.iter().any(|m| m.0 > 0) {
+            f.expert_bytes = tensors.iter().filter(|t| crate::models::experts::is_expert_tensor(&t.0)).map(|t| t.2).sum();
+        }
+        Ok(f)
     }
 
     /// Facts from a GGUF file as `serve` and `Session` import it (bf16, their default): the config
@@ -263,6 +274,16 @@ impl ModelFacts {
             Some(l) => l.iter().map(|l| l.kv_elems() as u64).collect(),
             None => vec![kv_heads * head_dim * 2; num_layers as usize],
         };
+        let moe = match &layout {
+            Some(l) => l
+                .iter()
+                .map(|l| match l.ffn {
+                    crate::models::FfnKind::Moe { experts, top_k, .. } => (experts as u64, top_k as u64),
+                    _ => (0, 0),
+                })
+                .collect(),
+            None => vec![(0, 0); num_layers as usize],
+        };
         Ok(ModelFacts {
             model_type,
             num_layers,
@@ -278,6 +299,8 @@ impl ModelFacts {
             weights_bytes,
             quantized_weights: config.get("quantization").or_else(|| config.get("quantization_config")).is_some(),
             max_position_embeddings: u("max_position_embeddings"),
+            expert_bytes: 0,
+            moe,
         })
     }
 }
@@ -377,6 +400,10 @@ pub struct PlanOptions {
     pub dequant_rows: u64,
     /// The usable bytes.
     pub usable_bytes: u64,
+    /// Plan the MoE experts streamed even when every weight would fit (`--stream-experts`).
+    pub stream_experts: bool,
+    /// The expert cache's bytes when streamed; None: what the budget leaves (at most every expert).
+    pub expert_cache_bytes: Option<u64>,
 }
 
 /// The admission contract (schemaVersion 1), serialized with camelCase keys.
@@ -396,6 +423,16 @@ pub struct MemoryPlan {
     pub usable_bytes: u64,
     pub predicted_decode_tps: Option<f64>,
     pub allocator_limit_bytes: u64,
+    /// `streamed-experts` only: the expert bytes left in the files, the expert cache's budget, its
+    /// share of the experts, and the bytes read per decoded token predicted for uniform routing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub streamed_expert_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_cache_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_cache_fraction: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_expert_bytes_per_token: Option<f64>,
 }
 
 /// The largest context considered when a model does not say its own.
@@ -488,27 +525,30 @@ impl ModelFacts {
         self.max_position_embeddings.filter(|&m| m > 0).unwrap_or(NO_LIMIT_CONTEXT)
     }
 
-    fn total(&self, ctx: u64, o: &PlanOptions) -> u64 {
-        self.weights_bytes
-            + self.kv_bytes(ctx, o.kv_bits, o.kv_group_size)
-            + self.transient_bytes(ctx, o)
-            + RESERVE_BYTES
+    /// The total with `weights` resident bytes (the streamed plan: the non-expert weights plus the
+    /// cache and the experts one step reads).
+    fn total_with(&self, ctx: u64, o: &PlanOptions, weights: u64) -> u64 {
+        weights + self.kv_bytes(ctx, o.kv_bits, o.kv_group_size) + self.transient_bytes(ctx, o) + RESERVE_BYTES
     }
 
     /// The largest context (≤ the model's) whose total fits `usable`; 0 when none does.
     pub fn max_safe_context(&self, o: &PlanOptions) -> u64 {
+        self.max_context_with(o, self.weights_bytes)
+    }
+
+    fn max_context_with(&self, o: &PlanOptions, weights: u64) -> u64 {
         let cap = self.model_context();
-        if self.total(1, o) > o.usable_bytes {
+        if self.total_with(1, o, weights) > o.usable_bytes {
             return 0;
         }
-        if self.total(cap, o) <= o.usable_bytes {
+        if self.total_with(cap, o, weights) <= o.usable_bytes {
             return cap;
         }
         // total() is monotone in ctx: binary search the last fitting value
         let (mut lo, mut hi) = (1u64, cap);
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
-            if self.total(mid, o) <= o.usable_bytes {
+            if self.total_with(mid, o, weights) <= o.usable_bytes {
                 lo = mid;
             } else {
                 hi = mid;
@@ -517,12 +557,71 @@ impl ModelFacts {
         lo
     }
 
+    /// Bytes of one expert (all its projections), the experts being alike across MoE layers.
+    pub fn bytes_per_expert(&self) -> u64 {
+        let n: u64 = self.moe.iter().map(|m| m.0).sum();
+        self.expert_bytes.checked_div(n).unwrap_or(0)
+    }
+
+    /// The experts a streamed step holds outside the cache at most: one layer's routed experts, read
+    /// and stacked (two copies), for a prefill chunk of `step` tokens.
+    fn streamed_step_bytes(&self, step: u64) -> u64 {
+        let per = self.bytes_per_expert();
+        self.moe.iter().map(|&(e, k)| 2 * e.min(step.max(1) * k) * per).max().unwrap_or(0)
+    }
+
+    /// Expert bytes read per decoded token with a cache holding `fraction` of the experts, routing
+    /// uniform (an LRU cache then hits with probability `fraction`; real routers are skewed, so
+    /// real models read less): (1 − fraction) × Σ over MoE layers of top-k × bytes per expert.
+    pub fn predicted_expert_bytes_per_token(&self, fraction: f64) -> f64 {
+        let per = self.bytes_per_expert() as f64;
+        let k: u64 = self.moe.iter().map(|m| m.1).sum();
+        (1.0 - fraction.clamp(0.0, 1.0)) * k as f64 * per
+    }
+
+    /// The streamed-experts plan: resident = non-expert weights, expert cache, one step's experts,
+    /// KV and transient; the cache gets what the budget leaves (at most every expert), or
+    /// `o.expert_cache_bytes`.
+    fn plan_streamed(&self, o: &PlanOptions, ctx: u64) -> MemoryPlan {
+        let step = self.streamed_step_bytes(o.prefill_step.min(ctx.max(1)));
+        let base = self.weights_bytes.saturating_sub(self.expert_bytes) + step;
+        let kv = self.kv_bytes(ctx, o.kv_bits, o.kv_group_size);
+        let transient = self.transient_bytes(ctx, o);
+        let rest = base + kv + transient + RESERVE_BYTES;
+        let cache = o.expert_cache_bytes.unwrap_or_else(|| o.usable_bytes.saturating_sub(rest).min(self.expert_bytes));
+        let total = rest + cache;
+        let fraction = if self.expert_bytes > 0 { (cache as f64 / self.expert_bytes as f64).min(1.0) } else { 1.0 };
+        MemoryPlan {
+            schema_version: 1,
+            strategy: "streamed-experts",
+            fits: total <= o.usable_bytes,
+            context_tokens: ctx,
+            max_safe_context: self.max_context_with(o, base + o.expert_cache_bytes.unwrap_or(0)),
+            weights_bytes: base - step + cache,
+            kv_bytes: kv,
+            transient_bytes: transient + step,
+            reserve_bytes: RESERVE_BYTES,
+            total_bytes: total,
+            usable_bytes: o.usable_bytes,
+            predicted_decode_tps: None,
+            allocator_limit_bytes: o.usable_bytes.saturating_sub(RESERVE_BYTES),
+            streamed_expert_bytes: Some(self.expert_bytes),
+            expert_cache_bytes: Some(cache),
+            expert_cache_fraction: Some(fraction),
+            predicted_expert_bytes_per_token: Some(self.predicted_expert_bytes_per_token(fraction)),
+        }
+    }
+
     /// The plan for `o`.
     pub fn plan(&self, o: &PlanOptions) -> MemoryPlan {
         let ctx = o.context_tokens.unwrap_or_else(|| self.model_context());
         let kv = self.kv_bytes(ctx, o.kv_bits, o.kv_group_size);
         let transient = self.transient_bytes(ctx, o);
         let total = self.weights_bytes + kv + transient + RESERVE_BYTES;
+        // a MoE model that does not fit (or asked to): its experts streamed from the files
+        if self.expert_bytes > 0 && (o.stream_experts || total > o.usable_bytes) {
+            return self.plan_streamed(o, ctx);
+        }
         MemoryPlan {
             schema_version: 1,
             strategy: "generic-kv",
@@ -538,6 +637,10 @@ impl ModelFacts {
             predicted_decode_tps: None,
             // what MLX's allocator may hold in all: the budget less the process reserve
             allocator_limit_bytes: o.usable_bytes.saturating_sub(RESERVE_BYTES),
+            streamed_expert_bytes: None,
+            expert_cache_bytes: None,
+            expert_cache_fraction: None,
+            predicted_expert_bytes_per_token: None,
         }
     }
 }
@@ -630,7 +733,7 @@ mod tests {
         PlanOptions {
             context_tokens: None, kv_bits: None, kv_group_size: 64, prefill_step: 2048, fused_attention: false,
             dequant_rows: u64::MAX,
-            layers_in_flight: 1, usable_bytes: usable,
+            layers_in_flight: 1, usable_bytes: usable, stream_experts: false, expert_cache_bytes: None,
         }
     }
 
@@ -671,6 +774,41 @@ mod tests {
         let p = f.plan(&opts(budget));
         assert!(!p.fits);
         assert_eq!(p.context_tokens, 4096);
+    }
+
+    #[test]
+    fn a_moe_model_over_budget_is_planned_streamed() {
+        let cfg = serde_json::json!({
+            "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
+            "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "max_position_embeddings": 4096
+        });
+        let mut f = ModelFacts::from_config(&cfg, 100_000_000, 4).unwrap();
+        assert_eq!(f.moe, vec![(16, 2); 4]);
+        // no expert bytes known (a GGUF): never streamed
+        let o = |usable, stream| PlanOptions { context_tokens: Some(512), stream_experts: stream, ..opts(usable) };
+        assert_eq!(f.plan(&o(1, false)).strategy, "generic-kv");
+        f.expert_bytes = 64_000_000; // 64 experts of 1 MB
+        assert_eq!(f.bytes_per_expert(), 1_000_000);
+        let resident = f.plan(&o(u64::MAX, false));
+        assert_eq!(resident.strategy, "generic-kv");
+        let budget = resident.total_bytes - 20_000_000;
+        let p = f.plan(&o(budget, false));
+        assert_eq!(p.strategy, "streamed-experts");
+        assert!(p.fits && p.total_bytes == budget);
+        // one layer's 16 experts read and stacked during a 512-token prefill chunk
+        assert_eq!(p.transient_bytes, resident.transient_bytes + 32_000_000);
+        let cache = p.expert_cache_bytes.unwrap();
+        assert_eq!(cache, 64_000_000 - 20_000_000 - 32_000_000);
+        assert_eq!(p.weights_bytes, 36_000_000 + cache);
+        let frac = cache as f64 / 64e6;
+        assert!((p.predicted_expert_bytes_per_token.unwrap() - (1.0 - frac) * 8.0 * 1e6).abs() < 1.0);
+        // too small for even the non-expert weights: streamed, not fitting, cache 0
+        let tiny = f.plan(&o(1_000, false));
+        assert!(!tiny.fits && tiny.expert_cache_bytes == Some(0) && tiny.max_safe_context == 0);
+        // forced: streamed with the cache it is given, though everything fits
+        let forced = f.plan(&PlanOptions { expert_cache_bytes: Some(5_000_000), ..o(u64::MAX, true) });
+        assert_eq!((forced.strategy, forced.expert_cache_bytes), ("streamed-experts", Some(5_000_000)));
     }
 
     #[test]

@@ -5,6 +5,8 @@ use crate::safetensors;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::Arc;
+use crate::models::experts::{Streaming, TensorLoc};
 
 /// Quantization parameters of one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,6 +20,11 @@ pub struct Weights {
     map: HashMap<String, Array>,
     default_q: Option<QuantSpec>,
     per_layer: HashMap<String, Option<QuantSpec>>,
+    /// Where each tensor of the safetensors files is (from their validated headers); empty for
+    /// weights that did not come from files (a GGUF import).
+    locations: HashMap<String, TensorLoc>,
+    /// Set by [`Weights::stream_experts`]: MoE layers leave their experts in the files.
+    streaming: Option<Arc<Streaming>>,
 }
 
 fn parse_spec(v: &Value, fallback: Option<QuantSpec>) -> Option<QuantSpec> {
@@ -50,8 +57,15 @@ fn shape_error(name: &str, got: &[i32], want: &str) -> Error {
 
 /// Load one safetensors file through MLX, after its header passed [`safetensors::read_header`], and
 /// check that MLX read what the header says (names, dtypes, shapes).
-fn load_file(path: &Path) -> Result<HashMap<String, Array>> {
+fn load_file(path: &Path, locations: &mut HashMap<String, TensorLoc>) -> Result<HashMap<String, Array>> {
     let header = safetensors::read_header(path)?;
+    let file = std::fs::File::open(path).map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?;
+    let len = file.metadata().map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?.len();
+    let (file, shared_path) = (Arc::new(file), Arc::new(path.to_path_buf()));
+    for t in &header.tensors {
+        let loc = TensorLoc { file: file.clone(), path: shared_path.clone(), data_start: len - header.data_len, entry: t.clone() };
+        locations.insert(t.name.clone(), loc);
+    }
     let (tensors, _meta) = mx::load_safetensors(path).map_err(|e| Error::ModelLoad(format!("{}: {e}", path.display())))?;
     let disagree = |what: String| Error::ModelLoad(format!("{}: MLX read {what}: the file is corrupt; re-download the model", path.display()));
     if tensors.len() != header.tensors.len() {
@@ -111,10 +125,13 @@ impl Weights {
             )));
         }
         let mut map = HashMap::new();
+        let mut locations = HashMap::new();
         for f in &files {
-            map.extend(load_file(f)?);
+            map.extend(load_file(f, &mut locations)?);
         }
-        Ok(Weights::from_map(map, config))
+        let mut w = Weights::from_map(map, config);
+        w.locations = locations;
+        Ok(w)
     }
 
     pub fn from_map(map: HashMap<String, Array>, config: &Value) -> Weights {
@@ -134,7 +151,22 @@ impl Weights {
                 }
             }
         }
-        Weights { map, default_q, per_layer }
+        Weights { map, default_q, per_layer, locations: HashMap::new(), streaming: None }
+    }
+
+    /// Open the weights for streaming: MoE layers built from them leave their experts in the
+    /// files, read on demand into `ctx`'s cache (`models::experts`).
+    pub fn stream_experts(&mut self, ctx: Arc<Streaming>) {
+        self.streaming = Some(ctx);
+    }
+
+    pub fn streaming(&self) -> Option<Arc<Streaming>> {
+        self.streaming.clone()
+    }
+
+    /// Where tensor `name` is in the safetensors files (None: not from a file).
+    pub fn location(&self, name: &str) -> Option<&TensorLoc> {
+        self.locations.get(name)
     }
 
     pub fn contains(&self, name: &str) -> bool {

@@ -11,10 +11,13 @@ use pyo3::prelude::*;
 /// `device_bytes` overrides the device memory and `backend` ("cpu", "cuda", "metal") the backend
 /// (what `--skus` evaluates; None: this machine's). The backend decides whether attention is
 /// fused (Metal; CUDA with 16-bit activations) and how many layers' prefill activations are alive
-/// at once (three on a GPU); `fused_attention` overrides the first.
+/// at once (three on a GPU); `fused_attention` overrides the first. A MoE model that does not fit,
+/// or `stream_experts`, is planned `streamed-experts` (its expert cache `expert_cache_bytes`, None:
+/// what the budget leaves).
 #[pyfunction]
 #[pyo3(signature = (model_dir, context_tokens=None, kv_bits=None, budget=None, kv_group_size=64,
-                    prefill_step_size=2048, device_bytes=None, fused_attention=None, backend=None))]
+                    prefill_step_size=2048, device_bytes=None, fused_attention=None, backend=None,
+                    stream_experts=false, expert_cache_bytes=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     py: Python<'_>,
@@ -27,6 +30,8 @@ pub fn plan(
     device_bytes: Option<u64>,
     fused_attention: Option<bool>,
     backend: Option<&str>,
+    stream_experts: bool,
+    expert_cache_bytes: Option<u64>,
 ) -> PyResult<String> {
     if let Some(b) = kv_bits {
         if ![2, 3, 4, 6, 8].contains(&b) {
@@ -56,6 +61,8 @@ pub fn plan(
         layers_in_flight: backend.layers_in_flight(),
         dequant_rows: backend.dequant_rows(),
         usable_bytes: core_plan::budget_bytes(budget, dev_bytes),
+        stream_experts,
+        expert_cache_bytes,
     };
     serde_json::to_string(&facts.plan(&o)).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }

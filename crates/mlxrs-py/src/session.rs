@@ -119,7 +119,8 @@ pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, 
 impl Session {
     #[new]
     #[pyo3(signature = (model_dir, kv_bits=None, max_kv_size=None, prefill_step_size=2048, kv_group_size=64,
-                        max_concurrency=None, max_queue=None, prompt_cache_bytes=None, kv_budget_bytes=None))]
+                        max_concurrency=None, max_queue=None, prompt_cache_bytes=None, kv_budget_bytes=None,
+                        stream_experts=false, expert_cache_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -132,6 +133,8 @@ impl Session {
         max_queue: Option<usize>,
         prompt_cache_bytes: Option<usize>,
         kv_budget_bytes: Option<usize>,
+        stream_experts: bool,
+        expert_cache_bytes: Option<usize>,
     ) -> PyResult<Session> {
         let d = LoadOptions::default();
         let opts = LoadOptions {
@@ -144,6 +147,8 @@ impl Session {
             prompt_cache_bytes: prompt_cache_bytes.unwrap_or(d.prompt_cache_bytes),
             kv_budget_bytes,
             stacked_kv: None,
+            stream_experts,
+            expert_cache_bytes,
         };
         let engine = crate::native(py, || Engine::load(&model_dir, opts))?;
         Ok(Session { engine: Arc::new(engine), closed: false })
@@ -290,6 +295,13 @@ impl Session {
         d.set_item("prompt_cache", pc)?;
         d.set_item("max_concurrency", e.options.max_concurrency)?;
         d.set_item("max_queue", e.options.max_queue)?;
+        d.set_item("experts", match &e.experts {
+            Some(x) => {
+                let r = serde_json::to_string(&x.report()).map_err(|err| to_py(py, Error::Invalid(err.to_string())))?;
+                Some(py.import("json")?.call_method1("loads", (r,))?)
+            }
+            None => None,
+        })?;
         Ok(d)
     }
 

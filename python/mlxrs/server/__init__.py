@@ -181,7 +181,13 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     model_dir = resolve_model(args.model)
     # the planner reads config.json and the safetensors headers only: a bad --memory-budget
     # is reported before any weight is loaded
-    plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget))
+    stream = bool(getattr(args, "stream_experts", False))
+    expert_cache = getattr(args, "expert_cache_bytes", None)
+    plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget,
+                                   stream_experts=stream or expert_cache is not None, expert_cache_bytes=expert_cache))
+    # a MoE model whose weights exceed the budget is planned (and served) with its experts
+    # streamed from the files into an expert cache of the plan's size
+    streamed = plan["strategy"] == "streamed-experts"
     # the KV every running sequence may reserve: what the plan leaves beside the weights, the
     # reserve and one prefill's transient; the prompt cache may use half of it by default and
     # gives way when sequences need the room
@@ -190,6 +196,7 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     cache_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else kv_budget // 2
     session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
                       max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget,
+                      stream_experts=streamed, expert_cache_bytes=int(plan["expertCacheBytes"]) if streamed else None,
                       chat_template=_chat_template(args.chat_template))
     dev_bytes, dev_source = _native.device_memory()
     budget_source = (f"--memory-budget {args.memory_budget}" if args.memory_budget is not None
@@ -210,6 +217,10 @@ def _report_plan(state: Any) -> None:
     log.info("memory plan: weights %.2f GiB, budget %.2f GiB (%s), context ceiling %d tokens%s",
              p["weightsBytes"] / gib, p["usableBytes"] / gib, state.budget_source, state.context_tokens,
              f" (model context {state.model_context})" if state.model_context else "")
+    if p["strategy"] == "streamed-experts":
+        log.info("experts streamed from the safetensors files (%.2f GiB), expert cache %.2f GiB (%.0f%% of them); "
+                 "predicted %.1f MiB read per token at uniform routing", p["streamedExpertBytes"] / gib,
+                 p["expertCacheBytes"] / gib, 100 * p["expertCacheFraction"], p["predictedExpertBytesPerToken"] / (1 << 20))
     if p["maxSafeContext"] == 0:
         log.warning("the memory budget (%d bytes) does not hold the weights (%d bytes) plus the reserve and one "
                     "token of context: serving anyway, and every request will get 400 context_over_budget — "

@@ -277,6 +277,9 @@ class ServerState:
             },
             "scheduler": {"max_concurrency": engine.get("max_concurrency"), "max_queue": engine.get("max_queue")},
             "prompt_cache": engine.get("prompt_cache"),
+            # streamed MoE experts (None when resident): hits, misses, hit rate, bytes read (per token),
+            # read throughput, the cache's budget and fill
+            "experts": engine.get("experts"),
             "tokens": {"prompt": st.prompt_tokens, "cached": st.cached_tokens, "completion": st.completion_tokens},
             "recent": {
                 "window": len(st.recent),

@@ -43,6 +43,11 @@ pub struct LoadOptions {
     /// Batched decode over the stacked KV of all rows (`cache::BatchKv`) where the model allows it;
     /// None: `MLXRS_BATCH_KV`, else on a GPU only (see `sched::stacked_kv_default`).
     pub stacked_kv: Option<bool>,
+    /// Leave MoE experts in the safetensors files and read the routed ones on demand into an
+    /// expert cache (`models::experts`); the non-expert weights are resident.
+    pub stream_experts: bool,
+    /// The expert cache's byte budget when streaming; None: a quarter of the expert bytes.
+    pub expert_cache_bytes: Option<usize>,
 }
 
 /// Defaults for [`LoadOptions::max_concurrency`], [`LoadOptions::max_queue`] and
@@ -98,6 +103,8 @@ impl Default for LoadOptions {
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             kv_budget_bytes: None,
             stacked_kv: None,
+            stream_experts: false,
+            expert_cache_bytes: None,
         }
     }
 }
@@ -234,7 +241,10 @@ pub struct Engine {
     pub dir: PathBuf,
     pub options: LoadOptions,
     pub stats: Arc<Stats>,
+    /// Bytes of the weights in memory (the streamed experts, left in the files, not counted).
     pub weights_bytes: usize,
+    /// The expert cache and its counters when MoE experts are streamed.
+    pub experts: Option<Arc<models::experts::Streaming>>,
     /// Constrained decoding's token environment, built on the first constrained request.
     guides: Guides,
 }
@@ -286,18 +296,31 @@ impl Engine {
         let (tx, rx) = channel::<Cmd>();
         let (ready_tx, ready_rx) = channel::<Result<(ModelShape, usize)>>();
         let stats = Arc::new(Stats::default());
+        let streaming = options.stream_experts.then(|| models::experts::Streaming::new(options.expert_cache_bytes));
         let (d, cfg, opts, st, tk) = (dir.to_path_buf(), config.clone(), options.clone(), stats.clone(), tokenizer.clone());
+        let ctx = streaming.clone();
         let thread = std::thread::Builder::new()
             .name("mlxrs-engine".into())
             .spawn(move || {
                 let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Box<dyn CausalLm>, usize)> {
-                    let weights = Weights::load_dir(&d, &cfg)?;
+                    let mut weights = Weights::load_dir(&d, &cfg)?;
+                    if let Some(c) = &ctx {
+                        weights.stream_experts(c.clone());
+                    }
                     let bytes = weights.nbytes();
                     // the config's and the weights' checks name the field or tensor; say which model
                     let model = models::build(&cfg, weights).map_err(|e| match e {
                         Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
                         e => e,
                     })?;
+                    // the streamed experts' arrays were dropped unread: not in memory
+                    let bytes = match &ctx {
+                        Some(c) => {
+                            c.finish_load();
+                            bytes.saturating_sub(c.streamed_bytes() as usize)
+                        }
+                        None => bytes,
+                    };
                     Ok((model, bytes))
                 }))
                 .unwrap_or_else(|p| {
@@ -343,6 +366,7 @@ impl Engine {
             options,
             stats,
             weights_bytes,
+            experts: streaming,
             guides: Guides::default(),
         })
     }

@@ -4,6 +4,7 @@ use crate::cache::{Fetched, LayerCache, LayerCaches, Mask, Masks};
 use crate::error::Result;
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
 use crate::weights::{Matrix, QuantSpec, Weights};
+pub use super::experts::{ExpertStore, StreamedExperts};
 
 /// `y = x W^T + b`, W dense or quantized.
 pub enum Linear {
@@ -679,29 +680,30 @@ impl SwitchLinear {
     }
 }
 
-/// The routed experts of one layer: where their weights are. Resident today; a store that pages
-/// experts in from disk would replace this type, with the same `forward`.
+/// The routed experts of one layer, behind an [`ExpertStore`]: resident stacked arrays, or streamed
+/// from the safetensors files when the weights were opened for streaming (`Weights::stream_experts`).
 pub struct Experts {
-    pub gate: SwitchLinear,
-    pub up: SwitchLinear,
-    pub down: SwitchLinear,
+    pub store: ExpertStore,
     pub count: i32,
 }
 
 impl Experts {
     /// `{prefix}.{gate,up,down}_proj` of `count` experts, each `[inter, hidden]` / `[hidden, inter]`.
     pub fn load(ws: &mut Weights, prefix: &str, count: i32, hidden: i32, inter: i32) -> Result<Experts> {
-        Ok(Experts {
-            gate: SwitchLinear::load(ws, &format!("{prefix}.gate_proj"), count, inter, hidden)?,
-            up: SwitchLinear::load(ws, &format!("{prefix}.up_proj"), count, inter, hidden)?,
-            down: SwitchLinear::load(ws, &format!("{prefix}.down_proj"), count, hidden, inter)?,
-            count,
-        })
+        let store = match ws.streaming() {
+            Some(ctx) => ExpertStore::Streamed(StreamedExperts::load(ws, ctx, prefix, count, hidden, inter)?),
+            None => ExpertStore::Resident {
+                gate: SwitchLinear::load(ws, &format!("{prefix}.gate_proj"), count, inter, hidden)?,
+                up: SwitchLinear::load(ws, &format!("{prefix}.up_proj"), count, inter, hidden)?,
+                down: SwitchLinear::load(ws, &format!("{prefix}.down_proj"), count, hidden, inter)?,
+            },
+        };
+        Ok(Experts { store, count })
     }
 
     /// mlx-lm's `SwitchGLU`: `x` `[..., hidden]`, `indices` `[..., k]` → `[..., k, hidden]`, each
-    /// token through each of its k experts' SwiGLU. From 64 (token, expert) pairs on, the pairs are
-    /// sorted by expert first (as mlx-lm does) so each expert's weights are read once.
+    /// token through each of its k experts' SwiGLU. Streamed: the indices are evaluated, the
+    /// distinct experts fetched (cache or files) into a compact stack, the indices remapped into it.
     pub fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
         self.forward_act(x, indices, Activation::Silu)
     }
@@ -709,40 +711,79 @@ impl Experts {
     /// [`Experts::forward`] with the gated activation `act` (SwiGLU `silu(gate) * up`, or GeGLU
     /// `gelu_approx(gate) * up` as Gemma 4's experts).
     pub fn forward_act(&self, x: &Array, indices: &Array, act: Activation) -> Result<Array> {
-        let ish = indices.shape();
-        let k = *ish.last().unwrap_or(&1);
-        let x = mx::expand_dims(&mx::expand_dims(x, -2)?, -3)?; // [..., 1, 1, hidden]
-        let do_sort = indices.size() >= 64;
-        let (x, idx, inv) = if do_sort {
-            let flat = mx::flatten(indices, 0, -1)?;
-            let order = mx::argsort(&flat, 0)?;
-            let inv = mx::argsort(&order, 0)?;
-            let xs = mx::flatten(&x, 0, -3)?; // [tokens, 1, hidden]
-            let kk = mx::scalar_as(k as f64, order.dtype())?;
-            let rows = mx::floor_divide(&order, &kk)?;
-            (mx::take(&xs, &rows, 0)?, mx::take(&flat, &order, 0)?, Some(inv))
-        } else {
-            (x, indices.clone(), None)
-        };
-        let up = self.up.forward(&x, &idx, do_sort)?;
-        let gate = self.gate.forward(&x, &idx, do_sort)?;
-        let h = match act {
-            Activation::Silu => compiled(&SWIGLU, swiglu, &[&gate, &up])?,
-            Activation::GeluApprox => geglu(&gate, &up)?,
-        };
-        let mut y = self.down.forward(&h, &idx, do_sort)?;
-        if let Some(inv) = inv {
-            y = mx::take(&y, &inv, 0)?; // [tokens*k, 1, hidden]
-            let mut shape = ish.clone();
-            shape.extend([1, y.dim(-1)]);
-            y = mx::reshape(&y, &shape)?;
+        match &self.store {
+            ExpertStore::Resident { gate, up, down } => switch_glu(gate, up, down, x, indices, act),
+            ExpertStore::Streamed(s) => {
+                let ids = indices.to_vec::<i32>()?;
+                let mut slot = vec![u32::MAX; self.count as usize];
+                let mut uniq: Vec<u32> = Vec::new();
+                let mut local = Vec::with_capacity(ids.len());
+                for &e in &ids {
+                    let su = usize::try_from(e).ok().filter(|&u| u < slot.len()).ok_or_else(|| {
+                        crate::Error::Invalid(format!("the router chose expert {e}, outside 0..{}", self.count))
+                    })?;
+                    if slot[su] == u32::MAX {
+                        slot[su] = uniq.len() as u32;
+                        uniq.push(e as u32);
+                    }
+                    local.push(slot[su]);
+                }
+                s.count_tokens((x.size() / x.dim(-1).max(1) as usize) as u64);
+                let [gate, up, down] = s.fetch(&uniq)?;
+                let idx = Array::from_slice(&local, &indices.shape())?;
+                switch_glu(&gate, &up, &down, x, &idx, act)
+            }
         }
-        mx::squeeze(&y, &[-2])
     }
 
+    /// Bytes of the resident expert weights (0 when streamed: the cache holds what is in memory).
     pub fn nbytes(&self) -> usize {
-        self.gate.nbytes() + self.up.nbytes() + self.down.nbytes()
+        match &self.store {
+            ExpertStore::Resident { gate, up, down } => gate.nbytes() + up.nbytes() + down.nbytes(),
+            ExpertStore::Streamed(_) => 0,
+        }
     }
+}
+
+/// The SwitchGLU over stacked experts: from 64 (token, expert) pairs on, the pairs are sorted by
+/// expert first (as mlx-lm does) so each expert's weights are read once.
+fn switch_glu(
+    gate: &SwitchLinear,
+    up: &SwitchLinear,
+    down: &SwitchLinear,
+    x: &Array,
+    indices: &Array,
+    act: Activation,
+) -> Result<Array> {
+    let ish = indices.shape();
+    let k = *ish.last().unwrap_or(&1);
+    let x = mx::expand_dims(&mx::expand_dims(x, -2)?, -3)?; // [..., 1, 1, hidden]
+    let do_sort = indices.size() >= 64;
+    let (x, idx, inv) = if do_sort {
+        let flat = mx::flatten(indices, 0, -1)?;
+        let order = mx::argsort(&flat, 0)?;
+        let inv = mx::argsort(&order, 0)?;
+        let xs = mx::flatten(&x, 0, -3)?; // [tokens, 1, hidden]
+        let kk = mx::scalar_as(k as f64, order.dtype())?;
+        let rows = mx::floor_divide(&order, &kk)?;
+        (mx::take(&xs, &rows, 0)?, mx::take(&flat, &order, 0)?, Some(inv))
+    } else {
+        (x, indices.clone(), None)
+    };
+    let u = up.forward(&x, &idx, do_sort)?;
+    let g = gate.forward(&x, &idx, do_sort)?;
+    let h = match act {
+        Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
+        Activation::GeluApprox => geglu(&g, &u)?,
+    };
+    let mut y = down.forward(&h, &idx, do_sort)?;
+    if let Some(inv) = inv {
+        y = mx::take(&y, &inv, 0)?; // [tokens*k, 1, hidden]
+        let mut shape = ish.clone();
+        shape.extend([1, y.dim(-1)]);
+        y = mx::reshape(&y, &shape)?;
+    }
+    mx::squeeze(&y, &[-2])
 }
 
 /// A sparse MoE block with a softmax top-k router (mlx-lm's `Qwen3MoeSparseMoeBlock`): the

@@ -4,6 +4,7 @@ pub mod arch;
 pub mod gemma3_text;
 pub mod gemma4_text;
 pub mod layers;
+pub mod experts;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
