@@ -1,0 +1,217 @@
+"""Image input for Gemma 3, against mlx-vlm 0.7.10 on the same tiny random model (a SigLIP tower of
+112×112 images in 14×14 patches, 16 image tokens; tests/tinymodels.py): the processor's pixel
+values, the tower's projected embeddings, the prompt's image-token expansion and 32 greedy tokens
+with one and with two images; bad media refused naming the part; a model without a vision tower
+refuses images."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import mlxrs
+from conftest import HERE, blas_env
+from tinymodels import make_gemma3_vision, make_model
+
+N_TOKENS = 32
+ONE = "Describe <start_of_image> please."
+TWO = "First <start_of_image> then <start_of_image> compare them."
+
+
+def run_vlm(job: dict[str, Any]) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, str(HERE / "oracle_mlxvlm.py")], input=json.dumps(job), capture_output=True,
+                       text=True, env=blas_env(), timeout=600)
+    if p.returncode != 0:
+        raise AssertionError(f"mlx-vlm oracle failed:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return make_gemma3_vision()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, Path]:
+    """Test images: a gradient with noise (smaller than the tower's input: upscaled), a larger
+    noisy one (downscaled, both axes differently), a JPEG and an RGBA PNG."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(7)
+    yy, xx = np.mgrid[0:70, 0:90]
+    a = np.stack([(xx * 2.8) % 256, (yy * 3.6) % 256, rng.integers(0, 256, (70, 90))], -1).astype(np.uint8)
+    b = rng.integers(0, 256, (230, 170, 3), dtype=np.uint8)
+    rgba = np.concatenate([a, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], -1)
+    out = {"a": d / "a.png", "b": d / "b.png", "jpg": d / "c.jpg", "rgba": d / "d.png"}
+    Image.fromarray(a).save(out["a"])
+    Image.fromarray(b).save(out["b"])
+    Image.fromarray(b).resize((300, 200)).save(out["jpg"], quality=85)
+    Image.fromarray(rgba, "RGBA").save(out["rgba"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def session(model_dir):
+    with mlxrs.Session(model_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oracle_one(model_dir, images):
+    return run_vlm({"model": str(model_dir), "prompt": ONE, "images": [str(images["a"])], "max_tokens": N_TOKENS})
+
+
+@pytest.fixture(scope="module")
+def oracle_two(model_dir, images):
+    return run_vlm({"model": str(model_dir), "prompt": TWO, "images": [str(images["b"]), str(images["a"])],
+                    "max_tokens": N_TOKENS, "prefill_step_size": 16})
+
+
+@pytest.mark.parametrize("name", ["a", "b", "rgba"])
+def test_pixel_values_match_the_processor(session, model_dir, images, name):
+    """PNG (lossless): Pillow's resampling reproduced bit for bit, so the pixel values are equal
+    up to float32 rounding (the tolerance asked: 1e-5)."""
+    ref = run_vlm({"model": str(model_dir), "prompt": "<start_of_image>", "images": [str(images[name])],
+                   "max_tokens": 1})
+    ours = np.array(session.pixel_values(images[name]), dtype=np.float32)
+    theirs = np.array(ref["pixel_values"][0], dtype=np.float32)
+    assert ours.shape == theirs.shape == (3 * 112 * 112,)
+    assert float(np.max(np.abs(ours - theirs))) <= 1e-5
+
+
+def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
+    """JPEG: the image crate's decoder (zune-jpeg) and Pillow's libjpeg-turbo round the IDCT and
+    the chroma upsampling differently, by a level or two of 255; after the same resize that is at
+    most a few levels (each 2/255 ≈ 0.0078 after normalisation). Measured here, not assumed."""
+    ref = run_vlm({"model": str(model_dir), "prompt": "<start_of_image>", "images": [str(images["jpg"])],
+                   "max_tokens": 1})
+    ours = np.array(session.pixel_values(images["jpg"]), dtype=np.float32)
+    theirs = np.array(ref["pixel_values"][0], dtype=np.float32)
+    diff = np.abs(ours - theirs)
+    assert float(diff.max()) <= 4 * 2 / 255 + 1e-6, float(diff.max())
+    assert float(diff.mean()) <= 0.5 * 2 / 255, float(diff.mean())
+
+
+def test_tower_embeddings_match(session, images, oracle_two):
+    ours = np.array(session.image_features([images["b"], images["a"]]), dtype=np.float32)
+    theirs = np.array(oracle_two["features"], dtype=np.float32)
+    assert ours.shape == theirs.shape == (2 * 16 * 128,)
+    assert float(np.max(np.abs(ours - theirs))) <= 1e-4
+
+
+def _ids(session, prompt: str, n: int) -> list[int]:
+    return session.tokenize(session._s.expand_image_markers(prompt, n))
+
+
+def test_one_image_greedy_tokens(session, images, oracle_one):
+    assert _ids(session, ONE, 1) == oracle_one["input_ids"]
+    out = session.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert out.tokens == oracle_one["tokens"]
+    assert out.usage.prompt_tokens == len(oracle_one["input_ids"])
+    # the image changes the answer: the same prompt with another image does not give these tokens
+    other = session.generate(ONE, images=[images["b"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert other.tokens != out.tokens
+
+
+def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two):
+    # prefill in chunks of 16 tokens: the image-token runs straddle chunk boundaries
+    with mlxrs.Session(model_dir, prefill_step_size=16) as s:
+        assert _ids(s, TWO, 2) == oracle_two["input_ids"]
+        out = s.generate(TWO, images=[images["b"], images["a"]], max_tokens=N_TOKENS, ignore_eos=True,
+                         temperature=0.0)
+        # twice: the second must not reuse the first's cached prefix (its image tokens are the same ids)
+        swapped = s.generate(TWO, images=[images["a"], images["b"]], max_tokens=N_TOKENS, ignore_eos=True,
+                             temperature=0.0)
+        again = s.generate(TWO, images=[images["b"], images["a"]], max_tokens=N_TOKENS, ignore_eos=True,
+                           temperature=0.0)
+        assert s.info()["prompt_cache"]["hits"] == 0
+    assert out.tokens == oracle_two["tokens"]
+    assert again.tokens == out.tokens
+    assert swapped.tokens != out.tokens
+
+
+def test_chat_content_parts_and_images_first(session, images):
+    """Session.chat with content parts renders the model's image marker where the part is; a
+    string prompt without markers takes its images first."""
+    data = images["a"].read_bytes()
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    out = session.chat(msgs, max_tokens=8, temperature=0.0)
+    text = session.apply_chat_template([{"role": "user", "content": "What is this?\n<start_of_image>"}])
+    ids = session.tokenize(session._s.expand_image_markers(text, 1))
+    ref = session.generate(ids, images=[data], max_tokens=8, temperature=0.0)
+    assert out.tokens == ref.tokens and out.usage.prompt_tokens == len(ids)
+    first = session.generate("hello", images=[data], max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert first.usage.prompt_tokens == len(_ids(session, "<start_of_image>hello", 1))
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _jpeg() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def huge_png_header() -> bytes:
+    """A PNG whose header says 50000×50000 pixels (its IHDR CRC fixed up), and no pixel data."""
+    import struct
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", 50_000, 50_000, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+
+
+BAD_MEDIA = {
+    "truncated PNG": (lambda: _png()[:40], "images[0]"),
+    "truncated JPEG": (lambda: _jpeg()[:300], "images[0]"),
+    "50k x 50k header": (huge_png_header, "50000x50000"),
+    "unsupported data": (lambda: b"GIF87a-not-really" + bytes(64), "images[0]"),
+    "plain text": (lambda: b"this is not an image at all", "not an image"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MEDIA))
+def test_bad_media_is_refused_naming_the_part(session, case):
+    make, needle = BAD_MEDIA[case]
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="images\\[0\\]") as e:
+        session.generate("look", images=[make()], max_tokens=2)
+    assert needle in str(e.value)
+    # the session keeps serving
+    assert len(session.generate("ok", max_tokens=2, temperature=0.0, ignore_eos=True).tokens) == 2
+
+
+def test_a_text_model_refuses_images():
+    d = make_model("gemma3_text-float32", "gemma3_text")
+    with mlxrs.Session(d) as s:
+        assert s.vision is None
+        with pytest.raises(mlxrs.errors.InvalidArgumentError, match="gemma3_text-float32 has no vision tower"):
+            s.generate("look", images=[_png()], max_tokens=2)
+        with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"messages\[0\].content\[0\].*no vision tower"):
+            s.chat([{"role": "user", "content": [{"type": "image", "image": _png()}]}], max_tokens=2)
+
+
+def test_audio_and_video_parts_are_refused(session):
+    for part, kind in [({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "audio"),
+                       ({"type": "video_url", "video_url": {"url": "x"}}, "video")]:
+        with pytest.raises(mlxrs.errors.InvalidArgumentError, match=rf"messages\[0\].content\[0\]: {kind} input"):
+            session.chat([{"role": "user", "content": [part]}], max_tokens=2)
