@@ -49,9 +49,14 @@ def images(tmp_path_factory) -> dict[str, Path]:
     a = np.stack([(xx * 2.8) % 256, (yy * 3.6) % 256, rng.integers(0, 256, (70, 90))], -1).astype(np.uint8)
     b = rng.integers(0, 256, (230, 170, 3), dtype=np.uint8)
     rgba = np.concatenate([a, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], -1)
-    out = {"a": d / "a.png", "b": d / "b.png", "jpg": d / "c.jpg", "rgba": d / "d.png"}
+    out = {"a": d / "a.png", "b": d / "b.png", "jpg": d / "c.jpg", "rgba": d / "d.png", "wide": d / "e.png",
+           "tallish": d / "f.png"}
     Image.fromarray(a).save(out["a"])
     Image.fromarray(b).save(out["b"])
+    # Pillow 13's pass order: b (230x170, height shrinking 118 > 2 x 58) vertical first; these two
+    # horizontal first, one wider than tall, one taller than wide on the rule's other side
+    Image.fromarray(rng.integers(0, 256, (170, 260, 3), dtype=np.uint8)).save(out["wide"])
+    Image.fromarray(rng.integers(0, 256, (200, 170, 3), dtype=np.uint8)).save(out["tallish"])
     Image.fromarray(b).resize((300, 200)).save(out["jpg"], quality=85)
     Image.fromarray(rgba, "RGBA").save(out["rgba"])
     return out
@@ -74,7 +79,7 @@ def oracle_two(model_dir, images):
                     "max_tokens": N_TOKENS, "prefill_step_size": 16})
 
 
-@pytest.mark.parametrize("name", ["a", "b", "rgba"])
+@pytest.mark.parametrize("name", ["a", "b", "rgba", "wide", "tallish"])
 def test_pixel_values_match_the_processor(session, model_dir, images, name):
     """PNG (lossless): Pillow's resampling reproduced bit for bit, so the pixel values are equal
     up to float32 rounding (the tolerance asked: 1e-5)."""
