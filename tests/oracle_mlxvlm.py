@@ -4,7 +4,9 @@ mlxrs through LD_PRELOAD, like oracle_mlxlm.py). Reads a JSON job on stdin, writ
 Job: {"model": dir, "prompt": text with one image marker per image, "images": [paths],
       "max_tokens": n, "prefill_step_size": n}
 Out: {"input_ids": [ids] (the processor's), "pixel_values": [[floats]] per image (flattened [3, H, W]),
-      "features": [floats] (the projector's output for all images, flattened), "tokens": [ids] (greedy)}
+      "features": [floats] (the projector's output for all images, flattened), "tokens": [ids] (greedy),
+      "logits": [last-position logits, float32] (the merged embeddings through the language model, as
+      generate's prefill runs them: all but the last position, then the last)}
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ def main() -> None:
         feats = model.multi_modal_projector(h).astype(mx.float32)
         out["features"] = np.asarray(feats).ravel().tolist()
     mask = mx.array(np.asarray(inputs["attention_mask"])) if "attention_mask" in inputs else None
+    if pixel_values is not None:
+        emb = model.get_input_embeddings(input_ids, pixel_values, mask=mask).inputs_embeds
+        cache = model.language_model.make_cache()
+        n = input_ids.shape[1]
+        model.language_model(input_ids[:, :n - 1], inputs_embeds=emb[:, :n - 1], cache=cache)
+        last = model.language_model(input_ids[:, n - 1:], inputs_embeds=emb[:, n - 1:], cache=cache).logits
+        out["logits"] = np.asarray(last[0, -1].astype(mx.float32)).tolist()
     tokens = []
     for tok, _ in generate_step(input_ids, model, pixel_values, mask, max_tokens=job["max_tokens"], temperature=0.0,
                                 prefill_step_size=job.get("prefill_step_size", 2048)):

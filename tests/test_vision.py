@@ -93,36 +93,48 @@ def test_pixel_values_match_the_processor(session, model_dir, images, name):
 
 def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
     """JPEG: the image crate's decoder (zune-jpeg) and Pillow's libjpeg-turbo round the IDCT and
-    the chroma upsampling differently, by a level or two of 255; after the same resize that is at
-    most a few levels (each 2/255 ≈ 0.0078 after normalisation). Measured here, not assumed."""
+    the chroma upsampling differently (a few levels of 255 on this noise image, the worst case for a
+    JPEG decoder; each level is 2/255 ≈ 0.0078 after normalisation). Measured: at most 5 levels,
+    under half a level on average; the bounds below leave a little room."""
     ref = run_vlm({"model": str(model_dir), "prompt": "<start_of_image>", "images": [str(images["jpg"])],
                    "max_tokens": 1})
     ours = np.array(session.pixel_values(images["jpg"]), dtype=np.float32)
     theirs = np.array(ref["pixel_values"][0], dtype=np.float32)
     diff = np.abs(ours - theirs)
-    assert float(diff.max()) <= 4 * 2 / 255 + 1e-6, float(diff.max())
+    assert float(diff.max()) <= 6 * 2 / 255 + 1e-6, float(diff.max())
     assert float(diff.mean()) <= 0.5 * 2 / 255, float(diff.mean())
 
 
 def test_tower_embeddings_match(session, images, oracle_two):
+    """The projected embeddings of two images (values up to ~25): float32 rounding apart (the
+    tolerance of the fp32 logits parity, 1e-4, relative to their scale)."""
     ours = np.array(session.image_features([images["b"], images["a"]]), dtype=np.float32)
     theirs = np.array(oracle_two["features"], dtype=np.float32)
     assert ours.shape == theirs.shape == (2 * 16 * 128,)
-    assert float(np.max(np.abs(ours - theirs))) <= 1e-4
+    assert float(np.max(np.abs(ours - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
 
 
 def _ids(session, prompt: str, n: int) -> list[int]:
     return session.tokenize(session._s.expand_image_markers(prompt, n))
 
 
-def test_one_image_greedy_tokens(session, images, oracle_one):
-    assert _ids(session, ONE, 1) == oracle_one["input_ids"]
+def _logits(session, ids: list[int], imgs: list[Path]) -> np.ndarray:
+    return np.array(session._s.logits(ids, [p.read_bytes() for p in imgs]), dtype=np.float32)
+
+
+def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
+    ids = _ids(session, ONE, 1)
+    assert ids == oracle_one["input_ids"]
     out = session.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert out.tokens == oracle_one["tokens"]
     assert out.usage.prompt_tokens == len(oracle_one["input_ids"])
-    # the image changes the answer: the same prompt with another image does not give these tokens
-    other = session.generate(ONE, images=[images["b"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
-    assert other.tokens != out.tokens
+    # the whole last-position distribution, which the image moves (greedy tokens of a random tiny
+    # model say little alone)
+    ours = _logits(session, ids, [images["a"]])
+    ref = np.array(oracle_one["logits"], dtype=np.float32)
+    assert float(np.max(np.abs(ours - ref))) <= 1e-4
+    other = _logits(session, ids, [images["b"]])
+    assert float(np.max(np.abs(other - ours))) > 100 * 1e-4
 
 
 def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two):
@@ -136,10 +148,17 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
                              temperature=0.0)
         again = s.generate(TWO, images=[images["b"], images["a"]], max_tokens=N_TOKENS, ignore_eos=True,
                            temperature=0.0)
-        assert s.info()["prompt_cache"]["hits"] == 0
+        assert s.info["prompt_cache"]["hits"] == 0
+        ids = _ids(s, TWO, 2)
+        ours = _logits(s, ids, [images["b"], images["a"]])
+        swapped_logits = _logits(s, ids, [images["a"], images["b"]])
     assert out.tokens == oracle_two["tokens"]
     assert again.tokens == out.tokens
-    assert swapped.tokens != out.tokens
+    ref = np.array(oracle_two["logits"], dtype=np.float32)
+    assert float(np.max(np.abs(ours - ref))) <= 1e-4
+    # the images' order matters, and a media request reused no prefix (prompt_cache hits 0 above)
+    assert float(np.max(np.abs(swapped_logits - ours))) > 100 * 1e-4
+    assert len(swapped.tokens) == N_TOKENS
 
 
 def test_chat_content_parts_and_images_first(session, images):
@@ -181,9 +200,12 @@ def huge_png_header() -> bytes:
     import struct
     import zlib
 
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
     ihdr = struct.pack(">IIBBBBB", 50_000, 50_000, 8, 2, 0, 0, 0)
-    chunk = b"IHDR" + ihdr
-    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+    # a few bytes of pixel data: decoding all of it would take 7.5 GB
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(64)))
+            + chunk(b"IEND", b""))
 
 
 BAD_MEDIA = {

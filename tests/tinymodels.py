@@ -265,7 +265,7 @@ def make_gemma3_vision(name: str = "gemma3-vision-f32", *, dtype: str = "float32
     w[f"{p}.post_layernorm.bias"] = rnd((vh,), 0.1)
     w["multi_modal_projector.mm_soft_emb_norm.weight"] = rnd((vh,), 0.1)
     # scaled so that the image embeddings are of the text embeddings' order after mlx-vlm's merge
-    w["multi_modal_projector.mm_input_projection_weight"] = rnd((vh, text["hidden_size"]), 1.0)
+    w["multi_modal_projector.mm_input_projection_weight"] = rnd((vh, text["hidden_size"]), 0.2)
     dt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
     w = {k: x.astype(dt) for k, x in w.items()}
     mx.eval(w)

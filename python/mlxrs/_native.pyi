@@ -271,7 +271,9 @@ class Session:
         """`text` with each image marker expanded to the model's image-token sequence."""
     def embed(self, prompt: Sequence[int]) -> list[float]:
         """Final normed hidden states of `prompt`, mean-pooled, L2-normalised."""
-    def logits(self, prompt: Sequence[int]) -> list[float]: ...
+    def logits(self, prompt: Sequence[int], images: Sequence[bytes] | None = None) -> list[float]:
+        """Last-position logits (float32) from a fresh cache; with `images`, their embeddings at the
+        prompt's image tokens."""
     def info(self) -> dict[str, Any]:
         """Model facts and counters; `info()["engine"]` is {"state": "running" | "dead" | "closed",
         "error": the engine's death message or None}. Works on a closed session."""

@@ -284,10 +284,19 @@ impl Session {
         crate::native(py, move || e.embed(prompt))
     }
 
-    /// Last-position logits of `prompt` (float32), from a fresh cache.
-    fn logits(&self, py: Python<'_>, prompt: Vec<i32>) -> PyResult<Vec<f32>> {
+    /// Last-position logits of `prompt` (float32), from a fresh cache; with `images` (encoded
+    /// bytes), their embeddings at the prompt's image tokens.
+    #[pyo3(signature = (prompt, images=None))]
+    fn logits(&self, py: Python<'_>, prompt: Vec<i32>, images: Option<Vec<Vec<u8>>>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
-        crate::native(py, move || e.last_logits(prompt))
+        match images.filter(|v| !v.is_empty()) {
+            None => crate::native(py, move || e.last_logits(prompt)),
+            Some(images) => {
+                let named = images.into_iter().enumerate().map(|(i, b)| (b, format!("images[{i}]"))).collect();
+                let px = self.pixels(py, &e, &Value::Null, named)?;
+                crate::native(py, move || e.last_logits_with_images(prompt, px))
+            }
+        }
     }
 
     /// Model facts: type, layers, vocab, context, weights bytes, options, eos ids, template

@@ -435,7 +435,13 @@ impl Engine {
     /// Last-position logits (float32) of `prompt` from a fresh cache, through the same chunked
     /// prefill as generation (parity tests compare them with mlx-lm's).
     pub fn last_logits(&self, prompt: Vec<i32>) -> Result<Vec<f32>> {
-        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, reply })
+        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images: Vec::new(), reply })
+    }
+
+    /// [`Engine::last_logits`] of a prompt with images (its image tokens replaced by their
+    /// embeddings, as a generation's prefill does).
+    pub fn last_logits_with_images(&self, prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>) -> Result<Vec<f32>> {
+        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images, reply })
     }
 
     /// The embedding of `prompt`: its final normed hidden states mean-pooled over the tokens and

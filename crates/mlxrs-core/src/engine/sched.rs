@@ -45,7 +45,7 @@ fn stacked_kv_default() -> bool {
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
     Generate { req: Box<Request>, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>> },
-    Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
+    Logits { prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>, reply: Sender<Result<Vec<f32>>> },
     Embed { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
     /// The vision tower's projected features of images (float32, flattened `[N, tokens, hidden]`).
     ImageFeatures { pixels: Vec<Arc<crate::vision::Pixels>>, reply: Sender<Result<Vec<f32>>> },
@@ -313,9 +313,19 @@ impl<'a> Scheduler<'a> {
                     let _ = events.send(Event::Error(e));
                 }
             },
-            Cmd::Logits { prompt, reply } => {
+            Cmd::Logits { prompt, images, reply } => {
                 let stream = self.stream.clone();
-                let r = mx::with_stream(&stream, || last_logits(self.model, &prompt, &self.opts));
+                let r = mx::with_stream(&stream, || {
+                    let embeds = match (images.is_empty(), self.vision) {
+                        (true, _) => None,
+                        (false, None) => return Err(Error::Invalid("this model has no vision tower".into())),
+                        (false, Some(t)) => {
+                            let p: Vec<&crate::vision::Pixels> = images.iter().map(|p| &**p).collect();
+                            Some(t.merged_embeddings(self.model, &prompt, &p)?)
+                        }
+                    };
+                    last_logits(self.model, &prompt, &self.opts, embeds.as_ref())
+                });
                 let _ = reply.send(r);
             }
             Cmd::Embed { prompt, reply } => {
@@ -890,17 +900,25 @@ fn maybe_quantize(cache: &mut [LayerCache], opts: &LoadOptions) -> Result<()> {
 
 /// Last-position logits of `prompt` from a fresh cache on generation's schedule (the parity tests
 /// compare them with mlx-lm's): all but the last token in chunks, then the last token.
-pub(crate) fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions) -> Result<Vec<f32>> {
+/// With `embeds` (`[1, L, hidden]`, a prompt with images merged in), the chunks run from them.
+pub(crate) fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions, embeds: Option<&Array>) -> Result<Vec<f32>> {
     let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
     let step = opts.prefill_step_size.max(1) as usize;
     let (head, tail) = prompt.split_at(prompt.len() - 1);
     let n_head = head.chunks(step).count();
     let staging = prefill_staging();
     let mut logits = None;
+    let mut at = 0usize;
     for (i, chunk) in head.chunks(step).chain(std::iter::once(tail)).enumerate() {
-        let a = Array::from_slice(chunk, &[1, chunk.len() as i32])?;
         let st = if i < n_head { staging } else { Staging::NONE };
-        logits = Some(model.forward_staged(&a, &mut cache, st)?);
+        logits = Some(match embeds {
+            Some(e) => {
+                let part = mx::slice_axis(e, 1, at as i32, (at + chunk.len()) as i32)?;
+                model.forward_embeds(&part, &mut Caches::one(&mut cache), st)?
+            }
+            None => model.forward_staged(&Array::from_slice(chunk, &[1, chunk.len() as i32])?, &mut cache, st)?,
+        });
+        at += chunk.len();
         maybe_quantize(&mut cache, opts)?;
     }
     let l = logits.ok_or_else(|| Error::Invalid("empty prompt".into()))?;

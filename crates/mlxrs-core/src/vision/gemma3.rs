@@ -6,7 +6,8 @@
 use super::image::{Filter, ImageLimits, Pixels, Preprocess};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
-use crate::models::layers::{Linear, RmsNorm};
+// mlx-vlm's SigLIP MLP is `nn.GELU(approx="precise")`, which in MLX is the tanh approximation
+use crate::models::layers::{gelu_approx, Linear, RmsNorm};
 use crate::models::{CausalLm, Cfg};
 use crate::weights::Weights;
 use serde_json::Value;
@@ -349,7 +350,7 @@ impl Tower {
             let o = mx::reshape(&mx::transpose_axes(&o, &[0, 2, 1, 3])?, &[b, l, d.hidden])?;
             h = mx::add(&h, &layer.o.forward(&o)?)?;
             let y = layer.fc1.forward(&layer.ln2.forward(&h)?)?;
-            h = mx::add(&h, &layer.fc2.forward(&gelu(&y)?)?)?;
+            h = mx::add(&h, &layer.fc2.forward(&gelu_approx(&y)?)?)?;
         }
         let h = self.post_ln.forward(&h)?;
         // average pooling of the g×g grid in k×k windows to side×side tokens
@@ -404,12 +405,4 @@ impl Tower {
             .collect();
         mx::take(&all, &Array::from_slice(&idx, &[l as i32])?, 1)
     }
-}
-
-/// GELU, exact (`x · (1 + erf(x / √2)) / 2`, MLX's `nn.gelu`).
-fn gelu(x: &Array) -> Result<Array> {
-    let dt = x.dtype();
-    let e = mx::erf(&mx::divide(x, &mx::scalar_as(std::f64::consts::SQRT_2, dt)?)?)?;
-    let y = mx::multiply(x, &mx::add(&mx::scalar_as(1.0, dt)?, &e)?)?;
-    mx::divide(&y, &mx::scalar_as(2.0, dt)?)
 }
