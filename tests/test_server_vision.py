@@ -78,7 +78,7 @@ def test_openai_image_reaches_the_model(server, local):
     assert r.usage.prompt_tokens > 16  # the image's 16 tokens and its markers are counted
     assert r.choices[0].message.content == ref.text
     assert r.usage.completion_tokens == len(ref.tokens)
-    other = oa(server).chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+    other = oa(server).chat.completions.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, messages=[
         {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
                                      {"type": "image_url", "image_url": {"url": data_url(_png(2))}}]}])
     assert other.choices[0].message.content != r.choices[0].message.content
@@ -88,7 +88,7 @@ def test_anthropic_image_block_reaches_the_model(server, local):
     img = _png(4)
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": base64.b64encode(img).decode()}}
-    m = an(server).messages.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+    m = an(server).messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Describe it."}, block]}])
     ref = local.chat([{"role": "user", "content": [{"type": "text", "text": "Describe it."},
                                                    {"type": "image", "image": img}]}], max_tokens=12, temperature=0.0)
@@ -111,20 +111,35 @@ def test_image_inside_anthropic_tool_result_reaches_the_model(server, local):
     def image(b: bytes) -> dict:
         return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                             "data": base64.b64encode(b).decode()}}
-    with_img = c.messages.create(model=MODEL, max_tokens=12, temperature=0, tools=[TOOL],
+    with_img = c.messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, tools=[TOOL],
                                  messages=_tool_turn([text, image(_png(5))]))
-    other = c.messages.create(model=MODEL, max_tokens=12, temperature=0, tools=[TOOL],
+    other = c.messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, tools=[TOOL],
                               messages=_tool_turn([text, image(_png(6))]))
-    plain = c.messages.create(model=MODEL, max_tokens=12, temperature=0, tools=[TOOL],
+    plain = c.messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, tools=[TOOL],
                               messages=_tool_turn([text, {"type": "text", "text": "x"}]))
     # the image's tokens are in the prompt: exactly what replacing "x" by its expanded marker adds
     expanded = local._s.expand_image_markers("a screenshot:\n<start_of_image>", 1)
     delta = len(local.tokenize(expanded)) - len(local.tokenize("a screenshot:\nx"))
     assert with_img.usage.input_tokens - plain.usage.input_tokens == delta
     assert with_img.usage.input_tokens == other.usage.input_tokens
-    # and the model sees it: another image, another answer
-    texts = ["".join(b.text for b in m.content if b.type == "text") for m in (with_img, other)]
-    assert texts[0] != texts[1]
+    # and the answer is the library's for the same conversation (the server's translation of the
+    # tool turn, adapted to this template, rendered, the marker expanded): same prompt, same tokens
+    from mlxrs.server import adapt
+
+    msgs = [{"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather",
+             "content": "a screenshot:\n<start_of_image>"}]
+    tools = [{"type": "function", "function": {"name": TOOL["name"], "parameters": TOOL["input_schema"],
+                                               "description": TOOL["description"]}}]
+    caps = adapt.probe(lambda m, t: local.apply_chat_template(m, tools=t))
+    msgs, tools = adapt.adapt(caps, msgs, tools)
+    text = local._s.expand_image_markers(local.apply_chat_template(msgs, tools=tools), 1)
+    ids = list(local._s.encode_rendered(text))
+    assert with_img.usage.input_tokens == len(ids)
+    ref = local.generate(ids, images=[_png(5)], max_tokens=12, temperature=0.0)
+    assert "".join(b.text for b in with_img.content if b.type == "text") == ref.text
 
 
 BAD = {
