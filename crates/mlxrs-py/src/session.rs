@@ -354,7 +354,7 @@ impl Session {
             Some(v) => {
                 let vd = PyDict::new(py);
                 vd.set_item("tokens_per_image", v.tokens_per_image)?;
-                vd.set_item("image_size", v.preprocess.size.map(|(h, w)| (h, w)))?;
+                vd.set_item("image_size", v.preprocess.size)?;
                 vd.set_item("boi_token", &v.boi)?;
                 vd.set_item("eoi_token", &v.eoi)?;
                 vd.set_item("image_token", &v.image_token)?;
