@@ -242,3 +242,19 @@ def test_audio_and_video_parts_are_refused(session):
                        ({"type": "video_url", "video_url": {"url": "x"}}, "video")]:
         with pytest.raises(mlxrs.errors.InvalidArgumentError, match=rf"messages\[0\].content\[0\]: {kind} input"):
             session.chat([{"role": "user", "content": [part]}], max_tokens=2)
+
+
+def test_batch_and_async_take_images_and_encode_prompt_refuses_them(session, images):
+    import asyncio
+
+    msgs = [{"role": "user", "content": [{"type": "image", "image": images["a"].read_bytes()},
+                                         {"type": "text", "text": "and?"}]}]
+    one = session.chat(msgs, max_tokens=6, temperature=0.0)
+    batch = session.generate_batch([msgs, "plain text"], max_tokens=6, temperature=0.0)
+    assert batch[0].tokens == one.tokens and batch[0].usage.prompt_tokens == one.usage.prompt_tokens
+
+    async def run() -> list[int]:
+        return [c.token async for c in session.astream(msgs, max_tokens=6, temperature=0.0) if c.token is not None]
+    assert asyncio.run(run()) == one.tokens
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"messages\[0\].content\[0\]"):
+        session.encode_prompt(msgs)

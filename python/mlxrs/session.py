@@ -311,6 +311,14 @@ class Session:
             return [int(t) for t in items]
         if not items or not all(isinstance(m, Mapping) for m in items):
             raise InvalidArgumentError("prompt must be a string, a list of token ids or a non-empty list of messages")
+        from .media import AV_PARTS, IMAGE_PARTS
+
+        for i, m in enumerate(items):
+            content = m.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if isinstance(part, Mapping) and (part.get("type") in IMAGE_PARTS or part.get("type") in AV_PARTS):
+                    raise InvalidArgumentError(f"messages[{i}].content[{j}]: a {part.get('type')!r} part has no token "
+                                               "ids alone: pass the messages to generate, stream or chat")
         text = self.apply_chat_template(items, tools=tools, **dict(template_kwargs or {}))
         return list(self._s.encode_rendered(text))
 
@@ -332,8 +340,12 @@ class Session:
         from . import media
 
         items = None if isinstance(prompt, str) else list(prompt)
+        # messages whose content parts carry media (text-only parts go to the template as they are)
         has_parts = items is not None and any(
-            isinstance(m, Mapping) and isinstance(m.get("content"), list) for m in items)
+            isinstance(m, Mapping) and isinstance(m.get("content"), list)
+            and any(isinstance(p, Mapping) and (p.get("type") in media.IMAGE_PARTS or p.get("type") in media.AV_PARTS)
+                    for p in m["content"])
+            for m in items)
         if not images and not has_parts:
             return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), []
         vision = self.vision
@@ -445,8 +457,8 @@ class Session:
         streams = []
         try:
             for p in prompts:
-                ids = self.encode_prompt(p)
-                streams.append(self._s.start(ids, self._start_params(ids, sampling)))
+                ids, media = self._prepare(p, None, None, None)
+                streams.append(self._s.start(ids, self._start_params(ids, sampling), None, media or None))
         except BaseException:
             for st in streams:
                 st.cancel()
@@ -480,10 +492,9 @@ class Session:
         from . import _dispatch
 
         loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(None, lambda: self.encode_prompt(
-            prompt, tools=tools, template_kwargs=template_kwargs))
+        ids, media = await loop.run_in_executor(None, lambda: self._prepare(prompt, tools, template_kwargs, None))
         d = _dispatch.default()
-        st = self._s.start(ids, self._start_params(ids, sampling), d.hub)
+        st = self._s.start(ids, self._start_params(ids, sampling), d.hub, media or None)
         q = d.register(st.id)
         finished = False
         try:
