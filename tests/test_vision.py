@@ -6,6 +6,7 @@ refuses images."""
 from __future__ import annotations
 
 import io
+import re
 import json
 import subprocess
 import sys
@@ -258,3 +259,27 @@ def test_batch_and_async_take_images_and_encode_prompt_refuses_them(session, ima
     assert asyncio.run(run()) == one.tokens
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"messages\[0\].content\[0\]"):
         session.encode_prompt(msgs)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("mm_tokens_per_image", 15, "image_seq_length 16 differs from config.json's mm_tokens_per_image 15"),
+    ("vision_config.patch_size", 15, "image_size 112 is not a multiple of patch_size 15"),
+    ("vision_config.hidden_size", 96, "vision_tower.vision_model.embeddings.patch_embedding.weight"),
+    ("image_token_index", 7, "image_token_index is 7"),
+])
+def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    node = cfg
+    *path, key = field.split(".")
+    for k in path:
+        node = node[k]
+    node[key] = value
+    if key == "mm_tokens_per_image":
+        cfg["text_config"][key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mlxrs.errors.MlxrsError, match=re.escape(needle)):
+        mlxrs.Session(d)
