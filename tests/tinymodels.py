@@ -26,11 +26,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tokenizer(d: Path, vocab: int, *, bos: bool = False) -> None:
-    """A byte-level BPE trained on a small corpus, exactly `vocab` tokens (specials included)."""
+def write_tokenizer(d: Path, vocab: int, *, bos: bool = False, extra_specials: dict[str, str] | None = None,
+                    chat_template: str = CHAT_TEMPLATE) -> None:
+    """A byte-level BPE trained on a small corpus, exactly `vocab` tokens (specials included);
+    `extra_specials` ({attribute: token}, e.g. Gemma 3's boi/eoi/image tokens) are added as special
+    tokens and named in tokenizer_config.json's extra_special_tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", *(extra_specials or {}).values()]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -49,9 +52,11 @@ def write_tokenizer(d: Path, vocab: int, *, bos: bool = False) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|endoftext|>",
         "bos_token": "<s>" if bos else None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "model_max_length": 4096,
     }
+    if extra_specials:
+        cfg["extra_special_tokens"] = dict(extra_specials)
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
@@ -362,3 +367,88 @@ def make_fit_model(name: str) -> Path:
     """Write (once) and return one of FIT_MODELS."""
     arch, dtype, shape = FIT_MODELS[name]
     return make_model(name, arch, dtype=dtype, **shape)
+
+
+# Gemma 3's image markers (its tokenizer's boi/eoi/image tokens)
+GEMMA3_SPECIALS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+# A Gemma-style chat template that renders image content parts as the boi marker, as Gemma 3's does
+GEMMA3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' %}<start_of_image>{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def make_gemma3_vision(name: str = "gemma3-vision-f32", *, dtype: str = "float32", image_size: int = 112,
+                       patch: int = 14, mm_tokens: int = 16, seed: int = 0) -> Path:
+    """Write (once) a tiny random Gemma 3 multimodal model in the Hugging Face layout (as
+    transformers 4 and mlx-vlm save it): `language_model.model.*`, `vision_tower.vision_model.*`
+    (the patch convolution in PyTorch's [out, in, kh, kw]), `multi_modal_projector.*`;
+    preprocessor_config.json and processor_config.json for Gemma 3's processor, a tokenizer with
+    its image markers. mlx-vlm 0.7.10 loads it."""
+    import mlx.core as mx
+
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    text = base_config("gemma3_text", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, inter=256)
+    text.update(rope_theta=1_000_000.0, mm_tokens_per_image=mm_tokens)
+    text.pop("eos_token_id")
+    text.pop("architectures")
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "patch_size": patch, "image_size": image_size,
+              "num_channels": 3, "layer_norm_eps": 1e-6}
+    write_tokenizer(d, text["vocab_size"], extra_specials=GEMMA3_SPECIALS, chat_template=GEMMA3_CHAT_TEMPLATE)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    cfg = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+           "vision_config": vision, "mm_tokens_per_image": mm_tokens,
+           "image_token_index": ids["<image_soft_token>"], "boi_token_index": ids["<start_of_image>"],
+           "eoi_token_index": ids["<end_of_image>"], "eos_token_id": 0, "torch_dtype": dtype}
+    w = {f"language_model.{k}": v for k, v in _weights("gemma3_text", text, seed).items()}
+    keys = iter(mx.random.split(mx.random.key(seed + 1), 64))
+
+    def rnd(shape: tuple[int, ...], scale: float) -> Any:
+        return mx.random.normal(shape, key=next(keys)) * scale
+
+    vh, vi = vision["hidden_size"], vision["intermediate_size"]
+    p = "vision_tower.vision_model"
+    w[f"{p}.embeddings.patch_embedding.weight"] = rnd((vh, 3, patch, patch), (3 * patch * patch) ** -0.5)
+    w[f"{p}.embeddings.patch_embedding.bias"] = rnd((vh,), 0.1)
+    w[f"{p}.embeddings.position_embedding.weight"] = rnd(((image_size // patch) ** 2, vh), 0.5)
+    for i in range(vision["num_hidden_layers"]):
+        l = f"{p}.encoder.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            w[f"{l}.self_attn.{proj}.weight"] = rnd((vh, vh), vh ** -0.5)
+            w[f"{l}.self_attn.{proj}.bias"] = rnd((vh,), 0.1)
+        for ln in ("layer_norm1", "layer_norm2"):
+            w[f"{l}.{ln}.weight"] = 1.0 + rnd((vh,), 0.1)
+            w[f"{l}.{ln}.bias"] = rnd((vh,), 0.1)
+        w[f"{l}.mlp.fc1.weight"] = rnd((vi, vh), vh ** -0.5)
+        w[f"{l}.mlp.fc1.bias"] = rnd((vi,), 0.1)
+        w[f"{l}.mlp.fc2.weight"] = rnd((vh, vi), vi ** -0.5)
+        w[f"{l}.mlp.fc2.bias"] = rnd((vh,), 0.1)
+    w[f"{p}.post_layernorm.weight"] = 1.0 + rnd((vh,), 0.1)
+    w[f"{p}.post_layernorm.bias"] = rnd((vh,), 0.1)
+    w["multi_modal_projector.mm_soft_emb_norm.weight"] = rnd((vh,), 0.1)
+    # scaled so that the image embeddings are of the text embeddings' order after mlx-vlm's merge
+    w["multi_modal_projector.mm_input_projection_weight"] = rnd((vh, text["hidden_size"]), 0.2)
+    dt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
+    w = {k: x.astype(dt) for k, x in w.items()}
+    mx.eval(w)
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    (d / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "do_resize": True, "size": {"height": image_size, "width": image_size}, "resample": 2,
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+        "do_pan_and_scan": False}, indent=2))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
+                                                         "image_seq_length": mm_tokens}))
+    (d / ".complete").write_text("ok")
+    return d

@@ -260,12 +260,24 @@ class Session:
         """`messages`, `tools` and `kwargs` are JSON; `template`: a Jinja source used instead of the
         model's own."""
     def encode_rendered(self, text: str) -> list[int]: ...
-    def start(self, prompt: Sequence[int], params: str = "{}", hub: EventHub | None = None) -> TokenStream:
-        """Queue a generation; `params` is a JSON object of sampling options. With `hub`, its
-        events go to the hub, tagged with the stream's `id`."""
+    def start(self, prompt: Sequence[int], params: str = "{}", hub: EventHub | None = None,
+              images: Sequence[tuple[bytes, str]] | None = None) -> TokenStream:
+        """Queue a generation; `params` is a JSON object of sampling options (and
+        `max_image_bytes`, `max_image_pixels`). With `hub`, its events go to the hub, tagged with
+        the stream's `id`. `images`: (encoded bytes, the name errors give it) each, in the order
+        of the prompt's image-token runs (a model with a vision tower)."""
+    def pixel_values(self, data: bytes, params: str = "{}") -> tuple[list[float], int, int]:
+        """(pixel values [3, H, W] flattened, H, W) of an encoded image, as the model's processor
+        makes them."""
+    def image_features(self, images: Sequence[bytes]) -> list[float]:
+        """The vision tower's projected features of encoded images, flattened [N, tokens, hidden]."""
+    def expand_image_markers(self, text: str, images: int) -> str:
+        """`text` with each image marker expanded to the model's image-token sequence."""
     def embed(self, prompt: Sequence[int]) -> list[float]:
         """Final normed hidden states of `prompt`, mean-pooled, L2-normalised."""
-    def logits(self, prompt: Sequence[int]) -> list[float]: ...
+    def logits(self, prompt: Sequence[int], images: Sequence[bytes] | None = None) -> list[float]:
+        """Last-position logits (float32) from a fresh cache; with `images`, their embeddings at the
+        prompt's image tokens."""
     def info(self) -> dict[str, Any]:
         """Model facts and counters; `info()["engine"]` is {"state": "running" | "dead" | "closed",
         "error": the engine's death message or None}. Works on a closed session."""

@@ -124,6 +124,17 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                     help="answer 404 model_not_found for a model name that is neither the model's nor an --alias")
     sp.add_argument("--max-tokens", type=int, default=4096, metavar="N",
                     help="max_tokens of a chat request that sets none (default 4096, or the context left if smaller)")
+    sp.add_argument("--allow-local-media", action="store_true",
+                    help="let requests name images by local file path (file:// or a path); off by default")
+    sp.add_argument("--allow-remote-media", action="store_true",
+                    help="fetch http(s) image URLs named in requests (size and time limited); off by default")
+    sp.add_argument("--max-image-bytes", type=_bytes_arg, default=20 << 20, metavar="BYTES",
+                    help="largest encoded image accepted (default 20M)")
+    sp.add_argument("--max-image-pixels", type=int, default=50_000_000, metavar="N",
+                    help="most pixels (width x height, read from the header before decoding) an image may have "
+                         "(default 50000000)")
+    sp.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="time limit of one remote image fetch (default 10)")
     sp.add_argument("--chat-template", default=None, metavar="FILE|NAME",
                     help="a Jinja chat template file used instead of the model's own, or the name of one "
                          "mlxrs ships: chatml, gemma")

@@ -331,12 +331,95 @@ class Session:
             return [int(t) for t in items]
         if not items or not all(isinstance(m, Mapping) for m in items):
             raise InvalidArgumentError("prompt must be a string, a list of token ids or a non-empty list of messages")
+        from .media import AV_PARTS, IMAGE_PARTS
+
+        for i, m in enumerate(items):
+            content = m.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if isinstance(part, Mapping) and (part.get("type") in IMAGE_PARTS or part.get("type") in AV_PARTS):
+                    raise InvalidArgumentError(f"messages[{i}].content[{j}]: a {part.get('type')!r} part has no token "
+                                               "ids alone: pass the messages to generate, stream or chat")
         text = self.apply_chat_template(items, tools=tools, **dict(template_kwargs or {}))
         return list(self._s.encode_rendered(text))
 
+    # -- images ------------------------------------------------------------------------------------
+    @property
+    def vision(self) -> dict[str, Any] | None:
+        """The model's image input (tokens_per_image, image_size, boi_token, image_token, …), or
+        None for a model without a vision tower."""
+        v = self._s.info().get("vision")
+        return dict(v) if v else None
+
+    def _prepare(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
+                 template_kwargs: Mapping[str, Any] | None,
+                 images: Sequence[bytes | str | os.PathLike[str]] | None) -> tuple[list[int], list[tuple[bytes, str]]]:
+        """Token ids and the images' bytes (each with its name for errors) of a prompt: a string
+        with one image marker per image where it goes (none: the images first), messages whose
+        content parts hold images (OpenAI `image_url`, Anthropic `image`, `{"type": "image",
+        "image": ...}`), or ids already holding the image tokens."""
+        from . import media
+
+        items = None if isinstance(prompt, str) else list(prompt)
+        # messages whose content parts carry media (text-only parts go to the template as they are)
+        has_parts = items is not None and any(
+            isinstance(m, Mapping) and isinstance(m.get("content"), list)
+            and any(isinstance(p, Mapping) and (p.get("type") in media.IMAGE_PARTS or p.get("type") in media.AV_PARTS)
+                    for p in m["content"])
+            for m in items)
+        if not images and not has_parts:
+            return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), []
+        vision = self.vision
+        model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
+        marker = vision["boi_token"] if vision else None
+        refs = [media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"images[{i}]")
+                for i, x in enumerate(images or [])]
+        if refs and marker is None:
+            raise media.no_vision("images", model)
+        policy = media.MediaPolicy(allow_local=True)
+        if isinstance(prompt, str):
+            text = prompt if marker in prompt else marker * len(refs) + prompt  # type: ignore[operator]
+            ids = self.tokenize(self._s.expand_image_markers(text, len(refs)))
+        elif items and all(isinstance(t, int) for t in items):
+            ids = [int(t) for t in items]
+        else:
+            if refs:
+                raise InvalidArgumentError("images: pass a conversation's images as content parts of its messages")
+            msgs = []
+            for i, m in enumerate(items or []):
+                if not isinstance(m, Mapping):
+                    raise InvalidArgumentError("prompt must be a string, a list of token ids or a list of messages")
+                m = dict(m)
+                if isinstance(m.get("content"), list):
+                    m["content"] = media.parts_text(m["content"], marker, refs, f"messages[{i}].content", model)
+                msgs.append(m)
+            text = self.apply_chat_template(msgs, tools=tools, **dict(template_kwargs or {}))
+            if refs:
+                text = self._s.expand_image_markers(text, len(refs))
+            ids = list(self._s.encode_rendered(text))
+        return ids, [(media.load_sync(r, policy), r.where) for r in refs]
+
+    def pixel_values(self, image: bytes | str | os.PathLike[str]) -> list[float]:
+        """The pixel values `[3, H, W]` (flattened, float32) the model's processor makes of an image."""
+        from . import media
+
+        src = os.fspath(image) if isinstance(image, os.PathLike) else image
+        data = media.load_sync(media.ImageRef(src, "image"), media.MediaPolicy(allow_local=True))
+        return list(self._s.pixel_values(data)[0])
+
+    def image_features(self, images: Sequence[bytes | str | os.PathLike[str]]) -> list[float]:
+        """The vision tower's projected features of images (flattened float32 `[N,
+        tokens_per_image, hidden]`): what replaces their image tokens in the prompt."""
+        from . import media
+
+        pol = media.MediaPolicy(allow_local=True)
+        data = [media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"images[{i}]"),
+                                pol) for i, x in enumerate(images)]
+        return list(self._s.image_features(data))
+
     # -- generation --------------------------------------------------------------------------------
-    def _events(self, ids: list[int], kwargs: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        stream = self._s.start(ids, self._start_params(ids, kwargs))
+    def _events(self, ids: list[int], kwargs: dict[str, Any],
+                images: list[tuple[bytes, str]] | None = None) -> Iterator[dict[str, Any]]:
+        stream = self._s.start(ids, self._start_params(ids, kwargs), None, images or None)
         try:
             yield from stream
         finally:
@@ -348,18 +431,20 @@ class Session:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        images: Sequence[bytes | str | os.PathLike[str]] | None = None,
         **sampling: Any,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are generated; the last chunk carries finish_reason and usage.
         Closing the iterator early cancels the generation. Options are checked here, before the
-        first chunk is asked for."""
+        first chunk is asked for. `images`: as for `generate`."""
         _validate(sampling, self._vocab)
-        return self._stream(prompt, tools, template_kwargs, sampling)
+        return self._stream(prompt, tools, template_kwargs, sampling, images)
 
     def _stream(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
-                template_kwargs: Mapping[str, Any] | None, sampling: dict[str, Any]) -> Iterator[Chunk]:
-        ids = self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs)
-        for ev in self._events(ids, sampling):
+                template_kwargs: Mapping[str, Any] | None, sampling: dict[str, Any],
+                images: Sequence[bytes | str | os.PathLike[str]] | None = None) -> Iterator[Chunk]:
+        ids, media = self._prepare(prompt, tools, template_kwargs, images)
+        for ev in self._events(ids, sampling, media):
             ch = _chunk(ev)
             if ch is not None:
                 yield ch
@@ -370,12 +455,16 @@ class Session:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        images: Sequence[bytes | str | os.PathLike[str]] | None = None,
         **sampling: Any,
     ) -> Completion:
-        """Generate to the end and return the whole Completion."""
-        ids = self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs)
+        """Generate to the end and return the whole Completion. `images` (a model with a vision
+        tower): encoded bytes, local paths or base64 data URLs, one per image marker of a string
+        prompt (`info()["vision"]["boi_token"]`; none: the images go first). A conversation carries
+        its images as content parts of its messages instead."""
+        ids, media = self._prepare(prompt, tools, template_kwargs, images)
         want_lp = bool(sampling.get("logprobs")) or bool(sampling.get("top_logprobs"))
-        return _collect(self._events(ids, sampling), want_lp)
+        return _collect(self._events(ids, sampling, media), want_lp)
 
     def generate_batch(
         self,
@@ -388,8 +477,8 @@ class Session:
         streams = []
         try:
             for p in prompts:
-                ids = self.encode_prompt(p)
-                streams.append(self._s.start(ids, self._start_params(ids, sampling)))
+                ids, media = self._prepare(p, None, None, None)
+                streams.append(self._s.start(ids, self._start_params(ids, sampling), None, media or None))
         except BaseException:
             for st in streams:
                 st.cancel()
@@ -423,10 +512,9 @@ class Session:
         from . import _dispatch
 
         loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(None, lambda: self.encode_prompt(
-            prompt, tools=tools, template_kwargs=template_kwargs))
+        ids, media = await loop.run_in_executor(None, lambda: self._prepare(prompt, tools, template_kwargs, None))
         d = _dispatch.default()
-        st = self._s.start(ids, self._start_params(ids, sampling), d.hub)
+        st = self._s.start(ids, self._start_params(ids, sampling), d.hub, media or None)
         q = d.register(st.id)
         finished = False
         try:
@@ -456,7 +544,8 @@ class Session:
         **template_kwargs: Any,
     ) -> Completion:
         """Generate a reply to `messages` through the chat template (template kwargs such as
-        enable_thinking pass through)."""
+        enable_thinking pass through). Content parts may hold images (OpenAI `image_url`,
+        Anthropic `image`, `{"type": "image", "image": bytes | path}`)."""
         return self.generate(list(messages), tools=tools, template_kwargs=template_kwargs,
                              max_tokens=max_tokens, temperature=temperature)
 

@@ -23,3 +23,4 @@ pub mod gguf;
 pub mod plan;
 pub mod download;
 pub mod native_pack;
+pub mod vision;

@@ -24,6 +24,24 @@ pub struct Session {
 }
 
 impl Session {
+    /// Decode and preprocess images (off the GIL) with the limits in `params`.
+    fn pixels(&self, py: Python<'_>, e: &Arc<Engine>, params: &Value, images: Vec<(Vec<u8>, String)>)
+              -> PyResult<Vec<Arc<mlxrs_core::vision::Pixels>>> {
+        let v = e.vision.clone().ok_or_else(|| {
+            to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take image input", e.model_name(), e.shape.model_type)))
+        })?;
+        let mut limits = mlxrs_core::vision::DEFAULT_LIMITS;
+        if let Some(b) = params.get("max_image_bytes").and_then(Value::as_u64) {
+            limits.max_bytes = b as usize;
+        }
+        if let Some(px) = params.get("max_image_pixels").and_then(Value::as_u64) {
+            limits.max_pixels = px;
+        }
+        crate::native(py, move || {
+            images.iter().map(|(b, what)| v.pixels(b, &limits, what).map(Arc::new)).collect::<Result<Vec<_>, Error>>()
+        })
+    }
+
     fn engine(&self, py: Python<'_>) -> PyResult<&Arc<Engine>> {
         if self.closed {
             return Err(to_py(py, Error::Invalid("this session is closed".into())));
@@ -112,6 +130,7 @@ pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, 
         ignore_eos: params.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false),
         logprobs: params.get("logprobs").and_then(Value::as_bool).unwrap_or(false),
         top_logprobs: i("top_logprobs").unwrap_or(0).max(0) as usize,
+        images: Vec::new(),
     })
 }
 
@@ -209,11 +228,17 @@ impl Session {
     /// Start generating from `prompt` token ids; `params` is a JSON object of sampling options.
     /// With `hub`, the events go to the hub (tagged with the returned stream's `id`) and the stream
     /// itself only cancels.
-    #[pyo3(signature = (prompt, params="{}", hub=None))]
-    fn start(&self, py: Python<'_>, prompt: Vec<i32>, params: &str, hub: Option<&EventHub>) -> PyResult<TokenStream> {
+    /// `images`: (encoded bytes, the name errors give it) each, in the order of the prompt's
+    /// image-token runs; `params` may hold `max_image_bytes` and `max_image_pixels`.
+    #[pyo3(signature = (prompt, params="{}", hub=None, images=None))]
+    fn start(&self, py: Python<'_>, prompt: Vec<i32>, params: &str, hub: Option<&EventHub>,
+             images: Option<Vec<(Vec<u8>, String)>>) -> PyResult<TokenStream> {
         let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
-        let req = request_from(&p, prompt).py(py)?;
+        let mut req = request_from(&p, prompt).py(py)?;
         let e = self.engine(py)?.clone();
+        if let Some(images) = images.filter(|v| !v.is_empty()) {
+            req.images = self.pixels(py, &e, &p, images)?;
+        }
         match hub {
             None => {
                 let pending = crate::native(py, || e.submit(req))?;
@@ -228,16 +253,55 @@ impl Session {
         }
     }
 
+    /// Pixel values `[3, H, W]` (flattened float32) of an encoded image, as the model's processor
+    /// makes them.
+    #[pyo3(signature = (data, params="{}"))]
+    fn pixel_values(&self, py: Python<'_>, data: Vec<u8>, params: &str) -> PyResult<(Vec<f32>, u32, u32)> {
+        let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
+        let e = self.engine(py)?.clone();
+        let px = self.pixels(py, &e, &p, vec![(data, "image".into())])?;
+        let px = &px[0];
+        Ok((px.data.clone(), px.height, px.width))
+    }
+
+    /// The vision tower's projected features of encoded images (flattened float32
+    /// `[N, tokens_per_image, hidden]`).
+    fn image_features(&self, py: Python<'_>, images: Vec<Vec<u8>>) -> PyResult<Vec<f32>> {
+        let e = self.engine(py)?.clone();
+        let named = images.into_iter().enumerate().map(|(i, b)| (b, format!("image {i}"))).collect();
+        let px = self.pixels(py, &e, &Value::Null, named)?;
+        crate::native(py, move || e.image_features(px))
+    }
+
+    /// `text` with every image marker expanded to the model's image-token sequence (Gemma 3's
+    /// processor); `images` must equal the markers' count.
+    fn expand_image_markers(&self, py: Python<'_>, text: &str, images: usize) -> PyResult<String> {
+        let e = self.engine(py)?;
+        let v = e.vision.as_ref().ok_or_else(|| {
+            to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take image input", e.model_name(), e.shape.model_type)))
+        })?;
+        v.expand(text, images).py(py)
+    }
+
     /// The embedding of `prompt`: final normed hidden states, mean-pooled, L2-normalised.
     fn embed(&self, py: Python<'_>, prompt: Vec<i32>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
         crate::native(py, move || e.embed(prompt))
     }
 
-    /// Last-position logits of `prompt` (float32), from a fresh cache.
-    fn logits(&self, py: Python<'_>, prompt: Vec<i32>) -> PyResult<Vec<f32>> {
+    /// Last-position logits of `prompt` (float32), from a fresh cache; with `images` (encoded
+    /// bytes), their embeddings at the prompt's image tokens.
+    #[pyo3(signature = (prompt, images=None))]
+    fn logits(&self, py: Python<'_>, prompt: Vec<i32>, images: Option<Vec<Vec<u8>>>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
-        crate::native(py, move || e.last_logits(prompt))
+        match images.filter(|v| !v.is_empty()) {
+            None => crate::native(py, move || e.last_logits(prompt)),
+            Some(images) => {
+                let named = images.into_iter().enumerate().map(|(i, b)| (b, format!("images[{i}]"))).collect();
+                let px = self.pixels(py, &e, &Value::Null, named)?;
+                crate::native(py, move || e.last_logits_with_images(prompt, px))
+            }
+        }
     }
 
     /// Model facts: type, layers, vocab, context, weights bytes, options, eos ids, template
@@ -293,6 +357,19 @@ impl Session {
         pc.set_item("budget_bytes", p.budget)?;
         pc.set_item("cached_tokens", p.cached_tokens)?;
         d.set_item("prompt_cache", pc)?;
+        match &e.vision {
+            Some(v) => {
+                let vd = PyDict::new(py);
+                vd.set_item("tokens_per_image", v.tokens_per_image)?;
+                vd.set_item("image_size", v.preprocess.size)?;
+                vd.set_item("boi_token", &v.boi)?;
+                vd.set_item("eoi_token", &v.eoi)?;
+                vd.set_item("image_token", &v.image_token)?;
+                vd.set_item("image_token_id", v.image_token_id)?;
+                d.set_item("vision", vd)?;
+            }
+            None => d.set_item("vision", py.None())?,
+        }
         d.set_item("max_concurrency", e.options.max_concurrency)?;
         d.set_item("max_queue", e.options.max_queue)?;
         d.set_item("experts", match &e.experts {

@@ -208,7 +208,18 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
                        allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
                        cors_origins=args.cors_origin, shutdown_timeout=args.shutdown_timeout,
                        listed_aliases=args.alias, strict_names=args.strict_model_names,
-                       default_max_tokens=args.max_tokens)
+                       default_max_tokens=args.max_tokens, media_policy=_media_policy(args))
+
+
+def _media_policy(args: Any) -> Any:
+    """Where images may come from, from the serve flags (defaults when a caller's args lack them)."""
+    from ..media import DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, MediaPolicy
+
+    return MediaPolicy(allow_local=bool(getattr(args, "allow_local_media", False)),
+                       allow_remote=bool(getattr(args, "allow_remote_media", False)),
+                       max_bytes=int(getattr(args, "max_image_bytes", DEFAULT_MAX_IMAGE_BYTES)),
+                       max_pixels=int(getattr(args, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS)),
+                       timeout=float(getattr(args, "media_fetch_timeout", DEFAULT_FETCH_TIMEOUT)))
 
 
 def _report_plan(state: Any) -> None:

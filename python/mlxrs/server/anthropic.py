@@ -11,6 +11,7 @@ from aiohttp import web
 from .app import KEEPALIVE_SECONDS, STATE, Generation, ServerState, read_json, sse, start_sse, steps
 from .common import bad, common_sampling, opt_bool, opt_int, stop_list, type_name
 from .constrain import anthropic_output_config, combine, extension, naming, tool_call_schema
+from .. import media
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
@@ -20,8 +21,25 @@ MEDIA_BLOCKS = {"image": "image", "video": "video", "video_url": "video", "audio
 
 def _no_media(state: ServerState, where: str, block_type: str) -> ApiError:
     kind = MEDIA_BLOCKS.get(block_type, block_type)
+    if state.vision and kind != "image":
+        return ApiError(400, f"{where}: {block_type!r} content blocks are not supported: model {state.model_id} "
+                             f"cannot take {kind} input (the Messages API has no {kind} blocks; mlxrs takes text and "
+                             "images) — send text and image blocks only", param=where)
     return ApiError(400, f"{where}: {block_type!r} content blocks are not supported: {state.model_id} is a "
-                         f"text-only model and cannot take {kind} input — send text blocks only", param=where)
+                         f"text-only model (no vision tower) and cannot take {kind} input — send text blocks only",
+                    param=where)
+
+
+def _image(state: ServerState, b: dict[str, Any], where: str, images: list[media.ImageRef] | None) -> str:
+    """An image block as the model's image marker, its source appended to `images`; a 400 naming
+    the block when the model has no vision tower."""
+    if images is None or not state.vision:
+        raise _no_media(state, where, "image")
+    try:
+        images.append(media.ImageRef(media.image_source(b, where), where))
+    except media.InvalidArgumentError as e:
+        raise ApiError(400, str(e), param=where) from None
+    return str(state.vision["boi_token"])
 
 
 def _document_text(state: ServerState, block: dict[str, Any], where: str) -> str:
@@ -36,8 +54,9 @@ def _document_text(state: ServerState, block: dict[str, Any], where: str) -> str
                    param=where)
 
 
-def _blocks_text(state: ServerState, content: Any, where: str) -> str:
-    """Text of a string or of text blocks (tool results, system, documents); media is a 400."""
+def _blocks_text(state: ServerState, content: Any, where: str, images: list[media.ImageRef] | None = None) -> str:
+    """Text of a string or of text blocks (tool results, system, documents); with `images`, image
+    blocks become image markers (a model with a vision tower); other media is a 400."""
     if isinstance(content, str):
         return content
     if content is None:
@@ -58,6 +77,8 @@ def _blocks_text(state: ServerState, content: Any, where: str) -> str:
             parts.append(b["text"])
         elif t == "document":
             parts.append(_document_text(state, b, bw))
+        elif t == "image":
+            parts.append(_image(state, b, bw, images))
         elif t in MEDIA_BLOCKS:
             raise _no_media(state, bw, t)
         else:
@@ -65,7 +86,8 @@ def _blocks_text(state: ServerState, content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
-def convert_messages(state: ServerState, body: dict[str, Any]) -> list[dict[str, Any]]:
+def convert_messages(state: ServerState, body: dict[str, Any],
+                     images: list[media.ImageRef] | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
@@ -129,13 +151,15 @@ def convert_messages(state: ServerState, body: dict[str, Any]) -> list[dict[str,
                 tid = b.get("tool_use_id")
                 if not isinstance(tid, str):
                     raise bad(bw, "a tool_result block needs a string `tool_use_id`")
-                text = _blocks_text(state, b.get("content"), f"{bw}.content")
+                text = _blocks_text(state, b.get("content"), f"{bw}.content", images)
                 if b.get("is_error") and not text.lower().startswith("error"):
                     text = "Error: " + text
                 tm: dict[str, Any] = {"role": "tool", "tool_call_id": tid, "content": text}
                 if tid in names:
                     tm["name"] = names[tid]
                 tool_msgs.append(tm)
+            elif t == "image" and role == "user":
+                texts.append(_image(state, b, bw, images))
             elif t in MEDIA_BLOCKS:
                 raise _no_media(state, bw, t)
             else:
@@ -203,11 +227,13 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return {"enable_thinking": th["type"] != "disabled"}
 
 
-async def _prepare(state: ServerState, body: dict[str, Any]) -> tuple[str, list[int], list[str] | None]:
+async def _prepare(state: ServerState, body: dict[str, Any],
+                   images: list[media.ImageRef] | None = None) -> tuple[str, list[int], list[str] | None]:
     state.check_model(body.get("model"))
-    messages = convert_messages(state, body)
+    refs: list[media.ImageRef] = [] if images is None else images
+    messages = convert_messages(state, body, refs)
     tools, names = convert_tools(body)
-    rendered, ids = await state.render(messages, tools, template_kwargs(body))
+    rendered, ids = await state.render(messages, tools, template_kwargs(body), images=len(refs))
     return rendered, ids, names
 
 
@@ -236,7 +262,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if body.get("max_tokens") is None:
         raise bad("max_tokens", "is required (an integer >= 1)")
     requested = opt_int(body, "max_tokens", 1)
-    rendered, ids, names = await _prepare(state, body)
+    images: list[media.ImageRef] = []
+    rendered, ids, names = await _prepare(state, body, images)
+    loaded = await state.load_images(images)
     s = common_sampling(body, temperature_max=1.0, defaults=state.gen_defaults, vocab=state.vocab)
     choice = body.get("tool_choice")
     forced = {}
@@ -254,7 +282,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     # constrained output starts at once (a template's open <think> is not continued)
     parser = state.parser(None if constraint else rendered, names)
     try:
-        gen = await state.generate(ids, s.opts)
+        gen = await state.generate(ids, s.opts, loaded)
     except ApiError as e:
         raise naming(e, cparam) from None
     mid = "msg_" + secrets.token_hex(12)

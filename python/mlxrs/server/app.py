@@ -24,7 +24,9 @@ from aiohttp import web, web_protocol
 from .. import _dispatch
 from ..session import Session, _params
 from .common import loads_strict
-from ..errors import EngineError
+from ..errors import EngineError, InvalidArgumentError
+from ..media import ImageRef as MediaRef
+from ..media import MediaPolicy, load_async
 from .errors import ApiError, admission_error, engine_error, from_exception
 from . import adapt
 from .events import OutputParser, think_markers_for
@@ -65,8 +67,10 @@ class ServerState:
                  max_body: int = DEFAULT_MAX_BODY, budget_source: str = "", host: str = "127.0.0.1",
                  allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
                  shutdown_timeout: float = 10.0, listed_aliases: Sequence[str] = (), strict_names: bool = False,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, media_policy: MediaPolicy | None = None) -> None:
         self.session = session
+        # where images may come from (--allow-local-media, --allow-remote-media) and their limits
+        self.media = media_policy or MediaPolicy()
         self.model_id = model_id
         # --alias names: answered and listed in /v1/models; any other name is answered too unless
         # --strict-model-names (clients send their own defaults: gpt-4o-mini, claude-sonnet-4-5, …)
@@ -82,6 +86,8 @@ class ServerState:
         info = session.info
         self.info = info
         self.vocab = int(info["vocab_size"])
+        # the model's image input (None: no vision tower)
+        self.vision = info.get("vision")
         self.model_context = int(info.get("max_position_embeddings") or 0) or None
         ceiling = int(plan["maxSafeContext"])
         if self.model_context:
@@ -125,15 +131,34 @@ class ServerState:
 
     # -- prompts ------------------------------------------------------------------------------
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template_kwargs: Mapping[str, Any], param: str = "messages") -> tuple[str, list[int]]:
+                     template_kwargs: Mapping[str, Any], param: str = "messages", *,
+                     images: int = 0) -> tuple[str, list[int]]:
         """Chat template → (rendered text, token ids), off the event loop; what the template
-        cannot render is adapted first (server/adapt.py)."""
+        cannot render is adapted first (server/adapt.py). With `images`, the rendered text's image
+        markers are expanded to the model's image tokens (their count must be `images`)."""
         msgs, tools = adapt.adapt(self.caps, messages, tools)
 
         def work() -> tuple[str, list[int]]:
             text = self.session.apply_chat_template(msgs, tools=tools, **dict(template_kwargs))
+            if images:
+                try:
+                    text = self.session._s.expand_image_markers(text, images)
+                except InvalidArgumentError as e:
+                    raise ApiError(400, f"{param}: {e} (does the chat template render image parts?)",
+                                   param=param) from None
             return text, self._encode(text, lambda t: list(self.session._s.encode_rendered(t)), param)
         return await self._blocking(work)
+
+    async def load_images(self, refs: Sequence[MediaRef]) -> list[tuple[bytes, str]]:
+        """The bytes of a request's images (each with its place in the request), under the media
+        policy: a 400 naming the part for what is not allowed, too large or unreachable."""
+        out = []
+        for r in refs:
+            try:
+                out.append((await load_async(r, self.media), r.where))
+            except InvalidArgumentError as e:
+                raise ApiError(400, str(e), param=r.where) from None
+        return out
 
     async def tokenize(self, text: str, param: str = "prompt") -> list[int]:
         return await self._blocking(lambda: self._encode(text, self.session.tokenize, param))
@@ -208,7 +233,8 @@ class ServerState:
             "the prompt, raise --memory-budget, or serve with --kv-quant 4|8", param=param)
 
     # -- generation ---------------------------------------------------------------------------
-    async def generate(self, ids: list[int], opts: dict[str, Any]) -> "Generation":
+    async def generate(self, ids: list[int], opts: dict[str, Any],
+                       images: list[tuple[bytes, str]] | None = None) -> "Generation":
         """Hand the request to the engine (it queues and batches); 429 when its queue is full,
         503 while shutting down or when the engine cannot generate."""
         if self.closing:
@@ -217,7 +243,9 @@ class ServerState:
             raise self.engine_unavailable()
         try:
             params = _params(opts, self.vocab)
-            stream = self.session._s.start(ids, params, self.dispatcher.hub)
+            if images:
+                params = json.dumps({**json.loads(params), **self.media.params()})
+            stream = self.session._s.start(ids, params, self.dispatcher.hub, images or None)
         except EngineError as e:
             raise self.engine_unavailable(e) from None
         except Exception as e:

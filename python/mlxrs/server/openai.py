@@ -14,6 +14,7 @@ from .app import (KEEPALIVE_SECONDS, STATE, Generation, ServerState, Step, Token
 from .common import (Sampling, bad, check_json, common_sampling, logit_bias, opt_bool, opt_int, opt_number,
                      opt_object, parse_json, stop_list, type_name)
 from .constrain import combine, extension, naming, openai_response_format, tool_call_schema
+from .. import media
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
@@ -31,12 +32,18 @@ UNSUPPORTED_PARTS = {
 
 
 def _unsupported(state: ServerState, where: str, kind: str, what: str) -> ApiError:
+    if state.vision and kind != "image input":
+        return ApiError(400, f"{where}: {kind} content ({what!r} part) is not supported: model {state.model_id} takes "
+                             "text and images only", param=where)
     return ApiError(400, f"{where}: {kind} content ({what!r} part) is not supported: {state.model_id} is a "
-                         "text-only model — send text parts only", param=where)
+                         "text-only model (no vision tower) — send text parts only", param=where)
 
 
-def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool = False) -> str | None:
-    """A message's content as text: a string, or an array of text parts (joined by newlines)."""
+def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool = False,
+             images: list[media.ImageRef] | None = None) -> str | None:
+    """A message's content as text: a string, or an array of text parts (joined by newlines); with
+    `images` (a model with a vision tower), an image part becomes the model's image marker and its
+    source goes to `images`."""
     if content is None:
         if allow_none:
             return None
@@ -58,6 +65,9 @@ def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool =
             if not isinstance(v, str):
                 raise bad(pw, "a text part needs a string `text`")
             texts.append(v)
+        elif t in ("image_url", "input_image") and images is not None and state.vision:
+            images.append(media.ImageRef(_image_source(part, pw), pw))
+            texts.append(state.vision["boi_token"])
         elif t in UNSUPPORTED_PARTS:
             raise _unsupported(state, pw, UNSUPPORTED_PARTS[t], t)
         else:
@@ -65,8 +75,16 @@ def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool =
     return "\n".join(texts)
 
 
-def convert_messages(state: ServerState, msgs: Any) -> list[dict[str, Any]]:
-    """OpenAI messages → the Hugging Face chat-template form (arguments as objects)."""
+def _image_source(part: dict[str, Any], where: str) -> bytes | str:
+    try:
+        return media.image_source(part, where)
+    except media.InvalidArgumentError as e:
+        raise ApiError(400, str(e), param=where) from None
+
+
+def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef] | None = None) -> list[dict[str, Any]]:
+    """OpenAI messages → the Hugging Face chat-template form (arguments as objects); image parts
+    (a model with a vision tower) become image markers, their sources appended to `images`."""
     if not isinstance(msgs, list):
         raise bad("messages", f"expected an array, got {type_name(msgs)}")
     if not msgs:
@@ -116,7 +134,7 @@ def convert_messages(state: ServerState, msgs: Any) -> list[dict[str, Any]]:
             if isinstance(rc, str) and rc:
                 msg["reasoning_content"] = rc
         elif role == "tool":
-            msg["content"] = _text_of(state, m.get("content"), f"{w}.content")
+            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images)
             tid = m.get("tool_call_id")
             if tid is not None and not isinstance(tid, str):
                 raise bad(f"{w}.tool_call_id", "expected a string")
@@ -125,7 +143,7 @@ def convert_messages(state: ServerState, msgs: Any) -> list[dict[str, Any]]:
                 if tid in names:
                     msg["name"] = names[tid]
         else:
-            msg["content"] = _text_of(state, m.get("content"), f"{w}.content")
+            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images)
         if isinstance(m.get("name"), str) and role != "tool":
             msg["name"] = m["name"]
         out.append(msg)
@@ -246,7 +264,8 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     """A chat request's generation, started: (generation, output parser, logprobs, stream,
     include_usage). /v1/responses goes through here too, its request translated to this one."""
     state.check_model(body.get("model"))
-    messages = convert_messages(state, body.get("messages"))
+    images: list[media.ImageRef] = []
+    messages = convert_messages(state, body.get("messages"), images)
     tools, tool_names = convert_tools(body)
     s = sampling(state, body)
     stream = bool(opt_bool(body, "stream"))
@@ -265,7 +284,8 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
         s.set(k, v)
     kwargs = template_kwargs(body)
     requested = max_tokens_of(body)
-    rendered, ids = await state.render(messages, tools, kwargs)
+    rendered, ids = await state.render(messages, tools, kwargs, images=len(images))
+    loaded = await state.load_images(images)
     s.set("max_tokens", state.admit(len(ids), requested))
     if lp.want:
         s.set("logprobs", True)
@@ -273,7 +293,7 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     # constrained output starts at once (a template's open <think> is not continued)
     parser = state.parser(None if constraint else rendered, tool_names)
     try:
-        gen = await state.generate(ids, s.opts)
+        gen = await state.generate(ids, s.opts, loaded)
     except ApiError as e:
         raise naming(e, cparam) from None
     return gen, parser, lp, stream, include_usage

@@ -124,6 +124,11 @@ pub struct Request {
     pub top_logprobs: usize,
     /// What the output must match (constrained decoding); None: anything.
     pub grammar: Option<Grammar>,
+    /// Images, in the order of their image-token runs in `prompt` (each run
+    /// [`crate::vision::Processor::tokens_per_image`] long): the vision tower's embeddings replace
+    /// those positions. A request with images bypasses the prompt-prefix cache (its image tokens
+    /// are the same ids whatever the image).
+    pub images: Vec<Arc<crate::vision::Pixels>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -247,6 +252,8 @@ pub struct Engine {
     pub experts: Option<Arc<models::experts::Streaming>>,
     /// Constrained decoding's token environment, built on the first constrained request.
     guides: Guides,
+    /// The image processor, when the model has a vision tower.
+    pub vision: Option<crate::vision::Processor>,
 }
 
 /// A handle on a submitted request.
@@ -292,6 +299,8 @@ impl Engine {
         let config = read_config(dir)?;
         let tokenizer = Arc::new(Tokenizer::load(dir, &config)?);
         let template = tokenizer.chat_template.as_deref().map(ChatTemplate::new).transpose()?;
+        let vision = crate::vision::processor(&config, dir, &tokenizer)?;
+        let vproc = vision.clone();
         crate::handle::init()?;
         let (tx, rx) = channel::<Cmd>();
         let (ready_tx, ready_rx) = channel::<Result<(ModelShape, usize)>>();
@@ -302,12 +311,16 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("mlxrs-engine".into())
             .spawn(move || {
-                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Box<dyn CausalLm>, usize)> {
+                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Box<dyn CausalLm>, Option<crate::vision::Tower>, usize)> {
                     let mut weights = Weights::load_dir(&d, &cfg)?;
                     if let Some(c) = &ctx {
                         weights.stream_experts(c.clone());
                     }
                     let bytes = weights.nbytes();
+                    let tower = crate::vision::load(&cfg, &mut weights, vproc).map_err(|e| match e {
+                        Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
+                        e => e,
+                    })?;
                     // the config's and the weights' checks name the field or tensor; say which model
                     let model = models::build(&cfg, weights).map_err(|e| match e {
                         Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
@@ -321,7 +334,7 @@ impl Engine {
                         }
                         None => bytes,
                     };
-                    Ok((model, bytes))
+                    Ok((model, tower, bytes))
                 }))
                 .unwrap_or_else(|p| {
                     Err(Error::ModelLoad(format!(
@@ -331,12 +344,12 @@ impl Engine {
                     )))
                 });
                 match loaded {
-                    Ok((model, bytes)) => {
+                    Ok((model, tower, bytes)) => {
                         let _ = ready_tx.send(Ok((model.shape().clone(), bytes)));
                         // A stream of this thread's own: on MLX 0.32 a stream belongs to the thread
                         // that made it (its command encoder is thread-local) and goes with it.
                         let Ok(stream) = mx::default_device().and_then(|d| Stream::new(&d)) else { return };
-                        Scheduler::new(&*model, &tk, opts, st, stream).run(rx);
+                        Scheduler::new(&*model, &tk, opts, st, stream).with_vision(tower.as_ref()).run(rx);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -368,6 +381,7 @@ impl Engine {
             weights_bytes,
             experts: streaming,
             guides: Guides::default(),
+            vision,
         })
     }
 
@@ -389,6 +403,23 @@ impl Engine {
             return Err(Error::Invalid(format!("prompt token id {bad} is outside the vocabulary (0..{vocab})")));
         }
         req.sampling.validate(vocab)?;
+        if !req.images.is_empty() {
+            let Some(v) = &self.vision else {
+                return Err(Error::Invalid(format!(
+                    "model {} ({}) has no vision tower: it cannot take image input",
+                    self.model_name(),
+                    self.shape.model_type
+                )));
+            };
+            let n = req.prompt.iter().filter(|&&t| t == v.image_token_id).count();
+            if n != req.images.len() * v.tokens_per_image {
+                return Err(Error::Invalid(format!(
+                    "the prompt has {n} image tokens for {} image(s) of {} tokens each",
+                    req.images.len(),
+                    v.tokens_per_image
+                )));
+            }
+        }
         // a grammar that does not compile is the caller's error, here rather than in the stream
         let guide = match &req.grammar {
             Some(g) => Some(Box::new(self.guides.guide(g, &self.tokenizer, vocab as usize)?)),
@@ -420,16 +451,42 @@ impl Engine {
         Ok(cancel)
     }
 
+    /// The model's name for messages: its directory's.
+    pub fn model_name(&self) -> String {
+        self.dir.file_name().map_or_else(|| self.dir.display().to_string(), |n| n.to_string_lossy().into_owned())
+    }
+
     /// Last-position logits (float32) of `prompt` from a fresh cache, through the same chunked
     /// prefill as generation (parity tests compare them with mlx-lm's).
     pub fn last_logits(&self, prompt: Vec<i32>) -> Result<Vec<f32>> {
-        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, reply })
+        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images: Vec::new(), reply })
+    }
+
+    /// [`Engine::last_logits`] of a prompt with images (its image tokens replaced by their
+    /// embeddings, as a generation's prefill does).
+    pub fn last_logits_with_images(&self, prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>) -> Result<Vec<f32>> {
+        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images, reply })
     }
 
     /// The embedding of `prompt`: its final normed hidden states mean-pooled over the tokens and
     /// L2-normalised (float32, the model's hidden size).
     pub fn embed(&self, prompt: Vec<i32>) -> Result<Vec<f32>> {
         self.ask(prompt, |prompt, reply| Cmd::Embed { prompt, reply })
+    }
+
+    /// The vision tower's projected features of `pixels` (float32, `[N, tokens_per_image,
+    /// hidden]` flattened): what replaces the image tokens (before the merge's scaling).
+    pub fn image_features(&self, pixels: Vec<Arc<crate::vision::Pixels>>) -> Result<Vec<f32>> {
+        if self.vision.is_none() {
+            return Err(Error::Invalid(format!("model {} has no vision tower", self.model_name())));
+        }
+        let (tx, rx) = channel();
+        {
+            let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+            let s = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
+            s.send(Cmd::ImageFeatures { pixels, reply: tx }).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
+        }
+        rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
     }
 
     /// Run a one-off command over `prompt` (checked token ids) on the engine thread; wait for its reply.

@@ -45,8 +45,10 @@ fn stacked_kv_default() -> bool {
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
     Generate { req: Box<Request>, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>> },
-    Logits { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
+    Logits { prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>, reply: Sender<Result<Vec<f32>>> },
     Embed { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
+    /// The vision tower's projected features of images (float32, flattened `[N, tokens, hidden]`).
+    ImageFeatures { pixels: Vec<Arc<crate::vision::Pixels>>, reply: Sender<Result<Vec<f32>>> },
     /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
     Panic,
 }
@@ -68,6 +70,9 @@ struct Seq {
     done: usize,
     /// Prompt tokens the prefix cache supplied.
     cached: usize,
+    /// The prompt's input embeddings with the images' merged in (a request with images, while
+    /// its prefill runs).
+    embeds: Option<Array>,
     /// The input of the next decode step when it is not the previous step's token (the last
     /// prompt token, before the first step).
     first_input: Option<Array>,
@@ -187,6 +192,8 @@ pub(crate) struct Scheduler<'a> {
     stackable: bool,
     /// The decoding rows' stacked KV and which sequence each slot holds (None: a hole).
     stack: Option<(BatchKv, Vec<Option<u64>>)>,
+    /// The vision tower, for requests with images.
+    vision: Option<&'a crate::vision::Tower>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -213,7 +220,14 @@ impl<'a> Scheduler<'a> {
             next_uid: 0,
             stack: None,
             stackable,
+            vision: None,
         }
+    }
+
+    /// The vision tower requests with images go through.
+    pub(crate) fn with_vision(mut self, vision: Option<&'a crate::vision::Tower>) -> Self {
+        self.vision = vision;
+        self
     }
 
     /// Serve until the command channel closes and everything in flight has finished. A panic
@@ -248,7 +262,7 @@ impl<'a> Scheduler<'a> {
                 self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
                 let _ = events.send(Event::Error(Error::Engine(why.to_string())));
             }
-            Cmd::Logits { reply, .. } | Cmd::Embed { reply, .. } => {
+            Cmd::Logits { reply, .. } | Cmd::Embed { reply, .. } | Cmd::ImageFeatures { reply, .. } => {
                 let _ = reply.send(Err(Error::Engine(why.to_string())));
             }
             Cmd::Panic => {}
@@ -299,14 +313,34 @@ impl<'a> Scheduler<'a> {
                     let _ = events.send(Event::Error(e));
                 }
             },
-            Cmd::Logits { prompt, reply } => {
+            Cmd::Logits { prompt, images, reply } => {
                 let stream = self.stream.clone();
-                let r = mx::with_stream(&stream, || last_logits(self.model, &prompt, &self.opts));
+                let r = mx::with_stream(&stream, || {
+                    let embeds = match (images.is_empty(), self.vision) {
+                        (true, _) => None,
+                        (false, None) => return Err(Error::Invalid("this model has no vision tower".into())),
+                        (false, Some(t)) => {
+                            let p: Vec<&crate::vision::Pixels> = images.iter().map(|p| &**p).collect();
+                            Some(t.merged_embeddings(self.model, &prompt, &p)?)
+                        }
+                    };
+                    last_logits(self.model, &prompt, &self.opts, embeds.as_ref())
+                });
                 let _ = reply.send(r);
             }
             Cmd::Embed { prompt, reply } => {
                 let stream = self.stream.clone();
                 let r = mx::with_stream(&stream, || embedding(self.model, &prompt, &self.opts));
+                let _ = reply.send(r);
+            }
+            Cmd::ImageFeatures { pixels, reply } => {
+                let stream = self.stream.clone();
+                let r = mx::with_stream(&stream, || -> Result<Vec<f32>> {
+                    let tower = self.vision.ok_or_else(|| Error::Invalid("this model has no vision tower".into()))?;
+                    let p: Vec<&crate::vision::Pixels> = pixels.iter().map(|p| &**p).collect();
+                    let dtype = self.model.embed_tokens(&Array::from_slice(&[0i32], &[1, 1])?)?.dtype();
+                    mx::astype(&tower.features(&p, dtype)?, Dtype::Float32)?.to_vec::<f32>()
+                });
                 let _ = reply.send(r);
             }
             Cmd::Panic => panic!("injected engine panic (test hook)"),
@@ -327,6 +361,7 @@ impl<'a> Scheduler<'a> {
             stops,
             done: 0,
             cached: 0,
+            embeds: None,
             first_input: None,
             pending: None,
             generated: Vec::new(),
@@ -390,7 +425,9 @@ impl<'a> Scheduler<'a> {
                 }
             }
             let mut s = self.waiting.pop_front().expect("front exists");
-            match self.prefix.lookup(&s.req.prompt) {
+            // a request with images never reuses a cached prefix (nor leaves one)
+            let hit = if s.req.images.is_empty() { self.prefix.lookup(&s.req.prompt) } else { None };
+            match hit {
                 Some((cache, n)) => {
                     s.cache = cache;
                     s.done = n;
@@ -420,10 +457,25 @@ impl<'a> Scheduler<'a> {
         let step = self.opts.prefill_step_size.max(1) as usize;
         let s = &mut self.running[idx];
         let total = s.req.prompt.len();
+        if !s.req.images.is_empty() && s.embeds.is_none() && total - s.done > 1 {
+            let tower = self.vision.ok_or_else(|| Error::Invalid("this model has no vision tower".into()))?;
+            let pixels: Vec<&crate::vision::Pixels> = s.req.images.iter().map(|p| &**p).collect();
+            let e = tower.merged_embeddings(self.model, &s.req.prompt, &pixels)?;
+            e.eval()?;
+            s.embeds = Some(e);
+        }
         if total - s.done > 1 {
             let n = step.min(total - s.done - 1);
-            let chunk = Array::from_slice(&s.req.prompt[s.done..s.done + n], &[1, n as i32])?;
-            self.model.forward_caches(&chunk, &mut Caches::one(&mut s.cache), self.staging)?;
+            match &s.embeds {
+                Some(e) => {
+                    let chunk = mx::slice_axis(e, 1, s.done as i32, (s.done + n) as i32)?;
+                    self.model.forward_embeds(&chunk, &mut Caches::one(&mut s.cache), self.staging)?;
+                }
+                None => {
+                    let chunk = Array::from_slice(&s.req.prompt[s.done..s.done + n], &[1, n as i32])?;
+                    self.model.forward_caches(&chunk, &mut Caches::one(&mut s.cache), self.staging)?;
+                }
+            }
             maybe_quantize(&mut s.cache, &self.opts)?;
             let state: Vec<&Array> = s.cache.iter().flat_map(|c| c.state()).collect();
             mx::eval(&state)?;
@@ -434,7 +486,8 @@ impl<'a> Scheduler<'a> {
         }
         if total - s.done <= 1 {
             // the prompt but its last token is in the cache: snapshot it, then decode
-            if self.prefix.enabled() && s.done > s.cached {
+            s.embeds = None;
+            if self.prefix.enabled() && s.done > s.cached && s.req.images.is_empty() {
                 let tokens = s.req.prompt[..s.done].to_vec();
                 self.prefix.insert(tokens, s.cache.clone());
             }
@@ -779,7 +832,8 @@ impl<'a> Scheduler<'a> {
 
     /// End a sequence: flush its text, snapshot its cache, send Done, count it.
     fn finish(&mut self, s: &mut Seq, reason: FinishReason, stop: Option<String>, ran: bool) {
-        self.leave_stack(s, ran && reason != FinishReason::Cancelled && self.prefix.enabled());
+        let keep = ran && reason != FinishReason::Cancelled && self.prefix.enabled() && s.req.images.is_empty();
+        self.leave_stack(s, keep);
         let mut reason = reason;
         let mut stop_string = stop;
         if reason != FinishReason::Cancelled && stop_string.is_none() {
@@ -795,7 +849,7 @@ impl<'a> Scheduler<'a> {
                 s.send(Event::Token { id: -1, text: tail, logprob: None, top: Vec::new() });
             }
         }
-        if ran && reason != FinishReason::Cancelled && self.prefix.enabled() {
+        if keep {
             // the conversation so far, for the next turn (its pending step is dropped: evaluate
             // the cache so the snapshot holds no pending graph)
             let state: Vec<&Array> = s.cache.iter().flat_map(|c| c.state()).collect();
@@ -846,17 +900,25 @@ fn maybe_quantize(cache: &mut [LayerCache], opts: &LoadOptions) -> Result<()> {
 
 /// Last-position logits of `prompt` from a fresh cache on generation's schedule (the parity tests
 /// compare them with mlx-lm's): all but the last token in chunks, then the last token.
-pub(crate) fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions) -> Result<Vec<f32>> {
+/// With `embeds` (`[1, L, hidden]`, a prompt with images merged in), the chunks run from them.
+pub(crate) fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions, embeds: Option<&Array>) -> Result<Vec<f32>> {
     let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
     let step = opts.prefill_step_size.max(1) as usize;
     let (head, tail) = prompt.split_at(prompt.len() - 1);
     let n_head = head.chunks(step).count();
     let staging = prefill_staging();
     let mut logits = None;
+    let mut at = 0usize;
     for (i, chunk) in head.chunks(step).chain(std::iter::once(tail)).enumerate() {
-        let a = Array::from_slice(chunk, &[1, chunk.len() as i32])?;
         let st = if i < n_head { staging } else { Staging::NONE };
-        logits = Some(model.forward_staged(&a, &mut cache, st)?);
+        logits = Some(match embeds {
+            Some(e) => {
+                let part = mx::slice_axis(e, 1, at as i32, (at + chunk.len()) as i32)?;
+                model.forward_embeds(&part, &mut Caches::one(&mut cache), st)?
+            }
+            None => model.forward_staged(&Array::from_slice(chunk, &[1, chunk.len() as i32])?, &mut cache, st)?,
+        });
+        at += chunk.len();
         maybe_quantize(&mut cache, opts)?;
     }
     let l = logits.ok_or_else(|| Error::Invalid("empty prompt".into()))?;

@@ -87,6 +87,7 @@ fn request(prompt: Vec<i32>, max_tokens: usize) -> Request {
         logprobs: false,
         top_logprobs: 0,
         grammar: None,
+        images: Vec::new(),
     }
 }
 

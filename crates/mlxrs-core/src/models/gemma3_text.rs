@@ -18,9 +18,35 @@ pub const ARCH: Arch = Arch {
     gguf: Some("gemma3"),
 };
 
-/// Nothing is dropped; a missing lm_head means the head is tied to the embedding.
-pub fn sanitize(_config: &Value, w: &mut Weights) -> Result<()> {
+/// A missing lm_head means the head is tied to the embedding. A multimodal checkpoint's text
+/// weights (`language_model.model.*` as mlx-vlm and transformers 4 save them,
+/// `model.language_model.*` as transformers 5 does) are renamed to the text model's; whatever of the
+/// vision tower is still there (a tower mlxrs did not load) is dropped.
+pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
     w.retain(|k| !k.contains("self_attn.rotary_emb.inv_freq"));
+    let keys: Vec<String> = w.keys().cloned().collect();
+    for k in keys {
+        let renamed = if let Some(rest) = k.strip_prefix("language_model.") {
+            Some(rest.to_string())
+        } else {
+            k.strip_prefix("model.language_model.").map(|rest| format!("model.{rest}"))
+        };
+        if let Some(n) = renamed {
+            if let Some(a) = w.remove(&k) {
+                w.insert(n, a);
+            }
+        }
+    }
+    // mlx-vlm ties the multimodal model's head to the embedding whatever the checkpoint holds
+    if w.contains("model.embed_tokens.weight") && config.get("vision_config").is_some() {
+        w.remove("lm_head.weight");
+    }
+    w.retain(|k| {
+        !(k.starts_with("vision_tower.")
+            || k.starts_with("multi_modal_projector.")
+            || k.starts_with("model.vision_tower.")
+            || k.starts_with("model.multi_modal_projector."))
+    });
     Ok(())
 }
 
@@ -166,9 +192,32 @@ impl CausalLm for Model {
     }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        let h0 = self.embed.forward(tokens)?;
-        let mut h = mx::multiply(&h0, &mx::astype(&self.embed_scale, h0.dtype())?)?;
-        let n = tokens.dim(1);
+        self.hidden_from(&self.embed.forward(tokens)?, caches, staging)
+    }
+
+    fn embed_tokens(&self, tokens: &Array) -> Result<Array> {
+        self.embed.forward(tokens)
+    }
+
+    fn forward_embeds(&self, embeds: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let h = self.hidden_from(embeds, caches, staging)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+}
+
+impl Model {
+    /// The decoder over input embeddings `h0` `[B, L, hidden]` (the token embeddings, or merged
+    /// multimodal ones), scaled by sqrt(hidden) rounded to bfloat16 as mlx-lm and mlx-vlm do.
+    fn hidden_from(&self, h0: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let mut h = mx::multiply(h0, &mx::astype(&self.embed_scale, h0.dtype())?)?;
+        let n = h0.dim(1);
         let g = (self.pattern - 1) as usize;
         let global_mask = caches.masks(g, n, None)?;
         let sliding_mask = if self.pattern > 1 { Some(caches.masks(0, n, Some(self.window))?) } else { None };
@@ -184,9 +233,5 @@ impl CausalLm for Model {
             stager.after_layer(i, n_layers, &h, caches)?;
         }
         self.norm.forward(&h)
-    }
-
-    fn shape(&self) -> &ModelShape {
-        &self.shape
     }
 }

@@ -90,6 +90,17 @@ pub trait CausalLm: Send {
     /// The final normed hidden state `[B, L, hidden]` (what the LM head reads) for `tokens`
     /// `[B, L]`, appending to `caches`: the embeddings of `/v1/embeddings` are pooled from it.
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: Staging) -> Result<Array>;
+    /// The token embeddings `[B, L, hidden]` of `tokens` before any input scaling of the
+    /// architecture (mlx-vlm's `embed_tokens`): what a multimodal merge replaces positions of.
+    fn embed_tokens(&self, _tokens: &Array) -> Result<Array> {
+        Err(Error::Unsupported(format!("{} takes no input embeddings", self.shape().model_type)))
+    }
+    /// Logits `[B, L, vocab]` from input embeddings `[B, L, hidden]` (as [`CausalLm::embed_tokens`]
+    /// gives them, positions replaced) in place of tokens, appending to `caches`; the architecture
+    /// scales them as it scales its own token embeddings (mlx-vlm's `inputs_embeds`).
+    fn forward_embeds(&self, _embeds: &Array, _caches: &mut Caches, _staging: Staging) -> Result<Array> {
+        Err(Error::Unsupported(format!("{} takes no input embeddings", self.shape().model_type)))
+    }
     /// A fresh cache for this model (from its layout).
     fn make_cache(&self, opts: &CacheOptions) -> Vec<LayerCache> {
         arch::make_cache(&self.shape().layers, opts)

@@ -1,0 +1,55 @@
+"""The multimodal parity oracle: mlx-vlm 0.7.10 run in its own process (given the same BLAS as
+mlxrs through LD_PRELOAD, like oracle_mlxlm.py). Reads a JSON job on stdin, writes JSON on stdout.
+
+Job: {"model": dir, "prompt": text with one image marker per image, "images": [paths],
+      "max_tokens": n, "prefill_step_size": n}
+Out: {"input_ids": [ids] (the processor's), "pixel_values": [[floats]] per image (flattened [3, H, W]),
+      "features": [floats] (the projector's output for all images, flattened), "tokens": [ids] (greedy),
+      "logits": [last-position logits, float32] (the merged embeddings through the language model, as
+      generate's prefill runs them: all but the last position, then the last)}
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    from mlx_vlm.generate.ar import generate_step
+    from mlx_vlm.utils import load, load_image
+
+    model, processor = load(job["model"])
+    images = [load_image(p) for p in job["images"]]
+    inputs = processor(text=[job["prompt"]], images=images or None, return_tensors="np")
+    input_ids = mx.array(np.asarray(inputs["input_ids"]))
+    out: dict = {"input_ids": input_ids[0].tolist()}
+    pixel_values = inputs.get("pixel_values")
+    if pixel_values is not None:
+        pixel_values = mx.array(np.asarray(pixel_values))
+        out["pixel_values"] = [np.asarray(p, dtype=np.float32).ravel().tolist() for p in np.asarray(pixel_values)]
+        dtype = model.language_model.model.embed_tokens.weight.dtype
+        h, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(dtype), output_hidden_states=True)
+        feats = model.multi_modal_projector(h).astype(mx.float32)
+        out["features"] = np.asarray(feats).ravel().tolist()
+    mask = mx.array(np.asarray(inputs["attention_mask"])) if "attention_mask" in inputs else None
+    if pixel_values is not None:
+        emb = model.get_input_embeddings(input_ids, pixel_values, mask=mask).inputs_embeds
+        cache = model.language_model.make_cache()
+        n = input_ids.shape[1]
+        model.language_model(input_ids[:, :n - 1], inputs_embeds=emb[:, :n - 1], cache=cache)
+        last = model.language_model(input_ids[:, n - 1:], inputs_embeds=emb[:, n - 1:], cache=cache).logits
+        out["logits"] = np.asarray(last[0, -1].astype(mx.float32)).tolist()
+    tokens = []
+    for tok, _ in generate_step(input_ids, model, pixel_values, mask, max_tokens=job["max_tokens"], temperature=0.0,
+                                prefill_step_size=job.get("prefill_step_size", 2048)):
+        tokens.append(int(tok))
+    out["tokens"] = tokens
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
