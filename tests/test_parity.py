@@ -10,7 +10,8 @@ import pytest
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral"]
+MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -43,7 +44,7 @@ def _check(oracle, model_dir, prompt_text: str, *, dtype: str, kv_bits=None, max
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plain(oracle, arch, dtype):
-    if arch == "qwen3_moe" and dtype != "float32" and _on_cpu():
+    if arch in MOE and dtype != "float32" and _on_cpu():
         pytest.skip("MLX's CPU GatherMM supports only float32 (mlx-lm fails the same way)")
     d = make_model(f"{arch}-{dtype}", arch, dtype=dtype)
     _check(oracle, d, TEXT, dtype=dtype)
@@ -90,23 +91,35 @@ def test_rotating_cache_max_kv_size(oracle, arch):
     _check(oracle, d, TEXT, dtype="float32", max_kv_size=32, step=16)
 
 
-def test_moe_config_disagreeing_with_weights_is_refused(tmp_path):
-    """A qwen3_moe config whose expert count, top-k or widths disagree with the weights is refused
-    at load, naming the tensor."""
+# (config field, value disagreeing with the tiny model's weights, what the error must name)
+BAD_MOE = {
+    "qwen3_moe": [("num_experts", 16, "model.layers.0.mlp.experts.8"),
+                  ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
+                  ("num_experts_per_tok", 9, "num_experts_per_tok")],
+    "mixtral": [("num_local_experts", 16, "model.layers.0.block_sparse_moe.experts.8.w1.weight"),
+                ("num_local_experts", 4, "model.layers.0.block_sparse_moe.experts.4"),
+                ("intermediate_size", 64, "model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight"),
+                ("num_experts_per_tok", 9, "num_experts_per_tok"),
+                ("hidden_size", 128, "model.layers.0.self_attn.q_proj.weight")],
+}
+
+
+@pytest.mark.parametrize("arch,field,value,needle", [(a, *case) for a, cases in BAD_MOE.items() for case in cases],
+                         ids=[f"{a}-{c[0]}={c[1]}" for a, cases in BAD_MOE.items() for c in cases])
+def test_moe_config_disagreeing_with_weights_is_refused(tmp_path, arch, field, value, needle):
+    """A MoE config whose expert count, top-k or widths disagree with the weights is refused at
+    load, naming the tensor or the field."""
     import json
     import shutil
 
-    src = make_model("qwen3_moe-float32", "qwen3_moe")
-    for field, value, needle in [("num_experts", 16, "model.layers.0.mlp.experts.8"),
-                                 ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
-                                 ("num_experts_per_tok", 9, "num_experts_per_tok")]:
-        d = tmp_path / field
-        shutil.copytree(src, d)
-        cfg = json.loads((d / "config.json").read_text())
-        cfg[field] = value
-        (d / "config.json").write_text(json.dumps(cfg))
-        with pytest.raises(Exception, match=needle.replace(".", r"\.")):
-            mlxrs.Session(d)
+    src = make_model(f"{arch}-float32", arch)
+    d = tmp_path / field
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[field] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=needle.replace(".", r"\.")):
+        mlxrs.Session(d)
 
 
 def test_moe_4bit_bf16(oracle):

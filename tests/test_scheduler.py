@@ -39,6 +39,8 @@ CASES = [
     ("qwen3", {"kv_bits": 4}),
     ("qwen3_moe", {"stack": 1}),  # routed experts per row: a batch row must not change another's
     ("qwen3_moe", {}),
+    ("mixtral", {"stack": 1}),
+    ("mixtral", {}),
 ]
 
 

@@ -74,6 +74,12 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
         cfg.update(tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"], num_experts=8,
                    num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[1],
                    norm_topk_prob=True, num_hidden_layers=max(layers, 3))
+    elif arch == "mixtral":
+        # 8 experts of width 128 (mixtral's intermediate_size), 2 per token, in every layer; the head
+        # dim derived from hidden_size (mixtral has none), the window unused as in mlx-lm
+        del cfg["head_dim"]
+        cfg.update(tie_word_embeddings=False, architectures=["MixtralForCausalLM"], num_local_experts=8,
+                   num_experts_per_tok=2, intermediate_size=128, sliding_window=None, rms_norm_eps=1e-5)
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
@@ -92,7 +98,8 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
             else mx.random.normal(shape, key=mx.random.split(key, counter[0] + 1)[counter[0]]) * scale
 
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
     gemma = arch == "gemma3_text"
 
     def norm(n: int) -> Any:  # gemma stores an offset from one
@@ -113,6 +120,14 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
                 w[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rnd((mi, h), h ** -0.5)
                 w[f"{p}.mlp.experts.{e}.up_proj.weight"] = rnd((mi, h), h ** -0.5)
                 w[f"{p}.mlp.experts.{e}.down_proj.weight"] = rnd((h, mi), mi ** -0.5)
+        elif arch == "mixtral":
+            # the Hugging Face layout: w1 (gate), w2 (down), w3 (up) per expert
+            ne, p2 = cfg["num_local_experts"], f"{p}.block_sparse_moe"
+            w[f"{p2}.gate.weight"] = rnd((ne, h), h ** -0.5)
+            for e in range(ne):
+                w[f"{p2}.experts.{e}.w1.weight"] = rnd((i, h), h ** -0.5)
+                w[f"{p2}.experts.{e}.w2.weight"] = rnd((h, i), i ** -0.5)
+                w[f"{p2}.experts.{e}.w3.weight"] = rnd((i, h), h ** -0.5)
         else:
             w[f"{p}.mlp.gate_proj.weight"] = rnd((i, h), h ** -0.5)
             w[f"{p}.mlp.up_proj.weight"] = rnd((i, h), h ** -0.5)

@@ -139,7 +139,7 @@ mod tests {
 
     #[test]
     fn the_table_gives_the_supported_types_and_gguf_names() {
-        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3"]);
+        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral"]);
         let mut g = gguf_architectures();
         g.sort();
         assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]);
@@ -176,6 +176,17 @@ mod tests {
         assert!(l.iter().all(|l| l.attn == AttnKind::Full && l.kv_elems() == 2 * 64 * 2));
         m["num_experts_per_tok"] = json!(9);
         assert!(layout_of(&m).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 9 exceeds num_experts 8"));
+
+        // mixtral: a MoE in every layer, intermediate_size the experts' width, mlx-lm's defaults
+        // (8 experts, 2 per token) for what the config leaves out; full attention even with a window
+        let mut x = base("mixtral");
+        x["sliding_window"] = json!(4);
+        let l = layout_of(&x).unwrap().unwrap();
+        let moe = FfnKind::Moe { experts: 8, top_k: 2, intermediate: 512, shared: 0, norm_topk_prob: true };
+        assert!(l.iter().all(|l| l.ffn == moe && l.attn == AttnKind::Full));
+        x["num_local_experts"] = json!(2);
+        x["num_experts_per_tok"] = json!(3);
+        assert!(layout_of(&x).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 3 exceeds num_local_experts 2"));
     }
 
     #[test]

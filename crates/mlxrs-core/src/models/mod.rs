@@ -4,6 +4,7 @@ pub mod arch;
 pub mod gemma3_text;
 pub mod layers;
 pub mod llama;
+pub mod mixtral;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_moe;
@@ -148,7 +149,7 @@ impl Stager {
 }
 
 /// The architecture table: one line per architecture, each declared in its own file.
-pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH];
+pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH, mixtral::ARCH];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
 pub fn supported() -> Vec<&'static str> {
