@@ -97,7 +97,7 @@ BAD_MOE = {
                   ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
                   ("num_experts_per_tok", 9, "num_experts_per_tok")],
     "mixtral": [("num_local_experts", 16, "model.layers.0.block_sparse_moe.experts.8.w1.weight"),
-                ("num_local_experts", 4, "model.layers.0.block_sparse_moe.experts.4"),
+                ("num_local_experts", 4, "model.layers.0.block_sparse_moe.experts.4.w1.weight is past"),
                 ("intermediate_size", 64, "model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight"),
                 ("num_experts_per_tok", 9, "num_experts_per_tok"),
                 ("hidden_size", 128, "model.layers.0.self_attn.q_proj.weight")],

@@ -72,7 +72,7 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
             }
         }
         // an expert past num_local_experts: the config does not match the checkpoint
-        if let Some(k) = w.keys().find(|k| k.starts_with(&format!("{p}.experts."))) {
+        if let Some(k) = w.keys().filter(|k| k.starts_with(&format!("{p}.experts."))).min() {
             return Err(Error::ModelLoad(format!("weight {k} is past config.json's num_local_experts {n}")));
         }
     }
