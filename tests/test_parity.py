@@ -10,7 +10,7 @@ import pytest
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe"]
 MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
@@ -101,6 +101,17 @@ BAD_MOE = {
                 ("intermediate_size", 64, "model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight"),
                 ("num_experts_per_tok", 9, "num_experts_per_tok"),
                 ("hidden_size", 128, "model.layers.0.self_attn.q_proj.weight")],
+    "glm4_moe": [("n_routed_experts", 16, "model.layers.1.mlp.experts.8.gate_proj.weight"),
+                 ("n_routed_experts", 4, "model.layers.1.mlp.experts.4.down_proj.weight is past"),
+                 ("moe_intermediate_size", 64, "model.layers.1.mlp.switch_mlp.gate_proj.weight"),
+                 ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+                 ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds n_routed_experts 8"),
+                 ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
+                 ("n_group", 3, "n_group 3 does not divide"),
+                 ("topk_group", 3, "topk_group 3 is not in 1..=2"),
+                 ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
+                 ("partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
+                 ("topk_method", "greedy", "topk_method")],
 }
 
 

@@ -41,6 +41,8 @@ CASES = [
     ("qwen3_moe", {}),
     ("mixtral", {"stack": 1}),
     ("mixtral", {}),
+    ("glm4_moe", {"stack": 1}),
+    ("glm4_moe", {}),
 ]
 
 

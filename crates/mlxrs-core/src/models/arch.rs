@@ -132,6 +132,36 @@ pub fn dense(_i: i32, d: &Dims) -> Result<FfnKind> {
     Ok(FfnKind::Dense { intermediate: d.intermediate.unwrap_or(0) })
 }
 
+/// mlx-lm's expert stacking (sanitize): for each `(from, to)`, the per-expert
+/// `{prefix}.experts.{e}.{from}.{weight,scales,biases}` of experts `0..n` stacked into
+/// `{prefix}.{into}.{to}.*` `[n, ...]`. A layer without `{prefix}.experts.0.{from}.weight` is left
+/// alone; an expert missing is refused naming its tensor, one past `n` naming it too.
+pub fn stack_experts(w: &mut Weights, prefix: &str, n: i32, into: &str, projs: &[(&str, &str)]) -> Result<()> {
+    use crate::error::Error;
+    if !projs.iter().any(|(from, _)| w.contains(&format!("{prefix}.experts.0.{from}.weight"))) {
+        return Ok(());
+    }
+    for (from, to) in projs {
+        for part in ["weight", "scales", "biases"] {
+            if !w.contains(&format!("{prefix}.experts.0.{from}.{part}")) {
+                continue;
+            }
+            let parts = (0..n).map(|e| w.take(&format!("{prefix}.experts.{e}.{from}.{part}"))).collect::<Result<Vec<_>>>()?;
+            if parts.windows(2).any(|a| a[0].shape() != a[1].shape()) {
+                return Err(Error::ModelLoad(format!("weights {prefix}.experts.*.{from}.{part} differ in shape")));
+            }
+            let refs: Vec<&crate::handle::Array> = parts.iter().collect();
+            w.insert(format!("{prefix}.{into}.{to}.{part}"), crate::handle::stack(&refs, 0)?);
+        }
+    }
+    // an expert past n: the config does not match the checkpoint
+    let past = format!("{prefix}.experts.");
+    if let Some(k) = w.keys().filter(|k| k.starts_with(&past) && k[past.len()..].starts_with(|c: char| c.is_ascii_digit())).min() {
+        return Err(Error::ModelLoad(format!("weight {k} is past config.json's expert count {n}")));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,7 +169,7 @@ mod tests {
 
     #[test]
     fn the_table_gives_the_supported_types_and_gguf_names() {
-        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral"]);
+        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral", "glm4_moe"]);
         let mut g = gguf_architectures();
         g.sort();
         assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]);
@@ -187,6 +217,18 @@ mod tests {
         x["num_local_experts"] = json!(2);
         x["num_experts_per_tok"] = json!(3);
         assert!(layout_of(&x).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 3 exceeds num_local_experts 2"));
+
+        // glm4_moe: the first first_k_dense_replace layers dense, then routed + shared experts
+        let mut g = base("glm4_moe");
+        for (k, v) in [("n_routed_experts", json!(16)), ("num_experts_per_tok", json!(4)), ("moe_intermediate_size", json!(64)),
+                       ("n_shared_experts", json!(1)), ("first_k_dense_replace", json!(1)), ("norm_topk_prob", json!(true))] {
+            g[k] = v;
+        }
+        let moe = FfnKind::Moe { experts: 16, top_k: 4, intermediate: 64, shared: 1, norm_topk_prob: true };
+        let ffn: Vec<_> = layout_of(&g).unwrap().unwrap().iter().map(|l| l.ffn).collect();
+        assert_eq!(ffn, [FfnKind::Dense { intermediate: 512 }, moe, moe, moe]);
+        g["n_shared_experts"] = Value::Null;
+        assert!(layout_of(&g).unwrap().unwrap().iter().skip(1).all(|l| matches!(l.ffn, FfnKind::Moe { shared: 0, .. })));
     }
 
     #[test]

@@ -7,7 +7,6 @@ use super::layers::{MoeSpec, Router};
 use super::llama::{Extra, Model, Variant};
 use super::{limits, Cfg, DimDefaults};
 use crate::error::{Error, Result};
-use crate::handle as mx;
 use crate::weights::Weights;
 use serde_json::Value;
 
@@ -57,24 +56,8 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
     let layers = c.size("num_hidden_layers", None, limits::LAYERS)?;
     let n = c.size("num_local_experts", None, limits::EXPERTS)?;
     for l in 0..layers {
-        let p = format!("model.layers.{l}.block_sparse_moe");
-        for (from, to) in [("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")] {
-            for part in ["weight", "scales", "biases"] {
-                if !w.contains(&format!("{p}.experts.0.{from}.{part}")) {
-                    continue;
-                }
-                let parts = (0..n).map(|e| w.take(&format!("{p}.experts.{e}.{from}.{part}"))).collect::<Result<Vec<_>>>()?;
-                if parts.windows(2).any(|a| a[0].shape() != a[1].shape()) {
-                    return Err(Error::ModelLoad(format!("weights {p}.experts.*.{from}.{part} differ in shape")));
-                }
-                let refs: Vec<&mx::Array> = parts.iter().collect();
-                w.insert(format!("{p}.switch_mlp.{to}.{part}"), mx::stack(&refs, 0)?);
-            }
-        }
-        // an expert past num_local_experts: the config does not match the checkpoint
-        if let Some(k) = w.keys().filter(|k| k.starts_with(&format!("{p}.experts."))).min() {
-            return Err(Error::ModelLoad(format!("weight {k} is past config.json's num_local_experts {n}")));
-        }
+        let projs = [("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")];
+        arch::stack_experts(w, &format!("model.layers.{l}.block_sparse_moe"), n, "switch_mlp", &projs)?;
     }
     Ok(())
 }
