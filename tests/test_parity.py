@@ -4,13 +4,15 @@ with and without a quantized KV cache, a prompt longer than one prefill chunk, a
 model past its window, and a rotating (max_kv_size) cache."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"]
 MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
@@ -112,6 +114,12 @@ BAD_MOE = {
                  ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
                  ("partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
                  ("topk_method", "greedy", "topk_method")],
+    "gpt_oss": [("num_local_experts", 16, "model.layers.0.mlp.router.bias has shape [8] but config.json implies [16]"),
+                ("intermediate_size", 64, "model.layers.0.mlp.experts.gate_proj.bias"),
+                ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds num_local_experts 8"),
+                ("num_attention_heads", 8, "model.layers.0.self_attn"),
+                ("layer_types", ["full_attention"] * 4, "no sliding_attention layer"),
+                ("layer_types", ["sliding_attention"] * 3, "layer_types has 3 entries for num_hidden_layers 4")],
 }
 
 
@@ -129,7 +137,7 @@ def test_moe_config_disagreeing_with_weights_is_refused(tmp_path, arch, field, v
     cfg = json.loads((d / "config.json").read_text())
     cfg[field] = value
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(Exception, match=needle.replace(".", r"\.")):
+    with pytest.raises(Exception, match=re.escape(needle)):
         mlxrs.Session(d)
 
 
@@ -137,3 +145,27 @@ def test_moe_4bit_bf16(oracle):
     # bfloat16 experts go through gather_qmm, which MLX's CPU backend runs in any float dtype
     d = make_model("qwen3_moe-bf16-q4", "qwen3_moe", dtype="bfloat16", quant_bits=4)
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
+
+
+def test_gpt_oss_refuses_mxfp4_and_a_quantized_kv_cache(tmp_path):
+    """What mlxrs does not run is refused with a message naming it: gpt-oss's MXFP4 checkpoint
+    layout (`*_blocks`), and a quantized KV cache with attention sinks (mlx-lm refuses it too)."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("gpt_oss-float32", "gpt_oss")
+    d = tmp_path / "mxfp4"
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    for k in [k for k in w if ".mlp.experts." in k]:
+        del w[k]
+    w["model.layers.0.mlp.experts.gate_up_proj_blocks"] = mx.zeros((8, 256, 8, 16), dtype=mx.uint8)
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    (d / "config.json").write_text(json.dumps(json.loads((src / "config.json").read_text())))
+    with pytest.raises(Exception, match=r"gate_up_proj_blocks: gpt-oss's MXFP4 layout is not supported"):
+        mlxrs.Session(d)
+    with mlxrs.Session(src, kv_bits=8) as s:
+        with pytest.raises(Exception, match="attention sinks"):
+            s.generate(s.tokenize(TEXT), max_tokens=4)

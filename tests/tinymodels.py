@@ -89,6 +89,12 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
                    routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True,
                    attention_bias=True, partial_rotary_factor=0.5, rope_scaling=None, num_hidden_layers=max(layers, 3),
                    num_nextn_predict_layers=1)
+    elif arch == "gpt_oss":
+        # 4 layers alternating a 16-token window and full attention, attention sinks, biases everywhere;
+        # 8 biased experts of width 128 (gpt-oss's intermediate_size), 2 per token, clamped SwiGLU
+        cfg.update(architectures=["GptOssForCausalLM"], num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,
+                   sliding_window=16, rms_norm_eps=1e-5, num_hidden_layers=max(layers, 4), rope_scaling=None,
+                   layer_types=["sliding_attention", "full_attention"] * (max(layers, 4) // 2))
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
@@ -148,6 +154,20 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
             w[f"{p}.mlp.shared_experts.gate_proj.weight"] = rnd((mi * ns, h), h ** -0.5)
             w[f"{p}.mlp.shared_experts.up_proj.weight"] = rnd((mi * ns, h), h ** -0.5)
             w[f"{p}.mlp.shared_experts.down_proj.weight"] = rnd((h, mi * ns), (mi * ns) ** -0.5)
+        elif arch == "gpt_oss":
+            # mlx-lm's layout (its sanitize passes a checkpoint with gate_proj.weight through)
+            ne = cfg["num_local_experts"]
+            w[f"{p}.mlp.router.weight"] = rnd((ne, h), h ** -0.5)
+            w[f"{p}.mlp.router.bias"] = rnd((ne,), 0.5)
+            for proj, shape in [("gate_proj", (ne, i, h)), ("up_proj", (ne, i, h)), ("down_proj", (ne, h, i))]:
+                # gate scaled up so that the clamp at 7 is reached
+                w[f"{p}.mlp.experts.{proj}.weight"] = rnd(shape, (4.0 if proj == "gate_proj" else 1.0) * shape[2] ** -0.5)
+                w[f"{p}.mlp.experts.{proj}.bias"] = rnd(shape[:2], 0.5)
+            w[f"{p}.self_attn.sinks"] = rnd((nh,), 1.0)
+            w[f"{p}.self_attn.q_proj.bias"] = rnd((nh * hd,), 0.1)
+            w[f"{p}.self_attn.k_proj.bias"] = rnd((nkv * hd,), 0.1)
+            w[f"{p}.self_attn.v_proj.bias"] = rnd((nkv * hd,), 0.1)
+            w[f"{p}.self_attn.o_proj.bias"] = rnd((h,), 0.1)
         else:
             w[f"{p}.mlp.gate_proj.weight"] = rnd((i, h), h ** -0.5)
             w[f"{p}.mlp.up_proj.weight"] = rnd((i, h), h ** -0.5)
@@ -168,7 +188,7 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
             w[f"{p}.self_attn.rotary_emb.inv_freq"] = rnd((hd // 2,), 1.0)  # sanitize must drop it
     if arch == "glm4_moe":  # the multi-token-prediction layer, which the loaders drop
         w[f"model.layers.{cfg['num_hidden_layers']}.eh_proj.weight"] = rnd((h, 2 * h), h ** -0.5)
-    if not cfg.get("tie_word_embeddings", True) and not gemma:
+    if (not cfg.get("tie_word_embeddings", True) and not gemma) or arch == "gpt_oss":
         w["lm_head.weight"] = rnd((v, h), h ** -0.5)
     return w
 

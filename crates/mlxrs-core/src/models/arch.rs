@@ -169,7 +169,7 @@ mod tests {
 
     #[test]
     fn the_table_gives_the_supported_types_and_gguf_names() {
-        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral", "glm4_moe"]);
+        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral", "glm4_moe", "gpt_oss"]);
         let mut g = gguf_architectures();
         g.sort();
         assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]);
@@ -229,6 +229,22 @@ mod tests {
         assert_eq!(ffn, [FfnKind::Dense { intermediate: 512 }, moe, moe, moe]);
         g["n_shared_experts"] = Value::Null;
         assert!(layout_of(&g).unwrap().unwrap().iter().skip(1).all(|l| matches!(l.ffn, FfnKind::Moe { shared: 0, .. })));
+
+        // gpt_oss: sliding and full layers alternating (sliding first) without layer_types, the
+        // window mlx-lm's default 128 when the config has none; a MoE everywhere
+        let mut o = base("gpt_oss");
+        o["num_local_experts"] = json!(32);
+        let l = layout_of(&o).unwrap().unwrap();
+        let s = AttnKind::Sliding { window: 128 };
+        assert_eq!(l.iter().map(|l| l.attn).collect::<Vec<_>>(), [s, AttnKind::Full, s, AttnKind::Full]);
+        let moe = FfnKind::Moe { experts: 32, top_k: 4, intermediate: 512, shared: 0, norm_topk_prob: true };
+        assert!(l.iter().all(|l| l.ffn == moe));
+        o["layer_types"] = json!(["full_attention", "sliding_attention", "sliding_attention", "full_attention"]);
+        o["sliding_window"] = json!(8);
+        let attn: Vec<_> = layout_of(&o).unwrap().unwrap().iter().map(|l| l.attn).collect();
+        assert_eq!(attn[..3], [AttnKind::Full, AttnKind::Sliding { window: 8 }, AttnKind::Sliding { window: 8 }]);
+        o["layer_types"] = json!(["full_attention", "chunked_attention", "full_attention", "full_attention"]);
+        assert!(layout_of(&o).unwrap().unwrap_err().to_string().contains("\"chunked_attention\" is not"));
     }
 
     #[test]

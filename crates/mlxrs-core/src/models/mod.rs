@@ -3,6 +3,7 @@
 pub mod arch;
 pub mod gemma3_text;
 pub mod glm4_moe;
+pub mod gpt_oss;
 pub mod layers;
 pub mod llama;
 pub mod mixtral;
@@ -150,7 +151,7 @@ impl Stager {
 }
 
 /// The architecture table: one line per architecture, each declared in its own file.
-pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH, mixtral::ARCH, glm4_moe::ARCH];
+pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH, mixtral::ARCH, glm4_moe::ARCH, gpt_oss::ARCH];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
 pub fn supported() -> Vec<&'static str> {
