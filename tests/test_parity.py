@@ -169,3 +169,25 @@ def test_gpt_oss_refuses_mxfp4_and_a_quantized_kv_cache(tmp_path):
     with mlxrs.Session(src, kv_bits=8) as s:
         with pytest.raises(Exception, match="attention sinks"):
             s.generate(s.tokenize(TEXT), max_tokens=4)
+
+
+def test_gpt_oss_hugging_face_expert_layout(oracle, tmp_path):
+    """gpt-oss's fused, interleaved `gate_up_proj` (and `gate_up_proj_bias`, `down_proj_bias`) is
+    split as mlx-lm's sanitize splits it: the same tokens and logits as mlx-lm on that layout."""
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("gpt_oss-float32", "gpt_oss")
+    d = tmp_path / "hf"
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    for l in range(4):
+        p = f"model.layers.{l}.mlp.experts"
+        g, u = w.pop(f"{p}.gate_proj.weight"), w.pop(f"{p}.up_proj.weight")
+        w[f"{p}.gate_up_proj.weight"] = mx.stack([g, u], axis=2).reshape(g.shape[0], -1, g.shape[2])  # rows g0 u0 g1 u1 ...
+        gb, ub = w.pop(f"{p}.gate_proj.bias"), w.pop(f"{p}.up_proj.bias")
+        w[f"{p}.gate_up_proj_bias"] = mx.stack([gb, ub], axis=2).reshape(gb.shape[0], -1)
+        w[f"{p}.down_proj_bias"] = w.pop(f"{p}.down_proj.bias")
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    _check(oracle, d, TEXT, dtype="float32")
