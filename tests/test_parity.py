@@ -80,6 +80,13 @@ def test_sliding_window_past_window(oracle):
     # window 16, pattern 2: prompt of ~60 tokens in chunks of 16, then 64 generated tokens
     d = make_model("gemma3_text-float32", "gemma3_text")
     _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+    # batched decoding (the rotary embedding of every row at its own offset) = each prompt alone
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        ids = s.tokenize(TEXT) * 2
+        ps = [ids[:n] for n in (3, 29, 11)]
+        alone = [s.generate(p, max_tokens=24, ignore_eos=True, temperature=0.0).tokens for p in ps]
+        batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
+    assert batch == alone
 
 
 def test_sliding_window_single_chunk(oracle):
@@ -191,3 +198,30 @@ def test_gpt_oss_hugging_face_expert_layout(oracle, tmp_path):
         w[f"{p}.down_proj_bias"] = w.pop(f"{p}.down_proj.bias")
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
     _check(oracle, d, TEXT, dtype="float32")
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+                                     {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                      "mscale": 0.7, "mscale_all_dim": 0.3}],
+                         ids=["gpt-oss", "mscale"])
+def test_yarn_rope(oracle, tmp_path, scaling):
+    """YaRN rope scaling (gpt-oss's rope_scaling), as mlx-lm's YarnRoPE: blended frequencies and the
+    attention scaling of the rotated dims; prompt in chunks so that cached positions are reused."""
+    import json
+    import shutil
+
+    src = make_model("gpt_oss-float32", "gpt_oss")
+    d = tmp_path / "yarn"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = scaling
+    (d / "config.json").write_text(json.dumps(cfg))
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+    # batched decoding (the rotary embedding of every row at its own offset) = each prompt alone
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        ids = s.tokenize(TEXT) * 2
+        ps = [ids[:n] for n in (3, 29, 11)]
+        alone = [s.generate(p, max_tokens=24, ignore_eos=True, temperature=0.0).tokens for p in ps]
+        batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
+    assert batch == alone

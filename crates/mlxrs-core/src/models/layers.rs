@@ -168,6 +168,8 @@ pub struct Rope {
     pub freqs: Option<Array>,
     /// The bits of `freqs` (the key of the shared cos/sin table).
     freq_bits: Vec<u32>,
+    /// YaRN's attention scaling: the rotated dims of `x` multiplied by it first (1: none).
+    mscale: f32,
 }
 
 /// Whether the default device is a GPU (decided once per process).
@@ -191,7 +193,7 @@ impl Rope {
             .unwrap_or("default");
         let f = |k: &str, d: f64| scaling.and_then(|s| s.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
         match ty {
-            "default" => Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None, freq_bits: Vec::new() }),
+            "default" => Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None, freq_bits: Vec::new(), mscale: 1.0 }),
             "linear" => Ok(Rope {
                 dims,
                 traditional,
@@ -199,6 +201,7 @@ impl Rope {
                 scale: 1.0 / f("factor", 1.0) as f32,
                 freqs: None,
                 freq_bits: Vec::new(),
+                mscale: 1.0,
             }),
             "llama3" => {
                 let factor = f("factor", 1.0);
@@ -229,12 +232,68 @@ impl Rope {
                     scale: 1.0,
                     freqs: Some(Array::from_slice(&freqs, &[n])?),
                     freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
+                    mscale: 1.0,
                 })
             }
+            "yarn" | "deepseek_yarn" | "telechat3-yarn" => Rope::yarn(dims, base, traditional, scaling),
             other => Err(crate::Error::Unsupported(format!(
-                "rope_scaling type {other:?} is not supported (supported: default, linear, llama3)"
+                "rope_scaling type {other:?} is not supported (supported: default, linear, llama3, yarn)"
             ))),
         }
+    }
+
+    /// mlx-lm's `YarnRoPE`: frequencies blended between the original and the `factor`-scaled ones
+    /// over the dims between the `beta_fast` and `beta_slow` correction dims (computed with MLX's
+    /// float32 ops, as mlx-lm does), and the attention scaling `mscale`.
+    fn yarn(dims: i32, base: f32, traditional: bool, scaling: Option<&serde_json::Value>) -> Result<Rope> {
+        let f = |k: &str, d: f64| scaling.and_then(|s| s.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
+        let factor = scaling.and_then(|s| s.get("factor")).and_then(|v| v.as_f64()).ok_or_else(|| {
+            crate::Error::ModelLoad("config.json: rope_scaling of type yarn has no factor".into())
+        })?;
+        let (orig, beta_fast, beta_slow) = (f("original_max_position_embeddings", 4096.0), f("beta_fast", 32.0), f("beta_slow", 1.0));
+        let (mscale, mscale_all) = (f("mscale", 1.0), f("mscale_all_dim", 0.0));
+        if !(factor > 0.0 && orig > 0.0 && beta_fast > 0.0 && beta_slow > 0.0 && base > 1.0) {
+            return Err(crate::Error::ModelLoad(format!("config.json: rope_scaling {scaling:?} (yarn) has a value out of range")));
+        }
+        let bf = base as f64;
+        let corr = |rot: f64| (dims as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * bf.ln());
+        let low = corr(beta_fast).floor().max(0.0);
+        let mut high = corr(beta_slow).ceil().min((dims - 1) as f64);
+        if low == high {
+            high += 0.001;
+        }
+        let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+        let ms = get_mscale(factor, mscale) / get_mscale(factor, mscale_all);
+        let f32s = |v: f64| mx::scalar_as(v, Dtype::Float32);
+        let exps = mx::divide(&mx::arange(0.0, dims as f64, 2.0, Dtype::Float32)?, &f32s(dims as f64)?)?;
+        let extra = mx::power(&f32s(bf)?, &exps)?;
+        let inter = mx::multiply(&f32s(factor)?, &extra)?;
+        let ramp = mx::divide(&mx::subtract(&mx::arange(0.0, (dims / 2) as f64, 1.0, Dtype::Float32)?, &f32s(low)?)?, &f32s(high - low)?)?;
+        let ramp = mx::clip(&ramp, Some(&f32s(0.0)?), Some(&f32s(1.0)?))?;
+        let mask = mx::subtract(&f32s(1.0)?, &ramp)?;
+        let one_minus = mx::subtract(&f32s(1.0)?, &mask)?;
+        let freqs = mx::divide(
+            &mx::multiply(&inter, &extra)?,
+            &mx::add(&mx::multiply(&inter, &mask)?, &mx::multiply(&extra, &one_minus)?)?,
+        )?;
+        mx::eval(&[&freqs])?;
+        let bits: Vec<u32> = freqs.to_vec::<f32>()?.iter().map(|v| v.to_bits()).collect();
+        Ok(Rope { dims, traditional, base, scale: 1.0, freqs: Some(freqs), freq_bits: bits, mscale: ms as f32 })
+    }
+
+    /// `x` with its rotated dims multiplied by YaRN's `mscale` (x itself when it is 1).
+    fn pre_scale(&self, x: &Array) -> Result<Array> {
+        if self.mscale == 1.0 {
+            return Ok(x.clone());
+        }
+        let m = mx::scalar_as(self.mscale as f64, x.dtype())?;
+        let d = x.dim(-1);
+        if self.dims >= d {
+            return mx::multiply(x, &m);
+        }
+        let ax = x.ndim() as i32 - 1;
+        let head = mx::multiply(&mx::slice_axis(x, ax, 0, self.dims)?, &m)?;
+        mx::concatenate(&[&head, &mx::slice_axis(x, ax, self.dims, d)?], ax)
     }
 
     /// MLX's rope (on the CPU a composition of ~20 ops that recomputes the frequencies, cos and sin
@@ -250,6 +309,7 @@ impl Rope {
     /// from a cached table and applies MLX's fallback formula (x1 cos - x2 sin, x1 sin + x2 cos, then
     /// the unrotated rest), which gives bit-identical results with about half the graph nodes.
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+        let x = &self.pre_scale(x)?;
         // The cos/sin table pays off only on the CPU, where MLX's rope is an op-by-op fallback; on a
         // GPU (Metal, CUDA) `fast::rope` is one fused kernel and is what mlx-lm runs there.
         if self.traditional || x.ndim() != 4 || offset < 0 || on_gpu() {
@@ -280,6 +340,7 @@ impl Rope {
     /// Rotate `x` `[B, H, 1, D]` (one decode token per row) with row b at position `offsets[b]`:
     /// the same values as [`Rope::forward`] on each row alone, in one set of ops for the batch.
     pub fn forward_rows(&self, x: &Array, offsets: &[i32]) -> Result<Array> {
+        let x = &self.pre_scale(x)?;
         let b = offsets.len() as i32;
         if self.traditional || x.ndim() != 4 || x.dim(2) != 1 || offsets.iter().any(|&o| o < 0) || on_gpu() {
             let off = Array::from_slice(offsets, &[b])?;
