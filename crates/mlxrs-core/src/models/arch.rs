@@ -172,7 +172,7 @@ mod tests {
         assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral", "glm4_moe", "gpt_oss"]);
         let mut g = gguf_architectures();
         g.sort();
-        assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]);
+        assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe")]);
         assert_eq!(find("mistral").map(|a| a.name), Some("llama"));
         assert!(find("qwen9").is_none());
     }

@@ -14,7 +14,7 @@ pub const ARCH: Arch = Arch {
     sanitize,
     load: |c, w| Ok(Box::new(load(c, w)?)),
     layout,
-    gguf: None,
+    gguf: Some("qwen3moe"),
 };
 
 /// mlx-lm's sanitize: the Hugging Face layout's per-expert `mlp.experts.{e}.{proj}.weight` stacked
