@@ -148,9 +148,10 @@ def test_moe_config_disagreeing_with_weights_is_refused(tmp_path, arch, field, v
         mlxrs.Session(d)
 
 
-def test_moe_4bit_bf16(oracle):
+@pytest.mark.parametrize("arch", sorted(MOE))
+def test_moe_4bit_bf16(oracle, arch):
     # bfloat16 experts go through gather_qmm, which MLX's CPU backend runs in any float dtype
-    d = make_model("qwen3_moe-bf16-q4", "qwen3_moe", dtype="bfloat16", quant_bits=4)
+    d = make_model(f"{arch}-bf16-q4", arch, dtype="bfloat16", quant_bits=4)
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
 
 
