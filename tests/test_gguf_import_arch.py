@@ -21,7 +21,11 @@ NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # qwen3moe: the router and the experts, stacked [experts, out, in] (convert_hf_to_gguf stacks them)
+    "mlp.gate": "ffn_gate_inp", "mlp.switch_mlp.gate_proj": "ffn_gate_exps", "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
 }
+GGUF_ARCH = {"qwen3_moe": "qwen3moe"}
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -60,7 +64,14 @@ def write_gguf(src: Path, out: Path) -> None:
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     specials = {t["id"] for t in tok["added_tokens"] if t.get("special")}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w = gguf.GGUFWriter(str(out), arch)
+    if arch == "qwen3_moe":
+        for l in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{l}.mlp"
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                if f"{p}.experts.0.{proj}.weight" in weights:
+                    weights[f"{p}.switch_mlp.{proj}.weight"] = np.stack(
+                        [weights.pop(f"{p}.experts.{e}.{proj}.weight") for e in range(cfg["num_experts"])])
+    w = gguf.GGUFWriter(str(out), GGUF_ARCH.get(arch, arch))
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -71,6 +82,10 @@ def write_gguf(src: Path, out: Path) -> None:
     w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_theta"])
+    if arch == "qwen3_moe":
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -103,7 +118,7 @@ def write_gguf(src: Path, out: Path) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_llama_family_gguf_import_reproduces_the_model(arch, tmp_path):
     src = make_model(f"{arch}-float32", arch)
     g = tmp_path / f"{arch}.gguf"
@@ -176,3 +191,21 @@ def test_rope_factors_that_fit_no_llama3_scaling_are_refused(tmp_path):
         globals()["llamacpp_rope_factors"] = real
     with pytest.raises(MlxrsError, match="rope_freqs"):
         models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)
+
+
+def test_qwen3moe_gguf_import_quantized_experts(oracle, tmp_path):
+    """A qwen3moe GGUF imported as MLX 4-bit: the stacked experts quantized too ([experts, out, in]
+    per expert row), and the imported model runs as mlx-lm runs it (same tokens, logits)."""
+    from test_parity import TEXT, _check
+
+    src = make_model("qwen3_moe-float32", "qwen3_moe")
+    g = tmp_path / "qwen3moe.gguf"
+    write_gguf(src, g)
+    out = models.convert_gguf(g, tmp_path / "imported", dtype="q4", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["mlp_only_layers"]) == (8, 2, [1])
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "numpy") as f:
+        assert f.get_slice("model.layers.0.mlp.switch_mlp.gate_proj.scales").get_shape() == [8, 128, 4]
+    _check(oracle, out, TEXT, dtype="float32")

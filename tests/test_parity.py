@@ -6,6 +6,8 @@ and an untied head) also in a batch of mixed lengths, on a prompt-prefix cache h
 global (the stacked KV decode over its KV-shared layers)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -13,10 +15,10 @@ import mlxrs
 from tinymodels import make_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe", "qwen3_next",
-         "qwen3_5"]
+         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss"]
 GEMMA4 = ["gemma4_text", "gemma4_text_moe"]
 # gather_mm (MoE experts) in MLX's CPU backend: float32 only
-MOE = ("qwen3_moe", "qwen3_next", "gemma4_text_moe")
+MOE = {"qwen3_moe", "qwen3_next", "gemma4_text_moe", "mixtral", "glm4_moe", "gpt_oss"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -83,6 +85,13 @@ def test_sliding_window_past_window(oracle):
     # window 16, pattern 2: prompt of ~60 tokens in chunks of 16, then 64 generated tokens
     d = make_model("gemma3_text-float32", "gemma3_text")
     _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+    # batched decoding (the rotary embedding of every row at its own offset) = each prompt alone
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        ids = s.tokenize(TEXT) * 2
+        ps = [ids[:n] for n in (3, 29, 11)]
+        alone = [s.generate(p, max_tokens=24, ignore_eos=True, temperature=0.0).tokens for p in ps]
+        batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
+    assert batch == alone
 
 
 def test_sliding_window_single_chunk(oracle):
@@ -96,28 +105,58 @@ def test_rotating_cache_max_kv_size(oracle, arch):
     _check(oracle, d, TEXT, dtype="float32", max_kv_size=32, step=16)
 
 
-def test_moe_config_disagreeing_with_weights_is_refused(tmp_path):
-    """A qwen3_moe config whose expert count, top-k or widths disagree with the weights is refused
-    at load, naming the tensor."""
+# (config field, value disagreeing with the tiny model's weights, what the error must name)
+BAD_MOE = {
+    "qwen3_moe": [("num_experts", 16, "model.layers.0.mlp.experts.8"),
+                  ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
+                  ("num_experts_per_tok", 9, "num_experts_per_tok")],
+    "mixtral": [("num_local_experts", 16, "model.layers.0.block_sparse_moe.experts.8.w1.weight"),
+                ("num_local_experts", 4, "model.layers.0.block_sparse_moe.experts.4.w1.weight is past"),
+                ("intermediate_size", 64, "model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight"),
+                ("num_experts_per_tok", 9, "num_experts_per_tok"),
+                ("hidden_size", 128, "model.layers.0.self_attn.q_proj.weight")],
+    "glm4_moe": [("n_routed_experts", 16, "model.layers.1.mlp.experts.8.gate_proj.weight"),
+                 ("n_routed_experts", 4, "model.layers.1.mlp.experts.4.down_proj.weight is past"),
+                 ("moe_intermediate_size", 64, "model.layers.1.mlp.switch_mlp.gate_proj.weight"),
+                 ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+                 ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds n_routed_experts 8"),
+                 ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
+                 ("n_group", 3, "n_group 3 does not divide"),
+                 ("topk_group", 3, "topk_group 3 is not in 1..=2"),
+                 ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
+                 ("partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
+                 ("topk_method", "greedy", "topk_method")],
+    "gpt_oss": [("num_local_experts", 16, "model.layers.0.mlp.router.bias has shape [8] but config.json implies [16]"),
+                ("intermediate_size", 64, "model.layers.0.mlp.experts.gate_proj.bias"),
+                ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds num_local_experts 8"),
+                ("num_attention_heads", 8, "model.layers.0.self_attn"),
+                ("layer_types", ["full_attention"] * 4, "no sliding_attention layer"),
+                ("layer_types", ["sliding_attention"] * 3, "layer_types has 3 entries for num_hidden_layers 4")],
+}
+
+
+@pytest.mark.parametrize("arch,field,value,needle", [(a, *case) for a, cases in BAD_MOE.items() for case in cases],
+                         ids=[f"{a}-{c[0]}={c[1]}" for a, cases in BAD_MOE.items() for c in cases])
+def test_moe_config_disagreeing_with_weights_is_refused(tmp_path, arch, field, value, needle):
+    """A MoE config whose expert count, top-k or widths disagree with the weights is refused at
+    load, naming the tensor or the field."""
     import json
     import shutil
 
-    src = make_model("qwen3_moe-float32", "qwen3_moe")
-    for field, value, needle in [("num_experts", 16, "model.layers.0.mlp.experts.8"),
-                                 ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
-                                 ("num_experts_per_tok", 9, "num_experts_per_tok")]:
-        d = tmp_path / field
-        shutil.copytree(src, d)
-        cfg = json.loads((d / "config.json").read_text())
-        cfg[field] = value
-        (d / "config.json").write_text(json.dumps(cfg))
-        with pytest.raises(Exception, match=needle.replace(".", r"\.")):
-            mlxrs.Session(d)
+    src = make_model(f"{arch}-float32", arch)
+    d = tmp_path / field
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[field] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=re.escape(needle)):
+        mlxrs.Session(d)
 
 
-def test_moe_4bit_bf16(oracle):
+@pytest.mark.parametrize("arch", sorted(MOE))
+def test_moe_4bit_bf16(oracle, arch):
     # bfloat16 experts go through gather_qmm, which MLX's CPU backend runs in any float dtype
-    d = make_model("qwen3_moe-bf16-q4", "qwen3_moe", dtype="bfloat16", quant_bits=4)
+    d = make_model(f"{arch}-bf16-q4", arch, dtype="bfloat16", quant_bits=4)
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
 
 
@@ -257,3 +296,76 @@ def test_recurrent_config_disagreeing_is_refused(tmp_path):
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(mlxrs.errors.ModelLoadError, match=needle.replace(".", r"\.").replace("[", r"\[")):
             mlxrs.Session(d)
+
+
+def test_gpt_oss_refuses_mxfp4_and_a_quantized_kv_cache(tmp_path):
+    """What mlxrs does not run is refused with a message naming it: gpt-oss's MXFP4 checkpoint
+    layout (`*_blocks`), and a quantized KV cache with attention sinks (mlx-lm refuses it too)."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("gpt_oss-float32", "gpt_oss")
+    d = tmp_path / "mxfp4"
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    for k in [k for k in w if ".mlp.experts." in k]:
+        del w[k]
+    w["model.layers.0.mlp.experts.gate_up_proj_blocks"] = mx.zeros((8, 256, 8, 16), dtype=mx.uint8)
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    (d / "config.json").write_text(json.dumps(json.loads((src / "config.json").read_text())))
+    with pytest.raises(Exception, match=r"gate_up_proj_blocks: gpt-oss's MXFP4 layout is not supported"):
+        mlxrs.Session(d)
+    with mlxrs.Session(src, kv_bits=8) as s:
+        with pytest.raises(Exception, match="attention sinks"):
+            s.generate(s.tokenize(TEXT), max_tokens=4)
+
+
+def test_gpt_oss_hugging_face_expert_layout(oracle, tmp_path):
+    """gpt-oss's fused, interleaved `gate_up_proj` (and `gate_up_proj_bias`, `down_proj_bias`) is
+    split as mlx-lm's sanitize splits it: the same tokens and logits as mlx-lm on that layout."""
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("gpt_oss-float32", "gpt_oss")
+    d = tmp_path / "hf"
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    for l in range(4):
+        p = f"model.layers.{l}.mlp.experts"
+        g, u = w.pop(f"{p}.gate_proj.weight"), w.pop(f"{p}.up_proj.weight")
+        w[f"{p}.gate_up_proj.weight"] = mx.stack([g, u], axis=2).reshape(g.shape[0], -1, g.shape[2])  # rows g0 u0 g1 u1 ...
+        gb, ub = w.pop(f"{p}.gate_proj.bias"), w.pop(f"{p}.up_proj.bias")
+        w[f"{p}.gate_up_proj_bias"] = mx.stack([gb, ub], axis=2).reshape(gb.shape[0], -1)
+        w[f"{p}.down_proj_bias"] = w.pop(f"{p}.down_proj.bias")
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    _check(oracle, d, TEXT, dtype="float32")
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+                                     {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                      "mscale": 0.7, "mscale_all_dim": 0.3}],
+                         ids=["gpt-oss", "mscale"])
+def test_yarn_rope(oracle, tmp_path, scaling):
+    """YaRN rope scaling (gpt-oss's rope_scaling), as mlx-lm's YarnRoPE: blended frequencies and the
+    attention scaling of the rotated dims; prompt in chunks so that cached positions are reused."""
+    import json
+    import shutil
+
+    src = make_model("gpt_oss-float32", "gpt_oss")
+    d = tmp_path / "yarn"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = scaling
+    (d / "config.json").write_text(json.dumps(cfg))
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+    # batched decoding (the rotary embedding of every row at its own offset) = each prompt alone
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        ids = s.tokenize(TEXT) * 2
+        ps = [ids[:n] for n in (3, 29, 11)]
+        alone = [s.generate(p, max_tokens=24, ignore_eos=True, temperature=0.0).tokens for p in ps]
+        batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
+    assert batch == alone

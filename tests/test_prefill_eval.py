@@ -32,6 +32,9 @@ CASES = [
     pytest.param("llama", {"prefill_step_size": 16, "kv_bits": 8}, id="llama-kv8-chunked"),
     pytest.param("qwen2", {"prefill_step_size": 16, "max_kv_size": 24}, id="qwen2-rotating"),
     pytest.param("qwen3_moe", {"prefill_step_size": 16}, id="qwen3_moe-chunked"),
+    pytest.param("mixtral", {"prefill_step_size": 16}, id="mixtral-chunked"),
+    pytest.param("glm4_moe", {"prefill_step_size": 16}, id="glm4_moe-chunked"),
+    pytest.param("gpt_oss", {"prefill_step_size": 16}, id="gpt_oss-past-window"),
 ]
 
 

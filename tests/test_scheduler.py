@@ -46,6 +46,11 @@ CASES = [
     ("qwen3_5", {"stack": 1}),
     ("qwen3_next", {}),
     ("qwen3_5_moe", {}),
+    ("mixtral", {"stack": 1}),
+    ("mixtral", {}),
+    ("glm4_moe", {"stack": 1}),
+    ("glm4_moe", {}),
+    ("gpt_oss", {}),  # window 16 every other layer, attention sinks, biased experts
 ]
 RECURRENT = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
@@ -66,7 +71,7 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
         assert b.tokens == a, f"prompt {i} ({len(ps[i])} tokens): batched tokens differ from alone"
         assert b.finish_reason == "length" and b.usage.completion_tokens == N
     # which attention ran: the stacked KV exactly where asked for and every layer keeps a full cache
-    sliding = arch in ("gemma3_text", "gemma4_text", "gemma4_text_moe")
+    sliding = arch in ("gemma3_text", "gemma4_text", "gemma4_text_moe", "gpt_oss")
     stacked = not sliding and arch not in RECURRENT and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
     assert info["decode_steps"] > 0
     assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)

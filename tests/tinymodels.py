@@ -100,6 +100,27 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
             cfg.update(architectures=["Qwen3_5ForCausalLM"],
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                         "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    elif arch == "mixtral":
+        # 8 experts of width 128 (mixtral's intermediate_size), 2 per token, in every layer; the head
+        # dim derived from hidden_size (mixtral has none), the window unused as in mlx-lm
+        del cfg["head_dim"]
+        cfg.update(tie_word_embeddings=False, architectures=["MixtralForCausalLM"], num_local_experts=8,
+                   num_experts_per_tok=2, intermediate_size=128, sliding_window=None, rms_norm_eps=1e-5)
+    elif arch == "glm4_moe":
+        # layer 0 dense (first_k_dense_replace), layers 1-2 a MoE of 8 experts of width 128, 2 per token,
+        # chosen in 1 of 2 groups (sigmoid scores + e_score_correction_bias) and scaled by 2.5, plus 1
+        # shared expert; q/k/v biases, qk-norm, half the head dim rotated; an MTP layer 3 to drop
+        cfg.update(tie_word_embeddings=False, architectures=["Glm4MoeForCausalLM"], n_routed_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, n_group=2, topk_group=1,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True,
+                   attention_bias=True, partial_rotary_factor=0.5, rope_scaling=None, num_hidden_layers=max(layers, 3),
+                   num_nextn_predict_layers=1)
+    elif arch == "gpt_oss":
+        # 4 layers alternating a 16-token window and full attention, attention sinks, biases everywhere;
+        # 8 biased experts of width 128 (gpt-oss's intermediate_size), 2 per token, clamped SwiGLU
+        cfg.update(architectures=["GptOssForCausalLM"], num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,
+                   sliding_window=16, rms_norm_eps=1e-5, num_hidden_layers=max(layers, 4), rope_scaling=None,
+                   layer_types=["sliding_attention", "full_attention"] * (max(layers, 4) // 2))
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
@@ -149,7 +170,8 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
         w["model.vision_tower.patch_embedder.weight"] = rnd((8, 8), 1.0)
         return w
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
     if cfg["model_type"] == "gemma4_text":
         return _gemma4_weights(cfg, rnd)
     gemma = arch == "gemma3_text"
@@ -174,17 +196,50 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
                 w[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rnd((mi, h), h ** -0.5)
                 w[f"{p}.mlp.experts.{e}.up_proj.weight"] = rnd((mi, h), h ** -0.5)
                 w[f"{p}.mlp.experts.{e}.down_proj.weight"] = rnd((h, mi), mi ** -0.5)
+        elif arch == "mixtral":
+            # the Hugging Face layout: w1 (gate), w2 (down), w3 (up) per expert
+            ne, p2 = cfg["num_local_experts"], f"{p}.block_sparse_moe"
+            w[f"{p2}.gate.weight"] = rnd((ne, h), h ** -0.5)
+            for e in range(ne):
+                w[f"{p2}.experts.{e}.w1.weight"] = rnd((i, h), h ** -0.5)
+                w[f"{p2}.experts.{e}.w2.weight"] = rnd((h, i), i ** -0.5)
+                w[f"{p2}.experts.{e}.w3.weight"] = rnd((i, h), h ** -0.5)
+        elif arch == "glm4_moe" and l >= cfg["first_k_dense_replace"]:
+            ne, mi, ns = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
+            w[f"{p}.mlp.gate.weight"] = rnd((ne, h), h ** -0.5)
+            w[f"{p}.mlp.gate.e_score_correction_bias"] = rnd((ne,), 0.3)
+            for e in range(ne):
+                w[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rnd((mi, h), h ** -0.5)
+                w[f"{p}.mlp.experts.{e}.up_proj.weight"] = rnd((mi, h), h ** -0.5)
+                w[f"{p}.mlp.experts.{e}.down_proj.weight"] = rnd((h, mi), mi ** -0.5)
+            w[f"{p}.mlp.shared_experts.gate_proj.weight"] = rnd((mi * ns, h), h ** -0.5)
+            w[f"{p}.mlp.shared_experts.up_proj.weight"] = rnd((mi * ns, h), h ** -0.5)
+            w[f"{p}.mlp.shared_experts.down_proj.weight"] = rnd((h, mi * ns), (mi * ns) ** -0.5)
+        elif arch == "gpt_oss":
+            # mlx-lm's layout (its sanitize passes a checkpoint with gate_proj.weight through)
+            ne = cfg["num_local_experts"]
+            w[f"{p}.mlp.router.weight"] = rnd((ne, h), h ** -0.5)
+            w[f"{p}.mlp.router.bias"] = rnd((ne,), 0.5)
+            for proj, shape in [("gate_proj", (ne, i, h)), ("up_proj", (ne, i, h)), ("down_proj", (ne, h, i))]:
+                # gate scaled up so that the clamp at 7 is reached
+                w[f"{p}.mlp.experts.{proj}.weight"] = rnd(shape, (4.0 if proj == "gate_proj" else 1.0) * shape[2] ** -0.5)
+                w[f"{p}.mlp.experts.{proj}.bias"] = rnd(shape[:2], 0.5)
+            w[f"{p}.self_attn.sinks"] = rnd((nh,), 1.0)
+            w[f"{p}.self_attn.q_proj.bias"] = rnd((nh * hd,), 0.1)
+            w[f"{p}.self_attn.k_proj.bias"] = rnd((nkv * hd,), 0.1)
+            w[f"{p}.self_attn.v_proj.bias"] = rnd((nkv * hd,), 0.1)
+            w[f"{p}.self_attn.o_proj.bias"] = rnd((h,), 0.1)
         else:
             w[f"{p}.mlp.gate_proj.weight"] = rnd((i, h), h ** -0.5)
             w[f"{p}.mlp.up_proj.weight"] = rnd((i, h), h ** -0.5)
             w[f"{p}.mlp.down_proj.weight"] = rnd((h, i), i ** -0.5)
         w[f"{p}.input_layernorm.weight"] = norm(h)
         w[f"{p}.post_attention_layernorm.weight"] = norm(h)
-        if arch == "qwen2":
+        if arch in ("qwen2", "glm4_moe"):
             w[f"{p}.self_attn.q_proj.bias"] = rnd((nh * hd,), 0.1)
             w[f"{p}.self_attn.k_proj.bias"] = rnd((nkv * hd,), 0.1)
             w[f"{p}.self_attn.v_proj.bias"] = rnd((nkv * hd,), 0.1)
-        if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
+        if arch in ("qwen3", "qwen3_moe", "gemma3_text", "glm4_moe"):
             w[f"{p}.self_attn.q_norm.weight"] = norm(hd)
             w[f"{p}.self_attn.k_norm.weight"] = norm(hd)
         if gemma:
@@ -192,7 +247,9 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
             w[f"{p}.post_feedforward_layernorm.weight"] = norm(h)
         if arch == "llama":
             w[f"{p}.self_attn.rotary_emb.inv_freq"] = rnd((hd // 2,), 1.0)  # sanitize must drop it
-    if not cfg.get("tie_word_embeddings", True) and not gemma:
+    if arch == "glm4_moe":  # the multi-token-prediction layer, which the loaders drop
+        w[f"model.layers.{cfg['num_hidden_layers']}.eh_proj.weight"] = rnd((h, 2 * h), h ** -0.5)
+    if (not cfg.get("tie_word_embeddings", True) and not gemma) or arch == "gpt_oss":
         w["lm_head.weight"] = rnd((v, h), h ** -0.5)
     return w
 
@@ -245,6 +302,9 @@ def _gemma4_weights(cfg: dict[str, Any], rnd: Any) -> dict[str, Any]:
                 w[f"{p}.{k}.weight"] = norm(h)
     if not cfg.get("tie_word_embeddings", True):
         w["lm_head.weight"] = rnd((v, h), h ** -0.5)
+    return w
+
+
 def _qwen3_next_weights(arch: str, cfg: dict[str, Any], rnd: Any) -> dict[str, Any]:
     """Qwen3-Next / Qwen3.5 in the Hugging Face layout: conv1d weights [C, 1, K], the decoder's
     RMSNorms stored as offsets from one (the loaders fold them), per-expert MoE tensors."""

@@ -163,6 +163,7 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
             "gemma3_text" => "Gemma3ForCausalLM",
             "qwen2" => "Qwen2ForCausalLM",
             "qwen3" => "Qwen3ForCausalLM",
+            "qwen3_moe" => "Qwen3MoeForCausalLM",
             _ => "LlamaForCausalLM",
         }],
         "hidden_size": hidden,
@@ -205,6 +206,19 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
             o.insert("rope_theta".into(), json!(m.f("rope.freq_base").unwrap_or(10_000.0)));
             if model_type == "qwen2" {
                 o.insert("attention_bias".into(), json!(true));
+            }
+            if model_type == "qwen3_moe" {
+                // llama.cpp's qwen3moe: the stacked experts ffn_{gate,up,down}_exps, the router
+                // ffn_gate_inp, the top-k weights renormalised; a block without a router is dense
+                let experts = m.size("expert_count", None, limits::EXPERTS)?;
+                let used = m.size("expert_used_count", None, limits::EXPERTS)?;
+                let dense: Vec<i64> = (0..layers).filter(|l| h.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_none()).collect();
+                o.insert("num_experts".into(), json!(experts));
+                o.insert("num_experts_per_tok".into(), json!(used));
+                o.insert("moe_intermediate_size".into(), json!(m.size("expert_feed_forward_length", None, limits::INTERMEDIATE)?));
+                o.insert("norm_topk_prob".into(), json!(true));
+                o.insert("decoder_sparse_step".into(), json!(1));
+                o.insert("mlp_only_layers".into(), json!(dense));
             }
             if let (Some(t), Some(f)) = (
                 h.get(&m.key("rope.scaling.type")).and_then(MetaValue::as_str),
@@ -337,6 +351,11 @@ fn hf_name(name: &str, gemma: bool) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        // MoE (qwen3moe): the router and the experts, stacked already
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_exps" => "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps" => "mlp.switch_mlp.up_proj",
+        "ffn_down_exps" => "mlp.switch_mlp.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{idx}.{hf}.{kind}"))
@@ -427,7 +446,8 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         }
         let a = Array::from_slice(&v, &shape)?;
         drop(v);
-        let quantizable = shape.len() == 2 && !is_norm && shape[1] % group == 0;
+        // matrices, and the stacked experts ([experts, out, in]) of a MoE
+        let quantizable = (2..=3).contains(&shape.len()) && !is_norm && shape[shape.len() - 1] % group == 0;
         match dtype.bits() {
             Some(bits) if quantizable => {
                 let fa = mx::astype(&a, Dtype::Bfloat16)?;

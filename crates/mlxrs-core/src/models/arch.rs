@@ -138,6 +138,36 @@ pub fn dense(_i: i32, d: &Dims) -> Result<FfnKind> {
     Ok(FfnKind::Dense { intermediate: d.intermediate.unwrap_or(0) })
 }
 
+/// mlx-lm's expert stacking (sanitize): for each `(from, to)`, the per-expert
+/// `{prefix}.experts.{e}.{from}.{weight,scales,biases}` of experts `0..n` stacked into
+/// `{prefix}.{into}.{to}.*` `[n, ...]`. A layer without `{prefix}.experts.0.{from}.weight` is left
+/// alone; an expert missing is refused naming its tensor, one past `n` naming it too.
+pub fn stack_experts(w: &mut Weights, prefix: &str, n: i32, into: &str, projs: &[(&str, &str)]) -> Result<()> {
+    use crate::error::Error;
+    if !projs.iter().any(|(from, _)| w.contains(&format!("{prefix}.experts.0.{from}.weight"))) {
+        return Ok(());
+    }
+    for (from, to) in projs {
+        for part in ["weight", "scales", "biases"] {
+            if !w.contains(&format!("{prefix}.experts.0.{from}.{part}")) {
+                continue;
+            }
+            let parts = (0..n).map(|e| w.take(&format!("{prefix}.experts.{e}.{from}.{part}"))).collect::<Result<Vec<_>>>()?;
+            if parts.windows(2).any(|a| a[0].shape() != a[1].shape()) {
+                return Err(Error::ModelLoad(format!("weights {prefix}.experts.*.{from}.{part} differ in shape")));
+            }
+            let refs: Vec<&crate::handle::Array> = parts.iter().collect();
+            w.insert(format!("{prefix}.{into}.{to}.{part}"), crate::handle::stack(&refs, 0)?);
+        }
+    }
+    // an expert past n: the config does not match the checkpoint
+    let past = format!("{prefix}.experts.");
+    if let Some(k) = w.keys().filter(|k| k.starts_with(&past) && k[past.len()..].starts_with(|c: char| c.is_ascii_digit())).min() {
+        return Err(Error::ModelLoad(format!("weight {k} is past config.json's expert count {n}")));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,12 +179,12 @@ mod tests {
             supported(),
             [
                 "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "qwen3_next", "qwen3_5",
-                "qwen3_5_moe"
+                "qwen3_5_moe", "mixtral", "glm4_moe", "gpt_oss"
             ]
         );
         let mut g = gguf_architectures();
         g.sort();
-        assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]);
+        assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe")]);
         assert_eq!(find("mistral").map(|a| a.name), Some("llama"));
         assert!(find("qwen9").is_none());
     }
@@ -188,6 +218,45 @@ mod tests {
         assert!(l.iter().all(|l| l.attn == AttnKind::Full && l.kv_elems() == 2 * 64 * 2));
         m["num_experts_per_tok"] = json!(9);
         assert!(layout_of(&m).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 9 exceeds num_experts 8"));
+
+        // mixtral: a MoE in every layer, intermediate_size the experts' width, mlx-lm's defaults
+        // (8 experts, 2 per token) for what the config leaves out; full attention even with a window
+        let mut x = base("mixtral");
+        x["sliding_window"] = json!(4);
+        let l = layout_of(&x).unwrap().unwrap();
+        let moe = FfnKind::Moe { experts: 8, top_k: 2, intermediate: 512, shared: 0, norm_topk_prob: true };
+        assert!(l.iter().all(|l| l.ffn == moe && l.attn == AttnKind::Full));
+        x["num_local_experts"] = json!(2);
+        x["num_experts_per_tok"] = json!(3);
+        assert!(layout_of(&x).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 3 exceeds num_local_experts 2"));
+
+        // glm4_moe: the first first_k_dense_replace layers dense, then routed + shared experts
+        let mut g = base("glm4_moe");
+        for (k, v) in [("n_routed_experts", json!(16)), ("num_experts_per_tok", json!(4)), ("moe_intermediate_size", json!(64)),
+                       ("n_shared_experts", json!(1)), ("first_k_dense_replace", json!(1)), ("norm_topk_prob", json!(true))] {
+            g[k] = v;
+        }
+        let moe = FfnKind::Moe { experts: 16, top_k: 4, intermediate: 64, shared: 1, norm_topk_prob: true };
+        let ffn: Vec<_> = layout_of(&g).unwrap().unwrap().iter().map(|l| l.ffn).collect();
+        assert_eq!(ffn, [FfnKind::Dense { intermediate: 512 }, moe, moe, moe]);
+        g["n_shared_experts"] = Value::Null;
+        assert!(layout_of(&g).unwrap().unwrap().iter().skip(1).all(|l| matches!(l.ffn, FfnKind::Moe { shared: 0, .. })));
+
+        // gpt_oss: sliding and full layers alternating (sliding first) without layer_types, the
+        // window mlx-lm's default 128 when the config has none; a MoE everywhere
+        let mut o = base("gpt_oss");
+        o["num_local_experts"] = json!(32);
+        let l = layout_of(&o).unwrap().unwrap();
+        let s = AttnKind::Sliding { window: 128 };
+        assert_eq!(l.iter().map(|l| l.attn).collect::<Vec<_>>(), [s, AttnKind::Full, s, AttnKind::Full]);
+        let moe = FfnKind::Moe { experts: 32, top_k: 4, intermediate: 512, shared: 0, norm_topk_prob: true };
+        assert!(l.iter().all(|l| l.ffn == moe));
+        o["layer_types"] = json!(["full_attention", "sliding_attention", "sliding_attention", "full_attention"]);
+        o["sliding_window"] = json!(8);
+        let attn: Vec<_> = layout_of(&o).unwrap().unwrap().iter().map(|l| l.attn).collect();
+        assert_eq!(attn[..3], [AttnKind::Full, AttnKind::Sliding { window: 8 }, AttnKind::Sliding { window: 8 }]);
+        o["layer_types"] = json!(["full_attention", "chunked_attention", "full_attention", "full_attention"]);
+        assert!(layout_of(&o).unwrap().unwrap_err().to_string().contains("\"chunked_attention\" is not"));
     }
 
     #[test]

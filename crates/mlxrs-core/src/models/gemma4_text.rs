@@ -427,7 +427,7 @@ impl Attn {
                     .iter()
                     .zip(&fetched)
                     .zip(row_masks.iter())
-                    .map(|((q, f), m)| layers::attend_fetched(q, f, 1.0, m))
+                    .map(|((q, f), m)| layers::attend_fetched(q, f, 1.0, m, None))
                     .collect::<Result<Vec<_>>>()?;
                 let out = if n == 1 { outs.into_iter().next().expect("one row") } else { mx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)? };
                 (out, SharedKv::Rows(offsets, fetched))
@@ -462,7 +462,7 @@ impl Moe {
         let inds = mx::slice_axis(&mx::argpartition(&scores, e - k, -1)?, -1, e - k, e)?;
         let w = mx::softmax(&mx::take_along_axis(&scores, &inds, -1)?, &[-1], false)?;
         let w = mx::multiply(&w, &mx::take(&self.per_expert_scale, &inds, 0)?)?;
-        let y = self.experts.forward_act(&self.pre_norm.forward(h)?, &inds, Activation::GeluApprox)?;
+        let y = self.experts.forward_with(&self.pre_norm.forward(h)?, &inds, layers::ExpertAct::Geglu, None)?;
         let y = mx::sum(&mx::multiply(&mx::expand_dims(&w, -1)?, &y)?, &[-2], false)?;
         self.post_norm.forward(&y)
     }

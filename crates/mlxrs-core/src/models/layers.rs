@@ -169,6 +169,8 @@ pub struct Rope {
     pub freqs: Option<Array>,
     /// The bits of `freqs` (the key of the shared cos/sin table).
     freq_bits: Vec<u32>,
+    /// YaRN's attention scaling: the rotated dims of `x` multiplied by it first (1: none).
+    mscale: f32,
 }
 
 /// Whether the default device is a GPU (decided once per process).
@@ -192,7 +194,7 @@ impl Rope {
             .unwrap_or("default");
         let f = |k: &str, d: f64| scaling.and_then(|s| s.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
         match ty {
-            "default" => Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None, freq_bits: Vec::new() }),
+            "default" => Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None, freq_bits: Vec::new(), mscale: 1.0 }),
             "linear" => Ok(Rope {
                 dims,
                 traditional,
@@ -200,6 +202,7 @@ impl Rope {
                 scale: 1.0 / f("factor", 1.0) as f32,
                 freqs: None,
                 freq_bits: Vec::new(),
+                mscale: 1.0,
             }),
             "llama3" => {
                 let factor = f("factor", 1.0);
@@ -230,6 +233,7 @@ impl Rope {
                     scale: 1.0,
                     freqs: Some(Array::from_slice(&freqs, &[n])?),
                     freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
+                    mscale: 1.0,
                 })
             }
             "proportional" => {
@@ -255,12 +259,68 @@ impl Rope {
                     scale: 1.0,
                     freqs: Some(Array::from_slice(&freqs, &[n])?),
                     freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
+                    mscale: 1.0,
                 })
             }
+            "yarn" | "deepseek_yarn" | "telechat3-yarn" => Rope::yarn(dims, base, traditional, scaling),
             other => Err(crate::Error::Unsupported(format!(
-                "rope_scaling type {other:?} is not supported (supported: default, linear, llama3, proportional)"
+                "rope_scaling type {other:?} is not supported (supported: default, linear, llama3, proportional, yarn)"
             ))),
         }
+    }
+
+    /// mlx-lm's `YarnRoPE`: frequencies blended between the original and the `factor`-scaled ones
+    /// over the dims between the `beta_fast` and `beta_slow` correction dims (computed with MLX's
+    /// float32 ops, as mlx-lm does), and the attention scaling `mscale`.
+    fn yarn(dims: i32, base: f32, traditional: bool, scaling: Option<&serde_json::Value>) -> Result<Rope> {
+        let f = |k: &str, d: f64| scaling.and_then(|s| s.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
+        let factor = scaling.and_then(|s| s.get("factor")).and_then(|v| v.as_f64()).ok_or_else(|| {
+            crate::Error::ModelLoad("config.json: rope_scaling of type yarn has no factor".into())
+        })?;
+        let (orig, beta_fast, beta_slow) = (f("original_max_position_embeddings", 4096.0), f("beta_fast", 32.0), f("beta_slow", 1.0));
+        let (mscale, mscale_all) = (f("mscale", 1.0), f("mscale_all_dim", 0.0));
+        if !(factor > 0.0 && orig > 0.0 && beta_fast > 0.0 && beta_slow > 0.0 && base > 1.0) {
+            return Err(crate::Error::ModelLoad(format!("config.json: rope_scaling {scaling:?} (yarn) has a value out of range")));
+        }
+        let bf = base as f64;
+        let corr = |rot: f64| (dims as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * bf.ln());
+        let low = corr(beta_fast).floor().max(0.0);
+        let mut high = corr(beta_slow).ceil().min((dims - 1) as f64);
+        if low == high {
+            high += 0.001;
+        }
+        let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+        let ms = get_mscale(factor, mscale) / get_mscale(factor, mscale_all);
+        let f32s = |v: f64| mx::scalar_as(v, Dtype::Float32);
+        let exps = mx::divide(&mx::arange(0.0, dims as f64, 2.0, Dtype::Float32)?, &f32s(dims as f64)?)?;
+        let extra = mx::power(&f32s(bf)?, &exps)?;
+        let inter = mx::multiply(&f32s(factor)?, &extra)?;
+        let ramp = mx::divide(&mx::subtract(&mx::arange(0.0, (dims / 2) as f64, 1.0, Dtype::Float32)?, &f32s(low)?)?, &f32s(high - low)?)?;
+        let ramp = mx::clip(&ramp, Some(&f32s(0.0)?), Some(&f32s(1.0)?))?;
+        let mask = mx::subtract(&f32s(1.0)?, &ramp)?;
+        let one_minus = mx::subtract(&f32s(1.0)?, &mask)?;
+        let freqs = mx::divide(
+            &mx::multiply(&inter, &extra)?,
+            &mx::add(&mx::multiply(&inter, &mask)?, &mx::multiply(&extra, &one_minus)?)?,
+        )?;
+        mx::eval(&[&freqs])?;
+        let bits: Vec<u32> = freqs.to_vec::<f32>()?.iter().map(|v| v.to_bits()).collect();
+        Ok(Rope { dims, traditional, base, scale: 1.0, freqs: Some(freqs), freq_bits: bits, mscale: ms as f32 })
+    }
+
+    /// `x` with its rotated dims multiplied by YaRN's `mscale` (x itself when it is 1).
+    fn pre_scale(&self, x: &Array) -> Result<Array> {
+        if self.mscale == 1.0 {
+            return Ok(x.clone());
+        }
+        let m = mx::scalar_as(self.mscale as f64, x.dtype())?;
+        let d = x.dim(-1);
+        if self.dims >= d {
+            return mx::multiply(x, &m);
+        }
+        let ax = x.ndim() as i32 - 1;
+        let head = mx::multiply(&mx::slice_axis(x, ax, 0, self.dims)?, &m)?;
+        mx::concatenate(&[&head, &mx::slice_axis(x, ax, self.dims, d)?], ax)
     }
 
     /// MLX's rope (on the CPU a composition of ~20 ops that recomputes the frequencies, cos and sin
@@ -276,6 +336,7 @@ impl Rope {
     /// from a cached table and applies MLX's fallback formula (x1 cos - x2 sin, x1 sin + x2 cos, then
     /// the unrotated rest), which gives bit-identical results with about half the graph nodes.
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+        let x = &self.pre_scale(x)?;
         // The cos/sin table pays off only on the CPU, where MLX's rope is an op-by-op fallback; on a
         // GPU (Metal, CUDA) `fast::rope` is one fused kernel and is what mlx-lm runs there.
         if self.traditional || x.ndim() != 4 || offset < 0 || on_gpu() {
@@ -306,6 +367,7 @@ impl Rope {
     /// Rotate `x` `[B, H, 1, D]` (one decode token per row) with row b at position `offsets[b]`:
     /// the same values as [`Rope::forward`] on each row alone, in one set of ops for the batch.
     pub fn forward_rows(&self, x: &Array, offsets: &[i32]) -> Result<Array> {
+        let x = &self.pre_scale(x)?;
         let b = offsets.len() as i32;
         if self.traditional || x.ndim() != 4 || x.dim(2) != 1 || offsets.iter().any(|&o| o < 0) || on_gpu() {
             let off = Array::from_slice(offsets, &[b])?;
@@ -372,9 +434,14 @@ pub struct Attention {
 
 impl Attention {
     pub fn forward(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+        self.forward_sinks(x, mask, cache, None)
+    }
+
+    /// [`Attention::forward`] with per-head attention sinks `[heads]` (gpt_oss) when given.
+    pub fn forward_sinks(&self, x: &Array, mask: &Mask, cache: &mut LayerCache, sinks: Option<&Array>) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let (q, k, v) = self.project(x)?;
-        let out = self.attend(q, k, v, mask, cache)?;
+        let out = self.attend(q, k, v, mask, cache, sinks)?;
         self.output(&out, b, l)
     }
 
@@ -384,16 +451,29 @@ impl Attention {
     /// own (rotating, quantized), the cache update and the attention run per row, over exactly the
     /// keys that row alone would see.
     pub fn forward_many(&self, x: &Array, masks: &Masks, caches: LayerCaches) -> Result<Array> {
+        self.forward_many_sinks(x, masks, caches, None)
+    }
+
+    /// [`Attention::forward_many`] with per-head attention sinks `[heads]` (gpt_oss) when given.
+    pub fn forward_many_sinks(&self, x: &Array, masks: &Masks, caches: LayerCaches, sinks: Option<&Array>) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let (q, k, v) = self.project(x)?;
-        let out = self.attend_many(q, k, v, masks, caches)?;
+        let out = self.attend_many(q, k, v, masks, caches, sinks)?;
         self.output(&out, b, l)
     }
 
     /// The attention of [`Attention::forward_many`] for q, k, v already projected (`[B, heads, L,
     /// head_dim]`, before the rotary embedding): `[B, heads, L, head_dim]`, before the output
     /// projection. For architectures that project (or gate) differently.
-    pub fn attend_many(&self, q: Array, k: Array, v: Array, masks: &Masks, caches: LayerCaches) -> Result<Array> {
+    pub fn attend_many(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        sinks: Option<&Array>,
+    ) -> Result<Array> {
         let l = q.dim(2);
         let (caches, masks) = match (caches, masks) {
             (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
@@ -401,14 +481,14 @@ impl Attention {
                 let q = self.rope.forward_rows(&q, kv.offsets())?;
                 let k = self.rope.forward_rows(&k, kv.offsets())?;
                 let (kk, vv) = kv.update_and_fetch(layer, &k, &v)?;
-                return mx::scaled_dot_product_attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), None);
+                return mx::scaled_dot_product_attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), sinks);
             }
             (LayerCaches::Rows(c), Masks::Rows(m)) => (c, m),
             _ => return Err(crate::error::Error::Invalid("attention: masks and caches of different kinds".into())),
         };
         let mut caches = caches;
         if caches.len() == 1 {
-            return self.attend(q, k, v, &masks[0], caches[0]);
+            return self.attend(q, k, v, &masks[0], caches[0], sinks);
         }
         let n = caches.len() as i32;
         let offsets: Vec<i32> = caches.iter().map(|c| c.offset()).collect();
@@ -427,7 +507,7 @@ impl Attention {
                 let o = cache.offset();
                 (self.rope.forward(&q, o)?, self.rope.forward(&k, o)?)
             };
-            outs.push(self.attend_roped(q, k, v, mask, cache)?);
+            outs.push(self.attend_roped(q, k, v, mask, cache, sinks)?);
         }
         let refs: Vec<&Array> = outs.iter().collect();
         mx::concatenate(&refs, 0)
@@ -450,16 +530,16 @@ impl Attention {
     }
 
     /// Rotary embedding at the cache's offset, cache update, attention: `[B, heads, L, head_dim]`.
-    fn attend(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+    fn attend(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache, sinks: Option<&Array>) -> Result<Array> {
         let offset = cache.offset();
         let q = self.rope.forward(&q, offset)?;
         let k = self.rope.forward(&k, offset)?;
-        self.attend_roped(q, k, v, mask, cache)
+        self.attend_roped(q, k, v, mask, cache, sinks)
     }
 
     /// Cache update and attention for q, k already rotated.
-    fn attend_roped(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
-        attend_fetched(&q, &cache.update_and_fetch(k, v)?, self.scale, mask)
+    fn attend_roped(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache, sinks: Option<&Array>) -> Result<Array> {
+        attend_fetched(&q, &cache.update_and_fetch(k, v)?, self.scale, mask, sinks)
     }
 
     fn output(&self, out: &Array, b: i32, l: i32) -> Result<Array> {
@@ -469,8 +549,9 @@ impl Attention {
 }
 
 /// Attention of `q` `[B, heads, L, head_dim]` (rotated) over what a cache returned (mlx-lm's
-/// `scaled_dot_product_attention`: the fused kernel, or the quantized path for a quantized cache).
-pub fn attend_fetched(q: &Array, fetched: &Fetched, scale: f32, mask: &Mask) -> Result<Array> {
+/// `scaled_dot_product_attention`: the fused kernel, or the quantized path for a quantized cache),
+/// with per-head attention sinks `[heads]` (gpt_oss) when given.
+pub fn attend_fetched(q: &Array, fetched: &Fetched, scale: f32, mask: &Mask, sinks: Option<&Array>) -> Result<Array> {
     match fetched {
         Fetched::Dense(k, v) => {
             let m = match mask {
@@ -478,7 +559,11 @@ pub fn attend_fetched(q: &Array, fetched: &Fetched, scale: f32, mask: &Mask) -> 
                 Mask::Causal => AttnMask::Causal,
                 Mask::Array(a) => AttnMask::Array(a),
             };
-            mx::scaled_dot_product_attention(q, k, v, scale, m, None)
+            mx::scaled_dot_product_attention(q, k, v, scale, m, sinks)
+        }
+        // mlx-lm refuses the same ("Quantized SDPA does not support attention sinks")
+        Fetched::Quant { .. } if sinks.is_some() => {
+            Err(crate::Error::Unsupported("a quantized KV cache (kv_bits) with attention sinks (gpt_oss)".into()))
         }
         Fetched::Quant { k, v, q: spec } => quantized_sdpa(q, k, v, scale, mask, *spec),
     }
@@ -616,25 +701,24 @@ pub fn gelu_approx(x: &Array) -> Result<Array> {
 /// A layer's feed-forward part, as its [`super::FfnKind`] says.
 pub enum Ffn {
     Dense(Mlp),
-    Moe(SparseMoe),
+    Moe(Box<SparseMoe>),
 }
 
 impl Ffn {
-    /// A SwiGLU MLP of width `inter` (the kind's own width when it gives one), or a sparse MoE.
+    /// A SwiGLU MLP of width `inter` (the kind's own width when it gives one), or a sparse MoE
+    /// with qwen3_moe's softmax router ([`MoeSpec::QWEN3`]).
     pub fn load(ws: &mut Weights, prefix: &str, bias: bool, kind: super::FfnKind, hidden: i32, inter: i32) -> Result<Ffn> {
+        Ffn::load_with(ws, prefix, bias, kind, hidden, inter, &MoeSpec::QWEN3)
+    }
+
+    /// [`Ffn::load`] with a MoE of `spec`'s router and names.
+    pub fn load_with(ws: &mut Weights, prefix: &str, bias: bool, kind: super::FfnKind, hidden: i32, inter: i32, spec: &MoeSpec) -> Result<Ffn> {
         Ok(match kind {
             super::FfnKind::Dense { intermediate } => {
                 let inter = if intermediate > 0 { intermediate } else { inter };
                 Ffn::Dense(Mlp::load(ws, prefix, bias, Activation::Silu, hidden, inter)?)
             }
-            super::FfnKind::Moe { experts, top_k, intermediate, shared, norm_topk_prob } => {
-                if shared != 0 {
-                    return Err(crate::Error::Unsupported(format!("{prefix}: shared experts are not implemented yet")));
-                }
-                let mut moe = SparseMoe::load(ws, prefix, experts, top_k, intermediate, hidden)?;
-                moe.norm_topk_prob = norm_topk_prob;
-                Ffn::Moe(moe)
-            }
+            super::FfnKind::Moe { .. } => Ffn::Moe(Box::new(SparseMoe::load_spec(ws, prefix, kind, hidden, spec)?)),
         })
     }
 
@@ -705,14 +789,16 @@ impl Experts {
     /// token through each of its k experts' SwiGLU. Streamed: the indices are evaluated, the
     /// distinct experts fetched (cache or files) into a compact stack, the indices remapped into it.
     pub fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
-        self.forward_act(x, indices, Activation::Silu)
+        self.forward_with(x, indices, ExpertAct::Swiglu, None)
     }
 
-    /// [`Experts::forward`] with the gated activation `act` (SwiGLU `silu(gate) * up`, or GeGLU
-    /// `gelu_approx(gate) * up` as Gemma 4's experts).
-    pub fn forward_act(&self, x: &Array, indices: &Array, act: Activation) -> Result<Array> {
+    /// [`Experts::forward`] with the activation `act` and, when given, each projection's
+    /// per-expert bias added after it (mlx-lm's `SwitchLinear(bias=True)`). Streamed: the indices
+    /// are evaluated, the distinct experts fetched (cache or files) into a compact stack, the
+    /// indices (and the biases) remapped into it.
+    pub fn forward_with(&self, x: &Array, indices: &Array, act: ExpertAct, bias: Option<&ExpertBias>) -> Result<Array> {
         match &self.store {
-            ExpertStore::Resident { gate, up, down } => switch_glu(gate, up, down, x, indices, act),
+            ExpertStore::Resident { gate, up, down } => switch_glu(gate, up, down, x, indices, act, bias),
             ExpertStore::Streamed(s) => {
                 let ids = indices.to_vec::<i32>()?;
                 let mut slot = vec![u32::MAX; self.count as usize];
@@ -731,7 +817,14 @@ impl Experts {
                 s.count_tokens((x.size() / x.dim(-1).max(1) as usize) as u64);
                 let [gate, up, down] = s.fetch(&uniq)?;
                 let idx = Array::from_slice(&local, &indices.shape())?;
-                switch_glu(&gate, &up, &down, x, &idx, act)
+                let compact = match bias {
+                    Some(b) => {
+                        let sel = Array::from_slice(&uniq, &[uniq.len() as i32])?;
+                        Some(ExpertBias { gate: mx::take(&b.gate, &sel, 0)?, up: mx::take(&b.up, &sel, 0)?, down: mx::take(&b.down, &sel, 0)? })
+                    }
+                    None => None,
+                };
+                switch_glu(&gate, &up, &down, x, &idx, act, compact.as_ref())
             }
         }
     }
@@ -753,7 +846,8 @@ fn switch_glu(
     down: &SwitchLinear,
     x: &Array,
     indices: &Array,
-    act: Activation,
+    act: ExpertAct,
+    bias: Option<&ExpertBias>,
 ) -> Result<Array> {
     let ish = indices.shape();
     let k = *ish.last().unwrap_or(&1);
@@ -770,13 +864,20 @@ fn switch_glu(
     } else {
         (x, indices.clone(), None)
     };
-    let u = up.forward(&x, &idx, do_sort)?;
-    let g = gate.forward(&x, &idx, do_sort)?;
-    let h = match act {
-        Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
-        Activation::GeluApprox => geglu(&g, &u)?,
+    let biased = |y: Array, b: Option<&Array>| -> Result<Array> {
+        match b {
+            Some(b) => mx::add(&y, &mx::expand_dims(&mx::take(b, &idx, 0)?, -2)?),
+            None => Ok(y),
+        }
     };
-    let mut y = down.forward(&h, &idx, do_sort)?;
+    let u = biased(up.forward(&x, &idx, do_sort)?, bias.map(|b| &b.up))?;
+    let g = biased(gate.forward(&x, &idx, do_sort)?, bias.map(|b| &b.gate))?;
+    let h = match act {
+        ExpertAct::Swiglu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
+        ExpertAct::SwigluOai => compiled(&SWIGLU_OAI, swiglu_oai, &[&g, &u])?,
+        ExpertAct::Geglu => geglu(&g, &u)?,
+    };
+    let mut y = biased(down.forward(&h, &idx, do_sort)?, bias.map(|b| &b.down))?;
     if let Some(inv) = inv {
         y = mx::take(&y, &inv, 0)?; // [tokens*k, 1, hidden]
         let mut shape = ish.clone();
@@ -786,46 +887,216 @@ fn switch_glu(
     mx::squeeze(&y, &[-2])
 }
 
-/// A sparse MoE block with a softmax top-k router (mlx-lm's `Qwen3MoeSparseMoeBlock`): the
-/// router's softmax over all experts (in float32), the top k, their probabilities renormalised to
-/// sum to one when `norm_topk_prob`, the experts' outputs weighted by them.
+/// The activation between a routed expert's gate/up and down projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertAct {
+    /// `silu(gate) * up` (mlx-lm's `SwiGLU`).
+    Swiglu,
+    /// gpt-oss's clamped variant (mlx-lm's `SwigluOAI()`: alpha 1.702, limit 7).
+    SwigluOai,
+    /// `gelu_approx(gate) * up` (Gemma 4's experts).
+    Geglu,
+}
+
+static SWIGLU_OAI: CompiledSlot = std::sync::OnceLock::new();
+
+/// mlx-lm's `swiglu_oai(gate, up)` with its default alpha 1.702 and limit 7: the gate clipped from
+/// above, `up` into [-7, 7], `(up + 1) * gate * sigmoid(1.702 gate)`.
+fn swiglu_oai(a: &[Array]) -> Result<Vec<Array>> {
+    let (g, x) = (&a[0], &a[1]);
+    let c = |v: f64, d: Dtype| mx::scalar_as(v, d);
+    let g = mx::minimum(g, &c(7.0, g.dtype())?)?;
+    let x = mx::clip(x, Some(&c(-7.0, x.dtype())?), Some(&c(7.0, x.dtype())?))?;
+    let glu = mx::multiply(&g, &mx::sigmoid(&mx::multiply(&c(1.702, g.dtype())?, &g)?)?)?;
+    Ok(vec![mx::multiply(&mx::add(&x, &c(1.0, x.dtype())?)?, &glu)?])
+}
+
+/// Per-expert biases of the three projections (`[experts, out]` each), added after each.
+pub struct ExpertBias {
+    pub gate: Array,
+    pub up: Array,
+    pub down: Array,
+}
+
+/// How a MoE router turns its logits into k experts and their weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Router {
+    /// qwen3_moe: softmax over every expert (in float32), the k largest, renormalised to sum to
+    /// one when the layer's `norm_topk_prob`.
+    Softmax,
+    /// mixtral: the k largest logits (`argpartition(-logits, k-1)[..., :k]`), a softmax over them.
+    TopKSoftmax,
+    /// gpt_oss: the k largest logits as its `mlx_topk` takes them (`argpartition(logits, -k)[..., -k:]`),
+    /// a softmax over them.
+    TopKSoftmaxTail,
+    /// glm4_moe / deepseek_v3 (`noaux_tc`): sigmoid scores (float32); for the choice only, the
+    /// `e_score_correction_bias` added and, with `n_group` > 1, every group but the `topk_group`
+    /// best (by the sum of their two best scores) zeroed; the k best experts weighted by their
+    /// sigmoid scores, renormalised when `norm_topk_prob` (and k > 1), times `scaling`.
+    GroupedSigmoid { n_group: i32, topk_group: i32, scaling: f32 },
+}
+
+/// Where a MoE block's parts are and how it routes: `{prefix}.{router_name}` the router,
+/// `{prefix}.{experts_name}.{gate,up,down}_proj` the stacked experts, `{prefix}.shared_experts`
+/// the always-on experts (a SwiGLU MLP `shared` × the expert width wide).
+#[derive(Clone, Copy, Debug)]
+pub struct MoeSpec {
+    pub router: Router,
+    pub router_name: &'static str,
+    pub router_bias: bool,
+    pub experts_name: &'static str,
+    pub expert_bias: bool,
+    pub act: ExpertAct,
+}
+
+impl MoeSpec {
+    /// qwen3_moe's (and mixtral's names, with [`Router::TopKSoftmax`]).
+    pub const QWEN3: MoeSpec = MoeSpec {
+        router: Router::Softmax,
+        router_name: "gate",
+        router_bias: false,
+        experts_name: "switch_mlp",
+        expert_bias: false,
+        act: ExpertAct::Swiglu,
+    };
+}
+
+/// A sparse MoE block: a router picks `top_k` of the routed experts per token and weights their
+/// outputs ([`Router`]); shared experts, when present, are added for every token.
 pub struct SparseMoe {
     pub router: Linear,
     pub experts: Experts,
     pub top_k: i32,
     pub norm_topk_prob: bool,
+    pub routing: Router,
+    /// [`Router::GroupedSigmoid`]'s `e_score_correction_bias` `[experts]`.
+    pub score_bias: Option<Array>,
+    pub expert_bias: Option<ExpertBias>,
+    pub act: ExpertAct,
+    pub shared: Option<Mlp>,
 }
 
 impl SparseMoe {
-    /// `{prefix}.gate` (the router, `[experts, hidden]`) and `{prefix}.switch_mlp.*`.
+    /// `{prefix}.gate` (the router, `[experts, hidden]`) and `{prefix}.switch_mlp.*`, qwen3_moe's
+    /// softmax router.
     pub fn load(ws: &mut Weights, prefix: &str, experts: i32, top_k: i32, inter: i32, hidden: i32) -> Result<SparseMoe> {
+        let kind = super::FfnKind::Moe { experts, top_k, intermediate: inter, shared: 0, norm_topk_prob: false };
+        SparseMoe::load_spec(ws, prefix, kind, hidden, &MoeSpec::QWEN3)
+    }
+
+    /// The MoE block of `kind` (a [`super::FfnKind::Moe`]) at `prefix`, laid out and routed as
+    /// `spec` says; every tensor's shape checked against the kind.
+    pub fn load_spec(ws: &mut Weights, prefix: &str, kind: super::FfnKind, hidden: i32, spec: &MoeSpec) -> Result<SparseMoe> {
+        use crate::Error;
+        let super::FfnKind::Moe { experts, top_k, intermediate, shared, norm_topk_prob } = kind else {
+            return Err(Error::Invalid(format!("{prefix}: not a MoE layer")));
+        };
         if !(1..=experts).contains(&top_k) {
-            return Err(crate::Error::ModelLoad(format!("config.json: num_experts_per_tok {top_k} is not in 1..={experts}")));
+            return Err(Error::ModelLoad(format!("config.json: num_experts_per_tok {top_k} is not in 1..={experts}")));
         }
-        Ok(SparseMoe {
-            router: Linear::load(ws, &format!("{prefix}.gate"), false, experts, hidden)?,
-            experts: Experts::load(ws, &format!("{prefix}.switch_mlp"), experts, hidden, inter)?,
-            top_k,
-            norm_topk_prob: false,
-        })
+        let rname = format!("{prefix}.{}", spec.router_name);
+        let score_bias = match spec.router {
+            Router::GroupedSigmoid { n_group, topk_group, .. } => {
+                if n_group < 1 || experts % n_group != 0 {
+                    return Err(Error::ModelLoad(format!("config.json: n_group {n_group} does not divide the {experts} routed experts")));
+                }
+                if !(1..=n_group).contains(&topk_group) {
+                    return Err(Error::ModelLoad(format!("config.json: topk_group {topk_group} is not in 1..={n_group} (n_group)")));
+                }
+                let per = experts / n_group;
+                if n_group > 1 && per < 2 {
+                    return Err(Error::ModelLoad(format!(
+                        "config.json: n_group {n_group} leaves {per} expert per group (a group is scored by its best two)"
+                    )));
+                }
+                if top_k > topk_group * per {
+                    return Err(Error::ModelLoad(format!(
+                        "config.json: num_experts_per_tok {top_k} exceeds the {} experts of topk_group {topk_group} groups",
+                        topk_group * per
+                    )));
+                }
+                Some(ws.take_shaped(&format!("{rname}.e_score_correction_bias"), &[experts])?)
+            }
+            _ => None,
+        };
+        let router = Linear::load(ws, &rname, spec.router_bias, experts, hidden)?;
+        let ename = format!("{prefix}.{}", spec.experts_name);
+        let expert_bias = if spec.expert_bias {
+            let b = |ws: &mut Weights, p: &str, out: i32| ws.take_shaped(&format!("{ename}.{p}.bias"), &[experts, out]);
+            Some(ExpertBias { gate: b(ws, "gate_proj", intermediate)?, up: b(ws, "up_proj", intermediate)?, down: b(ws, "down_proj", hidden)? })
+        } else {
+            None
+        };
+        let experts = Experts::load(ws, &ename, experts, hidden, intermediate)?;
+        let shared = if shared > 0 {
+            Some(Mlp::load(ws, &format!("{prefix}.shared_experts"), false, Activation::Silu, hidden, intermediate * shared)?)
+        } else {
+            None
+        };
+        Ok(SparseMoe { router, experts, top_k, norm_topk_prob, routing: spec.router, score_bias, expert_bias, act: spec.act, shared })
+    }
+
+    /// The experts each token goes to `[..., k]` and their weights `[..., k]`.
+    pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
+        let logits = self.router.forward(x)?;
+        let e = self.experts.count;
+        let k = self.top_k;
+        match self.routing {
+            Router::Softmax => {
+                let gates = mx::softmax(&logits, &[-1], true)?;
+                let inds = mx::slice_axis(&mx::argpartition(&gates, e - k, -1)?, -1, e - k, e)?;
+                let mut scores = mx::take_along_axis(&gates, &inds, -1)?;
+                if self.norm_topk_prob {
+                    scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
+                }
+                Ok((inds, scores))
+            }
+            Router::TopKSoftmax => {
+                let inds = mx::slice_axis(&mx::argpartition(&mx::negative(&logits)?, k - 1, -1)?, -1, 0, k)?;
+                let scores = mx::softmax(&mx::take_along_axis(&logits, &inds, -1)?, &[-1], true)?;
+                Ok((inds, scores))
+            }
+            Router::TopKSoftmaxTail => {
+                let inds = mx::slice_axis(&mx::argpartition(&logits, e - k, -1)?, -1, e - k, e)?;
+                let scores = mx::softmax(&mx::take_along_axis(&logits, &inds, -1)?, &[-1], true)?;
+                Ok((inds, scores))
+            }
+            Router::GroupedSigmoid { n_group, topk_group, scaling } => {
+                let orig = mx::sigmoid(&mx::astype(&logits, Dtype::Float32)?)?;
+                let bias = self.score_bias.as_ref().ok_or_else(|| crate::Error::Invalid("grouped router without its bias".into()))?;
+                let mut s = mx::add(&orig, bias)?;
+                if n_group > 1 {
+                    let sh = s.shape();
+                    let mut grouped = sh[..sh.len() - 1].to_vec();
+                    grouped.extend([n_group, e / n_group]);
+                    s = mx::reshape(&s, &grouped)?;
+                    let group_scores = mx::sum(&mx::topk(&s, 2, -1)?, &[-1], true)?;
+                    let drop = n_group - topk_group;
+                    if drop > 0 {
+                        let idx = mx::slice_axis(&mx::argpartition(&group_scores, drop - 1, -2)?, -2, 0, drop)?;
+                        s = mx::put_along_axis(&s, &idx, &mx::scalar_as(0.0, Dtype::Float32)?, -2)?;
+                    }
+                    s = mx::reshape(&s, &sh)?;
+                }
+                let inds = mx::slice_axis(&mx::argpartition(&mx::negative(&s)?, k - 1, -1)?, -1, 0, k)?;
+                let mut scores = mx::take_along_axis(&orig, &inds, -1)?;
+                if k > 1 && self.norm_topk_prob {
+                    scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
+                }
+                Ok((inds, mx::multiply(&scores, &mx::scalar_as(scaling as f64, Dtype::Float32)?)?))
+            }
+        }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let gates = mx::softmax(&self.router.forward(x)?, &[-1], true)?;
-        let e = self.experts.count;
-        let k = self.top_k;
-        let inds = mx::slice_axis(&mx::argpartition(&gates, e - k, -1)?, -1, e - k, e)?;
-        let mut scores = mx::take_along_axis(&gates, &inds, -1)?;
-        if self.norm_topk_prob {
-            scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
-        }
-        let y = self.experts.forward(x, &inds)?;
+        let (inds, scores) = self.route(x)?;
+        let y = self.experts.forward_with(x, &inds, self.act, self.expert_bias.as_ref())?;
         let dt = y.dtype();
         let y = mx::sum(&mx::multiply(&y, &mx::expand_dims(&scores, -1)?)?, &[-2], false)?;
-        if y.dtype() == dt {
-            Ok(y)
-        } else {
-            mx::astype(&y, dt)
+        let y = if y.dtype() == dt { y } else { mx::astype(&y, dt)? };
+        match &self.shared {
+            Some(m) => mx::add(&y, &m.forward(x)?),
+            None => Ok(y),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Llama (and Mistral, remapped here): pre-norm decoder, SwiGLU MLP, optional sliding layers.
 use super::arch::{self, Arch, AttnKind, LayerLayout};
-use super::layers::{Attention, Embedding, Ffn, Linear, RmsNorm, Rope};
+use super::layers::{Attention, Embedding, Ffn, Linear, MoeSpec, RmsNorm, Rope};
 use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::Caches;
 use crate::error::Result;
@@ -62,6 +62,8 @@ pub struct Block {
     pub in_norm: RmsNorm,
     pub post_norm: RmsNorm,
     pub sliding: bool,
+    /// Per-head attention sinks `[heads]` (gpt_oss).
+    pub sinks: Option<Array>,
 }
 
 /// Llama-family decoder, parameterised by the differences of qwen2 (q/k/v bias) and qwen3 (qk-norm).
@@ -83,6 +85,27 @@ pub struct Variant {
     pub rope_scaling: bool,
 }
 
+/// What else differs in the MoE decoders built on this one (mixtral, glm4_moe, gpt_oss).
+#[derive(Clone, Copy, Debug)]
+pub struct Extra {
+    /// The FFN's module name in a layer: `mlp` (mixtral's `block_sparse_moe`).
+    pub ffn_name: &'static str,
+    /// How the MoE layers route and where their parts are.
+    pub moe: MoeSpec,
+    /// The dims the rotary embedding rotates (partial rotary); None: the head dim.
+    pub rope_dims: Option<i32>,
+    /// Whether the LM head is tied to the embedding when the architecture decides it; None: the
+    /// config's `tie_word_embeddings` (the family's default when absent).
+    pub tie: Option<bool>,
+    /// Per-head attention sinks at `self_attn.sinks` (gpt_oss).
+    pub sinks: bool,
+}
+
+impl Extra {
+    /// The plain llama-family decoder.
+    pub const NONE: Extra = Extra { ffn_name: "mlp", moe: MoeSpec::QWEN3, rope_dims: None, tie: None, sinks: false };
+}
+
 impl Model {
     pub fn load(config: &Value, w: Weights) -> Result<Model> {
         let c = Cfg(config);
@@ -91,7 +114,12 @@ impl Model {
     }
 
     /// The decoder of `layout` (its attention kinds and FFNs).
-    pub fn load_variant(config: &Value, mut w: Weights, v: Variant, mlp_bias: bool, layout: Vec<LayerLayout>) -> Result<Model> {
+    pub fn load_variant(config: &Value, w: Weights, v: Variant, mlp_bias: bool, layout: Vec<LayerLayout>) -> Result<Model> {
+        Model::load_extra(config, w, v, mlp_bias, layout, &Extra::NONE)
+    }
+
+    /// [`Model::load_variant`] with what [`Extra`] says differs.
+    pub fn load_extra(config: &Value, mut w: Weights, v: Variant, mlp_bias: bool, layout: Vec<LayerLayout>, x: &Extra) -> Result<Model> {
         let c = Cfg(config);
         let d = Dims::from_config(&c, DimDefaults::default())?;
         let (hidden, n_layers, n_heads, n_kv, head_dim) = (d.hidden, d.layers, d.heads, d.kv_heads, d.head_dim);
@@ -100,7 +128,14 @@ impl Model {
         let eps = c.f_or("rms_norm_eps", 1e-6) as f32;
         let theta = c.f_or("rope_theta", 10000.0) as f32;
         let traditional = c.b_or("rope_traditional", false);
-        let tie = c.b_or("tie_word_embeddings", default_tie(config));
+        let tie = x.tie.unwrap_or_else(|| c.b_or("tie_word_embeddings", default_tie(config)));
+        if layout.len() != n_layers as usize {
+            return Err(crate::Error::ModelLoad(format!("config.json: {} layer kinds for num_hidden_layers {n_layers}", layout.len())));
+        }
+        let rope_dims = x.rope_dims.unwrap_or(head_dim);
+        if rope_dims % 2 != 0 || !(2..=head_dim).contains(&rope_dims) {
+            return Err(crate::Error::ModelLoad(format!("config.json: the rotary embedding's {rope_dims} dims do not fit head_dim {head_dim}")));
+        }
         let sliding_window = layout.iter().find_map(|l| if let AttnKind::Sliding { window } = l.attn { Some(window) } else { None });
         let (q_out, kv_out) = (n_heads * head_dim, n_kv * head_dim);
         let mut layers = Vec::with_capacity(n_layers as usize);
@@ -124,14 +159,16 @@ impl Model {
                 n_kv_heads: n_kv,
                 head_dim,
                 scale: (head_dim as f32).powf(-0.5),
-                rope: Rope::from_config(head_dim, theta, traditional, if v.rope_scaling { c.get("rope_scaling") } else { None })?,
+                rope: Rope::from_config(rope_dims, theta, traditional, if v.rope_scaling { c.get("rope_scaling") } else { None })?,
             };
+            let sinks = if x.sinks { Some(w.take_shaped(&format!("{p}.self_attn.sinks"), &[n_heads])?) } else { None };
             layers.push(Block {
                 attn,
-                mlp: Ffn::load(&mut w, &format!("{p}.mlp"), mlp_bias, layout[i as usize].ffn, hidden, inter)?,
+                mlp: Ffn::load_with(&mut w, &format!("{p}.{}", x.ffn_name), mlp_bias, layout[i as usize].ffn, hidden, inter, &x.moe)?,
                 in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, hidden)?,
                 post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps, hidden)?,
                 sliding: matches!(layout[i as usize].attn, AttnKind::Sliding { .. }),
+                sinks,
             });
         }
         let embed = Embedding::load(&mut w, "model.embed_tokens", d.vocab, hidden)?;
@@ -180,7 +217,7 @@ impl CausalLm for Model {
         let mut stager = super::Stager::new(staging);
         for (i, layer) in self.layers.iter().enumerate() {
             let mask = if layer.sliding { swa_mask.as_ref().unwrap_or(&fa_mask) } else { &fa_mask };
-            let r = layer.attn.forward_many(&layer.in_norm.forward(&h)?, mask, caches.layer_mut(i))?;
+            let r = layer.attn.forward_many_sinks(&layer.in_norm.forward(&h)?, mask, caches.layer_mut(i), layer.sinks.as_ref())?;
             let hh = mx::add(&h, &r)?;
             let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
             h = mx::add(&hh, &r)?;

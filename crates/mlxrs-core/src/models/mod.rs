@@ -3,9 +3,12 @@
 pub mod arch;
 pub mod gemma3_text;
 pub mod gemma4_text;
+pub mod glm4_moe;
+pub mod gpt_oss;
 pub mod layers;
 pub mod experts;
 pub mod llama;
+pub mod mixtral;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_5;
@@ -174,6 +177,9 @@ pub static ARCHS: &[Arch] = &[
     qwen3_next::ARCH,
     qwen3_5::ARCH,
     qwen3_5_moe::ARCH,
+    mixtral::ARCH,
+    glm4_moe::ARCH,
+    gpt_oss::ARCH,
 ];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).

@@ -5,7 +5,6 @@ use super::arch::{self, Arch, AttnKind, FfnKind, LayerLayout};
 use super::llama::{Model, Variant};
 use super::{limits, Cfg, DimDefaults};
 use crate::error::{Error, Result};
-use crate::handle as mx;
 use crate::weights::Weights;
 use serde_json::Value;
 
@@ -15,7 +14,7 @@ pub const ARCH: Arch = Arch {
     sanitize,
     load: |c, w| Ok(Box::new(load(c, w)?)),
     layout,
-    gguf: None,
+    gguf: Some("qwen3moe"),
 };
 
 /// mlx-lm's sanitize: the Hugging Face layout's per-expert `mlp.experts.{e}.{proj}.weight` stacked
@@ -30,14 +29,8 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
             continue;
         }
         let n = c.size("num_experts", None, limits::EXPERTS)?;
-        for proj in ["up_proj", "down_proj", "gate_proj"] {
-            let parts = (0..n).map(|e| w.take(&format!("{p}.experts.{e}.{proj}.weight"))).collect::<Result<Vec<_>>>()?;
-            if parts.windows(2).any(|a| a[0].shape() != a[1].shape()) {
-                return Err(Error::ModelLoad(format!("weights {p}.experts.*.{proj}.weight differ in shape")));
-            }
-            let refs: Vec<&mx::Array> = parts.iter().collect();
-            w.insert(format!("{p}.switch_mlp.{proj}.weight"), mx::stack(&refs, 0)?);
-        }
+        let projs = [("up_proj", "up_proj"), ("down_proj", "down_proj"), ("gate_proj", "gate_proj")];
+        arch::stack_experts(w, &p, n, "switch_mlp", &projs)?;
     }
     Ok(())
 }

@@ -305,7 +305,7 @@ impl GatedAttention {
         let q = mx::transpose_axes(&n.q.forward(&q)?, &perm)?;
         let k = mx::transpose_axes(&n.k.forward(&k)?, &perm)?;
         let v = mx::transpose_axes(&v, &perm)?;
-        let out = a.attend_many(q, k, v, masks, caches)?;
+        let out = a.attend_many(q, k, v, masks, caches, None)?;
         let out = mx::reshape(&mx::transpose_axes(&out, &perm)?, &[b, l, -1])?;
         a.o_proj.forward(&mx::multiply(&out, &mx::sigmoid(&gate)?)?)
     }
