@@ -181,6 +181,17 @@ impl Weights {
         self.map.insert(name, a);
     }
 
+    /// Rename a tensor (sanitize), keeping where it is in the files (a streamed expert is read from
+    /// there by its new name). Nothing happens when `from` is not there.
+    pub fn rename(&mut self, from: &str, to: String) {
+        if let Some(a) = self.map.remove(from) {
+            if let Some(l) = self.locations.remove(from) {
+                self.locations.insert(to.clone(), l);
+            }
+            self.map.insert(to, a);
+        }
+    }
+
     pub fn keys(&self) -> impl Iterator<Item = &String> {
         self.map.keys()
     }

@@ -428,17 +428,61 @@ fn locate(ws: &Weights, prefix: &str, proj: &str, part: &str, count: i32, stacke
             bytes,
         });
     }
-    let parent = prefix.strip_suffix(".switch_mlp").unwrap_or(prefix);
+    let parent = prefix.strip_suffix(".switch_mlp").or_else(|| prefix.strip_suffix(".switch_glu")).unwrap_or(prefix);
+    // the Hugging Face fused layout (Qwen3.5-MoE, Gemma 4): `experts.gate_up_proj` [experts, 2 ×
+    // width, hidden], gate rows first, and `experts.down_proj` [experts, hidden, width], no suffix
+    if part == "weight" {
+        let (fused, halves, within) = match proj {
+            "gate_proj" => ("gate_up_proj", 2u64, 0u64),
+            "up_proj" => ("gate_up_proj", 2, 1),
+            _ => ("down_proj", 1, 0),
+        };
+        for n in [format!("{parent}.experts.{fused}"), format!("{parent}.{fused}")] {
+            let Some(l) = ws.location(&n) else { continue };
+            let e = &l.entry;
+            let mut want = vec![count, shape[0] * halves as i32];
+            want.extend_from_slice(&shape[1..]);
+            if e.shape != want || e.mlx_dtype() != dtype || e.nbytes() != bytes as u64 * halves * count as u64 {
+                return Err(Error::ModelLoad(format!(
+                    "weight {n} in {} is {} {:?} but {want:?} {} was expected: the checkpoint does not match config.json",
+                    l.path.display(),
+                    e.dtype,
+                    e.shape,
+                    dtype.name()
+                )));
+            }
+            let base = l.data_start + e.begin;
+            let slab = bytes as u64 * halves;
+            return Ok(PartSource {
+                names: (0..count).map(|_| n.clone()).collect(),
+                at: (0..count as u64).map(|i| (l.file.clone(), l.path.clone(), base + i * slab + within * bytes as u64)).collect(),
+                shape,
+                dtype,
+                bytes,
+            });
+        }
+    }
+    // Mixtral's per-expert names: w1 (gate), w3 (up), w2 (down)
+    let alias = match proj {
+        "gate_proj" => "w1",
+        "up_proj" => "w3",
+        _ => "w2",
+    };
     let mut names = Vec::new();
     let mut at = Vec::new();
     for i in 0..count {
         let n = format!("{parent}.experts.{i}.{proj}.{part}");
-        let l = ws.location(&n).ok_or_else(|| {
-            Error::ModelLoad(format!(
-                "weight {name} (or {n}) is not in the model's safetensors files: streamed experts are read from \
-                 there (weights that were not loaded from safetensors files cannot stream their experts)"
-            ))
-        })?;
+        let a = format!("{parent}.experts.{i}.{alias}.{part}");
+        let (n, l) = match (ws.location(&n), ws.location(&a)) {
+            (Some(l), _) => (n, l),
+            (None, Some(l)) => (a, l),
+            (None, None) => {
+                return Err(Error::ModelLoad(format!(
+                    "weight {name} (or {n}) is not in the model's safetensors files: streamed experts are read from \
+                     there (weights that were not loaded from safetensors files cannot stream their experts)"
+                )))
+            }
+        };
         if l.entry.shape != shape || l.entry.mlx_dtype() != dtype {
             return Err(Error::ModelLoad(format!(
                 "weight {n} in {} is {} {:?} but {} {shape:?} was expected (like the other experts): the checkpoint \

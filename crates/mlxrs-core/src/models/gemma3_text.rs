@@ -32,9 +32,7 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
             k.strip_prefix("model.language_model.").map(|rest| format!("model.{rest}"))
         };
         if let Some(n) = renamed {
-            if let Some(a) = w.remove(&k) {
-                w.insert(n, a);
-            }
+            w.rename(&k, n);
         }
     }
     // mlx-vlm ties the multimodal model's head to the embedding whatever the checkpoint holds

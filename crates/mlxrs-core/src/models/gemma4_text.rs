@@ -269,16 +269,16 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
         for k in keys {
             let stripped = k.strip_prefix("model.");
             let rest = stripped.unwrap_or(&k);
-            let a = w.remove(&k).expect("listed");
             if DROP.iter().any(|p| rest.starts_with(p)) {
+                w.remove(&k);
                 continue;
             }
             let name = match stripped {
-                None => k.clone(),
+                None => continue,
                 Some(r) if r.starts_with("language_model") => r.replace("language_model.", "language_model.model."),
                 Some(r) => r.to_string(),
             };
-            w.insert(name, a);
+            w.rename(&k, name);
         }
     }
     let p = Params::new(config)?;

@@ -25,8 +25,7 @@ pub fn rename_text_weights(w: &mut Weights) -> Result<()> {
     let keys: Vec<String> = w.keys().cloned().collect();
     for k in keys {
         let Some(to) = text_name(&k) else { continue };
-        let a = w.take(&k)?;
-        w.insert(to, a);
+        w.rename(&k, to);
     }
     w.rename_quant_modules(text_name);
     Ok(())
