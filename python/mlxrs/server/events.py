@@ -769,6 +769,8 @@ class OutputParser:
             return False
         body = self.buf[:i] if i >= 0 else self.buf
         calls = parse(body, self.schemas)
+        if i < 0 and opener == TOOL_OPEN and body.strip()[:1] not in ("{", "[", "<"):
+            calls = None  # GLM's form has no end of its own: cut off, its last value may be too
         if calls:
             self._emit_call(out, calls)
         else:
