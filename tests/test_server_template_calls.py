@@ -54,7 +54,7 @@ MLXLM_BLOCKS = {"qwen3_coder": ("<tool_call>", "</tool_call>"), "glm47": ("<tool
                 "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}
 
 
-def _render(name: str, **kw) -> tuple[str, str]:
+def _render(name: str, reasoning: str = REASONING, **kw) -> tuple[str, str]:
     """(the generation prompt, the assistant turn the template writes after it)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -62,7 +62,7 @@ def _render(name: str, **kw) -> tuple[str, str]:
     user = [{"role": "user", "content": "What is the weather in Paris?"}]
     calls = [{"id": f"functions.{n}:{i}", "type": "function", "function": {"name": n, "arguments": a}}
              for i, (n, a) in enumerate(CALLS)]
-    turn = {"role": "assistant", "content": "", "reasoning_content": REASONING, "thinking": REASONING,
+    turn = {"role": "assistant", "content": "", "reasoning_content": reasoning, "thinking": reasoning,
             "tool_calls": calls}
     (prompt,), _ = render_jinja_template(conversations=[user], tools=TOOLS, chat_template=t,
                                          add_generation_prompt=True, **kw)
@@ -246,7 +246,7 @@ def test_events_are_typed():
 def test_round_trip_with_thinking_switched(name, kw):
     """The prompt opens `<think>` (DeepSeek thinking on) or closes it empty (Qwen3.5 thinking off):
     the calls still come back, and no reasoning is invented."""
-    prompt, turn = _render(name, **kw)
+    prompt, turn = _render(name, "" if "enable_thinking" in kw else REASONING, **kw)
     text = _model_text(name, turn)
     got = _events(_parser(name, prompt), text, 1)
     assert [e for e in got if e[0] == "call"] == [("call", n, a) for n, a in CALLS]
