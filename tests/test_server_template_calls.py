@@ -155,6 +155,17 @@ def test_real_template_cut_anywhere_never_crashes(name):
         assert calls == CALLS[:len(calls)], (name, k, calls)
 
 
+def test_kimi_k2_thinking_writes_the_same_format():
+    """Kimi-K2-Thinking's template (which transformers' sandbox cannot render: list.append) writes its
+    calls in the Kimi-K2 format that the round trip checks, as mlx-lm reads it."""
+    from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+    t = llama_templates.template("Kimi-K2-Thinking")
+    assert _infer_tool_parser(SimpleNamespace(chat_template=t, get_vocab=dict)) == "kimi_k2"
+    assert all(m in t for m in ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"))
+    assert think_markers_for(t) == ("<think>", "</think>")
+
+
 def test_harmony_is_chosen_by_the_gpt_oss_template_only():
     assert output_format_for(llama_templates.template("openai-gpt-oss-120b")) == "harmony"
     for name in FAMILIES:
@@ -207,6 +218,7 @@ def test_xml_formats_malformed_stay_content():
         "<tool_call>search\n<arg_key>query</arg_key>\n</tool_call>",  # a key without a value
         "<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>x</arg_value>",  # GLM, cut off
         "<tool_call>Sure, I will search.</tool_call>",
+        "<tool_call>hello</tool_call>",  # a bare word that names no offered tool
         "<minimax:tool_call>\n<invoke name=\"search\">\n<parameter name=\"query\">x</parameter>\n</minimax:tool_call>",
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"query\": <｜tool▁call▁end｜><｜tool▁calls▁end｜>",
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>[1]"

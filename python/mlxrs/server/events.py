@@ -769,8 +769,11 @@ class OutputParser:
             return False
         body = self.buf[:i] if i >= 0 else self.buf
         calls = parse(body, self.schemas)
-        if i < 0 and opener == TOOL_OPEN and body.strip()[:1] not in ("{", "[", "<"):
-            calls = None  # GLM's form has no end of its own: cut off, its last value may be too
+        if opener == TOOL_OPEN and calls and body.strip()[:1] not in ("{", "[", "<"):  # GLM's form
+            if i < 0:
+                calls = None  # it has no end of its own: cut off, its last value may be too
+            elif self.known is not None and any(c.name not in self.known for c in calls):
+                calls = None  # a bare word in the tags names no offered tool: not a call
         if calls:
             self._emit_call(out, calls)
         else:
