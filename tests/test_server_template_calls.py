@@ -209,6 +209,9 @@ def test_harmony_malformed_call_stays_content():
     # no tools offered: a call is text as written
     call = '<|channel|>commentary to=functions.search json<|message|>{"query": "x"}<|call|>'
     _same(call, [("content", call[:-len("<|call|>")])], harmony=True, tools=None)
+    # a built-in tool's recipient (not functions.*) is no call of an offered function
+    builtin = '<|channel|>commentary to=browser.search json<|message|>{"query": "x"}'
+    _same(builtin, [("content", builtin)], harmony=True)
 
 
 def test_xml_formats_malformed_stay_content():
@@ -245,6 +248,24 @@ def test_values_typed_by_schema():
     assert ref["arguments"]["zip"] == "75001" and ref["arguments"]["days"] == 4
     _same(f"<tool_call>\n{body}\n</tool_call>",
           [("call", "get_weather", {"zip": 75001, "days": 4, "metric": False, "tags": ["x"]})], schemas={})
+
+
+def test_typed_value_edges():
+    from mlxrs.server.events import typed_value
+
+    assert typed_value("3", {"type": "string"}) == "3"
+    assert typed_value("3", {"type": "integer"}) == 3 and typed_value("3.0", {"type": "integer"}) == 3
+    assert typed_value("3.5", {"type": "integer"}) == 3.5  # not an integer: JSON, as written
+    assert typed_value("2.5", {"type": "number"}) == 2.5 and typed_value("7", {"type": "number"}) == 7
+    assert typed_value("nan", {"type": "number"}) == "nan"  # no JSON number: text
+    assert typed_value("TRUE", {"type": "boolean"}) is True and typed_value("no", {"type": "boolean"}) == "no"
+    assert typed_value("null", {"type": ["integer", "null"]}) is None
+    assert typed_value("5", {"anyOf": [{"type": "integer"}, {"type": "string"}]}) == 5
+    assert typed_value("x", {"anyOf": [{"type": "integer"}, {"type": "string"}]}) == "x"
+    assert typed_value("b", {"enum": ["a", "b"]}) == "b" and typed_value("2", {"enum": [1, 2]}) == 2
+    assert typed_value("{'a': 1}", {"type": "object"}) == {"a": 1}  # a Python literal, as mlx-lm reads it
+    assert typed_value("[1", {"type": "array"}) == "[1"
+    assert typed_value('{"a": 1}', None) == {"a": 1} and typed_value("Paris", None) == "Paris"
 
 
 def test_events_are_typed():

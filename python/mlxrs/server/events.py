@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -216,24 +217,22 @@ def typed_value(raw: str, schema: Any) -> Any:
     if types == {"string"}:
         return raw
     v = raw.strip()
-    if v.lower() == "null" and (not types or "null" in types or types - {"string"}):
+    if v.lower() == "null":
         return None
     for t in ("integer", "number", "boolean", "object", "array"):
         if t not in types:
             continue
-        if t == "integer":
+        if t in ("integer", "number"):
             try:
                 f = float(v)
-                if f == int(f):
-                    return int(f)
-            except (ValueError, OverflowError):
-                pass
-        elif t == "number":
-            try:
-                f = float(v)
-                return int(f) if f == int(f) and "." not in v and "e" not in v.lower() else f
-            except (ValueError, OverflowError):
-                pass
+            except ValueError:
+                continue
+            if not math.isfinite(f):  # NaN and infinities are no JSON numbers
+                continue
+            if f == int(f) and (t == "integer" or not any(c in v for c in ".eE")):
+                return int(f)
+            if t == "number":
+                return f
         elif t == "boolean":
             if v.lower() in ("true", "false"):
                 return v.lower() == "true"
@@ -905,11 +904,12 @@ class OutputParser:
         self.state = "h_body"
         self.h_raw = ""
         recipient = m and (m.group(1) or m.group(3))
-        if not m or (recipient and not self.tools):
+        fn = recipient[len("functions."):] if recipient and recipient.startswith("functions.") else ""
+        if not m or (recipient and not (self.tools and fn)):  # no header, or no offered function's
             out.append(Content(raw))
             self.h_kind = "content"
         elif recipient:
-            self.h_kind = "call:" + recipient.removeprefix("functions.")
+            self.h_kind = "call:" + fn
             self.h_raw = raw
         else:
             self.h_kind = "reasoning" if m.group(2) == "analysis" else "content"
