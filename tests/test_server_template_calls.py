@@ -284,3 +284,29 @@ def test_round_trip_with_thinking_switched(name, kw):
     got = _events(_parser(name, prompt), text, 1)
     assert [e for e in got if e[0] == "call"] == [("call", n, a) for n, a in CALLS]
     assert [e for e in got if e[0] != "call"] == ([("reasoning", REASONING)] if REASONING in text else [])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_real_template_mutated_never_crashes(name):
+    """Random damage to the real text (characters dropped, doubled or swapped in): never an exception,
+    streamed one character at a time equals whole, and every call has a JSON object of arguments."""
+    import random
+
+    prompt, turn = _render(name)
+    text = _model_text(name, turn)
+    rng = random.Random(name)
+    for _ in range(150):
+        t = list(text)
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(t))
+            op = rng.randrange(3)
+            if op == 0:
+                del t[i]
+            elif op == 1:
+                t.insert(i, t[i])
+            else:
+                t[i] = rng.choice("<>|{}\"\n:=x")
+        s = "".join(t)
+        whole = _events(_parser(name, prompt), s, len(s) or 1)
+        assert whole == _events(_parser(name, prompt), s, 1), (name, s)
+        assert all(isinstance(e[2], dict) for e in whole if e[0] == "call"), (name, s)

@@ -548,6 +548,7 @@ H_NEXT = (H_START, H_CHANNEL)  # the next message's header, its end unwritten
 _H_HEADER = re.compile(r"\s*(?:<\|start\|>)?\s*(?:assistant)?\s*(?:to=([^\s<]+)\s*)?"
                        r"(?:<\|channel\|>\s*(\w+))?\s*(?:to=([^\s<]+)\s*)?(?:<\|constrain\|>\s*[\w/.-]+|json)?\s*")
 _H_PREFIXES = (H_START, H_CHANNEL, "assistant", "to=")
+H_HEADER_MAX = 256  # a header's length at most (role, recipient, channel, constraint)
 
 
 def output_format_for(template: str | None) -> str | None:
@@ -883,20 +884,22 @@ class OutputParser:
     def _h_header(self, out: list[Event], final: bool) -> bool:
         """A message's header up to ``<|message|>``: its channel and recipient decide what the
         message is (analysis: reasoning; to=functions.NAME: a call; else content)."""
-        i = self.buf.find(H_MESSAGE)
-        if i < 0:
-            t = self.buf.lstrip()
-            if not final and len(t) < 256 and not any(e in t for e in H_ENDS) and (
-                    not t or any(p.startswith(t) or t.startswith(p) for p in _H_PREFIXES)):
-                return False
+        # decided by what has arrived alone, so that streamed and whole agree: a header starts like
+        # one, and its <|message|> comes within H_HEADER_MAX characters, before any message end
+        t = self.buf.lstrip()
+        header_like = any(p.startswith(t) or t.startswith(p) for p in _H_PREFIXES)
+        found = [(j, mk) for mk in (H_MESSAGE, *H_ENDS) if 0 <= (j := self.buf.find(mk)) < H_HEADER_MAX]
+        i, first = min(found) if found else (-1, "")
+        if not header_like or (found and first != H_MESSAGE) or (
+                not found and len(self.buf) >= H_HEADER_MAX + len(H_MESSAGE)):
+            self._h_not_header(out)
+            return True
+        if not found:
             if final:  # no header: what is left is content as written
                 if t:
                     out.append(Content(self.buf))
                 self.buf = ""
-                return False
-            self.h_kind, self.h_raw = "content", ""  # not a header: content up to the next one
-            self.state = "h_body"
-            return True
+            return False
         head = self.buf[:i]
         m = _H_HEADER.fullmatch(head)
         raw = head + H_MESSAGE
@@ -914,6 +917,16 @@ class OutputParser:
         else:
             self.h_kind = "reasoning" if m.group(2) == "analysis" else "content"
         return True
+
+    def _h_not_header(self, out: list[Event]) -> None:
+        """Text where a header should be: content up to the next message (its leading token
+        consumed, so the machine moves on)."""
+        self.h_kind, self.h_raw = "content", ""
+        self.state = "h_body"
+        lead = next((m for m in H_NEXT if self.buf.startswith(m)), None)
+        if lead:
+            out.append(Content(lead))
+            self.buf = self.buf[len(lead):]
 
     def _h_body(self, out: list[Event], final: bool) -> bool:
         ends = [(j, t) for t in (*H_ENDS, *H_NEXT) if (j := self.buf.find(t)) >= 0]
