@@ -30,7 +30,8 @@ Recognised:
 gpt-oss's harmony format (chosen by `output_format_for` from the chat template) is parsed by its own
 machine: ``<|channel|>analysis<|message|>…<|end|>`` is reasoning, ``final`` is content, and a message
 to ``functions.NAME`` (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}<|call|>``,
-or with ``to=`` in the header before the channel) is a tool call.
+or with ``to=`` in the header before the channel) is a tool call; its message framing (headers,
+``<|end|>``, ``<|start|>``) is structure, not content.
 Bare JSON must name one of the offered tools to count as a call. Text that does not parse as a
 call comes back as content, unchanged: nothing the model wrote is dropped.
 """
