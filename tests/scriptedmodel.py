@@ -35,7 +35,23 @@ TOOL_SCRIPTS = {
     "mistral": ["[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Paris"}'],
     "gemma": ["```tool_code\n", 'get_weather(city="Paris")\n```'],
     "gemma4": ["<|tool_call>", 'call:get_weather{city:<|"|>Paris<|"|>}', "<tool_call|>"],
+    "qwen3_coder": ["<tool_call>", "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
+                    "</tool_call>"],
+    "glm": ["<tool_call>", "get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "</tool_call>"],
+    "deepseek": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>", '{"city": "Paris"}',
+                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
+    "kimi": ["<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>",
+             '{"city": "Paris"}', "<|tool_call_end|><|tool_calls_section_end|>"],
+    "minimax": ["<minimax:tool_call>", '\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                "</invoke>\n", "</minimax:tool_call>"],
 }
+# gpt-oss's harmony format: reasoning in the analysis channel, then a call (tests/test_server_toolformats.py
+# serves it with the real gpt-oss template, whose prompt ends with HARMONY_TRIGGER)
+HARMONY_TRIGGER = "<|start|>assistant"
+HARMONY_SCRIPT = ["<|channel|>analysis<|message|>", "Need the weather.", "<|end|>",
+                  "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>",
+                  '{"city": "Paris"}', "<|call|>"]
+HARMONY_REASONING = "Need the weather."
 ANSWER_SCRIPT = ["It is sunny in Paris."]
 THINK_TEXT = "The user greets me; I should greet them back."
 THINK_ANSWER = "Hello! How can I help?"
@@ -54,10 +70,13 @@ WEATHER_TOOL = {
 
 
 def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = TOOL_SCRIPT,
-                        think_script: list[str] = THINK_SCRIPT, loop_to: int | None = None) -> Path:
+                        think_script: list[str] = THINK_SCRIPT, loop_to: int | None = None,
+                        template: str | None = None, trigger: str | None = None) -> Path:
     """`think_script` replaces THINK_SCRIPT (what a thinking-on prompt gets), e.g. for markup in an answer;
     with `loop_to` its last piece leads back to think_script[loop_to] instead of EOS: it talks until
-    max_tokens (a long stream to interrupt)."""
+    max_tokens (a long stream to interrupt). With `template` and `trigger` (the text its generation
+    prompt ends with, made one token), the model serves that chat template and answers every prompt
+    with `tool_script`."""
     import mlx.core as mx
     import numpy as np
     from tokenizers import AddedToken, Tokenizer
@@ -69,11 +88,12 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     d.mkdir(parents=True)
     write_tokenizer(d, 512)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    pieces = sorted({p for s in (think_script, tool_script, ANSWER_SCRIPT) for p in s} | {"\n\n"})
+    pieces = sorted({p for s in (think_script, tool_script, ANSWER_SCRIPT) for p in s} | {"\n\n"}
+                    | ({trigger} if trigger else set()))
     tok.add_tokens([AddedToken(p, normalized=False) for p in pieces])
     tok.save(str(d / "tokenizer.json"))
     tc = json.loads((d / "tokenizer_config.json").read_text())
-    tc["chat_template"] = QWEN3
+    tc["chat_template"] = template or QWEN3
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
 
     vocab = tok.get_vocab_size()
@@ -81,9 +101,12 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     heads = hidden // 64
     ids = {p: tok.token_to_id(p) for p in pieces}
     assert all(i is not None for i in ids.values()), ids
-    think_on = tok.encode("<|im_start|>assistant\n").ids[-1]
-    think_off = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n").ids[-1]
-    assert think_on != think_off and think_off == ids["\n\n"], (think_on, think_off)
+    if trigger:
+        think_on = think_off = ids[trigger]
+    else:
+        think_on = tok.encode("<|im_start|>assistant\n").ids[-1]
+        think_off = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n").ids[-1]
+        assert think_on != think_off and think_off == ids["\n\n"], (think_on, think_off)
 
     table = np.zeros((vocab, vocab), dtype=np.float32)  # [next, last]
     for script in (think_script, tool_script, ANSWER_SCRIPT):
@@ -92,7 +115,8 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
             seq[-1] = ids[script[loop_to]]
         for a, b in zip(seq, seq[1:]):
             table[b, a] = CHAIN
-    table[ids[think_script[0]], think_on] = DEFAULT
+    if not trigger:
+        table[ids[think_script[0]], think_on] = DEFAULT
     table[ids[tool_script[0]], think_off] = DEFAULT
     scale = 1.0 / np.sqrt(hidden)
     lm_head = np.zeros((vocab, hidden), dtype=np.float32)

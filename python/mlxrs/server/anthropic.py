@@ -280,7 +280,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     stream = bool(opt_bool(body, "stream"))
     s.set("max_tokens", state.admit(len(ids), requested))
     # constrained output starts at once (a template's open <think> is not continued)
-    parser = state.parser(None if constraint else rendered, names)
+    parser = state.parser(None if constraint else rendered, names, convert_tools(body)[0] if names else None)
     try:
         gen = await state.generate(ids, s.opts, loaded)
     except ApiError as e:

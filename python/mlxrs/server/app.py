@@ -29,7 +29,7 @@ from ..media import ImageRef as MediaRef
 from ..media import MediaPolicy, load_async
 from .errors import ApiError, admission_error, engine_error, from_exception
 from . import adapt
-from .events import OutputParser, think_markers_for
+from .events import OutputParser, output_format_for, schemas_of, think_markers_for
 
 log = logging.getLogger("mlxrs.server")
 
@@ -105,6 +105,7 @@ class ServerState:
             log.info("the chat template lacks %s: such requests are adapted (docs/server-api.md)",
                      ", ".join(self.caps.adapted()))
         self.think = think_markers_for(self.template)
+        self.output_format = output_format_for(self.template)
         self.gen_defaults = _generation_defaults(model_dir)
         self.created = int(time.time())
         self.closing = False
@@ -181,9 +182,14 @@ class ServerState:
         except Exception as e:  # template errors (raise_exception), bad ids, …
             raise from_exception(e) from None
 
-    def parser(self, rendered: str | None, tool_names: Sequence[str] | None) -> OutputParser:
+    def parser(self, rendered: str | None, tool_names: Sequence[str] | None,
+               tools: Sequence[dict[str, Any]] | None = None) -> OutputParser:
+        """The output parser of one request; `tools` (OpenAI-style) type the values of the
+        XML-style call formats by their schemas. `rendered` is None under a constraint: the output
+        is then the constrained text itself (a forced call is bare JSON), never harmony's channels."""
         in_reasoning = bool(rendered) and rendered.rstrip().endswith(self.think[0])  # type: ignore[union-attr]
-        return OutputParser(tools=tool_names, think=self.think, in_reasoning=in_reasoning)
+        return OutputParser(tools=tool_names, think=self.think, in_reasoning=in_reasoning,
+                            schemas=schemas_of(tools), harmony=self.output_format == "harmony" and rendered is not None)
 
     # -- admission ----------------------------------------------------------------------------
     def admit(self, n_prompt: int, max_tokens: int | None, param: str = "messages") -> int:

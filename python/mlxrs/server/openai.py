@@ -291,7 +291,7 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
         s.set("logprobs", True)
         s.set("top_logprobs", lp.top or None)
     # constrained output starts at once (a template's open <think> is not continued)
-    parser = state.parser(None if constraint else rendered, tool_names)
+    parser = state.parser(None if constraint else rendered, tool_names, tools)
     try:
         gen = await state.generate(ids, s.opts, loaded)
     except ApiError as e:
