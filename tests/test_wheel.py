@@ -182,7 +182,8 @@ def test_wheel_contents_and_metadata(built: dict[str, Any], wheel: Path, tmp_pat
     assert ext, f"no abi3 extension module in {sorted(names)}"
     for needed in (f"mlxrs/{LIBMLXC}", "mlxrs/_native.pyi", "mlxrs/py.typed", "mlxrs/__init__.py",
                    "mlxrs/__main__.py", "mlxrs/cli.py", "mlxrs/chat.py", "mlxrs/server/app.py",
-                   "mlxrs/server/static/index.html", "mlxrs/server/static/chat.js", "mlxrs/server/static/chat.css"):
+                   "mlxrs/server/static/index.html", "mlxrs/server/static/chat.js", "mlxrs/server/static/chat.css",
+                   "mlxrs/templates/chatml.jinja", "mlxrs/templates/gemma.jinja"):
         assert needed in names, f"{needed} is not in the wheel"
     if LINUX:  # the gemv router for MLX's CPU backend (native/blas_gemv.c)
         assert "mlxrs/libmlxrs_blas.so" in names, sorted(names)
