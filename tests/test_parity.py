@@ -12,8 +12,8 @@ import pytest
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"]
-MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"}
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3"]
+MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -121,6 +121,21 @@ BAD_MOE = {
                  ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
                  ("partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
                  ("topk_method", "greedy", "topk_method")],
+    "deepseek_v3": [("n_routed_experts", 16, "model.layers.1.mlp.experts.8.gate_proj.weight"),
+                    ("n_group", 3, "n_group 3 does not divide"),
+                    ("topk_group", 3, "topk_group 3 is not in 1..=2"),
+                    ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
+                    ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+                    ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
+                    ("qk_nope_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
+                    ("v_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
+                    ("qk_rope_head_dim", 16, "model.layers.0.self_attn.q_b_proj.weight"),
+                    ("qk_rope_head_dim", 33, "qk_rope_head_dim 33 is odd"),
+                    ("kv_lora_rank", 64, "kv_b_proj.weight has shape [512, 128] but config.json implies [512, 64]"),
+                    ("q_lora_rank", 64, "model.layers.0.self_attn.q_a_proj.weight"),
+                    ("q_lora_rank", None, "model.layers.0.self_attn.q_proj.weight is missing"),
+                    ("num_attention_heads", 8, "kv_b_proj.weight has shape [512, 128] but config.json implies [1024, 128]"),
+                    ("topk_method", "greedy", "topk_method")],
     "gpt_oss": [("num_local_experts", 16, "model.layers.0.mlp.router.bias has shape [8] but config.json implies [16]"),
                 ("intermediate_size", 64, "model.layers.0.mlp.experts.gate_proj.bias"),
                 ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds num_local_experts 8"),

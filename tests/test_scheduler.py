@@ -44,6 +44,8 @@ CASES = [
     ("glm4_moe", {"stack": 1}),
     ("glm4_moe", {}),
     ("gpt_oss", {}),  # window 16 every other layer, attention sinks, biased experts
+    ("deepseek_v3", {"stack": 1}),  # the stacked KV holding MLA's latents and rope keys
+    ("deepseek_v3", {}),
 ]
 
 
@@ -110,8 +112,9 @@ def test_batch_with_mixed_lengths_and_sampling(tmp_path):
         assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
 
 
-def test_prefix_cache_hit_gives_the_cold_tokens():
-    d = make_model("llama-float32", "llama")
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])  # deepseek_v3: the cached latents and rope keys
+def test_prefix_cache_hit_gives_the_cold_tokens(arch):
+    d = make_model(f"{arch}-float32", arch)
     with mlxrs.Session(d, prompt_cache_bytes=0) as cold, mlxrs.Session(d) as warm:
         ids = cold.tokenize(TEXT)
         first = ids[:40]

@@ -22,6 +22,9 @@ pub enum AttnKind {
     SharedKv { from: usize },
     /// A fixed-size recurrent state instead of a KV cache. Not used by any architecture yet.
     LinearRecurrent,
+    /// Multi-head latent attention (deepseek_v3): every position, a growing cache of one compressed
+    /// latent of `rank` elements and one rotary key of `rope_dims` per token, whatever the heads.
+    Latent { rank: i32, rope_dims: i32 },
 }
 
 /// The feed-forward part of one layer.
@@ -49,6 +52,7 @@ impl LayerLayout {
     pub fn kv_elems(&self) -> usize {
         match self.attn {
             AttnKind::Full | AttnKind::Sliding { .. } => (self.kv_heads.max(0) * self.head_dim.max(0) * 2) as usize,
+            AttnKind::Latent { rank, rope_dims } => (rank.max(0) + rope_dims.max(0)) as usize,
             AttnKind::SharedKv { .. } | AttnKind::LinearRecurrent => 0,
         }
     }
@@ -169,7 +173,7 @@ mod tests {
 
     #[test]
     fn the_table_gives_the_supported_types_and_gguf_names() {
-        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral", "glm4_moe", "gpt_oss"]);
+        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3"]);
         let mut g = gguf_architectures();
         g.sort();
         assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe")]);
@@ -245,6 +249,28 @@ mod tests {
         assert_eq!(attn[..3], [AttnKind::Full, AttnKind::Sliding { window: 8 }, AttnKind::Sliding { window: 8 }]);
         o["layer_types"] = json!(["full_attention", "chunked_attention", "full_attention", "full_attention"]);
         assert!(layout_of(&o).unwrap().unwrap_err().to_string().contains("\"chunked_attention\" is not"));
+    }
+
+    /// deepseek_v3: every layer caches one latent + one rope key per token (mlx-lm's MLA cache),
+    /// whatever the heads; dense layers before first_k_dense_replace and off moe_layer_freq.
+    #[test]
+    fn latent_attention_caches_the_latent_and_rope_key() {
+        let mut c = json!({"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 4,
+                           "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280,
+                           "intermediate_size": 18432, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                           "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536, "n_routed_experts": 256,
+                           "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+                           "first_k_dense_replace": 1, "moe_layer_freq": 2});
+        let l = layout_of(&c).unwrap().unwrap();
+        assert!(l.iter().all(|l| l.attn == AttnKind::Latent { rank: 512, rope_dims: 64 } && l.kv_elems() == 576));
+        let moe = FfnKind::Moe { experts: 256, top_k: 8, intermediate: 2048, shared: 1, norm_topk_prob: true };
+        let dense = FfnKind::Dense { intermediate: 18432 };
+        assert_eq!(l.iter().map(|l| l.ffn).collect::<Vec<_>>(), [dense, dense, moe, dense]);
+        // 576 elements per token and layer, not 128 heads × (192 + 128)
+        let shape = super::super::ModelShape::new("deepseek_v3", l, 7168, 129280, None, 2);
+        assert_eq!(shape.kv_bytes(256, None, 64), 4 * 256 * 576 * 2);
+        c["qk_rope_head_dim"] = json!(33);
+        assert!(layout_of(&c).unwrap().unwrap_err().to_string().contains("qk_rope_head_dim 33 is odd"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Architectures, one file per Hugging Face `model_type`, and the one registry that maps a config
 //! to an implementation.
 pub mod arch;
+pub mod deepseek_v3;
 pub mod gemma3_text;
 pub mod glm4_moe;
 pub mod gpt_oss;
@@ -151,7 +152,7 @@ impl Stager {
 }
 
 /// The architecture table: one line per architecture, each declared in its own file.
-pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH, mixtral::ARCH, glm4_moe::ARCH, gpt_oss::ARCH];
+pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH, mixtral::ARCH, glm4_moe::ARCH, gpt_oss::ARCH, deepseek_v3::ARCH];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
 pub fn supported() -> Vec<&'static str> {
