@@ -12,8 +12,9 @@ import pytest
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3"]
-MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3"}
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3",
+         "deepseek_v32", "glm_moe_dsa"]
+MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -136,6 +137,14 @@ BAD_MOE = {
                     ("q_lora_rank", None, "model.layers.0.self_attn.q_proj.weight is missing"),
                     ("num_attention_heads", 8, "kv_b_proj.weight has shape [512, 128] but config.json implies [1024, 128]"),
                     ("topk_method", "greedy", "topk_method")],
+    "deepseek_v32": [("index_head_dim", 32, "model.layers.0.self_attn.indexer.wq_b.weight"),
+                     ("index_n_heads", 8, "model.layers.0.self_attn.indexer.wq_b.weight"),
+                     ("index_topk", 0, "index_topk = 0 is out of range"),
+                     ("q_lora_rank", None, "q_lora_rank is null, but the indexer"),
+                     ("n_group", 3, "n_group 3 does not divide")],
+    "glm_moe_dsa": [("rope_parameters", None, "rope_parameters is missing"),
+                    ("rope_parameters", {"rope_type": "default"}, "rope_parameters.rope_theta is missing"),
+                    ("topk_group", 3, "topk_group 3 is not in 1..=2")],
     "gpt_oss": [("num_local_experts", 16, "model.layers.0.mlp.router.bias has shape [8] but config.json implies [16]"),
                 ("intermediate_size", 64, "model.layers.0.mlp.experts.gate_proj.bias"),
                 ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds num_local_experts 8"),
@@ -240,3 +249,83 @@ def test_yarn_rope(oracle, tmp_path, scaling):
         alone = [s.generate(p, max_tokens=24, ignore_eos=True, temperature=0.0).tokens for p in ps]
         batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
     assert batch == alone
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_indexer_selects_a_strict_subset(oracle, arch, tmp_path):
+    """The indexer keeps index_topk = 16 of the prompt's positions: the prompts are longer, and
+    mlx-lm's logits on the same weights with the indexer off (index_topk past the prompt) differ
+    from those with it, while ours match the sparse ones (test_plain / the chunked rows)."""
+    import json
+    import shutil
+
+    src = make_model(f"{arch}-float32", arch)
+    dense = tmp_path / "dense"
+    shutil.copytree(src, dense)
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["index_topk"] = 4096
+    (dense / "config.json").write_text(json.dumps(cfg))
+    with mlxrs.Session(src) as s:
+        ids = s.tokenize(TEXT)
+        ours = np.array(s.logits(ids), dtype=np.float32)
+    assert len(ids) > 16
+    job = {"prompt": ids, "max_tokens": 1}
+    sparse_ref = np.array(oracle({"model": str(src), **job})["logits"], dtype=np.float32)
+    dense_ref = np.array(oracle({"model": str(dense), **job})["logits"], dtype=np.float32)
+    assert float(np.max(np.abs(ours - sparse_ref))) <= 1e-4
+    assert float(np.max(np.abs(sparse_ref - dense_ref))) > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_batch_of_mixed_lengths_chunked_equals_mlx_lm(oracle, arch):
+    """A batch of prompts of mixed lengths, each prefilled in chunks of 16 (past the indexer's 16
+    positions for deepseek_v32): every row's greedy tokens are mlx-lm's for that prompt alone."""
+    d = make_model(f"{arch}-float32", arch)
+    with mlxrs.Session(d, prompt_cache_bytes=0, prefill_step_size=16) as s:
+        ids = s.tokenize(TEXT) * 3
+        ps = [ids[:n] for n in (5, 47, 23)]
+        batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
+    for p, got in zip(ps, batch):
+        ref = oracle({"model": str(d), "prompt": p, "max_tokens": 24, "prefill_step_size": 16})
+        assert got == ref["tokens"], f"{len(p)}-token prompt: batched tokens differ from mlx-lm's"
+
+
+def test_mla_refuses_a_quantized_kv_cache():
+    """mlx-lm's MLA cannot read a quantized cache: kv_bits is refused at load, naming why."""
+    d = make_model("deepseek_v3-float32", "deepseek_v3")
+    with pytest.raises(Exception, match="kv_bits 8: a quantized KV cache with multi-head latent attention"):
+        mlxrs.Session(d, kv_bits=8)
+
+
+def test_deepseek_v3_splits_a_quantized_kv_b_proj_and_drops_the_mtp_layer(oracle, tmp_path):
+    """kv_b_proj quantized in the checkpoint (mlx-lm's sanitize dequantizes, splits and
+    re-quantizes it): matches mlx-lm on the same files. The multi-token-prediction layer
+    (model.layers.{num_hidden_layers}) added to them is dropped: the same logits."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("deepseek_v3-float32", "deepseek_v3")
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}.self_attn.kv_b_proj"
+        q, sc, b = mx.quantize(w.pop(f"{p}.weight"), group_size=64, bits=8)
+        w.update({f"{p}.weight": q, f"{p}.scales": sc, f"{p}.biases": b})
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    cfg["quantization"] = {"group_size": 64, "bits": 8, "mode": "affine"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    _check(oracle, d, TEXT, dtype="float32")
+    with mlxrs.Session(d) as s:
+        ids = s.tokenize(TEXT)
+        before = np.array(s.logits(ids), dtype=np.float32)
+    mtp = f"model.layers.{cfg['num_hidden_layers']}"
+    w[f"{mtp}.eh_proj.weight"] = mx.zeros((cfg["hidden_size"], 2 * cfg["hidden_size"]))
+    w[f"{mtp}.self_attn.kv_b_proj.weight"] = mx.zeros((7, 3))  # not a usable shape: must not be read
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    with mlxrs.Session(d) as s:
+        after = np.array(s.logits(ids), dtype=np.float32)
+    assert np.array_equal(before, after)

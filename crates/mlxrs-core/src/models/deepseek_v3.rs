@@ -157,7 +157,7 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     let first_dense = c.opt_i("first_k_dense_replace").unwrap_or(0);
     let freq = c.size("moe_layer_freq", Some(1), limits::LAYERS)?;
     let inter = c.size("intermediate_size", Some(11008), limits::INTERMEDIATE)?;
-    let attn = AttnKind::Latent { rank: d.kv_lora_rank, rope_dims: d.rope };
+    let attn = AttnKind::Latent { rank: d.kv_lora_rank, rope_dims: d.rope, index_dims: 0 };
     Ok((0..layers)
         .map(|i| LayerLayout {
             attn,
@@ -211,10 +211,13 @@ pub struct Mla {
     d: MlaDims,
     scale: f32,
     rope: Rope,
+    /// deepseek_v32's sparse-attention indexer (its keys cached after the latent).
+    indexer: Option<super::deepseek_v32::Indexer>,
 }
 
 impl Mla {
-    fn load(w: &mut Weights, p: &str, c: &Cfg, d: MlaDims) -> Result<Mla> {
+    /// `indexer`: Some(whether its rope is interleaved) for deepseek_v32's indexer.
+    fn load(w: &mut Weights, p: &str, c: &Cfg, d: MlaDims, indexer: Option<bool>) -> Result<Mla> {
         let bias = c.b_or("attention_bias", false);
         let qk = d.nope + d.rope;
         let q = match d.q_lora_rank {
@@ -245,17 +248,25 @@ impl Mla {
             d,
             scale,
             rope: Rope::from_config(d.rope, c.f_or("rope_theta", 10000.0) as f32, true, scaling)?,
+            indexer: match indexer {
+                Some(interleave) => Some(super::deepseek_v32::Indexer::load(w, p, c, &d, interleave)?),
+                None => None,
+            },
         })
     }
 
-    /// q_nope `[B, H, L, nope]`, q_pe `[B, H, L, rope]`, the normed latent `[B, 1, L, rank]` and
-    /// the rope key `[B, 1, L, rope]` (neither query nor key rotated yet).
-    fn project(&self, x: &Array) -> Result<(Array, Array, Array, Array)> {
+    /// q_nope `[B, H, L, nope]`, q_pe `[B, H, L, rope]`, the normed latent `[B, 1, L, rank]`, the
+    /// rope key `[B, 1, L, rope]` (neither query nor key rotated yet) and the normed low-rank
+    /// query (the indexer's input; None without q_lora_rank).
+    fn project(&self, x: &Array) -> Result<(Array, Array, Array, Array, Option<Array>)> {
         let (b, l) = (x.dim(0), x.dim(1));
         let d = &self.d;
-        let q = match &self.q {
-            QProj::Full(p) => p.forward(x)?,
-            QProj::LowRank { a, norm, b } => b.forward(&norm.forward(&a.forward(x)?)?)?,
+        let (q, qr) = match &self.q {
+            QProj::Full(p) => (p.forward(x)?, None),
+            QProj::LowRank { a, norm, b } => {
+                let qr = norm.forward(&a.forward(x)?)?;
+                (b.forward(&qr)?, Some(qr))
+            }
         };
         let q = mx::transpose_axes(&mx::reshape(&q, &[b, l, d.heads, d.nope + d.rope])?, &[0, 2, 1, 3])?;
         let q_nope = mx::slice_axis(&q, 3, 0, d.nope)?;
@@ -265,7 +276,7 @@ impl Mla {
         let k_pe = mx::slice_axis(&kv, 2, d.kv_lora_rank, d.kv_lora_rank + d.rope)?;
         let k_pe = mx::transpose_axes(&mx::reshape(&k_pe, &[b, l, 1, d.rope])?, &[0, 2, 1, 3])?;
         let latent = mx::expand_dims(&self.kv_norm.forward(&latent)?, 1)?;
-        Ok((q_nope, q_pe, latent, k_pe))
+        Ok((q_nope, q_pe, latent, k_pe, qr))
     }
 
     /// Attention of rotated queries over the cached latents and rope keys: `[B, L, hidden]`.
@@ -292,33 +303,49 @@ impl Mla {
 
     /// One sequence over its own cache.
     fn forward_one(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
-        let (q_nope, q_pe, latent, k_pe) = self.project(x)?;
+        let (q_nope, q_pe, latent, k_pe, qr) = self.project(x)?;
         let offset = cache.offset();
         let q_pe = self.rope.forward(&q_pe, offset)?;
         let k_pe = self.rope.forward(&k_pe, offset)?;
-        let (latent, k_pe) = match cache.update_and_fetch(latent, k_pe)? {
+        // the indexer's query and key (rotated), its key cached after the latent
+        let (iq, keys) = match (&self.indexer, &qr) {
+            (Some(ix), Some(qr)) => {
+                let ik = ix.rope().forward(&ix.key(x)?, offset)?;
+                (Some(ix.rope().forward(&ix.query(qr)?, offset)?), mx::concatenate(&[&latent, &ik], -1)?)
+            }
+            _ => (None, latent),
+        };
+        let (keys, k_pe) = match cache.update_and_fetch(keys, k_pe)? {
             Fetched::Dense(k, v) => (k, v),
             // mlx-lm's MLA cannot read a quantized cache either (the engine refuses kv_bits first)
             Fetched::Quant { .. } => return Err(Error::Unsupported("a quantized KV cache (kv_bits) with multi-head latent attention".into())),
         };
-        let causal;
-        let m = match mask {
+        let mut mask = match mask {
             Mask::None => None,
-            Mask::Causal => {
-                causal = causal_mask(x.dim(1), offset, None)?;
-                Some(&causal)
-            }
-            Mask::Array(a) => Some(a),
+            Mask::Causal => Some(causal_mask(x.dim(1), offset, None)?),
+            Mask::Array(a) => Some(a.clone()),
         };
-        self.attend(&q_nope, &q_pe, &latent, &k_pe, m)
+        let (mut latent, mut k_pe) = (keys.clone(), k_pe);
+        if let (Some(ix), Some(iq)) = (&self.indexer, &iq) {
+            let rank = self.d.kv_lora_rank;
+            latent = mx::slice_axis(&keys, 3, 0, rank)?;
+            let ik = mx::slice_axis(&keys, 3, rank, rank + ix.head_dim())?;
+            if let Some(idx) = ix.select(x, iq, &ik, mask.as_ref())? {
+                super::deepseek_v32::sparsify(&idx, &mut latent, &mut k_pe, &mut mask)?;
+            }
+        }
+        self.attend(&q_nope, &q_pe, &latent, &k_pe, mask.as_ref())
     }
 
     /// A batch: over the stacked KV (one decode token per row, all rows at once), or row by row
     /// over each row's own cache.
     fn forward_many(&self, x: &Array, masks: &Masks, caches: LayerCaches) -> Result<Array> {
         match (caches, masks) {
+            (LayerCaches::Batch(..), _) if self.indexer.is_some() => {
+                Err(Error::Invalid("deepseek_v32's indexer over the stacked KV (the engine does not stack it)".into()))
+            }
             (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
-                let (q_nope, q_pe, latent, k_pe) = self.project(x)?;
+                let (q_nope, q_pe, latent, k_pe, _) = self.project(x)?;
                 let q_pe = self.rope.forward_rows(&q_pe, kv.offsets())?;
                 let k_pe = self.rope.forward_rows(&k_pe, kv.offsets())?;
                 let (latent, k_pe) = kv.update_and_fetch(layer, &latent, &k_pe)?;
@@ -355,16 +382,19 @@ pub struct Model {
     norm: RmsNorm,
     lm_head: Linear,
     shape: ModelShape,
+    /// With deepseek_v32's indexer: full caches always, never stacked.
+    indexed: bool,
 }
 
 impl Model {
     pub fn load(config: &Value, w: Weights) -> Result<Model> {
         let router = super::glm4_moe::grouped_router(&Cfg(config), "deepseek_v3")?;
-        Model::load_router(config, w, router)
+        Model::load_with(config, w, router, None)
     }
 
-    /// The decoder with the MoE routed by `router`.
-    pub fn load_router(config: &Value, mut w: Weights, router: super::layers::Router) -> Result<Model> {
+    /// The decoder with the MoE routed by `router` and, when `indexer` is Some(interleaved rope),
+    /// deepseek_v32's indexer in every layer.
+    pub fn load_with(config: &Value, mut w: Weights, router: super::layers::Router, indexer: Option<bool>) -> Result<Model> {
         let c = Cfg(config);
         let d = MlaDims::from_config(&c)?;
         let layout = layout(config)?;
@@ -375,7 +405,7 @@ impl Model {
         for (i, l) in layout.iter().enumerate() {
             let p = format!("model.layers.{i}");
             layers.push(Block {
-                attn: Mla::load(&mut w, &format!("{p}.self_attn"), &c, d)?,
+                attn: Mla::load(&mut w, &format!("{p}.self_attn"), &c, d, indexer)?,
                 mlp: Ffn::load_with(&mut w, &format!("{p}.mlp"), false, l.ffn, d.hidden, 0, &spec)?,
                 in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, d.hidden)?,
                 post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps, d.hidden)?,
@@ -387,7 +417,13 @@ impl Model {
         let dtype_bytes = embed.dtype().size();
         let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("deepseek_v3");
         let shape = ModelShape::new(model_type, layout, d.hidden, vocab, c.opt_i("max_position_embeddings"), dtype_bytes);
-        Ok(Model { embed, layers, norm, lm_head, shape })
+        Ok(Model { embed, layers, norm, lm_head, shape, indexed: indexer.is_some() })
+    }
+
+    /// Replace the per-layer layout (deepseek_v32's counts the indexer's keys).
+    pub fn set_layout(&mut self, layout: Vec<LayerLayout>) {
+        let s = &self.shape;
+        self.shape = ModelShape::new(&s.model_type, layout, s.hidden_size, s.vocab_size, s.max_position_embeddings, s.dtype_bytes);
     }
 }
 
@@ -413,5 +449,16 @@ impl CausalLm for Model {
 
     fn shape(&self) -> &ModelShape {
         &self.shape
+    }
+
+    fn make_cache(&self, opts: &crate::cache::CacheOptions) -> Vec<LayerCache> {
+        if self.indexed {
+            return super::deepseek_v32::make_cache(self.layers.len(), opts);
+        }
+        arch::make_cache(&self.shape.layers, opts)
+    }
+
+    fn stackable(&self) -> bool {
+        !self.indexed
     }
 }

@@ -2,6 +2,8 @@
 //! to an implementation.
 pub mod arch;
 pub mod deepseek_v3;
+pub mod deepseek_v32;
+pub mod glm_moe_dsa;
 pub mod gemma3_text;
 pub mod glm4_moe;
 pub mod gpt_oss;
@@ -94,6 +96,11 @@ pub trait CausalLm: Send {
         arch::make_cache(&self.shape().layers, opts)
     }
     fn shape(&self) -> &ModelShape;
+    /// Whether the engine may decode a batch over the stacked KV ([`crate::cache::BatchKv`]) of
+    /// this model's full caches (deepseek_v32's indexer may not: see there).
+    fn stackable(&self) -> bool {
+        true
+    }
 }
 
 /// When a forward pass evaluates between decoder layers ([`CausalLm::forward_staged`]).
@@ -152,7 +159,7 @@ impl Stager {
 }
 
 /// The architecture table: one line per architecture, each declared in its own file.
-pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH, mixtral::ARCH, glm4_moe::ARCH, gpt_oss::ARCH, deepseek_v3::ARCH];
+pub static ARCHS: &[Arch] = &[llama::ARCH, qwen2::ARCH, qwen3::ARCH, qwen3_moe::ARCH, gemma3_text::ARCH, mixtral::ARCH, glm4_moe::ARCH, gpt_oss::ARCH, deepseek_v3::ARCH, deepseek_v32::ARCH, glm_moe_dsa::ARCH];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
 pub fn supported() -> Vec<&'static str> {
