@@ -330,3 +330,23 @@ def test_deepseek_v3_splits_a_quantized_kv_b_proj_and_drops_the_mtp_layer(oracle
     with mlxrs.Session(d) as s:
         after = np.array(s.logits(ids), dtype=np.float32)
     assert np.array_equal(before, after)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_caches_only_the_latent_rope_key_and_indexer_key(arch):
+    """The cache a prompt leaves (its prefix-cache snapshot) holds per token and layer the latent
+    (kv_lora_rank), the rope key (qk_rope_head_dim) and, with the indexer, its key (index_head_dim)
+    — mlx-lm's compressed cache — in growth steps of 256; the planner's figure is the same."""
+    import json
+
+    d = make_model(f"{arch}-float32", arch)
+    cfg = json.loads((d / "config.json").read_text())
+    elems = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg.get("index_head_dim", 0)
+    with mlxrs.Session(d) as s:
+        ids = s.tokenize(TEXT) * 6
+        s.generate(ids, max_tokens=4, ignore_eos=True)
+        got = s.info["prompt_cache"]["bytes"]
+    slots = -(-len(ids) // 256) * 256
+    assert got == cfg["num_hidden_layers"] * slots * elems * 4
+    facts = json.loads(mlxrs._native.model_facts(str(d), None))
+    assert facts["kv_elems"] == [elems] * cfg["num_hidden_layers"]
