@@ -174,7 +174,7 @@ mod tests {
 
     #[test]
     fn the_table_gives_the_supported_types_and_gguf_names() {
-        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3"]);
+        assert_eq!(supported(), ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"]);
         let mut g = gguf_architectures();
         g.sort();
         assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe")]);
