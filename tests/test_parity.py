@@ -350,3 +350,35 @@ def test_mla_caches_only_the_latent_rope_key_and_indexer_key(arch):
     assert got == cfg["num_hidden_layers"] * slots * elems * 4
     facts = json.loads(mlxrs._native.model_facts(str(d), None))
     assert facts["kv_elems"] == [elems] * cfg["num_hidden_layers"]
+
+
+def test_deepseek_v3_without_q_lora(oracle, tmp_path):
+    """q_lora_rank null (DeepSeek-V2-Lite style): a plain q_proj instead of q_a_proj → norm →
+    q_b_proj; the same tokens and logits as mlx-lm."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("deepseek_v3-float32", "deepseek_v3")
+    d = tmp_path / "nolora"
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    for l in range(cfg["num_hidden_layers"]):
+        a = f"model.layers.{l}.self_attn"
+        for k in ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"):
+            del w[f"{a}.{k}"]
+        out = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        w[f"{a}.q_proj.weight"] = mx.random.normal((out, cfg["hidden_size"]), key=mx.random.key(l)) * cfg["hidden_size"] ** -0.5
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    cfg["q_lora_rank"] = None
+    (d / "config.json").write_text(json.dumps(cfg))
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_4bit_bf16(oracle, arch):
+    # bfloat16 activations through the quantized MultiLinear and experts (gather_qmm runs in any float dtype)
+    d = make_model(f"{arch}-bf16-q4", arch, dtype="bfloat16", quant_bits=4)
+    _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
