@@ -255,10 +255,8 @@ impl Mla {
         })
     }
 
-    /// q_nope `[B, H, L, nope]`, q_pe `[B, H, L, rope]`, the normed latent `[B, 1, L, rank]`, the
-    /// rope key `[B, 1, L, rope]` (neither query nor key rotated yet) and the normed low-rank
-    /// query (the indexer's input; None without q_lora_rank).
-    fn project(&self, x: &Array) -> Result<(Array, Array, Array, Array, Option<Array>)> {
+    /// Every projection of `x` `[B, L, hidden]` (nothing rotated yet), for all rows at once.
+    fn project(&self, x: &Array) -> Result<Proj> {
         let (b, l) = (x.dim(0), x.dim(1));
         let d = &self.d;
         let (q, qr) = match &self.q {
@@ -269,18 +267,25 @@ impl Mla {
             }
         };
         let q = mx::transpose_axes(&mx::reshape(&q, &[b, l, d.heads, d.nope + d.rope])?, &[0, 2, 1, 3])?;
-        let q_nope = mx::slice_axis(&q, 3, 0, d.nope)?;
-        let q_pe = mx::slice_axis(&q, 3, d.nope, d.nope + d.rope)?;
         let kv = self.kv_a.forward(x)?;
         let latent = mx::slice_axis(&kv, 2, 0, d.kv_lora_rank)?;
         let k_pe = mx::slice_axis(&kv, 2, d.kv_lora_rank, d.kv_lora_rank + d.rope)?;
-        let k_pe = mx::transpose_axes(&mx::reshape(&k_pe, &[b, l, 1, d.rope])?, &[0, 2, 1, 3])?;
-        let latent = mx::expand_dims(&self.kv_norm.forward(&latent)?, 1)?;
-        Ok((q_nope, q_pe, latent, k_pe, qr))
+        let index = match (&self.indexer, &qr) {
+            (Some(ix), Some(qr)) => Some([ix.query(qr)?, ix.key(x)?, ix.weights(x)?]),
+            _ => None,
+        };
+        Ok(Proj {
+            q_nope: mx::slice_axis(&q, 3, 0, d.nope)?,
+            q_pe: mx::slice_axis(&q, 3, d.nope, d.nope + d.rope)?,
+            latent: mx::expand_dims(&self.kv_norm.forward(&latent)?, 1)?,
+            k_pe: mx::transpose_axes(&mx::reshape(&k_pe, &[b, l, 1, d.rope])?, &[0, 2, 1, 3])?,
+            index,
+        })
     }
 
-    /// Attention of rotated queries over the cached latents and rope keys: `[B, L, hidden]`.
-    /// `mask` (boolean, broadcast against the scores) hides keys, as mlx-lm's `where` does.
+    /// Attention of rotated queries over the cached latents and rope keys: `[B, L, heads *
+    /// v_head_dim]` (before `o_proj`). `mask` (boolean, broadcast against the scores) hides keys,
+    /// as mlx-lm's `where` does.
     fn attend(&self, q_nope: &Array, q_pe: &Array, latent: &Array, k_pe: &Array, mask: Option<&Array>) -> Result<Array> {
         let (b, l) = (q_nope.dim(0), q_nope.dim(2));
         let sc = mx::scalar_as(self.scale as f64, q_pe.dtype())?;
@@ -297,75 +302,105 @@ impl Mla {
             let v = self.unembed_out.forward(latent, true)?;
             mx::scaled_dot_product_attention(q_nope, &k, &v, self.scale, AttnMask::Array(&pe), None)?
         };
-        let out = mx::reshape(&mx::transpose_axes(&out, &[0, 2, 1, 3])?, &[b, l, -1])?;
-        self.o_proj.forward(&out)
+        mx::reshape(&mx::transpose_axes(&out, &[0, 2, 1, 3])?, &[b, l, -1])
     }
 
-    /// One sequence over its own cache.
-    fn forward_one(&self, x: &Array, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
-        let (q_nope, q_pe, latent, k_pe, qr) = self.project(x)?;
-        let offset = cache.offset();
-        let q_pe = self.rope.forward(&q_pe, offset)?;
-        let k_pe = self.rope.forward(&k_pe, offset)?;
-        // the indexer's query and key (rotated), its key cached after the latent
-        let (iq, keys) = match (&self.indexer, &qr) {
-            (Some(ix), Some(qr)) => {
-                let ik = ix.rope().forward(&ix.key(x)?, offset)?;
-                (Some(ix.rope().forward(&ix.query(qr)?, offset)?), mx::concatenate(&[&latent, &ik], -1)?)
+    /// One row's projections `p` over its own cache: rotary embedding at the cache's offset, cache
+    /// update (the indexer's key after the latent), the indexer's choice, attention.
+    fn attend_row(&self, p: Proj, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
+        let (n, offset) = (p.q_nope.dim(2), cache.offset());
+        let q_pe = self.rope.forward(&p.q_pe, offset)?;
+        let k_pe = self.rope.forward(&p.k_pe, offset)?;
+        let (index, keys) = match (&self.indexer, p.index) {
+            (Some(ix), Some([iq, ik, wts])) => {
+                let ik = ix.rope().forward(&ik, offset)?;
+                (Some((ix, ix.rope().forward(&iq, offset)?, wts)), mx::concatenate(&[&p.latent, &ik], -1)?)
             }
-            _ => (None, latent),
+            _ => (None, p.latent),
         };
-        let (keys, k_pe) = match cache.update_and_fetch(keys, k_pe)? {
+        let (keys, mut k_pe) = match cache.update_and_fetch(keys, k_pe)? {
             Fetched::Dense(k, v) => (k, v),
             // mlx-lm's MLA cannot read a quantized cache either (the engine refuses kv_bits first)
             Fetched::Quant { .. } => return Err(Error::Unsupported("a quantized KV cache (kv_bits) with multi-head latent attention".into())),
         };
         let mut mask = match mask {
             Mask::None => None,
-            Mask::Causal => Some(causal_mask(x.dim(1), offset, None)?),
+            Mask::Causal => Some(causal_mask(n, offset, None)?),
             Mask::Array(a) => Some(a.clone()),
         };
-        let (mut latent, mut k_pe) = (keys.clone(), k_pe);
-        if let (Some(ix), Some(iq)) = (&self.indexer, &iq) {
-            let rank = self.d.kv_lora_rank;
-            latent = mx::slice_axis(&keys, 3, 0, rank)?;
-            let ik = mx::slice_axis(&keys, 3, rank, rank + ix.head_dim())?;
-            if let Some(idx) = ix.select(x, iq, &ik, mask.as_ref())? {
-                super::deepseek_v32::sparsify(&idx, &mut latent, &mut k_pe, &mut mask)?;
+        let latent = match index {
+            Some((ix, iq, wts)) => {
+                let rank = self.d.kv_lora_rank;
+                let mut latent = mx::slice_axis(&keys, 3, 0, rank)?;
+                let ik = mx::slice_axis(&keys, 3, rank, rank + ix.head_dim())?;
+                if let Some(idx) = ix.select(&wts, &iq, &ik, mask.as_ref())? {
+                    super::deepseek_v32::sparsify(&idx, &mut latent, &mut k_pe, &mut mask)?;
+                }
+                latent
             }
-        }
-        self.attend(&q_nope, &q_pe, &latent, &k_pe, mask.as_ref())
+            None => keys,
+        };
+        self.attend(&p.q_nope, &q_pe, &latent, &k_pe, mask.as_ref())
     }
 
-    /// A batch: over the stacked KV (one decode token per row, all rows at once), or row by row
-    /// over each row's own cache.
+    /// A batch: the projections for all rows at once; then over the stacked KV (one decode token
+    /// per row, all rows at once), or row by row over each row's own cache.
     fn forward_many(&self, x: &Array, masks: &Masks, caches: LayerCaches) -> Result<Array> {
-        match (caches, masks) {
+        let p = self.project(x)?;
+        let out = match (caches, masks) {
             (LayerCaches::Batch(..), _) if self.indexer.is_some() => {
-                Err(Error::Invalid("deepseek_v32's indexer over the stacked KV (the engine does not stack it)".into()))
+                return Err(Error::Invalid("deepseek_v32's indexer over the stacked KV (the engine does not stack it)".into()))
             }
             (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
-                let (q_nope, q_pe, latent, k_pe, _) = self.project(x)?;
-                let q_pe = self.rope.forward_rows(&q_pe, kv.offsets())?;
-                let k_pe = self.rope.forward_rows(&k_pe, kv.offsets())?;
-                let (latent, k_pe) = kv.update_and_fetch(layer, &latent, &k_pe)?;
-                self.attend(&q_nope, &q_pe, &latent, &k_pe, Some(mask))
+                let q_pe = self.rope.forward_rows(&p.q_pe, kv.offsets())?;
+                let k_pe = self.rope.forward_rows(&p.k_pe, kv.offsets())?;
+                let (latent, k_pe) = kv.update_and_fetch(layer, &p.latent, &k_pe)?;
+                self.attend(&p.q_nope, &q_pe, &latent, &k_pe, Some(mask))?
             }
+            (LayerCaches::Rows(mut caches), Masks::Rows(masks)) if caches.len() == 1 => self.attend_row(p, &masks[0], caches[0])?,
             (LayerCaches::Rows(caches), Masks::Rows(masks)) => {
                 let mut outs = Vec::with_capacity(caches.len());
                 for (r, (cache, mask)) in caches.into_iter().zip(masks).enumerate() {
-                    let r = r as i32;
-                    let xr = if x.dim(0) == 1 { x.clone() } else { mx::slice_axis(x, 0, r, r + 1)? };
-                    outs.push(self.forward_one(&xr, mask, cache)?);
-                }
-                if outs.len() == 1 {
-                    return Ok(outs.pop().expect("one row"));
+                    outs.push(self.attend_row(p.row(r as i32)?, mask, cache)?);
                 }
                 let refs: Vec<&Array> = outs.iter().collect();
-                mx::concatenate(&refs, 0)
+                mx::concatenate(&refs, 0)?
             }
-            _ => Err(Error::Invalid("attention: masks and caches of different kinds".into())),
-        }
+            _ => return Err(Error::Invalid("attention: masks and caches of different kinds".into())),
+        };
+        self.o_proj.forward(&out)
+    }
+}
+
+/// An attention layer's projections of a batch ([`Mla::project`]).
+struct Proj {
+    /// `[B, H, L, nope]`
+    q_nope: Array,
+    /// `[B, H, L, rope]`
+    q_pe: Array,
+    /// The normed latent `[B, 1, L, rank]`.
+    latent: Array,
+    /// The rope key `[B, 1, L, rope]`.
+    k_pe: Array,
+    /// deepseek_v32's indexer: its queries `[B, heads, L, head_dim]`, key `[B, 1, L, head_dim]`
+    /// and per-head weights `[B, L, heads]`.
+    index: Option<[Array; 3]>,
+}
+
+impl Proj {
+    /// Row `r` of every part.
+    fn row(&self, r: i32) -> Result<Proj> {
+        let cut = |a: &Array| mx::slice_axis(a, 0, r, r + 1);
+        Ok(Proj {
+            q_nope: cut(&self.q_nope)?,
+            q_pe: cut(&self.q_pe)?,
+            latent: cut(&self.latent)?,
+            k_pe: cut(&self.k_pe)?,
+            index: match &self.index {
+                Some([a, b, c]) => Some([cut(a)?, cut(b)?, cut(c)?]),
+                None => None,
+            },
+        })
     }
 }
 

@@ -110,17 +110,22 @@ impl Indexer {
         &self.rope
     }
 
+    /// The per-head weights `[B, L, heads]` of `x` (scaled).
+    pub fn weights(&self, x: &Array) -> Result<Array> {
+        let wts = self.weights_proj.forward(x)?;
+        mx::multiply(&wts, &mx::scalar_as(self.weight_scale, wts.dtype())?)
+    }
+
     /// The `index_topk` positions `[B, 1, L, topk]` each query attends to, None while the keys
-    /// `k` `[B, 1, T, head_dim]` are at most `index_topk` (every position then).
-    pub fn select(&self, x: &Array, q: &Array, k: &Array, mask: Option<&Array>) -> Result<Option<Array>> {
-        let (t, l) = (k.dim(2), x.dim(1));
+    /// `k` `[B, 1, T, head_dim]` are at most `index_topk` (every position then). `wts` from
+    /// [`Indexer::weights`], `q` the rotated queries.
+    pub fn select(&self, wts: &Array, q: &Array, k: &Array, mask: Option<&Array>) -> Result<Option<Array>> {
+        let (t, l) = (k.dim(2), q.dim(2));
         if t <= self.topk {
             return Ok(None);
         }
         let scores = mx::matmul(q, &mx::swapaxes(k, -1, -2)?)?;
         let scores = mx::maximum(&scores, &mx::scalar_as(0.0, scores.dtype())?)?;
-        let wts = self.weights_proj.forward(x)?;
-        let wts = mx::multiply(&wts, &mx::scalar_as(self.weight_scale, wts.dtype())?)?;
         let wts = mx::expand_dims(&mx::swapaxes(&wts, -1, -2)?, -1)?;
         let scores = mx::multiply(&scores, &wts)?;
         // summed over the heads as mlx-lm does: one by one for a prefill, one reduction for a step
