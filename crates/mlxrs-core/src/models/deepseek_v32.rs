@@ -126,7 +126,7 @@ impl Indexer {
         }
         let scores = mx::matmul(q, &mx::swapaxes(k, -1, -2)?)?;
         let scores = mx::maximum(&scores, &mx::scalar_as(0.0, scores.dtype())?)?;
-        let wts = mx::expand_dims(&mx::swapaxes(&wts, -1, -2)?, -1)?;
+        let wts = mx::expand_dims(&mx::swapaxes(wts, -1, -2)?, -1)?;
         let scores = mx::multiply(&scores, &wts)?;
         // summed over the heads as mlx-lm does: one by one for a prefill, one reduction for a step
         let mut scores = if l > 1 {
