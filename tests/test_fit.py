@@ -246,3 +246,19 @@ def test_server_admission_honours_max_safe_context() -> None:
         status, body = s.post("/v1/completions", {"model": "qwen3-float32", "prompt": [7] * m, "max_tokens": 1})
         assert status == 400, body
         assert body["error"]["type"] == "memory_admission" and body["error"]["code"] == "context_over_budget"
+
+
+def test_latent_attention_report() -> None:
+    """DeepSeek-V3's MLA: the report counts the cached latent + rope key per token and layer (from
+    the config), not KV heads × head dim × K,V."""
+    import json
+
+    from tinymodels import make_model
+
+    d = make_model("deepseek_v3-float32", "deepseek_v3")
+    cfg = json.loads((d / "config.json").read_text())
+    elems, layers = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], cfg["num_hidden_layers"]
+    r = cli("fit", str(d), "--ctx", "1000")
+    assert r.returncode == 0, r.stderr
+    assert f"{layers} layers × {elems} cached elements × float32" in r.stdout
+    assert plan(d, 1024, None, None)["kvBytes"] == layers * 1024 * elems * 4

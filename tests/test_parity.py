@@ -15,10 +15,11 @@ import mlxrs
 from tinymodels import make_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe", "qwen3_next",
-         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss"]
+         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
 GEMMA4 = ["gemma4_text", "gemma4_text_moe"]
 # gather_mm (MoE experts) in MLX's CPU backend: float32 only
-MOE = {"qwen3_moe", "qwen3_next", "gemma4_text_moe", "mixtral", "glm4_moe", "gpt_oss"}
+MOE = {"qwen3_moe", "qwen3_next", "gemma4_text_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32",
+       "glm_moe_dsa"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -99,7 +100,8 @@ def test_sliding_window_single_chunk(oracle):
     _check(oracle, d, TEXT, dtype="float32", repeat=2)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+# deepseek_v3: latents in a rotating cache; deepseek_v32: max_kv_size leaves its caches full, as mlx-lm's make_cache
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "deepseek_v3", "deepseek_v32"])
 def test_rotating_cache_max_kv_size(oracle, arch):
     d = make_model(f"{arch}-float32", arch)
     _check(oracle, d, TEXT, dtype="float32", max_kv_size=32, step=16)
@@ -126,6 +128,29 @@ BAD_MOE = {
                  ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
                  ("partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
                  ("topk_method", "greedy", "topk_method")],
+    "deepseek_v3": [("n_routed_experts", 16, "model.layers.1.mlp.experts.8.gate_proj.weight"),
+                    ("n_group", 3, "n_group 3 does not divide"),
+                    ("topk_group", 3, "topk_group 3 is not in 1..=2"),
+                    ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
+                    ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+                    ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
+                    ("qk_nope_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
+                    ("v_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
+                    ("qk_rope_head_dim", 16, "model.layers.0.self_attn.q_b_proj.weight"),
+                    ("qk_rope_head_dim", 33, "qk_rope_head_dim 33 is odd"),
+                    ("kv_lora_rank", 64, "kv_b_proj.weight has shape [512, 128] but config.json implies [512, 64]"),
+                    ("q_lora_rank", 64, "model.layers.0.self_attn.q_a_proj.weight"),
+                    ("q_lora_rank", None, "model.layers.0.self_attn.q_proj.weight is missing"),
+                    ("num_attention_heads", 8, "kv_b_proj.weight has shape [512, 128] but config.json implies [1024, 128]"),
+                    ("topk_method", "greedy", "topk_method")],
+    "deepseek_v32": [("index_head_dim", 32, "model.layers.0.self_attn.indexer.wq_b.weight"),
+                     ("index_n_heads", 8, "model.layers.0.self_attn.indexer.wq_b.weight"),
+                     ("index_topk", 0, "index_topk = 0 is out of range"),
+                     ("q_lora_rank", None, "q_lora_rank is null, but the indexer"),
+                     ("n_group", 3, "n_group 3 does not divide")],
+    "glm_moe_dsa": [("rope_parameters", None, "rope_parameters is missing"),
+                    ("rope_parameters", {"rope_type": "default"}, "rope_parameters.rope_theta is missing"),
+                    ("topk_group", 3, "topk_group 3 is not in 1..=2")],
     "gpt_oss": [("num_local_experts", 16, "model.layers.0.mlp.router.bias has shape [8] but config.json implies [16]"),
                 ("intermediate_size", 64, "model.layers.0.mlp.experts.gate_proj.bias"),
                 ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds num_local_experts 8"),
@@ -369,3 +394,135 @@ def test_yarn_rope(oracle, tmp_path, scaling):
         alone = [s.generate(p, max_tokens=24, ignore_eos=True, temperature=0.0).tokens for p in ps]
         batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
     assert batch == alone
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_indexer_selects_a_strict_subset(oracle, arch, tmp_path):
+    """The indexer keeps index_topk = 16 of the prompt's positions: the prompts are longer, and
+    mlx-lm's logits on the same weights with the indexer off (index_topk past the prompt) differ
+    from those with it, while ours match the sparse ones (test_plain / the chunked rows)."""
+    import json
+    import shutil
+
+    src = make_model(f"{arch}-float32", arch)
+    dense = tmp_path / "dense"
+    shutil.copytree(src, dense)
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["index_topk"] = 4096
+    (dense / "config.json").write_text(json.dumps(cfg))
+    with mlxrs.Session(src) as s:
+        ids = s.tokenize(TEXT)
+        ours = np.array(s.logits(ids), dtype=np.float32)
+    assert len(ids) > 16
+    job = {"prompt": ids, "max_tokens": 1}
+    sparse_ref = np.array(oracle({"model": str(src), **job})["logits"], dtype=np.float32)
+    dense_ref = np.array(oracle({"model": str(dense), **job})["logits"], dtype=np.float32)
+    assert float(np.max(np.abs(ours - sparse_ref))) <= 1e-4
+    assert float(np.max(np.abs(sparse_ref - dense_ref))) > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_batch_of_mixed_lengths_chunked_equals_mlx_lm(oracle, arch):
+    """A batch of prompts of mixed lengths, each prefilled in chunks of 16 (past the indexer's 16
+    positions for deepseek_v32): every row's greedy tokens are mlx-lm's for that prompt alone."""
+    d = make_model(f"{arch}-float32", arch)
+    with mlxrs.Session(d, prompt_cache_bytes=0, prefill_step_size=16) as s:
+        ids = s.tokenize(TEXT) * 3
+        ps = [ids[:n] for n in (5, 47, 23)]
+        batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
+    for p, got in zip(ps, batch):
+        ref = oracle({"model": str(d), "prompt": p, "max_tokens": 24, "prefill_step_size": 16})
+        assert got == ref["tokens"], f"{len(p)}-token prompt: batched tokens differ from mlx-lm's"
+
+
+def test_mla_refuses_a_quantized_kv_cache():
+    """mlx-lm's MLA cannot read a quantized cache: kv_bits is refused at load, naming why."""
+    d = make_model("deepseek_v3-float32", "deepseek_v3")
+    with pytest.raises(Exception, match="kv_bits 8: a quantized KV cache with multi-head latent attention"):
+        mlxrs.Session(d, kv_bits=8)
+
+
+def test_deepseek_v3_splits_a_quantized_kv_b_proj_and_drops_the_mtp_layer(oracle, tmp_path):
+    """kv_b_proj quantized in the checkpoint (mlx-lm's sanitize dequantizes, splits and
+    re-quantizes it): matches mlx-lm on the same files. The multi-token-prediction layer
+    (model.layers.{num_hidden_layers}) added to them is dropped: the same logits."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("deepseek_v3-float32", "deepseek_v3")
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}.self_attn.kv_b_proj"
+        q, sc, b = mx.quantize(w.pop(f"{p}.weight"), group_size=64, bits=8)
+        w.update({f"{p}.weight": q, f"{p}.scales": sc, f"{p}.biases": b})
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    cfg["quantization"] = {"group_size": 64, "bits": 8, "mode": "affine"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    _check(oracle, d, TEXT, dtype="float32")
+    with mlxrs.Session(d) as s:
+        ids = s.tokenize(TEXT)
+        before = np.array(s.logits(ids), dtype=np.float32)
+    mtp = f"model.layers.{cfg['num_hidden_layers']}"
+    w[f"{mtp}.eh_proj.weight"] = mx.zeros((cfg["hidden_size"], 2 * cfg["hidden_size"]))
+    w[f"{mtp}.self_attn.kv_b_proj.weight"] = mx.zeros((7, 3))  # not a usable shape: must not be read
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    with mlxrs.Session(d) as s:
+        after = np.array(s.logits(ids), dtype=np.float32)
+    assert np.array_equal(before, after)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_caches_only_the_latent_rope_key_and_indexer_key(arch):
+    """The cache a prompt leaves (its prefix-cache snapshot) holds per token and layer the latent
+    (kv_lora_rank), the rope key (qk_rope_head_dim) and, with the indexer, its key (index_head_dim)
+    — mlx-lm's compressed cache — in growth steps of 256; the planner's figure is the same."""
+    import json
+
+    d = make_model(f"{arch}-float32", arch)
+    cfg = json.loads((d / "config.json").read_text())
+    elems = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg.get("index_head_dim", 0)
+    with mlxrs.Session(d) as s:
+        ids = s.tokenize(TEXT) * 6
+        s.generate(ids, max_tokens=4, ignore_eos=True)
+        got = s.info["prompt_cache"]["bytes"]
+    slots = -(-len(ids) // 256) * 256
+    assert got == cfg["num_hidden_layers"] * slots * elems * 4
+    facts = json.loads(mlxrs._native.model_facts(str(d), None))
+    assert facts["kv_elems"] == [elems] * cfg["num_hidden_layers"]
+
+
+def test_deepseek_v3_without_q_lora(oracle, tmp_path):
+    """q_lora_rank null (DeepSeek-V2-Lite style): a plain q_proj instead of q_a_proj → norm →
+    q_b_proj; the same tokens and logits as mlx-lm."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("deepseek_v3-float32", "deepseek_v3")
+    d = tmp_path / "nolora"
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    for l in range(cfg["num_hidden_layers"]):
+        a = f"model.layers.{l}.self_attn"
+        for k in ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"):
+            del w[f"{a}.{k}"]
+        out = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        w[f"{a}.q_proj.weight"] = mx.random.normal((out, cfg["hidden_size"]), key=mx.random.key(l)) * cfg["hidden_size"] ** -0.5
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    cfg["q_lora_rank"] = None
+    (d / "config.json").write_text(json.dumps(cfg))
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_4bit_bf16(oracle, arch):
+    # bfloat16 activations through the quantized MultiLinear and experts (gather_qmm runs in any float dtype)
+    d = make_model(f"{arch}-bf16-q4", arch, dtype="bfloat16", quant_bits=4)
+    _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)

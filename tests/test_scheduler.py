@@ -51,6 +51,10 @@ CASES = [
     ("glm4_moe", {"stack": 1}),
     ("glm4_moe", {}),
     ("gpt_oss", {}),  # window 16 every other layer, attention sinks, biased experts
+    ("deepseek_v3", {"stack": 1}),  # the stacked KV holding MLA's latents and rope keys
+    ("deepseek_v3", {}),
+    ("deepseek_v32", {"stack": 1}),  # the indexer (top 16 positions): per-row attention even when asked to stack
+    ("glm_moe_dsa", {}),
 ]
 RECURRENT = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
@@ -72,7 +76,9 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
         assert b.finish_reason == "length" and b.usage.completion_tokens == N
     # which attention ran: the stacked KV exactly where asked for and every layer keeps a full cache
     sliding = arch in ("gemma3_text", "gemma4_text", "gemma4_text_moe", "gpt_oss")
-    stacked = not sliding and arch not in RECURRENT and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
+    unstackable = ("deepseek_v32", "glm_moe_dsa")  # the indexer's choice depends on a row's own length
+    stacked = not sliding and arch not in RECURRENT + unstackable and not opts \
+        and os.environ.get("MLXRS_BATCH_KV") == "1"
     assert info["decode_steps"] > 0
     assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)
 
@@ -119,8 +125,10 @@ def test_batch_with_mixed_lengths_and_sampling(tmp_path):
         assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
 
 
-def test_prefix_cache_hit_gives_the_cold_tokens():
-    d = make_model("llama-float32", "llama")
+# deepseek_v3: the cached latents and rope keys; deepseek_v32: the indexer's keys beside them
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v32"])
+def test_prefix_cache_hit_gives_the_cold_tokens(arch):
+    d = make_model(f"{arch}-float32", arch)
     with mlxrs.Session(d, prompt_cache_bytes=0) as cold, mlxrs.Session(d) as warm:
         ids = cold.tokenize(TEXT)
         first = ids[:40]

@@ -121,6 +121,27 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
         cfg.update(architectures=["GptOssForCausalLM"], num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,
                    sliding_window=16, rms_norm_eps=1e-5, num_hidden_layers=max(layers, 4), rope_scaling=None,
                    layer_types=["sliding_attention", "full_attention"] * (max(layers, 4) // 2))
+    elif arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+        # multi-head latent attention: queries through a rank-128 LoRA, keys/values from a rank-128
+        # latent + a 32-dim rope key (nope 64, v 64), YaRN (factor 4, mscale_all_dim 0.8: the rope's
+        # mscale and the softmax scale both != 1); layer 0 dense, layers 1-2 a MoE of 8 experts
+        # of width 128, 2 per token, in 1 of 2 groups, scaled by 2.5, plus 1 shared expert
+        del cfg["head_dim"]
+        cfg.update(architectures=["DeepseekV3ForCausalLM"], q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
+                   qk_rope_head_dim=32, v_head_dim=64, num_key_value_heads=heads, n_routed_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, n_group=2, topk_group=1,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, moe_layer_freq=1,
+                   topk_method="noaux_tc", scoring_func="sigmoid", num_hidden_layers=max(layers, 3),
+                   tie_word_embeddings=False, attention_bias=False,
+                   rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})
+        if arch != "deepseek_v3":
+            # the sparse-attention indexer: 4 heads of 64, the best 16 positions per query (a strict
+            # subset of any prompt past 16 tokens); its rope mlx-lm's default (interleaved for GLM-5)
+            cfg.update(index_n_heads=4, index_head_dim=64, index_topk=16)
+        if arch == "glm_moe_dsa":  # GLM-5: the rope in rope_parameters (a plain one here)
+            del cfg["rope_scaling"], cfg["rope_theta"]
+            cfg.update(architectures=["GlmMoeDsaForCausalLM"], rope_parameters={"rope_theta": 50000.0, "rope_type": "default"})
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
@@ -184,10 +205,32 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     w: dict[str, Any] = {"model.embed_tokens.weight": rnd((v, h), 0.5 if not gemma else 0.05), "model.norm.weight": norm(h)}
     for l in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{l}"
-        w[f"{p}.self_attn.q_proj.weight"] = rnd((nh * hd, h), h ** -0.5)
-        w[f"{p}.self_attn.k_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
-        w[f"{p}.self_attn.v_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
-        w[f"{p}.self_attn.o_proj.weight"] = rnd((h, nh * hd), (nh * hd) ** -0.5)
+        if arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+            # the Hugging Face layout (kv_b_proj, which the loaders split into embed_q/unembed_out)
+            a, qk = f"{p}.self_attn", cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+            kr, vd, qr = cfg["kv_lora_rank"], cfg["v_head_dim"], cfg["q_lora_rank"]
+            if qr is None:
+                w[f"{a}.q_proj.weight"] = rnd((nh * qk, h), h ** -0.5)
+            else:
+                w[f"{a}.q_a_proj.weight"] = rnd((qr, h), h ** -0.5)
+                w[f"{a}.q_a_layernorm.weight"] = norm(qr)
+                w[f"{a}.q_b_proj.weight"] = rnd((nh * qk, qr), qr ** -0.5)
+            w[f"{a}.kv_a_proj_with_mqa.weight"] = rnd((kr + cfg["qk_rope_head_dim"], h), h ** -0.5)
+            w[f"{a}.kv_a_layernorm.weight"] = norm(kr)
+            w[f"{a}.kv_b_proj.weight"] = rnd((nh * (cfg["qk_nope_head_dim"] + vd), kr), kr ** -0.5)
+            w[f"{a}.o_proj.weight"] = rnd((h, nh * vd), (nh * vd) ** -0.5)
+            if "index_topk" in cfg:
+                ih, ihd = cfg["index_n_heads"], cfg["index_head_dim"]
+                w[f"{a}.indexer.wq_b.weight"] = rnd((ih * ihd, qr), qr ** -0.5)
+                w[f"{a}.indexer.wk.weight"] = rnd((ihd, h), h ** -0.5)
+                w[f"{a}.indexer.k_norm.weight"] = norm(ihd)
+                w[f"{a}.indexer.k_norm.bias"] = rnd((ihd,), 0.1)
+                w[f"{a}.indexer.weights_proj.weight"] = rnd((ih, h), h ** -0.5)
+        else:
+            w[f"{p}.self_attn.q_proj.weight"] = rnd((nh * hd, h), h ** -0.5)
+            w[f"{p}.self_attn.k_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
+            w[f"{p}.self_attn.v_proj.weight"] = rnd((nkv * hd, h), h ** -0.5)
+            w[f"{p}.self_attn.o_proj.weight"] = rnd((h, nh * hd), (nh * hd) ** -0.5)
         if arch == "qwen3_moe" and l not in cfg["mlp_only_layers"]:
             # the Hugging Face layout, one tensor per expert (the loaders stack them)
             ne, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
@@ -204,7 +247,7 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
                 w[f"{p2}.experts.{e}.w1.weight"] = rnd((i, h), h ** -0.5)
                 w[f"{p2}.experts.{e}.w2.weight"] = rnd((h, i), i ** -0.5)
                 w[f"{p2}.experts.{e}.w3.weight"] = rnd((i, h), h ** -0.5)
-        elif arch == "glm4_moe" and l >= cfg["first_k_dense_replace"]:
+        elif arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa") and l >= cfg["first_k_dense_replace"]:
             ne, mi, ns = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
             w[f"{p}.mlp.gate.weight"] = rnd((ne, h), h ** -0.5)
             w[f"{p}.mlp.gate.e_score_correction_bias"] = rnd((ne,), 0.3)

@@ -149,8 +149,12 @@ def _kv_line(f: dict[str, Any], kv_bits: int | None) -> str:
     sliding = [w for w in f["sliding"] if w is not None]
     full = len(f["sliding"]) - len(sliding)
     dtype = f"{kv_bits}-bit" if kv_bits else {4: "float32", 2: "16-bit"}.get(int(f["act_bytes"]), f"{f['act_bytes']} B")
-    s = (f"{human_bytes(int(per_layer * full))}/token: {full} layers × {f['num_kv_heads']} KV heads × "
-         f"{f['head_dim']} × K,V × {dtype}")
+    elems = max(f.get("kv_elems") or [0])
+    if elems and elems != f["num_kv_heads"] * f["head_dim"] * 2:  # latent attention: latent + rope key
+        s = f"{human_bytes(int(per_layer * full))}/token: {full} layers × {elems} cached elements × {dtype}"
+    else:
+        s = (f"{human_bytes(int(per_layer * full))}/token: {full} layers × {f['num_kv_heads']} KV heads × "
+             f"{f['head_dim']} × K,V × {dtype}")
     if sliding:
         s += f"; {len(sliding)} sliding-window layers capped at {max(sliding)} tokens"
     return s

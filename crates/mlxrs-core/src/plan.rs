@@ -439,9 +439,11 @@ pub struct MemoryPlan {
 const NO_LIMIT_CONTEXT: u64 = 1 << 20;
 
 impl ModelFacts {
-    /// Bytes of one cached token in one layer (K and V).
+    /// Bytes of one cached token in one layer (K and V; the most any layer of the layout caches, a
+    /// latent-attention layer its latent and rope key).
     pub fn kv_bytes_per_token_layer(&self, kv_bits: Option<u32>, group: u64) -> f64 {
-        self.kv_bytes_per_token_elems((self.num_kv_heads * self.head_dim * 2) as f64, kv_bits, group)
+        let elems = self.kv_elems.iter().copied().max().unwrap_or(self.num_kv_heads * self.head_dim * 2);
+        self.kv_bytes_per_token_elems(elems as f64, kv_bits, group)
     }
 
     fn kv_bytes_per_token_elems(&self, elems: f64, kv_bits: Option<u32>, group: u64) -> f64 {
@@ -746,6 +748,25 @@ mod tests {
         // 8-bit: 1 byte + 2 × 4 / 64 per element
         let q8 = f.kv_bytes_per_token_layer(Some(8), 64);
         assert!((q8 - 256.0 * (1.0 + 8.0 / 64.0)).abs() < 1e-9);
+    }
+
+    /// DeepSeek-V3's latent attention: the planner counts the cached latent + rope key per token
+    /// and layer (576 elements), not heads × head dim × K,V (128 × 56 × 2); deepseek_v32 the
+    /// indexer's key beside them.
+    #[test]
+    fn latent_attention_counts_the_compressed_cache() {
+        let mut cfg = serde_json::json!({
+            "model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 7168, "num_attention_heads": 128,
+            "num_key_value_heads": 128, "intermediate_size": 18432, "vocab_size": 129280, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536
+        });
+        let f = ModelFacts::from_config(&cfg, 0, 2).unwrap();
+        assert_eq!(f.kv_elems, vec![576, 576]);
+        assert_eq!(f.kv_bytes(256, None, 64), 2 * 256 * 576 * 2);
+        assert_eq!(f.kv_bytes_per_token_layer(None, 64), 576.0 * 2.0);
+        cfg["model_type"] = serde_json::json!("deepseek_v32");
+        cfg["index_head_dim"] = serde_json::json!(128);
+        assert_eq!(ModelFacts::from_config(&cfg, 0, 2).unwrap().kv_elems, vec![704, 704]);
     }
 
     #[test]

@@ -361,6 +361,10 @@ impl Engine {
             .recv()
             .map_err(|_| Error::ModelLoad("the engine thread stopped while loading".into()))??;
         if let Some(b) = options.kv_bits {
+            // mlx-lm's multi-head latent attention cannot read a quantized cache either
+            if shape.layers.iter().any(|l| matches!(l.attn, crate::models::AttnKind::Latent { .. })) {
+                return Err(Error::Unsupported(format!("kv_bits {b}: a quantized KV cache with multi-head latent attention ({})", shape.model_type)));
+            }
             if shape.head_dim % options.kv_group_size != 0 {
                 return Err(Error::Invalid(format!(
                     "kv_group_size {} does not divide the model's head_dim {} (needed with kv_bits {b})",

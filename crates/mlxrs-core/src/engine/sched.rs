@@ -204,6 +204,7 @@ impl<'a> Scheduler<'a> {
         let kinds = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
         let stackable = opts.stacked_kv.unwrap_or_else(stacked_kv_default)
             && opts.kv_bits.is_none()
+            && model.stackable()
             && kinds.iter().all(|c| matches!(c, LayerCache::Full(_)));
         Scheduler {
             model,

@@ -24,6 +24,10 @@ pub enum AttnKind {
     /// A fixed-size recurrent state instead of a KV cache (Gated DeltaNet linear attention:
     /// qwen3_next, qwen3_5): a [`crate::cache::RecurrentCache`].
     LinearRecurrent,
+    /// Multi-head latent attention (deepseek_v3): every position, a growing cache of one compressed
+    /// latent of `rank` elements and one rotary key of `rope_dims` per token, whatever the heads,
+    /// plus the sparse-attention indexer's key of `index_dims` (deepseek_v32; 0 without one).
+    Latent { rank: i32, rope_dims: i32, index_dims: i32 },
 }
 
 /// The feed-forward part of one layer.
@@ -51,6 +55,7 @@ impl LayerLayout {
     pub fn kv_elems(&self) -> usize {
         match self.attn {
             AttnKind::Full | AttnKind::Sliding { .. } => (self.kv_heads.max(0) * self.head_dim.max(0) * 2) as usize,
+            AttnKind::Latent { rank, rope_dims, index_dims } => (rank.max(0) + rope_dims.max(0) + index_dims.max(0)) as usize,
             AttnKind::SharedKv { .. } | AttnKind::LinearRecurrent => 0,
         }
     }
@@ -179,7 +184,7 @@ mod tests {
             supported(),
             [
                 "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "qwen3_next", "qwen3_5",
-                "qwen3_5_moe", "mixtral", "glm4_moe", "gpt_oss"
+                "qwen3_5_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"
             ]
         );
         let mut g = gguf_architectures();
@@ -257,6 +262,32 @@ mod tests {
         assert_eq!(attn[..3], [AttnKind::Full, AttnKind::Sliding { window: 8 }, AttnKind::Sliding { window: 8 }]);
         o["layer_types"] = json!(["full_attention", "chunked_attention", "full_attention", "full_attention"]);
         assert!(layout_of(&o).unwrap().unwrap_err().to_string().contains("\"chunked_attention\" is not"));
+    }
+
+    /// deepseek_v3: every layer caches one latent + one rope key per token (mlx-lm's MLA cache),
+    /// whatever the heads; dense layers before first_k_dense_replace and off moe_layer_freq.
+    #[test]
+    fn latent_attention_caches_the_latent_and_rope_key() {
+        let mut c = json!({"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 4,
+                           "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 129280,
+                           "intermediate_size": 18432, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                           "qk_nope_head_dim": 128, "v_head_dim": 128, "q_lora_rank": 1536, "n_routed_experts": 256,
+                           "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+                           "first_k_dense_replace": 1, "moe_layer_freq": 2});
+        let l = layout_of(&c).unwrap().unwrap();
+        assert!(l.iter().all(|l| l.attn == AttnKind::Latent { rank: 512, rope_dims: 64, index_dims: 0 } && l.kv_elems() == 576));
+        let moe = FfnKind::Moe { experts: 256, top_k: 8, intermediate: 2048, shared: 1, norm_topk_prob: true };
+        let dense = FfnKind::Dense { intermediate: 18432 };
+        assert_eq!(l.iter().map(|l| l.ffn).collect::<Vec<_>>(), [dense, dense, moe, dense]);
+        // 576 elements per token and layer, not 128 heads × (192 + 128)
+        let shape = super::super::ModelShape::new("deepseek_v3", l, 7168, 129280, None, 2);
+        assert_eq!(shape.kv_bytes(256, None, 64), 4 * 256 * 576 * 2);
+        // deepseek_v32: the indexer's key (index_head_dim) cached beside the latent
+        c["model_type"] = json!("deepseek_v32");
+        c["index_head_dim"] = json!(128);
+        assert!(layout_of(&c).unwrap().unwrap().iter().all(|l| l.kv_elems() == 576 + 128));
+        c["qk_rope_head_dim"] = json!(33);
+        assert!(layout_of(&c).unwrap().unwrap_err().to_string().contains("qk_rope_head_dim 33 is odd"));
     }
 
     #[test]

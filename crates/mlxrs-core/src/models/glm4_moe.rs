@@ -41,8 +41,9 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
     Ok(())
 }
 
-/// The MoE of the config (None without `n_routed_experts`), its top-k checked.
-fn moe(c: &Cfg) -> Result<Option<FfnKind>> {
+/// The MoE of the config (None without `n_routed_experts`), its top-k checked; `norm_topk_prob`
+/// `norm_default` when absent (false in mlx-lm's glm4_moe, true in its deepseek_v3).
+pub fn moe(c: &Cfg, norm_default: bool) -> Result<Option<FfnKind>> {
     if c.get("n_routed_experts").is_none() {
         return Ok(None);
     }
@@ -60,14 +61,14 @@ fn moe(c: &Cfg) -> Result<Option<FfnKind>> {
         top_k,
         intermediate: c.size("moe_intermediate_size", None, limits::INTERMEDIATE)?,
         shared,
-        norm_topk_prob: c.b_or("norm_topk_prob", false),
+        norm_topk_prob: c.b_or("norm_topk_prob", norm_default),
     }))
 }
 
 /// Full attention; dense FFNs in the first `first_k_dense_replace` layers, the MoE after.
 pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     let c = Cfg(config);
-    let moe = moe(&c)?;
+    let moe = moe(&c, false)?;
     let first_dense = c.opt_i("first_k_dense_replace").unwrap_or(0);
     arch::uniform(config, DimDefaults::default(), |_| AttnKind::Full, |i, d| match moe {
         Some(m) if i >= first_dense => Ok(m),
@@ -75,18 +76,26 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     })
 }
 
-pub fn load(config: &Value, w: Weights) -> Result<Model> {
-    let c = Cfg(config);
+/// The `noaux_tc` grouped sigmoid router of the config (glm4_moe's and deepseek_v3's, `arch` in the
+/// error): `scoring_func` / `topk_method` checked, `n_group`, `topk_group`,
+/// `routed_scaling_factor` (their fit to the expert count is checked when the MoE loads).
+pub fn grouped_router(c: &Cfg, arch: &str) -> Result<Router> {
     for (k, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
         if let Some(v) = c.get(k) {
             if v.as_str() != Some(want) {
-                return Err(Error::Unsupported(format!("config.json: {k} {v} (mlx-lm's glm4_moe supports {want:?} only)")));
+                return Err(Error::Unsupported(format!("config.json: {k} {v} (mlx-lm's {arch} supports {want:?} only)")));
             }
         }
     }
     let n_group = c.size("n_group", Some(1), limits::EXPERTS)?;
     let topk_group = c.size("topk_group", Some(1), limits::EXPERTS)?;
     let scaling = c.f_or("routed_scaling_factor", 1.0) as f32;
+    Ok(Router::GroupedSigmoid { n_group, topk_group, scaling })
+}
+
+pub fn load(config: &Value, w: Weights) -> Result<Model> {
+    let c = Cfg(config);
+    let router = grouped_router(&c, "glm4_moe")?;
     let head_dim = super::Dims::from_config(&c, DimDefaults::default())?.head_dim;
     let factor = c.f_or("partial_rotary_factor", 1.0);
     if !(factor > 0.0 && factor <= 1.0) {
@@ -94,7 +103,7 @@ pub fn load(config: &Value, w: Weights) -> Result<Model> {
     }
     let extra = Extra {
         ffn_name: "mlp",
-        moe: MoeSpec { router: Router::GroupedSigmoid { n_group, topk_group, scaling }, ..MoeSpec::QWEN3 },
+        moe: MoeSpec { router, ..MoeSpec::QWEN3 },
         rope_dims: Some((head_dim as f64 * factor) as i32),
         tie: Some(false),
         sinks: false,

@@ -1,6 +1,9 @@
 //! Architectures, one file per Hugging Face `model_type`, and the one registry that maps a config
 //! to an implementation.
 pub mod arch;
+pub mod deepseek_v3;
+pub mod deepseek_v32;
+pub mod glm_moe_dsa;
 pub mod gemma3_text;
 pub mod gemma4_text;
 pub mod glm4_moe;
@@ -109,6 +112,11 @@ pub trait CausalLm: Send {
         arch::make_cache(&self.shape().layers, opts)
     }
     fn shape(&self) -> &ModelShape;
+    /// Whether the engine may decode a batch over the stacked KV ([`crate::cache::BatchKv`]) of
+    /// this model's full caches (deepseek_v32's indexer may not: see there).
+    fn stackable(&self) -> bool {
+        true
+    }
 }
 
 /// When a forward pass evaluates between decoder layers ([`CausalLm::forward_staged`]).
@@ -180,6 +188,9 @@ pub static ARCHS: &[Arch] = &[
     mixtral::ARCH,
     glm4_moe::ARCH,
     gpt_oss::ARCH,
+    deepseek_v3::ARCH,
+    deepseek_v32::ARCH,
+    glm_moe_dsa::ARCH,
 ];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
