@@ -212,3 +212,43 @@ def test_session_arguments_are_checked(tmp_path):
         mlxrs.Session(_model("llama"), adapters={"x:y": a})
     with pytest.raises(mlxrs.MlxrsError, match="no such directory"):
         mlxrs.Session(_model("llama"), adapter=tmp_path / "nowhere")
+
+
+def test_server_serves_two_adapters_by_model_name(oracle):
+    """`serve --adapter a=PATH --adapter b=PATH`: /v1/models lists MODEL:a and MODEL:b; concurrent
+    completions naming MODEL:a, b (a bare adapter name) and the base model each decode with their
+    own adapter (mlx-lm's tokens with that adapter, up to the first EOS the server stops at)."""
+    from server_util import Server
+
+    model = _model("llama")
+    a = _adapter("multi-a", "llama", kind="lora", rank=4, seed=1)
+    b = _adapter("multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"],
+                 seed=2)
+    with mlxrs.Session(model) as plain:
+        ids = plain.tokenize(TEXT)
+        eos = set(json.loads((model / "config.json").read_text()).get("eos_token_id") or [])
+        eos = eos if isinstance(eos, set) else {eos}
+
+        def expected(adapter: Path | None) -> str:
+            toks = _ref(oracle, model, ids, adapter)["tokens"]
+            cut = next((i for i, t in enumerate(toks) if t in eos), len(toks))
+            return plain.detokenize(toks[:cut])
+
+        want = {"a": expected(a), "b": expected(b), None: expected(None)}
+    assert len(set(want.values())) == 3, "the adapters do not change the text: the test proves nothing"
+    with Server(model, "--adapter", f"a={a}", "--adapter", f"b={b}") as srv:
+        st, listed = srv.get("/v1/models")
+        assert st == 200
+        names = [m["id"] for m in listed["data"]]
+        mid = names[0]
+        assert f"{mid}:a" in names and f"{mid}:b" in names, names
+        asks = [(f"{mid}:a", "a"), ("b", "b"), (mid, None), (f"{mid}:b", "b"), ("a", "a")]
+
+        def ask(p):
+            return srv.post("/v1/completions", {"model": p[0], "prompt": ids, "max_tokens": N_TOKENS,
+                                                "temperature": 0})
+        with ThreadPoolExecutor(len(asks)) as pool:
+            replies = list(pool.map(ask, asks))
+        for (name, ad), (st, body) in zip(asks, replies):
+            assert st == 200, body
+            assert body["choices"][0]["text"] == want[ad], f"model {name!r}: text differs from mlx-lm's with {ad}"
