@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mlxrs
+from mlxrs.errors import InvalidArgumentError, ModelLoadError
 from tinymodels import ROOT, make_model
 
 N_TOKENS = 48
@@ -53,7 +54,7 @@ def write_adapter(d: Path, arch: str, *, kind: str = "lora", num_layers: int = 2
             name = f"model.layers.{i}.{k}"
             out, inp = shapes[name]
             w[f"{name}.lora_a"] = rng.uniform(-1, 1, (inp, rank)).astype(np.float32) / np.sqrt(inp)
-            w[f"{name}.lora_b"] = rng.normal(0, 0.05, (rank, out)).astype(np.float32)
+            w[f"{name}.lora_b"] = rng.normal(0, 0.3, (rank, out)).astype(np.float32)
             if kind == "dora":
                 norm = np.linalg.norm(np.array(base[f"{name}.weight"]), axis=1)
                 w[f"{name}.m"] = (norm * (1 + 0.2 * rng.standard_normal(out))).astype(np.float32)
@@ -86,7 +87,8 @@ def _check_one(oracle, model: Path, adapter: Path) -> None:
         logits = np.array(s.logits(ids), dtype=np.float32)
     ref = _ref(oracle, model, ids, adapter)
     base = _ref(oracle, model, ids, None)
-    assert ref["tokens"] != base["tokens"], "the test adapter does not change mlx-lm's tokens: it proves nothing"
+    moved = float(np.max(np.abs(np.array(ref["logits"]) - np.array(base["logits"]))))
+    assert moved > 100 * TOL, f"the test adapter moves mlx-lm's logits by only {moved}: it proves nothing"
     diff = float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32))))
     assert diff <= TOL, f"last-token logits differ from mlx-lm's with the adapter by {diff}"
     assert ours.tokens == ref["tokens"], f"greedy tokens differ:\n ours {ours.tokens}\n ref  {ref['tokens']}"
@@ -104,11 +106,14 @@ def test_one_adapter_4bit_base_unfused(oracle, kind):
     _check_one(oracle, _model("llama", 4), _adapter(kind, "llama", kind=kind))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_two_adapters_in_one_batch(oracle, arch):
+@pytest.mark.parametrize("bits", [None, 4])
+def test_two_adapters_in_one_batch(oracle, bits):
     """Two adapters (a LoRA and a DoRA of different ranks and layers) and the base, requested
-    concurrently of one Session: each row decodes with its own adapter's update."""
-    model = _model(arch)
+    concurrently of one Session (float32 and 4-bit bases): each row decodes with its own adapter's
+    update. (llama: the tiny qwen3 model's greedy tokens are one token repeated, whatever the
+    adapter; its adapters are checked by their logits above.)"""
+    arch = "llama"
+    model = _model(arch, bits)
     a = _adapter("multi-a", arch, kind="lora", rank=4, seed=1)
     b = _adapter("multi-b", arch, kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"], seed=2)
     with mlxrs.Session(model, adapters={"a": a, "b": b}) as s:
@@ -117,7 +122,7 @@ def test_two_adapters_in_one_batch(oracle, arch):
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(pool.map(lambda p: s.generate(p[0], max_tokens=N_TOKENS, ignore_eos=True,
                                                       temperature=0.0, adapter=p[1]).tokens, prompts))
-        steps = s.info()["stats"]
+        steps = s.info["decode_steps"]
     paths = {"a": a, "b": b, None: None}
     refs = {}
     for (p, name), got in zip(prompts, outs):
@@ -126,20 +131,21 @@ def test_two_adapters_in_one_batch(oracle, arch):
             refs[key] = _ref(oracle, model, p, paths[name])["tokens"]
         assert got == refs[key], f"adapter {name}, {len(p)}-token prompt: tokens differ from mlx-lm's"
     assert refs[(len(ids), "a")] != refs[(len(ids), "b")] != refs[(len(ids), None)], "adapters do not differ"
-    assert steps, "no statistics"
+    # decoded together: one at a time would take 5 × 48 steps
+    assert steps <= 3 * N_TOKENS, f"{steps} decode steps for 5 concurrent requests: they were not batched"
 
 
 def test_unknown_adapter_name_is_refused():
     model = _model("llama")
     a = _adapter("lora", "llama")
     with mlxrs.Session(model, adapters={"a": a, "b": a}) as s:
-        with pytest.raises(mlxrs.MlxrsError, match=r'adapter "c" is not loaded \(loaded: a, b\)'):
+        with pytest.raises(InvalidArgumentError, match=r'adapter "c" is not loaded \(loaded: a, b\)'):
             s.generate("hi", max_tokens=2, adapter="c")
 
 
 def _refused(tmp_path: Path, match: str, **kw) -> None:
     d = write_adapter(tmp_path / "bad", "llama", **kw)
-    with pytest.raises(mlxrs.MlxrsError, match=match):
+    with pytest.raises(ModelLoadError, match=match):
         mlxrs.Session(_model("llama"), adapter=d)
 
 
@@ -176,7 +182,7 @@ def test_module_the_model_lacks_is_refused(tmp_path):
     cfg = json.loads((d / "adapter_config.json").read_text())
     cfg["lora_parameters"]["keys"] = ["self_attn.qkv_proj", "self_attn.v_proj", "mlp.down_proj"]
     (d / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(mlxrs.MlxrsError, match=r"tensor model\.layers\.\d\.self_attn\.qkv_proj\.lora_a: the model has no linear"):
+    with pytest.raises(ModelLoadError, match=r"tensor model\.layers\.\d\.self_attn\.qkv_proj\.lora_a: the model has no linear"):
         mlxrs.Session(_model("llama"), adapter=d)
 
 
@@ -206,11 +212,11 @@ def test_m_on_a_lora_adapter_is_refused(tmp_path):
 
 def test_session_arguments_are_checked(tmp_path):
     a = _adapter("lora", "llama")
-    with pytest.raises(mlxrs.InvalidArgumentError, match="not both"):
+    with pytest.raises(InvalidArgumentError, match="not both"):
         mlxrs.Session(_model("llama"), adapter=a, adapters={"x": a})
-    with pytest.raises(mlxrs.InvalidArgumentError, match="without ':'"):
+    with pytest.raises(InvalidArgumentError, match="without ':'"):
         mlxrs.Session(_model("llama"), adapters={"x:y": a})
-    with pytest.raises(mlxrs.MlxrsError, match="no such directory"):
+    with pytest.raises(ModelLoadError, match="no such directory"):
         mlxrs.Session(_model("llama"), adapter=tmp_path / "nowhere")
 
 
