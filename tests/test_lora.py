@@ -258,3 +258,19 @@ def test_server_serves_two_adapters_by_model_name(oracle):
         for (name, ad), (st, body) in zip(asks, replies):
             assert st == 200, body
             assert body["choices"][0]["text"] == want[ad], f"model {name!r}: text differs from mlx-lm's with {ad}"
+
+
+def test_fit_counts_the_adapter_tensors():
+    """`fit --adapter` / `serve --adapter` plan the adapters' tensors as weights: the plan's
+    weightsBytes grows by exactly their bytes (numpy's count of what the file holds)."""
+    import mlx.core as mx
+    from mlxrs import fit
+
+    model = _model("llama")
+    a = _adapter("multi-a", "llama", kind="lora", rank=4, seed=1)
+    b = _adapter("multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"],
+                 seed=2)
+    tensor_bytes = sum(np.array(v).nbytes for d in (a, b) for v in mx.load(str(d / "adapters.safetensors")).values())
+    base = fit.plan(model, 1024)
+    with_adapters = fit.plan(model, 1024, adapters=[a, b])
+    assert with_adapters["weightsBytes"] - base["weightsBytes"] == tensor_bytes
