@@ -252,7 +252,7 @@ class Session:
         kv_budget_bytes: int | None = None,
         stream_experts: bool = False,
         expert_cache_bytes: int | None = None,
-        adapters: Sequence[tuple[str, str | os.PathLike[str]]] = (),
+        adapters: Sequence[tuple[str, str | os.PathLike[str]]] = ...,
     ) -> Session:
         """`adapters`: (name, directory) of LoRA/DoRA adapters in mlx-lm's format (crates/mlxrs-core/src/lora.rs)."""
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
