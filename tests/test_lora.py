@@ -135,6 +135,25 @@ def test_two_adapters_in_one_batch(oracle, bits):
     assert steps <= 3 * N_TOKENS, f"{steps} decode steps for 5 concurrent requests: they were not batched"
 
 
+def test_adapter_requests_do_not_reuse_the_base_prefix_cache(oracle):
+    """The prompt-prefix cache holds the base model's KV: a request with an (unfused) adapter after
+    a base request of the same prompt must not reuse it (it would decode the base's KV), nor may a
+    base request reuse an adapter's."""
+    model = _model("llama")
+    a = _adapter("multi-a", "llama", kind="lora", rank=4, seed=1)
+    b = _adapter("multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"],
+                 seed=2)
+    with mlxrs.Session(model, adapters={"a": a, "b": b}) as s:
+        ids = s.tokenize(TEXT)
+        runs = [(name, s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0, adapter=name).tokens)
+                for name in (None, "a", None, "b")]
+        hits = s.info["prompt_cache"]["hits"]
+    assert hits >= 1, "the base requests did not use the prefix cache: the test proves nothing"
+    paths = {"a": a, "b": b, None: None}
+    for name, got in runs:
+        assert got == _ref(oracle, model, ids, paths[name])["tokens"], f"adapter {name}: tokens differ from mlx-lm's"
+
+
 def test_unknown_adapter_name_is_refused():
     model = _model("llama")
     a = _adapter("lora", "llama")
