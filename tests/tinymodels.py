@@ -245,6 +245,9 @@ def _gemma4_weights(cfg: dict[str, Any], rnd: Any) -> dict[str, Any]:
                 w[f"{p}.{k}.weight"] = norm(h)
     if not cfg.get("tie_word_embeddings", True):
         w["lm_head.weight"] = rnd((v, h), h ** -0.5)
+    return w
+
+
 def _qwen3_next_weights(arch: str, cfg: dict[str, Any], rnd: Any) -> dict[str, Any]:
     """Qwen3-Next / Qwen3.5 in the Hugging Face layout: conv1d weights [C, 1, K], the decoder's
     RMSNorms stored as offsets from one (the loaders fold them), per-expert MoE tensors."""
