@@ -440,3 +440,29 @@ impl LoraLinear {
         self.plus_bias(y)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_and_key_of_a_module_name() {
+        assert_eq!(split_layer("model.layers.3.self_attn.q_proj"), Some((3, "self_attn.q_proj")));
+        assert_eq!(split_layer("model.language_model.layers.12.mlp.down_proj"), Some((12, "mlp.down_proj")));
+        // "layers." must start a path component and be followed by an index and a dot
+        assert_eq!(split_layer("model.sublayers.3.x"), None);
+        assert_eq!(split_layer("model.layers.x.q_proj"), None);
+        assert_eq!(split_layer("lm_head"), None);
+        assert_eq!(split_layer("layers.0.q"), Some((0, "q")));
+    }
+
+    #[test]
+    fn row_selection_is_scoped() {
+        with_rows(&[Some(1), None], || {
+            assert_eq!(ROWS.with(|r| r.borrow().clone()), Some(vec![Some(1), None]));
+            with_rows(&[None], || assert_eq!(ROWS.with(|r| r.borrow().clone()), None));
+            assert_eq!(ROWS.with(|r| r.borrow().clone()), Some(vec![Some(1), None]));
+        });
+        assert_eq!(ROWS.with(|r| r.borrow().clone()), None);
+    }
+}
