@@ -247,6 +247,9 @@ impl Registry {
     /// The linear `prefix` `[out, inp]` with the adapters' updates: fused into a dense base when
     /// [`Registry::fuse`], else beside it. `base` is returned as it is when no adapter names it.
     pub fn apply(&self, prefix: &str, base: Linear, out: i32, inp: i32) -> Result<Linear> {
+        // adapter names are read without a multimodal wrapper's `language_model.` (as mlx-lm's text
+        // model names its parameters): the model's linear likewise
+        let prefix = prefix.strip_prefix("language_model.").unwrap_or(prefix);
         if !self.wants(prefix) {
             return Ok(base);
         }
