@@ -293,3 +293,27 @@ def test_fit_counts_the_adapter_tensors():
     base = fit.plan(model, 1024)
     with_adapters = fit.plan(model, 1024, adapters=[a, b])
     assert with_adapters["weightsBytes"] - base["weightsBytes"] == tensor_bytes
+
+
+def test_server_strict_names_and_bad_adapter(tmp_path):
+    """With --strict-model-names, MODEL:UNKNOWN is a 404 naming the loaded adapters while MODEL:a is
+    served; a bad adapter stops serve at load with the tensor named."""
+    from server_util import Server
+
+    model = _model("llama")
+    a = _adapter("multi-a", "llama", kind="lora", rank=4, seed=1)
+    b = _adapter("multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"],
+                 seed=2)
+    with Server(model, "--adapter", f"a={a}", "--adapter", f"b={b}", "--strict-model-names") as srv:
+        mid = srv.get("/v1/models")[1]["data"][0]["id"]
+        st, body = srv.post("/v1/completions", {"model": f"{mid}:zzz", "prompt": "hi", "max_tokens": 2})
+        assert st == 404 and "a, b" in body["error"]["message"], body
+        st, body = srv.post("/v1/completions", {"model": f"{mid}:a", "prompt": "hi", "max_tokens": 2})
+        assert st == 200, body
+
+    def bad(w):
+        w["model.layers.3.self_attn.v_proj.lora_b"] = w["model.layers.3.self_attn.v_proj.lora_b"][:, :-1]
+        return w
+    d = write_adapter(tmp_path / "bad", "llama", tensors=bad)
+    with pytest.raises(AssertionError, match=r"model\.layers\.3\.self_attn\.v_proj\.lora_b has shape"):
+        Server(model, "--adapter", str(d))

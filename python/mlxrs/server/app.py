@@ -130,7 +130,9 @@ class ServerState:
         if not isinstance(name, str):
             raise ApiError(400, f"{param}: expected a string", param=param)
         if self.strict_names and name.lower() not in self.aliases:
-            raise ApiError(404, f"The model `{name}` does not exist: this server serves `{self.model_id}`",
+            with_adapters = f" (with its adapters {', '.join(self.adapters)}: " \
+                f"{', '.join(f'`{i}`' for i in self.adapter_ids)})" if self.adapters else ""
+            raise ApiError(404, f"The model `{name}` does not exist: this server serves `{self.model_id}`{with_adapters}",
                            param=param, code="model_not_found")
 
     def adapter_of(self, name: Any) -> str | None:
