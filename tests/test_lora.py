@@ -106,12 +106,15 @@ def test_one_adapter_4bit_base_unfused(oracle, kind):
     _check_one(oracle, _model("llama", 4), _adapter(kind, "llama", kind=kind))
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["per-row-kv", "stacked-kv"])
 @pytest.mark.parametrize("bits", [None, 4])
-def test_two_adapters_in_one_batch(oracle, bits):
+def test_two_adapters_in_one_batch(oracle, bits, stack, monkeypatch):
     """Two adapters (a LoRA and a DoRA of different ranks and layers) and the base, requested
     concurrently of one Session (float32 and 4-bit bases): each row decodes with its own adapter's
     update. (llama: the tiny qwen3 model's greedy tokens are one token repeated, whatever the
-    adapter; its adapters are checked by their logits above.)"""
+    adapter; its adapters are checked by their logits above.) Over per-row KV caches and over the
+    stacked KV (MLXRS_BATCH_KV=1, the GPU default), whose rows are slots with holes."""
+    monkeypatch.setenv("MLXRS_BATCH_KV", "1" if stack else "0")
     arch = "llama"
     model = _model(arch, bits)
     a = _adapter("multi-a", arch, kind="lora", rank=4, seed=1)
@@ -133,6 +136,7 @@ def test_two_adapters_in_one_batch(oracle, bits):
     assert refs[(len(ids), "a")] != refs[(len(ids), "b")] != refs[(len(ids), None)], "adapters do not differ"
     # decoded together: one at a time would take 5 × 48 steps
     assert steps <= 3 * N_TOKENS, f"{steps} decode steps for 5 concurrent requests: they were not batched"
+    assert (stacked > 0) == stack, f"{stacked} stacked decode steps"
 
 
 def test_adapter_requests_do_not_reuse_the_base_prefix_cache(oracle):
