@@ -126,6 +126,7 @@ def test_two_adapters_in_one_batch(oracle, bits, stack, monkeypatch):
             outs = list(pool.map(lambda p: s.generate(p[0], max_tokens=N_TOKENS, ignore_eos=True,
                                                       temperature=0.0, adapter=p[1]).tokens, prompts))
         steps = s.info["decode_steps"]
+        stacked = s.info["stacked_decode_steps"]
     paths = {"a": a, "b": b, None: None}
     refs = {}
     for (p, name), got in zip(prompts, outs):
