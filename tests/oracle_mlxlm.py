@@ -2,7 +2,7 @@
 through LD_PRELOAD). Reads a JSON job on stdin, writes JSON results on stdout.
 
 Job: {"model": dir, "prompt": [ids], "max_tokens": n, "kv_bits": b|null, "max_kv_size": n|null,
-      "prefill_step_size": n}
+      "prefill_step_size": n, "adapter_path": dir|null (a LoRA/DoRA adapter, mlx-lm's load_adapters)}
 Out: {"tokens": [ids] (greedy), "logits": [last-position logits, float32]}
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 def main() -> None:
     job = json.load(sys.stdin)
-    model, _tok = load(job["model"])
+    model, _tok = load(job["model"], adapter_path=job.get("adapter_path"))
     prompt = mx.array(job["prompt"], dtype=mx.int32)
     step = job.get("prefill_step_size", 2048)
     kv_bits = job.get("kv_bits")

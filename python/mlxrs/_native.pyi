@@ -138,6 +138,7 @@ def plan(
     backend: str | None = None,
     stream_experts: bool = False,
     expert_cache_bytes: int | None = None,
+    adapter_bytes: int = 0,
 ) -> str:
     """The MemoryPlan (schemaVersion 1) as JSON for the model in `model_dir` (config.json and
     safetensors headers only) at `context_tokens` (None: the model's maximum). `budget` is a
@@ -145,7 +146,8 @@ def plan(
     `device_bytes` overrides the device memory and `backend` ("cpu", "cuda", "metal"; None: this
     machine's) the backend, which decides whether attention is fused (Metal; CUDA with 16-bit
     activations; never on the CPU) and how many decoder layers' prefill activations are alive at
-    once (three on a GPU, one on the CPU). `fused_attention` overrides the first."""
+    once (three on a GPU, one on the CPU). `fused_attention` overrides the first. `adapter_bytes`:
+    LoRA adapters' tensor bytes, counted as weights."""
 
 def device_memory() -> tuple[int, str]:
     """(bytes, source) of the memory the default budget is a fraction of; source is "mlx-gpu",
@@ -250,7 +252,9 @@ class Session:
         kv_budget_bytes: int | None = None,
         stream_experts: bool = False,
         expert_cache_bytes: int | None = None,
-    ) -> Session: ...
+        adapters: Sequence[tuple[str, str | os.PathLike[str]]] = ...,
+    ) -> Session:
+        """`adapters`: (name, directory) of LoRA/DoRA adapters in mlx-lm's format (crates/mlxrs-core/src/lora.rs)."""
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
     def apply_chat_template(

@@ -108,6 +108,10 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     sp.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
                     help="the streamed experts' cache, e.g. 4G; implies --stream-experts (default: what the "
                          "memory plan leaves)")
+    sp.add_argument("--adapter", action="append", default=[], metavar="[NAME=]PATH",
+                    help="a LoRA/DoRA adapter directory in mlx-lm's format (repeatable). One is fused into the "
+                         "weights and serves every request; several are kept beside the base and a request picks one "
+                         "by its model name, MODEL:NAME or NAME (any other name: the base model)")
     sp.add_argument("--max-concurrency", type=int, default=32,
                     help="generations decoded together in one batch at most (default 32)")
     sp.add_argument("--max-queue", type=int, default=64,
@@ -215,9 +219,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         plans = fit.sku_plans(path, args.ctx, args.kv_quant, args.memory_budget)
         print(json.dumps(plans, indent=2) if args.json else fit.describe_skus(label, plans))
         return 0
+    from mlxrs.server import adapter_args
+
     p = fit.plan(path, args.ctx, args.kv_quant, args.memory_budget,
                  stream_experts=args.stream_experts or args.expert_cache_bytes is not None,
-                 expert_cache_bytes=args.expert_cache_bytes)
+                 expert_cache_bytes=args.expert_cache_bytes, adapters=list(adapter_args(args.adapter).values()))
     print(json.dumps(p, indent=2) if args.json else fit.describe(path, label, p, args.kv_quant, args.memory_budget))
     return 0
 
@@ -252,6 +258,8 @@ def _add_registry(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
     ft.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
                     help="the streamed experts' cache to plan, implies --stream-experts (default: what the "
                          "budget leaves)")
+    ft.add_argument("--adapter", action="append", default=[], metavar="[NAME=]PATH",
+                    help="a LoRA adapter directory to be served with the model (repeatable): its tensors count as weights")
     ft.add_argument("--skus", action="store_true",
                     help="evaluate the Apple Silicon lineup and common NVIDIA GPUs instead of this machine")
     ft.add_argument("--json", action="store_true", help="print the MemoryPlan (schemaVersion 1) as JSON")

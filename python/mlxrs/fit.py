@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from . import _native
 from .registry import human_bytes, table
@@ -110,12 +110,29 @@ def _budget_is_bytes(budget: str | None) -> bool:
 def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
          budget: str | None = None, device_bytes: int | None = None,
          fused_attention: bool | None = None, backend: str | None = None, stream_experts: bool = False,
-         expert_cache_bytes: int | None = None) -> dict[str, Any]:
+         expert_cache_bytes: int | None = None,
+         adapters: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
     """The MemoryPlan (schemaVersion 1) for a model directory or .gguf file. A mixture-of-experts
-    model that does not fit, or `stream_experts`, gets the `streamed-experts` strategy."""
+    model that does not fit, or `stream_experts`, gets the `streamed-experts` strategy. `adapters`:
+    LoRA adapter directories served with it; their tensors count as weights."""
     return dict(json.loads(_native.plan(str(model), ctx, kv_bits, budget, device_bytes=device_bytes,
                                         fused_attention=fused_attention, backend=backend,
-                                        stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes)))
+                                        stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes,
+                                        adapter_bytes=adapter_bytes(adapters))))
+
+
+def adapter_bytes(adapters: Sequence[str | os.PathLike[str]]) -> int:
+    """Bytes of the tensors of LoRA adapter directories (their adapters.safetensors, header aside:
+    what loading them keeps resident). A fused adapter replaces base weights: counted anyway, the
+    safe side."""
+    total = 0
+    for d in adapters:
+        f = os.path.join(os.fspath(d), "adapters.safetensors")
+        if os.path.isfile(f):
+            with open(f, "rb") as fh:
+                header = int.from_bytes(fh.read(8), "little")
+            total += max(0, os.path.getsize(f) - 8 - header)
+    return total
 
 
 def sku_plans(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,

@@ -26,6 +26,8 @@ _SAMPLING_KEYS = {
     # constrained decoding (at most one): the output follows a JSON schema, is any JSON object,
     # matches a regex, or a Lark grammar (llguidance's syntax)
     "json_schema", "json_object", "regex", "grammar",
+    # the LoRA adapter (its name) of a Session loaded with adapters
+    "adapter",
 }
 
 
@@ -179,6 +181,9 @@ def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, 
                 v = json.loads(json.dumps(v, allow_nan=False))
             except (TypeError, ValueError) as e:
                 raise InvalidArgumentError(f"json_schema is not JSON: {e}") from None
+        elif k == "adapter":
+            if not isinstance(v, str):
+                raise TypeError(f"adapter must be a str (an adapter's name), not {type(v).__name__}")
         elif k in ("regex", "grammar"):
             if not isinstance(v, str):
                 raise TypeError(f"{k} must be a str, not {type(v).__name__}")
@@ -213,6 +218,30 @@ def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, 
     return out
 
 
+def _adapter_specs(adapter: str | os.PathLike[str] | None,
+                   adapters: Mapping[str, str | os.PathLike[str]] | None) -> dict[str, str]:
+    """`{name: directory}` of Session's `adapter` (named after its directory) or `adapters`."""
+    if adapter is not None and adapters is not None:
+        raise InvalidArgumentError("pass adapter=PATH or adapters={name: PATH}, not both")
+    if adapter is not None:
+        if not isinstance(adapter, (str, os.PathLike)):
+            raise TypeError(f"adapter must be a path, not {type(adapter).__name__}")
+        path = os.fspath(adapter)
+        return {os.path.basename(os.path.normpath(path)) or "adapter": path}
+    if adapters is None:
+        return {}
+    if not isinstance(adapters, Mapping) or not adapters:
+        raise TypeError("adapters must be a non-empty mapping of name to adapter directory")
+    out = {}
+    for name, path in adapters.items():
+        if not isinstance(name, str) or not name or ":" in name:
+            raise InvalidArgumentError(f"adapter name {name!r} must be a non-empty str without ':'")
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"adapters[{name!r}] must be a path, not {type(path).__name__}")
+        out[name] = os.fspath(path)
+    return out
+
+
 def _params(kwargs: Mapping[str, Any], vocab: int | None = None) -> str:
     """The engine's JSON options, validated (see _validate)."""
     return json.dumps(_validate(kwargs, vocab))
@@ -234,6 +263,11 @@ class Session:
     the routed ones per step into an expert cache of `expert_cache_bytes` (default: a quarter of the
     expert bytes); `info["experts"]` has its counters (docs/design/paged-experts.md).
 
+    `adapter`: a LoRA/DoRA adapter directory in mlx-lm's format (`adapter_config.json` +
+    `adapters.safetensors`), fused into the weights at load (kept beside a quantized base) and
+    applied to every request. `adapters`: several, `{"name": path}`, kept beside the base; a
+    request picks one with `adapter="name"` (none: the base model). docs/python-api.md#adapters.
+
     `chat_template`: a Jinja chat template (its source, the path of a file holding it, or the name
     of one mlxrs ships: `"chatml"`, `"gemma"`) used instead of the model's own by
     `apply_chat_template`, `chat` and `encode_prompt`.
@@ -254,6 +288,8 @@ class Session:
         chat_template: str | os.PathLike[str] | None = None,
         stream_experts: bool = False,
         expert_cache_bytes: int | None = None,
+        adapter: str | os.PathLike[str] | None = None,
+        adapters: Mapping[str, str | os.PathLike[str]] | None = None,
     ) -> None:
         from .models import DEFAULT_MODEL_NAME, resolve_model
 
@@ -266,6 +302,8 @@ class Session:
             if not stream_experts:
                 raise ValueError("expert_cache_bytes is the streamed experts' cache: pass stream_experts=True with it")
 
+        self.adapters = _adapter_specs(adapter, adapters)
+
         if model is None:
             print(f"mlxrs: no model given; using the embedded default, {DEFAULT_MODEL_NAME}", file=sys.stderr)
         self.model_path = os.fspath(resolve_model(model))
@@ -274,6 +312,7 @@ class Session:
             prefill_step_size=prefill_step_size, kv_group_size=kv_group_size,
             max_concurrency=max_concurrency, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes,
             kv_budget_bytes=kv_budget_bytes, stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes,
+            adapters=list(self.adapters.items()),
         )
         info = self._s.info()
         self._vocab = int(info["vocab_size"])

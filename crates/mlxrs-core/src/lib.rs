@@ -24,3 +24,4 @@ pub mod plan;
 pub mod download;
 pub mod native_pack;
 pub mod vision;
+pub mod lora;

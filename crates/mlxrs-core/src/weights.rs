@@ -25,6 +25,8 @@ pub struct Weights {
     locations: HashMap<String, TensorLoc>,
     /// Set by [`Weights::stream_experts`]: MoE layers leave their experts in the files.
     streaming: Option<Arc<Streaming>>,
+    /// LoRA/DoRA adapters the linears load with (`crate::lora`).
+    lora: Option<Arc<crate::lora::Registry>>,
 }
 
 fn parse_spec(v: &Value, fallback: Option<QuantSpec>) -> Option<QuantSpec> {
@@ -151,13 +153,22 @@ impl Weights {
                 }
             }
         }
-        Weights { map, default_q, per_layer, locations: HashMap::new(), streaming: None }
+        Weights { map, default_q, per_layer, locations: HashMap::new(), streaming: None, lora: None }
     }
 
     /// Open the weights for streaming: MoE layers built from them leave their experts in the
     /// files, read on demand into `ctx`'s cache (`models::experts`).
     pub fn stream_experts(&mut self, ctx: Arc<Streaming>) {
         self.streaming = Some(ctx);
+    }
+
+    /// Load the linears with these adapters ([`crate::lora::Registry::apply`]).
+    pub fn set_lora(&mut self, reg: Arc<crate::lora::Registry>) {
+        self.lora = Some(reg);
+    }
+
+    pub fn lora(&self) -> Option<&Arc<crate::lora::Registry>> {
+        self.lora.as_ref()
     }
 
     pub fn streaming(&self) -> Option<Arc<Streaming>> {

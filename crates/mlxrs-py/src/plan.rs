@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 #[pyfunction]
 #[pyo3(signature = (model_dir, context_tokens=None, kv_bits=None, budget=None, kv_group_size=64,
                     prefill_step_size=2048, device_bytes=None, fused_attention=None, backend=None,
-                    stream_experts=false, expert_cache_bytes=None))]
+                    stream_experts=false, expert_cache_bytes=None, adapter_bytes=0))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     py: Python<'_>,
@@ -32,6 +32,7 @@ pub fn plan(
     backend: Option<&str>,
     stream_experts: bool,
     expert_cache_bytes: Option<u64>,
+    adapter_bytes: u64,
 ) -> PyResult<String> {
     if let Some(b) = kv_bits {
         if ![2, 3, 4, 6, 8].contains(&b) {
@@ -43,7 +44,9 @@ pub fn plan(
     }
     let budget = budget.map(Budget::parse).transpose().py(py)?.unwrap_or(Budget::Default);
     let backend = backend.map(Backend::parse).transpose().py(py)?;
-    let facts = crate::native(py, || ModelFacts::from_path(&model_dir))?;
+    let mut facts = crate::native(py, || ModelFacts::from_path(&model_dir))?;
+    // LoRA adapters' tensors: resident beside the weights (`mlxrs_core::lora`)
+    facts.weights_bytes += adapter_bytes;
     let dev_bytes = match device_bytes {
         Some(b) => b,
         None => py.allow_threads(core_plan::device_memory).bytes,

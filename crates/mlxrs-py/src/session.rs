@@ -131,6 +131,11 @@ pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, 
         logprobs: params.get("logprobs").and_then(Value::as_bool).unwrap_or(false),
         top_logprobs: i("top_logprobs").unwrap_or(0).max(0) as usize,
         images: Vec::new(),
+        adapter: match params.get("adapter") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(a)) => Some(a.clone()),
+            Some(_) => return Err(Error::Invalid("adapter must be a string (an adapter's name)".into())),
+        },
     })
 }
 
@@ -139,7 +144,7 @@ impl Session {
     #[new]
     #[pyo3(signature = (model_dir, kv_bits=None, max_kv_size=None, prefill_step_size=2048, kv_group_size=64,
                         max_concurrency=None, max_queue=None, prompt_cache_bytes=None, kv_budget_bytes=None,
-                        stream_experts=false, expert_cache_bytes=None))]
+                        stream_experts=false, expert_cache_bytes=None, adapters=Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -154,6 +159,7 @@ impl Session {
         kv_budget_bytes: Option<usize>,
         stream_experts: bool,
         expert_cache_bytes: Option<usize>,
+        adapters: Vec<(String, std::path::PathBuf)>,
     ) -> PyResult<Session> {
         let d = LoadOptions::default();
         let opts = LoadOptions {
@@ -168,6 +174,7 @@ impl Session {
             stacked_kv: None,
             stream_experts,
             expert_cache_bytes,
+            adapters,
         };
         let engine = crate::native(py, || Engine::load(&model_dir, opts))?;
         Ok(Session { engine: Arc::new(engine), closed: false })

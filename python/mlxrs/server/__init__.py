@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
 def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> Any:
     """Load MODEL (args.model) under its memory plan: the ServerState the app serves (raises MlxrsError)."""
     from .. import _native
+    from ..fit import adapter_bytes
     from ..models import resolve_model
     from ..session import Session
     from .app import ServerState
@@ -183,8 +184,11 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     # is reported before any weight is loaded
     stream = bool(getattr(args, "stream_experts", False))
     expert_cache = getattr(args, "expert_cache_bytes", None)
+    adapters = adapter_args(getattr(args, "adapter", None) or [])
+    # the adapters' tensors are resident beside the weights: the plan counts them (fit.adapter_bytes)
     plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget,
-                                   stream_experts=stream or expert_cache is not None, expert_cache_bytes=expert_cache))
+                                   stream_experts=stream or expert_cache is not None, expert_cache_bytes=expert_cache,
+                                   adapter_bytes=adapter_bytes(list(adapters.values()))))
     # a MoE model whose weights exceed the budget is planned (and served) with its experts
     # streamed from the files into an expert cache of the plan's size
     streamed = plan["strategy"] == "streamed-experts"
@@ -197,7 +201,7 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
                       max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget,
                       stream_experts=streamed, expert_cache_bytes=int(plan["expertCacheBytes"]) if streamed else None,
-                      chat_template=_chat_template(args.chat_template))
+                      chat_template=_chat_template(args.chat_template), adapters=adapters or None)
     dev_bytes, dev_source = _native.device_memory()
     budget_source = (f"--memory-budget {args.memory_budget}" if args.memory_budget is not None
                      else f"0.75 × device memory ({dev_bytes} bytes, {dev_source})")
@@ -209,6 +213,22 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
                        cors_origins=args.cors_origin, shutdown_timeout=args.shutdown_timeout,
                        listed_aliases=args.alias, strict_names=args.strict_model_names,
                        default_max_tokens=args.max_tokens, media_policy=_media_policy(args))
+
+
+def adapter_args(values: list[str]) -> dict[str, str]:
+    """`--adapter PATH` / `--adapter NAME=PATH` (repeatable) as `{name: path}`; an unnamed adapter
+    is named after its directory. Raises InvalidArgumentError on a repeated name."""
+    from ..errors import InvalidArgumentError
+
+    out: dict[str, str] = {}
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or not name or os.path.sep in name:
+            name, path = os.path.basename(os.path.normpath(v)) or "adapter", v
+        if name in out:
+            raise InvalidArgumentError(f"--adapter: two adapters are named {name!r} (name them: --adapter NAME=PATH)")
+        out[name] = path
+    return out
 
 
 def _media_policy(args: Any) -> Any:

@@ -266,6 +266,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     rendered, ids, names = await _prepare(state, body, images)
     loaded = await state.load_images(images)
     s = common_sampling(body, temperature_max=1.0, defaults=state.gen_defaults, vocab=state.vocab)
+    s.set("adapter", state.adapter_of(body.get("model")))
     choice = body.get("tool_choice")
     forced = {}
     if names and isinstance(choice, dict) and choice.get("type") in ("any", "tool"):

@@ -77,6 +77,10 @@ class ServerState:
         self.listed_aliases = list(dict.fromkeys(a for a in listed_aliases if a and a != model_id))
         self.aliases = {a.lower() for a in (*aliases, *self.listed_aliases) if a} | {model_id.lower()}
         self.strict_names = strict_names
+        # LoRA adapters (--adapter): several are picked per request by model name (adapter_of)
+        self.adapters = list(getattr(session, "adapters", {}) or {})
+        self.adapter_ids = [f"{model_id}:{a}" for a in self.adapters]
+        self.aliases |= {a.lower() for a in (*self.adapters, *self.adapter_ids)}
         self.default_max_tokens = default_max_tokens
         self.plan = dict(plan)
         self.kv_bits = kv_bits
@@ -127,8 +131,25 @@ class ServerState:
         if not isinstance(name, str):
             raise ApiError(400, f"{param}: expected a string", param=param)
         if self.strict_names and name.lower() not in self.aliases:
-            raise ApiError(404, f"The model `{name}` does not exist: this server serves `{self.model_id}`",
+            with_adapters = f" (with its adapters {', '.join(self.adapters)}: " \
+                f"{', '.join(f'`{i}`' for i in self.adapter_ids)})" if self.adapters else ""
+            raise ApiError(404, f"The model `{name}` does not exist: this server serves `{self.model_id}`{with_adapters}",
                            param=param, code="model_not_found")
+
+    def adapter_of(self, name: Any) -> str | None:
+        """The adapter a request's model name picks: `MODEL:NAME` or `NAME`; None (the base model,
+        or the one adapter a single-adapter server applies to everything) otherwise."""
+        if len(self.adapters) < 2 or not isinstance(name, str):
+            return None
+        if name in self.adapters:
+            return name
+        base, sep, ad = name.rpartition(":")
+        if sep and ad in self.adapters:
+            return ad
+        if sep and base and self.strict_names:
+            raise ApiError(404, f"The adapter `{ad}` is not loaded: this server has {', '.join(self.adapters)}",
+                           param="model", code="model_not_found")
+        return None
 
     # -- prompts ------------------------------------------------------------------------------
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -593,7 +614,7 @@ def _model_card(state: ServerState, anthropic: bool, name: str | None = None) ->
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     anthropic = "anthropic-version" in request.headers
-    ids = [state.model_id, *state.listed_aliases]
+    ids = [state.model_id, *state.listed_aliases, *state.adapter_ids]
     cards = [_model_card(state, anthropic, i) for i in ids]
     if anthropic:
         return web.json_response({"data": cards, "has_more": False, "first_id": ids[0], "last_id": ids[-1]})
@@ -604,7 +625,7 @@ async def model_one(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
     state.check_model(name)
-    listed = name if name in state.listed_aliases else None
+    listed = name if name in state.listed_aliases or name in state.adapter_ids else None
     return web.json_response(_model_card(state, "anthropic-version" in request.headers, listed))
 
 

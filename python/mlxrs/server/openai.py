@@ -202,6 +202,7 @@ def sampling(state: ServerState, body: dict[str, Any]) -> Sampling:
     s.set("repetition_penalty", opt_number(body, "repetition_penalty", 0.0, 10.0))
     s.set("logit_bias", logit_bias(body.get("logit_bias"), state.vocab))
     s.set("stop", stop_list(body.get("stop"), "stop") or None)
+    s.set("adapter", state.adapter_of(body.get("model")))
     n = opt_int(body, "n", 1)
     if n is not None and n > 1:
         raise bad("n", f"n > 1 is not supported (one choice per request), got {n}")

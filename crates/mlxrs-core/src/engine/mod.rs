@@ -48,6 +48,10 @@ pub struct LoadOptions {
     pub stream_experts: bool,
     /// The expert cache's byte budget when streaming; None: a quarter of the expert bytes.
     pub expert_cache_bytes: Option<usize>,
+    /// LoRA/DoRA adapters (name, directory) in mlx-lm's format (`crate::lora`): one is fused into a
+    /// dense base and applies to every request; several stay beside the base and a request picks
+    /// one by name ([`Request::adapter`]; none: the base model).
+    pub adapters: Vec<(String, PathBuf)>,
 }
 
 /// Defaults for [`LoadOptions::max_concurrency`], [`LoadOptions::max_queue`] and
@@ -84,6 +88,14 @@ impl LoadOptions {
                 return Err(Error::Invalid(format!("max_kv_size must be at least 8 (got {m})")));
             }
         }
+        for (i, (n, _)) in self.adapters.iter().enumerate() {
+            if n.is_empty() || n.contains(':') {
+                return Err(Error::Invalid(format!("adapter name {n:?} must be non-empty and without ':'")));
+            }
+            if self.adapters[..i].iter().any(|(m, _)| m == n) {
+                return Err(Error::Invalid(format!("two adapters are named {n:?}")));
+            }
+        }
         if self.max_concurrency < 1 {
             return Err(Error::Invalid("max_concurrency must be >= 1 (got 0)".into()));
         }
@@ -105,6 +117,7 @@ impl Default for LoadOptions {
             stacked_kv: None,
             stream_experts: false,
             expert_cache_bytes: None,
+            adapters: Vec::new(),
         }
     }
 }
@@ -129,6 +142,9 @@ pub struct Request {
     /// those positions. A request with images bypasses the prompt-prefix cache (its image tokens
     /// are the same ids whatever the image).
     pub images: Vec<Arc<crate::vision::Pixels>>,
+    /// The adapter (its name in [`LoadOptions::adapters`]) this request runs with; None: the one
+    /// adapter when the model was loaded with exactly one, else the base model.
+    pub adapter: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -316,7 +332,14 @@ impl Engine {
                     if let Some(c) = &ctx {
                         weights.stream_experts(c.clone());
                     }
-                    let bytes = weights.nbytes();
+                    let lora = if opts.adapters.is_empty() {
+                        None
+                    } else {
+                        let reg = Arc::new(crate::lora::Registry::load(&opts.adapters, &cfg)?);
+                        weights.set_lora(reg.clone());
+                        Some(reg)
+                    };
+                    let bytes = weights.nbytes() + lora.as_ref().map_or(0, |r| r.nbytes());
                     let tower = crate::vision::load(&cfg, &mut weights, vproc).map_err(|e| match e {
                         Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
                         e => e,
@@ -326,6 +349,9 @@ impl Engine {
                         Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
                         e => e,
                     })?;
+                    if let Some(reg) = &lora {
+                        reg.check_consumed()?;
+                    }
                     // the streamed experts' arrays were dropped unread: not in memory
                     let bytes = match &ctx {
                         Some(c) => {

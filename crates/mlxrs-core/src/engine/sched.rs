@@ -83,6 +83,11 @@ struct Seq {
     first_token_at: Option<Instant>,
     /// The caller went away (its receiver is gone).
     gone: bool,
+    /// Its adapter (index into `LoadOptions::adapters`; `crate::lora`).
+    adapter: Option<usize>,
+    /// Neither reuses a cached prefix nor leaves one: a request with images (its image tokens are
+    /// the same ids whatever the image), or with an unfused adapter (its KV is not the base's).
+    no_prefix: bool,
 }
 
 impl Seq {
@@ -325,13 +330,15 @@ impl<'a> Scheduler<'a> {
                             Some(t.merged_embeddings(self.model, &prompt, &p)?)
                         }
                     };
-                    last_logits(self.model, &prompt, &self.opts, embeds.as_ref())
+                    let ad = [(self.opts.adapters.len() == 1).then_some(0)];
+                    crate::lora::with_rows(&ad, || last_logits(self.model, &prompt, &self.opts, embeds.as_ref()))
                 });
                 let _ = reply.send(r);
             }
             Cmd::Embed { prompt, reply } => {
                 let stream = self.stream.clone();
-                let r = mx::with_stream(&stream, || embedding(self.model, &prompt, &self.opts));
+                let ad = [(self.opts.adapters.len() == 1).then_some(0)];
+                let r = mx::with_stream(&stream, || crate::lora::with_rows(&ad, || embedding(self.model, &prompt, &self.opts)));
                 let _ = reply.send(r);
             }
             Cmd::ImageFeatures { pixels, reply } => {
@@ -348,7 +355,31 @@ impl<'a> Scheduler<'a> {
         }
     }
 
+    /// The adapter a request names (index into the adapters), or the default: the one adapter of
+    /// a model loaded with one, else none.
+    fn adapter_of(&self, req: &Request) -> Result<Option<usize>> {
+        let names = &self.opts.adapters;
+        match &req.adapter {
+            None => Ok((names.len() == 1).then_some(0)),
+            Some(n) => names.iter().position(|(m, _)| m == n).map(Some).ok_or_else(|| {
+                let known: Vec<&str> = names.iter().map(|(m, _)| m.as_str()).collect();
+                Error::Invalid(format!(
+                    "adapter {n:?} is not loaded ({})",
+                    if known.is_empty() { "this model has no adapters".to_string() } else { format!("loaded: {}", known.join(", ")) }
+                ))
+            }),
+        }
+    }
+
+    /// The per-row adapters of a forward pass over `rows` (None: a row without a sequence).
+    fn row_adapters(&self, rows: impl Iterator<Item = Option<usize>>) -> Vec<Option<usize>> {
+        rows.map(|r| r.and_then(|i| self.running[i].adapter)).collect()
+    }
+
     fn make_seq(&mut self, req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>>) -> Result<Seq> {
+        let adapter = self.adapter_of(&req)?;
+        // one adapter fused into the weights is the model itself: its prefixes are as reusable
+        let no_prefix = !req.images.is_empty() || (adapter.is_some() && self.opts.adapters.len() > 1);
         let sampler = Sampler::new(req.sampling.clone(), self.model.shape().vocab_size)?;
         let detok = Detokenizer::new(&req.prompt);
         let stops = StopMatcher::new(req.stop.clone());
@@ -369,6 +400,8 @@ impl<'a> Scheduler<'a> {
             started: Instant::now(),
             first_token_at: None,
             gone: false,
+            adapter,
+            no_prefix,
             req,
             events,
             cancel,
@@ -427,7 +460,7 @@ impl<'a> Scheduler<'a> {
             }
             let mut s = self.waiting.pop_front().expect("front exists");
             // a request with images never reuses a cached prefix (nor leaves one)
-            let hit = if s.req.images.is_empty() { self.prefix.lookup(&s.req.prompt) } else { None };
+            let hit = if !s.no_prefix { self.prefix.lookup(&s.req.prompt) } else { None };
             match hit {
                 Some((cache, n)) => {
                     s.cache = cache;
@@ -467,16 +500,20 @@ impl<'a> Scheduler<'a> {
         }
         if total - s.done > 1 {
             let n = step.min(total - s.done - 1);
-            match &s.embeds {
-                Some(e) => {
-                    let chunk = mx::slice_axis(e, 1, s.done as i32, (s.done + n) as i32)?;
-                    self.model.forward_embeds(&chunk, &mut Caches::one(&mut s.cache), self.staging)?;
+            let (model, staging) = (self.model, self.staging);
+            crate::lora::with_rows(&[s.adapter], || -> Result<()> {
+                match &s.embeds {
+                    Some(e) => {
+                        let chunk = mx::slice_axis(e, 1, s.done as i32, (s.done + n) as i32)?;
+                        model.forward_embeds(&chunk, &mut Caches::one(&mut s.cache), staging)?;
+                    }
+                    None => {
+                        let chunk = Array::from_slice(&s.req.prompt[s.done..s.done + n], &[1, n as i32])?;
+                        model.forward_caches(&chunk, &mut Caches::one(&mut s.cache), staging)?;
+                    }
                 }
-                None => {
-                    let chunk = Array::from_slice(&s.req.prompt[s.done..s.done + n], &[1, n as i32])?;
-                    self.model.forward_caches(&chunk, &mut Caches::one(&mut s.cache), self.staging)?;
-                }
-            }
+                Ok(())
+            })?;
             maybe_quantize(&mut s.cache, &self.opts)?;
             let state: Vec<&Array> = s.cache.iter().flat_map(|c| c.state()).collect();
             mx::eval(&state)?;
@@ -488,7 +525,7 @@ impl<'a> Scheduler<'a> {
         if total - s.done <= 1 {
             // the prompt but its last token is in the cache: snapshot it, then decode
             s.embeds = None;
-            if self.prefix.enabled() && s.done > s.cached && s.req.images.is_empty() {
+            if self.prefix.enabled() && s.done > s.cached && !s.no_prefix {
                 let tokens = s.req.prompt[..s.done].to_vec();
                 self.prefix.insert(tokens, s.cache.clone());
             }
@@ -564,7 +601,9 @@ impl<'a> Scheduler<'a> {
                 (Some((kv, _)), Some(order)) => {
                     self.stats.stacked_steps.fetch_add(1, Ordering::Relaxed);
                     kv.begin_step(order.len())?;
-                    let logits = self.model.forward_caches(&tokens, &mut Caches::stacked(kv), Staging::NONE)?;
+                    let ads: Vec<Option<usize>> = order.iter().map(|o| o.and_then(|i| self.running[i].adapter)).collect();
+                    let model = self.model;
+                    let logits = crate::lora::with_rows(&ads, || model.forward_caches(&tokens, &mut Caches::stacked(kv), Staging::NONE))?;
                     kv.advance();
                     // the decoding rows' logits, in `rows` order
                     let pick: Vec<i32> =
@@ -576,6 +615,7 @@ impl<'a> Scheduler<'a> {
                     }
                 }
                 _ => {
+                    let ads = self.row_adapters(rows.iter().map(|&i| Some(i)));
                     let mut seqs: Vec<&mut [LayerCache]> = Vec::with_capacity(rows.len());
                     let mut rest: &mut [Seq] = &mut self.running;
                     let mut base = 0;
@@ -586,7 +626,8 @@ impl<'a> Scheduler<'a> {
                         rest = tail;
                         base = i + 1;
                     }
-                    self.model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE)?
+                    let model = self.model;
+                    crate::lora::with_rows(&ads, || model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE))?
                 }
             };
             for &i in &rows {
@@ -833,7 +874,7 @@ impl<'a> Scheduler<'a> {
 
     /// End a sequence: flush its text, snapshot its cache, send Done, count it.
     fn finish(&mut self, s: &mut Seq, reason: FinishReason, stop: Option<String>, ran: bool) {
-        let keep = ran && reason != FinishReason::Cancelled && self.prefix.enabled() && s.req.images.is_empty();
+        let keep = ran && reason != FinishReason::Cancelled && self.prefix.enabled() && !s.no_prefix;
         self.leave_stack(s, keep);
         let mut reason = reason;
         let mut stop_string = stop;

@@ -12,6 +12,8 @@ pub enum Linear {
     /// strides as with a per-call transpose, without one more graph node per call.
     Dense { w: Array, wt: Array, b: Option<Array> },
     Quant { w: Array, scales: Array, biases: Option<Array>, b: Option<Array>, q: QuantSpec },
+    /// A base with LoRA/DoRA adapters beside it, added at run time (`crate::lora`).
+    Lora(Box<crate::lora::LoraLinear>),
 }
 
 impl Linear {
@@ -19,10 +21,23 @@ impl Linear {
     pub fn load(ws: &mut Weights, prefix: &str, bias: bool, out: i32, inp: i32) -> Result<Linear> {
         let bname = format!("{prefix}.bias");
         let b = if bias || ws.contains(&bname) { Some(ws.take_shaped(&bname, &[out])?) } else { None };
-        Ok(match ws.take_matrix(prefix, out, inp)? {
+        let base = match ws.take_matrix(prefix, out, inp)? {
             Matrix::Quant { w, scales, biases, q } => Linear::Quant { w, scales, biases, b, q },
             Matrix::Dense(w) => Linear::Dense { wt: mx::transpose(&w)?, w, b },
-        })
+        };
+        match ws.lora() {
+            Some(reg) => reg.apply(prefix, base, out, inp),
+            None => Ok(base),
+        }
+    }
+
+    /// The same linear without its bias, and the bias.
+    pub fn without_bias(self) -> (Linear, Option<Array>) {
+        match self {
+            Linear::Dense { w, wt, b } => (Linear::Dense { w, wt, b: None }, b),
+            Linear::Quant { w, scales, biases, b, q } => (Linear::Quant { w, scales, biases, b: None, q }, b),
+            Linear::Lora(l) => (Linear::Lora(l), None),
+        }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -38,6 +53,7 @@ impl Linear {
                     None => Ok(y),
                 }
             }
+            Linear::Lora(l) => l.forward(x),
         }
     }
 
@@ -48,6 +64,7 @@ impl Linear {
             Linear::Quant { w, scales, biases, b, .. } => {
                 w.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes) + b.as_ref().map_or(0, Array::nbytes)
             }
+            Linear::Lora(l) => l.nbytes(),
         }
     }
 }
