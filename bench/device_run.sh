@@ -5,6 +5,7 @@
 #   bash bench/device_run.sh ARGS...        bench/bench_device.py ARGS (generation vs mlx-lm)
 #   bash bench/device_run.sh serve ARGS...  bench/bench_serve.py ARGS on bench_device.py's 1B bf16
 #                                           model (serving vs mlx_lm.server)
+#   bash bench/device_run.sh parity ARGS... bench/device_parity.py ARGS (every architecture vs mlx-lm)
 set -euo pipefail
 SITE=/tmp/site
 if [ ! -d "$SITE/mlxrs" ]; then
@@ -15,6 +16,10 @@ fi
 export PYTHONPATH="$SITE" LD_LIBRARY_PATH="$SITE/mlx/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m mlxrs --version
+if [ "${1:-}" = parity ]; then
+    shift
+    exec env PYTHONPATH="$SITE:tests" python3 bench/device_parity.py "$@"
+fi
 if [ "${1:-}" = serve ]; then
     shift
     M=/tmp/serve-1b-bf16
