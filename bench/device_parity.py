@@ -88,6 +88,8 @@ def main() -> int:
             r = one(arch, dtype, int(q) if q else None)
             rows.append(r)
             print(json.dumps(r), flush=True)
+            if a.out:  # after every row: a run cut short still leaves what it measured
+                Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
     ok = [r for r in rows if "error" not in r and r["tokens_equal"] and r["logits_ok"] and r["batch_equals_alone"]
           and r.get("streamed_equal", True)]
     print(f"{len(ok)}/{len(rows)} rows agree with mlx-lm ({time.time() - t0:.0f} s)")
