@@ -63,6 +63,9 @@ def one(arch: str, dtype: str, quant: int | None) -> dict:
         row["logits_max_diff"] = float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32))))
         row["logits_ok"] = row["logits_max_diff"] <= TOL[dtype] * (4 if quant else 1)
         row["batch_equals_alone"] = batch == alone
+        # where each batched row first leaves its alone run (None: never), of N tokens
+        row["batch_first_diff"] = [next((i for i, (x, y) in enumerate(zip(b, al)) if x != y), None)
+                                   for b, al in zip(batch, alone)]
         if arch in MOE:
             with mlxrs.Session(d, stream_experts=True) as s:
                 st = s.generate(ids, max_tokens=N, ignore_eos=True, temperature=0.0).tokens
