@@ -41,7 +41,16 @@ def chat_cmd(*args: str) -> list[str]:
 def spawn(*args: str) -> "pexpect.spawn":
     env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
     cmd = chat_cmd(*args)
-    return pexpect.spawn(cmd[0], cmd[1:], env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    # Ctrl-C reaches the child even when this test runs with SIGINT ignored (a background job of a
+    # non-interactive shell), which the child would inherit
+    return pexpect.spawn(cmd[0], cmd[1:], env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
+                         preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # prompt_toolkit draws "> " with cursor moves; it turns bracketed paste on each time it waits for input

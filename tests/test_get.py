@@ -405,8 +405,10 @@ def test_ctrl_c_stops_get_keeps_the_partial_file_and_the_rerun_resumes(fake: Fak
     import time
 
     fake.delay = 0.2  # ~10 s for the big file: time to interrupt it even on a loaded machine
+    # SIGINT at its default in the child even when this test runs with it ignored (a background job)
     p = subprocess.Popen([sys.executable, "-m", "mlxrs", "get", "org/model"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+                         stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     part = cache_of(env) / "models--org--model" / "blobs" / (sha256(MODEL) + ".incomplete")
     t0 = time.monotonic()
     while not (part.exists() and part.stat().st_size > 300_000) and time.monotonic() - t0 < 60:
