@@ -203,6 +203,19 @@ type RopeTables = std::collections::HashMap<RopeKey, (Array, Array, i32)>;
 static ROPE_TABLES: std::sync::OnceLock<std::sync::Mutex<RopeTables>> = std::sync::OnceLock::new();
 
 impl Rope {
+    /// A rope of explicit per-pair periods `freqs` (`dims / 2` of them), no scaling.
+    fn from_freqs(dims: i32, traditional: bool, base: f32, freqs: &[f32]) -> Result<Rope> {
+        Ok(Rope {
+            dims,
+            traditional,
+            base,
+            scale: 1.0,
+            freqs: Some(Array::from_slice(freqs, &[freqs.len() as i32])?),
+            freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
+            mscale: 1.0,
+        })
+    }
+
     /// mlx-lm's `initialize_rope` for the scaling types the supported architectures use.
     pub fn from_config(dims: i32, base: f32, traditional: bool, scaling: Option<&serde_json::Value>) -> Result<Rope> {
         let ty = scaling
@@ -242,16 +255,7 @@ impl Rope {
                         }
                     })
                     .collect();
-                let n = freqs.len() as i32;
-                Ok(Rope {
-                    dims,
-                    traditional,
-                    base,
-                    scale: 1.0,
-                    freqs: Some(Array::from_slice(&freqs, &[n])?),
-                    freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
-                    mscale: 1.0,
-                })
+                Rope::from_freqs(dims, traditional, base, &freqs)
             }
             "proportional" => {
                 // mlx-lm's ProportionalRoPE (Gemma 4's global layers): the first
@@ -268,16 +272,7 @@ impl Rope {
                 let freqs: Vec<f32> = (0..dims / 2)
                     .map(|i| if 2 * i < rotated { factor * base.powf((2 * i) as f32 / dims as f32) } else { f32::INFINITY })
                     .collect();
-                let n = freqs.len() as i32;
-                Ok(Rope {
-                    dims,
-                    traditional,
-                    base,
-                    scale: 1.0,
-                    freqs: Some(Array::from_slice(&freqs, &[n])?),
-                    freq_bits: freqs.iter().map(|f| f.to_bits()).collect(),
-                    mscale: 1.0,
-                })
+                Rope::from_freqs(dims, traditional, base, &freqs)
             }
             "yarn" | "deepseek_yarn" | "telechat3-yarn" => Rope::yarn(dims, base, traditional, scaling),
             other => Err(crate::Error::Unsupported(format!(
