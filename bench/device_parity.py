@@ -5,7 +5,12 @@ last-position logits against mlx-lm 0.32.2's (tests/oracle_mlxlm.py in a subproc
 mixed-length prompts decoded together (the stacked KV, the GPU default) against each prompt alone,
 and, for the MoE architectures, the experts streamed from the files.
 
-    python bench/device_parity.py [--archs llama,qwen3_moe] [--out parity.json]
+    python bench/device_parity.py [--archs llama,qwen3_moe] [--out parity.json] [--no-compile] [--oracle-batch]
+
+--no-compile runs both engines with MLX_DISABLE_COMPILE=1 (MLX's compiler off: every op its own
+kernel), which tells a difference in where the two fuse ops from one in what they compute.
+--oracle-batch also decodes the same batch with mlx-lm's BatchGenerator (bench/oracle_batch.py) and
+records where its rows leave mlx-lm's own single-sequence runs.
 """
 from __future__ import annotations
 
@@ -39,7 +44,18 @@ def oracle(d: Path, ids: list[int]) -> dict:
     return json.loads(r.stdout)
 
 
-def one(arch: str, dtype: str, quant: int | None) -> dict:
+def oracle_batch(d: Path, prompts: list[list[int]]) -> list[int | None]:
+    """Where each row of mlx-lm's BatchGenerator first leaves mlx-lm's own run of it alone."""
+    job = {"model": str(d), "prompts": prompts, "max_tokens": N}
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "oracle_batch.py")], input=json.dumps(job),
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        raise RuntimeError(r.stderr[-2000:])
+    out = json.loads(r.stdout)
+    return [next((i for i, (x, y) in enumerate(zip(b, al)) if x != y), None) for b, al in zip(out["batch"], out["alone"])]
+
+
+def one(arch: str, dtype: str, quant: int | None, with_oracle_batch: bool = False) -> dict:
     import numpy as np
 
     import mlxrs
@@ -66,6 +82,8 @@ def one(arch: str, dtype: str, quant: int | None) -> dict:
         # where each batched row first leaves its alone run (None: never), of N tokens
         row["batch_first_diff"] = [next((i for i, (x, y) in enumerate(zip(b, al)) if x != y), None)
                                    for b, al in zip(batch, alone)]
+        if with_oracle_batch:
+            row["oracle_batch_first_diff"] = oracle_batch(d, ps)
         if arch in MOE:
             with mlxrs.Session(d, stream_experts=True) as s:
                 st = s.generate(ids, max_tokens=N, ignore_eos=True, temperature=0.0).tokens
@@ -82,13 +100,17 @@ def main() -> int:
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--variants", default="float32,bfloat16,float32-q4")
     ap.add_argument("--out")
+    ap.add_argument("--no-compile", action="store_true", help="MLX_DISABLE_COMPILE=1 for both engines")
+    ap.add_argument("--oracle-batch", action="store_true", help="mlx-lm's BatchGenerator vs its own alone runs")
     a = ap.parse_args()
+    if a.no_compile:  # read by MLX at its first compile: before mlxrs is imported, inherited by the oracle
+        os.environ["MLX_DISABLE_COMPILE"] = "1"
     rows = []
     t0 = time.time()
     for arch in a.archs.split(","):
         for v in a.variants.split(","):
             dtype, _, q = v.partition("-q")
-            r = one(arch, dtype, int(q) if q else None)
+            r = one(arch, dtype, int(q) if q else None, a.oracle_batch)
             rows.append(r)
             print(json.dumps(r), flush=True)
             if a.out:  # after every row: a run cut short still leaves what it measured
@@ -97,7 +119,7 @@ def main() -> int:
           and r.get("streamed_equal", True)]
     print(f"{len(ok)}/{len(rows)} rows agree with mlx-lm ({time.time() - t0:.0f} s)")
     if a.out:
-        Path(a.out).write_text(json.dumps({"rows": rows, "env": {k: os.environ.get(k) for k in ("MLXRS_BATCH_KV",)}},
+        Path(a.out).write_text(json.dumps({"rows": rows, "env": {k: os.environ.get(k) for k in ("MLXRS_BATCH_KV", "MLX_DISABLE_COMPILE")}},
                                           indent=1))
     return 0
 

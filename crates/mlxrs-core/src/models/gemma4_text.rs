@@ -597,7 +597,7 @@ impl Model {
                 shared_from: p.shared_from[i],
                 shared_to: p.shared_from.contains(&Some(i)),
                 sliding,
-                mlp: Mlp::load(&mut w, &format!("{pre}.mlp"), false, Activation::GeluApprox, hidden, p.mlp_width(i))?,
+                mlp: Mlp::load(&mut w, &format!("{pre}.mlp"), false, Activation::Geglu, hidden, p.mlp_width(i))?,
                 mlp_post_norm: if moe.is_some() { Some(norm(&mut w, "post_feedforward_layernorm_1")?) } else { None },
                 moe,
                 input_norm: norm(&mut w, "input_layernorm")?,
@@ -651,7 +651,7 @@ impl CausalLm for Model {
             None => self.embed.as_linear(&h)?,
         };
         match self.softcap {
-            Some(cap) => Self::scaled(&mx::tanh(&Self::scaled(&logits, 1.0 / cap as f64)?)?, cap as f64),
+            Some(cap) => layers::logit_softcap(&logits, cap),
             None => Ok(logits),
         }
     }
@@ -691,7 +691,7 @@ impl CausalLm for Model {
             h = mx::add(&hh, &layer.post_ff_norm.forward(&ff)?)?;
             if let (Some(pl), Some(pli)) = (&layer.per_layer, &pli) {
                 let input = mx::squeeze(&mx::slice_axis(pli, 2, i as i32, i as i32 + 1)?, &[2])?;
-                let g = mx::multiply(&layers::gelu_approx(&pl.gate.forward(&h)?)?, &input)?;
+                let g = mx::multiply(&layers::gelu_approx_compiled(&pl.gate.forward(&h)?)?, &input)?;
                 h = mx::add(&h, &pl.norm.forward(&pl.proj.forward(&g)?)?)?;
             }
             h = mx::multiply(&h, &layer.scalar)?;

@@ -649,7 +649,11 @@ pub struct Mlp {
 #[derive(Clone, Copy)]
 pub enum Activation {
     Silu,
+    /// `gelu_approx(gate) * up` with the GELU compiled alone (mlx-lm's Gemma 3: `nn.gelu_approx(g) * x`)
     GeluApprox,
+    /// the same compiled as one function (mlx-lm's Gemma 4 `geglu`): on a GPU one fused kernel,
+    /// whose rounding differs from the GELU kernel followed by a multiply
+    Geglu,
 }
 
 impl Mlp {
@@ -669,6 +673,7 @@ impl Mlp {
         let h = match self.act {
             Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
             Activation::GeluApprox => geglu(&g, &u)?,
+            Activation::Geglu => geglu_fused(&g, &u)?,
         };
         self.down.forward(&h)
     }
@@ -677,6 +682,8 @@ impl Mlp {
 type CompiledSlot = std::sync::OnceLock<Option<std::sync::Mutex<mx::Compiled>>>;
 static SWIGLU: CompiledSlot = std::sync::OnceLock::new();
 static GELU_APPROX: CompiledSlot = std::sync::OnceLock::new();
+static GEGLU: CompiledSlot = std::sync::OnceLock::new();
+static SOFTCAP: CompiledSlot = std::sync::OnceLock::new();
 
 /// `silu(gate) * up`, as mlx-lm's compiled `swiglu`.
 fn swiglu(a: &[Array]) -> Result<Vec<Array>> {
@@ -697,7 +704,24 @@ fn compiled(slot: &'static CompiledSlot, f: fn(&[Array]) -> Result<Vec<Array>>, 
 
 /// `gelu_approx(gate) * up` (the GELU activation compiled, as mlx.nn.gelu_approx is).
 pub fn geglu(gate: &Array, up: &Array) -> Result<Array> {
-    mx::multiply(&compiled(&GELU_APPROX, |a| Ok(vec![gelu_approx(&a[0])?]), &[gate])?, up)
+    mx::multiply(&gelu_approx_compiled(gate)?, up)
+}
+
+/// `gelu_approx(x)` compiled alone, as `mlx.nn.gelu_approx` (a `@mx.compile(shapeless=True)` function).
+pub fn gelu_approx_compiled(x: &Array) -> Result<Array> {
+    compiled(&GELU_APPROX, |a| Ok(vec![gelu_approx(&a[0])?]), &[x])
+}
+
+/// `gelu_approx(gate) * up` compiled as one function (mlx-lm's Gemma 4 `geglu`).
+pub fn geglu_fused(gate: &Array, up: &Array) -> Result<Array> {
+    compiled(&GEGLU, |a| Ok(vec![mx::multiply(&gelu_approx(&a[0])?, &a[1])?]), &[gate, up])
+}
+
+/// `tanh(x / cap) * cap` compiled as one function (mlx-lm's `logit_softcap`); `cap` a scalar array
+/// of `x`'s dtype.
+pub fn logit_softcap(x: &Array, cap: f32) -> Result<Array> {
+    let c = mx::scalar_as(cap as f64, x.dtype())?;
+    compiled(&SOFTCAP, |a| Ok(vec![mx::multiply(&mx::tanh(&mx::divide(&a[0], &a[1])?)?, &a[1])?]), &[x, &c])
 }
 
 /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, as mlx.nn.gelu_approx.
@@ -887,7 +911,7 @@ fn switch_glu(
     let h = match act {
         ExpertAct::Swiglu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
         ExpertAct::SwigluOai => compiled(&SWIGLU_OAI, swiglu_oai, &[&g, &u])?,
-        ExpertAct::Geglu => geglu(&g, &u)?,
+        ExpertAct::Geglu => geglu_fused(&g, &u)?,
     };
     let mut y = biased(down.forward(&h, &idx, do_sort)?, bias.map(|b| &b.down))?;
     if let Some(inv) = inv {
