@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from scriptedmodel import THINK_ANSWER, make_looping_model, make_scripted_model
+from scriptedmodel import ANSWER_SCRIPT, THINK_ANSWER, WEATHER_TOOL, make_looping_model, make_scripted_model
 from server_util import Server, free_port
 from tinymodels import make_model
 
@@ -38,8 +38,8 @@ def chat_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "mlxrs", "chat", *args]
 
 
-def spawn(*args: str) -> "pexpect.spawn":
-    env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+def spawn(*args: str, env: dict[str, str] | None = None) -> "pexpect.spawn":
+    env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm", **(env or {})}
     cmd = chat_cmd(*args)
     # Ctrl-C reaches the child even when this test runs with SIGINT ignored (a background job of a
     # non-interactive shell), which the child would inherit
@@ -199,3 +199,129 @@ def test_terminal_load_system_reset_and_reasoning(tmp_path):
     assert msgs[0]["content"] == "short answers" and msgs[4]["content"] == THINK_ANSWER
     assert json.loads((tmp_path / "empty.json").read_text())["messages"] == [{"role": "system",
                                                                                "content": "short answers"}]
+
+
+# -- multi-line input -------------------------------------------------------------------------------
+@pytest.mark.parametrize("editor", ["prompt_toolkit", "input"])
+def test_terminal_multiline_input(talker, tmp_path, editor):
+    """Esc Enter (prompt_toolkit) and a trailing backslash (both editors) start a new line; the
+    message sent is the lines joined, answered as the API answers it."""
+    env = {}
+    if editor == "input":  # prompt_toolkit cannot be imported: the plain input() fallback
+        (tmp_path / "prompt_toolkit").mkdir()
+        (tmp_path / "prompt_toolkit" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    child = spawn("--port", str(talker.port), "--temperature", "0", "--max-tokens", "16", env=env)
+    out = tmp_path / "conv.json"
+    try:
+        child.expect("chatting with")
+        if editor == "prompt_toolkit":
+            child.expect_exact(PROMPT)
+            child.send("first line")
+            child.send("\x1b\r")  # Esc Enter (what Alt-Enter sends)
+            want_text = "first line\nsecond line\nthird line"
+        else:
+            child.expect_exact("> ")
+            child.send("first line\\\r")
+            child.expect_exact(". ")
+            want_text = "first line\nsecond line\nthird line"
+        child.send("second line\\")
+        child.send("\r")
+        if editor == "input":
+            child.expect_exact(". ")
+        child.send("third line\r")
+        child.expect(r"\[\d+ tokens", timeout=300)
+        if editor == "prompt_toolkit":
+            say(child, f"/save {out}")
+        else:
+            child.expect_exact("> ")
+            child.sendline(f"/save {out}")
+        child.expect("saved 2 messages")
+    finally:
+        child.close(force=True)
+    saved = json.loads(out.read_text())
+    assert saved["messages"][0] == {"role": "user", "content": want_text}
+    want = client(talker).chat.completions.create(model="x", messages=[{"role": "user", "content": want_text}],
+                                                  temperature=0, max_tokens=16)
+    assert saved["messages"][1]["content"] == want.choices[0].message.content
+
+
+# -- tool calls ---------------------------------------------------------------------------------------
+# thinks, calls get_weather, then counts "One two three two three …" until max_tokens: the call is
+# parsed (and shown) long before the answer ends
+TOOL_LOOP = ["<think>", "\nI need the weather.\n", "</think>", "<tool_call>",
+             '\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>", "One ", "two ", "three "]
+
+
+@pytest.fixture(scope="module")
+def tool_looper():
+    model = make_scripted_model("scripted-tool-loop", tool_script=ANSWER_SCRIPT, think_script=TOOL_LOOP, loop_to=7)
+    with Server(model) as s:
+        yield s
+
+
+def _shown(call) -> str:
+    return f"tool call: {call.function.name}({call.function.arguments})"
+
+
+def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_path):
+    s = tool_looper
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER_TOOL]))
+    c = client(s)
+    q = [{"role": "user", "content": "weather in Paris?"}]
+    want = c.chat.completions.create(model="x", messages=q, tools=[WEATHER_TOOL], temperature=0, max_tokens=300)
+    (call,) = want.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and want.choices[0].message.content
+    out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
+    child = spawn("--port", str(s.port), "--temperature", "0", "--max-tokens", "300", "--tools", str(tools),
+                  env={"NO_COLOR": "1"})
+    try:
+        say(child, "/tool 21 C")
+        child.expect("no tool call to answer")
+        say(child, q[0]["content"])
+        # the reasoning, then the call on its own line, shown while the server is still generating the rest
+        reasoning = want.choices[0].message.model_extra["reasoning_content"]
+        child.expect_exact(f"(thinking) {reasoning}\r\n{_shown(call)}\r\nOne two three")
+        assert s.stats()["requests"]["active"] == 1, "the answer had ended: the call was not shown as parsed"
+        child.expect(r"\[300 tokens", timeout=300)
+        say(child, f"/save {out1}")
+        child.expect("saved 2 messages")
+        # the tool's answer goes back; the model goes on (this one calls again)
+        say(child, "/tool 21 C and sunny")
+        child.expect_exact(_shown(call))
+        child.expect(r"\[300 tokens", timeout=300)
+        say(child, f"/save {out2}")
+        child.expect("saved 4 messages")
+        say(child, "/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    one, two = json.loads(out1.read_text()), json.loads(out2.read_text())
+    assert one["tools"] == two["tools"] == [WEATHER_TOOL]
+    # the assistant message is the API's own (the call's id is the server's, made per request)
+    (got,) = one["messages"][1]["tool_calls"]
+    assert (got["function"], one["messages"][1]["content"]) == (
+        {"name": call.function.name, "arguments": call.function.arguments}, want.choices[0].message.content)
+    user, asked, answer, again = two["messages"]
+    assert (user, asked) == (q[0], one["messages"][1])
+    assert answer == {"role": "tool", "tool_call_id": got["id"], "content": "21 C and sunny"}
+    # the second turn is what the API answers to the same conversation
+    want2 = c.chat.completions.create(model="x", messages=[user, asked, answer], tools=[WEATHER_TOOL], temperature=0,
+                                      max_tokens=300)
+    assert [tc["function"] for tc in again["tool_calls"]] == [
+        {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls]
+    assert again["content"] == want2.choices[0].message.content
+    # what /save wrote (tools included) the SDK sends back as is
+    assert c.chat.completions.create(**two, max_tokens=3, temperature=0).choices[0].message.role == "assistant"
+
+
+def test_bad_tools_file_is_refused_naming_the_entry(tmp_path):
+    bad = tmp_path / "tools.json"
+    bad.write_text(json.dumps([WEATHER_TOOL, {"type": "function", "function": {"parameters": {}}}]))
+    r = subprocess.run(chat_cmd("--tools", str(bad), "--port", str(free_port())), input="hi", capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and f"--tools {bad}: tools[1]: expected" in r.stderr and r.stdout == ""
+    bad.write_text("{not json")
+    r = subprocess.run(chat_cmd("--tools", str(bad)), input="hi", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"--tools {bad}:" in r.stderr
