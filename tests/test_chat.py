@@ -13,7 +13,8 @@ import pytest
 
 from scriptedmodel import ANSWER_SCRIPT, THINK_ANSWER, WEATHER_TOOL, make_looping_model, make_scripted_model
 from server_util import Server, free_port
-from tinymodels import make_model
+from test_server_vision import _png, data_url
+from tinymodels import make_gemma3_vision, make_model
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -279,6 +280,8 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
     try:
         say(child, "/tool 21 C")
         child.expect("no tool call to answer")
+        say(child, f"/image {tools}")  # a text-only model (/v1/models says so)
+        child.expect_exact("scripted-tool-loop takes no images (its input: text)")
         say(child, q[0]["content"])
         # the reasoning, then the call on its own line, shown while the server is still generating the rest
         reasoning = want.choices[0].message.model_extra["reasoning_content"]
@@ -325,3 +328,37 @@ def test_bad_tools_file_is_refused_naming_the_entry(tmp_path):
     bad.write_text("{not json")
     r = subprocess.run(chat_cmd("--tools", str(bad)), input="hi", capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and f"--tools {bad}:" in r.stderr
+
+
+# -- images ---------------------------------------------------------------------------------------------
+def test_terminal_attaches_an_image(tmp_path):
+    img, other = tmp_path / "noise.png", tmp_path / "notes.txt"
+    img.write_bytes(_png(21))
+    other.write_text("not an image")
+    out = tmp_path / "conv.json"
+    with Server(make_gemma3_vision()) as s:
+        child = spawn("--port", str(s.port), "--temperature", "0", "--max-tokens", "12")
+        try:
+            say(child, f"/image {other}")
+            child.expect_exact(f"{other}: not a PNG, JPEG, WebP or GIF image")
+            say(child, f"/image {tmp_path / 'missing.png'}")
+            child.expect_exact("cannot read")
+            say(child, f"/image {img}")
+            child.expect_exact("attached noise.png (1 image(s) go with the next message)")
+            say(child, "What is in this picture?")
+            child.expect(r"\[(\d+) tokens, [\d.]+ tok/s · context (\d+)/", timeout=300)
+            n_tokens, used = int(child.match.group(1)), int(child.match.group(2))
+            say(child, f"/save {out}")
+            child.expect("saved 2 messages")
+            say(child, "/quit")
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+        saved = json.loads(out.read_text())
+        asked = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(_png(21))}},
+                                             {"type": "text", "text": "What is in this picture?"}]}
+        assert saved["messages"][0] == asked
+        # the answer is the API's for the same message (the image counted in the prompt)
+        want = client(s).chat.completions.create(model="x", messages=[asked], temperature=0, max_tokens=12)
+        assert saved["messages"][1]["content"] == want.choices[0].message.content
+        assert (n_tokens, used) == (want.usage.completion_tokens, want.usage.total_tokens)

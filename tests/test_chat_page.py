@@ -7,20 +7,18 @@ with a notice when it does not fit). A screenshot is written to $MLXRS_TEST_ARTI
 tests/.artifacts)."""
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import openai
 import pytest
 
 from scriptedmodel import THINK_SCRIPT, make_looping_model, make_scripted_model
 from server_util import Server
+from test_server_vision import _png, data_url
 from tinymodels import make_gemma3_vision
 
 XSS = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"> **bold** `x<b>y</b>`'
@@ -228,12 +226,8 @@ def vision():
 
 def _write_png(path: Path, seed: int) -> str:
     """A random 80x60 PNG written with Pillow; its data: URL."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (60, 80, 3), dtype=np.uint8)).save(buf, "PNG")
-    path.write_bytes(buf.getvalue())
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    path.write_bytes(_png(seed))
+    return data_url(_png(seed))
 
 
 def _chat_requests(page) -> list[dict]:

@@ -9,6 +9,7 @@ Over a pipe (stdin not a terminal) it reads stdin as one question and prints the
 from __future__ import annotations
 
 import argparse
+import base64
 import http.client
 import json
 import os
@@ -26,6 +27,7 @@ HELP = """commands:
   /load FILE      read a conversation written by /save (or a JSON list of messages)
   /tools FILE     offer the tools in FILE (a JSON array of OpenAI tools; /tools alone: none)
   /tool TEXT      answer the model's next unanswered tool call with TEXT (then it goes on)
+  /image FILE     attach a PNG, JPEG, WebP or GIF to the next message (/image alone: drop them)
   /model          the model served;  /stats  the server's figures
   /help           this;  /quit (or Ctrl-D) leave
 Enter sends; Esc then Enter (or Alt-Enter), or a line ending in \\, starts a new line.
@@ -125,6 +127,24 @@ def load_tools(path: str, flag: str = "--tools") -> list[dict[str, Any]]:
     return tools
 
 
+IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
+               (b"GIF89a", "image/gif"))
+
+
+def image_data_url(path: str) -> str:
+    """A local image file as the data: URL an OpenAI image_url part carries (its type from its bytes)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    mt = next((m for magic, m in IMAGE_MAGIC if data.startswith(magic)), None)
+    if mt is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        mt = "image/webp"
+    if mt is None:
+        raise ValueError(f"{path}: not a PNG, JPEG, WebP or GIF image")
+    return f"data:{mt};base64," + base64.b64encode(data).decode()
+
+
 def _decode(status: int, body: bytes) -> Any:
     try:
         data = json.loads(body)
@@ -207,12 +227,15 @@ class Chat:
         self.system: str | None = args.system
         self.messages: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] | None = None
+        self.images: list[str] = []  # data: URLs for the next message (/image)
         self.model = "default"
         self.ceiling: int | None = None
+        self.modalities: list[str] | None = None  # what the model takes (None: the server does not say)
         try:
             cards = client.get("/v1/models")["data"]
             self.model = cards[0]["id"]
             self.ceiling = cards[0].get("context_length")
+            self.modalities = cards[0].get("input_modalities")
         except (ApiError, OSError, KeyError, IndexError, TypeError):
             pass
 
@@ -234,7 +257,12 @@ class Chat:
     def ask(self, text: str, out: Any, plain: bool = False) -> bool:
         """Send `text`, stream the answer to `out`; False when it was cancelled or failed (the
         question is then dropped from the conversation)."""
-        self.messages.append({"role": "user", "content": text})
+        content: Any = text
+        if self.images:  # OpenAI content parts: the images, then the text
+            content = [{"type": "image_url", "image_url": {"url": u}} for u in self.images]
+            content.append({"type": "text", "text": text})
+            self.images = []
+        self.messages.append({"role": "user", "content": content})
         return self.turn(out, plain)
 
     def unanswered_calls(self) -> list[dict[str, Any]]:
@@ -396,6 +424,19 @@ class Chat:
             out.write(f"tools offered: {', '.join(names)}\n" if names else "no tools offered\n")
         elif cmd == "/tool" and arg:
             self.tool_reply(arg, out)
+        elif cmd == "/image":
+            if not arg:
+                out.write(f"dropped {len(self.images)} attached image(s)\n")
+                self.images = []
+            elif self.modalities is not None and "image" not in self.modalities:
+                out.write(f"{self.model} takes no images (its input: {', '.join(self.modalities)})\n")
+            else:
+                try:
+                    self.images.append(image_data_url(arg))
+                except ValueError as e:
+                    out.write(f"{e}\n")
+                    return True
+                out.write(f"attached {Path(arg).name} ({len(self.images)} image(s) go with the next message)\n")
         elif cmd == "/load" and arg:
             try:
                 data = json.loads(Path(arg).read_text())
