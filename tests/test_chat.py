@@ -319,6 +319,20 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
     assert c.chat.completions.create(**two, max_tokens=3, temperature=0).choices[0].message.role == "assistant"
 
 
+def test_pipe_with_tools_prints_the_content_and_the_calls_on_stderr(tool_looper, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"model": "m", "messages": [], "tools": [WEATHER_TOOL]}))  # a /save file
+    q = "weather in Paris?"
+    want = client(tool_looper).chat.completions.create(
+        model="x", messages=[{"role": "user", "content": q}], tools=[WEATHER_TOOL], temperature=0, max_tokens=20)
+    r = subprocess.run(chat_cmd("--port", str(tool_looper.port), "--tools", str(tools), "--temperature", "0",
+                                "--max-tokens", "20"), input=q, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want.choices[0].message.content + "\n"
+    (call,) = want.choices[0].message.tool_calls
+    assert r.stderr.endswith(_shown(call) + "\n")
+
+
 def test_bad_tools_file_is_refused_naming_the_entry(tmp_path):
     bad = tmp_path / "tools.json"
     bad.write_text(json.dumps([WEATHER_TOOL, {"type": "function", "function": {"parameters": {}}}]))

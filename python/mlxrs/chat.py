@@ -373,9 +373,11 @@ class Chat:
         if calls:
             msg["tool_calls"] = [calls[i] for i in sorted(calls)]
         self.messages.append(msg)
-        if plain:
+        if plain:  # stdout: the content alone; the calls (if any) on stderr
             out.write("\n")
             out.flush()
+            for c in msg.get("tool_calls", []):
+                sys.stderr.write(f"tool call: {c['function']['name']}({c['function']['arguments']})\n")
             return True
         out.write(self._c(DIM, self.status_line(usage, finish, t0, first)) + "\n")
         out.flush()
