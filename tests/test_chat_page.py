@@ -332,3 +332,35 @@ def test_browser_drops_images_from_full_storage_with_a_notice(page, vision, tmp_
     page.wait_for_selector(".msg.assistant .meta")
     assert sent[-1]["messages"] == [{"role": "user", "content": QUESTION}]
     assert not page.errors, page.errors  # type: ignore[attr-defined]
+
+
+# an image File in a DataTransfer, pasted into the input or dropped on the composer
+DELIVER = """([kind, b64]) => {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const dt = new DataTransfer();
+  dt.items.add(new File([bytes], kind + ".png", { type: "image/png" }));
+  if (kind === "pasted") document.querySelector("#input").dispatchEvent(
+    new ClipboardEvent("paste", { clipboardData: dt, bubbles: true, cancelable: true }));
+  else document.querySelector("#composer").dispatchEvent(
+    new DragEvent("drop", { dataTransfer: dt, bubbles: true, cancelable: true }));
+}"""
+
+
+def test_browser_attaches_a_pasted_or_dropped_image(page, vision, xss):
+    png = _png(13)
+    b64 = data_url(png).split(",", 1)[1]
+    _open_with_greedy(page, vision)
+    page.evaluate(DELIVER, ["pasted", b64])
+    page.evaluate(DELIVER, ["dropped", b64])
+    page.wait_for_function("() => document.querySelectorAll('#attachments img.thumb').length === 2")
+    assert [page.locator("#attachments img.thumb").nth(i).get_attribute("alt") for i in range(2)] == [
+        "pasted.png", "dropped.png"]
+    assert page.locator("#attachments img.thumb").first.get_attribute("src") == data_url(png)
+    # a text-only model takes none
+    page.goto(xss.url + "/")
+    page.wait_for_function("() => document.querySelector('#model').textContent === 'scripted-xss'")
+    page.evaluate(DELIVER, ["pasted", b64])
+    page.evaluate(DELIVER, ["dropped", b64])
+    page.wait_for_timeout(300)
+    assert page.locator("#attachments img").count() == 0 and page.locator("#attachments").is_hidden()
+    assert not page.errors, page.errors  # type: ignore[attr-defined]

@@ -335,6 +335,17 @@
     $("new").addEventListener("click", () => { if (controller) controller.abort(); conv = []; save(); renderAll(); });
     $("attach").addEventListener("click", () => $("attach-input").click());
     $("attach-input").addEventListener("change", (e) => { const files = Array.from(e.target.files); e.target.value = ""; attachFiles(files); });
+    // an image pasted into the input, or dropped on the composer, is attached too (a model that takes images)
+    const imageFiles = (dt) => Array.from((dt && dt.files) || []).filter((f) => f.type.startsWith("image/"));
+    $("input").addEventListener("paste", (e) => {
+      const files = imageFiles(e.clipboardData);
+      if (vision && files.length) { e.preventDefault(); attachFiles(files); }
+    });
+    $("composer").addEventListener("dragover", (e) => { if (vision) e.preventDefault(); });
+    $("composer").addEventListener("drop", (e) => {
+      const files = imageFiles(e.dataTransfer);
+      if (vision && files.length) { e.preventDefault(); attachFiles(files); }
+    });
     $("toggle-settings").addEventListener("click", () => { $("settings").hidden = !$("settings").hidden; });
     $("toggle-stats").addEventListener("click", () => { $("stats").hidden = !$("stats").hidden; refreshStats(); });
     $("forget-key").addEventListener("click", () => localStorage.removeItem(KEY));
