@@ -202,6 +202,33 @@ def test_terminal_load_system_reset_and_reasoning(tmp_path):
                                                                                "content": "short answers"}]
 
 
+def test_terminal_folds_reasoning_away_and_shows_it_on_request():
+    model = make_scripted_model()
+    with Server(model) as s:
+        want = client(s).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                                 temperature=0)
+        reasoning = want.choices[0].message.model_extra["reasoning_content"]
+        child = spawn("--port", str(s.port), "--temperature", "0", env={"NO_COLOR": "1"})
+        try:
+            say(child, "/reasoning")
+            child.expect_exact("(no reasoning in the last answer)")
+            say(child, "/reasoning off")
+            child.expect_exact("reasoning folded away")
+            say(child, "hi")
+            child.expect_exact("(thinking…)\r\n" + want.choices[0].message.content + "\r\n[")
+            assert reasoning and reasoning not in child.before
+            say(child, "/reasoning")  # the folded reasoning, on request
+            child.expect_exact(reasoning.replace("\n", "\r\n"))
+            say(child, "/reasoning on")
+            child.expect_exact("reasoning shown as it streams")
+            say(child, "hi")
+            child.expect_exact(f"(thinking) {reasoning}\r\n{want.choices[0].message.content}\r\n[")
+            say(child, "/quit")
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+
+
 # -- multi-line input -------------------------------------------------------------------------------
 @pytest.mark.parametrize("editor", ["prompt_toolkit", "input"])
 def test_terminal_multiline_input(talker, tmp_path, editor):

@@ -28,6 +28,7 @@ HELP = """commands:
   /tools FILE     offer the tools in FILE (a JSON array of OpenAI tools; /tools alone: none)
   /tool TEXT      answer the model's next unanswered tool call with TEXT (then it goes on)
   /image FILE     attach a PNG, JPEG, WebP or GIF to the next message (/image alone: drop them)
+  /reasoning      show the last answer's reasoning;  /reasoning on|off  stream it or fold it away
   /model          the model served;  /stats  the server's figures
   /help           this;  /quit (or Ctrl-D) leave
 Enter sends; Esc then Enter (or Alt-Enter), or a line ending in \\, starts a new line.
@@ -228,6 +229,8 @@ class Chat:
         self.messages: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] | None = None
         self.images: list[str] = []  # data: URLs for the next message (/image)
+        self.show_reasoning = True  # stream the reasoning (dimmed); off: one "(thinking…)" marker
+        self.last_reasoning = ""
         self.model = "default"
         self.ceiling: int | None = None
         self.modalities: list[str] | None = None  # what the model takes (None: the server does not say)
@@ -293,6 +296,7 @@ class Chat:
         """Stream the model's next message to `out` and append it; False when it was cancelled or
         failed (the message that asked is then dropped)."""
         content: list[str] = []
+        reasoning: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         usage: dict[str, Any] | None = None
         finish = None
@@ -315,11 +319,13 @@ class Chat:
                 if shown is not None:
                     out.write("\n")
                 if kind == "reasoning":
-                    out.write(self._c(DIM, "(thinking) "))
+                    out.write(self._c(DIM, "(thinking) " if self.show_reasoning else "(thinking…)"))
                 elif kind == "call":
                     out.write(self._c(MAGENTA, "tool call: "))
                     paren = False
                 shown = kind
+            if kind == "reasoning" and not self.show_reasoning:
+                return
             if text:
                 out.write(self._c(MAGENTA, text) if kind == "call" else self._c(DIM, text) if kind == "reasoning"
                           else text)
@@ -335,6 +341,7 @@ class Chat:
                     if first is None and (d.get("content") or d.get("reasoning_content") or d.get("tool_calls")):
                         first = time.monotonic()
                     if d.get("reasoning_content"):
+                        reasoning.append(d["reasoning_content"])
                         show("reasoning", d["reasoning_content"])
                     if d.get("content"):
                         content.append(d["content"])
@@ -373,6 +380,7 @@ class Chat:
         if calls:
             msg["tool_calls"] = [calls[i] for i in sorted(calls)]
         self.messages.append(msg)
+        self.last_reasoning = "".join(reasoning)
         if plain:  # stdout: the content alone; the calls (if any) on stderr
             out.write("\n")
             out.flush()
@@ -424,6 +432,14 @@ class Chat:
                 return True
             names = [t["function"]["name"] for t in self.tools or []]
             out.write(f"tools offered: {', '.join(names)}\n" if names else "no tools offered\n")
+        elif cmd == "/reasoning":
+            if arg in ("on", "off"):
+                self.show_reasoning = arg == "on"
+                out.write(f"reasoning {'shown as it streams' if self.show_reasoning else 'folded away'}\n")
+            elif arg:
+                out.write("/reasoning [on|off]\n")
+            else:
+                out.write(self._c(DIM, self.last_reasoning or "(no reasoning in the last answer)") + "\n")
         elif cmd == "/tool" and arg:
             self.tool_reply(arg, out)
         elif cmd == "/image":
