@@ -346,6 +346,46 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
     assert c.chat.completions.create(**two, max_tokens=3, temperature=0).choices[0].message.role == "assistant"
 
 
+# two calls in one answer (then EOS)
+TWO_CALLS = ["<think>", "\nTwo cities.\n", "</think>", "<tool_call>",
+             '\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>", "\n<tool_call>\n",
+             '{"name": "get_weather", "arguments": {"city": "Rome"}}', "\n</tool_call>\n"]
+
+
+def test_terminal_answers_each_of_two_tool_calls(tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER_TOOL]))
+    out = tmp_path / "conv.json"
+    q = {"role": "user", "content": "weather in Paris and Rome?"}
+    with Server(make_scripted_model("scripted-two-calls", tool_script=ANSWER_SCRIPT, think_script=TWO_CALLS)) as s:
+        c = client(s)
+        want = c.chat.completions.create(model="x", messages=[q], tools=[WEATHER_TOOL], temperature=0)
+        first, second = want.choices[0].message.tool_calls
+        child = spawn("--port", str(s.port), "--temperature", "0", "--tools", str(tools), env={"NO_COLOR": "1"})
+        try:
+            say(child, q["content"])
+            child.expect_exact(f"\r\n{_shown(first)}\r\n{_shown(second)}\r\n[")
+            say(child, "/tool sunny")
+            child.expect_exact("answered get_weather; 1 more tool call(s) to answer")
+            say(child, "/tool rainy")  # the last one: the model goes on
+            child.expect_exact(f"\r\n{_shown(first)}\r\n{_shown(second)}\r\n[")
+            say(child, f"/save {out}")
+            child.expect("saved 5 messages")
+            say(child, "/quit")
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+        user, asked, a1, a2, again = json.loads(out.read_text())["messages"]
+        ids = [tc["id"] for tc in asked["tool_calls"]]
+        assert user == q and len(set(ids)) == 2
+        assert (a1, a2) == ({"role": "tool", "tool_call_id": ids[0], "content": "sunny"},
+                            {"role": "tool", "tool_call_id": ids[1], "content": "rainy"})
+        want2 = c.chat.completions.create(model="x", messages=[user, asked, a1, a2], tools=[WEATHER_TOOL],
+                                          temperature=0)
+        assert [tc["function"] for tc in again["tool_calls"]] == [
+            {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls]
+
+
 def test_pipe_with_tools_prints_the_content_and_the_calls_on_stderr(tool_looper, tmp_path):
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps({"model": "m", "messages": [], "tools": [WEATHER_TOOL]}))  # a /save file
