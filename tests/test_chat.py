@@ -298,11 +298,11 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
     tools.write_text(json.dumps([WEATHER_TOOL]))
     c = client(s)
     q = [{"role": "user", "content": "weather in Paris?"}]
-    want = c.chat.completions.create(model="x", messages=q, tools=[WEATHER_TOOL], temperature=0, max_tokens=300)
+    want = c.chat.completions.create(model="x", messages=q, tools=[WEATHER_TOOL], temperature=0, max_tokens=1500)
     (call,) = want.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and want.choices[0].message.content
     out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
-    child = spawn("--port", str(s.port), "--temperature", "0", "--max-tokens", "300", "--tools", str(tools),
+    child = spawn("--port", str(s.port), "--temperature", "0", "--max-tokens", "1500", "--tools", str(tools),
                   env={"NO_COLOR": "1"})
     try:
         say(child, "/tool 21 C")
@@ -314,13 +314,13 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
         reasoning = want.choices[0].message.model_extra["reasoning_content"]
         child.expect_exact(f"(thinking) {reasoning}\r\n{_shown(call)}\r\nOne two three")
         assert s.stats()["requests"]["active"] == 1, "the answer had ended: the call was not shown as parsed"
-        child.expect(r"\[300 tokens", timeout=300)
+        child.expect(r"\[1500 tokens", timeout=300)
         say(child, f"/save {out1}")
         child.expect("saved 2 messages")
         # the tool's answer goes back; the model goes on (this one calls again)
         say(child, "/tool 21 C and sunny")
         child.expect_exact(_shown(call))
-        child.expect(r"\[300 tokens", timeout=300)
+        child.expect(r"\[1500 tokens", timeout=300)
         say(child, f"/save {out2}")
         child.expect("saved 4 messages")
         say(child, "/quit")
@@ -338,7 +338,7 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
     assert answer == {"role": "tool", "tool_call_id": got["id"], "content": "21 C and sunny"}
     # the second turn is what the API answers to the same conversation
     want2 = c.chat.completions.create(model="x", messages=[user, asked, answer], tools=[WEATHER_TOOL], temperature=0,
-                                      max_tokens=300)
+                                      max_tokens=1500)
     assert [tc["function"] for tc in again["tool_calls"]] == [
         {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls]
     assert again["content"] == want2.choices[0].message.content
