@@ -11,9 +11,10 @@ import time
 import openai
 import pytest
 
-from scriptedmodel import THINK_ANSWER, make_looping_model, make_scripted_model
+from scriptedmodel import ANSWER_SCRIPT, THINK_ANSWER, WEATHER_TOOL, make_looping_model, make_scripted_model
 from server_util import Server, free_port
-from tinymodels import make_model
+from test_server_vision import _png, data_url
+from tinymodels import make_gemma3_vision, make_model
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -38,8 +39,8 @@ def chat_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "mlxrs", "chat", *args]
 
 
-def spawn(*args: str) -> "pexpect.spawn":
-    env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+def spawn(*args: str, env: dict[str, str] | None = None) -> "pexpect.spawn":
+    env = {**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm", **(env or {})}
     cmd = chat_cmd(*args)
     # Ctrl-C reaches the child even when this test runs with SIGINT ignored (a background job of a
     # non-interactive shell), which the child would inherit
@@ -199,3 +200,246 @@ def test_terminal_load_system_reset_and_reasoning(tmp_path):
     assert msgs[0]["content"] == "short answers" and msgs[4]["content"] == THINK_ANSWER
     assert json.loads((tmp_path / "empty.json").read_text())["messages"] == [{"role": "system",
                                                                                "content": "short answers"}]
+
+
+def test_terminal_folds_reasoning_away_and_shows_it_on_request():
+    model = make_scripted_model()
+    with Server(model) as s:
+        want = client(s).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                                 temperature=0)
+        reasoning = want.choices[0].message.model_extra["reasoning_content"]
+        child = spawn("--port", str(s.port), "--temperature", "0", env={"NO_COLOR": "1"})
+        try:
+            say(child, "/reasoning")
+            child.expect_exact("(no reasoning in the last answer)")
+            say(child, "/reasoning off")
+            child.expect_exact("reasoning folded away")
+            say(child, "hi")
+            child.expect_exact("(thinking…)\r\n" + want.choices[0].message.content + "\r\n[")
+            assert reasoning and reasoning not in child.before
+            say(child, "/reasoning")  # the folded reasoning, on request
+            child.expect_exact(reasoning.replace("\n", "\r\n"))
+            say(child, "/reasoning on")
+            child.expect_exact("reasoning shown as it streams")
+            say(child, "hi")
+            child.expect_exact(f"(thinking) {reasoning}\r\n{want.choices[0].message.content}\r\n[")
+            say(child, "/quit")
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+
+
+# -- multi-line input -------------------------------------------------------------------------------
+@pytest.mark.parametrize("editor", ["prompt_toolkit", "input"])
+def test_terminal_multiline_input(talker, tmp_path, editor):
+    """Esc Enter (prompt_toolkit) and a trailing backslash (both editors) start a new line; the
+    message sent is the lines joined, answered as the API answers it."""
+    env = {}
+    if editor == "input":  # prompt_toolkit cannot be imported: the plain input() fallback
+        (tmp_path / "prompt_toolkit").mkdir()
+        (tmp_path / "prompt_toolkit" / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    child = spawn("--port", str(talker.port), "--temperature", "0", "--max-tokens", "16", env=env)
+    out = tmp_path / "conv.json"
+    try:
+        child.expect("chatting with")
+        if editor == "prompt_toolkit":
+            child.expect_exact(PROMPT)
+            child.send("first line")
+            child.send("\x1b\r")  # Esc Enter (what Alt-Enter sends)
+            want_text = "first line\nsecond line\nthird line"
+        else:
+            child.expect_exact("> ")
+            child.send("first line\\\r")
+            child.expect_exact(". ")
+            want_text = "first line\nsecond line\nthird line"
+        child.send("second line\\")
+        child.send("\r")
+        if editor == "input":
+            child.expect_exact(". ")
+        child.send("third line\r")
+        child.expect(r"\[\d+ tokens", timeout=300)
+        if editor == "prompt_toolkit":
+            say(child, f"/save {out}")
+        else:
+            child.expect_exact("> ")
+            child.sendline(f"/save {out}")
+        child.expect("saved 2 messages")
+    finally:
+        child.close(force=True)
+    saved = json.loads(out.read_text())
+    assert saved["messages"][0] == {"role": "user", "content": want_text}
+    want = client(talker).chat.completions.create(model="x", messages=[{"role": "user", "content": want_text}],
+                                                  temperature=0, max_tokens=16)
+    assert saved["messages"][1]["content"] == want.choices[0].message.content
+
+
+# -- tool calls ---------------------------------------------------------------------------------------
+# thinks, calls get_weather, then counts "One two three two three …" until max_tokens: the call is
+# parsed (and shown) long before the answer ends
+TOOL_LOOP = ["<think>", "\nI need the weather.\n", "</think>", "<tool_call>",
+             '\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>", "One ", "two ", "three "]
+
+
+@pytest.fixture(scope="module")
+def tool_looper():
+    model = make_scripted_model("scripted-tool-loop", tool_script=ANSWER_SCRIPT, think_script=TOOL_LOOP, loop_to=7)
+    with Server(model) as s:
+        yield s
+
+
+def _shown(call) -> str:
+    return f"tool call: {call.function.name}({call.function.arguments})"
+
+
+def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_path):
+    s = tool_looper
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER_TOOL]))
+    c = client(s)
+    q = [{"role": "user", "content": "weather in Paris?"}]
+    want = c.chat.completions.create(model="x", messages=q, tools=[WEATHER_TOOL], temperature=0, max_tokens=1500)
+    (call,) = want.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and want.choices[0].message.content
+    out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
+    child = spawn("--port", str(s.port), "--temperature", "0", "--max-tokens", "1500", "--tools", str(tools),
+                  env={"NO_COLOR": "1"})
+    try:
+        say(child, "/tool 21 C")
+        child.expect("no tool call to answer")
+        say(child, f"/image {tools}")  # a text-only model (/v1/models says so)
+        child.expect_exact("scripted-tool-loop takes no images (its input: text)")
+        say(child, q[0]["content"])
+        # the reasoning, then the call on its own line, shown while the server is still generating the rest
+        reasoning = want.choices[0].message.model_extra["reasoning_content"]
+        child.expect_exact(f"(thinking) {reasoning}\r\n{_shown(call)}\r\nOne two three")
+        assert s.stats()["requests"]["active"] == 1, "the answer had ended: the call was not shown as parsed"
+        child.expect(r"\[1500 tokens", timeout=300)
+        say(child, f"/save {out1}")
+        child.expect("saved 2 messages")
+        # the tool's answer goes back; the model goes on (this one calls again)
+        say(child, "/tool 21 C and sunny")
+        child.expect_exact(_shown(call))
+        child.expect(r"\[1500 tokens", timeout=300)
+        say(child, f"/save {out2}")
+        child.expect("saved 4 messages")
+        say(child, "/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    one, two = json.loads(out1.read_text()), json.loads(out2.read_text())
+    assert one["tools"] == two["tools"] == [WEATHER_TOOL]
+    # the assistant message is the API's own (the call's id is the server's, made per request)
+    (got,) = one["messages"][1]["tool_calls"]
+    assert (got["function"], one["messages"][1]["content"]) == (
+        {"name": call.function.name, "arguments": call.function.arguments}, want.choices[0].message.content)
+    user, asked, answer, again = two["messages"]
+    assert (user, asked) == (q[0], one["messages"][1])
+    assert answer == {"role": "tool", "tool_call_id": got["id"], "content": "21 C and sunny"}
+    # the second turn is what the API answers to the same conversation
+    want2 = c.chat.completions.create(model="x", messages=[user, asked, answer], tools=[WEATHER_TOOL], temperature=0,
+                                      max_tokens=1500)
+    assert [tc["function"] for tc in again["tool_calls"]] == [
+        {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls]
+    assert again["content"] == want2.choices[0].message.content
+    # what /save wrote (tools included) the SDK sends back as is
+    assert c.chat.completions.create(**two, max_tokens=3, temperature=0).choices[0].message.role == "assistant"
+
+
+# two calls in one answer (then EOS)
+TWO_CALLS = ["<think>", "\nTwo cities.\n", "</think>", "<tool_call>",
+             '\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>", "\n<tool_call>\n",
+             '{"name": "get_weather", "arguments": {"city": "Rome"}}', "\n</tool_call>\n"]
+
+
+def test_terminal_answers_each_of_two_tool_calls(tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([WEATHER_TOOL]))
+    out = tmp_path / "conv.json"
+    q = {"role": "user", "content": "weather in Paris and Rome?"}
+    with Server(make_scripted_model("scripted-two-calls", tool_script=ANSWER_SCRIPT, think_script=TWO_CALLS)) as s:
+        c = client(s)
+        want = c.chat.completions.create(model="x", messages=[q], tools=[WEATHER_TOOL], temperature=0)
+        first, second = want.choices[0].message.tool_calls
+        child = spawn("--port", str(s.port), "--temperature", "0", "--tools", str(tools), env={"NO_COLOR": "1"})
+        try:
+            say(child, q["content"])
+            child.expect_exact(f"\r\n{_shown(first)}\r\n{_shown(second)}\r\n[")
+            say(child, "/tool sunny")
+            child.expect_exact("answered get_weather; 1 more tool call(s) to answer")
+            say(child, "/tool rainy")  # the last one: the model goes on
+            child.expect_exact(f"\r\n{_shown(first)}\r\n{_shown(second)}\r\n[")
+            say(child, f"/save {out}")
+            child.expect("saved 5 messages")
+            say(child, "/quit")
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+        user, asked, a1, a2, again = json.loads(out.read_text())["messages"]
+        ids = [tc["id"] for tc in asked["tool_calls"]]
+        assert user == q and len(set(ids)) == 2
+        assert (a1, a2) == ({"role": "tool", "tool_call_id": ids[0], "content": "sunny"},
+                            {"role": "tool", "tool_call_id": ids[1], "content": "rainy"})
+        want2 = c.chat.completions.create(model="x", messages=[user, asked, a1, a2], tools=[WEATHER_TOOL],
+                                          temperature=0)
+        assert [tc["function"] for tc in again["tool_calls"]] == [
+            {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls]
+
+
+def test_pipe_with_tools_prints_the_content_and_the_calls_on_stderr(tool_looper, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"model": "m", "messages": [], "tools": [WEATHER_TOOL]}))  # a /save file
+    q = "weather in Paris?"
+    want = client(tool_looper).chat.completions.create(
+        model="x", messages=[{"role": "user", "content": q}], tools=[WEATHER_TOOL], temperature=0, max_tokens=20)
+    r = subprocess.run(chat_cmd("--port", str(tool_looper.port), "--tools", str(tools), "--temperature", "0",
+                                "--max-tokens", "20"), input=q, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want.choices[0].message.content + "\n"
+    (call,) = want.choices[0].message.tool_calls
+    assert r.stderr.endswith(_shown(call) + "\n")
+
+
+def test_bad_tools_file_is_refused_naming_the_entry(tmp_path):
+    bad = tmp_path / "tools.json"
+    bad.write_text(json.dumps([WEATHER_TOOL, {"type": "function", "function": {"parameters": {}}}]))
+    r = subprocess.run(chat_cmd("--tools", str(bad), "--port", str(free_port())), input="hi", capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and f"--tools {bad}: tools[1]: expected" in r.stderr and r.stdout == ""
+    bad.write_text("{not json")
+    r = subprocess.run(chat_cmd("--tools", str(bad)), input="hi", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"--tools {bad}:" in r.stderr
+
+
+# -- images ---------------------------------------------------------------------------------------------
+def test_terminal_attaches_an_image(tmp_path):
+    img, other = tmp_path / "noise.png", tmp_path / "notes.txt"
+    img.write_bytes(_png(21))
+    other.write_text("not an image")
+    out = tmp_path / "conv.json"
+    with Server(make_gemma3_vision()) as s:
+        child = spawn("--port", str(s.port), "--temperature", "0", "--max-tokens", "12")
+        try:
+            say(child, f"/image {other}")
+            child.expect_exact(f"{other}: not a PNG, JPEG, WebP or GIF image")
+            say(child, f"/image {tmp_path / 'missing.png'}")
+            child.expect_exact("cannot read")
+            say(child, f"/image {img}")
+            child.expect_exact("attached noise.png (1 image(s) go with the next message)")
+            say(child, "What is in this picture?")
+            child.expect(r"\[(\d+) tokens, [\d.]+ tok/s · context (\d+)/", timeout=300)
+            n_tokens, used = int(child.match.group(1)), int(child.match.group(2))
+            say(child, f"/save {out}")
+            child.expect("saved 2 messages")
+            say(child, "/quit")
+            child.expect(pexpect.EOF)
+        finally:
+            child.close(force=True)
+        saved = json.loads(out.read_text())
+        asked = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(_png(21))}},
+                                             {"type": "text", "text": "What is in this picture?"}]}
+        assert saved["messages"][0] == asked
+        # the answer is the API's for the same message (the image counted in the prompt)
+        want = client(s).chat.completions.create(model="x", messages=[asked], temperature=0, max_tokens=12)
+        assert saved["messages"][1]["content"] == want.choices[0].message.content
+        assert (n_tokens, used) == (want.usage.completion_tokens, want.usage.total_tokens)

@@ -206,3 +206,11 @@ def test_audio_is_refused_naming_the_modality(server):
         oa(server).chat.completions.create(model=MODEL, max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}])
     assert "messages[0].content[0]" in e.value.message and "audio" in e.value.message
+
+
+def test_models_card_says_the_model_takes_images(server, local):
+    """`/v1/models` tells clients (the chat page) whether images can be sent: from the model's info."""
+    card = oa(server).models.list().data[0]
+    assert local.vision is not None
+    assert card.id == MODEL and card.model_extra["input_modalities"] == ["text", "image"]
+    assert oa(server).models.retrieve(MODEL).model_extra["input_modalities"] == ["text", "image"]

@@ -9,6 +9,7 @@ Over a pipe (stdin not a terminal) it reads stdin as one question and prints the
 from __future__ import annotations
 
 import argparse
+import base64
 import http.client
 import json
 import os
@@ -24,9 +25,14 @@ HELP = """commands:
   /system TEXT    set the system prompt (/system alone clears it)
   /save FILE      write the conversation as a chat-completions request body (JSON)
   /load FILE      read a conversation written by /save (or a JSON list of messages)
+  /tools FILE     offer the tools in FILE (a JSON array of OpenAI tools; /tools alone: none)
+  /tool TEXT      answer the model's next unanswered tool call with TEXT (then it goes on)
+  /image FILE     attach a PNG, JPEG, WebP or GIF to the next message (/image alone: drop them)
+  /reasoning      show the last answer's reasoning;  /reasoning on|off  stream it or fold it away
   /model          the model served;  /stats  the server's figures
   /help           this;  /quit (or Ctrl-D) leave
-Enter sends; Esc then Enter (or Alt-Enter) starts a new line. Ctrl-C stops an answer."""
+Enter sends; Esc then Enter (or Alt-Enter), or a line ending in \\, starts a new line.
+Ctrl-C stops an answer."""
 
 DIM, BOLD, MAGENTA, RESET = "\x1b[2m", "\x1b[1m", "\x1b[35m", "\x1b[0m"
 
@@ -101,6 +107,43 @@ class Client:
         finally:
             self.conn = None
             conn.close()
+
+
+def load_tools(path: str, flag: str = "--tools") -> list[dict[str, Any]]:
+    """The tools in a JSON file: an array of OpenAI tools, or a request body with `tools` (what
+    /save writes). Refused, naming the file and the entry, unless each has a function name."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {path}: {e}") from None
+    tools = data.get("tools") if isinstance(data, dict) else data
+    if not isinstance(tools, list):
+        raise ValueError(f"{flag} {path}: expected a JSON array of tools (or an object with \"tools\")")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str) and fn["name"]):
+            raise ValueError(f'{flag} {path}: tools[{i}]: expected {{"type": "function", "function": '
+                             f'{{"name": ..., "parameters": {{...}}}}}}')
+    return tools
+
+
+IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
+               (b"GIF89a", "image/gif"))
+
+
+def image_data_url(path: str) -> str:
+    """A local image file as the data: URL an OpenAI image_url part carries (its type from its bytes)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    mt = next((m for magic, m in IMAGE_MAGIC if data.startswith(magic)), None)
+    if mt is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        mt = "image/webp"
+    if mt is None:
+        raise ValueError(f"{path}: not a PNG, JPEG, WebP or GIF image")
+    return f"data:{mt};base64," + base64.b64encode(data).decode()
 
 
 def _decode(status: int, body: bytes) -> Any:
@@ -184,12 +227,18 @@ class Chat:
         self.color = color
         self.system: str | None = args.system
         self.messages: list[dict[str, Any]] = []
+        self.tools: list[dict[str, Any]] | None = None
+        self.images: list[str] = []  # data: URLs for the next message (/image)
+        self.show_reasoning = True  # stream the reasoning (dimmed); off: one "(thinking…)" marker
+        self.last_reasoning = ""
         self.model = "default"
         self.ceiling: int | None = None
+        self.modalities: list[str] | None = None  # what the model takes (None: the server does not say)
         try:
             cards = client.get("/v1/models")["data"]
             self.model = cards[0]["id"]
             self.ceiling = cards[0].get("context_length")
+            self.modalities = cards[0].get("input_modalities")
         except (ApiError, OSError, KeyError, IndexError, TypeError):
             pass
 
@@ -204,19 +253,84 @@ class Chat:
             body["temperature"] = self.args.temperature
         if self.args.max_tokens is not None:
             body["max_tokens"] = self.args.max_tokens
+        if self.tools:
+            body["tools"] = self.tools
         return body
 
     def ask(self, text: str, out: Any, plain: bool = False) -> bool:
         """Send `text`, stream the answer to `out`; False when it was cancelled or failed (the
         question is then dropped from the conversation)."""
-        self.messages.append({"role": "user", "content": text})
+        content: Any = text
+        if self.images:  # OpenAI content parts: the images, then the text
+            content = [{"type": "image_url", "image_url": {"url": u}} for u in self.images]
+            content.append({"type": "text", "text": text})
+            self.images = []
+        self.messages.append({"role": "user", "content": content})
+        return self.turn(out, plain)
+
+    def unanswered_calls(self) -> list[dict[str, Any]]:
+        """The tool calls of the last assistant message that no tool message answers yet."""
+        for i in range(len(self.messages) - 1, -1, -1):
+            m = self.messages[i]
+            if m["role"] == "assistant":
+                done = {t.get("tool_call_id") for t in self.messages[i + 1:] if t["role"] == "tool"}
+                return [c for c in m.get("tool_calls") or [] if c.get("id") not in done]
+            if m["role"] != "tool":
+                return []
+        return []
+
+    def tool_reply(self, text: str, out: Any) -> bool:
+        """Answer the next unanswered tool call with `text`; once all are answered, the model goes on."""
+        calls = self.unanswered_calls()
+        if not calls:
+            out.write("no tool call to answer\n")
+            return False
+        c = calls[0]
+        self.messages.append({"role": "tool", "tool_call_id": c.get("id"), "content": text})
+        if len(calls) > 1:
+            out.write(f"answered {c['function']['name']}; {len(calls) - 1} more tool call(s) to answer\n")
+            return True
+        return self.turn(out)
+
+    def turn(self, out: Any, plain: bool = False) -> bool:
+        """Stream the model's next message to `out` and append it; False when it was cancelled or
+        failed (the message that asked is then dropped)."""
         content: list[str] = []
+        reasoning: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         usage: dict[str, Any] | None = None
         finish = None
         t0 = time.monotonic()
         first: float | None = None
-        in_reasoning = False
+        # what the terminal shows: "reasoning" (dimmed), "call" (a tool call being printed, its
+        # arguments as they stream), "content", or None at the start of a line
+        shown: str | None = None
+        paren = False  # the open tool call's "(" is printed
+
+        def show(kind: str | None, text: str = "") -> None:
+            nonlocal shown, paren
+            if plain:
+                if kind == "content":
+                    out.write(text)
+                return
+            if kind != shown:
+                if shown == "call":
+                    out.write(self._c(MAGENTA, "" if paren else "(") + self._c(MAGENTA, ")"))
+                if shown is not None:
+                    out.write("\n")
+                if kind == "reasoning":
+                    out.write(self._c(DIM, "(thinking) " if self.show_reasoning else "(thinking…)"))
+                elif kind == "call":
+                    out.write(self._c(MAGENTA, "tool call: "))
+                    paren = False
+                shown = kind
+            if kind == "reasoning" and not self.show_reasoning:
+                return
+            if text:
+                out.write(self._c(MAGENTA, text) if kind == "call" else self._c(DIM, text) if kind == "reasoning"
+                          else text)
+
+        mark = len(self.messages) - 1  # the message that asked: dropped when this turn fails
         stream = self.client.stream_chat(self.request())
         try:
             for ev in stream:
@@ -224,51 +338,55 @@ class Chat:
                     usage = ev["usage"]
                 for ch in ev.get("choices") or []:
                     d = ch.get("delta") or {}
-                    if first is None and (d.get("content") or d.get("reasoning_content")):
+                    if first is None and (d.get("content") or d.get("reasoning_content") or d.get("tool_calls")):
                         first = time.monotonic()
-                    if d.get("reasoning_content") and not plain:
-                        if not in_reasoning:
-                            out.write(self._c(DIM, "(thinking) "))
-                            in_reasoning = True
-                        out.write(self._c(DIM, d["reasoning_content"]))
+                    if d.get("reasoning_content"):
+                        reasoning.append(d["reasoning_content"])
+                        show("reasoning", d["reasoning_content"])
                     if d.get("content"):
-                        if in_reasoning:
-                            out.write("\n")
-                            in_reasoning = False
                         content.append(d["content"])
-                        out.write(d["content"])
+                        show("content", d["content"])
                     for tc in d.get("tool_calls") or []:
-                        slot = calls.setdefault(tc.get("index", 0), {"id": tc.get("id"), "type": "function",
-                                                                     "function": {"name": "", "arguments": ""}})
-                        fn = tc.get("function") or {}
+                        i = tc.get("index", 0)
+                        if i not in calls:  # a new call: its own line
+                            calls[i] = {"id": tc.get("id"), "type": "function", "function": {"name": "", "arguments": ""}}
+                            show(None)
+                            show("call")
+                        slot, fn = calls[i], tc.get("function") or {}
                         slot["function"]["name"] += fn.get("name") or ""
-                        slot["function"]["arguments"] += fn.get("arguments") or ""
+                        show("call", fn.get("name") or "")
+                        if fn.get("arguments"):
+                            slot["function"]["arguments"] += fn["arguments"]
+                            show("call", ("" if paren else "(") + fn["arguments"])
+                            paren = True
                     if ch.get("finish_reason"):
                         finish = ch["finish_reason"]
                     out.flush()
         except KeyboardInterrupt:
             stream.close()  # closes the connection: the server cancels the generation
-            self.messages.pop()
+            del self.messages[mark:]
             if not plain:
                 out.write(self._c(DIM, "\n[cancelled]\n"))
                 out.flush()
             return False
         except (ApiError, OSError, ValueError) as e:
-            self.messages.pop()
+            del self.messages[mark:]
             sys.stderr.write(f"\nerror: {e}\n")
             return False
-        if in_reasoning:
-            out.write("\n")
+        if shown is None and not plain:
+            out.write("\n")  # an empty answer: an empty line
+        show(None)
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
         if calls:
             msg["tool_calls"] = [calls[i] for i in sorted(calls)]
         self.messages.append(msg)
-        out.write("\n")
-        if plain:
+        self.last_reasoning = "".join(reasoning)
+        if plain:  # stdout: the content alone; the calls (if any) on stderr
+            out.write("\n")
             out.flush()
+            for c in msg.get("tool_calls", []):
+                sys.stderr.write(f"tool call: {c['function']['name']}({c['function']['arguments']})\n")
             return True
-        for c in msg.get("tool_calls", []):
-            out.write(self._c(MAGENTA, f"tool call: {c['function']['name']}({c['function']['arguments']})") + "\n")
         out.write(self._c(DIM, self.status_line(usage, finish, t0, first)) + "\n")
         out.flush()
         return True
@@ -301,9 +419,42 @@ class Chat:
             self.system = arg or None
             out.write(f"system prompt {'set' if arg else 'cleared'}\n")
         elif cmd == "/save" and arg:
-            Path(arg).write_text(json.dumps({"model": self.model, "messages": self.request()["messages"]},
-                                            indent=2, ensure_ascii=False) + "\n")
+            saved: dict[str, Any] = {"model": self.model, "messages": self.request()["messages"]}
+            if self.tools:
+                saved["tools"] = self.tools
+            Path(arg).write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n")
             out.write(f"saved {len(self.messages)} messages to {arg}\n")
+        elif cmd == "/tools":
+            try:
+                self.tools = load_tools(arg, "/tools") if arg else None
+            except ValueError as e:
+                out.write(f"{e}\n")
+                return True
+            names = [t["function"]["name"] for t in self.tools or []]
+            out.write(f"tools offered: {', '.join(names)}\n" if names else "no tools offered\n")
+        elif cmd == "/reasoning":
+            if arg in ("on", "off"):
+                self.show_reasoning = arg == "on"
+                out.write(f"reasoning {'shown as it streams' if self.show_reasoning else 'folded away'}\n")
+            elif arg:
+                out.write("/reasoning [on|off]\n")
+            else:
+                out.write(self._c(DIM, self.last_reasoning or "(no reasoning in the last answer)") + "\n")
+        elif cmd == "/tool" and arg:
+            self.tool_reply(arg, out)
+        elif cmd == "/image":
+            if not arg:
+                out.write(f"dropped {len(self.images)} attached image(s)\n")
+                self.images = []
+            elif self.modalities is not None and "image" not in self.modalities:
+                out.write(f"{self.model} takes no images (its input: {', '.join(self.modalities)})\n")
+            else:
+                try:
+                    self.images.append(image_data_url(arg))
+                except ValueError as e:
+                    out.write(f"{e}\n")
+                    return True
+                out.write(f"attached {Path(arg).name} ({len(self.images)} image(s) go with the next message)\n")
         elif cmd == "/load" and arg:
             try:
                 data = json.loads(Path(arg).read_text())
@@ -313,10 +464,18 @@ class Chat:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 out.write(f"cannot load {arg}: {e}\n")
                 return True
+            tools = None
+            if isinstance(data, dict) and data.get("tools") is not None:
+                try:
+                    tools = load_tools(arg, "/load")
+                except ValueError as e:
+                    out.write(f"cannot load {e}\n")
+                    return True
             sys_msgs = [m for m in msgs if m["role"] == "system"]
             self.system = sys_msgs[0].get("content") if sys_msgs else self.system
             self.messages = [m for m in msgs if m["role"] != "system"]
-            out.write(f"loaded {len(self.messages)} messages\n")
+            self.tools = tools or self.tools
+            out.write(f"loaded {len(self.messages)} messages" + (f" and {len(tools)} tools" if tools else "") + "\n")
         elif cmd == "/model":
             out.write(f"{self.model} at {self.client.url}" + (f", context ceiling {self.ceiling} tokens"
                                                               if self.ceiling else "") + "\n")
@@ -348,13 +507,21 @@ def format_stats(s: dict[str, Any]) -> str:
     ])
 
 
+def _read_lines(read: Any) -> str:
+    """Plain input(): a line ending in a backslash continues on the next one."""
+    line = read("> ")
+    while line.endswith("\\"):
+        line = line[:-1] + "\n" + read(". ")
+    return str(line)
+
+
 def _prompt_reader() -> Any:
     """A function that reads one (possibly multi-line) input or raises EOFError/KeyboardInterrupt."""
     try:
         from prompt_toolkit import PromptSession
         from prompt_toolkit.key_binding import KeyBindings
     except ImportError:  # the `chat` extra is not installed: plain input()
-        return lambda: input("> ")
+        return lambda: _read_lines(input)
     kb = KeyBindings()
 
     @kb.add("escape", "enter")
@@ -363,7 +530,12 @@ def _prompt_reader() -> Any:
 
     @kb.add("enter")
     def _submit(event: Any) -> None:
-        event.current_buffer.validate_and_handle()
+        buf = event.current_buffer
+        if buf.document.text_before_cursor.endswith("\\"):  # a trailing backslash: a new line instead
+            buf.delete_before_cursor(1)
+            buf.insert_text("\n")
+        else:
+            buf.validate_and_handle()
 
     session: Any = PromptSession(multiline=True, key_bindings=kb)
     return lambda: session.prompt("> ", prompt_continuation=". ")
@@ -372,6 +544,11 @@ def _prompt_reader() -> Any:
 def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MLXRS_API_KEY")
     interactive = sys.stdin.isatty()
+    try:
+        tools = load_tools(args.tools) if args.tools else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     say = (lambda m: print(m, flush=True)) if interactive else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         url, stop = connect(args, api_key, say)
@@ -383,7 +560,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         raise
     try:
-        chat = Chat(Client(url, api_key), args, color=interactive and sys.stdout.isatty())
+        chat = Chat(Client(url, api_key), args, color=interactive and sys.stdout.isatty()
+                    and not os.environ.get("NO_COLOR"))
+        chat.tools = tools
         if not interactive:
             text = sys.stdin.read()
             if not text.strip():
@@ -426,4 +605,6 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     cp.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     cp.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
     cp.add_argument("--max-tokens", type=int, default=None, help="max_tokens per answer (default: the server's)")
+    cp.add_argument("--tools", default=None, metavar="FILE",
+                    help="offer the tools in FILE (a JSON array of OpenAI tools, or a /save file with tools)")
     cp.set_defaults(func=run)

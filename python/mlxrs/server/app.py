@@ -439,8 +439,9 @@ STATIC_DIR = Path(__file__).with_name("static")
 PAGE_FILES = {"chat.js": "text/javascript", "chat.css": "text/css"}
 PAGE_PATHS = {"/", "/index.html", *(f"/static/{n}" for n in PAGE_FILES)}
 # the page runs only its own script and style and talks only to this server: model output that
-# slipped into the DOM as markup still could not run or load anything
-PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+# slipped into the DOM as markup still could not run or load anything (images: its own, and the
+# data: URLs of the images the user attaches, shown as thumbnails — nothing from elsewhere)
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
             "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 PAGE_HEADERS = {"Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff",
                 "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
@@ -608,7 +609,8 @@ def _model_card(state: ServerState, anthropic: bool, name: str | None = None) ->
         return {"type": "model", "id": mid, "display_name": mid,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))}
     return {"id": mid, "object": "model", "created": state.created, "owned_by": "mlxrs",
-            "context_length": state.context_tokens}
+            "context_length": state.context_tokens,
+            "input_modalities": ["text", "image"] if state.vision else ["text"]}
 
 
 async def models(request: web.Request) -> web.Response:

@@ -66,9 +66,24 @@
   // -- state
   let conv = load(CONV, []);
   let settings = load(SETTINGS, { system: "", temperature: "", maxTokens: "" });
-  let controller = null, modelId = null;
+  let controller = null, modelId = null, vision = false;
+  let attached = [];  // images picked for the next message: { name, url } (url: a data: URL)
   function load(k, dflt) { try { return JSON.parse(localStorage.getItem(k)) ?? dflt; } catch (e) { return dflt; } }
-  function save() { localStorage.setItem(CONV, JSON.stringify(conv)); localStorage.setItem(SETTINGS, JSON.stringify(settings)); }
+  // The conversation is kept with its images (data: URLs) while it fits the browser's storage
+  // (~5 MB an origin); when it does not, it is kept without the image bytes (each image replaced by
+  // { name, dropped: true }, shown as a note; not resent after a reload) and a notice says so.
+  function save() {
+    localStorage.setItem(SETTINGS, JSON.stringify(settings));
+    let dropped = false;
+    try { localStorage.setItem(CONV, JSON.stringify(conv)); }
+    catch (e) {
+      dropped = true;
+      const slim = conv.map((m) => m.images ? Object.assign({}, m, { images: m.images.map((i) => ({ name: i.name, dropped: true })) }) : m);
+      try { localStorage.setItem(CONV, JSON.stringify(slim)); } catch (e2) { localStorage.removeItem(CONV); }
+    }
+    showNotice(dropped ? "The images of this conversation are too large for the browser's storage: the conversation is kept without them, so after a reload they are gone (and not sent again)." : "");
+  }
+  function showNotice(msg) { const n = $("notice"); n.textContent = msg || ""; n.hidden = !msg; }
 
   // -- API (same origin, JSON; the key once asked for is kept in localStorage)
   function headers() {
@@ -102,6 +117,18 @@
       d.appendChild(el("div", "reasoning", m.reasoning));
       box.appendChild(d);
     }
+    if (m.images && m.images.length) {
+      const row = el("div", "images");
+      for (const im of m.images) {
+        if (isImageUrl(im.url)) {
+          const img = el("img", "thumb");
+          img.alt = im.name || "image";
+          img.src = im.url;
+          row.appendChild(img);
+        } else row.appendChild(el("div", "image-dropped", "[image " + (im.name || "") + " not kept: too large for the browser's storage]"));
+      }
+      box.appendChild(row);
+    }
     const body = el("div", "content");
     body.appendChild(renderMarkdown(m.content || ""));
     box.appendChild(body);
@@ -123,6 +150,11 @@
     if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
     for (const m of conv) {
       const out = { role: m.role, content: m.content || "" };
+      const imgs = (m.images || []).filter((i) => isImageUrl(i.url));
+      if (imgs.length) {  // OpenAI content parts: the images, then the text
+        out.content = imgs.map((i) => ({ type: "image_url", image_url: { url: i.url } }));
+        if (m.content) out.content.push({ type: "text", text: m.content });
+      }
       if (m.tool_calls && m.tool_calls.length) out.tool_calls = m.tool_calls;
       messages.push(out);
     }
@@ -206,11 +238,51 @@
   }
   function send() {
     const text = $("input").value;
-    if (!text.trim() || controller) return;
+    if ((!text.trim() && !attached.length) || controller) return;
     $("input").value = "";
-    conv.push({ role: "user", content: text });
+    const m = { role: "user", content: text };
+    if (attached.length) m.images = attached;
+    attached = [];
+    renderAttachments();
+    conv.push(m);
     save();
     generate();
+  }
+
+  // -- image attach (shown only when /v1/models says the model takes images)
+  function isImageUrl(u) { return typeof u === "string" && /^data:image\/(png|jpeg|webp|gif);base64,[A-Za-z0-9+/=]*$/.test(u); }
+  function readDataUrl(file) {
+    return new Promise((resolve, reject) => {
+      const r = new FileReader();
+      r.onload = () => resolve(r.result);
+      r.onerror = () => reject(r.error);
+      r.readAsDataURL(file);
+    });
+  }
+  async function attachFiles(files) {
+    if (!vision) return;
+    for (const f of files) {
+      const url = await readDataUrl(f).catch(() => null);
+      if (!isImageUrl(url)) { showError(f.name + ": not a PNG, JPEG, WebP or GIF image"); continue; }
+      attached.push({ name: f.name, url });
+    }
+    renderAttachments();
+  }
+  function renderAttachments() {
+    const box = $("attachments");
+    box.replaceChildren(...attached.map((a, i) => {
+      const item = el("div", "attachment");
+      const img = el("img", "thumb");
+      img.alt = a.name;
+      img.src = a.url;
+      const rm = el("button", null, "×");
+      rm.type = "button";
+      rm.title = "remove " + a.name;
+      rm.addEventListener("click", () => { attached.splice(i, 1); renderAttachments(); });
+      item.append(img, rm);
+      return item;
+    }));
+    box.hidden = !attached.length;
   }
   function regenerate() {
     if (controller) return;
@@ -261,12 +333,31 @@
     $("stop").addEventListener("click", () => { if (controller) controller.abort(); });
     $("regenerate").addEventListener("click", regenerate);
     $("new").addEventListener("click", () => { if (controller) controller.abort(); conv = []; save(); renderAll(); });
+    $("attach").addEventListener("click", () => $("attach-input").click());
+    $("attach-input").addEventListener("change", (e) => { const files = Array.from(e.target.files); e.target.value = ""; attachFiles(files); });
+    // an image pasted into the input, or dropped on the composer, is attached too (a model that takes images)
+    const imageFiles = (dt) => Array.from((dt && dt.files) || []).filter((f) => f.type.startsWith("image/"));
+    $("input").addEventListener("paste", (e) => {
+      const files = imageFiles(e.clipboardData);
+      if (vision && files.length) { e.preventDefault(); attachFiles(files); }
+    });
+    $("composer").addEventListener("dragover", (e) => { if (vision) e.preventDefault(); });
+    $("composer").addEventListener("drop", (e) => {
+      const files = imageFiles(e.dataTransfer);
+      if (vision && files.length) { e.preventDefault(); attachFiles(files); }
+    });
     $("toggle-settings").addEventListener("click", () => { $("settings").hidden = !$("settings").hidden; });
     $("toggle-stats").addEventListener("click", () => { $("stats").hidden = !$("stats").hidden; refreshStats(); });
     $("forget-key").addEventListener("click", () => localStorage.removeItem(KEY));
     setInterval(refreshStats, 3000);
     renderAll();
-    api("/v1/models").then((r) => r.json()).then((d) => { modelId = d.data[0].id; $("model").textContent = modelId; })
+    api("/v1/models").then((r) => r.json()).then((d) => {
+      const card = d.data[0];
+      vision = (card.input_modalities || []).includes("image");
+      $("attach").hidden = !vision;
+      modelId = card.id;
+      $("model").textContent = modelId;
+    })
       .catch((e) => showError(String(e.message || e)));
   }
   window.mlxrsChat = { renderMarkdown };
