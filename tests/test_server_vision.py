@@ -214,3 +214,39 @@ def test_models_card_says_the_model_takes_images(server, local):
     assert local.vision is not None
     assert card.id == MODEL and card.model_extra["input_modalities"] == ["text", "image"]
     assert oa(server).models.retrieve(MODEL).model_extra["input_modalities"] == ["text", "image"]
+
+
+def test_responses_input_image_reaches_the_model(server, local):
+    """/v1/responses: an `input_image` part is the chat path's image_url part — the answer equals the
+    chat completion's for the same image and question (the oracle: the chat endpoint, itself checked
+    against the library above)."""
+    img = data_url(_png(3))
+    r = oa(server).responses.create(model=MODEL, max_output_tokens=12, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
+                                     {"type": "input_image", "image_url": img}]}])
+    c = oa(server).chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                     {"type": "image_url", "image_url": {"url": img}}]}])
+    assert r.usage.input_tokens == c.usage.prompt_tokens > 16
+    assert r.output_text == c.choices[0].message.content
+
+
+def test_responses_errors_name_the_input_item(server):
+    """What the chat path refuses inside an input item is named as the Responses request names it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        oa(server).responses.create(model=MODEL, max_output_tokens=4, instructions="be brief", input=[
+            {"role": "user", "content": "first"},
+            {"role": "user", "content": [{"type": "input_text", "text": "look"},
+                                         {"type": "input_image", "image_url": BAD["truncated PNG"]()}]}])
+    assert e.value.body["param"] == "input[1].content[1]", e.value.body
+    assert "messages[" not in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oa(server).responses.create(model=MODEL, max_output_tokens=4, input=[
+            {"role": "user", "content": [{"type": "input_image", "file_id": "file-123"}]}])
+    assert e.value.body["param"] == "input[0].content[0].image_url"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa(server).responses.create(model=MODEL, max_output_tokens=4, input=[
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1",
+             "output": [{"type": "input_image", "image_url": "data:image/png;base64,@@@"}]}])
+    assert e.value.body["param"].startswith("input[1].output"), e.value.body

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import secrets
 import time
 from typing import Any
@@ -52,7 +53,8 @@ def _store(state: ServerState) -> Store:
 
 
 def _parts(content: Any, where: str) -> Any:
-    """Responses content parts → chat content parts (input_text/output_text → text)."""
+    """Responses content parts → chat content parts (input_text/output_text → text, input_image →
+    image_url)."""
     if not isinstance(content, list):
         return content
     out = []
@@ -60,18 +62,27 @@ def _parts(content: Any, where: str) -> Any:
         if isinstance(p, dict) and p.get("type") in TEXT_PARTS:
             kind = TEXT_PARTS[p["type"]]
             out.append({"type": kind, kind: p.get("text", p.get(kind))})
+        elif isinstance(p, dict) and p.get("type") == "input_image":
+            url = p.get("image_url")
+            if not isinstance(url, str):
+                raise bad(f"{where}[{j}].image_url", "an input_image needs `image_url` (a data: URL, or an "
+                                                     "http(s) URL or file path where the server allows them); "
+                                                     "file_id is not supported")
+            out.append({"type": "image_url", "image_url": {"url": url}})
         else:
             out.append(p)  # chat's own checks name what is not supported
     return out
 
 
-def input_messages(value: Any) -> list[dict[str, Any]]:
-    """`input` (a string or a list of items) → chat messages."""
+def input_items(value: Any) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """`input` → (chat messages, for each message the input item it came from and what its
+    `content` is called there), so that what the chat path refuses is named as the request names it."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"role": "user", "content": value}], [("input", "")]
     if not isinstance(value, list):
         raise bad("input", f"expected a string or an array of input items, got {type_name(value)}")
     msgs: list[dict[str, Any]] = []
+    origins: list[tuple[str, str]] = []
     for i, item in enumerate(value):
         w = f"input[{i}]"
         if not isinstance(item, dict):
@@ -81,6 +92,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             if item.get("role") not in ("user", "assistant", "system", "developer"):
                 raise bad(f"{w}.role", "expected \"user\", \"assistant\", \"system\" or \"developer\"")
             msgs.append({"role": item["role"], "content": _parts(item.get("content"), f"{w}.content")})
+            origins.append((w, ".content"))
         elif t == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise bad(w, "a function_call item needs a string `name` and `call_id`")
@@ -91,18 +103,20 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append((w, ".content"))
         elif t == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise bad(w, "a function_call_output item needs a string `call_id`")
             out = item.get("output")
             msgs.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": _parts(out if out is not None else "", f"{w}.output")})
+            origins.append((w, ".output"))
         elif t == "reasoning":
             continue  # earlier reasoning is not fed back
         else:
             raise bad(f"{w}.type", f"input items of type {t!r} are not supported (message, function_call, "
                                    "function_call_output)")
-    return msgs
+    return msgs, origins
 
 
 def chat_tools(body: dict[str, Any]) -> tuple[Any, Any]:
@@ -137,8 +151,10 @@ def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     return {k: v for k, v in fmt.items()}
 
 
-def chat_body(state: ServerState, body: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the chat request, the conversation to store: earlier turns + this input, no instructions)."""
+def chat_body(state: ServerState, body: dict[str, Any]) \
+        -> tuple[dict[str, Any], list[dict[str, Any]], list[tuple[str, str]]]:
+    """(the chat request, the conversation to store: earlier turns + this input, no instructions,
+    and where each chat message came from: its input item and what its content is called there)."""
     history: list[dict[str, Any]] = []
     prev = opt_str(body, "previous_response_id")
     if prev is not None:
@@ -150,28 +166,42 @@ def chat_body(state: ServerState, body: dict[str, Any]) -> tuple[dict[str, Any],
         history = list(found)
     if body.get("input") is None:
         raise bad("input", "is required")
-    conversation = history + input_messages(body["input"])
+    items, item_origins = input_items(body["input"])
+    conversation = history + items
     instructions = opt_str(body, "instructions")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+    origins = ([("instructions", "")] if instructions else []) + [("previous_response_id", "")] * len(history) \
+        + item_origins
     tools, choice = chat_tools(body)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "tools": tools,
                             "tool_choice": choice, "temperature": body.get("temperature"),
                             "top_p": body.get("top_p"), "response_format": response_format(body),
                             "max_tokens": opt_int(body, "max_output_tokens", 1),
                             "chat_template_kwargs": body.get("chat_template_kwargs")}
-    return {k: v for k, v in chat.items() if v is not None}, conversation
+    return {k: v for k, v in chat.items() if v is not None}, conversation, origins
 
 
 # chat parameters named as the Responses request names them, in errors
 RENAMED = [("response_format.json_schema", "text.format"), ("response_format", "text.format")]
 
 
-def _renamed(e: ApiError) -> ApiError:
+def _renamed(e: ApiError, origins: list[tuple[str, str]] | None = None) -> ApiError:
+    def rename(new: str) -> None:
+        assert e.param is not None
+        e.message = e.message.replace(e.param, new, 1)
+        e.param = new
+
     for chat, ours in RENAMED:
         if e.param and e.param.startswith(chat):
-            e.message = e.message.replace(e.param, ours + e.param[len(chat):], 1)
-            e.param = ours + e.param[len(chat):]
-            break
+            rename(ours + e.param[len(chat):])
+            return e
+    if e.param is None:  # errors from the engine name the part at the start of their message
+        found = re.match(r"messages\[\d+\][\w.\[\]]*", e.message)
+        e.param = found[0] if found else None
+    m = re.fullmatch(r"messages\[(\d+)\](\.content)?(.*)", e.param or "", re.S)
+    if m and origins is not None and int(m[1]) < len(origins):
+        item, content = origins[int(m[1])]
+        rename(item + (content if m[2] else "") + m[3])
     return e
 
 
@@ -226,12 +256,12 @@ class Builder:
 async def responses(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    chat, conversation = chat_body(state, body)
+    chat, conversation, origins = chat_body(state, body)
     stream = bool(body.get("stream"))
     try:
         gen, parser, _, _, _ = await start_chat(state, chat)
     except ApiError as e:
-        raise _renamed(e) from None
+        raise _renamed(e, origins) from None
     b = Builder(state, body)
     try:
         if stream:

@@ -331,8 +331,11 @@ impl Mla {
         let latent = match index {
             Some((ix, iq, wts)) => {
                 let rank = self.d.kv_lora_rank;
-                let mut latent = mx::slice_axis(&keys, 3, 0, rank)?;
-                let ik = mx::slice_axis(&keys, 3, rank, rank + ix.head_dim())?;
+                // copied out of the shared rows: mlx-lm keeps the two in caches of their own, and on
+                // CUDA a matmul or SDPA over a last-axis slice of a wider buffer takes another kernel
+                // (float32 results 1e-3 apart, enough to move the indexer's top-k)
+                let mut latent = mx::contiguous(&mx::slice_axis(&keys, 3, 0, rank)?)?;
+                let ik = mx::contiguous(&mx::slice_axis(&keys, 3, rank, rank + ix.head_dim())?)?;
                 if let Some(idx) = ix.select(&wts, &iq, &ik, mask.as_ref())? {
                     super::deepseek_v32::sparsify(&idx, &mut latent, &mut k_pe, &mut mask)?;
                 }
