@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, ruff with
-# pyproject.toml's rules), then the Rust tests (cargo test --workspace) and the Python tests (pytest
-# tests/). Stops at the first failing stage. Extra arguments go to pytest:
+# pyproject.toml's rules, mypy --strict on python/mlxrs), then the Rust tests (cargo test --workspace)
+# and the Python tests (pytest tests/). Stops at the first failing stage. Extra arguments go to pytest:
 #   bash scripts/test.sh -k matmul -x
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,6 +43,7 @@ export PATH="$VIRTUAL_ENV/bin:$PATH"
 
 stage "lint: cargo clippy (warnings are errors)" cargo clippy --workspace --all-targets --quiet -- -D warnings
 stage "lint: ruff" ruff check python tests bench scripts
+stage "lint: mypy --strict (the package)" python -m mypy --strict python/mlxrs
 stage "cargo test --workspace" cargo test --workspace
 [ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
 stage "pytest tests" python -m pytest -q tests ${1+"$@"}  # ${1+...}: bash 3.2 (macOS) with set -u

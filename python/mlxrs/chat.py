@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 from urllib.parse import urlsplit
 
 HELP = """commands:
@@ -515,7 +515,7 @@ def _read_lines(read: Any) -> str:
     return str(line)
 
 
-def _prompt_reader() -> Any:
+def _prompt_reader() -> Callable[[], str]:
     """A function that reads one (possibly multi-line) input or raises EOFError/KeyboardInterrupt."""
     try:
         from prompt_toolkit import PromptSession
@@ -549,7 +549,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    say = (lambda m: print(m, flush=True)) if interactive else (lambda m: print(m, file=sys.stderr, flush=True))
+    def say(m: str) -> None:
+        print(m, file=sys.stdout if interactive else sys.stderr, flush=True)
     try:
         url, stop = connect(args, api_key, say)
     except Exception as e:  # a model that cannot load: one line

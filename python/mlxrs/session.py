@@ -233,12 +233,12 @@ def _adapter_specs(adapter: str | os.PathLike[str] | None,
     if not isinstance(adapters, Mapping) or not adapters:
         raise TypeError("adapters must be a non-empty mapping of name to adapter directory")
     out = {}
-    for name, path in adapters.items():
+    for name, where in adapters.items():
         if not isinstance(name, str) or not name or ":" in name:
             raise InvalidArgumentError(f"adapter name {name!r} must be a non-empty str without ':'")
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"adapters[{name!r}] must be a path, not {type(path).__name__}")
-        out[name] = os.fspath(path)
+        if not isinstance(where, (str, os.PathLike)):
+            raise TypeError(f"adapters[{name!r}] must be a path, not {type(where).__name__}")
+        out[name] = os.fspath(where)
     return out
 
 
@@ -365,7 +365,7 @@ class Session:
         messages (through the chat template) or ids (used as given)."""
         if isinstance(prompt, str):
             return self.tokenize(prompt)
-        items = list(prompt)
+        items: list[Any] = list(prompt)
         if items and all(isinstance(t, int) for t in items):
             return [int(t) for t in items]
         if not items or not all(isinstance(m, Mapping) for m in items):
@@ -398,7 +398,7 @@ class Session:
         "image": ...}`), or ids already holding the image tokens."""
         from . import media
 
-        items = None if isinstance(prompt, str) else list(prompt)
+        items: list[Any] | None = None if isinstance(prompt, str) else list(prompt)
         # messages whose content parts carry media (text-only parts go to the template as they are)
         has_parts = items is not None and any(
             isinstance(m, Mapping) and isinstance(m.get("content"), list)
@@ -409,14 +409,15 @@ class Session:
             return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), []
         vision = self.vision
         model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
-        marker = vision["boi_token"] if vision else None
+        marker: str | None = str(vision["boi_token"]) if vision else None
         refs = [media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"images[{i}]")
                 for i, x in enumerate(images or [])]
         if refs and marker is None:
             raise media.no_vision("images", model)
         policy = media.MediaPolicy(allow_local=True)
         if isinstance(prompt, str):
-            text = prompt if marker in prompt else marker * len(refs) + prompt  # type: ignore[operator]
+            assert marker is not None  # a string without images returned above
+            text = prompt if marker in prompt else marker * len(refs) + prompt
             ids = self.tokenize(self._s.expand_image_markers(text, len(refs)))
         elif items and all(isinstance(t, int) for t in items):
             ids = [int(t) for t in items]

@@ -12,6 +12,7 @@ from .app import KEEPALIVE_SECONDS, STATE, Generation, ServerState, read_json, s
 from .common import bad, common_sampling, opt_bool, opt_int, stop_list, type_name
 from .constrain import anthropic_output_config, combine, extension, naming, tool_call_schema
 from .. import media
+from ..errors import InvalidArgumentError
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
@@ -37,7 +38,7 @@ def _image(state: ServerState, b: dict[str, Any], where: str, images: list[media
         raise _no_media(state, where, "image")
     try:
         images.append(media.ImageRef(media.image_source(b, where), where))
-    except media.InvalidArgumentError as e:
+    except InvalidArgumentError as e:
         raise ApiError(400, str(e), param=where) from None
     return str(state.vision["boi_token"])
 

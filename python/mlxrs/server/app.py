@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 from aiohttp import web, web_protocol
 
@@ -41,6 +41,8 @@ WILDCARD_HOSTS = {"", "0.0.0.0", "::", "*"}
 KEEPALIVE_SECONDS = 10.0
 PREFIX_CHARS_PER_TOKEN = 16  # longer prompts are first measured by a prefix this many chars per token
 DEFAULT_MAX_TOKENS = 4096  # a chat request without max_tokens (--max-tokens)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -196,7 +198,7 @@ class ServerState:
                 raise self.over_ceiling(f"more than {n - 8}", param)
         return encode(text)
 
-    async def _blocking(self, fn: Callable[[], Any]) -> Any:
+    async def _blocking(self, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.executor, fn)

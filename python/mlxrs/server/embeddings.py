@@ -7,6 +7,7 @@ generative model is no trained embedding model — expect weaker retrieval than 
 from __future__ import annotations
 
 import base64
+import functools
 import sys
 from array import array
 from typing import Any
@@ -62,7 +63,7 @@ async def embeddings(request: web.Request) -> web.Response:
         if len(ids) > state.context_tokens:
             raise state.over_ceiling(str(len(ids)), where)
         n_tokens += len(ids)
-        vec = await state._blocking(lambda ids=ids: list(state.session._s.embed(ids)))
+        vec = await state._blocking(functools.partial(_embed, state, ids))
         data.append({"object": "embedding", "index": i, "embedding": _b64(vec) if fmt == "base64" else vec})
     return web.json_response({"object": "list", "data": data, "model": state.model_id,
                               "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
@@ -71,3 +72,7 @@ async def embeddings(request: web.Request) -> web.Response:
 def setup(r: web.UrlDispatcher) -> None:
     r.add_post("/v1/embeddings", embeddings)
     r.add_post("/embeddings", embeddings)
+
+
+def _embed(state: ServerState, ids: list[int]) -> list[float]:
+    return list(state.session._s.embed(ids))

@@ -804,7 +804,7 @@ class OutputParser:
                     calls = None
             if calls:
                 self._emit_call(out, calls)
-                self.buf = s[end:]  # type: ignore[index]
+                self.buf = s[end:]
                 self.state = "after"
             else:
                 out.append(Content(raw))
@@ -833,7 +833,7 @@ class OutputParser:
             self.state = "text"
             return True
         self._emit_call(out, [ToolCall(m.group(1), args)])
-        self.buf = rest[end:]  # type: ignore[index]
+        self.buf = rest[end:]
         # the next call repeats the marker
         self.state = "after"
         return True
@@ -875,7 +875,7 @@ class OutputParser:
             self.buf = s[end:] if isinstance(end, int) else ""
             return True
         self._emit_call(out, calls)
-        self.buf = s[end:]  # type: ignore[index]
+        self.buf = s[end:]
         self.after_json = True
         self.state = "after"
         return True
@@ -967,7 +967,7 @@ def _merge(events: list[Event]) -> list[Event]:
             continue
         if out and type(out[-1]) is type(e) and not isinstance(e, ToolCall):
             prev = out[-1]
-            out[-1] = type(e)(prev.text + e.text)  # type: ignore[union-attr,call-arg]
+            out[-1] = type(e)(prev.text + e.text)
         else:
             out.append(e)
     return out

@@ -15,6 +15,7 @@ from .common import (Sampling, bad, check_json, common_sampling, logit_bias, opt
                      opt_object, parse_json, stop_list, type_name)
 from .constrain import combine, extension, naming, openai_response_format, tool_call_schema
 from .. import media
+from ..errors import InvalidArgumentError
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
@@ -78,7 +79,7 @@ def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool =
 def _image_source(part: dict[str, Any], where: str) -> bytes | str:
     try:
         return media.image_source(part, where)
-    except media.InvalidArgumentError as e:
+    except InvalidArgumentError as e:
         raise ApiError(400, str(e), param=where) from None
 
 
@@ -235,7 +236,7 @@ def finish_reason(done: dict[str, Any], calls: bool) -> str:
     return "tool_calls" if calls else "stop"
 
 
-def usage(done: dict[str, Any]) -> dict[str, int]:
+def usage(done: dict[str, Any]) -> dict[str, Any]:
     p, c = int(done["prompt_tokens"]), int(done["completion_tokens"])
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))}}
