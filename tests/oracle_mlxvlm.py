@@ -1,6 +1,8 @@
 """The multimodal parity oracle: mlx-vlm 0.7.10 run in its own process (given the same BLAS as
 mlxrs through LD_PRELOAD, like oracle_mlxlm.py). Reads a JSON job on stdin, writes JSON on stdout.
 
+Gemma 4 (variable image sizes, per-layer inputs) takes its own path: see `gemma4`.
+
 Job: {"model": dir, "prompt": text with one image marker per image, "images": [paths],
       "max_tokens": n, "prefill_step_size": n}
 Out: {"input_ids": [ids] (the processor's), "pixel_values": [[floats]] per image (flattened [3, H, W]),
@@ -17,12 +19,62 @@ import mlx.core as mx
 import numpy as np
 
 
+def gemma4(job: dict, model, processor) -> dict:
+    """Gemma 4: the processor's pixel values (one `[3, H, W]` per image, each at its own size),
+    `encode_image`'s features, `get_input_embeddings`' merged embeddings and per-layer inputs
+    through the language model on generate's prefill schedule, then greedy decoding from the
+    tokens. The loop is written out rather than `generate_step`'s: mlx-vlm 0.7.10's keeps the
+    prompt's `per_layer_inputs` in the decode steps' kwargs, and its language model then slices
+    them at the cache offset clamped to the prompt, giving every generated token the last prompt
+    token's per-layer input instead of its own (the decode steps here compute them from the token,
+    as mlx-vlm's language model does when it is given none)."""
+    from mlx_vlm.utils import load_image
+
+    images = [load_image(p) for p in job["images"]]
+    inputs = processor(text=[job["prompt"]], images=images or None, return_tensors="np")
+    input_ids = mx.array(np.asarray(inputs["input_ids"]))
+    out: dict = {"input_ids": input_ids[0].tolist()}
+    pixel_values = inputs.get("pixel_values")
+    if pixel_values is not None:
+        items = list(pixel_values) if isinstance(pixel_values, list) else list(np.asarray(pixel_values))
+        out["pixel_values"] = [np.asarray(p, dtype=np.float32).ravel().tolist() for p in items]
+        out["pixel_shapes"] = [list(np.asarray(p).shape) for p in items]
+        out["features"] = np.asarray(model.encode_image(pixel_values).astype(mx.float32)).ravel().tolist()
+    emb = model.get_input_embeddings(input_ids, pixel_values)
+    h, pli = emb.inputs_embeds, emb.per_layer_inputs
+    lm = model.language_model
+    cache = lm.make_cache()
+    n, i, step = input_ids.shape[1], 0, job.get("prefill_step_size", 2048)
+
+    def run(a: int, b: int):
+        return lm(input_ids[:, a:b], inputs_embeds=h[:, a:b], cache=cache,
+                  per_layer_inputs=None if pli is None else pli[:, a:b]).logits
+
+    while n - i > 1:
+        k = min(step, n - 1 - i)
+        run(i, i + k)
+        mx.eval([c.state for c in cache])
+        i += k
+    logits = run(i, n)[0, -1]
+    out["logits"] = np.asarray(logits.astype(mx.float32)).tolist()
+    tokens = []
+    for _ in range(job["max_tokens"]):
+        y = int(mx.argmax(logits).item())
+        tokens.append(y)
+        logits = lm(mx.array([[y]]), cache=cache).logits[0, -1]
+    out["tokens"] = tokens
+    return out
+
+
 def main() -> None:
     job = json.load(sys.stdin)
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.utils import load, load_image
 
     model, processor = load(job["model"])
+    if model.config.model_type == "gemma4":
+        json.dump(gemma4(job, model, processor), sys.stdout)
+        return
     images = [load_image(p) for p in job["images"]]
     inputs = processor(text=[job["prompt"]], images=images or None, return_tensors="np")
     input_ids = mx.array(np.asarray(inputs["input_ids"]))

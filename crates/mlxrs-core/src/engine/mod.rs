@@ -138,7 +138,7 @@ pub struct Request {
     /// What the output must match (constrained decoding); None: anything.
     pub grammar: Option<Grammar>,
     /// Images, in the order of their image-token runs in `prompt` (each run
-    /// [`crate::vision::Processor::tokens_per_image`] long): the vision tower's embeddings replace
+    /// [`crate::vision::Processor::tokens_of`] long): the vision tower's embeddings replace
     /// those positions. A request with images bypasses the prompt-prefix cache (its image tokens
     /// are the same ids whatever the image).
     pub images: Vec<Arc<crate::vision::Pixels>>,
@@ -441,13 +441,10 @@ impl Engine {
                     self.shape.model_type
                 )));
             };
-            let n = req.prompt.iter().filter(|&&t| t == v.image_token_id).count();
-            if n != req.images.len() * v.tokens_per_image {
-                return Err(Error::Invalid(format!(
-                    "the prompt has {n} image tokens for {} image(s) of {} tokens each",
-                    req.images.len(),
-                    v.tokens_per_image
-                )));
+            let n = req.prompt.iter().filter(|&&t| t == v.image_token_id()).count();
+            let want: usize = req.images.iter().map(|p| v.tokens_of(p)).sum();
+            if n != want {
+                return Err(Error::Invalid(format!("the prompt has {n} image tokens for {} image(s) of {want} tokens", req.images.len())));
             }
         }
         // a grammar that does not compile is the caller's error, here rather than in the stream

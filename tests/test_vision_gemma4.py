@@ -1,0 +1,237 @@
+"""Image input for Gemma 4, against mlx-vlm 0.7.10 on the same tiny random model (tests/tinymodels.py
+`make_gemma4_vision`: 8×8 patches pooled 2×2, at most 16 image tokens an image, clipped linears,
+standardized features; the text model with per-layer inputs and KV sharing): the processor's
+aspect-ratio-preserving pixel values (each image at its own size), the tower's projected
+embeddings, the prompt's expansion (a count of image tokens per image), the last-position logits
+and 32 greedy tokens with one and with two images of different sizes; bad media and configs refused
+naming the part or the field.
+
+The oracle decodes with its own greedy loop over mlx-vlm's language model (tests/oracle_mlxvlm.py
+`gemma4` says why: mlx-vlm 0.7.10's `generate_step` feeds every generated token the prompt's last
+per-layer input)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlxrs
+from test_vision import BAD_MEDIA, run_vlm
+from tinymodels import make_gemma4_vision
+
+N_TOKENS = 32
+ONE = "Describe <|image|> please."
+TWO = "First <|image|> then <|image|> compare them."
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return make_gemma4_vision()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, Path]:
+    """A gradient with noise (70×90: 48×64 after resizing, 12 tokens), a tall noisy one (230×170:
+    64×48), a wide one (40×200: one block high), a square one already at the budget (64×64: not
+    resized), a JPEG, and an RGBA PNG."""
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("images4")
+    rng = np.random.default_rng(11)
+    yy, xx = np.mgrid[0:70, 0:90]
+    a = np.stack([(xx * 2.8) % 256, (yy * 3.6) % 256, rng.integers(0, 256, (70, 90))], -1).astype(np.uint8)
+    out = {k: d / f"{k}.png" for k in ("a", "tall", "wide", "square", "rgba")}
+    out["jpg"] = d / "c.jpg"
+    Image.fromarray(a).save(out["a"])
+    Image.fromarray(rng.integers(0, 256, (230, 170, 3), dtype=np.uint8)).save(out["tall"])
+    Image.fromarray(rng.integers(0, 256, (40, 200, 3), dtype=np.uint8)).save(out["wide"])
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(out["square"])
+    Image.fromarray(np.concatenate([a, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], -1), "RGBA").save(out["rgba"])
+    Image.fromarray(rng.integers(0, 256, (120, 100, 3), dtype=np.uint8)).save(out["jpg"], quality=85)
+    return out
+
+
+@pytest.fixture(scope="module")
+def session(model_dir):
+    with mlxrs.Session(model_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oracle_one(model_dir, images):
+    return run_vlm({"model": str(model_dir), "prompt": ONE, "images": [str(images["a"])], "max_tokens": N_TOKENS})
+
+
+@pytest.fixture(scope="module")
+def oracle_two(model_dir, images):
+    return run_vlm({"model": str(model_dir), "prompt": TWO, "images": [str(images["tall"]), str(images["wide"])],
+                    "max_tokens": N_TOKENS, "prefill_step_size": 16})
+
+
+def _ids(session, prompt: str, imgs: list[Path]) -> list[int]:
+    sizes = session._s.image_sizes([(p.read_bytes(), str(p)) for p in imgs])
+    return session.tokenize(session._s.expand_image_markers(prompt, len(imgs), sizes))
+
+
+def _logits(session, ids: list[int], imgs: list[Path]) -> np.ndarray:
+    return np.array(session._s.logits(ids, [p.read_bytes() for p in imgs]), dtype=np.float32)
+
+
+def test_vision_info(session):
+    v = session.vision
+    assert v["marker"] == "<|image|>" and v["sized"] is True and v["tokens_per_image"] is None
+    assert v["max_tokens_per_image"] == 16 and v["image_size"] is None
+
+
+@pytest.mark.parametrize("name", ["a", "tall", "wide", "square", "rgba"])
+def test_pixel_values_match_the_processor(session, model_dir, images, name):
+    """PNG: the aspect-ratio-preserving size, Pillow's bicubic resampling and the float32 rescale
+    reproduced: equal pixel values (the tolerance asked: 1e-5), each image at its own size."""
+    ref = run_vlm({"model": str(model_dir), "prompt": "<|image|>", "images": [str(images[name])], "max_tokens": 1})
+    ours = np.array(session.pixel_values(images[name]), dtype=np.float32)
+    theirs = np.array(ref["pixel_values"][0], dtype=np.float32)
+    c, h, w = ref["pixel_shapes"][0]
+    assert ours.shape == theirs.shape == (c * h * w,)
+    assert float(np.max(np.abs(ours - theirs))) <= 1e-5
+    # the prompt: boi, one image token per pooled block, eoi
+    assert _ids(session, "<|image|>", [images[name]]) == ref["input_ids"]
+
+
+def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
+    """JPEG: the decoders round differently (see test_vision.py); no normalization here, so a level
+    is 1/255."""
+    ref = run_vlm({"model": str(model_dir), "prompt": "<|image|>", "images": [str(images["jpg"])], "max_tokens": 1})
+    ours = np.array(session.pixel_values(images["jpg"]), dtype=np.float32)
+    theirs = np.array(ref["pixel_values"][0], dtype=np.float32)
+    assert ours.shape == theirs.shape
+    diff = np.abs(ours - theirs)
+    assert float(diff.max()) <= 6 / 255 + 1e-6, float(diff.max())
+    assert float(diff.mean()) <= 0.5 / 255, float(diff.mean())
+
+
+def test_tower_embeddings_match(session, images, oracle_two):
+    """The projected embeddings of two images of different sizes (16 + 5 tokens), concatenated:
+    float32 rounding apart (1e-4 relative to their scale, as for Gemma 3)."""
+    ours = np.array(session.image_features([images["tall"], images["wide"]]), dtype=np.float32)
+    theirs = np.array(oracle_two["features"], dtype=np.float32)
+    assert ours.shape == theirs.shape
+    assert float(np.max(np.abs(ours - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
+
+
+def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
+    ids = _ids(session, ONE, [images["a"]])
+    assert ids == oracle_one["input_ids"]
+    out = session.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert out.tokens == oracle_one["tokens"]
+    assert out.usage.prompt_tokens == len(oracle_one["input_ids"])
+    ours = _logits(session, ids, [images["a"]])
+    ref = np.array(oracle_one["logits"], dtype=np.float32)
+    assert float(np.max(np.abs(ours - ref))) <= 1e-4
+    # the image moves the distribution (another image of the same size: the same prompt ids)
+    other = _logits(session, ids, [images["rgba"]])
+    assert float(np.max(np.abs(other - ours))) > 100 * 1e-4
+
+
+def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two):
+    # chunks of 16 tokens: the image-token runs straddle chunk boundaries, and so do the per-layer
+    # inputs carried beside the merged embeddings
+    with mlxrs.Session(model_dir, prefill_step_size=16) as s:
+        ids = _ids(s, TWO, [images["tall"], images["wide"]])
+        assert ids == oracle_two["input_ids"]
+        out = s.generate(TWO, images=[images["tall"], images["wide"]], max_tokens=N_TOKENS, ignore_eos=True,
+                         temperature=0.0)
+        again = s.generate(TWO, images=[images["tall"], images["wide"]], max_tokens=N_TOKENS, ignore_eos=True,
+                           temperature=0.0)
+        ours = _logits(s, ids, [images["tall"], images["wide"]])
+        # swapped images: other sizes, so other prompt ids
+        swapped = s.generate(TWO, images=[images["wide"], images["tall"]], max_tokens=4, ignore_eos=True,
+                             temperature=0.0)
+    assert out.tokens == oracle_two["tokens"]
+    assert again.tokens == out.tokens
+    ref = np.array(oracle_two["logits"], dtype=np.float32)
+    assert float(np.max(np.abs(ours - ref))) <= 1e-4
+    assert swapped.usage.prompt_tokens == out.usage.prompt_tokens == len(ids)
+
+
+def test_chat_content_parts(session, images):
+    """Session.chat with an image part renders Gemma 4's image marker where the part is and expands
+    it by the image's size; a string prompt without markers takes its images first."""
+    import base64
+
+    data = images["tall"].read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    out = session.chat(msgs, max_tokens=8, temperature=0.0)
+    text = session.apply_chat_template([{"role": "user", "content": "What is this?\n<|image|>"}])
+    ids = session.tokenize(session._s.expand_image_markers(text, 1, session._s.image_sizes([(data, "x")])))
+    assert ids.count(session.vision["image_token_id"]) == 16
+    ref = session.generate(ids, images=[data], max_tokens=8, temperature=0.0)
+    assert out.tokens == ref.tokens and out.usage.prompt_tokens == len(ids)
+    first = session.generate("hello", images=[data], max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert first.usage.prompt_tokens == len(_ids(session, "<|image|>hello", [images["tall"]]))
+
+
+def test_expansion_needs_the_sizes_and_the_right_count(session, images):
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="expand by the images' sizes"):
+        session._s.expand_image_markers("<|image|>", 1)
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match=re.escape("1 image marker(s) (<|image|>) for 2")):
+        session._s.expand_image_markers("<|image|>", 2, [(10, 10), (10, 10)])
+    # ids whose image tokens do not match the images' sizes are refused before anything runs
+    ids = _ids(session, ONE, [images["a"]])
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="12 image tokens for 1 image"):
+        session.generate(ids, images=[images["tall"]], max_tokens=2)
+
+
+@pytest.mark.parametrize("case", list(BAD_MEDIA))
+def test_bad_media_is_refused_naming_the_part(session, case):
+    make, needle = BAD_MEDIA[case]
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="images\\[0\\]") as e:
+        session.generate("look", images=[make()], max_tokens=2)
+    assert needle in str(e.value)
+    assert len(session.generate("ok", max_tokens=2, temperature=0.0, ignore_eos=True).tokens) == 2
+
+
+def _copy(model_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    return d
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("vision_config.head_dim", 18, "vision_config.head_dim 18 is not a multiple of 4"),
+    ("vision_config.patch_size", 16, "patch_size 8 differs from config.json's vision_config.patch_size 16"),
+    ("vision_config.position_embedding_size", 16, "allows images 32 patches wide"),
+    ("vision_config.hidden_size", 96, "model.vision_tower.patch_embedder.input_proj.weight"),
+    ("vision_config.model_type", "siglip_vision_model", "not a Gemma 4 vision tower"),
+    ("image_token_id", 7, "image_token_id is 7"),
+])
+def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
+    d = _copy(model_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    node = cfg
+    *path, key = field.split(".")
+    for k in path:
+        node = node[k]
+    node[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mlxrs.errors.MlxrsError, match=re.escape(needle)):
+        mlxrs.Session(d)
+
+
+def test_bidirectional_vision_attention_is_refused_for_images(model_dir, tmp_path, images):
+    """mlx-vlm attends bidirectionally within each image with use_bidirectional_attention =
+    "vision"; mlxrs does not implement it: the model loads and serves text, images are refused."""
+    d = _copy(model_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["use_bidirectional_attention"] = "vision"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with mlxrs.Session(d) as s:
+        assert len(s.generate("ok", max_tokens=2, ignore_eos=True).tokens) == 2
+        with pytest.raises(mlxrs.errors.MlxrsError, match="use_bidirectional_attention"):
+            s.generate("look", images=[images["a"]], max_tokens=2)
