@@ -21,13 +21,9 @@ import numpy as np
 
 def gemma4(job: dict, model, processor) -> dict:
     """Gemma 4: the processor's pixel values (one `[3, H, W]` per image, each at its own size),
-    `encode_image`'s features, `get_input_embeddings`' merged embeddings and per-layer inputs
-    through the language model on generate's prefill schedule, then greedy decoding from the
-    tokens. The loop is written out rather than `generate_step`'s: mlx-vlm 0.7.10's keeps the
-    prompt's `per_layer_inputs` in the decode steps' kwargs, and its language model then slices
-    them at the cache offset clamped to the prompt, giving every generated token the last prompt
-    token's per-layer input instead of its own (the decode steps here compute them from the token,
-    as mlx-vlm's language model does when it is given none)."""
+    `encode_image`'s features, the last-position logits of `get_input_embeddings`' merged
+    embeddings and per-layer inputs through the language model on generate's prefill schedule,
+    and `generate_step`'s greedy tokens."""
     from mlx_vlm.utils import load_image
 
     images = [load_image(p) for p in job["images"]]
@@ -55,14 +51,11 @@ def gemma4(job: dict, model, processor) -> dict:
         run(i, i + k)
         mx.eval([c.state for c in cache])
         i += k
-    logits = run(i, n)[0, -1]
-    out["logits"] = np.asarray(logits.astype(mx.float32)).tolist()
-    tokens = []
-    for _ in range(job["max_tokens"]):
-        y = int(mx.argmax(logits).item())
-        tokens.append(y)
-        logits = lm(mx.array([[y]]), cache=cache).logits[0, -1]
-    out["tokens"] = tokens
+    out["logits"] = np.asarray(run(i, n)[0, -1].astype(mx.float32)).tolist()
+    from mlx_vlm.generate.ar import generate_step
+
+    out["tokens"] = [int(t) for t, _ in generate_step(input_ids, model, pixel_values, None, max_tokens=job["max_tokens"],
+                                                      temperature=0.0, prefill_step_size=step)]
     return out
 
 
