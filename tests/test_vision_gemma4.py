@@ -39,7 +39,7 @@ def images(tmp_path_factory) -> dict[str, Path]:
     rng = np.random.default_rng(11)
     yy, xx = np.mgrid[0:70, 0:90]
     a = np.stack([(xx * 2.8) % 256, (yy * 3.6) % 256, rng.integers(0, 256, (70, 90))], -1).astype(np.uint8)
-    out = {k: d / f"{k}.png" for k in ("a", "tall", "wide", "square", "rgba", "other")}
+    out = {k: d / f"{k}.png" for k in ("a", "tall", "wide", "square", "rgba", "other", "strip")}
     out["jpg"] = d / "c.jpg"
     Image.fromarray(a).save(out["a"])
     Image.fromarray(rng.integers(0, 256, (230, 170, 3), dtype=np.uint8)).save(out["tall"])
@@ -47,6 +47,8 @@ def images(tmp_path_factory) -> dict[str, Path]:
     Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(out["square"])
     Image.fromarray(np.concatenate([a, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], -1), "RGBA").save(out["rgba"])
     Image.fromarray(rng.integers(0, 256, (70, 90, 3), dtype=np.uint8)).save(out["other"])
+    # so thin that the budget's height rounds to 0 blocks: one block high, capped in width
+    Image.fromarray(rng.integers(0, 256, (6, 300, 3), dtype=np.uint8)).save(out["strip"])
     Image.fromarray(rng.integers(0, 256, (120, 100, 3), dtype=np.uint8)).save(out["jpg"], quality=85)
     return out
 
@@ -83,7 +85,7 @@ def test_vision_info(session):
     assert v["max_tokens_per_image"] == 16 and v["image_size"] is None
 
 
-@pytest.mark.parametrize("name", ["a", "tall", "wide", "square", "rgba"])
+@pytest.mark.parametrize("name", ["a", "tall", "wide", "square", "rgba", "strip"])
 def test_pixel_values_match_the_processor(session, model_dir, images, name):
     """PNG: the aspect-ratio-preserving size, Pillow's bicubic resampling and the float32 rescale
     reproduced: equal pixel values (the tolerance asked: 1e-5), each image at its own size."""
@@ -95,6 +97,20 @@ def test_pixel_values_match_the_processor(session, model_dir, images, name):
     assert float(np.max(np.abs(ours - theirs))) <= 1e-5
     # the prompt: boi, one image token per pooled block, eoi
     assert _ids(session, "<|image|>", [images[name]]) == ref["input_ids"]
+
+
+def test_image_token_counts_match_the_processor_over_sizes(session):
+    """The count of image tokens of an image of each size (the aspect-ratio-preserving target, its
+    degenerate thin cases included) is mlx-vlm's processor's, over a sweep of sizes."""
+    from mlx_vlm.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
+
+    sizes = [(h, w) for h in (1, 3, 7, 16, 17, 31, 64, 65, 100, 333, 1000, 4000) for w in (1, 5, 16, 63, 64, 90, 257, 2048)]
+    ours = [session._s.expand_image_markers("<|image|>", 1, [hw]).count("<|image|>") for hw in sizes]
+    theirs = []
+    for h, w in sizes:
+        th, tw = get_aspect_ratio_preserving_size(h, w, 8, 16 * 4, 2)
+        theirs.append((th // 8) * (tw // 8) // 4)
+    assert ours == theirs
 
 
 def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):

@@ -690,7 +690,7 @@ impl CausalLm for Model {
     /// token embeddings ([`CausalLm::embed_per_layer`]) in trailing columns when the model has them
     /// (without them: the projection of the embeddings alone, as mlx-vlm without `per_layer_inputs`).
     fn forward_embeds(&self, embeds: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        let hidden = self.shape.hidden_size as i32;
+        let hidden = self.shape.hidden_size;
         let width = embeds.dim(-1);
         let extra = self.per_layer.as_ref().map_or(0, |pl| pl.dim * self.layers.len() as i32);
         let (h, e) = if width == hidden {
