@@ -252,3 +252,19 @@ def test_bidirectional_vision_attention_is_refused_for_images(model_dir, tmp_pat
         assert len(s.generate("ok", max_tokens=2, ignore_eos=True).tokens) == 2
         with pytest.raises(mlxrs.errors.MlxrsError, match="use_bidirectional_attention"):
             s.generate("look", images=[images["a"]], max_tokens=2)
+
+
+def test_batch_and_async_take_images(session, images):
+    import asyncio
+
+    msgs = [{"role": "user", "content": [{"type": "image", "image": images["wide"].read_bytes()},
+                                         {"type": "text", "text": "and?"}]}]
+    one = session.chat(msgs, max_tokens=6, temperature=0.0, ignore_eos=True)
+    batch = session.generate_batch([msgs, "plain text", msgs], max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert batch[0].tokens == batch[2].tokens == one.tokens
+    assert batch[0].usage.prompt_tokens == one.usage.prompt_tokens
+
+    async def run() -> list[int]:
+        return [c.token async for c in session.astream(msgs, max_tokens=6, temperature=0.0, ignore_eos=True)
+                if c.token is not None]
+    assert asyncio.run(run()) == one.tokens
