@@ -268,3 +268,24 @@ def test_batch_and_async_take_images(session, images):
         return [c.token async for c in session.astream(msgs, max_tokens=6, temperature=0.0, ignore_eos=True)
                 if c.token is not None]
     assert asyncio.run(run()) == one.tokens
+
+
+def test_bfloat16_two_images(images):
+    """The same model in bfloat16 (the tower's float32 norms, rotary tables and pooling cast as
+    mlx-vlm casts them): the features equal to bfloat16 rounding, logits within the bf16 parity
+    tolerance (2e-2), 32 identical greedy tokens, prefill in chunks of 16."""
+    d = make_gemma4_vision("gemma4-vision-bf16", dtype="bfloat16")
+    imgs = [images["tall"], images["a"]]
+    ref = run_vlm({"model": str(d), "prompt": TWO, "images": [str(p) for p in imgs], "max_tokens": N_TOKENS,
+                   "prefill_step_size": 16})
+    with mlxrs.Session(d, prefill_step_size=16) as s:
+        feats = np.array(s.image_features(imgs), dtype=np.float32)
+        theirs = np.array(ref["features"], dtype=np.float32)
+        assert feats.shape == theirs.shape
+        assert float(np.max(np.abs(feats - theirs))) <= 2 ** -7 * float(np.max(np.abs(theirs)))
+        ids = _ids(s, TWO, imgs)
+        assert ids == ref["input_ids"]
+        logits = _logits(s, ids, imgs)
+        out = s.generate(TWO, images=imgs, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 2e-2
+    assert out.tokens == ref["tokens"]
