@@ -50,6 +50,12 @@ def images(tmp_path_factory) -> dict[str, Path]:
     # so thin that the budget's height rounds to 0 blocks: one block high, capped in width
     Image.fromarray(rng.integers(0, 256, (6, 300, 3), dtype=np.uint8)).save(out["strip"])
     Image.fromarray(rng.integers(0, 256, (120, 100, 3), dtype=np.uint8)).save(out["jpg"], quality=85)
+    # stored 40 high × 110 wide with EXIF orientation 6 (rotate 90°): 110 × 40 once applied, so
+    # the image's size must be read with its orientation before the prompt is expanded
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    out["rotated"] = d / "r.jpg"
+    Image.fromarray(rng.integers(0, 256, (40, 110, 3), dtype=np.uint8)).save(out["rotated"], quality=90, exif=exif)
     return out
 
 
@@ -111,6 +117,14 @@ def test_image_token_counts_match_the_processor_over_sizes(session):
         th, tw = get_aspect_ratio_preserving_size(h, w, 8, 16 * 4, 2)
         theirs.append((th // 8) * (tw // 8) // 4)
     assert ours == theirs
+
+
+def test_exif_orientation_counts_in_the_size(session, model_dir, images):
+    ref = run_vlm({"model": str(model_dir), "prompt": "<|image|>", "images": [str(images["rotated"])],
+                   "max_tokens": 1})
+    assert session._s.image_sizes([(images["rotated"].read_bytes(), "r")]) == [(110, 40)]
+    assert _ids(session, "<|image|>", [images["rotated"]]) == ref["input_ids"]
+    assert len(session.pixel_values(images["rotated"])) == int(np.prod(ref["pixel_shapes"][0]))
 
 
 def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
