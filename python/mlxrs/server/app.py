@@ -165,7 +165,7 @@ class ServerState:
         def work() -> tuple[str, list[int]]:
             text = self.session.apply_chat_template(msgs, tools=tools, **dict(template_kwargs))
             if images:
-                sizes = None
+                sizes: list[tuple[int, int]] | None = None
                 if self.vision and self.vision.get("sized"):
                     sizes = []
                     for data, where in images:
