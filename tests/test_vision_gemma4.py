@@ -303,3 +303,22 @@ def test_bfloat16_two_images(images):
         out = s.generate(TWO, images=imgs, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 2e-2
     assert out.tokens == ref["tokens"]
+
+
+def test_mlx_vlm_4bit_checkpoint(images):
+    """A checkpoint mlx-vlm converted (4-bit language model, its own weight names): the same
+    features, logits within the fp32 tolerance, 32 identical greedy tokens."""
+    from tinymodels import make_gemma4_vision_q4
+
+    d = make_gemma4_vision_q4()
+    ref = run_vlm({"model": str(d), "prompt": ONE, "images": [str(images["a"])], "max_tokens": N_TOKENS})
+    with mlxrs.Session(d) as s:
+        feats = np.array(s.image_features([images["a"]]), dtype=np.float32)
+        theirs = np.array(ref["features"], dtype=np.float32)
+        assert float(np.max(np.abs(feats - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
+        ids = _ids(s, ONE, [images["a"]])
+        assert ids == ref["input_ids"]
+        logits = _logits(s, ids, [images["a"]])
+        out = s.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 1e-4
+    assert out.tokens == ref["tokens"]

@@ -646,3 +646,19 @@ def make_gemma4_vision(name: str = "gemma4-vision-f32", *, dtype: str = "float32
                             "rescale_factor": 1 / 255, "do_normalize": False}}, indent=2))
     (d / ".complete").write_text("ok")
     return d
+
+
+def make_gemma4_vision_q4(name: str = "gemma4-vision-q4") -> Path:
+    """`make_gemma4_vision`'s model converted by mlx-vlm 0.7.10 to 4 bits (group 64): the language
+    model quantized, the tower not (as mlx-vlm quantizes Gemma 4), saved in mlx-vlm's layout (no
+    `model.` prefix, the vision weights as `vision_tower.*`)."""
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    from mlx_vlm import convert
+
+    src = make_gemma4_vision()
+    shutil.rmtree(d, ignore_errors=True)
+    convert(str(src), mlx_path=str(d), quantize=True, q_bits=4, q_group_size=64)
+    (d / ".complete").write_text("ok")
+    return d
