@@ -274,7 +274,8 @@ class Session:
         """(pixel values [3, H, W] flattened, H, W) of an encoded image, as the model's processor
         makes them."""
     def image_features(self, images: Sequence[bytes]) -> list[float]:
-        """The vision tower's projected features of encoded images, flattened [N, tokens, hidden]."""
+        """The vision tower's projected features of encoded images, flattened (each image's tokens
+        in order, `hidden` wide)."""
     def expand_image_markers(self, text: str, images: int, sizes: Sequence[tuple[int, int]] | None = None) -> str:
         """`text` with each image marker expanded to the model's image-token sequence; `sizes`
         (each image's (height, width), from `image_sizes`) when the count of image tokens depends

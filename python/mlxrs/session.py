@@ -461,8 +461,9 @@ class Session:
         return list(self._s.pixel_values(data)[0])
 
     def image_features(self, images: Sequence[bytes | str | os.PathLike[str]]) -> list[float]:
-        """The vision tower's projected features of images (flattened float32 `[N,
-        tokens_per_image, hidden]`): what replaces their image tokens in the prompt."""
+        """The vision tower's projected features of images (flattened float32: each image's tokens
+        in order — `tokens_per_image` each, or per its size for Gemma 4 — each `hidden` wide): what
+        replaces their image tokens in the prompt."""
         from . import media
 
         pol = media.MediaPolicy(allow_local=True)

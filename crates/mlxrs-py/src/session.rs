@@ -277,8 +277,8 @@ impl Session {
         Ok((px.data.clone(), px.height, px.width))
     }
 
-    /// The vision tower's projected features of encoded images (flattened float32
-    /// `[N, tokens_per_image, hidden]`).
+    /// The vision tower's projected features of encoded images (flattened float32: each image's
+    /// tokens in order — `tokens_per_image` each, or per its size for Gemma 4 — `hidden` wide).
     fn image_features(&self, py: Python<'_>, images: Vec<Vec<u8>>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
         let named = images.into_iter().enumerate().map(|(i, b)| (b, format!("image {i}"))).collect();

@@ -501,8 +501,8 @@ impl Engine {
         self.ask(prompt, |prompt, reply| Cmd::Embed { prompt, reply })
     }
 
-    /// The vision tower's projected features of `pixels` (float32, `[N, tokens_per_image,
-    /// hidden]` flattened): what replaces the image tokens (before the merge's scaling).
+    /// The vision tower's projected features of `pixels` (float32, every image's tokens in order,
+    /// each `hidden` wide, flattened): what replaces the image tokens (before any merge scaling).
     pub fn image_features(&self, pixels: Vec<Arc<crate::vision::Pixels>>) -> Result<Vec<f32>> {
         if self.vision.is_none() {
             return Err(Error::Invalid(format!("model {} has no vision tower", self.model_name())));
