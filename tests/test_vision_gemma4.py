@@ -322,3 +322,12 @@ def test_mlx_vlm_4bit_checkpoint(images):
         out = s.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 1e-4
     assert out.tokens == ref["tokens"]
+
+
+def test_audio_and_video_parts_are_refused(session):
+    """Gemma 4's audio tower is not implemented: audio (and video) parts are refused naming the
+    part, as for every model."""
+    for part, kind in [({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "audio"),
+                       ({"type": "video_url", "video_url": {"url": "x"}}, "video")]:
+        with pytest.raises(mlxrs.errors.InvalidArgumentError, match=rf"messages\[0\].content\[0\]: {kind} input"):
+            session.chat([{"role": "user", "content": [part]}], max_tokens=2)

@@ -359,7 +359,8 @@ pub struct Tower {
 /// cos and sin `[1, L, 1, head_dim / 2]` (mlx-vlm computes them in float32, then casts).
 struct Rope2d {
     parts: Vec<(Array, Array)>,
-    half: i32,
+    /// Channels per spatial dimension (head_dim / 2).
+    cpd: i32,
 }
 
 impl Tower {
@@ -408,7 +409,7 @@ impl Tower {
     fn rope(&self, rows: i32, cols: i32) -> Result<Rope2d> {
         let cpd = self.d.head_dim / 2; // channels per spatial dimension
         let half = cpd / 2;
-        let exps = mx::multiply(&mx::astype(&mx::arange(0.0, half as f64, 1.0, Dtype::Int32)?, Dtype::Float32)?, &Array::f32(2.0 / cpd as f32)?)?;
+        let exps = mx::multiply(&mx::astype(&mx::arange(0.0, half as f64, 1.0, Dtype::Int32)?, Dtype::Float32)?, &Array::f32((2.0 / cpd as f64) as f32)?)?;
         let timescale = mx::power(&Array::f32(self.d.theta)?, &exps)?;
         let l = rows * cols;
         let xs: Vec<f32> = (0..l).map(|i| (i % cols) as f32).collect();
@@ -420,12 +421,12 @@ impl Tower {
             let dup = |a: &Array| -> Result<Array> { mx::expand_dims(&mx::concatenate(&[a, a], -1)?, 2) };
             parts.push((dup(&c)?, dup(&s)?));
         }
-        Ok(Rope2d { parts, half: cpd })
+        Ok(Rope2d { parts, cpd })
     }
 
     /// mlx-vlm's `apply_multidimensional_rope` on `[B, L, N, head_dim]`.
     fn apply_rope(x: &Array, r: &Rope2d) -> Result<Array> {
-        let cpd = r.half;
+        let cpd = r.cpd;
         let mut out = Vec::with_capacity(2);
         for (i, (c, s)) in r.parts.iter().enumerate() {
             let part = mx::slice_axis(x, -1, i as i32 * cpd, (i as i32 + 1) * cpd)?;
