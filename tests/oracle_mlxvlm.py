@@ -1,6 +1,8 @@
 """The multimodal parity oracle: mlx-vlm 0.7.10 run in its own process (given the same BLAS as
 mlxrs through LD_PRELOAD, like oracle_mlxlm.py). Reads a JSON job on stdin, writes JSON on stdout.
 
+Gemma 4 (variable image sizes, per-layer inputs) takes its own path: see `gemma4`.
+
 Job: {"model": dir, "prompt": text with one image marker per image, "images": [paths],
       "max_tokens": n, "prefill_step_size": n}
 Out: {"input_ids": [ids] (the processor's), "pixel_values": [[floats]] per image (flattened [3, H, W]),
@@ -17,12 +19,55 @@ import mlx.core as mx
 import numpy as np
 
 
+def gemma4(job: dict, model, processor) -> dict:
+    """Gemma 4: the processor's pixel values (one `[3, H, W]` per image, each at its own size),
+    `encode_image`'s features, the last-position logits of `get_input_embeddings`' merged
+    embeddings and per-layer inputs through the language model on generate's prefill schedule,
+    and `generate_step`'s greedy tokens."""
+    from mlx_vlm.utils import load_image
+
+    images = [load_image(p) for p in job["images"]]
+    inputs = processor(text=[job["prompt"]], images=images or None, return_tensors="np")
+    input_ids = mx.array(np.asarray(inputs["input_ids"]))
+    out: dict = {"input_ids": input_ids[0].tolist()}
+    pixel_values = inputs.get("pixel_values")
+    if pixel_values is not None:
+        items = list(pixel_values) if isinstance(pixel_values, list) else list(np.asarray(pixel_values))
+        out["pixel_values"] = [np.asarray(p, dtype=np.float32).ravel().tolist() for p in items]
+        out["pixel_shapes"] = [list(np.asarray(p).shape) for p in items]
+        out["features"] = np.asarray(model.encode_image(pixel_values).astype(mx.float32)).ravel().tolist()
+    emb = model.get_input_embeddings(input_ids, pixel_values)
+    h, pli = emb.inputs_embeds, emb.per_layer_inputs
+    lm = model.language_model
+    cache = lm.make_cache()
+    n, i, step = input_ids.shape[1], 0, job.get("prefill_step_size", 2048)
+
+    def run(a: int, b: int):
+        return lm(input_ids[:, a:b], inputs_embeds=h[:, a:b], cache=cache,
+                  per_layer_inputs=None if pli is None else pli[:, a:b]).logits
+
+    while n - i > 1:
+        k = min(step, n - 1 - i)
+        run(i, i + k)
+        mx.eval([c.state for c in cache])
+        i += k
+    out["logits"] = np.asarray(run(i, n)[0, -1].astype(mx.float32)).tolist()
+    from mlx_vlm.generate.ar import generate_step
+
+    out["tokens"] = [int(t) for t, _ in generate_step(input_ids, model, pixel_values, None, max_tokens=job["max_tokens"],
+                                                      temperature=0.0, prefill_step_size=step)]
+    return out
+
+
 def main() -> None:
     job = json.load(sys.stdin)
     from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.utils import load, load_image
 
     model, processor = load(job["model"])
+    if model.config.model_type == "gemma4":
+        json.dump(gemma4(job, model, processor), sys.stdout)
+        return
     images = [load_image(p) for p in job["images"]]
     inputs = processor(text=[job["prompt"]], images=images or None, return_tensors="np")
     input_ids = mx.array(np.asarray(inputs["input_ids"]))

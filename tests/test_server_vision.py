@@ -250,3 +250,61 @@ def test_responses_errors_name_the_input_item(server):
             {"type": "function_call_output", "call_id": "c1",
              "output": [{"type": "input_image", "image_url": "data:image/png;base64,@@@"}]}])
     assert e.value.body["param"].startswith("input[1].output"), e.value.body
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir():
+    from tinymodels import make_gemma4_vision
+
+    return make_gemma4_vision()
+
+
+def test_gemma4_images_through_both_protocols(gemma4_dir):
+    """Gemma 4 (its count of image tokens depends on each image's size): an OpenAI image_url part
+    and an Anthropic image block (also inside a tool_result) reach the model with the library's
+    prompt and answer for the same input; images of other sizes count other tokens; a truncated
+    image is a 400 naming the part, from its header, and the server keeps serving."""
+    from PIL import Image
+
+    def png(h: int, w: int, seed: int) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+        return buf.getvalue()
+    square, wide = png(60, 60, 1), png(30, 150, 2)
+    name = "gemma4-vision-f32"
+    with Server(gemma4_dir) as s, mlxrs.Session(gemma4_dir) as lib:
+        def chat(img: bytes) -> tuple[openai.types.chat.ChatCompletion, mlxrs.GenerationResult]:
+            parts = [{"type": "text", "text": "What is in this picture?"},
+                     {"type": "image_url", "image_url": {"url": data_url(img)}}]
+            r = oa(s).chat.completions.create(model=name, messages=[{"role": "user", "content": parts}],
+                                              max_tokens=10, temperature=0)
+            return r, lib.chat([{"role": "user", "content": parts}], max_tokens=10, temperature=0.0)
+        (r1, ref1), (r2, ref2) = chat(square), chat(wide)
+        for r, ref in ((r1, ref1), (r2, ref2)):
+            assert r.usage.prompt_tokens == ref.usage.prompt_tokens
+            assert r.choices[0].message.content == ref.text
+        def count(img: bytes) -> int:
+            return lib._s.expand_image_markers("<|image|>", 1, lib._s.image_sizes([(img, "x")])).count("<|image|>")
+        assert count(square) != count(wide)
+        assert r1.usage.prompt_tokens - r2.usage.prompt_tokens == count(square) - count(wide)
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(wide).decode()}}
+        m = an(s).messages.create(model=name, max_tokens=10, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Describe it."}, block]}])
+        ref = lib.chat([{"role": "user", "content": [{"type": "text", "text": "Describe it."},
+                                                     {"type": "image", "image": wide}]}], max_tokens=10, temperature=0.0)
+        assert m.usage.input_tokens == ref.usage.prompt_tokens
+        assert "".join(b.text for b in m.content if b.type == "text") == ref.text
+        in_tool = an(s).messages.create(model=name, max_tokens=4, tools=[TOOL], messages=_tool_turn([block]))
+        plain = an(s).messages.create(model=name, max_tokens=4, tools=[TOOL],
+                                      messages=_tool_turn([{"type": "text", "text": "x"}]))
+        expanded = lib._s.expand_image_markers("<|image|>", 1, lib._s.image_sizes([(wide, "x")]))
+        assert in_tool.usage.input_tokens - plain.usage.input_tokens == \
+            len(lib.tokenize(expanded)) - len(lib.tokenize("x"))
+        with pytest.raises(openai.BadRequestError) as e:
+            oa(s).chat.completions.create(model=name, max_tokens=4, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "look"},
+                                             {"type": "image_url", "image_url": {"url": data_url(b"\x89PNG\r\n")}}]}])
+        assert "messages[0].content[1]" in e.value.message
+        r = oa(s).chat.completions.create(model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert r.usage.completion_tokens >= 1

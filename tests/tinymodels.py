@@ -555,3 +555,110 @@ def make_gemma3_vision(name: str = "gemma3-vision-f32", *, dtype: str = "float32
                                                          "image_seq_length": mm_tokens}))
     (d / ".complete").write_text("ok")
     return d
+
+
+# Gemma 4's image markers (its tokenizer's boi/eoi/image tokens; the video token mlx-vlm's processor
+# would otherwise add past the vocabulary)
+GEMMA4_SPECIALS = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                   "video_token": "<|video|>"}
+
+# Gemma 3's template shape with Gemma 4's image marker (its image token, which the processor expands)
+GEMMA4_CHAT_TEMPLATE = GEMMA3_CHAT_TEMPLATE.replace("<start_of_image>", "<|image|>")
+
+
+def make_gemma4_vision(name: str = "gemma4-vision-f32", *, dtype: str = "float32", seed: int = 0) -> Path:
+    """Write (once) a tiny random Gemma 4 multimodal model in the Hugging Face layout (as
+    transformers saves Gemma4ForConditionalGeneration): the text model (tests' gemma4_text shape,
+    per-layer inputs, KV sharing) under `model.language_model.*`, a vision tower of 8×8 patches
+    pooled 2×2 (at most 16 image tokens, standardized, clipped linears with bounds that clip) under
+    `model.vision_tower.*`, `model.embed_vision.*`; processor_config.json for Gemma 4's processor
+    and a tokenizer with its image markers. mlx-vlm 0.7.10 loads it."""
+    import mlx.core as mx
+
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    text = base_config("gemma4_text", hidden=128, layers=6, heads=4, kv_heads=2, head_dim=32, inter=256)
+    text.pop("eos_token_id")
+    text.pop("architectures")
+    vision = {"model_type": "gemma4_vision", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 8,
+              "pooling_kernel_size": 2, "position_embedding_size": 64, "default_output_length": 16,
+              "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+              "use_clipped_linears": True, "standardize": True}
+    write_tokenizer(d, text["vocab_size"], extra_specials=GEMMA4_SPECIALS, chat_template=GEMMA4_CHAT_TEMPLATE)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    cfg = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+           "vision_config": vision, "audio_config": None, "vocab_size": text["vocab_size"],
+           "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"], "eoi_token_id": ids["<image|>"],
+           "video_token_id": ids["<|video|>"], "vision_soft_tokens_per_image": 16, "eos_token_id": 0,
+           "tie_word_embeddings": True, "torch_dtype": dtype}
+    keys = iter(mx.random.split(mx.random.key(seed), 512))
+
+    def rnd(shape: tuple[int, ...], scale: float) -> Any:
+        return mx.random.normal(shape, key=next(keys)) * scale
+
+    w = {k.replace("model.", "model.language_model.", 1): x for k, x in _gemma4_weights(text, rnd).items()}
+    vh, vi, hd = vision["hidden_size"], vision["intermediate_size"], vision["head_dim"]
+    nh, nkv, p = vision["num_attention_heads"], vision["num_key_value_heads"], vision["patch_size"]
+    v = "model.vision_tower"
+    w[f"{v}.patch_embedder.input_proj.weight"] = rnd((vh, 3 * p * p), (3 * p * p) ** -0.5)
+    w[f"{v}.patch_embedder.position_embedding_table"] = rnd((2, vision["position_embedding_size"], vh), 0.5)
+
+    def clipped(name: str, out: int, inp: int) -> None:
+        w[f"{name}.linear.weight"] = rnd((out, inp), inp ** -0.5)
+        # bounds that clip some of the values (scalars, as Hugging Face stores them)
+        w[f"{name}.input_min"] = mx.array(-2.5 + float(rnd((), 0.1)))
+        w[f"{name}.input_max"] = mx.array(2.5 + float(rnd((), 0.1)))
+        w[f"{name}.output_min"] = mx.array(-1.5 + float(rnd((), 0.1)))
+        w[f"{name}.output_max"] = mx.array(1.5 + float(rnd((), 0.1)))
+
+    for i in range(vision["num_hidden_layers"]):
+        l = f"{v}.encoder.layers.{i}"
+        clipped(f"{l}.self_attn.q_proj", nh * hd, vh)
+        clipped(f"{l}.self_attn.k_proj", nkv * hd, vh)
+        clipped(f"{l}.self_attn.v_proj", nkv * hd, vh)
+        clipped(f"{l}.self_attn.o_proj", vh, nh * hd)
+        w[f"{l}.self_attn.q_norm.weight"] = 1.0 + rnd((hd,), 0.1)
+        w[f"{l}.self_attn.k_norm.weight"] = 1.0 + rnd((hd,), 0.1)
+        clipped(f"{l}.mlp.gate_proj", vi, vh)
+        clipped(f"{l}.mlp.up_proj", vi, vh)
+        clipped(f"{l}.mlp.down_proj", vh, vi)
+        for k in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            w[f"{l}.{k}.weight"] = 1.0 + rnd((vh,), 0.1)
+    w[f"{v}.std_bias"] = rnd((vh,), 0.1)
+    w[f"{v}.std_scale"] = 1.0 + rnd((vh,), 0.1)
+    # scaled so that the image embeddings are of the text embeddings' order (sqrt(128) × 0.05)
+    w["model.embed_vision.embedding_projection.weight"] = rnd((text["hidden_size"], vh), 0.5 * vh ** -0.5)
+    dt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
+    w = {k: x.astype(dt) for k, x in w.items()}
+    mx.eval(w)
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma4Processor", "image_seq_length": 16,
+        "image_processor": {"image_processor_type": "Gemma4ImageProcessor", "patch_size": p, "max_soft_tokens": 16,
+                            "pooling_kernel_size": 2, "do_resize": True, "do_rescale": True,
+                            "rescale_factor": 1 / 255, "do_normalize": False}}, indent=2))
+    (d / ".complete").write_text("ok")
+    return d
+
+
+def make_gemma4_vision_q4(name: str = "gemma4-vision-q4") -> Path:
+    """`make_gemma4_vision`'s model converted by mlx-vlm 0.7.10 to 4 bits (group 64): the language
+    model quantized, the tower not (as mlx-vlm quantizes Gemma 4), saved in mlx-vlm's layout (no
+    `model.` prefix, the vision weights as `vision_tower.*`)."""
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    from mlx_vlm import convert
+
+    src = make_gemma4_vision()
+    shutil.rmtree(d, ignore_errors=True)
+    convert(str(src), mlx_path=str(d), quantize=True, q_bits=4, q_group_size=64)
+    (d / ".complete").write_text("ok")
+    return d

@@ -274,9 +274,15 @@ class Session:
         """(pixel values [3, H, W] flattened, H, W) of an encoded image, as the model's processor
         makes them."""
     def image_features(self, images: Sequence[bytes]) -> list[float]:
-        """The vision tower's projected features of encoded images, flattened [N, tokens, hidden]."""
-    def expand_image_markers(self, text: str, images: int) -> str:
-        """`text` with each image marker expanded to the model's image-token sequence."""
+        """The vision tower's projected features of encoded images, flattened (each image's tokens
+        in order, `hidden` wide)."""
+    def expand_image_markers(self, text: str, images: int, sizes: Sequence[tuple[int, int]] | None = None) -> str:
+        """`text` with each image marker expanded to the model's image-token sequence; `sizes`
+        (each image's (height, width), from `image_sizes`) when the count of image tokens depends
+        on the image (`info()["vision"]["sized"]`, Gemma 4)."""
+    def image_sizes(self, images: Sequence[tuple[bytes, str]], params: str = "{}") -> list[tuple[int, int]]:
+        """(height, width) of encoded images as decoded (EXIF orientation applied), from their
+        headers; each (bytes, the name errors give it); `params` the media limits as JSON."""
     def embed(self, prompt: Sequence[int]) -> list[float]:
         """Final normed hidden states of `prompt`, mean-pooled, L2-normalised."""
     def logits(self, prompt: Sequence[int], images: Sequence[bytes] | None = None) -> list[float]:

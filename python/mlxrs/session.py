@@ -384,8 +384,10 @@ class Session:
     # -- images ------------------------------------------------------------------------------------
     @property
     def vision(self) -> dict[str, Any] | None:
-        """The model's image input (tokens_per_image, image_size, boi_token, image_token, …), or
-        None for a model without a vision tower."""
+        """The model's image input (marker: the text standing for one image in a prompt; sized:
+        whether an image's count of image tokens depends on its size (Gemma 4), else
+        tokens_per_image; max_tokens_per_image, image_size, boi_token, image_token, …), or None for
+        a model without a vision tower."""
         v = self._s.info().get("vision")
         return dict(v) if v else None
 
@@ -409,16 +411,29 @@ class Session:
             return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), []
         vision = self.vision
         model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
-        marker: str | None = str(vision["boi_token"]) if vision else None
+        marker: str | None = str(vision["marker"]) if vision else None
         refs = [media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"images[{i}]")
                 for i, x in enumerate(images or [])]
         if refs and marker is None:
             raise media.no_vision("images", model)
         policy = media.MediaPolicy(allow_local=True)
+
+        loaded: list[tuple[bytes, str]] = []
+
+        def load() -> list[tuple[bytes, str]]:  # once, when all refs are known
+            if not loaded:
+                loaded.extend((media.load_sync(r, policy), r.where) for r in refs)
+            return loaded
+
+        def expand(text: str) -> str:
+            # the images' sizes when their count of image tokens depends on them (Gemma 4)
+            sizes = self._s.image_sizes(load()) if vision and vision.get("sized") else None
+            return str(self._s.expand_image_markers(text, len(refs), sizes))
+
         if isinstance(prompt, str):
             assert marker is not None  # a string without images returned above
             text = prompt if marker in prompt else marker * len(refs) + prompt
-            ids = self.tokenize(self._s.expand_image_markers(text, len(refs)))
+            ids = self.tokenize(expand(text))
         elif items and all(isinstance(t, int) for t in items):
             ids = [int(t) for t in items]
         else:
@@ -434,9 +449,9 @@ class Session:
                 msgs.append(m)
             text = self.apply_chat_template(msgs, tools=tools, **dict(template_kwargs or {}))
             if refs:
-                text = self._s.expand_image_markers(text, len(refs))
+                text = expand(text)
             ids = list(self._s.encode_rendered(text))
-        return ids, [(media.load_sync(r, policy), r.where) for r in refs]
+        return ids, load()
 
     def pixel_values(self, image: bytes | str | os.PathLike[str]) -> list[float]:
         """The pixel values `[3, H, W]` (flattened, float32) the model's processor makes of an image."""
@@ -447,8 +462,9 @@ class Session:
         return list(self._s.pixel_values(data)[0])
 
     def image_features(self, images: Sequence[bytes | str | os.PathLike[str]]) -> list[float]:
-        """The vision tower's projected features of images (flattened float32 `[N,
-        tokens_per_image, hidden]`): what replaces their image tokens in the prompt."""
+        """The vision tower's projected features of images (flattened float32: each image's tokens
+        in order — `tokens_per_image` each, or per its size for Gemma 4 — each `hidden` wide): what
+        replaces their image tokens in the prompt."""
         from . import media
 
         pol = media.MediaPolicy(allow_local=True)

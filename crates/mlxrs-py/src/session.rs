@@ -23,6 +23,18 @@ pub struct Session {
     closed: bool,
 }
 
+/// The image limits in a request's `params` (`max_image_bytes`, `max_image_pixels`), else the defaults.
+fn media_limits(params: &Value) -> mlxrs_core::vision::ImageLimits {
+    let mut limits = mlxrs_core::vision::DEFAULT_LIMITS;
+    if let Some(b) = params.get("max_image_bytes").and_then(Value::as_u64) {
+        limits.max_bytes = b as usize;
+    }
+    if let Some(px) = params.get("max_image_pixels").and_then(Value::as_u64) {
+        limits.max_pixels = px;
+    }
+    limits
+}
+
 impl Session {
     /// Decode and preprocess images (off the GIL) with the limits in `params`.
     fn pixels(&self, py: Python<'_>, e: &Arc<Engine>, params: &Value, images: Vec<(Vec<u8>, String)>)
@@ -30,13 +42,7 @@ impl Session {
         let v = e.vision.clone().ok_or_else(|| {
             to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take image input", e.model_name(), e.shape.model_type)))
         })?;
-        let mut limits = mlxrs_core::vision::DEFAULT_LIMITS;
-        if let Some(b) = params.get("max_image_bytes").and_then(Value::as_u64) {
-            limits.max_bytes = b as usize;
-        }
-        if let Some(px) = params.get("max_image_pixels").and_then(Value::as_u64) {
-            limits.max_pixels = px;
-        }
+        let limits = media_limits(params);
         crate::native(py, move || {
             images.iter().map(|(b, what)| v.pixels(b, &limits, what).map(Arc::new)).collect::<Result<Vec<_>, Error>>()
         })
@@ -271,8 +277,8 @@ impl Session {
         Ok((px.data.clone(), px.height, px.width))
     }
 
-    /// The vision tower's projected features of encoded images (flattened float32
-    /// `[N, tokens_per_image, hidden]`).
+    /// The vision tower's projected features of encoded images (flattened float32: each image's
+    /// tokens in order — `tokens_per_image` each, or per its size for Gemma 4 — `hidden` wide).
     fn image_features(&self, py: Python<'_>, images: Vec<Vec<u8>>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
         let named = images.into_iter().enumerate().map(|(i, b)| (b, format!("image {i}"))).collect();
@@ -280,14 +286,30 @@ impl Session {
         crate::native(py, move || e.image_features(px))
     }
 
-    /// `text` with every image marker expanded to the model's image-token sequence (Gemma 3's
-    /// processor); `images` must equal the markers' count.
-    fn expand_image_markers(&self, py: Python<'_>, text: &str, images: usize) -> PyResult<String> {
+    /// `text` with every image marker expanded to the model's image-token sequence; `images` must
+    /// equal the markers' count. `sizes` (each image's (height, width), from `image_sizes`): needed
+    /// when the count of image tokens depends on the image (Gemma 4; `info()["vision"]["sized"]`).
+    #[pyo3(signature = (text, images, sizes=None))]
+    fn expand_image_markers(&self, py: Python<'_>, text: &str, images: usize, sizes: Option<Vec<(u32, u32)>>) -> PyResult<String> {
         let e = self.engine(py)?;
         let v = e.vision.as_ref().ok_or_else(|| {
             to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take image input", e.model_name(), e.shape.model_type)))
         })?;
-        v.expand(text, images).py(py)
+        v.expand(text, images, sizes.as_deref()).py(py)
+    }
+
+    /// The (height, width) of encoded images as decoded (EXIF orientation applied), from their
+    /// headers; each `(bytes, where)`, `where` naming it in errors; `params` the media limits.
+    #[pyo3(signature = (images, params="{}"))]
+    fn image_sizes(&self, py: Python<'_>, images: Vec<(Vec<u8>, String)>, params: &str) -> PyResult<Vec<(u32, u32)>> {
+        let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
+        let limits = media_limits(&p);
+        crate::native(py, move || {
+            images
+                .iter()
+                .map(|(b, what)| mlxrs_core::vision::image::dimensions(b, &limits, what).map(|(w, h)| (h, w)))
+                .collect::<Result<Vec<_>, Error>>()
+        })
     }
 
     /// The embedding of `prompt`: final normed hidden states, mean-pooled, L2-normalised.
@@ -367,12 +389,16 @@ impl Session {
         match &e.vision {
             Some(v) => {
                 let vd = PyDict::new(py);
-                vd.set_item("tokens_per_image", v.tokens_per_image)?;
-                vd.set_item("image_size", v.preprocess.size)?;
-                vd.set_item("boi_token", &v.boi)?;
-                vd.set_item("eoi_token", &v.eoi)?;
-                vd.set_item("image_token", &v.image_token)?;
-                vd.set_item("image_token_id", v.image_token_id)?;
+                let (boi, eoi, image_token, image_token_id) = v.tokens();
+                vd.set_item("tokens_per_image", v.fixed_tokens_per_image())?;
+                vd.set_item("max_tokens_per_image", v.max_tokens_per_image())?;
+                vd.set_item("image_size", v.image_size())?;
+                vd.set_item("marker", v.marker())?;
+                vd.set_item("sized", v.fixed_tokens_per_image().is_none())?;
+                vd.set_item("boi_token", boi)?;
+                vd.set_item("eoi_token", eoi)?;
+                vd.set_item("image_token", image_token)?;
+                vd.set_item("image_token_id", image_token_id)?;
                 d.set_item("vision", vd)?;
             }
             None => d.set_item("vision", py.None())?,

@@ -40,7 +40,7 @@ def _image(state: ServerState, b: dict[str, Any], where: str, images: list[media
         images.append(media.ImageRef(media.image_source(b, where), where))
     except InvalidArgumentError as e:
         raise ApiError(400, str(e), param=where) from None
-    return str(state.vision["boi_token"])
+    return str(state.vision["marker"])
 
 
 def _document_text(state: ServerState, block: dict[str, Any], where: str) -> str:
@@ -229,13 +229,16 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _prepare(state: ServerState, body: dict[str, Any],
-                   images: list[media.ImageRef] | None = None) -> tuple[str, list[int], list[str] | None]:
+                   images: list[media.ImageRef] | None = None
+                   ) -> tuple[str, list[int], list[str] | None, list[tuple[bytes, str]]]:
+    """(rendered prompt, its ids, the tools' names, the images' bytes each with its place)."""
     state.check_model(body.get("model"))
     refs: list[media.ImageRef] = [] if images is None else images
     messages = convert_messages(state, body, refs)
     tools, names = convert_tools(body)
-    rendered, ids = await state.render(messages, tools, template_kwargs(body), images=len(refs))
-    return rendered, ids, names
+    loaded = await state.load_images(refs)
+    rendered, ids = await state.render(messages, tools, template_kwargs(body), images=loaded)
+    return rendered, ids, names, loaded
 
 
 def stop_reason(done: dict[str, Any], calls: bool) -> tuple[str, str | None]:
@@ -264,8 +267,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         raise bad("max_tokens", "is required (an integer >= 1)")
     requested = opt_int(body, "max_tokens", 1)
     images: list[media.ImageRef] = []
-    rendered, ids, names = await _prepare(state, body, images)
-    loaded = await state.load_images(images)
+    rendered, ids, names, loaded = await _prepare(state, body, images)
     s = common_sampling(body, temperature_max=1.0, defaults=state.gen_defaults, vocab=state.vocab)
     s.set("adapter", state.adapter_of(body.get("model")))
     choice = body.get("tool_choice")
@@ -403,7 +405,7 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, par
 async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json(request)
-    _, ids, _ = await _prepare(state, body)
+    _, ids, _, _ = await _prepare(state, body)
     return web.json_response({"input_tokens": len(ids)})
 
 

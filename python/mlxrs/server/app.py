@@ -156,17 +156,27 @@ class ServerState:
     # -- prompts ------------------------------------------------------------------------------
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      template_kwargs: Mapping[str, Any], param: str = "messages", *,
-                     images: int = 0) -> tuple[str, list[int]]:
+                     images: Sequence[tuple[bytes, str]] = ()) -> tuple[str, list[int]]:
         """Chat template → (rendered text, token ids), off the event loop; what the template
-        cannot render is adapted first (server/adapt.py). With `images`, the rendered text's image
-        markers are expanded to the model's image tokens (their count must be `images`)."""
+        cannot render is adapted first (server/adapt.py). With `images` (each image's bytes and its
+        place in the request), the rendered text's image markers are expanded to the model's image
+        tokens (their count must be the images'; a model whose count of image tokens depends on the
+        image's size reads each one's from its header: a 400 naming the part when it cannot)."""
         msgs, tools = adapt.adapt(self.caps, messages, tools)
 
         def work() -> tuple[str, list[int]]:
             text = self.session.apply_chat_template(msgs, tools=tools, **dict(template_kwargs))
             if images:
+                sizes: list[tuple[int, int]] | None = None
+                if self.vision and self.vision.get("sized"):
+                    sizes = []
+                    for data, where in images:
+                        try:
+                            sizes.extend(self.session._s.image_sizes([(data, where)], json.dumps(self.media.params())))
+                        except InvalidArgumentError as e:
+                            raise ApiError(400, str(e), param=where) from None
                 try:
-                    text = self.session._s.expand_image_markers(text, images)
+                    text = self.session._s.expand_image_markers(text, len(images), sizes)
                 except InvalidArgumentError as e:
                     raise ApiError(400, f"{param}: {e} (does the chat template render image parts?)",
                                    param=param) from None

@@ -68,7 +68,7 @@ def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool =
             texts.append(v)
         elif t in ("image_url", "input_image") and images is not None and state.vision:
             images.append(media.ImageRef(_image_source(part, pw), pw))
-            texts.append(state.vision["boi_token"])
+            texts.append(state.vision["marker"])
         elif t in UNSUPPORTED_PARTS:
             raise _unsupported(state, pw, UNSUPPORTED_PARTS[t], t)
         else:
@@ -286,8 +286,8 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
         s.set(k, v)
     kwargs = template_kwargs(body)
     requested = max_tokens_of(body)
-    rendered, ids = await state.render(messages, tools, kwargs, images=len(images))
     loaded = await state.load_images(images)
+    rendered, ids = await state.render(messages, tools, kwargs, images=loaded)
     s.set("max_tokens", state.admit(len(ids), requested))
     if lp.want:
         s.set("logprobs", True)

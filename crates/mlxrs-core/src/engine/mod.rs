@@ -138,7 +138,7 @@ pub struct Request {
     /// What the output must match (constrained decoding); None: anything.
     pub grammar: Option<Grammar>,
     /// Images, in the order of their image-token runs in `prompt` (each run
-    /// [`crate::vision::Processor::tokens_per_image`] long): the vision tower's embeddings replace
+    /// [`crate::vision::Processor::tokens_of`] long): the vision tower's embeddings replace
     /// those positions. A request with images bypasses the prompt-prefix cache (its image tokens
     /// are the same ids whatever the image).
     pub images: Vec<Arc<crate::vision::Pixels>>,
@@ -441,13 +441,10 @@ impl Engine {
                     self.shape.model_type
                 )));
             };
-            let n = req.prompt.iter().filter(|&&t| t == v.image_token_id).count();
-            if n != req.images.len() * v.tokens_per_image {
-                return Err(Error::Invalid(format!(
-                    "the prompt has {n} image tokens for {} image(s) of {} tokens each",
-                    req.images.len(),
-                    v.tokens_per_image
-                )));
+            let n = req.prompt.iter().filter(|&&t| t == v.image_token_id()).count();
+            let want: usize = req.images.iter().map(|p| v.tokens_of(p)).sum();
+            if n != want {
+                return Err(Error::Invalid(format!("the prompt has {n} image tokens for {} image(s) of {want} tokens", req.images.len())));
             }
         }
         // a grammar that does not compile is the caller's error, here rather than in the stream
@@ -504,8 +501,8 @@ impl Engine {
         self.ask(prompt, |prompt, reply| Cmd::Embed { prompt, reply })
     }
 
-    /// The vision tower's projected features of `pixels` (float32, `[N, tokens_per_image,
-    /// hidden]` flattened): what replaces the image tokens (before the merge's scaling).
+    /// The vision tower's projected features of `pixels` (float32, every image's tokens in order,
+    /// each `hidden` wide, flattened): what replaces the image tokens (before any merge scaling).
     pub fn image_features(&self, pixels: Vec<Arc<crate::vision::Pixels>>) -> Result<Vec<f32>> {
         if self.vision.is_none() {
             return Err(Error::Invalid(format!("model {} has no vision tower", self.model_name())));

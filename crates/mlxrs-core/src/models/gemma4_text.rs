@@ -632,38 +632,93 @@ impl Model {
         mx::multiply(x, &mx::scalar_as(v, x.dtype())?)
     }
 
-    /// `[B, L, layers, per_layer]`: mlx-lm's `_get_per_layer_inputs` and `_project_per_layer_inputs`.
-    fn per_layer_inputs(&self, pl: &PerLayerInputs, tokens: &Array, h: &Array) -> Result<Array> {
-        let (b, l, n) = (tokens.dim(0), tokens.dim(1), self.layers.len() as i32);
-        let e = Self::scaled(&pl.embed.forward(tokens)?, (pl.dim as f64).sqrt())?;
-        let e = mx::reshape(&e, &[b, l, n, pl.dim])?;
+    /// The per-layer token embeddings `[B, L, layers × per_layer]`, scaled (mlx-lm's
+    /// `_get_per_layer_inputs` before its reshape).
+    fn per_layer_tokens(pl: &PerLayerInputs, tokens: &Array) -> Result<Array> {
+        Self::scaled(&pl.embed.forward(tokens)?, (pl.dim as f64).sqrt())
+    }
+
+    /// `[B, L, layers, per_layer]`: mlx-lm's `_project_per_layer_inputs` of the input embeddings `h`
+    /// with the per-layer token embeddings `e` (`[B, L, layers × per_layer]`); without them (input
+    /// embeddings alone) the projection alone, as mlx-vlm's `project_per_layer_inputs(h, None)`.
+    fn per_layer_inputs(&self, pl: &PerLayerInputs, e: Option<&Array>, h: &Array) -> Result<Array> {
+        let (b, l, n) = (h.dim(0), h.dim(1), self.layers.len() as i32);
         let proj = Self::scaled(&pl.projection.forward(h)?, (h.dim(-1) as f64).powf(-0.5))?;
         let proj = pl.norm.forward(&mx::reshape(&proj, &[b, l, n, pl.dim])?)?;
-        Self::scaled(&mx::add(&proj, &e)?, 2f64.powf(-0.5))
+        match e {
+            Some(e) => Self::scaled(&mx::add(&proj, &mx::reshape(e, &[b, l, n, pl.dim])?)?, 2f64.powf(-0.5)),
+            None => Ok(proj),
+        }
     }
-}
 
-impl CausalLm for Model {
-    fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        let h = self.hidden_caches(tokens, caches, staging)?;
+    fn logits(&self, h: &Array) -> Result<Array> {
         let logits = match &self.lm_head {
-            Some(head) => head.forward(&h)?,
-            None => self.embed.as_linear(&h)?,
+            Some(head) => head.forward(h)?,
+            None => self.embed.as_linear(h)?,
         };
         match self.softcap {
             Some(cap) => layers::logit_softcap(&logits, cap),
             None => Ok(logits),
         }
     }
+}
+
+impl CausalLm for Model {
+    fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let h = self.hidden_caches(tokens, caches, staging)?;
+        self.logits(&h)
+    }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let h = self.embed_tokens(tokens)?;
+        let e = self.per_layer.as_ref().map(|pl| Self::per_layer_tokens(pl, tokens)).transpose()?;
+        self.hidden_from(h, e.as_ref(), caches, staging)
+    }
+
+    /// The token embeddings scaled by sqrt(hidden): Gemma 4's input embeddings as mlx-vlm's
+    /// `get_input_embeddings` builds them before merging image features in unscaled.
+    fn embed_tokens(&self, tokens: &Array) -> Result<Array> {
         let h0 = self.embed.forward(tokens)?;
-        let mut h = Self::scaled(&h0, (h0.dim(-1) as f64).sqrt())?;
+        Self::scaled(&h0, (h0.dim(-1) as f64).sqrt())
+    }
+
+    fn embed_per_layer(&self, tokens: &Array) -> Result<Option<Array>> {
+        self.per_layer.as_ref().map(|pl| Self::per_layer_tokens(pl, tokens)).transpose()
+    }
+
+    /// Input embeddings as [`CausalLm::embed_tokens`] gives them (already scaled), the per-layer
+    /// token embeddings ([`CausalLm::embed_per_layer`]) in trailing columns when the model has them
+    /// (without them: the projection of the embeddings alone, as mlx-vlm without `per_layer_inputs`).
+    fn forward_embeds(&self, embeds: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let hidden = self.shape.hidden_size;
+        let width = embeds.dim(-1);
+        let extra = self.per_layer.as_ref().map_or(0, |pl| pl.dim * self.layers.len() as i32);
+        let (h, e) = if width == hidden {
+            (embeds.clone(), None)
+        } else if extra > 0 && width == hidden + extra {
+            (mx::slice_axis(embeds, -1, 0, hidden)?, Some(mx::slice_axis(embeds, -1, hidden, width)?))
+        } else {
+            return Err(Error::Invalid(format!(
+                "gemma4: input embeddings of width {width} (hidden_size {hidden}, per-layer inputs {extra})"
+            )));
+        };
+        let h = self.hidden_from(h, e.as_ref(), caches, staging)?;
+        self.logits(&h)
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+}
+
+impl Model {
+    /// The decoder over scaled input embeddings `h`, with the per-layer token embeddings `e`.
+    fn hidden_from(&self, mut h: Array, e: Option<&Array>, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let pli = match &self.per_layer {
-            Some(pl) => Some(self.per_layer_inputs(pl, tokens, &h)?),
+            Some(pl) => Some(self.per_layer_inputs(pl, e, &h)?),
             None => None,
         };
-        let n = tokens.dim(1);
+        let n = h.dim(1);
         // one mask per layer type, from the first layer of that type (which has a cache of its own)
         let first = |sliding: bool| self.layers.iter().position(|l| l.sliding == sliding);
         let sliding_mask = first(true).map(|i| caches.masks(i, n, Some(self.window))).transpose()?;
@@ -698,10 +753,6 @@ impl CausalLm for Model {
             stager.after_layer(i, n_layers, &h, caches)?;
         }
         self.norm.forward(&h)
-    }
-
-    fn shape(&self) -> &ModelShape {
-        &self.shape
     }
 }
 

@@ -96,14 +96,22 @@ pub trait CausalLm: Send {
     /// The final normed hidden state `[B, L, hidden]` (what the LM head reads) for `tokens`
     /// `[B, L]`, appending to `caches`: the embeddings of `/v1/embeddings` are pooled from it.
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: Staging) -> Result<Array>;
-    /// The token embeddings `[B, L, hidden]` of `tokens` before any input scaling of the
-    /// architecture (mlx-vlm's `embed_tokens`): what a multimodal merge replaces positions of.
+    /// The token embeddings `[B, L, hidden]` of `tokens` as the architecture's multimodal merge
+    /// takes them (mlx-vlm's): before any input scaling (Gemma 3), or scaled (Gemma 4, whose
+    /// `get_input_embeddings` scales before it merges): what a multimodal merge replaces positions of.
     fn embed_tokens(&self, _tokens: &Array) -> Result<Array> {
         Err(Error::Unsupported(format!("{} takes no input embeddings", self.shape().model_type)))
     }
+    /// Per-layer input embeddings `[B, L, W]` of `tokens` for architectures that give every layer
+    /// an input of its own (Gemma 4's `embed_tokens_per_layer`); None for the others. A multimodal
+    /// prompt passes them to [`CausalLm::forward_embeds`] as trailing columns of its embeddings.
+    fn embed_per_layer(&self, _tokens: &Array) -> Result<Option<Array>> {
+        Ok(None)
+    }
     /// Logits `[B, L, vocab]` from input embeddings `[B, L, hidden]` (as [`CausalLm::embed_tokens`]
     /// gives them, positions replaced) in place of tokens, appending to `caches`; the architecture
-    /// scales them as it scales its own token embeddings (mlx-vlm's `inputs_embeds`).
+    /// scales them as it scales its own token embeddings (mlx-vlm's `inputs_embeds`): Gemma 3 in
+    /// here, Gemma 4 already in `embed_tokens`, whose per-layer inputs follow in trailing columns.
     fn forward_embeds(&self, _embeds: &Array, _caches: &mut Caches, _staging: Staging) -> Result<Array> {
         Err(Error::Unsupported(format!("{} takes no input embeddings", self.shape().model_type)))
     }

@@ -144,7 +144,7 @@ pub fn is_gemma3_vision(config: &Value) -> bool {
     config.get("model_type").and_then(Value::as_str) == Some("gemma3") && config.get("vision_config").is_some_and(Value::is_object)
 }
 
-fn json_file(dir: &Path, name: &str) -> Result<Option<Value>> {
+pub(super) fn json_file(dir: &Path, name: &str) -> Result<Option<Value>> {
     let p = dir.join(name);
     if !p.is_file() {
         return Ok(None);
@@ -244,7 +244,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             )));
         }
     }
-    Ok(Processor { preprocess: Preprocess { size, filter, rescale, normalize }, tokens_per_image: n as usize, boi, eoi, image_token, image_token_id })
+    Ok(Processor { preprocess: Preprocess { size, filter, rescale, rescale_f32: false, normalize }, tokens_per_image: n as usize, boi, eoi, image_token, image_token_id })
 }
 
 /// mlx-vlm's `check_array_shape` for a 4-D conv weight: already `[out, kh, kw, in]`?

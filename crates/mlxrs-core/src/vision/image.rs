@@ -76,6 +76,36 @@ pub fn decode(bytes: &[u8], limits: &ImageLimits, what: &str) -> Result<Rgb> {
     Ok(Rgb { width: rgb.width(), height: rgb.height(), data: rgb.into_raw() })
 }
 
+/// The (width, height) of an encoded image as [`decode`] would return it (the EXIF orientation
+/// applied), from its header alone: what a processor whose token count depends on the image size
+/// needs before the prompt is tokenized. The same checks and errors as [`decode`] up to the pixels.
+pub fn dimensions(bytes: &[u8], limits: &ImageLimits, what: &str) -> Result<(u32, u32)> {
+    if bytes.is_empty() {
+        return Err(bad(what, "the image is empty"));
+    }
+    if bytes.len() > limits.max_bytes {
+        return Err(bad(what, format!("the image is {} bytes, more than the limit of {} bytes", bytes.len(), limits.max_bytes)));
+    }
+    let r = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(what, e))?;
+    match r.format() {
+        Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP | ImageFormat::Gif) => {}
+        Some(f) => return Err(bad(what, format!("unsupported image format {f:?} (PNG, JPEG, WebP and GIF are supported)"))),
+        None => return Err(bad(what, "not an image mlxrs can read (PNG, JPEG, WebP or GIF)")),
+    }
+    let mut dec = r.into_decoder().map_err(|e| bad(what, format!("cannot read the image header: {e}")))?;
+    let (w, h) = dec.dimensions();
+    let pixels = w as u64 * h as u64;
+    if pixels == 0 || pixels > limits.max_pixels {
+        return Err(bad(what, format!("the image is {w}x{h} pixels; at most {} pixels are accepted", limits.max_pixels)));
+    }
+    let orientation = dec.orientation().map_err(|e| bad(what, format!("cannot decode the image: {e}")))?;
+    use image::metadata::Orientation as O;
+    Ok(match orientation {
+        O::Rotate90 | O::Rotate270 | O::Rotate90FlipH | O::Rotate270FlipH => (h, w),
+        _ => (w, h),
+    })
+}
+
 /// Pillow's resampling filters (`PIL.Image.Resampling`), by their numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Filter {
@@ -280,6 +310,9 @@ pub struct Preprocess {
     pub size: Option<(u32, u32)>,
     pub filter: Filter,
     pub rescale: Option<f64>,
+    /// Rescale in float32 (`uint8 as float32 * factor`, Gemma 4's processor) rather than in float64
+    /// then rounded (Hugging Face's `rescale`).
+    pub rescale_f32: bool,
     /// Per-channel mean and std; None: no normalization.
     pub normalize: Option<([f32; 3], [f32; 3])>,
 }
@@ -293,7 +326,7 @@ pub struct Pixels {
 }
 
 impl Preprocess {
-    /// Resize, rescale (`uint8 as float64 * factor`, then float32) and normalize (`(x - mean) /
+    /// Resize, rescale (`uint8 as float64 * factor`, then float32; or in float32) and normalize (`(x - mean) /
     /// std` in float32), as Hugging Face's image processors do with numpy.
     pub fn run(&self, img: &Rgb) -> Pixels {
         let img = match self.size {
@@ -306,6 +339,7 @@ impl Preprocess {
             for i in 0..h * w {
                 let v = img.data[i * 3 + c];
                 let mut x = match self.rescale {
+                    Some(s) if self.rescale_f32 => v as f32 * s as f32,
                     Some(s) => (v as f64 * s) as f32,
                     None => v as f32,
                 };

@@ -1,30 +1,147 @@
 //! Image input: decoding and preprocessing ([`image`], pure Rust) and the vision towers that turn
-//! pixels into input embeddings for the language model (one file per model family: [`gemma3`]).
-//! Audio and video are not implemented.
+//! pixels into input embeddings for the language model (one file per model family: [`gemma3`],
+//! [`gemma4`]). Audio and video are not implemented.
 pub mod gemma3;
+pub mod gemma4;
 pub mod image;
 
 pub use self::image::{ImageLimits, Pixels, DEFAULT_LIMITS};
-pub use gemma3::{Processor, Tower};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::handle::{Array, Dtype};
+use crate::models::CausalLm;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
 use serde_json::Value;
 use std::path::Path;
 
+/// The prompt side of a vision tower: preprocessing, the image marker and its expansion.
+#[derive(Clone, Debug)]
+pub enum Processor {
+    Gemma3(gemma3::Processor),
+    Gemma4(gemma4::Processor),
+}
+
+impl Processor {
+    /// Pixel values of an encoded image (`what` names it in errors).
+    pub fn pixels(&self, bytes: &[u8], limits: &ImageLimits, what: &str) -> Result<Pixels> {
+        match self {
+            Processor::Gemma3(p) => p.pixels(bytes, limits, what),
+            Processor::Gemma4(p) => p.pixels(bytes, limits, what),
+        }
+    }
+
+    /// The text that stands for one image in a rendered prompt, before [`Processor::expand`]
+    /// (Gemma 3: its boi token; Gemma 4: its image token).
+    pub fn marker(&self) -> &str {
+        match self {
+            Processor::Gemma3(p) => &p.boi,
+            Processor::Gemma4(p) => &p.image_token,
+        }
+    }
+
+    /// (boi, eoi, image token, image token id).
+    pub fn tokens(&self) -> (&str, &str, &str, i32) {
+        match self {
+            Processor::Gemma3(p) => (&p.boi, &p.eoi, &p.image_token, p.image_token_id),
+            Processor::Gemma4(p) => (&p.boi, &p.eoi, &p.image_token, p.image_token_id),
+        }
+    }
+
+    pub fn image_token_id(&self) -> i32 {
+        self.tokens().3
+    }
+
+    /// Image tokens per image when every image has the same count (Gemma 3); None when it depends
+    /// on the image's size (Gemma 4: [`Processor::expand`] needs the sizes).
+    pub fn fixed_tokens_per_image(&self) -> Option<usize> {
+        match self {
+            Processor::Gemma3(p) => Some(p.tokens_per_image),
+            Processor::Gemma4(_) => None,
+        }
+    }
+
+    /// Image tokens at most per image.
+    pub fn max_tokens_per_image(&self) -> usize {
+        match self {
+            Processor::Gemma3(p) => p.tokens_per_image,
+            Processor::Gemma4(p) => p.max_soft_tokens as usize,
+        }
+    }
+
+    /// The input size of the tower when fixed ((height, width)).
+    pub fn image_size(&self) -> Option<(u32, u32)> {
+        match self {
+            Processor::Gemma3(p) => p.preprocess.size,
+            Processor::Gemma4(_) => None,
+        }
+    }
+
+    /// Image tokens of one preprocessed image.
+    pub fn tokens_of(&self, px: &Pixels) -> usize {
+        match self {
+            Processor::Gemma3(p) => p.tokens_per_image,
+            Processor::Gemma4(p) => p.tokens_for(px.height, px.width),
+        }
+    }
+
+    /// `text` with its `images` image markers expanded to the image-token sequences; `sizes`
+    /// (each image's (height, width) as decoded) when the count depends on them.
+    pub fn expand(&self, text: &str, images: usize, sizes: Option<&[(u32, u32)]>) -> Result<String> {
+        match self {
+            Processor::Gemma3(p) => p.expand(text, images),
+            Processor::Gemma4(p) => {
+                let sizes = sizes.ok_or_else(|| Error::Invalid("Gemma 4's image markers expand by the images' sizes: pass them".into()))?;
+                if sizes.len() != images {
+                    return Err(Error::Invalid(format!("{} image size(s) for {images} image(s)", sizes.len())));
+                }
+                p.expand(text, sizes)
+            }
+        }
+    }
+}
+
 /// The image processor of the model in `dir`, when its config has a vision tower mlxrs implements.
 pub fn processor(config: &Value, dir: &Path, tokenizer: &Tokenizer) -> Result<Option<Processor>> {
     if gemma3::is_gemma3_vision(config) {
-        return gemma3::processor(config, dir, tokenizer).map(Some);
+        return gemma3::processor(config, dir, tokenizer).map(|p| Some(Processor::Gemma3(p)));
+    }
+    if gemma4::is_gemma4_vision(config) {
+        return gemma4::processor(config, dir, tokenizer).map(|p| Some(Processor::Gemma4(p)));
     }
     Ok(None)
+}
+
+/// A vision tower and its projector, on the engine thread.
+pub enum Tower {
+    Gemma3(gemma3::Tower),
+    Gemma4(gemma4::Tower),
+}
+
+impl Tower {
+    /// The projected image features `[N or 1, tokens, text_hidden]` of `pixels` in `dtype`.
+    pub fn features(&self, pixels: &[&Pixels], dtype: Dtype) -> Result<Array> {
+        match self {
+            Tower::Gemma3(t) => t.features(pixels, dtype),
+            Tower::Gemma4(t) => t.features(pixels, dtype),
+        }
+    }
+
+    /// The prompt's input embeddings with the images' features at its image tokens, in the form
+    /// the model's [`CausalLm::forward_embeds`] takes.
+    pub fn merged_embeddings(&self, model: &dyn CausalLm, prompt: &[i32], pixels: &[&Pixels]) -> Result<Array> {
+        match self {
+            Tower::Gemma3(t) => t.merged_embeddings(model, prompt, pixels),
+            Tower::Gemma4(t) => t.merged_embeddings(model, prompt, pixels),
+        }
+    }
 }
 
 /// Take the vision tower's weights out of `weights` and build it (None: `processor` is None).
 pub fn load(config: &Value, weights: &mut Weights, processor: Option<Processor>) -> Result<Option<Tower>> {
     match processor {
-        Some(p) => Tower::load(config, weights, p).map(Some),
+        Some(Processor::Gemma3(p)) => gemma3::Tower::load(config, weights, p).map(|t| Some(Tower::Gemma3(t))),
+        Some(Processor::Gemma4(p)) => gemma4::Tower::load(config, weights, p).map(|t| Some(Tower::Gemma4(t))),
         None => Ok(None),
     }
 }
