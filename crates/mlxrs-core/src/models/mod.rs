@@ -11,6 +11,7 @@ pub mod gpt_oss;
 pub mod layers;
 pub mod experts;
 pub mod llama;
+pub mod mistral4;
 pub mod mixtral;
 pub mod qwen2;
 pub mod qwen3;
@@ -191,6 +192,7 @@ pub static ARCHS: &[Arch] = &[
     deepseek_v3::ARCH,
     deepseek_v32::ARCH,
     glm_moe_dsa::ARCH,
+    mistral4::ARCH,
 ];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
