@@ -978,8 +978,8 @@ impl MoeSpec {
     };
 }
 
-/// The `k` experts of `scores` `[..., experts]` (float32) a grouped router chooses: with `n_group`
-/// > 1 every group but the `topk_group` best (by the sum of their two best scores) zeroed first
+/// The `k` experts of `scores` `[..., experts]` (float32) a grouped router chooses: with
+/// `n_group` above 1 every group but the `topk_group` best (by the sum of their two best scores) zeroed first
 /// (mlx-lm's `group_expert_select` / `mistral4_expert_select`); `argpartition(-s, k-1)[..., :k]`.
 fn grouped_top_k(scores: &Array, n_group: i32, topk_group: i32, k: i32) -> Result<Array> {
     let mut s = scores.clone();
