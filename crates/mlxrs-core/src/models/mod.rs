@@ -6,6 +6,7 @@ pub mod deepseek_v32;
 pub mod glm_moe_dsa;
 pub mod gemma3_text;
 pub mod gemma4_text;
+pub mod gated_delta;
 pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod layers;
