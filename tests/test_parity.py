@@ -101,7 +101,7 @@ def test_sliding_window_single_chunk(oracle):
 
 
 # deepseek_v3: latents in a rotating cache; deepseek_v32: max_kv_size leaves its caches full, as mlx-lm's make_cache
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "deepseek_v3", "deepseek_v32", "mistral4"])
 def test_rotating_cache_max_kv_size(oracle, arch):
     d = make_model(f"{arch}-float32", arch)
     _check(oracle, d, TEXT, dtype="float32", max_kv_size=32, step=16)
