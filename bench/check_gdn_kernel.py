@@ -164,6 +164,7 @@ def check_model(arch: str, dtype: str) -> dict:
     out["logits_max_diff"] = float(np.max(np.abs(a["logits"] - b["logits"])))
     out["batch_equals_alone"] = {"reference": a["batch_equals_alone"], "kernel": b["batch_equals_alone"]}
     out["prefix_hit_equals_cold"] = {"reference": a["prefix_hit_equals_cold"], "kernel": b["prefix_hit_equals_cold"]}
+    out["prompt_cache_kernel"] = b["prompt_cache"]  # the hits the warm session served
     out["ok"] = (out["logits_max_diff"] <= (1e-3 if dtype == "float32" else 5e-2) and b["batch_equals_alone"]
                  and b["prefix_hit_equals_cold"])
     return out
