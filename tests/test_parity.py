@@ -15,11 +15,11 @@ import mlxrs
 from tinymodels import make_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe", "qwen3_next",
-         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4"]
+         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral3", "mistral3_llama"]
 GEMMA4 = ["gemma4_text", "gemma4_text_moe"]
 # gather_mm (MoE experts) in MLX's CPU backend: float32 only
 MOE = {"qwen3_moe", "qwen3_next", "gemma4_text_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32",
-       "glm_moe_dsa", "mistral4"}
+       "glm_moe_dsa", "mistral4", "mistral3"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 

@@ -181,6 +181,17 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
                        attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False)
         if arch == "gemma4_text_full":
             cfg.update(layer_types=["full_attention"] * len(types))
+    elif arch in ("mistral3", "mistral3_llama"):
+        # Mistral's multimodal layout: the text model in text_config (mistral4, or a Mistral/Llama one
+        # with the head untied by mistral3's default), its weights under model.language_model.*, a
+        # vision tower and projector the loaders drop
+        text = base_config("mistral4" if arch == "mistral3" else "llama", vocab=vocab, hidden=hidden, layers=layers,
+                           heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter)
+        if arch == "mistral3_llama":
+            text.update(model_type="mistral")
+            del text["tie_word_embeddings"], text["architectures"]
+        cfg = {"model_type": "mistral3", "text_config": text, "vision_config": {"model_type": "pixtral"},
+               "eos_token_id": 0, "image_token_index": 10, "architectures": ["Mistral3ForConditionalGeneration"]}
     elif arch == "gemma4":
         # the multimodal layout: the text model in text_config, its weights under
         # model.language_model.*, a vision tower the loaders drop
@@ -205,6 +216,14 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     if cfg["model_type"] == "gemma4":
         w = {k.replace("model.", "model.language_model.", 1): x for k, x in _gemma4_weights(cfg["text_config"], rnd).items()}
         w["model.vision_tower.patch_embedder.weight"] = rnd((8, 8), 1.0)
+        return w
+    if cfg["model_type"] == "mistral3":
+        text = cfg["text_config"]
+        untied = {**text, "tie_word_embeddings": text.get("tie_word_embeddings", False)}  # mistral3's default
+        inner = _weights("mistral4" if text["model_type"] == "mistral4" else "llama", untied, seed)
+        w = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): x for k, x in inner.items()}
+        w["model.vision_tower.patch_conv.weight"] = rnd((8, 3, 2, 2), 1.0)
+        w["model.multi_modal_projector.linear_1.weight"] = rnd((8, 8), 1.0)
         return w
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]

@@ -12,6 +12,7 @@ pub mod gpt_oss;
 pub mod layers;
 pub mod experts;
 pub mod llama;
+pub mod mistral3;
 pub mod mistral4;
 pub mod mixtral;
 pub mod qwen2;
@@ -194,6 +195,7 @@ pub static ARCHS: &[Arch] = &[
     deepseek_v32::ARCH,
     glm_moe_dsa::ARCH,
     mistral4::ARCH,
+    mistral3::ARCH,
 ];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
