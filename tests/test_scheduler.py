@@ -57,6 +57,7 @@ CASES = [
     ("glm_moe_dsa", {}),
     ("mistral4", {"stack": 1}),  # the stacked KV with Llama 4's query scale at every row's own position
     ("mistral4", {}),
+    ("mistral3", {}),  # the same text model through its multimodal wrapper
 ]
 RECURRENT = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
