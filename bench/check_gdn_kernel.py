@@ -15,6 +15,9 @@ reference recurrence, on a GPU of MLX's CUDA backend (the H200 test machine):
 
     python bench/check_gdn_kernel.py [--out gdn.json]           (exit 1 when a check fails)
     bash bench/device_run.sh gdn [--out $OUT/gdn.json]          (on the device, with .device/ carried)
+    python bench/check_gdn_kernel.py --mlx-only                 (no mlxrs needed: the kernel source,
+        read from gated_delta.rs, through MLX's Python mx.fast.cuda_kernel — the C++ function mlx-c's
+        mlx_fast_cuda_kernel_* wraps — against mlx-lm's gated_delta_ops; what bench/RESULTS-gpu.md records)
 """
 from __future__ import annotations
 
@@ -184,11 +187,66 @@ def time_chunk(t: int = 512) -> dict:
     return row
 
 
+def mlx_only() -> int:
+    """The kernel source through MLX's Python API against mlx-lm's ops, timed both ways."""
+    import re
+
+    import mlx.core as mx
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    rs = (ROOT / "crates/mlxrs-core/src/models/gated_delta.rs").read_text()
+    source = re.search(r'const SOURCE: &str = r#"(.*?)"#;', rs, re.S).group(1)
+    kern = mx.fast.cuda_kernel(name="mlxrs_gated_delta_step", input_names=["q", "k", "v", "g", "beta", "state_in"],
+                               output_names=["y", "state_out"], source=source)
+
+    def run(q, k, v, g, b, s):
+        bsz, _, hk, dk = q.shape
+        hv, dv = v.shape[2:]
+        return kern(inputs=[q, k, v, g, b, s], template=[("InT", q.dtype), ("StT", s.dtype), ("Dk", dk), ("Dv", dv),
+                                                         ("Hk", hk), ("Hv", hv)],
+                    grid=(32, dv, bsz * hv), threadgroup=(32, 4, 1), output_shapes=[v.shape, s.shape],
+                    output_dtypes=[q.dtype, s.dtype])
+
+    def ms(f):
+        mx.eval(f())
+        t0 = time.perf_counter()
+        for _ in range(3):
+            mx.eval(f())
+        return (time.perf_counter() - t0) / 3 * 1e3
+
+    def rel(a, c):
+        c = c.astype(mx.float32)
+        return float(mx.abs(a.astype(mx.float32) - c).max() / mx.maximum(1, mx.abs(c).max()))
+
+    bad = 0
+    for dt in (mx.float32, mx.bfloat16):
+        for i, shape in enumerate([(1, 1, 2, 4, 128, 128), (2, 37, 2, 4, 128, 128), (3, 5, 1, 2, 64, 32),
+                                   (1, 64, 4, 4, 32, 32), (2, 129, 16, 32, 128, 128), (1, 512, 16, 32, 128, 128)]):
+            name = "bfloat16" if dt == mx.bfloat16 else "float32"
+            xs = [mx.array(a) for a in inputs(shape, i, name)]
+            a = [x.astype(dt) if j in (0, 1, 2, 4) else x for j, x in enumerate(xs)]
+            y, s = run(*a)
+            c = shape[1] // 3 + 1
+            y1, s1 = run(*[x[:, :c] for x in a[:5]], a[5])
+            y2, s2 = run(*[x[:, c:] for x in a[:5]], s1)
+            ry, rst = gated_delta_ops(*a)
+            row = {"dtype": name, "shape": shape, "y": rel(y, ry), "state": rel(s, rst),
+                   "chunked_y": rel(mx.concatenate([y1, y2], 1), y), "chunked_state": rel(s2, s),
+                   "kernel_ms": ms(lambda: run(*a)), "ops_ms": ms(lambda: gated_delta_ops(*a)) if shape[1] >= 64 else None}
+            ok = row["y"] <= TOL[name]["y"] and row["state"] <= TOL[name]["state"] and row["chunked_y"] == 0 == row["chunked_state"]
+            bad += not ok
+            print(json.dumps(row), flush=True)
+    return 1 if bad else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--skip-models", action="store_true")
+    ap.add_argument("--mlx-only", action="store_true")
     a = ap.parse_args()
+    if a.mlx_only:
+        return mlx_only()
     import mlx.core as mx
 
     cuda = getattr(getattr(mx, "cuda", None), "is_available", lambda: None)()
