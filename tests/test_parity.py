@@ -485,7 +485,7 @@ def test_deepseek_v3_splits_a_quantized_kv_b_proj_and_drops_the_mtp_layer(oracle
     assert np.array_equal(before, after)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "mistral4", "mistral3"])
 def test_mla_caches_only_the_latent_rope_key_and_indexer_key(arch):
     """The cache a prompt leaves (its prefix-cache snapshot) holds per token and layer the latent
     (kv_lora_rank), the rope key (qk_rope_head_dim) and, with the indexer, its key (index_head_dim)
@@ -494,6 +494,7 @@ def test_mla_caches_only_the_latent_rope_key_and_indexer_key(arch):
 
     d = make_model(f"{arch}-float32", arch)
     cfg = json.loads((d / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # mistral3: the text model's
     elems = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg.get("index_head_dim", 0)
     with mlxrs.Session(d) as s:
         ids = s.tokenize(TEXT) * 6
