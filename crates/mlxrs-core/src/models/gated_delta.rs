@@ -195,6 +195,7 @@ mod tests {
     /// On this CPU-only machine the process picks the reference, whatever the switch.
     #[test]
     fn a_cpu_process_runs_the_reference() {
+        mx::init().expect("the MLX runtime (a device to ask about)");
         if mx::default_device().is_ok_and(|d| d.kind() == mx::DeviceKind::Gpu) {
             return; // a GPU machine: bench/check_gdn_kernel.py covers it
         }
