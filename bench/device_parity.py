@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France; Berlin of Germany."
 N = 32
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5", "qwen3_moe", "mixtral",
-         "glm4_moe", "gpt_oss", "gemma4_text_moe", "qwen3_5_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
+         "glm4_moe", "gpt_oss", "gemma4_text_moe", "qwen3_5_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4"]
 MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma4_text_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3",
-       "deepseek_v32", "glm_moe_dsa"}
+       "deepseek_v32", "glm_moe_dsa", "mistral4"}
 TOL = {"float32": 1e-3, "bfloat16": 5e-2}
 
 

@@ -6,6 +6,8 @@
 #   bash bench/device_run.sh serve ARGS...  bench/bench_serve.py ARGS on bench_device.py's 1B bf16
 #                                           model (serving vs mlx_lm.server)
 #   bash bench/device_run.sh parity ARGS... bench/device_parity.py ARGS (every architecture vs mlx-lm)
+#   bash bench/device_run.sh gdn ARGS...    bench/check_gdn_kernel.py ARGS (the gated delta CUDA kernel
+#                                           vs the reference recurrence)
 set -euo pipefail
 SITE=/tmp/site
 if [ ! -d "$SITE/mlxrs" ]; then
@@ -19,6 +21,10 @@ python3 -m mlxrs --version
 if [ "${1:-}" = parity ]; then
     shift
     exec env PYTHONPATH="$SITE:tests" python3 bench/device_parity.py "$@"
+fi
+if [ "${1:-}" = gdn ]; then
+    shift
+    exec env PYTHONPATH="$SITE:tests" python3 bench/check_gdn_kernel.py "$@"
 fi
 if [ "${1:-}" = serve ]; then
     shift

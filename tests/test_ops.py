@@ -819,6 +819,49 @@ def test_sdpa_sinks_scale_and_low_precision() -> None:
         np.testing.assert_allclose(out, np_sdpa(qs, ks, vs, 8 ** -0.5, "causal"), rtol=tol, atol=tol)
 
 
+def np_gated_delta(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule token by token (float64): per value head h (key head h // (Hv / Hk)),
+    S = g S; S += beta (v - S k) k^T; y = S q."""
+    b, t, hk, _ = q.shape
+    hv = v.shape[2]
+    s = state.astype(np.float64).copy()
+    y = np.zeros(v.shape, np.float64)
+    for i in range(t):
+        for h in range(hv):
+            kh, qh = k[:, i, h // (hv // hk)].astype(np.float64), q[:, i, h // (hv // hk)].astype(np.float64)
+            s[:, h] *= g[:, i, h, None, None]
+            kv = np.einsum("bvd,bd->bv", s[:, h], kh)
+            delta = (v[:, i, h] - kv) * beta[:, i, h, None]
+            s[:, h] += delta[:, :, None] * kh[:, None, :]
+            y[:, i, h] = np.einsum("bvd,bd->bv", s[:, h], qh)
+    return y, s
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_gated_delta_ops_and_the_kernel_on_cpu(t: int) -> None:
+    """The reference recurrence against numpy (2 key heads shared by 4 value heads, a carried
+    state); the CUDA kernel's shape checks name what is wrong, and MLX refuses the kernel itself
+    off a GPU (bench/check_gdn_kernel.py compares the two paths on one)."""
+    b, hk, hv, dk, dv = 2, 2, 4, 32, 16
+    q, k = randn(b, t, hk, dk, seed=90) * 0.2, randn(b, t, hk, dk, seed=91) * 0.2
+    v = randn(b, t, hv, dv, seed=92)
+    g = rng(93).uniform(0.5, 1.0, (b, t, hv)).astype(np.float32)
+    beta = rng(94).uniform(0.0, 1.0, (b, t, hv)).astype(np.float32)
+    state = randn(b, hv, dv, dk, seed=95) * 0.1
+    y, s = op("gated_delta_ops", q, k, v, g, beta, state)
+    wy, ws = np_gated_delta(q, k, v, g, beta, state)
+    np.testing.assert_allclose(y, wy, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s, ws, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InvalidArgumentError, match="key head dim 16 is not a multiple of 32"):
+        op("gated_delta_kernel", q[..., :16], k[..., :16], v, g, beta, state[..., :16])
+    with pytest.raises(InvalidArgumentError, match=r"state \[2, 4, 16, 16\] is not \[2, 4, 16, 32\]"):
+        op("gated_delta_kernel", q, k, v, g, beta, state[..., :16])
+    if mx.default_device() == mx.cpu:
+        with pytest.raises(MlxError, match="No CUDA back-end|Only supports the GPU"):
+            op("gated_delta_kernel", q, k, v, g, beta, state)
+
+
 # ---------------------------------------------------------------------------------------------
 # random (explicit keys)
 

@@ -294,7 +294,7 @@ def test_fit_cli_expert_cache_implies_streaming():
 # `experts.{e}.{proj}` or Mixtral's w1/w3/w2, the fused `experts.gate_up_proj`), streamed with the
 # default cache (a quarter of the expert bytes) against mlx-lm with every expert resident
 MOE_ARCHS = ["mixtral", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "gemma4_text_moe", "deepseek_v3", "deepseek_v32",
-             "glm_moe_dsa"]
+             "glm_moe_dsa", "mistral4", "mistral3"]
 
 
 @pytest.mark.parametrize("quant", [None, 4], ids=["float32", "q4"])

@@ -15,11 +15,11 @@ import mlxrs
 from tinymodels import make_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe", "qwen3_next",
-         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
+         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral3", "mistral3_llama"]
 GEMMA4 = ["gemma4_text", "gemma4_text_moe"]
 # gather_mm (MoE experts) in MLX's CPU backend: float32 only
 MOE = {"qwen3_moe", "qwen3_next", "gemma4_text_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32",
-       "glm_moe_dsa"}
+       "glm_moe_dsa", "mistral4", "mistral3"}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -101,7 +101,7 @@ def test_sliding_window_single_chunk(oracle):
 
 
 # deepseek_v3: latents in a rotating cache; deepseek_v32: max_kv_size leaves its caches full, as mlx-lm's make_cache
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "deepseek_v3", "deepseek_v32", "mistral4"])
 def test_rotating_cache_max_kv_size(oracle, arch):
     d = make_model(f"{arch}-float32", arch)
     _check(oracle, d, TEXT, dtype="float32", max_kv_size=32, step=16)
@@ -151,6 +151,15 @@ BAD_MOE = {
     "glm_moe_dsa": [("rope_parameters", None, "rope_parameters is missing"),
                     ("rope_parameters", {"rope_type": "default"}, "rope_parameters.rope_theta is missing"),
                     ("topk_group", 3, "topk_group 3 is not in 1..=2")],
+    "mistral4": [("n_routed_experts", 16, "model.layers.1.mlp.gate.weight has shape [8, 256] but config.json implies [16, 256]"),
+                 ("moe_intermediate_size", 64, "model.layers.1.mlp.switch_mlp.gate_proj.weight"),
+                 ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+                 ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
+                 ("n_group", 3, "n_group 3 does not divide"),
+                 ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.weight is missing"),
+                 ("qk_nope_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
+                 ("rope_parameters", None, "rope_parameters is missing"),
+                 ("rope_parameters", {"rope_type": "default"}, "rope_parameters.llama_4_scaling_beta is missing")],
     "gpt_oss": [("num_local_experts", 16, "model.layers.0.mlp.router.bias has shape [8] but config.json implies [16]"),
                 ("intermediate_size", 64, "model.layers.0.mlp.experts.gate_proj.bias"),
                 ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds num_local_experts 8"),
@@ -421,7 +430,7 @@ def test_sparse_indexer_selects_a_strict_subset(oracle, arch, tmp_path):
     assert float(np.max(np.abs(sparse_ref - dense_ref))) > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "mistral4"])
 def test_mla_batch_of_mixed_lengths_chunked_equals_mlx_lm(oracle, arch):
     """A batch of prompts of mixed lengths, each prefilled in chunks of 16 (past the indexer's 16
     positions for deepseek_v32): every row's greedy tokens are mlx-lm's for that prompt alone."""
@@ -476,7 +485,7 @@ def test_deepseek_v3_splits_a_quantized_kv_b_proj_and_drops_the_mtp_layer(oracle
     assert np.array_equal(before, after)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "mistral4", "mistral3"])
 def test_mla_caches_only_the_latent_rope_key_and_indexer_key(arch):
     """The cache a prompt leaves (its prefix-cache snapshot) holds per token and layer the latent
     (kv_lora_rank), the rope key (qk_rope_head_dim) and, with the indexer, its key (index_head_dim)
@@ -485,6 +494,7 @@ def test_mla_caches_only_the_latent_rope_key_and_indexer_key(arch):
 
     d = make_model(f"{arch}-float32", arch)
     cfg = json.loads((d / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # mistral3: the text model's
     elems = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg.get("index_head_dim", 0)
     with mlxrs.Session(d) as s:
         ids = s.tokenize(TEXT) * 6
@@ -521,8 +531,62 @@ def test_deepseek_v3_without_q_lora(oracle, tmp_path):
     _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "mistral4"])
 def test_mla_4bit_bf16(oracle, arch):
     # bfloat16 activations through the quantized MultiLinear and experts (gather_qmm runs in any float dtype)
     d = make_model(f"{arch}-bf16-q4", arch, dtype="bfloat16", quant_bits=4)
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2)
+
+
+@pytest.mark.parametrize("variant", ["per-expert-default-rope", "tied-untraditional"])
+def test_mistral4_layouts_and_options(oracle, tmp_path, variant):
+    """mistral4 beyond the tiny model's fused experts and YaRN rope: per-expert tensors
+    (mlp.experts.{e}.*, stacked at load) with a default rope (no YaRN softmax scale), and a head
+    tied to the embedding with a non-interleaved rope (rope_interleave false): mlx-lm's tokens and
+    logits on the same files, across prefill chunks."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    src = make_model("mistral4-float32", "mistral4")
+    d = tmp_path / variant
+    shutil.copytree(src, d)
+    w = mx.load(str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    if variant == "per-expert-default-rope":
+        for l in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+            p = f"model.layers.{l}.mlp.experts"
+            gate, up = mx.split(w.pop(f"{p}.gate_up_proj"), 2, axis=1)
+            down = w.pop(f"{p}.down_proj")
+            for e in range(cfg["n_routed_experts"]):
+                w.update({f"{p}.{e}.gate_proj.weight": gate[e], f"{p}.{e}.up_proj.weight": up[e],
+                          f"{p}.{e}.down_proj.weight": down[e]})
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0, "llama_4_scaling_beta": 0.2,
+                                  "original_max_position_embeddings": 24}
+    else:
+        del w["lm_head.weight"]
+        cfg.update(tie_word_embeddings=True, rope_interleave=False)
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
+
+
+def test_mistral4_query_scale_is_exercised(oracle, tmp_path):
+    """The tiny mistral4's Llama 4 query scale changes mlx-lm's own logits within the parity
+    tests' prompt and generation (so matching them tests it): beta 0 gives different ones."""
+    import json
+    import shutil
+
+    src = make_model("mistral4-float32", "mistral4")
+    d = tmp_path / "beta0"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"]["llama_4_scaling_beta"] = 0.0
+    (d / "config.json").write_text(json.dumps(cfg))
+    with mlxrs.Session(src) as s:
+        ids = s.tokenize(TEXT) * 2  # past original_max_position_embeddings (32)
+    a = np.array(oracle({"model": str(src), "prompt": ids, "max_tokens": 1})["logits"], dtype=np.float32)
+    b = np.array(oracle({"model": str(d), "prompt": ids, "max_tokens": 1})["logits"], dtype=np.float32)
+    assert len(ids) > cfg["rope_parameters"]["original_max_position_embeddings"]
+    assert float(np.max(np.abs(a - b))) > 1e-3

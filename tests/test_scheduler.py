@@ -55,6 +55,9 @@ CASES = [
     ("deepseek_v3", {}),
     ("deepseek_v32", {"stack": 1}),  # the indexer (top 16 positions): per-row attention even when asked to stack
     ("glm_moe_dsa", {}),
+    ("mistral4", {"stack": 1}),  # the stacked KV with Llama 4's query scale at every row's own position
+    ("mistral4", {}),
+    ("mistral3", {}),  # the same text model through its multimodal wrapper
 ]
 RECURRENT = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
@@ -125,8 +128,9 @@ def test_batch_with_mixed_lengths_and_sampling(tmp_path):
         assert b.tokens == a.tokens and b.finish_reason == a.finish_reason
 
 
-# deepseek_v3: the cached latents and rope keys; deepseek_v32: the indexer's keys beside them
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v32"])
+# deepseek_v3: the cached latents and rope keys; deepseek_v32: the indexer's keys beside them;
+# mistral4: a prefill after a hit attends with its concatenated rope over the cached latents
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v32", "mistral4"])
 def test_prefix_cache_hit_gives_the_cold_tokens(arch):
     d = make_model(f"{arch}-float32", arch)
     with mlxrs.Session(d, prompt_cache_bytes=0) as cold, mlxrs.Session(d) as warm:

@@ -142,6 +142,22 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
         if arch == "glm_moe_dsa":  # GLM-5: the rope in rope_parameters (a plain one here)
             del cfg["rope_scaling"], cfg["rope_theta"]
             cfg.update(architectures=["GlmMoeDsaForCausalLM"], rope_parameters={"rope_theta": 50000.0, "rope_type": "default"})
+    elif arch == "mistral4":
+        # Mistral Small 4: deepseek_v3's latent attention (q rank 128, latent 128 + a 32-dim rope key,
+        # nope 64, v 64), the rope in rope_parameters (YaRN factor 4, mscale_all_dim 1: the rope's
+        # mscale and the softmax scale both != 1) with Llama 4's query scale stepping every 32
+        # positions (original_max_position_embeddings), so a 64-token generation crosses a step; layer
+        # 0 dense, layers 1-2 a MoE of 8 experts of width 128, 2 per token, chosen by softmax in 1 of
+        # 2 groups, scaled by 1.5, plus 1 shared expert; experts in Hugging Face's fused layout
+        del cfg["head_dim"], cfg["rope_theta"]
+        cfg.update(architectures=["Mistral3ForConditionalGeneration"], q_lora_rank=128, kv_lora_rank=128,
+                   qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, num_key_value_heads=heads, n_routed_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1, n_group=2, topk_group=1,
+                   routed_scaling_factor=1.5, norm_topk_prob=True, first_k_dense_replace=1,
+                   num_hidden_layers=max(layers, 3), tie_word_embeddings=False, attention_bias=False,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
@@ -165,6 +181,17 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
                        attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False)
         if arch == "gemma4_text_full":
             cfg.update(layer_types=["full_attention"] * len(types))
+    elif arch in ("mistral3", "mistral3_llama"):
+        # Mistral's multimodal layout: the text model in text_config (mistral4, or a Mistral/Llama one
+        # with the head untied by mistral3's default), its weights under model.language_model.*, a
+        # vision tower and projector the loaders drop
+        text = base_config("mistral4" if arch == "mistral3" else "llama", vocab=vocab, hidden=hidden, layers=layers,
+                           heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter)
+        if arch == "mistral3_llama":
+            text.update(model_type="mistral")
+            del text["tie_word_embeddings"], text["architectures"]
+        cfg = {"model_type": "mistral3", "text_config": text, "vision_config": {"model_type": "pixtral"},
+               "eos_token_id": 0, "image_token_index": 10, "architectures": ["Mistral3ForConditionalGeneration"]}
     elif arch == "gemma4":
         # the multimodal layout: the text model in text_config, its weights under
         # model.language_model.*, a vision tower the loaders drop
@@ -190,6 +217,14 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
         w = {k.replace("model.", "model.language_model.", 1): x for k, x in _gemma4_weights(cfg["text_config"], rnd).items()}
         w["model.vision_tower.patch_embedder.weight"] = rnd((8, 8), 1.0)
         return w
+    if cfg["model_type"] == "mistral3":
+        text = cfg["text_config"]
+        untied = {**text, "tie_word_embeddings": text.get("tie_word_embeddings", False)}  # mistral3's default
+        inner = _weights("mistral4" if text["model_type"] == "mistral4" else "llama", untied, seed)
+        w = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): x for k, x in inner.items()}
+        w["model.vision_tower.patch_conv.weight"] = rnd((8, 3, 2, 2), 1.0)
+        w["model.multi_modal_projector.linear_1.weight"] = rnd((8, 8), 1.0)
+        return w
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
@@ -205,7 +240,7 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     w: dict[str, Any] = {"model.embed_tokens.weight": rnd((v, h), 0.5 if not gemma else 0.05), "model.norm.weight": norm(h)}
     for l in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{l}"
-        if arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+        if arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4"):
             # the Hugging Face layout (kv_b_proj, which the loaders split into embed_q/unembed_out)
             a, qk = f"{p}.self_attn", cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
             kr, vd, qr = cfg["kv_lora_rank"], cfg["v_head_dim"], cfg["q_lora_rank"]
@@ -247,6 +282,15 @@ def _weights(arch: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
                 w[f"{p2}.experts.{e}.w1.weight"] = rnd((i, h), h ** -0.5)
                 w[f"{p2}.experts.{e}.w2.weight"] = rnd((h, i), i ** -0.5)
                 w[f"{p2}.experts.{e}.w3.weight"] = rnd((i, h), h ** -0.5)
+        elif arch == "mistral4" and l >= cfg["first_k_dense_replace"]:
+            # Hugging Face's fused layout: gate and up stacked in one tensor per layer, down in another
+            ne, mi, ns = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
+            w[f"{p}.mlp.gate.weight"] = rnd((ne, h), h ** -0.5)
+            w[f"{p}.mlp.experts.gate_up_proj"] = rnd((ne, 2 * mi, h), h ** -0.5)
+            w[f"{p}.mlp.experts.down_proj"] = rnd((ne, h, mi), mi ** -0.5)
+            w[f"{p}.mlp.shared_experts.gate_proj.weight"] = rnd((mi * ns, h), h ** -0.5)
+            w[f"{p}.mlp.shared_experts.up_proj.weight"] = rnd((mi * ns, h), h ** -0.5)
+            w[f"{p}.mlp.shared_experts.down_proj.weight"] = rnd((h, mi * ns), (mi * ns) ** -0.5)
         elif arch in ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa") and l >= cfg["first_k_dense_replace"]:
             ne, mi, ns = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
             w[f"{p}.mlp.gate.weight"] = rnd((ne, h), h ** -0.5)

@@ -228,7 +228,7 @@ pub const OPS: &[&str] = &[
     // quantization
     "quantize", "dequantize", "quantized_matmul", "gather_mm", "gather_qmm",
     // fast kernels
-    "rms_norm", "layer_norm", "rope", "scaled_dot_product_attention",
+    "rms_norm", "layer_norm", "rope", "scaled_dot_product_attention", "gated_delta_ops", "gated_delta_kernel",
     // random
     "random_key", "random_split", "random_uniform", "random_normal", "random_gumbel", "random_categorical",
     "random_seed",
@@ -508,6 +508,17 @@ fn run(name: &str, x: &Inputs<'_>, p: &Params<'_>) -> Result<Vec<Array>> {
                 None => 1.0 / (q.dim(-1) as f32).sqrt(),
             };
             one(scaled_dot_product_attention(q, k, v, scale, mask, sinks))
+        }
+        // the gated delta rule's two paths (q, k, v, g, beta, state → y, state): the reference ops
+        // and the CUDA kernel (crate::models::gated_delta), for bench/check_gdn_kernel.py
+        "gated_delta_ops" | "gated_delta_kernel" => {
+            let (q, k, v, g, beta, st) = (x.req()?, x.req()?, x.req()?, x.req()?, x.req()?, x.req()?);
+            let (y, s) = if name == "gated_delta_ops" {
+                crate::models::qwen3_next::gated_delta_ops(q, k, v, g, beta, st.clone())?
+            } else {
+                crate::models::gated_delta::kernel(q, k, v, g, beta, st)?
+            };
+            Ok(vec![y, s])
         }
 
         // ---- random ----

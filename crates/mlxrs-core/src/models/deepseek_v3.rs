@@ -100,7 +100,7 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
 
 /// `{p}.kv_b_proj` `[heads * (nope + v_head), kv_lora_rank]` into `{p}.embed_q` (`[heads,
 /// kv_lora_rank, nope]`) and `{p}.unembed_out` (`[heads, v_head, kv_lora_rank]`), as mlx-lm does.
-fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
+pub(crate) fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
     let name = format!("{p}.kv_b_proj.weight");
     if !w.contains(&name) {
         return Ok(());
@@ -195,6 +195,35 @@ impl MultiLinear {
     }
 }
 
+/// Where a latent-attention layer departs from deepseek_v3's (mistral4's `Mistral4Attention`).
+#[derive(Clone, Copy, Debug)]
+pub struct MlaVariant {
+    /// The rotary embedding interleaved (mlx-lm's `traditional`).
+    pub interleave: bool,
+    /// Llama 4's position-dependent query scale (mistral4), `(beta, original_max_position_embeddings)`:
+    /// both query parts times `1 + beta * ln(1 + floor(position / original_max))` after the rope.
+    pub llama4_scale: Option<(f64, f64)>,
+    /// A prefill attends over the expanded keys with the rope part concatenated to each head's
+    /// (mistral4), not added as a mask (deepseek_v3).
+    pub concat_prefill: bool,
+}
+
+impl MlaVariant {
+    pub const DEEPSEEK: MlaVariant = MlaVariant { interleave: true, llama4_scale: None, concat_prefill: false };
+}
+
+/// mlx-lm's `_get_llama_4_attn_scale` at `offsets` (one per row, `[B, 1, 1, 1]`... when several)
+/// for `l` positions each: `1 + beta * log(1 + floor((arange(l) + offset) / original_max))` in
+/// float32, then `dtype`; shaped `[rows, 1, l, 1]` to scale queries `[B, H, L, D]`.
+fn llama4_scale(offsets: &[i32], l: i32, (beta, max): (f64, f64), dtype: mx::Dtype) -> Result<Array> {
+    let pos: Vec<i32> = offsets.iter().flat_map(|&o| (0..l).map(move |i| o + i)).collect();
+    let pos = mx::astype(&Array::from_slice(&pos, &[offsets.len() as i32, 1, l, 1])?, mx::Dtype::Float32)?;
+    let f32s = |v: f64| mx::scalar_as(v, mx::Dtype::Float32);
+    let fl = mx::floor(&mx::divide(&pos, &f32s(max)?)?)?;
+    let s = mx::add(&f32s(1.0)?, &mx::multiply(&f32s(beta)?, &mx::log(&mx::add(&f32s(1.0)?, &fl)?)?)?)?;
+    mx::astype(&s, dtype)
+}
+
 enum QProj {
     Full(Linear),
     LowRank { a: Linear, norm: RmsNorm, b: Linear },
@@ -213,11 +242,12 @@ pub struct Mla {
     rope: Rope,
     /// deepseek_v32's sparse-attention indexer (its keys cached after the latent).
     indexer: Option<super::deepseek_v32::Indexer>,
+    variant: MlaVariant,
 }
 
 impl Mla {
     /// `indexer`: Some(whether its rope is interleaved) for deepseek_v32's indexer.
-    fn load(w: &mut Weights, p: &str, c: &Cfg, d: MlaDims, indexer: Option<bool>) -> Result<Mla> {
+    fn load(w: &mut Weights, p: &str, c: &Cfg, d: MlaDims, indexer: Option<bool>, variant: MlaVariant) -> Result<Mla> {
         let bias = c.b_or("attention_bias", false);
         let qk = d.nope + d.rope;
         let q = match d.q_lora_rank {
@@ -247,11 +277,12 @@ impl Mla {
             o_proj: Linear::load(w, &format!("{p}.o_proj"), bias, d.hidden, d.heads * d.v_head)?,
             d,
             scale,
-            rope: Rope::from_config(d.rope, c.f_or("rope_theta", 10000.0) as f32, true, scaling)?,
+            rope: Rope::from_config(d.rope, c.f_or("rope_theta", 10000.0) as f32, variant.interleave, scaling)?,
             indexer: match indexer {
                 Some(interleave) => Some(super::deepseek_v32::Indexer::load(w, p, c, &d, interleave)?),
                 None => None,
             },
+            variant,
         })
     }
 
@@ -285,31 +316,59 @@ impl Mla {
 
     /// Attention of rotated queries over the cached latents and rope keys: `[B, L, heads *
     /// v_head_dim]` (before `o_proj`). `mask` (boolean, broadcast against the scores) hides keys,
-    /// as mlx-lm's `where` does.
-    fn attend(&self, q_nope: &Array, q_pe: &Array, latent: &Array, k_pe: &Array, mask: Option<&Array>) -> Result<Array> {
+    /// as mlx-lm's `where` does; `causal`: no mask array, but a causal prefill (mlx-lm's "causal",
+    /// which only [`MlaVariant::concat_prefill`] reads: the others are given the array).
+    fn attend(&self, q_nope: &Array, q_pe: &Array, latent: &Array, k_pe: &Array, mask: Option<&Array>, causal: bool) -> Result<Array> {
         let (b, l) = (q_nope.dim(0), q_nope.dim(2));
-        let sc = mx::scalar_as(self.scale as f64, q_pe.dtype())?;
-        let mut pe = mx::matmul(&mx::multiply(q_pe, &sc)?, &mx::swapaxes(k_pe, -1, -2)?)?;
-        if let Some(m) = mask {
-            pe = mx::where_(m, &pe, &mx::scalar_as(super::layers::finfo_min(pe.dtype()), pe.dtype())?)?;
-        }
-        let out = if l == 1 {
-            let q = self.embed_q.forward(q_nope, true)?;
-            let o = mx::scaled_dot_product_attention(&q, latent, latent, self.scale, AttnMask::Array(&pe), None)?;
-            self.unembed_out.forward(&o, true)?
-        } else {
+        let out = if l > 1 && self.variant.concat_prefill {
+            // mistral4: per-head keys [nope | rope] against queries [nope | rope], one softmax
             let k = self.embed_q.forward(latent, false)?;
             let v = self.unembed_out.forward(latent, true)?;
-            mx::scaled_dot_product_attention(q_nope, &k, &v, self.scale, AttnMask::Array(&pe), None)?
+            let k_pe = mx::broadcast_to(k_pe, &[b, self.d.heads, k_pe.dim(2), self.d.rope])?;
+            let q = mx::concatenate(&[q_nope, q_pe], -1)?;
+            let k = mx::concatenate(&[&k, &k_pe], -1)?;
+            let m = match (mask, causal) {
+                (Some(m), _) => AttnMask::Array(m),
+                (None, true) => AttnMask::Causal,
+                (None, false) => AttnMask::None,
+            };
+            mx::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)?
+        } else {
+            let sc = mx::scalar_as(self.scale as f64, q_pe.dtype())?;
+            let mut pe = mx::matmul(&mx::multiply(q_pe, &sc)?, &mx::swapaxes(k_pe, -1, -2)?)?;
+            if let Some(m) = mask {
+                pe = mx::where_(m, &pe, &mx::scalar_as(super::layers::finfo_min(pe.dtype()), pe.dtype())?)?;
+            }
+            if l == 1 {
+                let q = self.embed_q.forward(q_nope, true)?;
+                let o = mx::scaled_dot_product_attention(&q, latent, latent, self.scale, AttnMask::Array(&pe), None)?;
+                self.unembed_out.forward(&o, true)?
+            } else {
+                let k = self.embed_q.forward(latent, false)?;
+                let v = self.unembed_out.forward(latent, true)?;
+                mx::scaled_dot_product_attention(q_nope, &k, &v, self.scale, AttnMask::Array(&pe), None)?
+            }
         };
         mx::reshape(&mx::transpose_axes(&out, &[0, 2, 1, 3])?, &[b, l, -1])
+    }
+
+    /// The rotated queries times [`MlaVariant::llama4_scale`] at `offsets` (one per row), when
+    /// the variant has one.
+    fn scale_queries(&self, q_nope: Array, q_pe: Array, offsets: &[i32]) -> Result<(Array, Array)> {
+        match self.variant.llama4_scale {
+            Some(p) => {
+                let s = llama4_scale(offsets, q_nope.dim(2), p, q_nope.dtype())?;
+                Ok((mx::multiply(&q_nope, &s)?, mx::multiply(&q_pe, &s)?))
+            }
+            None => Ok((q_nope, q_pe)),
+        }
     }
 
     /// One row's projections `p` over its own cache: rotary embedding at the cache's offset, cache
     /// update (the indexer's key after the latent), the indexer's choice, attention.
     fn attend_row(&self, p: Proj, mask: &Mask, cache: &mut LayerCache) -> Result<Array> {
         let (n, offset) = (p.q_nope.dim(2), cache.offset());
-        let q_pe = self.rope.forward(&p.q_pe, offset)?;
+        let (q_nope, q_pe) = self.scale_queries(p.q_nope, self.rope.forward(&p.q_pe, offset)?, &[offset])?;
         let k_pe = self.rope.forward(&p.k_pe, offset)?;
         let (index, keys) = match (&self.indexer, p.index) {
             (Some(ix), Some([iq, ik, wts])) => {
@@ -323,8 +382,11 @@ impl Mla {
             // mlx-lm's MLA cannot read a quantized cache either (the engine refuses kv_bits first)
             Fetched::Quant { .. } => return Err(Error::Unsupported("a quantized KV cache (kv_bits) with multi-head latent attention".into())),
         };
+        // mistral4's prefill takes mlx-lm's "causal" as it is
+        let causal = matches!(mask, Mask::Causal) && self.variant.concat_prefill && n > 1;
         let mut mask = match mask {
             Mask::None => None,
+            Mask::Causal if causal => None,
             Mask::Causal => Some(causal_mask(n, offset, None)?),
             Mask::Array(a) => Some(a.clone()),
         };
@@ -343,7 +405,7 @@ impl Mla {
             }
             None => keys,
         };
-        self.attend(&p.q_nope, &q_pe, &latent, &k_pe, mask.as_ref())
+        self.attend(&q_nope, &q_pe, &latent, &k_pe, mask.as_ref(), causal)
     }
 
     /// A batch: the projections for all rows at once; then over the stacked KV (one decode token
@@ -356,9 +418,10 @@ impl Mla {
             }
             (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
                 let q_pe = self.rope.forward_rows(&p.q_pe, kv.offsets())?;
+                let (q_nope, q_pe) = self.scale_queries(p.q_nope, q_pe, kv.offsets())?;
                 let k_pe = self.rope.forward_rows(&p.k_pe, kv.offsets())?;
                 let (latent, k_pe) = kv.update_and_fetch(layer, &p.latent, &k_pe)?;
-                self.attend(&p.q_nope, &q_pe, &latent, &k_pe, Some(mask))?
+                self.attend(&q_nope, &q_pe, &latent, &k_pe, Some(mask), false)?
             }
             (LayerCaches::Rows(mut caches), Masks::Rows(masks)) if caches.len() == 1 => self.attend_row(p, &masks[0], caches[0])?,
             (LayerCaches::Rows(caches), Masks::Rows(masks)) => {
@@ -418,7 +481,8 @@ pub struct Model {
     embed: Embedding,
     layers: Vec<Block>,
     norm: RmsNorm,
-    lm_head: Linear,
+    /// None: tied to the embedding.
+    lm_head: Option<Linear>,
     shape: ModelShape,
     /// With deepseek_v32's indexer: full caches always, never stacked.
     indexed: bool,
@@ -432,10 +496,16 @@ impl Model {
 
     /// The decoder with the MoE routed by `router` and, when `indexer` is Some(interleaved rope),
     /// deepseek_v32's indexer in every layer.
-    pub fn load_with(config: &Value, mut w: Weights, router: super::layers::Router, indexer: Option<bool>) -> Result<Model> {
+    pub fn load_with(config: &Value, w: Weights, router: super::layers::Router, indexer: Option<bool>) -> Result<Model> {
+        Model::load_variant(config, w, router, indexer, MlaVariant::DEEPSEEK, layout(config)?, false)
+    }
+
+    /// [`Model::load_with`] with the attention of `variant`, the layers of `layout`, and the LM
+    /// head the embedding's transpose when `tie`.
+    pub fn load_variant(config: &Value, mut w: Weights, router: super::layers::Router, indexer: Option<bool>, variant: MlaVariant,
+                        layout: Vec<LayerLayout>, tie: bool) -> Result<Model> {
         let c = Cfg(config);
         let d = MlaDims::from_config(&c)?;
-        let layout = layout(config)?;
         let vocab = c.size("vocab_size", Some(102400), limits::VOCAB)?;
         let eps = c.f_or("rms_norm_eps", 1e-6) as f32;
         let spec = MoeSpec { router, ..MoeSpec::QWEN3 };
@@ -443,7 +513,7 @@ impl Model {
         for (i, l) in layout.iter().enumerate() {
             let p = format!("model.layers.{i}");
             layers.push(Block {
-                attn: Mla::load(&mut w, &format!("{p}.self_attn"), &c, d, indexer)?,
+                attn: Mla::load(&mut w, &format!("{p}.self_attn"), &c, d, indexer, variant)?,
                 mlp: Ffn::load_with(&mut w, &format!("{p}.mlp"), false, l.ffn, d.hidden, 0, &spec)?,
                 in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, d.hidden)?,
                 post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps, d.hidden)?,
@@ -451,7 +521,7 @@ impl Model {
         }
         let embed = Embedding::load(&mut w, "model.embed_tokens", vocab, d.hidden)?;
         let norm = RmsNorm::load(&mut w, "model.norm", eps, d.hidden)?;
-        let lm_head = Linear::load(&mut w, "lm_head", false, embed.rows(), d.hidden)?;
+        let lm_head = if tie { None } else { Some(Linear::load(&mut w, "lm_head", false, embed.rows(), d.hidden)?) };
         let dtype_bytes = embed.dtype().size();
         let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("deepseek_v3");
         let shape = ModelShape::new(model_type, layout, d.hidden, vocab, c.opt_i("max_position_embeddings"), dtype_bytes);
@@ -467,7 +537,11 @@ impl Model {
 
 impl CausalLm for Model {
     fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        self.lm_head.forward(&self.hidden_caches(tokens, caches, staging)?)
+        let h = self.hidden_caches(tokens, caches, staging)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
     }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {

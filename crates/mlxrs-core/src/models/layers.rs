@@ -970,6 +970,11 @@ pub enum Router {
     /// best (by the sum of their two best scores) zeroed; the k best experts weighted by their
     /// sigmoid scores, renormalised when `norm_topk_prob` (and k > 1), times `scaling`.
     GroupedSigmoid { n_group: i32, topk_group: i32, scaling: f32 },
+    /// mistral4 (`mistral4_expert_select`): softmax scores (float32), with `n_group` > 1 every
+    /// group but the `topk_group` best (by the sum of their two best scores) zeroed for the choice;
+    /// the k best experts weighted by their softmax scores, divided by their sum (+ 1e-20) when
+    /// `norm_topk_prob`, times `scaling`.
+    GroupedSoftmax { n_group: i32, topk_group: i32, scaling: f32 },
 }
 
 /// Where a MoE block's parts are and how it routes: `{prefix}.{router_name}` the router,
@@ -995,6 +1000,28 @@ impl MoeSpec {
         expert_bias: false,
         act: ExpertAct::Swiglu,
     };
+}
+
+/// The `k` experts of `scores` `[..., experts]` (float32) a grouped router chooses: with
+/// `n_group` above 1 every group but the `topk_group` best (by the sum of their two best scores) zeroed first
+/// (mlx-lm's `group_expert_select` / `mistral4_expert_select`); `argpartition(-s, k-1)[..., :k]`.
+fn grouped_top_k(scores: &Array, n_group: i32, topk_group: i32, k: i32) -> Result<Array> {
+    let mut s = scores.clone();
+    let e = s.dim(-1);
+    if n_group > 1 {
+        let sh = s.shape();
+        let mut grouped = sh[..sh.len() - 1].to_vec();
+        grouped.extend([n_group, e / n_group]);
+        s = mx::reshape(&s, &grouped)?;
+        let group_scores = mx::sum(&mx::topk(&s, 2, -1)?, &[-1], true)?;
+        let drop = n_group - topk_group;
+        if drop > 0 {
+            let idx = mx::slice_axis(&mx::argpartition(&group_scores, drop - 1, -2)?, -2, 0, drop)?;
+            s = mx::put_along_axis(&s, &idx, &mx::scalar_as(0.0, Dtype::Float32)?, -2)?;
+        }
+        s = mx::reshape(&s, &sh)?;
+    }
+    mx::slice_axis(&mx::argpartition(&mx::negative(&s)?, k - 1, -1)?, -1, 0, k)
 }
 
 /// A sparse MoE block: a router picks `top_k` of the routed experts per token and weights their
@@ -1032,7 +1059,7 @@ impl SparseMoe {
         }
         let rname = format!("{prefix}.{}", spec.router_name);
         let score_bias = match spec.router {
-            Router::GroupedSigmoid { n_group, topk_group, .. } => {
+            Router::GroupedSigmoid { n_group, topk_group, .. } | Router::GroupedSoftmax { n_group, topk_group, .. } => {
                 if n_group < 1 || experts % n_group != 0 {
                     return Err(Error::ModelLoad(format!("config.json: n_group {n_group} does not divide the {experts} routed experts")));
                 }
@@ -1051,7 +1078,10 @@ impl SparseMoe {
                         topk_group * per
                     )));
                 }
-                Some(ws.take_shaped(&format!("{rname}.e_score_correction_bias"), &[experts])?)
+                match spec.router {
+                    Router::GroupedSigmoid { .. } => Some(ws.take_shaped(&format!("{rname}.e_score_correction_bias"), &[experts])?),
+                    _ => None,
+                }
             }
             _ => None,
         };
@@ -1100,24 +1130,20 @@ impl SparseMoe {
             Router::GroupedSigmoid { n_group, topk_group, scaling } => {
                 let orig = mx::sigmoid(&mx::astype(&logits, Dtype::Float32)?)?;
                 let bias = self.score_bias.as_ref().ok_or_else(|| crate::Error::Invalid("grouped router without its bias".into()))?;
-                let mut s = mx::add(&orig, bias)?;
-                if n_group > 1 {
-                    let sh = s.shape();
-                    let mut grouped = sh[..sh.len() - 1].to_vec();
-                    grouped.extend([n_group, e / n_group]);
-                    s = mx::reshape(&s, &grouped)?;
-                    let group_scores = mx::sum(&mx::topk(&s, 2, -1)?, &[-1], true)?;
-                    let drop = n_group - topk_group;
-                    if drop > 0 {
-                        let idx = mx::slice_axis(&mx::argpartition(&group_scores, drop - 1, -2)?, -2, 0, drop)?;
-                        s = mx::put_along_axis(&s, &idx, &mx::scalar_as(0.0, Dtype::Float32)?, -2)?;
-                    }
-                    s = mx::reshape(&s, &sh)?;
-                }
-                let inds = mx::slice_axis(&mx::argpartition(&mx::negative(&s)?, k - 1, -1)?, -1, 0, k)?;
+                let inds = grouped_top_k(&mx::add(&orig, bias)?, n_group, topk_group, k)?;
                 let mut scores = mx::take_along_axis(&orig, &inds, -1)?;
                 if k > 1 && self.norm_topk_prob {
                     scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
+                }
+                Ok((inds, mx::multiply(&scores, &mx::scalar_as(scaling as f64, Dtype::Float32)?)?))
+            }
+            Router::GroupedSoftmax { n_group, topk_group, scaling } => {
+                let orig = mx::softmax(&mx::astype(&logits, Dtype::Float32)?, &[-1], false)?;
+                let inds = grouped_top_k(&orig, n_group, topk_group, k)?;
+                let mut scores = mx::take_along_axis(&orig, &inds, -1)?;
+                if self.norm_topk_prob {
+                    let sum = mx::add(&mx::sum(&scores, &[-1], true)?, &mx::scalar_as(1e-20, Dtype::Float32)?)?;
+                    scores = mx::divide(&scores, &sum)?;
                 }
                 Ok((inds, mx::multiply(&scores, &mx::scalar_as(scaling as f64, Dtype::Float32)?)?))
             }

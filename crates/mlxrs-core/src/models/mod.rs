@@ -6,11 +6,14 @@ pub mod deepseek_v32;
 pub mod glm_moe_dsa;
 pub mod gemma3_text;
 pub mod gemma4_text;
+pub mod gated_delta;
 pub mod glm4_moe;
 pub mod gpt_oss;
 pub mod layers;
 pub mod experts;
 pub mod llama;
+pub mod mistral3;
+pub mod mistral4;
 pub mod mixtral;
 pub mod qwen2;
 pub mod qwen3;
@@ -199,6 +202,8 @@ pub static ARCHS: &[Arch] = &[
     deepseek_v3::ARCH,
     deepseek_v32::ARCH,
     glm_moe_dsa::ARCH,
+    mistral4::ARCH,
+    mistral3::ARCH,
 ];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).

@@ -470,8 +470,9 @@ pub fn normalize_qk(q: &Array, k: &Array, inv_scale: f64, eps: f64) -> Result<(A
     Ok((q, k))
 }
 
-/// mlx-lm's `gated_delta_update` on its ops path: `beta = sigmoid(b)`,
-/// `g = exp(-exp(A_log) * softplus(a + dt_bias))` (float32), then [`gated_delta_ops`].
+/// mlx-lm's `gated_delta_update`: `beta = sigmoid(b)`,
+/// `g = exp(-exp(A_log) * softplus(a + dt_bias))` (float32), then the recurrence: the CUDA kernel
+/// where [`super::gated_delta::path`] picks it, else [`gated_delta_ops`].
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_update(
     q: &Array,
@@ -488,7 +489,10 @@ pub fn gated_delta_update(
     let softplus = mx::logaddexp(&x, &mx::scalar_as(0.0, x.dtype())?)?;
     let decay = mx::negative(&mx::exp(&mx::astype(a_log, Dtype::Float32)?)?)?;
     let g = mx::exp(&mx::multiply(&decay, &softplus)?)?;
-    gated_delta_ops(q, k, v, &g, &beta, state)
+    match super::gated_delta::path(k.dim(-1)) {
+        super::gated_delta::Path::CudaKernel => super::gated_delta::kernel(q, k, v, &g, &beta, &state),
+        super::gated_delta::Path::Reference => gated_delta_ops(q, k, v, &g, &beta, state),
+    }
 }
 
 /// mlx-lm's `gated_delta_ops`, the sequential reference recurrence: q, k `[B, T, Hk, Dk]`, v

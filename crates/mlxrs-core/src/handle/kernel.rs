@@ -1,0 +1,131 @@
+//! User GPU kernels: mlx-c's `mlx_fast_cuda_kernel_*` (MLX's `mx.fast.cuda_kernel`), and which GPU
+//! backend the loaded MLX has.
+use super::array::{Array, Dtype};
+use super::check;
+use super::ops::VecArray;
+use super::runtime::{current_stream, init};
+use crate::error::{Error, Result};
+use mlxrs_sys as sys;
+use std::ffi::CString;
+
+/// Whether the loaded MLX has its CUDA backend (and a CUDA device).
+pub fn cuda_is_available() -> bool {
+    if init().is_err() {
+        return false;
+    }
+    let mut r = false;
+    // SAFETY: mlx-c writes one bool through the pointer.
+    unsafe { sys::mlx_cuda_is_available(&mut r) == 0 && r }
+}
+
+/// Whether the loaded MLX has its Metal backend.
+pub fn metal_is_available() -> bool {
+    if init().is_err() {
+        return false;
+    }
+    let mut r = false;
+    // SAFETY: mlx-c writes one bool through the pointer.
+    unsafe { sys::mlx_metal_is_available(&mut r) == 0 && r }
+}
+
+/// A compile-time constant of a kernel (`constexpr int`/`bool`, or `using NAME = type`).
+#[derive(Clone, Copy, Debug)]
+pub enum TemplateArg {
+    Int(i32),
+    Bool(bool),
+    Dtype(Dtype),
+}
+
+/// A CUDA kernel body compiled by MLX at first use (NVRTC), per set of template arguments: inputs
+/// are `const T* name` (with `name_shape` / `_strides` / `_ndim` when the source names them),
+/// outputs `T* name`; `grid` counts threads, as Metal's does.
+pub struct CudaKernel(sys::mlx_fast_cuda_kernel);
+
+// SAFETY: the handle owns an immutable MLX kernel function object (a std::function over its source
+// and names); applying it only builds graph nodes, which MLX does under its own locks.
+unsafe impl Send for CudaKernel {}
+unsafe impl Sync for CudaKernel {}
+
+struct Strings(sys::mlx_vector_string);
+
+impl Strings {
+    fn new(names: &[&str]) -> Result<Strings> {
+        let owned = names.iter().map(|n| CString::new(*n)).collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|_| Error::Invalid("kernel name contains NUL".into()))?;
+        let mut ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|c| c.as_ptr()).collect();
+        // SAFETY: mlx-c copies the strings before returning.
+        Ok(Strings(unsafe { sys::mlx_vector_string_new_data(ptrs.as_mut_ptr(), ptrs.len()) }))
+    }
+}
+
+impl Drop for Strings {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx_vector_string_new_data, freed once.
+        unsafe { sys::mlx_vector_string_free(self.0) };
+    }
+}
+
+struct Config(sys::mlx_fast_cuda_kernel_config);
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx_fast_cuda_kernel_config_new, freed once.
+        unsafe { sys::mlx_fast_cuda_kernel_config_free(self.0) };
+    }
+}
+
+impl CudaKernel {
+    /// `ensure_row_contiguous`: inputs copied to row-contiguous first (so the source may index them flat).
+    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str, ensure_row_contiguous: bool) -> Result<CudaKernel> {
+        init()?;
+        let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
+        let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("kernel {name}: text contains NUL")));
+        let (n, src, hdr) = (c(name)?, c(source)?, c(header)?);
+        // SAFETY: every pointer is valid for the call; mlx-c copies what it keeps.
+        let k = unsafe { sys::mlx_fast_cuda_kernel_new(n.as_ptr(), ins.0, outs.0, src.as_ptr(), hdr.as_ptr(), ensure_row_contiguous, 0) };
+        if k.ctx.is_null() {
+            // MLX's message (e.g. "[cuda_kernel] No CUDA back-end." off CUDA), as the handler captured it
+            let e = check(1).err().map_or_else(|| "failed".to_string(), |e| e.to_string());
+            return Err(Error::Mlx(format!("kernel {name}: {e}")));
+        }
+        Ok(CudaKernel(k))
+    }
+
+    /// The kernel over `inputs` on the current stream: outputs of `outputs` (shape, dtype),
+    /// `grid` threads in blocks of `block`.
+    pub fn apply(&self, inputs: &[&Array], outputs: &[(&[i32], Dtype)], grid: (i32, i32, i32), block: (i32, i32, i32),
+                 template: &[(&str, TemplateArg)]) -> Result<Vec<Array>> {
+        // SAFETY: a fresh config, freed by its guard.
+        let cfg = Config(unsafe { sys::mlx_fast_cuda_kernel_config_new() });
+        for (shape, dtype) in outputs {
+            // SAFETY: the shape slice is valid for the call; mlx-c copies it.
+            check(unsafe { sys::mlx_fast_cuda_kernel_config_add_output_arg(cfg.0, shape.as_ptr(), shape.len(), dtype.raw()) })?;
+        }
+        // SAFETY: plain values into the config.
+        check(unsafe { sys::mlx_fast_cuda_kernel_config_set_grid(cfg.0, grid.0, grid.1, grid.2) })?;
+        check(unsafe { sys::mlx_fast_cuda_kernel_config_set_thread_group(cfg.0, block.0, block.1, block.2) })?;
+        for (name, arg) in template {
+            let n = CString::new(*name).map_err(|_| Error::Invalid("template name contains NUL".into()))?;
+            // SAFETY: the name is valid for the call; mlx-c copies it.
+            check(unsafe {
+                match arg {
+                    TemplateArg::Int(v) => sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg.0, n.as_ptr(), *v),
+                    TemplateArg::Bool(v) => sys::mlx_fast_cuda_kernel_config_add_template_arg_bool(cfg.0, n.as_ptr(), *v),
+                    TemplateArg::Dtype(d) => sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(cfg.0, n.as_ptr(), d.raw()),
+                }
+            })?;
+        }
+        let ins = VecArray::new(inputs);
+        let mut out = VecArray::new(&[]);
+        // SAFETY: every handle is live for the call; the result vector is owned by `out`.
+        check(unsafe { sys::mlx_fast_cuda_kernel_apply(&mut out.0, self.0, ins.0, cfg.0, current_stream()) })?;
+        out.to_vec()
+    }
+}
+
+impl Drop for CudaKernel {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx_fast_cuda_kernel_new, freed once.
+        unsafe { sys::mlx_fast_cuda_kernel_free(self.0) };
+    }
+}
