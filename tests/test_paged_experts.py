@@ -220,6 +220,39 @@ def test_plan_streams_a_moe_model_over_its_budget():
     assert _plan(dense, budget="1000", stream_experts=True)["strategy"] == "generic-kv"
 
 
+def test_plan_keeps_the_expert_cache_floor_and_shrinks_the_context():
+    """A budget the model's whole context would fill: the streamed plan keeps the expert cache's
+    floor — one decoded token's routed experts, 7 MoE layers × top-2, from the headers — instead
+    of a cache of 0 bytes, and the context gives way to it; `fit` says so."""
+    import subprocess
+    import sys
+
+    d = _deep_moe()
+    floor = 14 * (_expert_bytes(d) // 56)
+
+    def plan(ctx, budget, **kw):
+        return json.loads(mlxrs._native.plan(str(d), ctx, None, str(budget), stream_experts=True, **kw))
+
+    # what the model's whole context needs with no expert cache at all
+    budget = plan(None, "100G", expert_cache_bytes=0)["totalBytes"]
+    p = plan(None, budget)
+    assert p["expertCacheFloorBytes"] == floor and p["expertCacheBytes"] == floor
+    assert not p["fits"] and p["totalBytes"] == budget + floor
+    m = p["maxSafeContext"]
+    assert 0 < m < p["contextTokens"]
+    at = plan(m, budget)
+    assert at["fits"] and at["expertCacheBytes"] >= floor and at["totalBytes"] <= budget
+    past = plan(m + 1, budget)
+    assert not past["fits"] and past["expertCacheBytes"] == floor
+    # a cache given explicitly has no floor
+    assert "expertCacheFloorBytes" not in plan(None, budget, expert_cache_bytes=0)
+    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--memory-budget", str(budget)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "one token's routed experts: the context gives way" in out.stdout
+    assert f"up to {m} tokens do beside the expert cache's floor" in out.stdout
+
+
 def test_fit_cli_reports_streaming(tmp_path):
     import subprocess
     import sys
