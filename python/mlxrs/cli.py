@@ -108,6 +108,9 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     sp.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
                     help="the streamed experts' cache, e.g. 4G; implies --stream-experts (default: what the "
                          "memory plan leaves)")
+    sp.add_argument("--expert-prefetch", choices=["on", "off"], default=None,
+                    help="streamed experts: while a MoE layer computes, read the experts the next layer's router "
+                         "picks for this layer's input (default: on)")
     sp.add_argument("--adapter", action="append", default=[], metavar="[NAME=]PATH",
                     help="a LoRA/DoRA adapter directory in mlx-lm's format (repeatable). One is fused into the "
                          "weights and serves every request; several are kept beside the base and a request picks one "
