@@ -721,7 +721,7 @@ fn read_at(f: &File, mut buf: &mut [u8], mut off: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::layers::Experts;
+    use crate::models::layers::{ExpertAct, Experts};
 
     /// A safetensors file of `tensors` (name, shape, f32 values), written by hand.
     fn write_safetensors(path: &std::path::Path, tensors: &[(&str, Vec<i32>, Vec<f32>)]) {
@@ -805,6 +805,72 @@ mod tests {
         let bad = Array::from_slice(&[0u32, 4], &[1, 1, 2]).unwrap();
         let x = Array::from_slice(&values(h as usize, 5), &[1, 1, h]).unwrap();
         assert!(streamed.forward(&x, &bad).unwrap_err().to_string().contains("expert 4"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Two streamed layers of four experts; layer 1 registers a predictor that picks a fixed set.
+    /// Layer 0's step reads layer 1's predicted experts ahead (outside the cache); layer 1's step
+    /// then takes the ones it routes to from there (prefetch hits) and reads the rest; the values
+    /// equal the resident layers', and the cache sees the same hits and misses as without prefetch.
+    #[test]
+    fn prefetch_reads_the_next_layers_predicted_experts_and_counts_them() {
+        let dir = std::env::temp_dir().join(format!("mlxrs-prefetch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (e, h, i) = (4, 64, 32);
+        let p = |l: i32| format!("model.layers.{l}.mlp.switch_mlp");
+        let mut tensors = Vec::new();
+        for l in 0..2 {
+            tensors.push((format!("{}.gate_proj.weight", p(l)), vec![e, i, h], values((e * i * h) as usize, 1 + 3 * l as u32)));
+            tensors.push((format!("{}.up_proj.weight", p(l)), vec![e, i, h], values((e * i * h) as usize, 2 + 3 * l as u32)));
+            tensors.push((format!("{}.down_proj.weight", p(l)), vec![e, h, i], values((e * h * i) as usize, 3 + 3 * l as u32)));
+        }
+        let refs: Vec<(&str, Vec<i32>, Vec<f32>)> = tensors.iter().map(|(n, s, v)| (n.as_str(), s.clone(), v.clone())).collect();
+        write_safetensors(&dir.join("model.safetensors"), &refs);
+        let cfg = serde_json::json!({});
+        let per_expert = (3 * (i * h) as usize * 4) as u64;
+        let mut rw = Weights::load_dir(&dir, &cfg).unwrap();
+        let resident = [Experts::load(&mut rw, &p(0), e, h, i).unwrap(), Experts::load(&mut rw, &p(1), e, h, i).unwrap()];
+        // run (layer 0 routes `a`, layer 1 routes `b`) with prefetch on or off; the stats after
+        let run = |prefetch: bool, steps: &[([u32; 2], [u32; 2])]| -> ExpertReport {
+            let ctx = Streaming::new(Some(2 * per_expert as usize));
+            ctx.set_prefetch(prefetch);
+            let mut sw = Weights::load_dir(&dir, &cfg).unwrap();
+            sw.stream_experts(ctx.clone());
+            let streamed = [Experts::load(&mut sw, &p(0), e, h, i).unwrap(), Experts::load(&mut sw, &p(1), e, h, i).unwrap()];
+            ctx.finish_load();
+            // layer 1's router, as the layer before sees it: always experts 1 and 2
+            let ExpertStore::Streamed(s1) = &streamed[1].store else { panic!("not streamed") };
+            s1.set_predictor(Arc::new(|_x: &Array| Array::from_slice(&[1i32, 2], &[1, 1, 2])));
+            let ExpertStore::Streamed(s0) = &streamed[0].store else { panic!("not streamed") };
+            assert_eq!(s0.next_predictor().is_some(), prefetch);
+            assert!(s1.next_predictor().is_none(), "the last streamed layer has no next");
+            for (n, (a, b)) in steps.iter().enumerate() {
+                let x = Array::from_slice(&values(h as usize, 40 + n as u32), &[1, 1, h]).unwrap();
+                for (l, ids) in [a, b].into_iter().enumerate() {
+                    let idx = Array::from_slice(ids, &[1, 1, 2]).unwrap();
+                    let want = resident[l].forward(&x, &idx).unwrap().to_vec::<f32>().unwrap();
+                    let got = streamed[l].forward_ahead(&x, &idx, ExpertAct::Swiglu, None, Some(&x)).unwrap().to_vec::<f32>().unwrap();
+                    assert!(want.iter().zip(&got).all(|(p, q)| (p - q).abs() < 1e-5), "step {n} layer {l}");
+                }
+            }
+            ctx.report()
+        };
+        // step 1: layer 1 routes {1, 3}: 1 was read ahead (a hit), 3 is read now, 2 was wasted;
+        // step 2: of the prediction {1, 2}, 1 is still cached when layer 0 looks, so only 2 is read
+        // ahead; layer 0's own reads then evict layer 1's experts (room for 2), and layer 1 routes
+        // {1, 2}: 2 is taken from the reads ahead, 1 is read now
+        let steps = [([0, 1], [1, 3]), ([0, 1], [1, 2])];
+        let on = run(true, &steps);
+        let off = run(false, &steps);
+        // the cache is untouched by prefetching: same hits, misses, evictions, contents
+        assert_eq!((on.hits, on.misses, on.evictions, on.cached_experts), (off.hits, off.misses, off.evictions, off.cached_experts));
+        assert_eq!((off.prefetched, off.prefetch_hits, off.prefetch_hit_rate), (0, 0, None));
+        assert!(!off.prefetch && on.prefetch);
+        assert_eq!(off.bytes_read, off.misses * per_expert);
+        // read ahead: step 1 {1, 2}, step 2 {2} (1 was cached by then)
+        assert_eq!((on.prefetched, on.prefetch_hits), (3, 2));
+        assert_eq!(on.prefetch_hit_rate, Some(2.0 / 3.0));
+        assert_eq!(on.bytes_read, (on.misses - on.prefetch_hits + on.prefetched) * per_expert);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
