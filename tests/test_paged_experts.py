@@ -51,12 +51,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_streamed_matches_mlx_lm_resident(oracle, case):
+def test_streamed_matches_mlx_lm_resident(oracle, case, prefetch):
     c = CASES[case]
     d = make_model(c["name"], "qwen3_moe", **c["kw"])
     experts = _expert_bytes(d)
-    with mlxrs.Session(d, stream_experts=True, prefill_step_size=c["step"]) as s:
+    with mlxrs.Session(d, stream_experts=True, prefill_step_size=c["step"], expert_prefetch=prefetch) as s:
         ids = s.tokenize(TEXT) * c["repeat"]
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
@@ -78,7 +79,15 @@ def test_streamed_matches_mlx_lm_resident(oracle, case):
     # a quarter of the experts for 2 layers × top-2 per token: the cache cycles
     assert x["misses"] > 0 and x["hits"] > 0 and x["evictions"] > 0
     per_expert = experts // 16
-    assert x["bytes_read"] == x["misses"] * per_expert
+    # every read: the misses not read ahead, and every expert read ahead (used or not)
+    assert x["prefetch"] is prefetch
+    if prefetch:
+        # layer 1's router on layer 0's input picks some experts it then uses
+        assert 0 < x["prefetch_hits"] <= x["prefetched"] and x["prefetch_hits"] <= x["misses"]
+        assert x["prefetch_hit_rate"] == pytest.approx(x["prefetch_hits"] / x["prefetched"])
+    else:
+        assert x["prefetched"] == x["prefetch_hits"] == 0 and x["prefetch_hit_rate"] is None
+    assert x["bytes_read"] == (x["misses"] - x["prefetch_hits"] + x["prefetched"]) * per_expert
     assert x["hit_rate"] == pytest.approx(x["hits"] / (x["hits"] + x["misses"]))
     # tokens through the model: prompt + generated (generate feeds all but the last sampled
     # token) + the logits call's prompt, counted once per forward step at the first MoE layer
@@ -162,8 +171,30 @@ def test_streamed_config_disagreeing_with_weights_is_refused(tmp_path, field, va
         mlxrs.Session(d, stream_experts=True)
 
 
+def test_prefetch_leaves_the_cache_as_it_is():
+    """Reading ahead touches no cache entry: with and without prefetch the same tokens, hits,
+    misses, evictions and cache contents; prefetch only adds the reads of the wasted predictions."""
+    d = make_model("qwen3_moe-q4-l8", "qwen3_moe", quant_bits=4, layers=8)
+    per_expert = _expert_bytes(d) // 56
+    got = {}
+    for prefetch in (True, False):
+        with mlxrs.Session(d, stream_experts=True, expert_prefetch=prefetch) as s:
+            ids = s.tokenize(TEXT)
+            got[prefetch] = (s.generate(ids, max_tokens=24, ignore_eos=True, temperature=0.0).tokens, s.info["experts"])
+    (t_on, on), (t_off, off) = got[True], got[False]
+    assert t_on == t_off
+    for k in ("hits", "misses", "evictions", "cache_bytes", "cached_experts", "tokens"):
+        assert on[k] == off[k], k
+    assert on["prefetched"] > 0 and off["prefetched"] == 0
+    assert on["bytes_read"] - off["bytes_read"] == (on["prefetched"] - on["prefetch_hits"]) * per_expert
+
+
 def test_bad_options_are_refused():
     d = make_model("qwen3_moe-float32", "qwen3_moe")
+    with pytest.raises(ValueError, match="expert_prefetch"):
+        mlxrs.Session(d, stream_experts=True, expert_prefetch="on")
+    with pytest.raises(ValueError, match="stream_experts=True"):
+        mlxrs.Session(d, expert_prefetch=True)
     with pytest.raises(ValueError, match="expert_cache_bytes"):
         mlxrs.Session(d, stream_experts=True, expert_cache_bytes=-1)
     with pytest.raises(ValueError, match="stream_experts=True"):
@@ -333,8 +364,9 @@ MOE_ARCHS = ["mixtral", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "gem
 @pytest.mark.parametrize("quant", [None, 4], ids=["float32", "q4"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_every_moe_architecture_streams_as_mlx_lm(oracle, arch, quant):
+    """Streamed with prefetch on (each MoE layer reads the next one's predicted experts ahead)."""
     d = make_model(f"{arch}-float32" if quant is None else f"{arch}-q4", arch, quant_bits=quant)
-    with mlxrs.Session(d, stream_experts=True, prefill_step_size=16) as s:
+    with mlxrs.Session(d, stream_experts=True, prefill_step_size=16, expert_prefetch=True) as s:
         ids = s.tokenize(TEXT) * 2
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
@@ -346,3 +378,9 @@ def test_every_moe_architecture_streams_as_mlx_lm(oracle, arch, quant):
     # the experts came from the files through the cache, within its budget
     assert x["streamed_layers"] > 0 and x["misses"] > 0 and x["bytes_read"] > 0
     assert 0 < x["cache_bytes"] <= x["cache_budget_bytes"]
+    # every layer after a streamed one was read ahead (Gemma 4's own router registers no
+    # predictor: its experts are read when routed); with one MoE layer there is no next
+    if arch == "gemma4_text_moe" or x["streamed_layers"] == 1:
+        assert x["prefetched"] == 0
+    else:
+        assert x["prefetched"] > 0 and 0 <= x["prefetch_hits"] <= x["prefetched"]
