@@ -230,12 +230,16 @@ def test_plan_streams_a_moe_model_over_its_budget():
     assert p["strategy"] == "streamed-experts" and p["fits"]
     assert p["streamedExpertBytes"] == experts
     per_expert = experts // 56  # 7 MoE layers × 8 experts
-    step = 2 * 8 * per_expert  # one layer's experts read and stacked (a prefill routes all 8)
+    # one layer's experts read and stacked (a prefill routes all 8), and the next layer's 8 read ahead
+    step = 3 * 8 * per_expert
     # resident: the non-expert weights, the cache, one step's experts, KV, transient, reserve
     assert p["weightsBytes"] == weights - experts + p["expertCacheBytes"]
     assert p["transientBytes"] == resident["transientBytes"] + step
     assert p["kvBytes"] == resident["kvBytes"]
     assert p["totalBytes"] == p["weightsBytes"] + p["kvBytes"] + p["transientBytes"] + p["reserveBytes"] <= budget
+    # without reading ahead, one copy fewer
+    off = _plan(d, budget=str(budget), expert_prefetch=False)
+    assert off["transientBytes"] == resident["transientBytes"] + 2 * 8 * per_expert
     # the cache gets the rest of the budget
     assert p["expertCacheBytes"] == budget - (p["totalBytes"] - p["expertCacheBytes"])
     frac = p["expertCacheBytes"] / experts

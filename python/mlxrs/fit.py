@@ -110,7 +110,7 @@ def _budget_is_bytes(budget: str | None) -> bool:
 def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
          budget: str | None = None, device_bytes: int | None = None,
          fused_attention: bool | None = None, backend: str | None = None, stream_experts: bool = False,
-         expert_cache_bytes: int | None = None,
+         expert_cache_bytes: int | None = None, expert_prefetch: bool | None = None,
          adapters: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
     """The MemoryPlan (schemaVersion 1) for a model directory or .gguf file. A mixture-of-experts
     model that does not fit, or `stream_experts`, gets the `streamed-experts` strategy. `adapters`:
@@ -118,6 +118,7 @@ def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | N
     return dict(json.loads(_native.plan(str(model), ctx, kv_bits, budget, device_bytes=device_bytes,
                                         fused_attention=fused_attention, backend=backend,
                                         stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes,
+                                        expert_prefetch=expert_prefetch,
                                         adapter_bytes=adapter_bytes(adapters))))
 
 

@@ -404,6 +404,9 @@ pub struct PlanOptions {
     pub stream_experts: bool,
     /// The expert cache's bytes when streamed; None: what the budget leaves (at most every expert).
     pub expert_cache_bytes: Option<u64>,
+    /// Streamed: each MoE layer reads the next layer's predicted experts ahead, which one step
+    /// then holds beside its own (`models::experts::PREFETCH_DEFAULT` unless told).
+    pub expert_prefetch: bool,
 }
 
 /// The admission contract (schemaVersion 1), serialized with camelCase keys.
@@ -570,10 +573,12 @@ impl ModelFacts {
     }
 
     /// The experts a streamed step holds outside the cache at most: one layer's routed experts, read
-    /// and stacked (two copies), for a prefill chunk of `step` tokens.
-    fn streamed_step_bytes(&self, step: u64) -> u64 {
+    /// and stacked (two copies), and with `prefetch` the next layer's predicted experts read ahead
+    /// (a third), for a prefill chunk of `step` tokens.
+    fn streamed_step_bytes(&self, step: u64, prefetch: bool) -> u64 {
         let per = self.bytes_per_expert();
-        self.moe.iter().map(|&(e, k)| 2 * e.min(step.max(1) * k) * per).max().unwrap_or(0)
+        let copies = if prefetch { 3 } else { 2 };
+        self.moe.iter().map(|&(e, k)| copies * e.min(step.max(1) * k) * per).max().unwrap_or(0)
     }
 
     /// Expert bytes read per decoded token with a cache holding `fraction` of the experts, routing
@@ -600,7 +605,7 @@ impl ModelFacts {
     /// [`ModelFacts::expert_cache_floor`]: a context that leaves less does not fit, and
     /// `max_safe_context` is the longest that leaves the floor), or `o.expert_cache_bytes`.
     fn plan_streamed(&self, o: &PlanOptions, ctx: u64) -> MemoryPlan {
-        let step = self.streamed_step_bytes(o.prefill_step.min(ctx.max(1)));
+        let step = self.streamed_step_bytes(o.prefill_step.min(ctx.max(1)), o.expert_prefetch);
         let base = self.weights_bytes.saturating_sub(self.expert_bytes) + step;
         let kv = self.kv_bytes(ctx, o.kv_bits, o.kv_group_size);
         let transient = self.transient_bytes(ctx, o);
@@ -756,6 +761,7 @@ mod tests {
             context_tokens: None, kv_bits: None, kv_group_size: 64, prefill_step: 2048, fused_attention: false,
             dequant_rows: u64::MAX,
             layers_in_flight: 1, usable_bytes: usable, stream_experts: false, expert_cache_bytes: None,
+            expert_prefetch: false,
         }
     }
 
@@ -839,6 +845,9 @@ mod tests {
         assert!(p.fits && p.total_bytes == budget);
         // one layer's 16 experts read and stacked during a 512-token prefill chunk
         assert_eq!(p.transient_bytes, resident.transient_bytes + 32_000_000);
+        // and, reading ahead, the next layer's 16 beside them
+        let ahead = f.plan(&PlanOptions { expert_prefetch: true, ..o(budget, false) });
+        assert_eq!(ahead.transient_bytes, resident.transient_bytes + 48_000_000);
         let cache = p.expert_cache_bytes.unwrap();
         assert_eq!(cache, 64_000_000 - 20_000_000 - 32_000_000);
         assert_eq!(p.weights_bytes, 36_000_000 + cache);

@@ -188,6 +188,7 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     # the adapters' tensors are resident beside the weights: the plan counts them (fit.adapter_bytes)
     plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget,
                                    stream_experts=stream or expert_cache is not None, expert_cache_bytes=expert_cache,
+                                   expert_prefetch=_expert_prefetch(args),
                                    adapter_bytes=adapter_bytes(list(adapters.values()))))
     # a MoE model whose weights exceed the budget is planned (and served) with its experts
     # streamed from the files into an expert cache of the plan's size
