@@ -327,6 +327,7 @@ def test_served_streamed_when_the_weights_exceed_the_budget():
         st = srv.stats()
         x = st["experts"]
         assert x["misses"] > 0 and x["cache_budget_bytes"] == _expert_bytes(d) // 4
+        assert x["prefetch"] is True and x["prefetched"] > 0  # reading ahead by default
         assert x["bytes_read_per_token"] > 0 and 0 <= x["hit_rate"] <= 1
     got = body["choices"][0]
     with mlxrs.Session(d) as s:
@@ -344,6 +345,23 @@ def test_batched_decode_streamed_matches_mlx_lm(oracle):
     for ids, c in zip(prompts, got):
         ref = oracle({"model": str(d), "prompt": ids, "max_tokens": 16})
         assert c.tokens == ref["tokens"]
+
+
+def test_serve_expert_prefetch_off():
+    """`serve --expert-prefetch off`: the streamed experts are read only once routed (and the plan
+    counts two copies of a layer's experts, not three)."""
+    from server_util import Server
+
+    d = _deep_moe()
+    with Server(d, "--stream-experts", "--expert-prefetch", "off") as srv:
+        status, body = srv.post("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                                    "ignore_eos": True})
+        assert status == 200, body
+        st = srv.stats()
+        x = st["experts"]
+        assert x["prefetch"] is False and x["prefetched"] == 0 and x["misses"] > 0
+        on = json.loads(mlxrs._native.plan(str(d), None, None, None, stream_experts=True))
+        assert st["memory_plan"]["transientBytes"] == on["transientBytes"] - 8 * (_expert_bytes(d) // 56)
 
 
 def test_fit_cli_expert_cache_implies_streaming():
