@@ -10,6 +10,11 @@
 //!   `switch_mlp.{proj}.{weight,scales,biases}` (expert e's row range by offset) and the Hugging Face
 //!   per-expert `experts.{e}.{proj}.weight`.
 //!
+//! Reading ahead: each streamed layer registers how it routes ([`Predictor`]); layer N applies layer
+//! N+1's to its own MoE input and reads the experts it picks while layer N computes, into a pending
+//! set beside the cache (a wrong guess costs a read, never an eviction); layer N+1 takes its misses
+//! from there when they are in it.
+//!
 //! The cache is one per model with a byte budget over all layers; [`ExpertStats`] counts what it does.
 use super::layers::SwitchLinear;
 use crate::error::{Error, Result};
