@@ -4,6 +4,11 @@ the cost of streaming without reads) vs fully resident, and mlx-lm fully residen
 
     python bench/bench_experts.py [--layers 12 --experts 32 --top-k 4 --hidden 384 --moe-inter 384]
                                   [--prompt-tokens 32 --gen-tokens 48] [--dir /tmp/mlxrs-bench-experts]
+                                  [--prefetch] [--cold]
+
+--prefetch compares reading ahead on and off instead (streamed with the cache at 0%, 25%, 50%, and
+mlx-lm); --cold keeps the model file out of the page cache while measuring (posix_fadvise DONTNEED
+every 2 ms from a thread of the engine's process), so that the expert reads go to the disk.
 
 The model (float32, the Hugging Face per-expert layout, tests/tinymodels.py's weights) is written
 under --dir and deleted at the end (--keep keeps it). Each engine runs in its own process: one
@@ -29,6 +34,17 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ["mlxrs resident", "mlxrs streamed 100%", "mlxrs streamed 50%", "mlxrs streamed 25%", "mlx-lm resident"]
+# --prefetch: the streamed engines with reading ahead on (the default) and off, at 0% (every routed
+# expert read), 25% and 50%; mlx-lm last (its tokens are the reference)
+PREFETCH_ENGINES = [f"mlxrs streamed {c}%{p}" for c in (0, 25, 50) for p in ("", " no-prefetch")] + ["mlx-lm resident"]
+
+
+def engine_cache(eng: str, experts: int) -> int | None:
+    """The expert cache of a streamed engine ("mlxrs streamed 25%[ no-prefetch]"); None: resident."""
+    if "streamed" not in eng:
+        return None
+    pct = int(eng.split("streamed ")[1].split("%")[0])
+    return experts if pct == 100 else experts * pct // 100
 
 
 def write_model(d: Path, a: argparse.Namespace) -> None:
@@ -63,12 +79,30 @@ def expert_bytes(d: Path) -> tuple[int, int]:
     return sum(v for k, v in sizes.items() if ".mlp.experts." in k), sum(sizes.values())
 
 
-def worker(engine: str, model: str, cache: int | None, prompt: list[int], n: int) -> dict[str, Any]:
+def keep_cold(model: str, every_s: float = 0.002) -> None:
+    """A daemon thread that keeps dropping the model's safetensors pages from the page cache
+    (posix_fadvise DONTNEED: unprivileged, clean pages of this file only), so that expert reads go to
+    the disk as for a model larger than memory."""
+    import threading
+
+    files = [os.open(f, os.O_RDONLY) for f in Path(model).glob("*.safetensors")]
+
+    def loop() -> None:
+        while True:
+            for fd in files:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            time.sleep(every_s)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def worker(engine: str, model: str, cache: int | None, prompt: list[int], n: int, cold: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if engine.startswith("mlxrs"):
         import mlxrs
 
-        kw = {"stream_experts": True, "expert_cache_bytes": cache} if cache is not None else {}
+        kw = {"stream_experts": True, "expert_cache_bytes": cache,
+              "expert_prefetch": not engine.endswith("no-prefetch")} if cache is not None else {}
         s = mlxrs.Session(model, prompt_cache_bytes=0, **kw)
 
         def run() -> tuple[list[int], float, float]:
@@ -83,11 +117,16 @@ def worker(engine: str, model: str, cache: int | None, prompt: list[int], n: int
             return toks, t_first - t0, t_last - t_first
 
         run()  # warm-up
+        if cold and cache is not None:
+            keep_cold(model)
         before = dict(s.info["experts"] or {})
         toks, tp, td = measured(run)
         after = s.info["experts"]
         if after:
-            d = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_read", "tokens", "read_seconds")}
+            d = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_read", "tokens", "read_seconds",
+                                                            "prefetched", "prefetch_hits")}
+            d["prefetch_hit_rate"] = d["prefetch_hits"] / d["prefetched"] if d["prefetched"] else None
+            d["read_wait_ms_per_token"] = 1e3 * d["read_seconds"] / max(1, d["tokens"])
             d["hit_rate"] = d["hits"] / max(1, d["hits"] + d["misses"])
             d["bytes_read_per_token"] = d["bytes_read"] / max(1, d["tokens"])
             d["read_bytes_per_second"] = d["bytes_read"] / d["read_seconds"] if d["read_seconds"] > 0 else None
@@ -149,13 +188,18 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--dir", default="/tmp/mlxrs-bench-experts")
     ap.add_argument("--keep", action="store_true", help="keep the model directory")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="compare reading ahead on and off (streamed at 0%%, 25%%, 50%%) instead of the default engines")
+    ap.add_argument("--cold", action="store_true",
+                    help="streamed engines: keep dropping the model file from the page cache while measuring "
+                         "(posix_fadvise DONTNEED every 2 ms), so that reads go to the disk")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         job = json.loads(a.worker)
         sys.stdout, out = sys.stderr, sys.stdout
-        out.write(json.dumps(worker(job["engine"], job["model"], job["cache"], job["prompt"], job["n"])) + "\n")
+        out.write(json.dumps(worker(job["engine"], job["model"], job["cache"], job["prompt"], job["n"], job["cold"])) + "\n")
         return
     d = Path(a.dir) / "model"
     try:
@@ -173,13 +217,12 @@ def main() -> None:
         info = mlxrs.runtime_info()
         libs = [p for p in (info.get("blas_gemv"), info.get("blas")) if p] if info.get("blas") else []
         results = []
-        for eng in ENGINES:
-            cache = {"mlxrs streamed 100%": experts, "mlxrs streamed 50%": experts // 2,
-                     "mlxrs streamed 25%": experts // 4}.get(eng)
+        for eng in PREFETCH_ENGINES if a.prefetch else ENGINES:
+            cache = engine_cache(eng, experts)
             e = dict(env)
             if eng.startswith("mlx-lm") and libs:  # the same BLAS as mlxrs (as the parity oracle runs)
                 e["LD_PRELOAD"] = ":".join(libs)
-            job = {"engine": eng, "model": str(d), "cache": cache, "prompt": prompt, "n": a.gen_tokens}
+            job = {"engine": eng, "model": str(d), "cache": cache, "prompt": prompt, "n": a.gen_tokens, "cold": a.cold}
             p = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
                                env=e, timeout=1800)
             if p.returncode != 0:
@@ -192,14 +235,17 @@ def main() -> None:
         print(f"\nrandom qwen3_moe: {a.layers} layers × {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, "
               f"expert width {a.moe_inter}, float32; weights {total / 1e6:.0f} MB of which experts "
               f"{experts / 1e6:.0f} MB; prompt {a.prompt_tokens}, {a.gen_tokens} generated tokens\n")
-        print("| engine | decode tok/s | tokens = mlx-lm's | hit rate | MB read / token | read MB/s | peak RSS MB |")
-        print("|---|---|---|---|---|---|---|")
+        print("| engine | decode tok/s | tokens = mlx-lm's | hit rate | MB read / token | read MB/s | peak RSS MB "
+              "| prefetch hit rate | read wait ms / token |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in results:
             x = r.get("experts")
             cells = [r["engine"], f"{r['decode_tps']:.1f}", "yes" if r["tokens"] == ref else "NO",
                      f"{x['hit_rate']:.2f}" if x else "-", f"{x['bytes_read_per_token'] / 1e6:.2f}" if x else "0",
                      f"{x['read_bytes_per_second'] / 1e6:.0f}" if x and x["read_bytes_per_second"] else "-",
-                     f"{r['peak_rss_bytes'] / 1e6:.0f}"]
+                     f"{r['peak_rss_bytes'] / 1e6:.0f}",
+                     f"{x['prefetch_hit_rate']:.2f}" if x and x.get("prefetch_hit_rate") is not None else "-",
+                     f"{x['read_wait_ms_per_token']:.2f}" if x else "-"]
             print("| " + " | ".join(cells) + " |")
         if a.json:
             Path(a.json).write_text(json.dumps({"args": vars(a), "expert_bytes": experts, "weights_bytes": total,

@@ -51,12 +51,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_streamed_matches_mlx_lm_resident(oracle, case):
+def test_streamed_matches_mlx_lm_resident(oracle, case, prefetch):
     c = CASES[case]
     d = make_model(c["name"], "qwen3_moe", **c["kw"])
     experts = _expert_bytes(d)
-    with mlxrs.Session(d, stream_experts=True, prefill_step_size=c["step"]) as s:
+    with mlxrs.Session(d, stream_experts=True, prefill_step_size=c["step"], expert_prefetch=prefetch) as s:
         ids = s.tokenize(TEXT) * c["repeat"]
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
@@ -78,7 +79,15 @@ def test_streamed_matches_mlx_lm_resident(oracle, case):
     # a quarter of the experts for 2 layers × top-2 per token: the cache cycles
     assert x["misses"] > 0 and x["hits"] > 0 and x["evictions"] > 0
     per_expert = experts // 16
-    assert x["bytes_read"] == x["misses"] * per_expert
+    # every read: the misses not read ahead, and every expert read ahead (used or not)
+    assert x["prefetch"] is prefetch
+    if prefetch:
+        # layer 1's router on layer 0's input picks some experts it then uses
+        assert 0 < x["prefetch_hits"] <= x["prefetched"] and x["prefetch_hits"] <= x["misses"]
+        assert x["prefetch_hit_rate"] == pytest.approx(x["prefetch_hits"] / x["prefetched"])
+    else:
+        assert x["prefetched"] == x["prefetch_hits"] == 0 and x["prefetch_hit_rate"] is None
+    assert x["bytes_read"] == (x["misses"] - x["prefetch_hits"] + x["prefetched"]) * per_expert
     assert x["hit_rate"] == pytest.approx(x["hits"] / (x["hits"] + x["misses"]))
     # tokens through the model: prompt + generated (generate feeds all but the last sampled
     # token) + the logits call's prompt, counted once per forward step at the first MoE layer
@@ -162,8 +171,30 @@ def test_streamed_config_disagreeing_with_weights_is_refused(tmp_path, field, va
         mlxrs.Session(d, stream_experts=True)
 
 
+def test_prefetch_leaves_the_cache_as_it_is():
+    """Reading ahead touches no cache entry: with and without prefetch the same tokens, hits,
+    misses, evictions and cache contents; prefetch only adds the reads of the wasted predictions."""
+    d = make_model("qwen3_moe-q4-l8", "qwen3_moe", quant_bits=4, layers=8)
+    per_expert = _expert_bytes(d) // 56
+    got = {}
+    for prefetch in (True, False):
+        with mlxrs.Session(d, stream_experts=True, expert_prefetch=prefetch) as s:
+            ids = s.tokenize(TEXT)
+            got[prefetch] = (s.generate(ids, max_tokens=24, ignore_eos=True, temperature=0.0).tokens, s.info["experts"])
+    (t_on, on), (t_off, off) = got[True], got[False]
+    assert t_on == t_off
+    for k in ("hits", "misses", "evictions", "cache_bytes", "cached_experts", "tokens"):
+        assert on[k] == off[k], k
+    assert on["prefetched"] > 0 and off["prefetched"] == 0
+    assert on["bytes_read"] - off["bytes_read"] == (on["prefetched"] - on["prefetch_hits"]) * per_expert
+
+
 def test_bad_options_are_refused():
     d = make_model("qwen3_moe-float32", "qwen3_moe")
+    with pytest.raises(ValueError, match="expert_prefetch"):
+        mlxrs.Session(d, stream_experts=True, expert_prefetch="on")
+    with pytest.raises(ValueError, match="stream_experts=True"):
+        mlxrs.Session(d, expert_prefetch=True)
     with pytest.raises(ValueError, match="expert_cache_bytes"):
         mlxrs.Session(d, stream_experts=True, expert_cache_bytes=-1)
     with pytest.raises(ValueError, match="stream_experts=True"):
@@ -193,18 +224,23 @@ def test_plan_streams_a_moe_model_over_its_budget():
     resident = _plan(d, budget="100G")
     assert resident["strategy"] == "generic-kv" and resident["weightsBytes"] == weights
     assert "expertCacheBytes" not in resident  # the dense plan's JSON is unchanged
-    # a budget a third of the experts short of the resident total: streamed, and it fits
-    budget = resident["totalBytes"] - experts // 3
+    # a budget a quarter of the experts short of the resident total: streamed, and it fits (the
+    # cache above its floor, a quarter of the experts: 7 MoE layers × top-2 of 8)
+    budget = resident["totalBytes"] - experts // 4
     p = _plan(d, budget=str(budget))
     assert p["strategy"] == "streamed-experts" and p["fits"]
     assert p["streamedExpertBytes"] == experts
     per_expert = experts // 56  # 7 MoE layers × 8 experts
-    step = 2 * 8 * per_expert  # one layer's experts read and stacked (a prefill routes all 8)
+    # one layer's experts read and stacked (a prefill routes all 8), and the next layer's 8 read ahead
+    step = 3 * 8 * per_expert
     # resident: the non-expert weights, the cache, one step's experts, KV, transient, reserve
     assert p["weightsBytes"] == weights - experts + p["expertCacheBytes"]
     assert p["transientBytes"] == resident["transientBytes"] + step
     assert p["kvBytes"] == resident["kvBytes"]
     assert p["totalBytes"] == p["weightsBytes"] + p["kvBytes"] + p["transientBytes"] + p["reserveBytes"] <= budget
+    # without reading ahead, one copy fewer
+    off = _plan(d, budget=str(budget), expert_prefetch=False)
+    assert off["transientBytes"] == resident["transientBytes"] + 2 * 8 * per_expert
     # the cache gets the rest of the budget
     assert p["expertCacheBytes"] == budget - (p["totalBytes"] - p["expertCacheBytes"])
     frac = p["expertCacheBytes"] / experts
@@ -220,12 +256,45 @@ def test_plan_streams_a_moe_model_over_its_budget():
     assert _plan(dense, budget="1000", stream_experts=True)["strategy"] == "generic-kv"
 
 
+def test_plan_keeps_the_expert_cache_floor_and_shrinks_the_context():
+    """A budget the model's whole context would fill: the streamed plan keeps the expert cache's
+    floor — one decoded token's routed experts, 7 MoE layers × top-2, from the headers — instead
+    of a cache of 0 bytes, and the context gives way to it; `fit` says so."""
+    import subprocess
+    import sys
+
+    d = _deep_moe()
+    floor = 14 * (_expert_bytes(d) // 56)
+
+    def plan(ctx, budget, **kw):
+        return json.loads(mlxrs._native.plan(str(d), ctx, None, str(budget), stream_experts=True, **kw))
+
+    # what the model's whole context needs with no expert cache at all
+    budget = plan(None, "100G", expert_cache_bytes=0)["totalBytes"]
+    p = plan(None, budget)
+    assert p["expertCacheFloorBytes"] == floor and p["expertCacheBytes"] == floor
+    assert not p["fits"] and p["totalBytes"] == budget + floor
+    m = p["maxSafeContext"]
+    assert 0 < m < p["contextTokens"]
+    at = plan(m, budget)
+    assert at["fits"] and at["expertCacheBytes"] >= floor and at["totalBytes"] <= budget
+    past = plan(m + 1, budget)
+    assert not past["fits"] and past["expertCacheBytes"] == floor
+    # a cache given explicitly has no floor
+    assert "expertCacheFloorBytes" not in plan(None, budget, expert_cache_bytes=0)
+    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--memory-budget", str(budget)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "one token's routed experts: the context gives way" in out.stdout
+    assert f"up to {m} tokens do beside the expert cache's floor" in out.stdout
+
+
 def test_fit_cli_reports_streaming(tmp_path):
     import subprocess
     import sys
 
     d = _deep_moe()
-    budget = _plan(d, budget="100G")["totalBytes"] - _expert_bytes(d) // 3
+    budget = _plan(d, budget="100G")["totalBytes"] - _expert_bytes(d) // 4
     out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--ctx", str(CTX), "--memory-budget",
                           str(budget)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -258,6 +327,7 @@ def test_served_streamed_when_the_weights_exceed_the_budget():
         st = srv.stats()
         x = st["experts"]
         assert x["misses"] > 0 and x["cache_budget_bytes"] == _expert_bytes(d) // 4
+        assert x["prefetch"] is True and x["prefetched"] > 0  # reading ahead by default
         assert x["bytes_read_per_token"] > 0 and 0 <= x["hit_rate"] <= 1
     got = body["choices"][0]
     with mlxrs.Session(d) as s:
@@ -275,6 +345,23 @@ def test_batched_decode_streamed_matches_mlx_lm(oracle):
     for ids, c in zip(prompts, got):
         ref = oracle({"model": str(d), "prompt": ids, "max_tokens": 16})
         assert c.tokens == ref["tokens"]
+
+
+def test_serve_expert_prefetch_off():
+    """`serve --expert-prefetch off`: the streamed experts are read only once routed (and the plan
+    counts two copies of a layer's experts, not three)."""
+    from server_util import Server
+
+    d = _deep_moe()
+    with Server(d, "--stream-experts", "--expert-prefetch", "off") as srv:
+        status, body = srv.post("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                                                    "ignore_eos": True})
+        assert status == 200, body
+        st = srv.stats()
+        x = st["experts"]
+        assert x["prefetch"] is False and x["prefetched"] == 0 and x["misses"] > 0
+        on = json.loads(mlxrs._native.plan(str(d), None, None, None, stream_experts=True))
+        assert st["memory_plan"]["transientBytes"] == on["transientBytes"] - 8 * (_expert_bytes(d) // 56)
 
 
 def test_fit_cli_expert_cache_implies_streaming():
@@ -300,8 +387,9 @@ MOE_ARCHS = ["mixtral", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "gem
 @pytest.mark.parametrize("quant", [None, 4], ids=["float32", "q4"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_every_moe_architecture_streams_as_mlx_lm(oracle, arch, quant):
+    """Streamed with prefetch on (each MoE layer reads the next one's predicted experts ahead)."""
     d = make_model(f"{arch}-float32" if quant is None else f"{arch}-q4", arch, quant_bits=quant)
-    with mlxrs.Session(d, stream_experts=True, prefill_step_size=16) as s:
+    with mlxrs.Session(d, stream_experts=True, prefill_step_size=16, expert_prefetch=True) as s:
         ids = s.tokenize(TEXT) * 2
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
@@ -313,3 +401,8 @@ def test_every_moe_architecture_streams_as_mlx_lm(oracle, arch, quant):
     # the experts came from the files through the cache, within its budget
     assert x["streamed_layers"] > 0 and x["misses"] > 0 and x["bytes_read"] > 0
     assert 0 < x["cache_bytes"] <= x["cache_budget_bytes"]
+    # every layer after a streamed one was read ahead; with one MoE layer there is no next
+    if x["streamed_layers"] == 1:
+        assert x["prefetched"] == 0
+    else:
+        assert x["prefetched"] > 0 and 0 <= x["prefetch_hits"] <= x["prefetched"]

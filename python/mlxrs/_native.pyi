@@ -139,6 +139,7 @@ def plan(
     stream_experts: bool = False,
     expert_cache_bytes: int | None = None,
     adapter_bytes: int = 0,
+    expert_prefetch: bool | None = None,
 ) -> str:
     """The MemoryPlan (schemaVersion 1) as JSON for the model in `model_dir` (config.json and
     safetensors headers only) at `context_tokens` (None: the model's maximum). `budget` is a
@@ -253,6 +254,7 @@ class Session:
         stream_experts: bool = False,
         expert_cache_bytes: int | None = None,
         adapters: Sequence[tuple[str, str | os.PathLike[str]]] = ...,
+        expert_prefetch: bool | None = None,
     ) -> Session:
         """`adapters`: (name, directory) of LoRA/DoRA adapters in mlx-lm's format (crates/mlxrs-core/src/lora.rs)."""
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...

@@ -108,6 +108,9 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     sp.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
                     help="the streamed experts' cache, e.g. 4G; implies --stream-experts (default: what the "
                          "memory plan leaves)")
+    sp.add_argument("--expert-prefetch", choices=["on", "off"], default=None,
+                    help="streamed experts: while a MoE layer computes, read the experts the next layer's router "
+                         "picks for this layer's input (default: on)")
     sp.add_argument("--adapter", action="append", default=[], metavar="[NAME=]PATH",
                     help="a LoRA/DoRA adapter directory in mlx-lm's format (repeatable). One is fused into the "
                          "weights and serves every request; several are kept beside the base and a request picks one "
@@ -223,7 +226,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     p = fit.plan(path, args.ctx, args.kv_quant, args.memory_budget,
                  stream_experts=args.stream_experts or args.expert_cache_bytes is not None,
-                 expert_cache_bytes=args.expert_cache_bytes, adapters=list(adapter_args(args.adapter).values()))
+                 expert_cache_bytes=args.expert_cache_bytes,
+                 expert_prefetch=None if args.expert_prefetch is None else args.expert_prefetch == "on", adapters=list(adapter_args(args.adapter).values()))
     print(json.dumps(p, indent=2) if args.json else fit.describe(path, label, p, args.kv_quant, args.memory_budget))
     return 0
 
@@ -258,6 +262,8 @@ def _add_registry(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
     ft.add_argument("--expert-cache-bytes", type=_bytes_arg, default=None, metavar="BYTES",
                     help="the streamed experts' cache to plan, implies --stream-experts (default: what the "
                          "budget leaves)")
+    ft.add_argument("--expert-prefetch", choices=["on", "off"], default=None,
+                    help="plan streamed experts read ahead (the next layer's beside one step's; default: on)")
     ft.add_argument("--adapter", action="append", default=[], metavar="[NAME=]PATH",
                     help="a LoRA adapter directory to be served with the model (repeatable): its tensors count as weights")
     ft.add_argument("--skus", action="store_true",

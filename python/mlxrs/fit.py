@@ -110,7 +110,7 @@ def _budget_is_bytes(budget: str | None) -> bool:
 def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
          budget: str | None = None, device_bytes: int | None = None,
          fused_attention: bool | None = None, backend: str | None = None, stream_experts: bool = False,
-         expert_cache_bytes: int | None = None,
+         expert_cache_bytes: int | None = None, expert_prefetch: bool | None = None,
          adapters: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
     """The MemoryPlan (schemaVersion 1) for a model directory or .gguf file. A mixture-of-experts
     model that does not fit, or `stream_experts`, gets the `streamed-experts` strategy. `adapters`:
@@ -118,6 +118,7 @@ def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | N
     return dict(json.loads(_native.plan(str(model), ctx, kv_bits, budget, device_bytes=device_bytes,
                                         fused_attention=fused_attention, backend=backend,
                                         stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes,
+                                        expert_prefetch=expert_prefetch,
                                         adapter_bytes=adapter_bytes(adapters))))
 
 
@@ -199,8 +200,11 @@ def describe(model_path: Path, label: str, p: dict[str, Any], kv_bits: int | Non
         ["reserve", f"{human_bytes(p['reserveBytes'])}  (runtime, tokenizer, allocator slack)"],
         *([["experts", f"streamed from the files ({human_bytes(p['streamedExpertBytes'])}); expert cache "
                         f"{human_bytes(p['expertCacheBytes'])} ({100 * p['expertCacheFraction']:.0f}% of the experts, "
-                        "counted in weights); predicted "
-                        f"{human_bytes(int(p['predictedExpertBytesPerToken']))} read per token (uniform routing)"]]
+                        "counted in weights"
+                        + (f"; at least {human_bytes(p['expertCacheFloorBytes'])}, one token's routed experts: "
+                           "the context gives way" if p.get("expertCacheFloorBytes") else "")
+                        + f"); predicted {human_bytes(int(p['predictedExpertBytesPerToken']))} read per token "
+                        "(uniform routing)"]]
           if p["strategy"] == "streamed-experts" else []),
         ["total", human_bytes(p["totalBytes"])],
         ["budget", f"{human_bytes(p['usableBytes'])}  ({bsrc})"],
@@ -214,6 +218,8 @@ def describe(model_path: Path, label: str, p: dict[str, Any], kv_bits: int | Non
         verdict = f"fits: {p['contextTokens']} tokens need {human_bytes(p['totalBytes'])} of {human_bytes(p['usableBytes'])}"
     elif p["maxSafeContext"] > 0:
         verdict = (f"does not fit at {p['contextTokens']} tokens — up to {p['maxSafeContext']} tokens do"
+                   + (f" beside the expert cache's floor of {human_bytes(p['expertCacheFloorBytes'])}"
+                      if p.get("expertCacheFloorBytes") else "")
                    + ("" if kv_bits == 4 else "; --kv-quant 4|8 gives a longer context in the same memory"))
     else:
         verdict = ("does not fit: the weights and the reserve alone exceed the budget — pick a smaller "

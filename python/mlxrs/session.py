@@ -262,6 +262,8 @@ class Session:
     `stream_experts`: a mixture-of-experts model keeps its experts in the safetensors files and reads
     the routed ones per step into an expert cache of `expert_cache_bytes` (default: a quarter of the
     expert bytes); `info["experts"]` has its counters (docs/design/paged-experts.md).
+    `expert_prefetch` (streamed only; None: the default, on): while a MoE layer computes, the next
+    layer's router is applied to its input and the experts it picks are read ahead.
 
     `adapter`: a LoRA/DoRA adapter directory in mlx-lm's format (`adapter_config.json` +
     `adapters.safetensors`), fused into the weights at load (kept beside a quantized base) and
@@ -288,6 +290,7 @@ class Session:
         chat_template: str | os.PathLike[str] | None = None,
         stream_experts: bool = False,
         expert_cache_bytes: int | None = None,
+        expert_prefetch: bool | None = None,
         adapter: str | os.PathLike[str] | None = None,
         adapters: Mapping[str, str | os.PathLike[str]] | None = None,
     ) -> None:
@@ -301,6 +304,11 @@ class Session:
                 raise ValueError(f"expert_cache_bytes must be a non-negative integer (got {expert_cache_bytes!r})")
             if not stream_experts:
                 raise ValueError("expert_cache_bytes is the streamed experts' cache: pass stream_experts=True with it")
+        if expert_prefetch is not None:
+            if not isinstance(expert_prefetch, bool):
+                raise ValueError(f"expert_prefetch must be True, False or None (got {expert_prefetch!r})")
+            if not stream_experts:
+                raise ValueError("expert_prefetch reads streamed experts ahead: pass stream_experts=True with it")
 
         self.adapters = _adapter_specs(adapter, adapters)
 
@@ -312,7 +320,7 @@ class Session:
             prefill_step_size=prefill_step_size, kv_group_size=kv_group_size,
             max_concurrency=max_concurrency, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes,
             kv_budget_bytes=kv_budget_bytes, stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes,
-            adapters=list(self.adapters.items()),
+            adapters=list(self.adapters.items()), expert_prefetch=expert_prefetch,
         )
         info = self._s.info()
         self._vocab = int(info["vocab_size"])

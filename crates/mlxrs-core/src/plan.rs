@@ -404,6 +404,9 @@ pub struct PlanOptions {
     pub stream_experts: bool,
     /// The expert cache's bytes when streamed; None: what the budget leaves (at most every expert).
     pub expert_cache_bytes: Option<u64>,
+    /// Streamed: each MoE layer reads the next layer's predicted experts ahead, which one step
+    /// then holds beside its own (`models::experts::PREFETCH_DEFAULT` unless told).
+    pub expert_prefetch: bool,
 }
 
 /// The admission contract (schemaVersion 1), serialized with camelCase keys.
@@ -433,6 +436,10 @@ pub struct MemoryPlan {
     pub expert_cache_fraction: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub predicted_expert_bytes_per_token: Option<f64>,
+    /// `streamed-experts` with the cache left to the plan: the least cache it keeps
+    /// ([`ModelFacts::expert_cache_floor`]); the context gives way to it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_cache_floor_bytes: Option<u64>,
 }
 
 /// The largest context considered when a model does not say its own.
@@ -566,10 +573,12 @@ impl ModelFacts {
     }
 
     /// The experts a streamed step holds outside the cache at most: one layer's routed experts, read
-    /// and stacked (two copies), for a prefill chunk of `step` tokens.
-    fn streamed_step_bytes(&self, step: u64) -> u64 {
+    /// and stacked (two copies), and with `prefetch` the next layer's predicted experts read ahead
+    /// (a third), for a prefill chunk of `step` tokens.
+    fn streamed_step_bytes(&self, step: u64, prefetch: bool) -> u64 {
         let per = self.bytes_per_expert();
-        self.moe.iter().map(|&(e, k)| 2 * e.min(step.max(1) * k) * per).max().unwrap_or(0)
+        let copies = if prefetch { 3 } else { 2 };
+        self.moe.iter().map(|&(e, k)| copies * e.min(step.max(1) * k) * per).max().unwrap_or(0)
     }
 
     /// Expert bytes read per decoded token with a cache holding `fraction` of the experts, routing
@@ -581,16 +590,30 @@ impl ModelFacts {
         (1.0 - fraction.clamp(0.0, 1.0)) * k as f64 * per
     }
 
+    /// The least expert cache a streamed plan keeps when the cache is left to it: one decoded
+    /// token's routed experts in every MoE layer (Σ top-k × bytes per expert, at most every
+    /// expert). The layers are visited in the same order at every step, so an LRU cache smaller
+    /// than that evicts each expert before the next token could use it again: every expert that
+    /// consecutive tokens share would be read again. The context gives way to this floor.
+    pub fn expert_cache_floor(&self) -> u64 {
+        let k: u64 = self.moe.iter().map(|m| m.1).sum();
+        (k * self.bytes_per_expert()).min(self.expert_bytes)
+    }
+
     /// The streamed-experts plan: resident = non-expert weights, expert cache, one step's experts,
-    /// KV and transient; the cache gets what the budget leaves (at most every expert), or
-    /// `o.expert_cache_bytes`.
+    /// KV and transient; the cache gets what the budget leaves (at most every expert, at least
+    /// [`ModelFacts::expert_cache_floor`]: a context that leaves less does not fit, and
+    /// `max_safe_context` is the longest that leaves the floor), or `o.expert_cache_bytes`.
     fn plan_streamed(&self, o: &PlanOptions, ctx: u64) -> MemoryPlan {
-        let step = self.streamed_step_bytes(o.prefill_step.min(ctx.max(1)));
+        let step = self.streamed_step_bytes(o.prefill_step.min(ctx.max(1)), o.expert_prefetch);
         let base = self.weights_bytes.saturating_sub(self.expert_bytes) + step;
         let kv = self.kv_bytes(ctx, o.kv_bits, o.kv_group_size);
         let transient = self.transient_bytes(ctx, o);
         let rest = base + kv + transient + RESERVE_BYTES;
-        let cache = o.expert_cache_bytes.unwrap_or_else(|| o.usable_bytes.saturating_sub(rest).min(self.expert_bytes));
+        let floor = if o.expert_cache_bytes.is_some() { None } else { Some(self.expert_cache_floor()) };
+        let cache = o
+            .expert_cache_bytes
+            .unwrap_or_else(|| o.usable_bytes.saturating_sub(rest).min(self.expert_bytes).max(floor.unwrap_or(0)));
         let total = rest + cache;
         let fraction = if self.expert_bytes > 0 { (cache as f64 / self.expert_bytes as f64).min(1.0) } else { 1.0 };
         MemoryPlan {
@@ -598,7 +621,7 @@ impl ModelFacts {
             strategy: "streamed-experts",
             fits: total <= o.usable_bytes,
             context_tokens: ctx,
-            max_safe_context: self.max_context_with(o, base + o.expert_cache_bytes.unwrap_or(0)),
+            max_safe_context: self.max_context_with(o, base + o.expert_cache_bytes.or(floor).unwrap_or(0)),
             weights_bytes: base - step + cache,
             kv_bytes: kv,
             transient_bytes: transient + step,
@@ -611,6 +634,7 @@ impl ModelFacts {
             expert_cache_bytes: Some(cache),
             expert_cache_fraction: Some(fraction),
             predicted_expert_bytes_per_token: Some(self.predicted_expert_bytes_per_token(fraction)),
+            expert_cache_floor_bytes: floor,
         }
     }
 
@@ -643,6 +667,7 @@ impl ModelFacts {
             expert_cache_bytes: None,
             expert_cache_fraction: None,
             predicted_expert_bytes_per_token: None,
+            expert_cache_floor_bytes: None,
         }
     }
 }
@@ -736,6 +761,7 @@ mod tests {
             context_tokens: None, kv_bits: None, kv_group_size: 64, prefill_step: 2048, fused_attention: false,
             dequant_rows: u64::MAX,
             layers_in_flight: 1, usable_bytes: usable, stream_experts: false, expert_cache_bytes: None,
+            expert_prefetch: false,
         }
     }
 
@@ -819,17 +845,61 @@ mod tests {
         assert!(p.fits && p.total_bytes == budget);
         // one layer's 16 experts read and stacked during a 512-token prefill chunk
         assert_eq!(p.transient_bytes, resident.transient_bytes + 32_000_000);
+        // and, reading ahead, the next layer's 16 beside them
+        let ahead = f.plan(&PlanOptions { expert_prefetch: true, ..o(budget, false) });
+        assert_eq!(ahead.transient_bytes, resident.transient_bytes + 48_000_000);
         let cache = p.expert_cache_bytes.unwrap();
         assert_eq!(cache, 64_000_000 - 20_000_000 - 32_000_000);
         assert_eq!(p.weights_bytes, 36_000_000 + cache);
         let frac = cache as f64 / 64e6;
         assert!((p.predicted_expert_bytes_per_token.unwrap() - (1.0 - frac) * 8.0 * 1e6).abs() < 1.0);
-        // too small for even the non-expert weights: streamed, not fitting, cache 0
+        // too small for even the non-expert weights: streamed, not fitting, the cache at its floor
+        // (one token's routed experts: 4 MoE layers × top-2 × 1 MB)
+        assert_eq!(f.expert_cache_floor(), 8_000_000);
         let tiny = f.plan(&o(1_000, false));
-        assert!(!tiny.fits && tiny.expert_cache_bytes == Some(0) && tiny.max_safe_context == 0);
+        assert!(!tiny.fits && tiny.expert_cache_bytes == Some(8_000_000) && tiny.max_safe_context == 0);
+        assert_eq!(p.expert_cache_floor_bytes, Some(8_000_000));
         // forced: streamed with the cache it is given, though everything fits
         let forced = f.plan(&PlanOptions { expert_cache_bytes: Some(5_000_000), ..o(u64::MAX, true) });
         assert_eq!((forced.strategy, forced.expert_cache_bytes), ("streamed-experts", Some(5_000_000)));
+        assert_eq!(forced.expert_cache_floor_bytes, None);
+    }
+
+    /// A budget the context fills: the plan keeps the expert cache's floor (one token's routed
+    /// experts) and the context gives way, instead of a cache of 0 bytes.
+    #[test]
+    fn the_context_gives_way_to_the_expert_cache_floor() {
+        let cfg = serde_json::json!({
+            "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
+            "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "max_position_embeddings": 65536
+        });
+        let mut f = ModelFacts::from_config(&cfg, 100_000_000, 4).unwrap();
+        f.expert_bytes = 64_000_000;
+        let floor = f.expert_cache_floor();
+        assert_eq!(floor, 8_000_000);
+        let at = |ctx: u64, usable: u64| {
+            f.plan(&PlanOptions { context_tokens: Some(ctx), stream_experts: true, ..opts(usable) })
+        };
+        // the budget of 4096 tokens with no expert cache at all: at 4096 tokens the floor does not
+        // fit, the plan says so and keeps the floor; the safe context is shorter and leaves it
+        let zero = f.plan(&PlanOptions { context_tokens: Some(4096), stream_experts: true, expert_cache_bytes: Some(0), ..opts(u64::MAX) });
+        let budget = zero.total_bytes;
+        let p = at(4096, budget);
+        assert_eq!(p.expert_cache_bytes, Some(floor));
+        assert!(!p.fits && p.total_bytes == budget + floor);
+        let m = p.max_safe_context;
+        assert!(m > 0 && m < 4096, "{m}");
+        let q = at(m, budget);
+        assert!(q.fits && q.expert_cache_bytes.unwrap() >= floor, "{q:?}");
+        let r = at(m + 1, budget);
+        assert!(!r.fits && r.expert_cache_bytes == Some(floor));
+        // with room to spare the cache takes what is left, above the floor
+        let big = at(4096, budget + 3 * floor);
+        assert!(big.fits && big.expert_cache_bytes == Some(3 * floor));
+        // the model's whole context (65536) does not fit: the floor is still kept
+        let whole = f.plan(&PlanOptions { stream_experts: true, ..opts(budget) });
+        assert_eq!((whole.context_tokens, whole.expert_cache_bytes, whole.max_safe_context), (65536, Some(floor), m));
     }
 
     #[test]

@@ -13,11 +13,11 @@ use pyo3::prelude::*;
 /// fused (Metal; CUDA with 16-bit activations) and how many layers' prefill activations are alive
 /// at once (three on a GPU); `fused_attention` overrides the first. A MoE model that does not fit,
 /// or `stream_experts`, is planned `streamed-experts` (its expert cache `expert_cache_bytes`, None:
-/// what the budget leaves).
+/// what the budget leaves; `expert_prefetch` None: the engine's default).
 #[pyfunction]
 #[pyo3(signature = (model_dir, context_tokens=None, kv_bits=None, budget=None, kv_group_size=64,
                     prefill_step_size=2048, device_bytes=None, fused_attention=None, backend=None,
-                    stream_experts=false, expert_cache_bytes=None, adapter_bytes=0))]
+                    stream_experts=false, expert_cache_bytes=None, adapter_bytes=0, expert_prefetch=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     py: Python<'_>,
@@ -33,6 +33,7 @@ pub fn plan(
     stream_experts: bool,
     expert_cache_bytes: Option<u64>,
     adapter_bytes: u64,
+    expert_prefetch: Option<bool>,
 ) -> PyResult<String> {
     if let Some(b) = kv_bits {
         if ![2, 3, 4, 6, 8].contains(&b) {
@@ -66,6 +67,7 @@ pub fn plan(
         usable_bytes: core_plan::budget_bytes(budget, dev_bytes),
         stream_experts,
         expert_cache_bytes,
+        expert_prefetch: expert_prefetch.unwrap_or(mlxrs_core::models::experts::PREFETCH_DEFAULT),
     };
     serde_json::to_string(&facts.plan(&o)).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }

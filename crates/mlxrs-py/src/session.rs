@@ -150,7 +150,7 @@ impl Session {
     #[new]
     #[pyo3(signature = (model_dir, kv_bits=None, max_kv_size=None, prefill_step_size=2048, kv_group_size=64,
                         max_concurrency=None, max_queue=None, prompt_cache_bytes=None, kv_budget_bytes=None,
-                        stream_experts=false, expert_cache_bytes=None, adapters=Vec::new()))]
+                        stream_experts=false, expert_cache_bytes=None, adapters=Vec::new(), expert_prefetch=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -166,6 +166,7 @@ impl Session {
         stream_experts: bool,
         expert_cache_bytes: Option<usize>,
         adapters: Vec<(String, std::path::PathBuf)>,
+        expert_prefetch: Option<bool>,
     ) -> PyResult<Session> {
         let d = LoadOptions::default();
         let opts = LoadOptions {
@@ -180,6 +181,7 @@ impl Session {
             stacked_kv: None,
             stream_experts,
             expert_cache_bytes,
+            expert_prefetch,
             adapters,
         };
         let engine = crate::native(py, || Engine::load(&model_dir, opts))?;

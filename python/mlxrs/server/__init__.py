@@ -188,6 +188,7 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     # the adapters' tensors are resident beside the weights: the plan counts them (fit.adapter_bytes)
     plan = json.loads(_native.plan(str(model_dir), None, args.kv_quant, args.memory_budget,
                                    stream_experts=stream or expert_cache is not None, expert_cache_bytes=expert_cache,
+                                   expert_prefetch=_expert_prefetch(args),
                                    adapter_bytes=adapter_bytes(list(adapters.values()))))
     # a MoE model whose weights exceed the budget is planned (and served) with its experts
     # streamed from the files into an expert cache of the plan's size
@@ -201,6 +202,7 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
                       max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget,
                       stream_experts=streamed, expert_cache_bytes=int(plan["expertCacheBytes"]) if streamed else None,
+                      expert_prefetch=_expert_prefetch(args) if streamed else None,
                       chat_template=_chat_template(args.chat_template), adapters=adapters or None)
     dev_bytes, dev_source = _native.device_memory()
     budget_source = (f"--memory-budget {args.memory_budget}" if args.memory_budget is not None
@@ -229,6 +231,12 @@ def adapter_args(values: list[str]) -> dict[str, str]:
             raise InvalidArgumentError(f"--adapter: two adapters are named {name!r} (name them: --adapter NAME=PATH)")
         out[name] = path
     return out
+
+
+def _expert_prefetch(args: Any) -> bool | None:
+    """`--expert-prefetch on|off` (None: the default)."""
+    v = getattr(args, "expert_prefetch", None)
+    return None if v is None else v == "on"
 
 
 def _media_policy(args: Any) -> Any:

@@ -48,6 +48,9 @@ pub struct LoadOptions {
     pub stream_experts: bool,
     /// The expert cache's byte budget when streaming; None: a quarter of the expert bytes.
     pub expert_cache_bytes: Option<usize>,
+    /// Streaming: each MoE layer reads the next layer's predicted experts while it computes
+    /// (`models::experts`); None: [`models::experts::PREFETCH_DEFAULT`].
+    pub expert_prefetch: Option<bool>,
     /// LoRA/DoRA adapters (name, directory) in mlx-lm's format (`crate::lora`): one is fused into a
     /// dense base and applies to every request; several stay beside the base and a request picks
     /// one by name ([`Request::adapter`]; none: the base model).
@@ -117,6 +120,7 @@ impl Default for LoadOptions {
             stacked_kv: None,
             stream_experts: false,
             expert_cache_bytes: None,
+            expert_prefetch: None,
             adapters: Vec::new(),
         }
     }
@@ -321,7 +325,11 @@ impl Engine {
         let (tx, rx) = channel::<Cmd>();
         let (ready_tx, ready_rx) = channel::<Result<(ModelShape, usize)>>();
         let stats = Arc::new(Stats::default());
-        let streaming = options.stream_experts.then(|| models::experts::Streaming::new(options.expert_cache_bytes));
+        let streaming = options.stream_experts.then(|| {
+            let s = models::experts::Streaming::new(options.expert_cache_bytes);
+            s.set_prefetch(options.expert_prefetch.unwrap_or(models::experts::PREFETCH_DEFAULT));
+            s
+        });
         let (d, cfg, opts, st, tk) = (dir.to_path_buf(), config.clone(), options.clone(), stats.clone(), tokenizer.clone());
         let ctx = streaming.clone();
         let thread = std::thread::Builder::new()

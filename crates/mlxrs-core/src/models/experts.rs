@@ -10,6 +10,11 @@
 //!   `switch_mlp.{proj}.{weight,scales,biases}` (expert e's row range by offset) and the Hugging Face
 //!   per-expert `experts.{e}.{proj}.weight`.
 //!
+//! Reading ahead: each streamed layer registers how it routes ([`Predictor`]); layer N applies layer
+//! N+1's to its own MoE input and reads the experts it picks while layer N computes, into a pending
+//! set beside the cache (a wrong guess costs a read, never an eviction); layer N+1 takes its misses
+//! from there when they are in it.
+//!
 //! The cache is one per model with a byte budget over all layers; [`ExpertStats`] counts what it does.
 use super::layers::SwitchLinear;
 use crate::error::{Error, Result};
@@ -137,6 +142,10 @@ pub struct ExpertStats {
     pub read_ns: AtomicU64,
     /// Tokens that went through the model (counted at its first streamed layer).
     pub tokens: AtomicU64,
+    /// Experts read ahead for the next streamed layer (its router applied to this layer's input).
+    pub prefetched: AtomicU64,
+    /// Misses whose expert had been read ahead: the read overlapped the previous layer's compute.
+    pub prefetch_hits: AtomicU64,
 }
 
 /// A snapshot of [`ExpertStats`] with the cache's state and derived rates.
@@ -159,6 +168,14 @@ pub struct ExpertReport {
     /// Bytes of the expert tensors left in the files (not resident).
     pub streamed_bytes: u64,
     pub streamed_layers: u64,
+    /// Whether layers read the next layer's predicted experts ahead.
+    pub prefetch: bool,
+    /// Experts read ahead; of those, the ones the next layer then used (each also a miss: not in
+    /// the cache); prefetch_hits / prefetched. bytes_read counts every read, wasted ones included:
+    /// bytes_read = (misses − prefetch_hits + prefetched) × bytes per expert.
+    pub prefetched: u64,
+    pub prefetch_hits: u64,
+    pub prefetch_hit_rate: Option<f64>,
 }
 
 /// One expert's weights in memory: gate, up, down, each `(weight, scales, biases)` of one expert.
@@ -167,6 +184,13 @@ pub struct ExpertParts {
 }
 
 type Key = (u32, u32);
+
+/// How a streamed layer routes: its expert indices `[..., k]` for a hidden state (lazy). The
+/// layer before applies it to its own MoE input to predict, and read ahead, this layer's experts.
+pub type Predictor = Arc<dyn Fn(&Array) -> Result<Array> + Send + Sync>;
+
+/// The files' places of one layer's experts: gate, up, down, their parts.
+type LayerSrc = [Vec<PartSource>; 3];
 
 /// A streamed model's shared state: the expert cache, its counters, and what the layers registered.
 pub struct Streaming {
@@ -177,6 +201,12 @@ pub struct Streaming {
     /// Expert bytes of one layer per expert (the largest seen), for the planner's estimates.
     expert_bytes: AtomicU64,
     budget_set: AtomicBool,
+    prefetch: AtomicBool,
+    /// Per streamed layer (in load order, which is the forward order): where its experts are and,
+    /// once registered, how it routes.
+    sources: Mutex<Vec<(Arc<LayerSrc>, Option<Predictor>)>>,
+    /// The reads a layer started for the next one (at most one set in flight).
+    pending: Mutex<Option<Inflight>>,
 }
 
 impl Streaming {
@@ -190,7 +220,66 @@ impl Streaming {
             streamed_bytes: AtomicU64::new(0),
             expert_bytes: AtomicU64::new(0),
             budget_set: AtomicBool::new(cache_bytes.is_some()),
+            prefetch: AtomicBool::new(PREFETCH_DEFAULT),
+            sources: Mutex::new(Vec::new()),
+            pending: Mutex::new(None),
         })
+    }
+
+    /// Read the next layer's predicted experts ahead ([`PREFETCH_DEFAULT`] unless set).
+    pub fn set_prefetch(&self, on: bool) {
+        self.prefetch.store(on, Ordering::Relaxed);
+    }
+
+    pub fn prefetching(&self) -> bool {
+        self.prefetch.load(Ordering::Relaxed)
+    }
+
+    fn sources(&self) -> std::sync::MutexGuard<'_, Vec<(Arc<LayerSrc>, Option<Predictor>)>> {
+        self.sources.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The router of streamed layer `layer + 1`, when prefetching and it registered one.
+    fn next_predictor(&self, layer: u32) -> Option<Predictor> {
+        if !self.prefetching() {
+            return None;
+        }
+        self.sources().get(layer as usize + 1).and_then(|s| s.1.clone())
+    }
+
+    /// The reads started for `layer`, if the set in flight is that layer's (another is dropped:
+    /// its reads are wasted).
+    fn take_pending(&self, layer: u32) -> Option<Inflight> {
+        let p = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
+        p.filter(|p| p.layer == layer)
+    }
+
+    /// Start reading the experts `ids` of streamed layer `layer` that are not cached (ids outside
+    /// the layer's experts ignored: a prediction, not a need); they wait in [`Streaming::pending`]
+    /// for that layer, outside the cache (nothing is evicted for them).
+    fn prefetch(&self, layer: u32, ids: &[i32]) -> Result<()> {
+        let Some(src) = self.sources().get(layer as usize).map(|s| s.0.clone()) else { return Ok(()) };
+        let count = src[0].first().map_or(0, |p| p.at.len());
+        let mut want: Vec<u32> = Vec::new();
+        {
+            let c = self.lock();
+            for &e in ids {
+                if let Ok(u) = u32::try_from(e) {
+                    if (u as usize) < count && !want.contains(&u) && !c.contains(&(layer, u)) {
+                        want.push(u);
+                    }
+                }
+            }
+        }
+        if want.is_empty() {
+            return Ok(());
+        }
+        let bytes: usize = src.iter().flatten().map(|p| p.bytes).sum();
+        self.stats.prefetched.fetch_add(want.len() as u64, Ordering::Relaxed);
+        self.stats.bytes_read.fetch_add((want.len() * bytes) as u64, Ordering::Relaxed);
+        let f = Inflight::start(layer, src, want)?;
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+        Ok(())
     }
 
     /// After the model is built: the default budget (a quarter of the streamed bytes) when none was given.
@@ -214,6 +303,7 @@ impl Streaming {
         let s = &self.stats;
         let (hits, misses, bytes, tokens) = (n(&s.hits), n(&s.misses), n(&s.bytes_read), n(&s.tokens));
         let secs = n(&s.read_ns) as f64 / 1e9;
+        let (prefetched, prefetch_hits) = (n(&s.prefetched), n(&s.prefetch_hits));
         let c = self.lock();
         ExpertReport {
             hits,
@@ -230,6 +320,10 @@ impl Streaming {
             evictions: c.evictions(),
             streamed_bytes: self.streamed_bytes(),
             streamed_layers: self.layers.load(Ordering::Relaxed) as u64,
+            prefetch: self.prefetching(),
+            prefetched,
+            prefetch_hits,
+            prefetch_hit_rate: (prefetched > 0).then(|| prefetch_hits as f64 / prefetched as f64),
         }
     }
 }
@@ -244,11 +338,79 @@ struct PartSource {
     bytes: usize,
 }
 
+/// Whether streamed layers read ahead by default (measured: bench/RESULTS.md, paged experts).
+pub const PREFETCH_DEFAULT: bool = true;
+
+/// Positional reads of some experts of one layer, in flight on the reader pool.
+struct Inflight {
+    layer: u32,
+    experts: Vec<u32>,
+    src: Arc<LayerSrc>,
+    rx: Receiver<(usize, std::io::Result<Vec<u8>>)>,
+    /// By tag (expert position × parts + part): what came back.
+    bufs: Vec<Option<std::io::Result<Vec<u8>>>>,
+}
+
+/// The parts of a layer's experts in read order: (projection, part).
+fn part_order(src: &LayerSrc) -> Vec<(usize, usize)> {
+    src.iter().enumerate().flat_map(|(i, ps)| (0..ps.len()).map(move |j| (i, j))).collect()
+}
+
+impl Inflight {
+    /// Every part of every one of `experts` one positional read, all queued at once.
+    fn start(layer: u32, src: Arc<LayerSrc>, experts: Vec<u32>) -> Result<Inflight> {
+        let order = part_order(&src);
+        let (tx, rx) = channel();
+        for (n, &e) in experts.iter().enumerate() {
+            for (f, &(i, j)) in order.iter().enumerate() {
+                let p = &src[i][j];
+                let (file, _, off) = &p.at[e as usize];
+                pool().send(Job { file: file.clone(), offset: *off, len: p.bytes, tag: n * order.len() + f, reply: tx.clone() })?;
+            }
+        }
+        let bufs = (0..experts.len() * order.len()).map(|_| None).collect();
+        Ok(Inflight { layer, experts, src, rx, bufs })
+    }
+
+    /// The experts at positions `want` of the set, waiting for their reads.
+    fn take(&mut self, want: &[usize]) -> Result<Vec<ExpertParts>> {
+        let order = part_order(&self.src);
+        let per = order.len();
+        let complete = |bufs: &[Option<std::io::Result<Vec<u8>>>]| want.iter().all(|&n| bufs[n * per..(n + 1) * per].iter().all(Option::is_some));
+        while !complete(&self.bufs) {
+            let (tag, res) = self.rx.recv().map_err(|_| Error::ModelLoad("the expert reader threads stopped".into()))?;
+            self.bufs[tag] = Some(res);
+        }
+        let mut out = Vec::with_capacity(want.len());
+        for &n in want {
+            let e = self.experts[n] as usize;
+            let mut parts = ExpertParts { projs: Default::default() };
+            for (f, &(i, j)) in order.iter().enumerate() {
+                let p = &self.src[i][j];
+                match self.bufs[n * per + f].take() {
+                    Some(Ok(b)) => parts.projs[i].push(Array::from_bytes(&b, &p.shape, p.dtype)?),
+                    Some(Err(err)) => {
+                        return Err(Error::ModelLoad(format!(
+                            "reading expert {e} of weight {} from {} failed ({err}): the file changed or is truncated \
+                             since the model was loaded; re-download the model",
+                            p.names[e],
+                            p.at[e].1.display()
+                        )))
+                    }
+                    None => return Err(Error::ModelLoad("an expert read did not complete".into())),
+                }
+            }
+            out.push(parts);
+        }
+        Ok(out)
+    }
+}
+
 /// Experts of one layer read from the safetensors files on demand.
 pub struct StreamedExperts {
     layer: u32,
     /// gate, up, down: their parts.
-    src: [Vec<PartSource>; 3],
+    src: Arc<LayerSrc>,
     q: Option<QuantSpec>,
     ctx: Arc<Streaming>,
     counts_tokens: bool,
@@ -286,11 +448,30 @@ impl StreamedExperts {
                 src[i].push(locate(ws, prefix, proj, part, count, &stacked)?);
             }
         }
-        let layer = ctx.layers.fetch_add(1, Ordering::Relaxed);
+        let src = Arc::new(src);
+        let layer = {
+            let mut srcs = ctx.sources();
+            srcs.push((src.clone(), None));
+            ctx.layers.fetch_add(1, Ordering::Relaxed);
+            srcs.len() as u32 - 1
+        };
         let per_expert: usize = src.iter().flatten().map(|p| p.bytes).sum();
         ctx.streamed_bytes.fetch_add((per_expert * count as usize) as u64, Ordering::Relaxed);
         ctx.expert_bytes.fetch_max(per_expert as u64, Ordering::Relaxed);
         Ok(StreamedExperts { layer, src, q, ctx, counts_tokens: layer == 0 })
+    }
+
+    /// Register how this layer routes, so that the streamed layer before it can read its likely
+    /// experts ahead ([`Predictor`]).
+    pub fn set_predictor(&self, f: Predictor) {
+        if let Some(s) = self.ctx.sources().get_mut(self.layer as usize) {
+            s.1 = Some(f);
+        }
+    }
+
+    /// The next streamed layer's router, when prefetching and it registered one.
+    pub fn next_predictor(&self) -> Option<Predictor> {
+        self.ctx.next_predictor(self.layer)
     }
 
     /// Bytes of one expert (all its parts).
@@ -298,8 +479,10 @@ impl StreamedExperts {
         self.src.iter().flatten().map(|p| p.bytes).sum()
     }
 
-    /// The compact SwitchLinears of `experts` (in that order), from the cache or the files.
-    pub fn fetch(&self, experts: &[u32]) -> Result<[SwitchLinear; 3]> {
+    /// The compact SwitchLinears of `experts` (in that order), from the cache, the reads the layer
+    /// before started for this one, or the files. `next`: the next streamed layer's predicted
+    /// experts, read ahead (queued after this layer's own reads) while this layer computes.
+    pub fn fetch(&self, experts: &[u32], next: Option<&[i32]>) -> Result<[SwitchLinear; 3]> {
         let mut have: Vec<Option<Arc<ExpertParts>>> = {
             let mut c = self.ctx.lock();
             experts.iter().map(|&e| c.get(&(self.layer, e))).collect()
@@ -308,11 +491,40 @@ impl StreamedExperts {
         let st = &self.ctx.stats;
         st.hits.fetch_add((experts.len() - missing.len()) as u64, Ordering::Relaxed);
         st.misses.fetch_add(missing.len() as u64, Ordering::Relaxed);
-        if !missing.is_empty() {
-            let read = self.read(&missing.iter().map(|&i| experts[i]).collect::<Vec<_>>())?;
-            let bytes = self.expert_bytes();
+        let t0 = Instant::now();
+        // the misses read ahead by the layer before (their position in its set), and the rest
+        let mut pending = self.ctx.take_pending(self.layer);
+        let (mut ahead, mut now) = (Vec::new(), Vec::new());
+        for &i in &missing {
+            match pending.as_ref().and_then(|p| p.experts.iter().position(|&e| e == experts[i])) {
+                Some(n) => ahead.push((i, n)),
+                None => now.push(i),
+            }
+        }
+        let mut reads = if now.is_empty() {
+            None
+        } else {
+            Some(Inflight::start(self.layer, self.src.clone(), now.iter().map(|&i| experts[i]).collect())?)
+        };
+        let bytes = self.expert_bytes();
+        st.bytes_read.fetch_add((now.len() * bytes) as u64, Ordering::Relaxed);
+        st.prefetch_hits.fetch_add(ahead.len() as u64, Ordering::Relaxed);
+        if let Some(next) = next {
+            self.ctx.prefetch(self.layer + 1, next)?;
+        }
+        let mut got: Vec<(usize, ExpertParts)> = Vec::with_capacity(missing.len());
+        if let Some(p) = pending.as_mut() {
+            let parts = p.take(&ahead.iter().map(|a| a.1).collect::<Vec<_>>())?;
+            got.extend(ahead.iter().map(|a| a.0).zip(parts));
+        }
+        drop(pending);
+        if let Some(r) = reads.as_mut() {
+            got.extend(now.iter().copied().zip(r.take(&(0..now.len()).collect::<Vec<_>>())?));
+        }
+        st.read_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if !got.is_empty() {
             let mut c = self.ctx.lock();
-            for (i, parts) in missing.into_iter().zip(read) {
+            for (i, parts) in got {
                 let parts = Arc::new(parts);
                 c.insert((self.layer, experts[i]), parts.clone(), bytes);
                 have[i] = Some(parts);
@@ -336,59 +548,6 @@ impl StreamedExperts {
             })
         };
         Ok([proj(0)?, proj(1)?, proj(2)?])
-    }
-
-    /// Read `experts` from the files: every part of every expert one positional read, all in flight
-    /// at once on the reader pool.
-    fn read(&self, experts: &[u32]) -> Result<Vec<ExpertParts>> {
-        let t0 = Instant::now();
-        let (tx, rx) = channel();
-        let mut jobs = Vec::new();
-        for (n, &e) in experts.iter().enumerate() {
-            for (i, parts) in self.src.iter().enumerate() {
-                for (j, p) in parts.iter().enumerate() {
-                    let (file, _, off) = &p.at[e as usize];
-                    jobs.push((n, i, j));
-                    pool().send(Job { file: file.clone(), offset: *off, len: p.bytes, tag: jobs.len() - 1, reply: tx.clone() })?;
-                }
-            }
-        }
-        drop(tx);
-        let mut bufs: Vec<Option<Vec<u8>>> = vec![None; jobs.len()];
-        let mut first_err = None;
-        for (tag, res) in rx.iter() {
-            match res {
-                Ok(b) => bufs[tag] = Some(b),
-                Err(err) if first_err.is_none() => {
-                    let (n, i, j) = jobs[tag];
-                    let p = &self.src[i][j];
-                    let e = experts[n] as usize;
-                    first_err = Some(Error::ModelLoad(format!(
-                        "reading expert {e} of weight {} from {} failed ({err}): the file changed or is truncated \
-                         since the model was loaded; re-download the model",
-                        p.names[e],
-                        p.at[e].1.display()
-                    )));
-                }
-                Err(_) => {}
-            }
-        }
-        let waited = t0.elapsed();
-        if let Some(e) = first_err {
-            return Err(e);
-        }
-        let mut out: Vec<ExpertParts> = experts.iter().map(|_| ExpertParts { projs: Default::default() }).collect();
-        let mut total = 0u64;
-        for (tag, (n, i, j)) in jobs.into_iter().enumerate() {
-            let b = bufs[tag].take().ok_or_else(|| Error::ModelLoad("an expert read did not complete".into()))?;
-            total += b.len() as u64;
-            let p = &self.src[i][j];
-            out[n].projs[i].push(Array::from_bytes(&b, &p.shape, p.dtype)?);
-        }
-        let st = &self.ctx.stats;
-        st.bytes_read.fetch_add(total, Ordering::Relaxed);
-        st.read_ns.fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
-        Ok(out)
     }
 
     /// Count the tokens of a step (the first streamed layer only).
@@ -567,7 +726,7 @@ fn read_at(f: &File, mut buf: &mut [u8], mut off: u64) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::layers::Experts;
+    use crate::models::layers::{ExpertAct, Experts};
 
     /// A safetensors file of `tensors` (name, shape, f32 values), written by hand.
     fn write_safetensors(path: &std::path::Path, tensors: &[(&str, Vec<i32>, Vec<f32>)]) {
@@ -651,6 +810,72 @@ mod tests {
         let bad = Array::from_slice(&[0u32, 4], &[1, 1, 2]).unwrap();
         let x = Array::from_slice(&values(h as usize, 5), &[1, 1, h]).unwrap();
         assert!(streamed.forward(&x, &bad).unwrap_err().to_string().contains("expert 4"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Two streamed layers of four experts; layer 1 registers a predictor that picks a fixed set.
+    /// Layer 0's step reads layer 1's predicted experts ahead (outside the cache); layer 1's step
+    /// then takes the ones it routes to from there (prefetch hits) and reads the rest; the values
+    /// equal the resident layers', and the cache sees the same hits and misses as without prefetch.
+    #[test]
+    fn prefetch_reads_the_next_layers_predicted_experts_and_counts_them() {
+        let dir = std::env::temp_dir().join(format!("mlxrs-prefetch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (e, h, i) = (4, 64, 32);
+        let p = |l: i32| format!("model.layers.{l}.mlp.switch_mlp");
+        let mut tensors = Vec::new();
+        for l in 0..2 {
+            tensors.push((format!("{}.gate_proj.weight", p(l)), vec![e, i, h], values((e * i * h) as usize, 1 + 3 * l as u32)));
+            tensors.push((format!("{}.up_proj.weight", p(l)), vec![e, i, h], values((e * i * h) as usize, 2 + 3 * l as u32)));
+            tensors.push((format!("{}.down_proj.weight", p(l)), vec![e, h, i], values((e * h * i) as usize, 3 + 3 * l as u32)));
+        }
+        let refs: Vec<(&str, Vec<i32>, Vec<f32>)> = tensors.iter().map(|(n, s, v)| (n.as_str(), s.clone(), v.clone())).collect();
+        write_safetensors(&dir.join("model.safetensors"), &refs);
+        let cfg = serde_json::json!({});
+        let per_expert = (3 * (i * h) as usize * 4) as u64;
+        let mut rw = Weights::load_dir(&dir, &cfg).unwrap();
+        let resident = [Experts::load(&mut rw, &p(0), e, h, i).unwrap(), Experts::load(&mut rw, &p(1), e, h, i).unwrap()];
+        // run (layer 0 routes `a`, layer 1 routes `b`) with prefetch on or off; the stats after
+        let run = |prefetch: bool, steps: &[([u32; 2], [u32; 2])]| -> ExpertReport {
+            let ctx = Streaming::new(Some(2 * per_expert as usize));
+            ctx.set_prefetch(prefetch);
+            let mut sw = Weights::load_dir(&dir, &cfg).unwrap();
+            sw.stream_experts(ctx.clone());
+            let streamed = [Experts::load(&mut sw, &p(0), e, h, i).unwrap(), Experts::load(&mut sw, &p(1), e, h, i).unwrap()];
+            ctx.finish_load();
+            // layer 1's router, as the layer before sees it: always experts 1 and 2
+            let ExpertStore::Streamed(s1) = &streamed[1].store else { panic!("not streamed") };
+            s1.set_predictor(Arc::new(|_x: &Array| Array::from_slice(&[1i32, 2], &[1, 1, 2])));
+            let ExpertStore::Streamed(s0) = &streamed[0].store else { panic!("not streamed") };
+            assert_eq!(s0.next_predictor().is_some(), prefetch);
+            assert!(s1.next_predictor().is_none(), "the last streamed layer has no next");
+            for (n, (a, b)) in steps.iter().enumerate() {
+                let x = Array::from_slice(&values(h as usize, 40 + n as u32), &[1, 1, h]).unwrap();
+                for (l, ids) in [a, b].into_iter().enumerate() {
+                    let idx = Array::from_slice(ids, &[1, 1, 2]).unwrap();
+                    let want = resident[l].forward(&x, &idx).unwrap().to_vec::<f32>().unwrap();
+                    let got = streamed[l].forward_ahead(&x, &idx, ExpertAct::Swiglu, None, Some(&x)).unwrap().to_vec::<f32>().unwrap();
+                    assert!(want.iter().zip(&got).all(|(p, q)| (p - q).abs() < 1e-5), "step {n} layer {l}");
+                }
+            }
+            ctx.report()
+        };
+        // step 1: layer 1 routes {1, 3}: 1 was read ahead (a hit), 3 is read now, 2 was wasted;
+        // step 2: of the prediction {1, 2}, 1 is still cached when layer 0 looks, so only 2 is read
+        // ahead; layer 0's own reads then evict layer 1's experts (room for 2), and layer 1 routes
+        // {1, 2}: 2 is taken from the reads ahead, 1 is read now
+        let steps = [([0, 1], [1, 3]), ([0, 1], [1, 2])];
+        let on = run(true, &steps);
+        let off = run(false, &steps);
+        // the cache is untouched by prefetching: same hits, misses, evictions, contents
+        assert_eq!((on.hits, on.misses, on.evictions, on.cached_experts), (off.hits, off.misses, off.evictions, off.cached_experts));
+        assert_eq!((off.prefetched, off.prefetch_hits, off.prefetch_hit_rate), (0, 0, None));
+        assert!(!off.prefetch && on.prefetch);
+        assert_eq!(off.bytes_read, off.misses * per_expert);
+        // read ahead: step 1 {1, 2}, step 2 {2} (1 was cached by then)
+        assert_eq!((on.prefetched, on.prefetch_hits), (3, 2));
+        assert_eq!(on.prefetch_hit_rate, Some(2.0 / 3.0));
+        assert_eq!(on.bytes_read, (on.misses - on.prefetch_hits + on.prefetched) * per_expert);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

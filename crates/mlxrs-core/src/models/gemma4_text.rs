@@ -439,9 +439,19 @@ impl Attn {
     }
 }
 
+/// The router's logits for `h` (read unnormed: `rms_norm` with the router's own weight) and the
+/// `k` experts of `e` it picks.
+fn route(proj: &Linear, norm_weight: &Array, eps: f32, e: i32, k: i32, h: &Array) -> Result<(Array, Array)> {
+    let x = mx::rms_norm(h, Some(norm_weight), eps)?;
+    let scores = proj.forward(&x)?;
+    let inds = mx::slice_axis(&mx::argpartition(&scores, e - k, -1)?, -1, e - k, e)?;
+    Ok((scores, inds))
+}
+
 /// mlx-lm's `Router` and `Experts`: the routed GeGLU experts of a MoE layer.
 struct Moe {
-    proj: Linear,
+    /// Shared with the predictor a streamed layer registers (`Experts::forward_ahead`).
+    proj: std::sync::Arc<Linear>,
     /// `scale * hidden^-0.5`, the router's norm weight.
     norm_weight: Array,
     per_expert_scale: Array,
@@ -455,14 +465,10 @@ struct Moe {
 impl Moe {
     /// `h` routed (the router reads it unnormed), through the experts (after their pre-norm).
     fn forward(&self, h: &Array) -> Result<Array> {
-        let x = mx::rms_norm(h, Some(&self.norm_weight), self.eps)?;
-        let scores = self.proj.forward(&x)?;
-        let e = self.experts.count;
-        let k = self.top_k;
-        let inds = mx::slice_axis(&mx::argpartition(&scores, e - k, -1)?, -1, e - k, e)?;
+        let (scores, inds) = route(&self.proj, &self.norm_weight, self.eps, self.experts.count, self.top_k, h)?;
         let w = mx::softmax(&mx::take_along_axis(&scores, &inds, -1)?, &[-1], false)?;
         let w = mx::multiply(&w, &mx::take(&self.per_expert_scale, &inds, 0)?)?;
-        let y = self.experts.forward_with(&self.pre_norm.forward(h)?, &inds, layers::ExpertAct::Geglu, None)?;
+        let y = self.experts.forward_ahead(&self.pre_norm.forward(h)?, &inds, layers::ExpertAct::Geglu, None, Some(h))?;
         let y = mx::sum(&mx::multiply(&mx::expand_dims(&w, -1)?, &y)?, &[-2], false)?;
         self.post_norm.forward(&y)
     }
@@ -570,11 +576,19 @@ impl Model {
             let moe = match p.moe {
                 Some((experts, top_k, inter)) => {
                     let scale = w.take_shaped(&format!("{pre}.router.scale"), &[hidden])?;
+                    let proj = std::sync::Arc::new(lin(&mut w, "router.proj", experts, hidden)?);
+                    let norm_weight = mx::multiply(&scale, &mx::scalar_as((hidden as f64).powf(-0.5), scale.dtype())?)?;
+                    let ex = Experts::load(&mut w, &format!("{pre}.experts.switch_glu"), experts, hidden, inter)?;
+                    if let layers::ExpertStore::Streamed(s) = &ex.store {
+                        // the layer before applies this router to its own MoE input (its residual)
+                        let (r, nw) = (proj.clone(), norm_weight.clone());
+                        s.set_predictor(std::sync::Arc::new(move |h: &Array| Ok(route(&r, &nw, eps, experts, top_k, h)?.1)));
+                    }
                     Some(Moe {
-                        proj: lin(&mut w, "router.proj", experts, hidden)?,
-                        norm_weight: mx::multiply(&scale, &mx::scalar_as((hidden as f64).powf(-0.5), scale.dtype())?)?,
+                        proj,
+                        norm_weight,
                         per_expert_scale: w.take_shaped(&format!("{pre}.router.per_expert_scale"), &[experts])?,
-                        experts: Experts::load(&mut w, &format!("{pre}.experts.switch_glu"), experts, hidden, inter)?,
+                        experts: ex,
                         top_k,
                         eps,
                         pre_norm: norm(&mut w, "pre_feedforward_layernorm_2")?,

@@ -833,9 +833,25 @@ impl Experts {
     /// are evaluated, the distinct experts fetched (cache or files) into a compact stack, the
     /// indices (and the biases) remapped into it.
     pub fn forward_with(&self, x: &Array, indices: &Array, act: ExpertAct, bias: Option<&ExpertBias>) -> Result<Array> {
+        self.forward_ahead(x, indices, act, bias, None)
+    }
+
+    /// [`Experts::forward_with`]; streamed and prefetching, `probe` (the hidden state this layer's
+    /// router read) goes through the next streamed layer's router (its registered
+    /// [`super::experts::Predictor`]), evaluated with this layer's indices, and the experts it
+    /// picks are read while this layer computes.
+    pub fn forward_ahead(&self, x: &Array, indices: &Array, act: ExpertAct, bias: Option<&ExpertBias>, probe: Option<&Array>) -> Result<Array> {
         match &self.store {
             ExpertStore::Resident { gate, up, down } => switch_glu(gate, up, down, x, indices, act, bias),
             ExpertStore::Streamed(s) => {
+                let next = match (probe, s.next_predictor()) {
+                    (Some(h), Some(f)) => {
+                        let p = f(h)?;
+                        mx::eval(&[indices, &p])?;
+                        Some(p.to_vec::<i32>()?)
+                    }
+                    _ => None,
+                };
                 let ids = indices.to_vec::<i32>()?;
                 let mut slot = vec![u32::MAX; self.count as usize];
                 let mut uniq: Vec<u32> = Vec::new();
@@ -851,7 +867,7 @@ impl Experts {
                     local.push(slot[su]);
                 }
                 s.count_tokens((x.size() / x.dim(-1).max(1) as usize) as u64);
-                let [gate, up, down] = s.fetch(&uniq)?;
+                let [gate, up, down] = s.fetch(&uniq, next.as_deref())?;
                 let idx = Array::from_slice(&local, &indices.shape())?;
                 let compact = match bias {
                     Some(b) => {
@@ -1027,7 +1043,8 @@ fn grouped_top_k(scores: &Array, n_group: i32, topk_group: i32, k: i32) -> Resul
 /// A sparse MoE block: a router picks `top_k` of the routed experts per token and weights their
 /// outputs ([`Router`]); shared experts, when present, are added for every token.
 pub struct SparseMoe {
-    pub router: Linear,
+    /// Shared with the predictor a streamed layer registers ([`Experts::forward_ahead`]).
+    pub router: std::sync::Arc<Linear>,
     pub experts: Experts,
     pub top_k: i32,
     pub norm_topk_prob: bool,
@@ -1085,7 +1102,7 @@ impl SparseMoe {
             }
             _ => None,
         };
-        let router = Linear::load(ws, &rname, spec.router_bias, experts, hidden)?;
+        let router = std::sync::Arc::new(Linear::load(ws, &rname, spec.router_bias, experts, hidden)?);
         let ename = format!("{prefix}.{}", spec.experts_name);
         let expert_bias = if spec.expert_bias {
             let b = |ws: &mut Weights, p: &str, out: i32| ws.take_shaped(&format!("{ename}.{p}.bias"), &[experts, out]);
@@ -1093,7 +1110,14 @@ impl SparseMoe {
         } else {
             None
         };
+        let count = experts;
         let experts = Experts::load(ws, &ename, experts, hidden, intermediate)?;
+        if let ExpertStore::Streamed(s) = &experts.store {
+            // the layer before applies this router to its own MoE input (the indices do not
+            // depend on norm_topk_prob nor the scaling: the scores are never evaluated)
+            let (r, sb, routing) = (router.clone(), score_bias.clone(), spec.router);
+            s.set_predictor(std::sync::Arc::new(move |x: &Array| Ok(route(&r, routing, count, top_k, false, sb.as_ref(), x)?.0)));
+        }
         let shared = if shared > 0 {
             Some(Mlp::load(ws, &format!("{prefix}.shared_experts"), false, Activation::Silu, hidden, intermediate * shared)?)
         } else {
@@ -1104,61 +1128,65 @@ impl SparseMoe {
 
     /// The experts each token goes to `[..., k]` and their weights `[..., k]`.
     pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
-        let logits = self.router.forward(x)?;
-        let e = self.experts.count;
-        let k = self.top_k;
-        match self.routing {
-            Router::Softmax => {
-                let gates = mx::softmax(&logits, &[-1], true)?;
-                let inds = mx::slice_axis(&mx::argpartition(&gates, e - k, -1)?, -1, e - k, e)?;
-                let mut scores = mx::take_along_axis(&gates, &inds, -1)?;
-                if self.norm_topk_prob {
-                    scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
-                }
-                Ok((inds, scores))
-            }
-            Router::TopKSoftmax => {
-                let inds = mx::slice_axis(&mx::argpartition(&mx::negative(&logits)?, k - 1, -1)?, -1, 0, k)?;
-                let scores = mx::softmax(&mx::take_along_axis(&logits, &inds, -1)?, &[-1], true)?;
-                Ok((inds, scores))
-            }
-            Router::TopKSoftmaxTail => {
-                let inds = mx::slice_axis(&mx::argpartition(&logits, e - k, -1)?, -1, e - k, e)?;
-                let scores = mx::softmax(&mx::take_along_axis(&logits, &inds, -1)?, &[-1], true)?;
-                Ok((inds, scores))
-            }
-            Router::GroupedSigmoid { n_group, topk_group, scaling } => {
-                let orig = mx::sigmoid(&mx::astype(&logits, Dtype::Float32)?)?;
-                let bias = self.score_bias.as_ref().ok_or_else(|| crate::Error::Invalid("grouped router without its bias".into()))?;
-                let inds = grouped_top_k(&mx::add(&orig, bias)?, n_group, topk_group, k)?;
-                let mut scores = mx::take_along_axis(&orig, &inds, -1)?;
-                if k > 1 && self.norm_topk_prob {
-                    scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
-                }
-                Ok((inds, mx::multiply(&scores, &mx::scalar_as(scaling as f64, Dtype::Float32)?)?))
-            }
-            Router::GroupedSoftmax { n_group, topk_group, scaling } => {
-                let orig = mx::softmax(&mx::astype(&logits, Dtype::Float32)?, &[-1], false)?;
-                let inds = grouped_top_k(&orig, n_group, topk_group, k)?;
-                let mut scores = mx::take_along_axis(&orig, &inds, -1)?;
-                if self.norm_topk_prob {
-                    let sum = mx::add(&mx::sum(&scores, &[-1], true)?, &mx::scalar_as(1e-20, Dtype::Float32)?)?;
-                    scores = mx::divide(&scores, &sum)?;
-                }
-                Ok((inds, mx::multiply(&scores, &mx::scalar_as(scaling as f64, Dtype::Float32)?)?))
-            }
-        }
+        route(&self.router, self.routing, self.experts.count, self.top_k, self.norm_topk_prob, self.score_bias.as_ref(), x)
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (inds, scores) = self.route(x)?;
-        let y = self.experts.forward_with(x, &inds, self.act, self.expert_bias.as_ref())?;
+        let y = self.experts.forward_ahead(x, &inds, self.act, self.expert_bias.as_ref(), Some(x))?;
         let dt = y.dtype();
         let y = mx::sum(&mx::multiply(&y, &mx::expand_dims(&scores, -1)?)?, &[-2], false)?;
         let y = if y.dtype() == dt { y } else { mx::astype(&y, dt)? };
         match &self.shared {
             Some(m) => mx::add(&y, &m.forward(x)?),
             None => Ok(y),
+        }
+    }
+}
+
+/// A MoE router's choice for `x`: the experts `[..., k]` of `e` and their weights `[..., k]`
+/// ([`Router`]; `score_bias` the grouped router's correction bias).
+fn route(router: &Linear, routing: Router, e: i32, k: i32, norm_topk_prob: bool, score_bias: Option<&Array>, x: &Array) -> Result<(Array, Array)> {
+    let logits = router.forward(x)?;
+    match routing {
+        Router::Softmax => {
+            let gates = mx::softmax(&logits, &[-1], true)?;
+            let inds = mx::slice_axis(&mx::argpartition(&gates, e - k, -1)?, -1, e - k, e)?;
+            let mut scores = mx::take_along_axis(&gates, &inds, -1)?;
+            if norm_topk_prob {
+                scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
+            }
+            Ok((inds, scores))
+        }
+        Router::TopKSoftmax => {
+            let inds = mx::slice_axis(&mx::argpartition(&mx::negative(&logits)?, k - 1, -1)?, -1, 0, k)?;
+            let scores = mx::softmax(&mx::take_along_axis(&logits, &inds, -1)?, &[-1], true)?;
+            Ok((inds, scores))
+        }
+        Router::TopKSoftmaxTail => {
+            let inds = mx::slice_axis(&mx::argpartition(&logits, e - k, -1)?, -1, e - k, e)?;
+            let scores = mx::softmax(&mx::take_along_axis(&logits, &inds, -1)?, &[-1], true)?;
+            Ok((inds, scores))
+        }
+        Router::GroupedSigmoid { n_group, topk_group, scaling } => {
+            let orig = mx::sigmoid(&mx::astype(&logits, Dtype::Float32)?)?;
+            let bias = score_bias.ok_or_else(|| crate::Error::Invalid("grouped router without its bias".into()))?;
+            let inds = grouped_top_k(&mx::add(&orig, bias)?, n_group, topk_group, k)?;
+            let mut scores = mx::take_along_axis(&orig, &inds, -1)?;
+            if k > 1 && norm_topk_prob {
+                scores = mx::divide(&scores, &mx::sum(&scores, &[-1], true)?)?;
+            }
+            Ok((inds, mx::multiply(&scores, &mx::scalar_as(scaling as f64, Dtype::Float32)?)?))
+        }
+        Router::GroupedSoftmax { n_group, topk_group, scaling } => {
+            let orig = mx::softmax(&mx::astype(&logits, Dtype::Float32)?, &[-1], false)?;
+            let inds = grouped_top_k(&orig, n_group, topk_group, k)?;
+            let mut scores = mx::take_along_axis(&orig, &inds, -1)?;
+            if norm_topk_prob {
+                let sum = mx::add(&mx::sum(&scores, &[-1], true)?, &mx::scalar_as(1e-20, Dtype::Float32)?)?;
+                scores = mx::divide(&scores, &sum)?;
+            }
+            Ok((inds, mx::multiply(&scores, &mx::scalar_as(scaling as f64, Dtype::Float32)?)?))
         }
     }
 }
