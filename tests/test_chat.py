@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from scriptedmodel import THINK_ANSWER, make_looping_model, make_scripted_model
+from scriptedmodel import THINK_ANSWER, make_scripted_model
 from server_util import Server, free_port
 from tinymodels import make_model
 
@@ -109,10 +109,9 @@ def test_pipe_respects_the_api_key(talker_dir):
 
 
 @pytest.fixture(scope="module")
-def looper():
+def looper(looping_server):
     """Talks until max_tokens (~1000 tokens a second here): a stream to interrupt."""
-    with Server(make_looping_model()) as s:
-        yield s
+    return looping_server
 
 
 def test_terminal_stream_cancel_then_ask_again_and_save(looper, tmp_path):

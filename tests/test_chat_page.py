@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scriptedmodel import THINK_SCRIPT, make_looping_model, make_scripted_model
+from scriptedmodel import THINK_SCRIPT, make_scripted_model
 from server_util import Server
 
 XSS = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"> **bold** `x<b>y</b>`'
@@ -33,10 +33,9 @@ def xss(xss_model):
 
 
 @pytest.fixture(scope="module")
-def talker():
+def talker(looping_server):
     """Talks until max_tokens (4078 tokens, some seconds): a stream to stop."""
-    with Server(make_looping_model()) as s:
-        yield s
+    return looping_server
 
 
 # -- serving (no browser needed) ------------------------------------------------------------------
