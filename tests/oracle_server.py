@@ -26,6 +26,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+HERE = Path(__file__).resolve().parent
 KEEP = 8  # loaded models kept (least recently used evicted)
 KEEP_BYTES = 64 << 20  # larger models (the real Gemma 3 270M) are loaded for one job and dropped
 
@@ -69,7 +70,7 @@ class Oracle:
         fd, name = tempfile.mkstemp(prefix="mlxrs-oracle-", suffix=".stderr")
         self.errpath = Path(name)
         try:
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, str(HERE / "oracle_server.py")], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=fd, text=True, env=blas_env())
         finally:
             os.close(fd)
@@ -192,5 +193,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(HERE))
     main()
