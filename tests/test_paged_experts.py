@@ -221,13 +221,11 @@ def test_plan_streams_a_moe_model_over_its_budget():
 
 
 def test_fit_cli_reports_streaming(tmp_path):
-    import subprocess
-    import sys
+    from cli_util import run_cli
 
     d = _deep_moe()
     budget = _plan(d, budget="100G")["totalBytes"] - _expert_bytes(d) // 3
-    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--ctx", str(CTX), "--memory-budget",
-                          str(budget)], capture_output=True, text=True, timeout=120)
+    out = run_cli("fit", str(d), "--ctx", str(CTX), "--memory-budget", str(budget))
     assert out.returncode == 0, out.stderr
     assert "streamed from the files" in out.stdout and "read per token" in out.stdout
     assert "fits with the experts streamed from disk" in out.stdout
@@ -278,13 +276,11 @@ def test_batched_decode_streamed_matches_mlx_lm(oracle):
 
 
 def test_fit_cli_expert_cache_implies_streaming():
-    import subprocess
-    import sys
+    from cli_util import run_cli
 
     d = _deep_moe()
     cache = _expert_bytes(d) // 4
-    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--ctx", str(CTX), "--json",
-                          "--expert-cache-bytes", str(cache)], capture_output=True, text=True, timeout=120)
+    out = run_cli("fit", str(d), "--ctx", str(CTX), "--json", "--expert-cache-bytes", str(cache))
     assert out.returncode == 0, out.stderr
     p = json.loads(out.stdout)
     assert p["strategy"] == "streamed-experts" and p["expertCacheBytes"] == cache

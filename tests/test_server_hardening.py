@@ -129,20 +129,20 @@ def test_bad_gzip_body_is_an_envelope(app):
     assert status == 200 and body["usage"]["completion_tokens"] == 2  # real gzip still works
 
 
-def test_malformed_http_is_a_json_envelope(qwen3_dir):
-    with Server(qwen3_dir) as s:
-        for raw in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
-                    b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n"):
-            with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
-                sock.sendall(raw)
-                data = b""
-                while chunk := sock.recv(65536):
-                    data += chunk
-            head, _, payload = data.partition(b"\r\n\r\n")
-            assert re.match(rb"HTTP/1\.[01] 400 ", head), data
-            assert b"application/json" in head, data
-            assert openai_error(400, json.loads(payload))["message"].startswith("malformed HTTP request"), data
-        assert s.post("/v1/chat/completions", CHAT)[0] == 200
+def test_malformed_http_is_a_json_envelope(qwen3_server):
+    s = qwen3_server
+    for raw in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
+                b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(raw)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        head, _, payload = data.partition(b"\r\n\r\n")
+        assert re.match(rb"HTTP/1\.[01] 400 ", head), data
+        assert b"application/json" in head, data
+        assert openai_error(400, json.loads(payload))["message"].startswith("malformed HTTP request"), data
+    assert s.post("/v1/chat/completions", CHAT)[0] == 200
 
 
 # -- local-server security -------------------------------------------------------------------------
