@@ -12,12 +12,15 @@ import sys
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """(returncode, stdout, stderr) of `mlxrs ARGS` with `env` over os.environ (restored after)."""
+    """(returncode, stdout, stderr) of `mlxrs ARGS`; `env`, as subprocess.run's, is the whole
+    environment it sees (os.environ is restored after)."""
     from mlxrs import cli
 
     out, err = io.StringIO(), io.StringIO()
     saved = dict(os.environ)
-    os.environ.update(env or {})
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
