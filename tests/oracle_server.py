@@ -28,7 +28,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 KEEP = 8  # loaded models kept (least recently used evicted)
-KEEP_BYTES = 64 << 20  # larger models (the real Gemma 3 270M) are loaded for one job and dropped
+KEEP_BYTES = 64 << 20  # a larger model (the real Gemma 3 270M) is dropped when a job asks for another
 
 
 def blas_env() -> dict[str, str]:
@@ -153,6 +153,10 @@ def _fingerprint(d: str | None) -> tuple:
     return tuple((q.name, q.stat().st_size, q.stat().st_mtime_ns) for q in files)
 
 
+def _nbytes(key: tuple) -> int:
+    return sum(f[1] for f in key[3])
+
+
 def main() -> None:
     # the protocol keeps the original stdout; anything printed (by mlx-lm, transformers) goes to stderr
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -175,13 +179,14 @@ def main() -> None:
             key = (req["kind"], job["model"], job.get("adapter_path"), _fingerprint(job["model"]),
                    _fingerprint(job.get("adapter_path")))
             model = loaded.pop(key, None)
+            for k in [k for k in loaded if _nbytes(k) > KEEP_BYTES]:  # a large model only while it is asked for
+                del loaded[k]
             if model is None:
                 model = mod.load(job)
             result = mod.run(model, job)
-            if sum(f[1] for f in key[3]) <= KEEP_BYTES:
-                loaded[key] = model
-                while len(loaded) > KEEP:
-                    loaded.popitem(last=False)
+            loaded[key] = model
+            while len(loaded) > KEEP:
+                loaded.popitem(last=False)
             del model
             reply = {"ok": True, "result": result}
         except Exception:  # the job fails, the process lives on for the next
