@@ -209,12 +209,12 @@ def test_image_part_rejected(scripted):
 
 
 # -- plain generation on a random model --------------------------------------------------------------
-def test_legacy_completions(plain, plain_dir):
+def test_legacy_completions(plain, qwen3_dir):
     c = client(plain)
     r = c.completions.create(model="qwen3-float32", prompt="The quick brown fox", max_tokens=7, temperature=0)
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 7
-    with mlxrs.Session(plain_dir) as s:
+    with mlxrs.Session(qwen3_dir) as s:
         expected = s.generate("The quick brown fox", max_tokens=7, temperature=0)
         assert r.choices[0].text == expected.text
         assert r.usage.prompt_tokens == expected.usage.prompt_tokens
