@@ -30,5 +30,10 @@ def oracle() -> Oracle:
     return ORACLE
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if ORACLE.jobs:
+        terminalreporter.write_line(f"oracle: {ORACLE.jobs} jobs in {ORACLE.starts} process start(s)")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     ORACLE.close()
