@@ -1,6 +1,7 @@
 """One long-lived oracle process for the whole test session: mlx-lm (tests/oracle_mlxlm.py) and
 mlx-vlm (tests/oracle_mlxvlm.py) answering many jobs, each model loaded once, in a process of its
-own (given the same BLAS as mlxrs through LD_PRELOAD; conftest.py's `Oracle` starts it).
+own (given the same BLAS as mlxrs through LD_PRELOAD), started by the client below (`Oracle`;
+`ORACLE` is the session's, conftest.py's `oracle` fixture).
 
 Protocol, JSON lines: a request {"kind": "mlxlm" | "mlxvlm", "job": {...}} on stdin; one reply
 {"ok": true, "result": {...}} or {"ok": false, "error": traceback} on the stdout it was started
@@ -42,6 +43,7 @@ def blas_env() -> dict[str, str]:
     if libs:
         env["LD_PRELOAD"] = ":".join(libs + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
     return env
+
 
 NAMES = {"mlxlm": "mlx-lm", "mlxvlm": "mlx-vlm"}
 
@@ -93,8 +95,12 @@ class Oracle:
             self.jobs += 1
             done = False
             try:
-                proc.stdin.write(json.dumps({"kind": kind, "job": job}) + "\n")
-                proc.stdin.flush()
+                try:
+                    proc.stdin.write(json.dumps({"kind": kind, "job": job}) + "\n")
+                    proc.stdin.flush()
+                except OSError as e:  # it died between jobs
+                    raise AssertionError(f"{NAMES[kind]} oracle failed: its process is gone ({e}, exit "
+                                         f"{proc.wait()}):\n{self._stderr_since(offset)}") from None
                 with selectors.DefaultSelector() as sel:
                     sel.register(proc.stdout, selectors.EVENT_READ)
                     if not sel.select(self.timeout):
