@@ -103,7 +103,7 @@ def start(engine: str, d: Path) -> Proc:
     if engine == "mlx_lm.server":
         # the same BLAS as mlxrs (OpenBLAS and its gemv router preloaded on Linux CPU), as the
         # parity oracle runs: MLX's CPU wheel alone links a slow reference BLAS
-        from conftest import blas_env
+        from oracle_server import blas_env
 
         return Proc([py, "-m", "mlx_lm", "server", "--model", str(d), "--port", str(port),
                      "--decode-concurrency", "32", "--max-tokens", "100000"], port, env=blas_env())

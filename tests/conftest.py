@@ -1,37 +1,16 @@
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from oracle_server import ORACLE, Oracle  # noqa: E402
 
-def blas_env() -> dict[str, str]:
-    """Environment for an oracle subprocess that runs MLX under the same BLAS mlxrs loaded (its gemv
-    router, libmlxrs_blas, ahead of the BLAS, as mlxrs loads them)."""
-    import mlxrs
-
-    env = dict(os.environ)
-    info = mlxrs.runtime_info()
-    libs = [p for p in (info.get("blas_gemv"), info.get("blas")) if p] if info.get("blas") else []
-    if libs:
-        env["LD_PRELOAD"] = ":".join(libs + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
-    return env
-
-
-def run_oracle(job: dict[str, Any]) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, str(HERE / "oracle_mlxlm.py")], input=json.dumps(job), capture_output=True,
-                       text=True, env=blas_env(), timeout=600)
-    if p.returncode != 0:
-        raise AssertionError(f"mlx-lm oracle failed:\n{p.stderr[-4000:]}")
-    return json.loads(p.stdout)
+pytest_plugins = ["server_fixtures"]  # the shared model and server fixtures
 
 
 @pytest.fixture(scope="session")
@@ -45,5 +24,16 @@ def gemma_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def oracle():
-    return run_oracle
+def oracle() -> Oracle:
+    """mlx-lm on the same weights, in one long-lived process (tests/oracle_server.py): `oracle(job)`
+    answers tests/oracle_mlxlm.py's jobs, `oracle.vlm(job)` tests/oracle_mlxvlm.py's."""
+    return ORACLE
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if ORACLE.jobs:
+        terminalreporter.write_line(f"oracle: {ORACLE.jobs} jobs in {ORACLE.starts} process start(s)")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    ORACLE.close()

@@ -1,5 +1,7 @@
 """The multimodal parity oracle: mlx-vlm 0.7.10 run in its own process (given the same BLAS as
-mlxrs through LD_PRELOAD, like oracle_mlxlm.py). Reads a JSON job on stdin, writes JSON on stdout.
+mlxrs through LD_PRELOAD, like oracle_mlxlm.py). The tests reach it through tests/oracle_server.py
+(one long-lived process, each model loaded once); run as a script it answers one job: reads a JSON
+job on stdin, writes JSON on stdout.
 
 Gemma 4 (variable image sizes, per-layer inputs) takes its own path: see `gemma4`.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -59,15 +62,21 @@ def gemma4(job: dict, model, processor) -> dict:
     return out
 
 
-def main() -> None:
-    job = json.load(sys.stdin)
-    from mlx_vlm.generate.ar import generate_step
-    from mlx_vlm.utils import load, load_image
+def load(job: dict[str, Any]) -> tuple[Any, Any]:
+    """(model, processor): mlx-vlm's `load`."""
+    from mlx_vlm.utils import load as mlx_vlm_load
 
-    model, processor = load(job["model"])
+    return mlx_vlm_load(job["model"])
+
+
+def run(loaded: tuple[Any, Any], job: dict[str, Any]) -> dict[str, Any]:
+    """One job on a loaded model and processor; every job makes its own caches."""
+    from mlx_vlm.generate.ar import generate_step
+    from mlx_vlm.utils import load_image
+
+    model, processor = loaded
     if model.config.model_type == "gemma4":
-        json.dump(gemma4(job, model, processor), sys.stdout)
-        return
+        return gemma4(job, model, processor)
     images = [load_image(p) for p in job["images"]]
     inputs = processor(text=[job["prompt"]], images=images or None, return_tensors="np")
     input_ids = mx.array(np.asarray(inputs["input_ids"]))
@@ -93,7 +102,12 @@ def main() -> None:
                                 prefill_step_size=job.get("prefill_step_size", 2048)):
         tokens.append(int(tok))
     out["tokens"] = tokens
-    json.dump(out, sys.stdout)
+    return out
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    json.dump(run(load(job), job), sys.stdout)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,27 @@ class Server:
         self.stop()
 
 
+def openai_error(status: int, body: Any, code: int = 400) -> dict[str, Any]:
+    """The `error` object of an OpenAI error envelope, after checking the status and the envelope's keys."""
+    assert status == code, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def anthropic_error(status: int, body: Any, code: int = 400) -> dict[str, Any]:
+    """The `error` object of an Anthropic error envelope, after checking the status and its shape."""
+    assert status == code, body
+    assert body["type"] == "error" and {"type", "message"} <= set(body["error"]), body
+    return body["error"]
+
+
+def openai_client(server: Server, timeout: float = 60) -> Any:
+    """OpenAI's SDK pointed at a server (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def sse_events(raw: str) -> list[tuple[str | None, Any]]:
     """(event name, data) pairs of an SSE body; data parsed as JSON where it is JSON."""
     out: list[tuple[str | None, Any]] = []

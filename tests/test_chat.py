@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from scriptedmodel import ANSWER_SCRIPT, THINK_ANSWER, WEATHER_TOOL, make_looping_model, make_scripted_model
+from scriptedmodel import ANSWER_SCRIPT, THINK_ANSWER, WEATHER_TOOL, make_scripted_model
 from server_util import Server, free_port
 from test_server_vision import _png, data_url
 from tinymodels import make_gemma3_vision, make_model
@@ -110,10 +110,9 @@ def test_pipe_respects_the_api_key(talker_dir):
 
 
 @pytest.fixture(scope="module")
-def looper():
+def looper(looping_server):
     """Talks until max_tokens (~1000 tokens a second here): a stream to interrupt."""
-    with Server(make_looping_model()) as s:
-        yield s
+    return looping_server
 
 
 def test_terminal_stream_cancel_then_ask_again_and_save(looper, tmp_path):

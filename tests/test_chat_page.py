@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from scriptedmodel import THINK_SCRIPT, make_looping_model, make_scripted_model
+from scriptedmodel import THINK_SCRIPT, make_scripted_model
 from server_util import Server
 from test_server_vision import _png, data_url
 from tinymodels import make_gemma3_vision
@@ -38,10 +38,9 @@ def xss(xss_model):
 
 
 @pytest.fixture(scope="module")
-def talker():
+def talker(looping_server):
     """Talks until max_tokens (4078 tokens, some seconds): a stream to stop."""
-    with Server(make_looping_model()) as s:
-        yield s
+    return looping_server
 
 
 # -- serving (no browser needed) ------------------------------------------------------------------

@@ -15,7 +15,6 @@ process that loads and generates.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 from mlxrs import _native
+from cli_util import run_cli
 from server_util import Server
 from tinymodels import FIT_MODELS, make_fit_model, make_model
 
@@ -58,9 +58,12 @@ def plan(d: Path | str, ctx: int | None = None, kv_bits: int | None = None, budg
     return dict(json.loads(_native.plan(str(d), ctx, kv_bits, budget, **kw)))
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mlxrs", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+def cli_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m mlxrs ARGS` as a process (the entry point's smoke test; the others run in-process)."""
+    return subprocess.run([sys.executable, "-m", "mlxrs", *args], capture_output=True, text=True, timeout=300)
+
+
+cli = run_cli
 
 
 MEASURE = """
@@ -115,7 +118,7 @@ def test_reserve_covers_the_rest_of_the_process() -> None:
 
 def test_json_is_the_memoryplan_schema() -> None:
     d = model("fit-llama-f32")
-    r = cli("fit", str(d), "--ctx", "3000", "--json", "--memory-budget", "2G")
+    r = cli_process("fit", str(d), "--ctx", "3000", "--json", "--memory-budget", "2G")
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert set(p) == SCHEMA_KEYS

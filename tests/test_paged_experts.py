@@ -260,8 +260,7 @@ def test_plan_keeps_the_expert_cache_floor_and_shrinks_the_context():
     """A budget the model's whole context would fill: the streamed plan keeps the expert cache's
     floor — one decoded token's routed experts, 7 MoE layers × top-2, from the headers — instead
     of a cache of 0 bytes, and the context gives way to it; `fit` says so."""
-    import subprocess
-    import sys
+    from cli_util import run_cli
 
     d = _deep_moe()
     floor = 14 * (_expert_bytes(d) // 56)
@@ -282,21 +281,18 @@ def test_plan_keeps_the_expert_cache_floor_and_shrinks_the_context():
     assert not past["fits"] and past["expertCacheBytes"] == floor
     # a cache given explicitly has no floor
     assert "expertCacheFloorBytes" not in plan(None, budget, expert_cache_bytes=0)
-    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--memory-budget", str(budget)],
-                         capture_output=True, text=True, timeout=120)
+    out = run_cli("fit", str(d), "--memory-budget", str(budget))
     assert out.returncode == 0, out.stderr
     assert "one token's routed experts: the context gives way" in out.stdout
     assert f"up to {m} tokens do beside the expert cache's floor" in out.stdout
 
 
 def test_fit_cli_reports_streaming(tmp_path):
-    import subprocess
-    import sys
+    from cli_util import run_cli
 
     d = _deep_moe()
     budget = _plan(d, budget="100G")["totalBytes"] - _expert_bytes(d) // 4
-    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--ctx", str(CTX), "--memory-budget",
-                          str(budget)], capture_output=True, text=True, timeout=120)
+    out = run_cli("fit", str(d), "--ctx", str(CTX), "--memory-budget", str(budget))
     assert out.returncode == 0, out.stderr
     assert "streamed from the files" in out.stdout and "read per token" in out.stdout
     assert "fits with the experts streamed from disk" in out.stdout
@@ -365,13 +361,11 @@ def test_serve_expert_prefetch_off():
 
 
 def test_fit_cli_expert_cache_implies_streaming():
-    import subprocess
-    import sys
+    from cli_util import run_cli
 
     d = _deep_moe()
     cache = _expert_bytes(d) // 4
-    out = subprocess.run([sys.executable, "-m", "mlxrs", "fit", str(d), "--ctx", str(CTX), "--json",
-                          "--expert-cache-bytes", str(cache)], capture_output=True, text=True, timeout=120)
+    out = run_cli("fit", str(d), "--ctx", str(CTX), "--json", "--expert-cache-bytes", str(cache))
     assert out.returncode == 0, out.stderr
     p = json.loads(out.stdout)
     assert p["strategy"] == "streamed-experts" and p["expertCacheBytes"] == cache

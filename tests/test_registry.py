@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
+from cli_util import run_cli
 from server_util import Server, free_port
 from tinymodels import make_model
 
@@ -129,6 +130,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`mlxrs ARGS` in-process under `env` (tests/cli_util.py); `serve` runs as a process."""
+    return run_cli(*args, env=env)
+
+
+def cli_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "mlxrs", *args], env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -352,10 +358,10 @@ def test_serve_accepts_a_name(world: dict[str, Any]) -> None:
 
 
 def test_serve_reports_a_miss_and_exits_1(world: dict[str, Any]) -> None:
-    r = cli(world["env"], "serve", "zebra", "--port", str(free_port()))
+    r = cli_process(world["env"], "serve", "zebra", "--port", str(free_port()))
     assert r.returncode == 1
     assert "no models match (try `mlxrs scan`)" in r.stderr
-    r = cli(world["env"], "serve", "qwen", "--port", str(free_port()))
+    r = cli_process(world["env"], "serve", "qwen", "--port", str(free_port()))
     assert r.returncode == 1 and "ambiguous" in r.stderr
 
 

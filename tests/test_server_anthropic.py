@@ -10,7 +10,7 @@ import anthropic
 import pytest
 
 import mlxrs
-from scriptedmodel import THINK_ANSWER, THINK_TEXT, WEATHER_TOOL, make_scripted_model
+from scriptedmodel import THINK_ANSWER, THINK_TEXT, WEATHER_TOOL
 from server_util import Server, sse_events
 
 MODEL = "scripted-qwen3"
@@ -21,14 +21,8 @@ OFF = {"type": "disabled"}
 
 
 @pytest.fixture(scope="module")
-def scripted_dir():
-    return make_scripted_model()
-
-
-@pytest.fixture(scope="module")
-def server(scripted_dir):
-    with Server(scripted_dir) as s:
-        yield s
+def server(scripted_server):
+    return scripted_server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import pydantic
 import pytest
 
 from server_util import Server
-from tinymodels import make_model
 
 M = "qwen3-float32"
 HI = [{"role": "user", "content": "hi"}]
@@ -56,9 +55,8 @@ class Panel(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Server(make_model("qwen3-float32", "qwen3")) as s:
-        yield s
+def server(qwen3_server):
+    return qwen3_server
 
 
 def oa(s: Server) -> openai.OpenAI:

@@ -12,21 +12,15 @@ import openai
 import anthropic
 import pytest
 
-from server_util import Server
-from tinymodels import make_model
+from server_util import Server, anthropic_error, openai_error
 
 MODEL = "qwen3-float32"
 HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return make_model("qwen3-float32", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with Server(model_dir, "--max-body-bytes", "20000") as s:
+def server(qwen3_dir):
+    with Server(qwen3_dir, "--max-body-bytes", "20000") as s:
         yield s
 
 
@@ -36,18 +30,6 @@ def chat(**kw):
 
 def msg(**kw):
     return {"model": MODEL, "messages": HI, "max_tokens": 2, **kw}
-
-
-def openai_error(status, body, code=400):
-    assert status == code, body
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    return body["error"]
-
-
-def anthropic_error(status, body, code=400):
-    assert status == code, body
-    assert body["type"] == "error" and {"type", "message"} <= set(body["error"]), body
-    return body["error"]
 
 
 def still_serving(server):
@@ -146,9 +128,9 @@ def test_bad_completions_requests(server):
     still_serving(server)
 
 
-def test_unknown_model_404_both_envelopes(model_dir):
+def test_unknown_model_404_both_envelopes(qwen3_dir):
     # any name is answered unless --strict-model-names (tests/test_server_compat.py)
-    with Server(model_dir, "--strict-model-names") as server:
+    with Server(qwen3_dir, "--strict-model-names") as server:
         status, body = server.post("/v1/chat/completions", chat(model="gpt-4o"))
         assert openai_error(status, body, 404)["code"] == "model_not_found"
         status, body = server.post("/v1/messages", msg(model="claude"))
@@ -191,8 +173,8 @@ def test_body_too_large(server):
     still_serving(server)
 
 
-def test_api_key(model_dir):
-    with Server(model_dir, "--api-key", "sekrit") as s:
+def test_api_key(qwen3_dir):
+    with Server(qwen3_dir, "--api-key", "sekrit") as s:
         with pytest.raises(openai.AuthenticationError) as e:
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert e.value.status_code == 401
@@ -217,8 +199,8 @@ def _long_stream(port: int, max_tokens: int = 100000) -> socket.socket:
     return sock
 
 
-def test_full_queue_is_429(model_dir):
-    with Server(model_dir, "--max-concurrency", "1", "--max-queue", "1") as s:
+def test_full_queue_is_429(qwen3_dir):
+    with Server(qwen3_dir, "--max-concurrency", "1", "--max-queue", "1") as s:
         first = _long_stream(s.port)
         first.recv(4096)
         deadline = time.monotonic() + 10

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_util import InProcess, sse_events
-from tinymodels import make_model
+from server_util import sse_events
 
 EXAMPLES = int(os.environ.get("MLXRS_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -86,10 +85,8 @@ def encode(body) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def app():
-    s = InProcess(make_model("qwen3-float32", "qwen3"))
-    yield s
-    s.close()
+def app(qwen3_app):
+    return qwen3_app
 
 
 def check(app, path: str, body) -> None:

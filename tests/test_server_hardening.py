@@ -11,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,35 +18,16 @@ import anthropic
 import openai
 import pytest
 
-from server_util import InProcess, Server, free_port, sse_events
-from tinymodels import make_model
+from cli_util import run_cli
+from server_util import InProcess, Server, anthropic_error, free_port, openai_error, sse_events
 
 MODEL = "qwen3-float32"
 HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return make_model("qwen3-float32", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def app(model_dir):
-    s = InProcess(model_dir)
-    yield s
-    s.close()
-
-
-def openai_error(status, body, code=400):
-    assert status == code, body
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    return body["error"]
-
-
-def anthropic_error(status, body, code=400):
-    assert status == code, body
-    assert body["type"] == "error" and {"type", "message"} <= set(body["error"]), body
-    return body["error"]
+def app(qwen3_app):
+    return qwen3_app
 
 
 def _raw(obj: dict, **replace: str) -> bytes:
@@ -149,20 +129,20 @@ def test_bad_gzip_body_is_an_envelope(app):
     assert status == 200 and body["usage"]["completion_tokens"] == 2  # real gzip still works
 
 
-def test_malformed_http_is_a_json_envelope(model_dir):
-    with Server(model_dir) as s:
-        for raw in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
-                    b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n"):
-            with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
-                sock.sendall(raw)
-                data = b""
-                while chunk := sock.recv(65536):
-                    data += chunk
-            head, _, payload = data.partition(b"\r\n\r\n")
-            assert re.match(rb"HTTP/1\.[01] 400 ", head), data
-            assert b"application/json" in head, data
-            assert openai_error(400, json.loads(payload))["message"].startswith("malformed HTTP request"), data
-        assert s.post("/v1/chat/completions", CHAT)[0] == 200
+def test_malformed_http_is_a_json_envelope(qwen3_server):
+    s = qwen3_server
+    for raw in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
+                b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+            sock.sendall(raw)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        head, _, payload = data.partition(b"\r\n\r\n")
+        assert re.match(rb"HTTP/1\.[01] 400 ", head), data
+        assert b"application/json" in head, data
+        assert openai_error(400, json.loads(payload))["message"].startswith("malformed HTTP request"), data
+    assert s.post("/v1/chat/completions", CHAT)[0] == 200
 
 
 # -- local-server security -------------------------------------------------------------------------
@@ -178,14 +158,14 @@ def test_foreign_host_is_refused_dns_rebinding(app):
     assert app.request("GET", "/health", headers={"Host": "evil.example"})[0] == 200  # probes
 
 
-def test_allowed_hosts_extends_the_names(model_dir):
-    s = InProcess(model_dir, allowed_hosts=["box.lan"])
+def test_allowed_hosts_extends_the_names(qwen3_dir):
+    s = InProcess(qwen3_dir, allowed_hosts=["box.lan"])
     try:
         assert s.request("GET", "/stats", headers={"Host": "box.lan:8080"})[0] == 200
         assert s.request("GET", "/stats", headers={"Host": "evil.example"})[0] == 403
     finally:
         s.close()
-    s = InProcess(model_dir, allowed_hosts=["*"])
+    s = InProcess(qwen3_dir, allowed_hosts=["*"])
     try:
         assert s.request("GET", "/stats", headers={"Host": "evil.example"})[0] == 200
     finally:
@@ -229,8 +209,8 @@ def test_foreign_origin_is_refused_same_origin_allowed(app):
     openai_error(status, body, 403)
 
 
-def test_cors_origin_allows_a_page(model_dir):
-    s = InProcess(model_dir, cors_origins=["http://localhost:3000"])
+def test_cors_origin_allows_a_page(qwen3_dir):
+    s = InProcess(qwen3_dir, cors_origins=["http://localhost:3000"])
     try:
         pre = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
                "Access-Control-Request-Headers": "authorization, content-type"}
@@ -246,8 +226,8 @@ def test_cors_origin_allows_a_page(model_dir):
         s.close()
 
 
-def test_sdks_work_through_the_guards(model_dir):
-    with Server(model_dir, "--cors-origin", "http://localhost:3000") as s:
+def test_sdks_work_through_the_guards(qwen3_dir):
+    with Server(qwen3_dir, "--cors-origin", "http://localhost:3000") as s:
         for base in (s.url, f"http://localhost:{s.port}"):
             oa = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
             assert oa.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).usage.completion_tokens == 2
@@ -264,8 +244,8 @@ def test_sdks_work_through_the_guards(model_dir):
 
 
 def _serve_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxrs", "serve", "/nonexistent", "--port", str(free_port()), *args],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+    # in-process: the refusal comes before the model is loaded (and /nonexistent would fail the load)
+    return run_cli("serve", "/nonexistent", "--port", str(free_port()), *args, env={**os.environ, **(env or {})})
 
 
 def test_empty_api_key_is_refused():
@@ -277,17 +257,16 @@ def test_empty_api_key_is_refused():
     assert r.returncode == 2 and "MLXRS_API_KEY is empty" in r.stderr, r.stderr
 
 
-def test_all_interfaces_without_a_key_warns_and_checks_host(model_dir):
-    with Server(model_dir, "--host", "0.0.0.0") as s:
+def test_all_interfaces_without_a_key_warns_and_checks_host(qwen3_dir, qwen3_server):
+    with Server(qwen3_dir, "--host", "0.0.0.0") as s:
         assert "without an API key" in s.stderr()
         assert s.get("/stats", headers={"Host": "192.168.7.7:" + str(s.port)})[0] == 403
         assert s.get("/stats")[0] == 200
-    with Server(model_dir, "--host", "0.0.0.0", "--api-key", "k") as s:
+    with Server(qwen3_dir, "--host", "0.0.0.0", "--api-key", "k") as s:
         assert "without an API key" not in s.stderr()
         auth = {"Authorization": "Bearer k", "Host": "192.168.7.7:" + str(s.port)}
         assert s.get("/stats", headers=auth)[0] == 200  # a key it cannot know guards it instead
-    with Server(model_dir) as s:
-        assert "without an API key" not in s.stderr()
+    assert "without an API key" not in qwen3_server.stderr()  # loopback, the default
 
 
 # -- the engine's state --------------------------------------------------------------------------
@@ -309,8 +288,8 @@ class _DeadEngine:
         setattr(type(self.app.session), "info", self.prop)
 
 
-def test_health_and_requests_when_the_engine_died(model_dir):
-    app = InProcess(model_dir)
+def test_health_and_requests_when_the_engine_died(qwen3_dir):
+    app = InProcess(qwen3_dir)
     try:
         status, _, body = app.request("GET", "/health")
         assert status == 200 and body["status"] == "ok" and body["engine"] == {"state": "running", "error": None}
@@ -331,10 +310,10 @@ def test_health_and_requests_when_the_engine_died(model_dir):
         app.close()
 
 
-def test_engine_error_from_the_engine_is_a_503(model_dir, monkeypatch):
+def test_engine_error_from_the_engine_is_a_503(qwen3_dir, monkeypatch):
     from mlxrs.errors import EngineError
 
-    app = InProcess(model_dir)
+    app = InProcess(qwen3_dir)
     try:
         def start(*a, **k):
             raise EngineError("the engine thread panicked")
@@ -358,8 +337,8 @@ class _Proxy:
 
 @pytest.mark.skipif(not hasattr(__import__("mlxrs").Session, "_inject_engine_panic"),
                     reason="needs the engine-death contract (Session._inject_engine_panic)")
-def test_engine_panic_end_to_end(model_dir):
-    app = InProcess(model_dir)
+def test_engine_panic_end_to_end(qwen3_dir):
+    app = InProcess(qwen3_dir)
     try:
         app.session._inject_engine_panic()
         deadline = time.monotonic() + 10
@@ -401,8 +380,8 @@ def _dechunk(raw: str) -> str:
     return head + "\n\n" + "".join(out)
 
 
-def test_sigterm_ends_streams_well_formed_within_the_bound(model_dir):
-    with Server(model_dir, "--shutdown-timeout", "1", "--max-concurrency", "2") as s:
+def test_sigterm_ends_streams_well_formed_within_the_bound(qwen3_dir):
+    with Server(qwen3_dir, "--shutdown-timeout", "1", "--max-concurrency", "2") as s:
         oa = _open_stream(s.port, "/v1/chat/completions", {**CHAT, "max_tokens": 100000, "stream": True})
         an = _open_stream(s.port, "/v1/messages", {**MSG, "max_tokens": 100000, "stream": True})
         deadline = time.monotonic() + 20
@@ -432,8 +411,8 @@ def test_sigterm_ends_streams_well_formed_within_the_bound(model_dir):
         assert re.search(r"ended early", s.stderr())
 
 
-def test_sigterm_lets_a_short_stream_finish(model_dir):
-    with Server(model_dir, "--shutdown-timeout", "30") as s:
+def test_sigterm_lets_a_short_stream_finish(qwen3_dir):
+    with Server(qwen3_dir, "--shutdown-timeout", "30") as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=300, stream=True)
         it = iter(stream)

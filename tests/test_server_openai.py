@@ -13,39 +13,24 @@ import openai
 import pytest
 
 import mlxrs
-from scriptedmodel import (ANSWER_SCRIPT, ANSWER_TEXT, THINK_ANSWER, THINK_TEXT, WEATHER_TOOL, make_scripted_model,
-                           token_id)
-from server_util import Server
-from tinymodels import make_model
+from scriptedmodel import ANSWER_SCRIPT, ANSWER_TEXT, THINK_ANSWER, THINK_TEXT, WEATHER_TOOL, token_id
+from server_util import openai_client
 
 HI = [{"role": "user", "content": "hi"}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def scripted_dir():
-    return make_scripted_model()
+def scripted(scripted_server):
+    return scripted_server
 
 
 @pytest.fixture(scope="module")
-def scripted(scripted_dir):
-    with Server(scripted_dir) as s:
-        yield s
+def plain(qwen3_server):
+    return qwen3_server
 
 
-@pytest.fixture(scope="module")
-def plain_dir():
-    return make_model("qwen3-float32", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def plain(plain_dir):
-    with Server(plain_dir) as s:
-        yield s
-
-
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+client = openai_client
 
 
 @pytest.fixture(scope="module")
@@ -224,12 +209,12 @@ def test_image_part_rejected(scripted):
 
 
 # -- plain generation on a random model --------------------------------------------------------------
-def test_legacy_completions(plain, plain_dir):
+def test_legacy_completions(plain, qwen3_dir):
     c = client(plain)
     r = c.completions.create(model="qwen3-float32", prompt="The quick brown fox", max_tokens=7, temperature=0)
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 7
-    with mlxrs.Session(plain_dir) as s:
+    with mlxrs.Session(qwen3_dir) as s:
         expected = s.generate("The quick brown fox", max_tokens=7, temperature=0)
         assert r.choices[0].text == expected.text
         assert r.usage.prompt_tokens == expected.usage.prompt_tokens

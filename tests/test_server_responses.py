@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from mlxrs.server.responses import Store, response_format
-from scriptedmodel import THINK_ANSWER, THINK_TEXT, make_scripted_model
-from server_util import Server, sse_events
+from scriptedmodel import THINK_ANSWER, THINK_TEXT
+from server_util import openai_client, sse_events
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -18,13 +18,11 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Server(make_scripted_model()) as s:
-        yield s
+def server(scripted_server):
+    return scripted_server
 
 
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+client = openai_client
 
 
 def test_create_with_string_input(server):

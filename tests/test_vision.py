@@ -8,8 +8,6 @@ from __future__ import annotations
 import io
 import re
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 
 import mlxrs
-from conftest import HERE, blas_env
+from oracle_server import ORACLE
 from tinymodels import make_gemma3_vision, make_model
 
 N_TOKENS = 32
@@ -26,11 +24,8 @@ TWO = "First <start_of_image> then <start_of_image> compare them."
 
 
 def run_vlm(job: dict[str, Any]) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, str(HERE / "oracle_mlxvlm.py")], input=json.dumps(job), capture_output=True,
-                       text=True, env=blas_env(), timeout=600)
-    if p.returncode != 0:
-        raise AssertionError(f"mlx-vlm oracle failed:\n{p.stderr[-4000:]}")
-    return json.loads(p.stdout)
+    """mlx-vlm's answer to tests/oracle_mlxvlm.py's job, from the session's oracle process."""
+    return ORACLE.vlm(job)
 
 
 @pytest.fixture(scope="module")
