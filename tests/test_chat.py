@@ -309,10 +309,11 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
         say(child, f"/image {tools}")  # a text-only model (/v1/models says so)
         child.expect_exact("scripted-tool-loop takes no images (its input: text)")
         say(child, q[0]["content"])
-        # the reasoning, then the call on its own line, shown while the server is still generating the rest
+        # the reasoning, then the call on its own line, then the content that follows it in the stream:
+        # shown as parsed (a call shown at the end of the answer would come after "One two three …";
+        # a check of the server still generating here would race a fast machine)
         reasoning = want.choices[0].message.model_extra["reasoning_content"]
         child.expect_exact(f"(thinking) {reasoning}\r\n{_shown(call)}\r\nOne two three")
-        assert s.stats()["requests"]["active"] == 1, "the answer had ended: the call was not shown as parsed"
         child.expect(r"\[1500 tokens", timeout=300)
         say(child, f"/save {out1}")
         child.expect("saved 2 messages")
