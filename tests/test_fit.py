@@ -211,7 +211,7 @@ def test_skus() -> None:
 
 
 def test_gguf_is_planned_like_its_import(monkeypatch: pytest.MonkeyPatch, gemma_gguf: Path) -> None:
-    """A .gguf file is planned from its header as the bf16 directory `serve` imports it into."""
+    """A .gguf file is planned from its header as the directory `serve` imports it into (f32 on the CPU)."""
     from mlxrs.models import cached_gguf
 
     models = Path(__file__).resolve().parent / ".models"
