@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -202,11 +203,17 @@ def main() -> None:
                     res["decode_tps"] = (n - 1) / res["t_decode"] if n > 1 and res["t_decode"] > 0 else float("nan")
                     res["others_cores"] = max(0.0, (cpu_busy_s() - b0 - res["cpu_s"]) / (time.time() - t0))
                 else:
+                    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                     res = run_llama_bench(exe, gguf, a.threads, a.prompt_tokens, a.gen_tokens, extra)
+                    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    res["cpu_s"] = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
+                    # llama-bench's own warm-up and model load are inside this window too
+                    res["others_cores"] = max(0.0, (cpu_busy_s() - b0 - res["cpu_s"]) / (time.time() - t0))
                 res["loadavg"] = os.getloadavg()[0]
                 samples[e].append(res)
                 print(f"[bench]   round {r + 1}/{a.rounds} {e:9s} prefill {res['prefill_tps']:8.1f} tok/s   "
-                      f"decode {res['decode_tps']:7.1f} tok/s   (load {res['loadavg']:.2f})", flush=True)
+                      f"decode {res['decode_tps']:7.1f} tok/s   (load {res['loadavg']:.2f}, "
+                      f"other processes {res['others_cores']:.2f} cores)", flush=True)
     finally:
         worker.close()
     med = {e: {k: statistics.median(s[k] for s in v) for k in ("prefill_tps", "decode_tps")} for e, v in samples.items()}
