@@ -219,7 +219,7 @@ def main() -> None:
     med = {e: {k: statistics.median(s[k] for s in v) for k in ("prefill_tps", "decode_tps")} for e, v in samples.items()}
     stable = all(s["tokens"] == samples["mlxrs"][0]["tokens"] for s in samples["mlxrs"])
     lb = samples["llama.cpp"][0]["build"]
-    print(f"\nllama.cpp build {lb.get('build_number')} ({lb.get('build_commit')}), backends {lb.get('backends')}, "
+    print(f"\nllama.cpp {build['sdist']} (llama-bench reports build {lb.get('build_number')}: no git in an sdist), backends {lb.get('backends')}, "
           f"{lb.get('model_type')}, {lb.get('n_threads')} threads; mlxrs {dtype} import, greedy tokens stable "
           f"across rounds: {stable}")
     print(f"medians of {a.rounds} alternating rounds ({time.time() - t_start:.0f}s, load average now {os.getloadavg()}):\n")

@@ -223,6 +223,21 @@ def test_gguf_is_planned_like_its_import(monkeypatch: pytest.MonkeyPatch, gemma_
     assert abs(a["weightsBytes"] - b["weightsBytes"]) <= 0.001 * b["weightsBytes"]
 
 
+@pytest.mark.parametrize("backend,dtype", [("cpu", "f32"), ("cuda", "bf16"), ("metal", "bf16")])
+def test_gguf_is_planned_as_the_import_of_the_planned_backend(monkeypatch: pytest.MonkeyPatch, gemma_gguf: Path,
+                                                              backend: str, dtype: str) -> None:
+    """`fit --skus` plans a .gguf for each machine as that machine's import: f32 on the CPU, bf16 on
+    GPUs (the directories themselves, imported here, are the reference)."""
+    from mlxrs.models import cached_gguf
+
+    models = Path(__file__).resolve().parent / ".models"
+    monkeypatch.setenv("MLXRS_HOME", str(models / "mlxrs-home"))
+    imported = cached_gguf(gemma_gguf, dtype=dtype)
+    a, b = plan(gemma_gguf, 4096, backend=backend), plan(imported, 4096, backend=backend)
+    assert a["kvBytes"] == b["kvBytes"] and a["transientBytes"] == b["transientBytes"]
+    assert abs(a["weightsBytes"] - b["weightsBytes"]) <= 0.001 * b["weightsBytes"]
+
+
 # ---- the server's admission honours maxSafeContext ----------------------------------------------
 
 def test_server_admission_honours_max_safe_context() -> None:

@@ -237,10 +237,17 @@ impl ModelFacts {
         Self::from_config(&cfg, elems * b, b)
     }
 
-    /// Facts from a model directory or a `.gguf` file.
+    /// Facts from a model directory or a `.gguf` file (planned as its import here).
     pub fn from_path(path: &Path) -> Result<ModelFacts> {
+        Self::from_path_on(path, None)
+    }
+
+    /// [`ModelFacts::from_path`], a `.gguf` file planned as its import on `backend` (None: this
+    /// machine's), as `fit --skus` plans other machines.
+    pub fn from_path_on(path: &Path, backend: Option<Backend>) -> Result<ModelFacts> {
         if path.is_file() && path.extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf")) {
-            Self::from_gguf(path)
+            let dtype = crate::gguf::import::OutDtype::default_for(backend.unwrap_or_else(Backend::detect));
+            Self::from_gguf_as(path, dtype)
         } else {
             Self::from_dir(path)
         }
