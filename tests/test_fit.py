@@ -214,7 +214,7 @@ def test_skus() -> None:
 
 
 def test_gguf_is_planned_like_its_import(monkeypatch: pytest.MonkeyPatch, gemma_gguf: Path) -> None:
-    """A .gguf file is planned from its header as the bf16 directory `serve` imports it into."""
+    """A .gguf file is planned from its header as the directory `serve` imports it into (f32 on the CPU)."""
     from mlxrs.models import cached_gguf
 
     models = Path(__file__).resolve().parent / ".models"
@@ -222,6 +222,21 @@ def test_gguf_is_planned_like_its_import(monkeypatch: pytest.MonkeyPatch, gemma_
     monkeypatch.setenv("MLXRS_HOME", str(models / "mlxrs-home"))  # test_gemma_real's import cache
     imported = cached_gguf(src)
     a, b = plan(src, 4096), plan(imported, 4096)
+    assert a["kvBytes"] == b["kvBytes"] and a["transientBytes"] == b["transientBytes"]
+    assert abs(a["weightsBytes"] - b["weightsBytes"]) <= 0.001 * b["weightsBytes"]
+
+
+@pytest.mark.parametrize("backend,dtype", [("cpu", "f32"), ("cuda", "bf16"), ("metal", "bf16")])
+def test_gguf_is_planned_as_the_import_of_the_planned_backend(monkeypatch: pytest.MonkeyPatch, gemma_gguf: Path,
+                                                              backend: str, dtype: str) -> None:
+    """`fit --skus` plans a .gguf for each machine as that machine's import: f32 on the CPU, bf16 on
+    GPUs (the directories themselves, imported here, are the reference)."""
+    from mlxrs.models import cached_gguf
+
+    models = Path(__file__).resolve().parent / ".models"
+    monkeypatch.setenv("MLXRS_HOME", str(models / "mlxrs-home"))
+    imported = cached_gguf(gemma_gguf, dtype=dtype)
+    a, b = plan(gemma_gguf, 4096, backend=backend), plan(imported, 4096, backend=backend)
     assert a["kvBytes"] == b["kvBytes"] and a["transientBytes"] == b["transientBytes"]
     assert abs(a["weightsBytes"] - b["weightsBytes"]) <= 0.001 * b["weightsBytes"]
 

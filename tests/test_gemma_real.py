@@ -3,7 +3,9 @@ import, checked against mlx-lm on an independent conversion (gguf-py + transform
 tests/gguf_reference.py)."""
 from __future__ import annotations
 
+import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -65,13 +67,24 @@ def test_import_logits_match_independent_conversion(oracle, ours_f32, reference_
             assert got == ref["tokens"], f"{text!r}: greedy continuations differ\n ours {got}\n ref  {ref['tokens']}"
 
 
+def _safetensors_header(path: Path) -> dict:
+    with path.open("rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
 def test_paris_through_session_gguf_cache(gguf_file, home, monkeypatch):
     monkeypatch.setenv("MLXRS_HOME", str(home))
-    with mlxrs.Session(gguf_file) as s:  # bf16 import into the sha256-keyed cache
+    with mlxrs.Session(gguf_file) as s:  # default import (f32 on the CPU) into the sha256-keyed cache
         c = s.generate("Question: What is the capital of France?\nAnswer:", max_tokens=4)
         assert c.text.startswith(" Paris"), c.text
         cached = Path(s.model_path)
     assert cached.parent == home / "gguf" and (cached / ".complete").exists()
+    # imported as the backend's default: float32 weights on the CPU (its BLAS path), bf16 on GPUs
+    want = "f32" if mlxrs.runtime_info()["backend"] == "cpu" else "bf16"
+    assert json.loads((cached / ".complete").read_text())["dtype"] == want == models.default_import_dtype()
+    st_dtypes = {t["dtype"] for k, t in _safetensors_header(cached / "model.safetensors").items() if k != "__metadata__"}
+    assert st_dtypes == {"F32" if want == "f32" else "BF16"}, st_dtypes
     # the second load finds the import: converting again would be a bug
     monkeypatch.setattr(models, "convert_gguf", lambda *a, **k: pytest.fail("re-imported a cached GGUF"))
     assert models.cached_gguf(gguf_file) == cached

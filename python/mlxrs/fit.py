@@ -193,7 +193,7 @@ def describe(model_path: Path, label: str, p: dict[str, Any], kv_bits: int | Non
         ["model", f"{label} ({f['model_type']}, {f['num_layers']} layers)"],
         ["context", f"{p['contextTokens']} tokens" + (f" (model maximum {model_ctx})" if model_ctx else "")],
         ["weights", f"{human_bytes(p['weightsBytes'])}  ("
-                    + ("GGUF header, as its bf16 import" if model_path.suffix.lower() == ".gguf"
+                    + (f"GGUF header, as its {_native.default_import_dtype()} import" if model_path.suffix.lower() == ".gguf"
                        else "safetensors headers") + ")"],
         ["KV cache", f"{human_bytes(p['kvBytes'])}  ({_kv_line(f, kv_bits)})"],
         ["transient", f"{human_bytes(p['transientBytes'])}  (prefill activations, calibrated)"],

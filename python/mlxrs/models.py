@@ -14,7 +14,9 @@ from typing import Callable
 from . import _native
 from .errors import ModelLoadError
 
-DEFAULT_MODEL_NAME = "Gemma 3 270M (google/gemma-3-270m base, GGUF Q4_K_M imported to bf16)"
+DEFAULT_MODEL_NAME = "Gemma 3 270M (google/gemma-3-270m base, GGUF Q4_K_M imported to f32 on the CPU, bf16 on GPUs)"
+#: `convert`'s default (a directory to keep or share); `serve` and `Session` import a GGUF into their
+#: cache as `default_import_dtype()` instead
 DEFAULT_DTYPE = "bf16"
 # bump when the importer's output changes, so cached imports are redone
 IMPORT_VERSION = 3
@@ -109,8 +111,17 @@ def _warn(msg: str) -> None:
     print(f"mlxrs: warning: {msg}", file=sys.stderr)
 
 
-def cached_gguf(src: str | os.PathLike[str], *, dtype: str = DEFAULT_DTYPE, progress: bool | None = None) -> Path:
-    """The imported directory for a GGUF file, importing it on first use."""
+def default_import_dtype() -> str:
+    """What a GGUF is imported as for `serve` and `Session` on the backend MLX computes on here:
+    f32 on the CPU (MLX's CPU float32 matmul goes through BLAS; its bf16 and quantized ones are several
+    times slower), bf16 on GPUs. `fit` plans a .gguf as the same import (the Rust side decides both)."""
+    return str(_native.default_import_dtype())
+
+
+def cached_gguf(src: str | os.PathLike[str], *, dtype: str | None = None, progress: bool | None = None) -> Path:
+    """The imported directory for a GGUF file (as `dtype`, default `default_import_dtype()`),
+    importing it on first use."""
+    dtype = dtype or default_import_dtype()
     src_p = Path(src)
     if not src_p.is_file():
         raise ModelLoadError(f"{src_p} does not exist")

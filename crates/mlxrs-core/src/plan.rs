@@ -219,20 +219,35 @@ impl ModelFacts {
         Ok(f)
     }
 
-    /// Facts from a GGUF file as `serve` and `Session` import it (bf16, their default): the config
-    /// the importer writes (`gguf::import::hf_config`) and 2 bytes per element of every tensor it
-    /// keeps (all but `rope_freqs`). Only the header is read.
+    /// Facts from a GGUF file as `serve` and `Session` import it on this backend
+    /// (`gguf::import::OutDtype::default_for`: f32 on the CPU, bf16 on GPUs): the config the
+    /// importer writes (`gguf::import::hf_config`) and that dtype's bytes per element of every
+    /// tensor it keeps (all but `rope_freqs`). Only the header is read.
     pub fn from_gguf(path: &Path) -> Result<ModelFacts> {
+        Self::from_gguf_as(path, crate::gguf::import::OutDtype::default_for(Backend::detect()))
+    }
+
+    /// [`ModelFacts::from_gguf`] for an import as `dtype` (a float dtype; quantized imports are
+    /// planned from their directory).
+    pub fn from_gguf_as(path: &Path, dtype: crate::gguf::import::OutDtype) -> Result<ModelFacts> {
         let f = crate::gguf::GgufFile::open(path)?;
         let cfg = crate::gguf::import::hf_config(&f.header)?;
         let elems: u64 = f.header.tensors.iter().filter(|t| t.name != "rope_freqs.weight").map(|t| t.n_elements()).sum();
-        Self::from_config(&cfg, elems * 2, 2)
+        let b = dtype.float_bytes();
+        Self::from_config(&cfg, elems * b, b)
     }
 
-    /// Facts from a model directory or a `.gguf` file.
+    /// Facts from a model directory or a `.gguf` file (planned as its import here).
     pub fn from_path(path: &Path) -> Result<ModelFacts> {
+        Self::from_path_on(path, None)
+    }
+
+    /// [`ModelFacts::from_path`], a `.gguf` file planned as its import on `backend` (None: this
+    /// machine's), as `fit --skus` plans other machines.
+    pub fn from_path_on(path: &Path, backend: Option<Backend>) -> Result<ModelFacts> {
         if path.is_file() && path.extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf")) {
-            Self::from_gguf(path)
+            let dtype = crate::gguf::import::OutDtype::default_for(backend.unwrap_or_else(Backend::detect));
+            Self::from_gguf_as(path, dtype)
         } else {
             Self::from_dir(path)
         }

@@ -218,6 +218,14 @@ fn gguf_import(py: Python<'_>, src: std::path::PathBuf, out: std::path::PathBuf,
     })
 }
 
+/// The dtype a GGUF is imported as by default on the backend MLX computes on here ("f32" on the
+/// CPU, "bf16" on GPUs: `OutDtype::default_for`).
+#[pyfunction]
+fn default_import_dtype(py: Python<'_>) -> &'static str {
+    let backend = py.allow_threads(mlxrs_core::plan::Backend::detect);
+    mlxrs_core::gguf::import::OutDtype::default_for(backend).name()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -230,6 +238,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_op, m)?)?;
     m.add_function(wrap_pyfunction!(_sample, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_import, m)?)?;
+    m.add_function(wrap_pyfunction!(default_import_dtype, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_header, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;

@@ -5,7 +5,7 @@ use mlxrs_core::Error;
 use pyo3::prelude::*;
 
 /// The memory plan (MemoryPlan schemaVersion 1, as JSON) for the model in `model_dir` (or a
-/// `.gguf` file, planned as its bf16 import) at
+/// `.gguf` file, planned as its import on `backend`: f32 on the CPU, bf16 on GPUs) at
 /// `context_tokens` (None: the model's maximum), with a quantized KV cache of `kv_bits` and the
 /// `budget` ("0.75"-style fraction of device memory or bytes such as "12G"; None: 0.75).
 /// `device_bytes` overrides the device memory and `backend` ("cpu", "cuda", "metal") the backend
@@ -45,7 +45,7 @@ pub fn plan(
     }
     let budget = budget.map(Budget::parse).transpose().py(py)?.unwrap_or(Budget::Default);
     let backend = backend.map(Backend::parse).transpose().py(py)?;
-    let mut facts = crate::native(py, || ModelFacts::from_path(&model_dir))?;
+    let mut facts = crate::native(py, || ModelFacts::from_path_on(&model_dir, backend))?;
     // LoRA adapters' tensors: resident beside the weights (`mlxrs_core::lora`)
     facts.weights_bytes += adapter_bytes;
     let dev_bytes = match device_bytes {

@@ -56,6 +56,22 @@ impl OutDtype {
             other => return Err(Error::Invalid(format!("--dtype {other:?} is not one of bf16, f16, f32, q8, q4"))),
         })
     }
+    /// What `serve`, `Session` and `fit` import a GGUF as on `backend`: float32 on the CPU (MLX's CPU
+    /// matmul runs float32 through BLAS, its bf16 and quantized products several times slower: the
+    /// real Gemma 3 270M decodes ~4x faster from an f32 import, bench/RESULTS.md), bf16 on GPUs.
+    pub fn default_for(backend: crate::plan::Backend) -> OutDtype {
+        match backend {
+            crate::plan::Backend::Cpu => OutDtype::F32,
+            _ => OutDtype::Bf16,
+        }
+    }
+    /// Bytes of one unquantized element.
+    pub fn float_bytes(self) -> u64 {
+        match self {
+            OutDtype::F32 => 4,
+            _ => 2,
+        }
+    }
     pub fn name(self) -> &'static str {
         match self {
             OutDtype::Bf16 => "bf16",
