@@ -20,6 +20,7 @@ __all__ = [
     "_array_roundtrip",
     "_op",
     "gguf_import",
+    "default_import_dtype",
     "_sample",
     "plan",
     "device_memory",
@@ -123,6 +124,10 @@ def gguf_import(
     progress: Callable[[int, int, str], object] | None = None,
 ) -> None:
     """Import a GGUF file into a model directory (dtype: bf16, f16, f32, q8, q4)."""
+
+def default_import_dtype() -> str:
+    """The dtype a GGUF is imported as by default on the backend MLX computes on here ("f32" on the
+    CPU, "bf16" on GPUs)."""
 
 # ---- memory planner (crates/mlxrs-core/src/plan.rs) -------------------------------------------
 
