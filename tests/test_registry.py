@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
+import mlxrs._native
 from cli_util import run_cli
 from server_util import Server, free_port
 from tinymodels import make_model
@@ -338,7 +339,9 @@ def test_fit_accepts_names(world: dict[str, Any]) -> None:
     r = cli(world["env"], "fit", "tiny-llama", "--json")  # a GGUF, planned from its header
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
-    assert p["weightsBytes"] == 2 * world["gguf_params"] and p["contextTokens"] == 2048
+    # planned as the import this backend makes of it (f32 on the CPU, bf16 on a GPU)
+    per_param = {"f32": 4, "bf16": 2}[mlxrs._native.default_import_dtype()]
+    assert p["weightsBytes"] == per_param * world["gguf_params"] and p["contextTokens"] == 2048
     r = cli(world["env"], "fit", "zebra")
     assert r.returncode == 1
     assert r.stderr.strip() == "error: 'zebra' is not a model directory or file, and no models match (try `mlxrs scan`)"
