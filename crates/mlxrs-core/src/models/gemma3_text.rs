@@ -183,10 +183,7 @@ fn clip_residual(x: &Array, y: &Array) -> Result<Array> {
 impl CausalLm for Model {
     fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let h = self.hidden_caches(tokens, caches, staging)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
-        }
+        self.embed.logits(self.lm_head.as_ref(), &h)
     }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
@@ -199,10 +196,7 @@ impl CausalLm for Model {
 
     fn forward_embeds(&self, embeds: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let h = self.hidden_from(embeds, caches, staging)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
-        }
+        self.embed.logits(self.lm_head.as_ref(), &h)
     }
 
     fn shape(&self) -> &ModelShape {

@@ -666,10 +666,7 @@ impl Model {
     }
 
     fn logits(&self, h: &Array) -> Result<Array> {
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(h)?,
-            None => self.embed.as_linear(h)?,
-        };
+        let logits = self.embed.logits(self.lm_head.as_ref(), h)?;
         match self.softcap {
             Some(cap) => layers::logit_softcap(&logits, cap),
             None => Ok(logits),

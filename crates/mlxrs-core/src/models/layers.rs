@@ -147,6 +147,15 @@ impl Embedding {
         }
     }
 
+    /// The logits of hidden states `h`: through the untied `lm_head` when the model has one, else
+    /// through this (tied) embedding as a linear map.
+    pub fn logits(&self, lm_head: Option<&Linear>, h: &Array) -> Result<Array> {
+        match lm_head {
+            Some(head) => head.forward(h),
+            None => self.as_linear(h),
+        }
+    }
+
     pub fn dtype(&self) -> Dtype {
         match self {
             Embedding::Dense { w, .. } => w.dtype(),

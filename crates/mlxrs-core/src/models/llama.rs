@@ -198,10 +198,7 @@ impl Model {
 impl CausalLm for Model {
     fn forward_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let h = self.hidden_caches(tokens, caches, staging)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
-        }
+        self.embed.logits(self.lm_head.as_ref(), &h)
     }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
