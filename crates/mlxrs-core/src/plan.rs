@@ -838,14 +838,19 @@ mod tests {
         assert_eq!(p.context_tokens, 4096);
     }
 
-    #[test]
-    fn a_moe_model_over_budget_is_planned_streamed() {
+    /// A 4-layer qwen3_moe (16 experts, top-2) of 100 MB, its context `max_pos` tokens.
+    fn small_moe_facts(max_pos: u64) -> ModelFacts {
         let cfg = serde_json::json!({
             "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
-            "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "max_position_embeddings": 4096
+            "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "max_position_embeddings": max_pos
         });
-        let mut f = ModelFacts::from_config(&cfg, 100_000_000, 4).unwrap();
+        ModelFacts::from_config(&cfg, 100_000_000, 4).unwrap()
+    }
+
+    #[test]
+    fn a_moe_model_over_budget_is_planned_streamed() {
+        let mut f = small_moe_facts(4096);
         assert_eq!(f.moe, vec![(16, 2); 4]);
         // no expert bytes known (a GGUF): never streamed
         let o = |usable, stream| PlanOptions { context_tokens: Some(512), stream_experts: stream, ..opts(usable) };
@@ -884,12 +889,7 @@ mod tests {
     /// experts) and the context gives way, instead of a cache of 0 bytes.
     #[test]
     fn the_context_gives_way_to_the_expert_cache_floor() {
-        let cfg = serde_json::json!({
-            "model_type": "qwen3_moe", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
-            "num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "max_position_embeddings": 65536
-        });
-        let mut f = ModelFacts::from_config(&cfg, 100_000_000, 4).unwrap();
+        let mut f = small_moe_facts(65536);
         f.expert_bytes = 64_000_000;
         let floor = f.expert_cache_floor();
         assert_eq!(floor, 8_000_000);
