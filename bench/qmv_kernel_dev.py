@@ -1,0 +1,206 @@
+"""Develop and check the quantized matvec CUDA kernel (issue #11) against MLX's own `quantized_matmul`.
+
+Runs on the GPU test machine with only the MLX CUDA bundle (no mlxrs needed):
+
+    PYTHONPATH=/tmp/site LD_LIBRARY_PATH=/tmp/site/mlx/lib python3 bench/qmv_kernel_dev.py
+
+For each bit width and each 8B-shaped matrix, the kernel's output is compared with
+`mx.quantized_matmul` on the same packed weights (max |diff| relative to max |y|), then a whole 8B-shaped
+layer stack of distinct matrices (so the L2 cache does not serve them) is timed through both, and the
+bytes read per second are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+
+HEADER = ""
+
+SOURCE = """
+    // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
+    // One warp per R output rows; each lane reads 16 bytes of a row per step (coalesced), so a warp
+    // reads 512 contiguous bytes; the activations of a step are converted once and used for R rows.
+    // q is turned into a float without an int->float conversion (slow on the GPU): the bits of
+    // 2^23 + q OR-ed into a float, minus 2^23, exact for q < 2^23.
+    constexpr int PER_U32 = 32 / BITS;
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    constexpr int WPR = K / PER_U32;            // packed uint32 per weight row
+    constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte load
+    constexpr int NG = K / GS;                  // groups per row
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+    if (row0 >= (unsigned)N) return;
+    float acc[R][M];
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    const uint4* wbase = reinterpret_cast<const uint4*>(w);
+    #pragma unroll 2
+    for (int i = lane; i < WPR / 4; i += 32) {
+        const int k0 = i * VPU4;
+        uint4 q[R];
+        float s[R], b[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const unsigned row = min(row0 + r, (unsigned)N - 1u);
+            q[r] = wbase[(size_t)row * (WPR / 4) + i];
+            s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
+            b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
+        }
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const uint4* xv4 = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
+            float xf[VPU4];
+            float xs = 0.f;
+            #pragma unroll
+            for (int c = 0; c < VPU4 / 8; ++c) {
+                const uint4 xr = xv4[c];
+                const T* xe = reinterpret_cast<const T*>(&xr);
+                #pragma unroll
+                for (int t = 0; t < 8; ++t) { xf[c * 8 + t] = static_cast<float>(xe[t]); xs += xf[c * 8 + t]; }
+            }
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const unsigned qs[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+                float dot = 0.f;
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    #pragma unroll
+                    for (int t = 0; t < PER_U32; ++t) {
+                        const float qf = __uint_as_float(((qs[j] >> (t * BITS)) & MASK) | 0x4B000000u) - 8388608.f;
+                        dot = fmaf(xf[j * PER_U32 + t], qf, dot);
+                    }
+                }
+                acc[r][m] = fmaf(s[r], dot, fmaf(b[r], xs, acc[r][m]));
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float v = acc[r][m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && row0 + r < (unsigned)N) y[(size_t)m * N + row0 + r] = static_cast<T>(v);
+        }
+    }
+"""
+
+KERNEL = mx.fast.cuda_kernel(name="mlxrs_qmv", input_names=["x", "w", "scales", "biases"], output_names=["y"],
+                             source=SOURCE, header=HEADER)
+
+
+ROWS = 1
+
+
+def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, gs: int) -> mx.array:
+    m, k = x.shape
+    n = w.shape[0]
+    warps = (n + ROWS - 1) // ROWS
+    return KERNEL(inputs=[x, w, scales, biases],
+                  template=[("T", x.dtype), ("M", m), ("K", k), ("N", n), ("GS", gs), ("BITS", bits), ("R", ROWS)],
+                  grid=(warps * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(m, n)], output_dtypes=[x.dtype])[0]
+
+
+SHAPES_8B = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out")
+    ap.add_argument("--big", action="store_true", help="few large matrices (kernel bandwidth, not op overhead)")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--overhead", action="store_true", help="time a chain of tiny ops per op")
+    ap.add_argument("--rows", type=int, default=1, help="output rows per warp")
+    a = ap.parse_args()
+    global ROWS
+    ROWS = a.rows
+    mx.random.seed(0)
+    res: dict = {"check": [], "speed": []}
+    if a.overhead:
+        for n_ops in (64, 256):
+            xs = mx.ones((1, 64))
+            for _ in range(3):
+                mx.synchronize()
+                t = time.perf_counter()
+                y = xs
+                for _ in range(n_ops):
+                    y = y * 1.0001
+                mx.eval(y)
+                mx.synchronize()
+                dt = time.perf_counter() - t
+            print(f"overhead: {n_ops} dependent tiny ops {dt * 1e3:.2f} ms = {dt / n_ops * 1e6:.1f} us/op", flush=True)
+            t = time.perf_counter()
+            ys = [xs * float(i) for i in range(n_ops)]
+            mx.eval(ys)
+            mx.synchronize()
+            dt = time.perf_counter() - t
+            print(f"overhead: {n_ops} independent tiny ops {dt * 1e3:.2f} ms = {dt / n_ops * 1e6:.1f} us/op", flush=True)
+    shapes = [(65536, 8192)] * 4 if a.big else SHAPES_8B
+    layers = 1 if a.big else a.layers
+    for bits in (() if a.no_check else (4, 8)):
+        for m in (1, 2, 4, 8):
+            for (n, k) in [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]:
+                w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+                wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+                x = mx.random.normal((m, k)).astype(mx.bfloat16)
+                ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=bits)
+                out = qmv(x, wq, s, b, bits, 64)
+                # float32 reference of the same dequantized weights: which of the two is closer
+                exact = x.astype(mx.float32) @ mx.dequantize(wq, s, b, group_size=64, bits=bits).astype(mx.float32).T
+                scale = mx.abs(exact).max().item()
+                d_ours = (mx.abs(out.astype(mx.float32) - exact).max().item()) / scale
+                d_mlx = (mx.abs(ref.astype(mx.float32) - exact).max().item()) / scale
+                res["check"].append(dict(bits=bits, m=m, n=n, k=k, ours_vs_f32=d_ours, mlx_vs_f32=d_mlx))
+                print(f"check bits={bits} m={m} {n}x{k}: ours {d_ours:.2e}  mlx {d_mlx:.2e}", flush=True)
+    for bits in (4, 8):
+        mats = []
+        for _ in range(layers):
+            for (n, k) in shapes:
+                w = mx.random.randint(0, 2**31 - 1, (n, k * bits // 32)).astype(mx.uint32)
+                s = (mx.random.normal((n, k // 64)) * 0.01).astype(mx.bfloat16)
+                b = (mx.random.normal((n, k // 64)) * 0.01).astype(mx.bfloat16)
+                mats.append((w, s, b))
+            mx.eval(mats[-len(shapes):])
+        nbytes = sum(w.nbytes + s.nbytes + b.nbytes for w, s, b in mats)
+        for m in (1, 4, 8):
+            xs = {kk: mx.random.normal((m, kk)).astype(mx.bfloat16) for kk in {k for _, k in shapes}}
+            mx.eval(list(xs.values()))
+
+            def run_ours() -> None:
+                mx.eval([qmv(xs[w.shape[1] * 32 // bits], w, s, b, bits, 64) for w, s, b in mats])
+
+            def run_mlx() -> None:
+                mx.eval([mx.quantized_matmul(xs[w.shape[1] * 32 // bits], w, s, b, transpose=True, group_size=64,
+                                             bits=bits) for w, s, b in mats])
+            times: dict[str, list[float]] = {"ours": [], "mlx": []}
+            for f in (run_ours, run_mlx):
+                f()
+            for _ in range(a.reps):
+                for name, f in (("ours", run_ours), ("mlx", run_mlx)):
+                    mx.synchronize()
+                    t = time.perf_counter()
+                    f()
+                    mx.synchronize()
+                    times[name].append(time.perf_counter() - t)
+            med = {kk: sorted(v)[len(v) // 2] for kk, v in times.items()}
+            row = dict(bits=bits, m=m, gbytes=nbytes / 1e9, ours_s=med["ours"], mlx_s=med["mlx"],
+                       ours_gbs=nbytes / med["ours"] / 1e9, mlx_gbs=nbytes / med["mlx"] / 1e9)
+            res["speed"].append(row)
+            print(f"speed bits={bits} m={m}: {nbytes / 1e9:.2f} GB  ours {row['ours_gbs']:.0f} GB/s  "
+                  f"mlx {row['mlx_gbs']:.0f} GB/s  ratio {med['mlx'] / med['ours']:.2f}x", flush=True)
+        mats.clear()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
