@@ -21,14 +21,10 @@ HEADER = ""
 
 SOURCE = """
     // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
-    // One warp per R output rows; each lane reads 16 bytes of a row per step (coalesced), so a warp
-    // reads 512 contiguous bytes; the activations of a step are converted once and used for R rows.
-    // q is turned into a float without an int->float conversion (slow on the GPU): the bits of
-    // 2^23 + q OR-ed into a float, minus 2^23, exact for q < 2^23.
     constexpr int PER_U32 = 32 / BITS;
     constexpr unsigned MASK = (1u << BITS) - 1u;
     constexpr int WPR = K / PER_U32;            // packed uint32 per weight row
-    constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte load
+    constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte read
     constexpr int NG = K / GS;                  // groups per row
     const unsigned lane = threadIdx.x & 31u;
     const unsigned row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
@@ -95,7 +91,7 @@ KERNEL = mx.fast.cuda_kernel(name="mlxrs_qmv", input_names=["x", "w", "scales", 
                              source=SOURCE, header=HEADER)
 
 
-ROWS = 1
+ROWS = 2
 
 
 def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, gs: int) -> mx.array:
@@ -105,6 +101,86 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int,
     return KERNEL(inputs=[x, w, scales, biases],
                   template=[("T", x.dtype), ("M", m), ("K", k), ("N", n), ("GS", gs), ("BITS", bits), ("R", ROWS)],
                   grid=(warps * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(m, n)], output_dtypes=[x.dtype])[0]
+
+
+DENSE_SOURCE = """
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+    if (row0 >= (unsigned)N) return;
+    float acc[R][M];
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    const uint4* wb = reinterpret_cast<const uint4*>(w);
+    const uint4* xb = reinterpret_cast<const uint4*>(x);
+    #pragma unroll 4
+    for (int i = lane; i < K / 8; i += 32) {
+        uint4 wv[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) wv[r] = wb[(size_t)min(row0 + r, (unsigned)N - 1u) * (K / 8) + i];
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const uint4 xr = xb[(size_t)m * (K / 8) + i];
+            const T* xe = reinterpret_cast<const T*>(&xr);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const T* we = reinterpret_cast<const T*>(&wv[r]);
+                #pragma unroll
+                for (int t = 0; t < 8; ++t) acc[r][m] = fmaf(static_cast<float>(xe[t]), static_cast<float>(we[t]), acc[r][m]);
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float v = acc[r][m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && row0 + r < (unsigned)N) y[(size_t)m * N + row0 + r] = static_cast<T>(v);
+        }
+"""
+
+DENSE = mx.fast.cuda_kernel(name="mlxrs_gemv_dev", input_names=["x", "w"], output_names=["y"], source=DENSE_SOURCE)
+
+
+def gemv(x: mx.array, w: mx.array, rows: int) -> mx.array:
+    m, k = x.shape
+    n = w.shape[0]
+    warps = (n + rows - 1) // rows
+    return DENSE(inputs=[x, w], template=[("T", x.dtype), ("M", m), ("K", k), ("N", n), ("R", rows)],
+                 grid=(warps * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(m, n)], output_dtypes=[x.dtype])[0]
+
+
+def dense_bench(reps: int) -> None:
+    """bf16 weights: our gemv against `x @ w.T` on 8 x (32768 x 8192) bf16 (4.3 GB), and its error."""
+    w = (mx.random.normal((4096, 4096)) * 0.02).astype(mx.bfloat16)
+    x = mx.random.normal((1, 4096)).astype(mx.bfloat16)
+    exact = x.astype(mx.float32) @ w.astype(mx.float32).T
+    sc = mx.abs(exact).max().item()
+    for rows in (1, 2, 4):
+        d = mx.abs(gemv(x, w, rows).astype(mx.float32) - exact).max().item() / sc
+        print(f"dense check rows={rows}: ours {d:.2e}  mlx {mx.abs((x @ w.T).astype(mx.float32) - exact).max().item() / sc:.2e}")
+    mats = [mx.random.normal((32768, 8192)).astype(mx.bfloat16) for _ in range(8)]
+    mx.eval(mats)
+    nbytes = sum(m.nbytes for m in mats)
+    for m in (1, 2, 4):
+        x = mx.random.normal((m, 8192)).astype(mx.bfloat16)
+        fs = {f"ours r{r}": (lambda r=r: mx.eval([gemv(x, w, r) for w in mats])) for r in (1, 2, 4)}
+        fs["mlx"] = lambda: mx.eval([x @ w.T for w in mats])
+        times: dict[str, list[float]] = {k: [] for k in fs}
+        for f in fs.values():
+            f()
+        for _ in range(reps):
+            for name, f in fs.items():
+                mx.synchronize()
+                t = time.perf_counter()
+                f()
+                mx.synchronize()
+                times[name].append(time.perf_counter() - t)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        print(f"dense m={m}: " + "  ".join(f"{k} {nbytes / v / 1e9:.0f} GB/s" for k, v in med.items()), flush=True)
 
 
 SHAPES_8B = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
@@ -118,11 +194,15 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="few large matrices (kernel bandwidth, not op overhead)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--overhead", action="store_true", help="time a chain of tiny ops per op")
-    ap.add_argument("--rows", type=int, default=1, help="output rows per warp")
+    ap.add_argument("--dense", action="store_true", help="bf16 gemv kernel vs x @ w.T only")
+    ap.add_argument("--rows", type=int, default=2, help="output rows per warp")
     a = ap.parse_args()
     global ROWS
     ROWS = a.rows
     mx.random.seed(0)
+    if a.dense:
+        dense_bench(a.reps)
+        return
     res: dict = {"check": [], "speed": []}
     if a.overhead:
         for n_ops in (64, 256):
