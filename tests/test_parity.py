@@ -209,6 +209,23 @@ def test_config_disagreeing_with_weights_is_refused(tmp_path, arch, field, value
         mlxrs.Session(d)
 
 
+# MLX's microscaling modes as mlx-lm's convert writes them (`--q-mode`: group 32 or 16, uint8 scales,
+# no biases; its quant_predicate keeps the routers affine 8-bit), and gpt-oss as its mixed checkpoints
+# ship: mxfp4 experts (per-layer config entries), affine attention, the rest not quantized
+MX_CASES = [("gpt_oss", "mxfp4", None), ("qwen3_moe", "mxfp4", None), ("gpt_oss", "affine", "experts-mxfp4"),
+            ("qwen3_moe", "mxfp8", None), ("qwen3_moe", "nvfp4", None)]
+
+
+def mx_model(arch: str, mode: str, mix: str | None):
+    name = f"{arch}-{mix}" if mix else f"{arch}-{mode}"
+    return make_model(name, arch, quant_bits=4 if mode != "mxfp8" else 8, quant_mode=mode, quant_mix=mix)
+
+
+@pytest.mark.parametrize("arch,mode,mix", MX_CASES, ids=[m or f"{a}-{q}" for a, q, m in MX_CASES])
+def test_microscaling_quantization(oracle, arch, mode, mix):
+    _check(oracle, mx_model(arch, mode, mix), TEXT, dtype="float32")
+
+
 @pytest.mark.parametrize("arch", sorted(MOE))
 def test_moe_4bit_bf16(oracle, arch):
     # bfloat16 experts go through gather_qmm, which MLX's CPU backend runs in any float dtype

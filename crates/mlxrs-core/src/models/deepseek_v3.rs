@@ -110,13 +110,15 @@ pub(crate) fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
         let scales = w.take(&format!("{p}.kv_b_proj.scales"))?;
         let biases = w.remove(&format!("{p}.kv_b_proj.biases"));
         let (cols, groups) = (v.dim(-1), scales.dim(-1));
-        // mlx-lm infers bits and group size from the packed shapes
+        // mlx-lm infers bits, group size and mode from the packed shapes and the scales' dtype
         let bits = cols * 32 / d.kv_lora_rank;
-        if groups == 0 || d.kv_lora_rank % groups != 0 || !(2..=8).contains(&bits) {
-            return Err(Error::ModelLoad(format!("weight {name}: its shape {:?} does not fit kv_lora_rank {}", v.shape(), d.kv_lora_rank)));
-        }
-        let q = QuantSpec { group_size: d.kv_lora_rank / groups, bits };
-        v = mx::dequantize(&v, &scales, biases.as_ref(), q.group_size, q.bits)?;
+        let q = (groups > 0 && d.kv_lora_rank % groups == 0 && (2..=8).contains(&bits))
+            .then(|| QuantSpec::infer(d.kv_lora_rank / groups, bits, scales.dtype()))
+            .flatten()
+            .ok_or_else(|| {
+                Error::ModelLoad(format!("weight {name}: its shape {:?} does not fit kv_lora_rank {}", v.shape(), d.kv_lora_rank))
+            })?;
+        v = mx::dequantize(&v, &scales, biases.as_ref(), q.group_size, q.bits, q.mode)?;
         Some(q)
     } else {
         None
@@ -136,10 +138,12 @@ pub(crate) fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
     for (to, m) in [("embed_q", wk), ("unembed_out", wv)] {
         match quant {
             Some(q) => {
-                let (qw, s, b) = mx::quantize(&m, q.group_size, q.bits)?;
+                let (qw, s, b) = mx::quantize_mode(&m, q.group_size, q.bits, q.mode)?;
                 w.insert(format!("{p}.{to}.weight"), qw);
                 w.insert(format!("{p}.{to}.scales"), s);
-                w.insert(format!("{p}.{to}.biases"), b);
+                if let Some(b) = b {
+                    w.insert(format!("{p}.{to}.biases"), b);
+                }
             }
             None => w.insert(format!("{p}.{to}.weight"), m),
         }
@@ -190,7 +194,9 @@ impl MultiLinear {
         match self {
             MultiLinear::Dense(w) if transpose => mx::matmul(x, &mx::swapaxes(w, -1, -2)?),
             MultiLinear::Dense(w) => mx::matmul(x, w),
-            MultiLinear::Quant { w, scales, biases, q } => mx::quantized_matmul(x, w, scales, biases.as_ref(), transpose, q.group_size, q.bits),
+            MultiLinear::Quant { w, scales, biases, q } => {
+                mx::quantized_matmul(x, w, scales, biases.as_ref(), transpose, q.group_size, q.bits, q.mode)
+            }
         }
     }
 }
