@@ -264,8 +264,7 @@ def test_plan_counts_mxfp4_expert_bytes(name, kw):
     """mxfp4 experts (4-bit e2m1 packed in uint32, one uint8 e8m0 scale per 32 inputs, no biases):
     the plan's streamed expert bytes are the files' expert tensor bytes (the headers, read here) and
     what mxfp4 takes (4.25 bits per weight, from the config's shapes); the loaded model streams that
-    much and keeps the rest resident; the KV cache is planned in bfloat16 where the embedding is
-    mxfp4 (MLX dequantizes it to bfloat16, so the activations are), else in the float dtype."""
+    much and keeps the rest resident; the KV cache is planned in the dtype mlx-lm's holds."""
     d = make_model(name, **kw)
     cfg = json.loads((d / "config.json").read_text())
     h, e = cfg["hidden_size"], cfg.get("num_experts") or cfg["num_local_experts"]
@@ -282,8 +281,17 @@ def test_plan_counts_mxfp4_expert_bytes(name, kw):
     assert p["strategy"] == "streamed-experts" and p["streamedExpertBytes"] == experts
     assert p["weightsBytes"] == _all_bytes(d) - experts + p["expertCacheBytes"]
     f32 = _plan(make_model(f"{kw['arch']}-float32", kw["arch"]), budget="100G")
-    # mxfp4 embeddings (the global entry mxfp4) dequantize to bfloat16; float32 ones stay float32
-    assert p["kvBytes"] * (2 if cfg["quantization"]["mode"] == "mxfp4" else 1) == f32["kvBytes"]
+    # the KV cache's dtype is the one mlx-lm's cache holds after a step (an mxfp4 embedding
+    # dequantizes to bfloat16, the float32 norms promote it back)
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx.core as mx
+
+    model, _ = load(str(d))
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    assert p["kvBytes"] * 4 == f32["kvBytes"] * cache[0].keys.dtype.size
     with mlxrs.Session(d, stream_experts=True) as s:
         s.generate(s.tokenize(TEXT), max_tokens=2, temperature=0.0)
         info = s.info

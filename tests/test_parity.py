@@ -213,7 +213,7 @@ def test_config_disagreeing_with_weights_is_refused(tmp_path, arch, field, value
 # no biases; its quant_predicate keeps the routers affine 8-bit), and gpt-oss as its mixed checkpoints
 # ship: mxfp4 experts (per-layer config entries), affine attention, the rest not quantized
 MX_CASES = [("gpt_oss", "mxfp4", None), ("qwen3_moe", "mxfp4", None), ("gpt_oss", "affine", "experts-mxfp4"),
-            ("qwen3_moe", "mxfp8", None), ("qwen3_moe", "nvfp4", None)]
+            ("qwen3_moe", "mxfp8", None), ("qwen3_moe", "nvfp4", None), ("deepseek_v3", "mxfp4", None)]
 
 
 def mx_model(arch: str, mode: str, mix: str | None):

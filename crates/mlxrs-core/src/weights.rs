@@ -20,18 +20,6 @@ impl QuantSpec {
     pub fn affine(group_size: i32, bits: i32) -> QuantSpec {
         QuantSpec { group_size, bits, mode: QuantMode::Affine }
     }
-
-    /// The spec a stored tensor was packed with, as mlx-lm's `infer_quant_config` recovers it:
-    /// float scales are affine; uint8 scales are the one microscaling mode with these bits and
-    /// group size (None: no mode has them).
-    pub fn infer(group_size: i32, bits: i32, scales: crate::handle::Dtype) -> Option<QuantSpec> {
-        let mode = if scales.is_float() {
-            QuantMode::Affine
-        } else {
-            [QuantMode::Nvfp4, QuantMode::Mxfp4, QuantMode::Mxfp8].into_iter().find(|m| m.defaults() == (group_size, bits))?
-        };
-        Some(QuantSpec { group_size, bits, mode })
-    }
 }
 
 /// A config's quantization entry: `mode` (default affine, as mlx-lm's `to_quantized`), `group_size`

@@ -110,14 +110,19 @@ pub(crate) fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
         let scales = w.take(&format!("{p}.kv_b_proj.scales"))?;
         let biases = w.remove(&format!("{p}.kv_b_proj.biases"));
         let (cols, groups) = (v.dim(-1), scales.dim(-1));
-        // mlx-lm infers bits, group size and mode from the packed shapes and the scales' dtype
+        // mlx-lm infers bits and group size from the packed shapes, and re-quantizes affine only
+        if !scales.dtype().is_float() {
+            return Err(Error::Unsupported(format!(
+                "weight {name}: kv_b_proj quantized in a microscaling mode ({} scales) is not supported (mlx-lm's \
+                 sanitize splits and re-quantizes it affine only); convert the model from its unquantized weights",
+                scales.dtype().name()
+            )));
+        }
         let bits = cols * 32 / d.kv_lora_rank;
-        let q = (groups > 0 && d.kv_lora_rank % groups == 0 && (2..=8).contains(&bits))
-            .then(|| QuantSpec::infer(d.kv_lora_rank / groups, bits, scales.dtype()))
-            .flatten()
-            .ok_or_else(|| {
-                Error::ModelLoad(format!("weight {name}: its shape {:?} does not fit kv_lora_rank {}", v.shape(), d.kv_lora_rank))
-            })?;
+        if groups == 0 || d.kv_lora_rank % groups != 0 || !(2..=8).contains(&bits) {
+            return Err(Error::ModelLoad(format!("weight {name}: its shape {:?} does not fit kv_lora_rank {}", v.shape(), d.kv_lora_rank)));
+        }
+        let q = QuantSpec::affine(d.kv_lora_rank / groups, bits);
         v = mx::dequantize(&v, &scales, biases.as_ref(), q.group_size, q.bits, q.mode)?;
         Some(q)
     } else {
@@ -138,12 +143,10 @@ pub(crate) fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
     for (to, m) in [("embed_q", wk), ("unembed_out", wv)] {
         match quant {
             Some(q) => {
-                let (qw, s, b) = mx::quantize_mode(&m, q.group_size, q.bits, q.mode)?;
+                let (qw, s, b) = mx::quantize(&m, q.group_size, q.bits)?;
                 w.insert(format!("{p}.{to}.weight"), qw);
                 w.insert(format!("{p}.{to}.scales"), s);
-                if let Some(b) = b {
-                    w.insert(format!("{p}.{to}.biases"), b);
-                }
+                w.insert(format!("{p}.{to}.biases"), b);
             }
             None => w.insert(format!("{p}.{to}.weight"), m),
         }
