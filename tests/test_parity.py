@@ -360,16 +360,30 @@ def _gpt_oss_release_layout(d) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
-def test_gpt_oss_released_mxfp4_layout(oracle, tmp_path):
+@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
+def test_gpt_oss_released_mxfp4_layout(oracle, tmp_path, stream):
     """gpt-oss as released: MXFP4 experts in Hugging Face's `*_blocks` / `*_scales` layout, the rest
     not quantized, `quantization_config.quant_method` mxfp4; sanitized as mlx-lm does (blocks
-    viewed as MLX's packed uint32, gate/up rows split): mlx-lm's tokens and logits."""
+    viewed as MLX's packed uint32, gate/up rows split): mlx-lm's tokens and logits, with the experts
+    resident or streamed from the files (an expert's interleaved gate/up rows read together and
+    split) through a cache of a quarter of them."""
     import shutil
 
     d = tmp_path / "release"
     shutil.copytree(mx_model("gpt_oss", "affine", "experts-only-mxfp4"), d)
     _gpt_oss_release_layout(d)
-    _check(oracle, d, TEXT, dtype="float32")
+    if not stream:
+        _check(oracle, d, TEXT, dtype="float32")
+        return
+    with mlxrs.Session(d, stream_experts=True, prefill_step_size=16) as s:
+        ids = s.tokenize(TEXT) * 2
+        ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+        logits = np.array(s.logits(ids), dtype=np.float32)
+        x = s.info["experts"]
+    ref = oracle({"model": str(d), "prompt": ids, "max_tokens": N_TOKENS, "prefill_step_size": 16})
+    assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= _tol("float32")
+    assert ours.tokens == ref["tokens"]
+    assert x["misses"] > 0 and x["evictions"] > 0 and 0 < x["cache_bytes"] <= x["cache_budget_bytes"]
 
 
 def _rewrite(d, edit) -> None:
