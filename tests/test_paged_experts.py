@@ -2,7 +2,8 @@
 safetensors files and are read per step into an expert cache holding a quarter of them generates
 what mlx-lm 0.32.2 generates with every expert resident (48 greedy tokens identical, last-position
 logits within test_parity's tolerances), in float32 (the Hugging Face per-expert layout), 4-bit
-(mlx-lm's stacked `switch_mlp` layout, expert rows read by offset) and bfloat16 4-bit; the counters
+(mlx-lm's stacked `switch_mlp` layout, expert rows read by offset), bfloat16 4-bit and MLX's
+microscaling modes mxfp4, mxfp8, nvfp4 (uint8 scales, no biases); the counters
 agree with each other and with the files; a truncated file is refused naming the tensor."""
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ CASES = {
     "bf16-q4": dict(name="qwen3_moe-bf16-q4", kw=dict(dtype="bfloat16", quant_bits=4), tol=2e-2, step=16, repeat=2),
     # MLX's mxfp4 (uint8 scales, no biases) as mlx-lm's convert --q-mode mxfp4 writes it
     "mxfp4": dict(name="qwen3_moe-mxfp4", kw=dict(quant_bits=4, quant_mode="mxfp4"), tol=1e-4, step=16, repeat=2),
+    "mxfp8": dict(name="qwen3_moe-mxfp8", kw=dict(quant_bits=8, quant_mode="mxfp8"), tol=1e-4, step=2048, repeat=1),
+    "nvfp4": dict(name="qwen3_moe-nvfp4", kw=dict(quant_bits=4, quant_mode="nvfp4"), tol=1e-4, step=2048, repeat=1),
 }
 
 
