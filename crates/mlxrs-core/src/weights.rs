@@ -380,3 +380,50 @@ impl Weights {
         self.map.iter().map(|(k, v)| (k, v.shape())).collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// `{prefix}.weight` / `.scales` of a `[4, 64]` matrix quantized by MLX in `mode`.
+    fn quantized(prefix: &str, mode: QuantMode) -> HashMap<String, Array> {
+        let w = mx::reshape(&mx::arange(0.0, 256.0, 1.0, Dtype::Float32).unwrap(), &[4, 64]).unwrap();
+        let (g, b) = mode.defaults();
+        let (q, s, bias) = mx::quantize_mode(&w, g, b, mode).unwrap();
+        let mut m = HashMap::from([(format!("{prefix}.weight"), q), (format!("{prefix}.scales"), s)]);
+        if let Some(bias) = bias {
+            m.insert(format!("{prefix}.biases"), bias);
+        }
+        m
+    }
+
+    #[test]
+    fn modes_come_from_the_global_entry_the_module_entry_or_quant_method() {
+        // a per-module entry without a mode is affine with affine's defaults, whatever the global
+        // entry's mode (mlx-lm passes the entry to `to_quantized`, whose mode defaults to affine)
+        let mut map = quantized("a", QuantMode::Mxfp4);
+        map.extend(quantized("b", QuantMode::Affine));
+        let cfg = json!({"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4", "b": {"bits": 4}}});
+        let mut w = Weights::from_map(map, &cfg).unwrap();
+        assert_eq!(w.quant_of("a"), Some(QuantSpec { group_size: 32, bits: 4, mode: QuantMode::Mxfp4 }));
+        assert_eq!(w.quant_of("b"), Some(QuantSpec::affine(64, 4)));
+        assert!(matches!(w.take_matrix("a", 4, 64).unwrap(), Matrix::Quant { biases: None, .. }));
+        assert!(matches!(w.take_matrix("b", 4, 64).unwrap(), Matrix::Quant { biases: Some(_), .. }));
+        // Hugging Face's quantization_config (gpt-oss's release)
+        let w = Weights::from_map(quantized("a", QuantMode::Mxfp4), &json!({"quantization_config": {"quant_method": "mxfp4"}})).unwrap();
+        assert_eq!(w.quant_of("a").map(|q| q.mode), Some(QuantMode::Mxfp4));
+    }
+
+    #[test]
+    fn a_mode_mlx_does_not_have_is_refused_naming_the_entry() {
+        for (cfg, needle) in [
+            (json!({"quantization": {"mode": "fp3"}}), "quantization.mode = \"fp3\""),
+            (json!({"quantization": {"mode": "affine", "x.y": {"mode": 4}}}), "quantization[\"x.y\"].mode = 4"),
+            (json!({"quantization": {"bits": "four"}}), "quantization.bits = \"four\" is not an integer"),
+        ] {
+            let err = Weights::from_map(HashMap::new(), &cfg).err().expect("refused").to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+    }
+}
