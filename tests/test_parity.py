@@ -384,6 +384,17 @@ def test_gpt_oss_released_mxfp4_layout(oracle, tmp_path, stream):
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= _tol("float32")
     assert ours.tokens == ref["tokens"]
     assert x["misses"] > 0 and x["evictions"] > 0 and 0 < x["cache_bytes"] <= x["cache_budget_bytes"]
+    # each read expert: its gate_up slab twice (gate and up read it each) and its down slab, from
+    # the headers (the same in every layer: 8 experts each)
+    import mlx.core as mx
+
+    w = mx.load(str(d / "model.safetensors"))
+    p = "model.layers.0.mlp.experts"
+    slab = {k: w[f"{p}.{k}"].nbytes // 8 for k in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                                                   "down_proj_scales")}
+    per_read = 2 * (slab["gate_up_proj_blocks"] + slab["gate_up_proj_scales"]) + slab["down_proj_blocks"] + \
+        slab["down_proj_scales"]
+    assert x["bytes_read"] == (x["misses"] - x["prefetch_hits"] + x["prefetched"]) * per_read
 
 
 def _rewrite(d, edit) -> None:
