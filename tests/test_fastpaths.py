@@ -38,9 +38,15 @@ def _run(model, rows: str | None) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
-def test_dequantized_matmul_matches_the_quantized_kernel(arch):
-    d = make_model(f"{arch}-q4", arch, quant_bits=4)
+# (model, architecture, make_model keywords): affine 4-bit, and gpt-oss in mxfp4 (its attention,
+# embedding and head: uint8 scales, no biases)
+DEQUANT_CASES = [(f"{a}-q4", a, dict(quant_bits=4)) for a in ("llama", "qwen3", "gemma3_text")] + \
+    [("gpt_oss-mxfp4", "gpt_oss", dict(quant_bits=4, quant_mode="mxfp4"))]
+
+
+@pytest.mark.parametrize("name,arch,kw", DEQUANT_CASES, ids=[c[0] for c in DEQUANT_CASES])
+def test_dequantized_matmul_matches_the_quantized_kernel(name, arch, kw):
+    d = make_model(name, arch, **kw)
     ref = _run(d, None)        # the packed kernel (the CPU default)
     fast = _run(d, "1")        # every quantized matmul through a dequantized weight
     off = _run(d, "0")         # 0 switches the fast path off: the reference again

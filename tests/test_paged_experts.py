@@ -2,7 +2,8 @@
 safetensors files and are read per step into an expert cache holding a quarter of them generates
 what mlx-lm 0.32.2 generates with every expert resident (48 greedy tokens identical, last-position
 logits within test_parity's tolerances), in float32 (the Hugging Face per-expert layout), 4-bit
-(mlx-lm's stacked `switch_mlp` layout, expert rows read by offset) and bfloat16 4-bit; the counters
+(mlx-lm's stacked `switch_mlp` layout, expert rows read by offset), bfloat16 4-bit and MLX's
+microscaling modes mxfp4, mxfp8, nvfp4 (uint8 scales, no biases); the counters
 agree with each other and with the files; a truncated file is refused naming the tensor."""
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ CASES = {
     "float32": dict(name="qwen3_moe-float32", kw={}, tol=1e-4, step=2048, repeat=1),
     "q4": dict(name="qwen3_moe-q4", kw=dict(quant_bits=4), tol=1e-4, step=2048, repeat=1),
     "bf16-q4": dict(name="qwen3_moe-bf16-q4", kw=dict(dtype="bfloat16", quant_bits=4), tol=2e-2, step=16, repeat=2),
+    # MLX's mxfp4 (uint8 scales, no biases) as mlx-lm's convert --q-mode mxfp4 writes it
+    "mxfp4": dict(name="qwen3_moe-mxfp4", kw=dict(quant_bits=4, quant_mode="mxfp4"), tol=1e-4, step=16, repeat=2),
+    "mxfp8": dict(name="qwen3_moe-mxfp8", kw=dict(quant_bits=8, quant_mode="mxfp8"), tol=1e-4, step=2048, repeat=1),
+    "nvfp4": dict(name="qwen3_moe-nvfp4", kw=dict(quant_bits=4, quant_mode="nvfp4"), tol=1e-4, step=2048, repeat=1),
 }
 
 
@@ -256,6 +261,46 @@ def test_plan_streams_a_moe_model_over_its_budget():
     assert _plan(dense, budget="1000", stream_experts=True)["strategy"] == "generic-kv"
 
 
+@pytest.mark.parametrize("name,kw", [("qwen3_moe-mxfp4", dict(arch="qwen3_moe", quant_bits=4, quant_mode="mxfp4")),
+                                     ("gpt_oss-experts-mxfp4", dict(arch="gpt_oss", quant_bits=4, quant_mix="experts-mxfp4"))])
+def test_plan_counts_mxfp4_expert_bytes(name, kw):
+    """mxfp4 experts (4-bit e2m1 packed in uint32, one uint8 e8m0 scale per 32 inputs, no biases):
+    the plan's streamed expert bytes are the files' expert tensor bytes (the headers, read here) and
+    what mxfp4 takes (4.25 bits per weight, from the config's shapes); the loaded model streams that
+    much and keeps the rest resident; the KV cache is planned in the dtype mlx-lm's holds."""
+    d = make_model(name, **kw)
+    cfg = json.loads((d / "config.json").read_text())
+    h, e = cfg["hidden_size"], cfg.get("num_experts") or cfg["num_local_experts"]
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    moe_layers = sum(1 for k in cfg["quantization"] if isinstance(cfg["quantization"][k], dict)) // 3 if "experts-" in name \
+        else cfg["num_hidden_layers"] - len(cfg.get("mlp_only_layers", []))
+    per_expert = 3 * inter * h // 2 + 3 * inter * h // 32  # gate, up, down: e2m1 nibbles + e8m0 scales
+    experts = _expert_bytes(d)
+    biases = 0
+    if kw["arch"] == "gpt_oss":  # the experts' float32 biases (gate, up: inter; down: hidden)
+        biases = moe_layers * e * (2 * inter + h) * 4
+    assert experts == moe_layers * e * per_expert + biases
+    p = _plan(d, budget="100G", stream_experts=True)
+    assert p["strategy"] == "streamed-experts" and p["streamedExpertBytes"] == experts
+    assert p["weightsBytes"] == _all_bytes(d) - experts + p["expertCacheBytes"]
+    f32 = _plan(make_model(f"{kw['arch']}-float32", kw["arch"]), budget="100G")
+    # the KV cache's dtype is the one mlx-lm's cache holds after a step (an mxfp4 embedding
+    # dequantizes to bfloat16, the float32 norms promote it back)
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx.core as mx
+
+    model, _ = load(str(d))
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    assert p["kvBytes"] * 4 == f32["kvBytes"] * cache[0].keys.dtype.size
+    with mlxrs.Session(d, stream_experts=True) as s:
+        s.generate(s.tokenize(TEXT), max_tokens=2, temperature=0.0)
+        info = s.info
+    assert info["experts"]["streamed_bytes"] + info["weights_bytes"] == _all_bytes(d)
+
+
 def test_plan_keeps_the_expert_cache_floor_and_shrinks_the_context():
     """A budget the model's whole context would fill: the streamed plan keeps the expert cache's
     floor — one decoded token's routed experts, 7 MoE layers × top-2, from the headers — instead
@@ -378,11 +423,22 @@ MOE_ARCHS = ["mixtral", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "gem
              "glm_moe_dsa", "mistral4", "mistral3"]
 
 
-@pytest.mark.parametrize("quant", [None, 4], ids=["float32", "q4"])
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+# (name, make_model keywords): gpt-oss quantized mxfp4 by mlx-lm's convert, and as its mixed checkpoints
+# ship (mxfp4 experts, affine attention, the rest not quantized)
+MX_MODELS = {"mxfp4": ("gpt_oss-mxfp4", dict(quant_bits=4, quant_mode="mxfp4")),
+             "experts-mxfp4": ("gpt_oss-experts-mxfp4", dict(quant_bits=4, quant_mix="experts-mxfp4"))}
+STREAM_CASES = [(a, q) for a in MOE_ARCHS for q in (None, 4)] + [("gpt_oss", m) for m in MX_MODELS]
+
+
+@pytest.mark.parametrize("arch,quant", STREAM_CASES, ids=[f"{a}-{'float32' if q is None else 'q4' if q == 4 else q}"
+                                                          for a, q in STREAM_CASES])
 def test_every_moe_architecture_streams_as_mlx_lm(oracle, arch, quant):
     """Streamed with prefetch on (each MoE layer reads the next one's predicted experts ahead)."""
-    d = make_model(f"{arch}-float32" if quant is None else f"{arch}-q4", arch, quant_bits=quant)
+    if isinstance(quant, str):
+        name, kw = MX_MODELS[quant]
+        d = make_model(name, arch, **kw)
+    else:
+        d = make_model(f"{arch}-float32" if quant is None else f"{arch}-q4", arch, quant_bits=quant)
     with mlxrs.Session(d, stream_experts=True, prefill_step_size=16, expert_prefetch=True) as s:
         ids = s.tokenize(TEXT) * 2
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)

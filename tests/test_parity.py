@@ -209,6 +209,23 @@ def test_config_disagreeing_with_weights_is_refused(tmp_path, arch, field, value
         mlxrs.Session(d)
 
 
+# MLX's microscaling modes as mlx-lm's convert writes them (`--q-mode`: group 32 or 16, uint8 scales,
+# no biases; its quant_predicate keeps the routers affine 8-bit), and gpt-oss as its mixed checkpoints
+# ship: mxfp4 experts (per-layer config entries), affine attention, the rest not quantized
+MX_CASES = [("gpt_oss", "mxfp4", None), ("qwen3_moe", "mxfp4", None), ("gpt_oss", "affine", "experts-mxfp4"),
+            ("qwen3_moe", "mxfp8", None), ("qwen3_moe", "nvfp4", None), ("deepseek_v3", "mxfp4", None)]
+
+
+def mx_model(arch: str, mode: str, mix: str | None):
+    name = f"{arch}-{mix}" if mix else f"{arch}-{mode}"
+    return make_model(name, arch, quant_bits=4 if mode != "mxfp8" else 8, quant_mode=mode, quant_mix=mix)
+
+
+@pytest.mark.parametrize("arch,mode,mix", MX_CASES, ids=[m or f"{a}-{q}" for a, q, m in MX_CASES])
+def test_microscaling_quantization(oracle, arch, mode, mix):
+    _check(oracle, mx_model(arch, mode, mix), TEXT, dtype="float32")
+
+
 @pytest.mark.parametrize("arch", sorted(MOE))
 def test_moe_4bit_bf16(oracle, arch):
     # bfloat16 experts go through gather_qmm, which MLX's CPU backend runs in any float dtype
@@ -301,28 +318,133 @@ def test_recurrent_prefix_hit_matches_mlxlm(oracle, arch, quant):
         assert got.tokens == ref(diverging)
 
 
-def test_gpt_oss_refuses_mxfp4_and_a_quantized_kv_cache(tmp_path):
-    """What mlxrs does not run is refused with a message naming it: gpt-oss's MXFP4 checkpoint
-    layout (`*_blocks`), and a quantized KV cache with attention sinks (mlx-lm refuses it too)."""
+def test_gpt_oss_refuses_a_quantized_kv_cache():
+    """A quantized KV cache with attention sinks is refused naming why (mlx-lm refuses it too)."""
+    with mlxrs.Session(make_model("gpt_oss-float32", "gpt_oss"), kv_bits=8) as s:
+        with pytest.raises(Exception, match="attention sinks"):
+            s.generate(s.tokenize(TEXT), max_tokens=4)
+
+
+def _gpt_oss_release_layout(d) -> None:
+    """Rewrite the mxfp4 gpt_oss checkpoint in `d` as the released gpt-oss checkpoints ship it:
+    Hugging Face's `experts.gate_up_proj_blocks` (uint8 [experts, rows, groups, 16], gate and up rows
+    interleaved) / `_scales` / `_bias` and `down_proj_*`, `quantization_config.quant_method` mxfp4."""
     import json
-    import shutil
 
     import mlx.core as mx
 
-    src = make_model("gpt_oss-float32", "gpt_oss")
-    d = tmp_path / "mxfp4"
-    shutil.copytree(src, d)
     w = mx.load(str(d / "model.safetensors"))
-    for k in [k for k in w if ".mlp.experts." in k]:
-        del w[k]
-    w["model.layers.0.mlp.experts.gate_up_proj_blocks"] = mx.zeros((8, 256, 8, 16), dtype=mx.uint8)
+    cfg = json.loads((d / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+
+    def blocks(x):
+        return x.view(mx.uint8).reshape(*x.shape[:-1], -1, 16)
+
+    def interleave(g, u, axis):
+        return mx.stack([g, u], axis=axis + 1).reshape(*g.shape[:axis], -1, *g.shape[axis + 1:])
+
+    for l in range(layers):
+        p = f"model.layers.{l}.mlp.experts"
+        gw, uw = blocks(w.pop(f"{p}.gate_proj.weight")), blocks(w.pop(f"{p}.up_proj.weight"))
+        w[f"{p}.gate_up_proj_blocks"] = interleave(gw, uw, 1)
+        w[f"{p}.gate_up_proj_scales"] = interleave(w.pop(f"{p}.gate_proj.scales"), w.pop(f"{p}.up_proj.scales"), 1)
+        w[f"{p}.gate_up_proj_bias"] = interleave(w.pop(f"{p}.gate_proj.bias"), w.pop(f"{p}.up_proj.bias"), 1)
+        w[f"{p}.down_proj_blocks"] = blocks(w.pop(f"{p}.down_proj.weight"))
+        w[f"{p}.down_proj_scales"] = w.pop(f"{p}.down_proj.scales")
+        w[f"{p}.down_proj_bias"] = w.pop(f"{p}.down_proj.bias")
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
-    (d / "config.json").write_text(json.dumps(json.loads((src / "config.json").read_text())))
-    with pytest.raises(Exception, match=r"gate_up_proj_blocks: gpt-oss's MXFP4 layout is not supported"):
-        mlxrs.Session(d)
-    with mlxrs.Session(src, kv_bits=8) as s:
-        with pytest.raises(Exception, match="attention sinks"):
-            s.generate(s.tokenize(TEXT), max_tokens=4)
+    cfg.pop("quantization")
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                       "model.layers.*.mlp.router",
+                                                                                       "model.embed_tokens", "lm_head"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
+def test_gpt_oss_released_mxfp4_layout(oracle, tmp_path, stream):
+    """gpt-oss as released: MXFP4 experts in Hugging Face's `*_blocks` / `*_scales` layout, the rest
+    not quantized, `quantization_config.quant_method` mxfp4; sanitized as mlx-lm does (blocks
+    viewed as MLX's packed uint32, gate/up rows split): mlx-lm's tokens and logits, with the experts
+    resident or streamed from the files (an expert's interleaved gate/up rows read together and
+    split) through a cache of a quarter of them."""
+    import shutil
+
+    d = tmp_path / "release"
+    shutil.copytree(mx_model("gpt_oss", "affine", "experts-only-mxfp4"), d)
+    _gpt_oss_release_layout(d)
+    if not stream:
+        _check(oracle, d, TEXT, dtype="float32")
+        return
+    with mlxrs.Session(d, stream_experts=True, prefill_step_size=16) as s:
+        ids = s.tokenize(TEXT) * 2
+        ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+        logits = np.array(s.logits(ids), dtype=np.float32)
+        x = s.info["experts"]
+    ref = oracle({"model": str(d), "prompt": ids, "max_tokens": N_TOKENS, "prefill_step_size": 16})
+    assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= _tol("float32")
+    assert ours.tokens == ref["tokens"]
+    assert x["misses"] > 0 and x["evictions"] > 0 and 0 < x["cache_bytes"] <= x["cache_budget_bytes"]
+    # each read expert: its gate_up slab twice (gate and up read it each) and its down slab, from
+    # the headers (the same in every layer: 8 experts each)
+    import mlx.core as mx
+
+    w = mx.load(str(d / "model.safetensors"))
+    p = "model.layers.0.mlp.experts"
+    slab = {k: w[f"{p}.{k}"].nbytes // 8 for k in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                                                   "down_proj_scales")}
+    per_read = 2 * (slab["gate_up_proj_blocks"] + slab["gate_up_proj_scales"]) + slab["down_proj_blocks"] + \
+        slab["down_proj_scales"]
+    assert x["bytes_read"] == (x["misses"] - x["prefetch_hits"] + x["prefetched"]) * per_read
+
+
+def _rewrite(d, edit) -> None:
+    import mlx.core as mx
+
+    w = mx.load(str(d / "model.safetensors"))
+    edit(w)
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
+
+
+MX_BAD = {
+    "scales-float": (lambda w, p: w.__setitem__(f"{p}.scales", w[f"{p}.scales"].astype(__import__("mlx.core").core.float32)),
+                     "weight {p}.scales is float32 [8, 128, 8] but mxfp4 quantization of {p}.weight needs uint8 scales"),
+    "scales-shape": (lambda w, p: w.__setitem__(f"{p}.scales", w[f"{p}.scales"][..., :4]),
+                     "weight {p}.scales is uint8 [8, 128, 4] but mxfp4 quantization of {p}.weight needs uint8 scales [8, 128, 8]"),
+    "biases": (lambda w, p: w.__setitem__(f"{p}.biases", w[f"{p}.scales"]), "weight {p}.biases: mxfp4 quantization has no biases"),
+    "global-scale": (lambda w, p: w.__setitem__(f"{p}.global_scale", w[f"{p}.scales"][:, 0, 0]),
+                     "weight {p}.global_scale: mxfp4 with a per-tensor global scale is not supported"),
+}
+MX_BAD_CONFIG = {
+    "mode": ({"mode": "int4"}, 'quantization.mode = "int4" is not a quantization mode MLX supports'),
+    "group": ({"group_size": 64}, "{p}: quantization mode mxfp4 bits 4 / group_size 64 do not fit"),
+    "bits": ({"bits": 8}, "{p}: quantization mode mxfp4 bits 8 / group_size 32 do not fit"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("case", list(MX_BAD) + list(MX_BAD_CONFIG))
+def test_mxfp4_checkpoint_disagreeing_with_its_config_is_refused(tmp_path, case, stream):
+    """mxfp4 experts whose scales are not uint8 one per 32 inputs, that carry biases (affine's) or a
+    global scale, or a config whose mode / group size / bits MLX's mxfp4 does not have: refused at
+    load (resident or streamed), naming the tensor or the field."""
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(mx_model("gpt_oss", "mxfp4", None), d)
+    p = "model.layers.1.mlp.experts.gate_proj"
+    if case in MX_BAD:
+        edit, needle = MX_BAD[case]
+        _rewrite(d, lambda w: edit(w, p))
+    else:
+        change, needle = MX_BAD_CONFIG[case]
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization"].update(change)
+        (d / "config.json").write_text(json.dumps(cfg))
+        if case != "mode":
+            p = "model.layers.0.self_attn.q_proj"  # the first module the global entry quantizes
+    with pytest.raises(mlxrs.errors.ModelLoadError, match=re.escape(needle.format(p=p))):
+        mlxrs.Session(d, stream_experts=stream)
 
 
 def test_gpt_oss_hugging_face_expert_layout(oracle, tmp_path):

@@ -451,8 +451,13 @@ def _qwen3_next_weights(arch: str, cfg: dict[str, Any], rnd: Any) -> dict[str, A
 
 
 def make_model(name: str, arch: str, *, dtype: str = "float32", quant_bits: int | None = None,
-               seed: int = 0, bos: bool = False, **shape: Any) -> Path:
-    """Write (once) and return the directory of a tiny model."""
+               quant_mode: str = "affine", quant_mix: str | None = None, seed: int = 0, bos: bool = False,
+               **shape: Any) -> Path:
+    """Write (once) and return the directory of a tiny model. `quant_bits`: quantized by mlx-lm's
+    `convert` in `quant_mode` (affine: group size 64; the other modes: theirs). `quant_mix`
+    "experts-mxfp4": mlx-lm's convert with a predicate quantizing the routed experts mxfp4 (per-layer
+    config entries), the attention projections affine `quant_bits` (the global entry), the rest not;
+    "experts-only-mxfp4": the experts mxfp4, nothing else quantized."""
     import mlx.core as mx
 
     d = ROOT / name
@@ -484,7 +489,16 @@ def make_model(name: str, arch: str, *, dtype: str = "float32", quant_bits: int 
         from mlx_lm import convert
 
         shutil.rmtree(d, ignore_errors=True)
-        convert(hf_path=str(src), mlx_path=str(d), quantize=True, q_bits=quant_bits, q_group_size=64)
+        predicate = None
+        if quant_mix in ("experts-mxfp4", "experts-only-mxfp4"):
+            def predicate(path: str, _module: Any) -> bool | dict[str, Any]:
+                if ".experts." in path or ".switch_mlp." in path:
+                    return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+                return quant_mix == "experts-mxfp4" and ".self_attn." in path
+        elif quant_mix is not None:
+            raise ValueError(f"unknown quant_mix {quant_mix!r}")
+        convert(hf_path=str(src), mlx_path=str(d), quantize=True, q_bits=quant_bits,
+                q_group_size=64 if quant_mode == "affine" else None, q_mode=quant_mode, quant_predicate=predicate)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(src / f, d / f)
         shutil.rmtree(src, ignore_errors=True)

@@ -341,7 +341,7 @@ fn row_norm(w: &Array) -> Result<Array> {
 fn base_weight(base: &Linear) -> Result<Array> {
     match base {
         Linear::Dense { w, .. } => Ok(w.clone()),
-        Linear::Quant { w, scales, biases, q, .. } => mx::dequantize(w, scales, biases.as_ref(), q.group_size, q.bits),
+        Linear::Quant { w, scales, biases, q, .. } => mx::dequantize(w, scales, biases.as_ref(), q.group_size, q.bits, q.mode),
         Linear::Lora(_) => Err(Error::ModelLoad("an adapted linear adapted twice (a bug in mlxrs)".into())),
     }
 }

@@ -205,11 +205,13 @@ impl ModelFacts {
             tensors.extend(safetensors_header(f)?);
         }
         let weights_bytes = tensors.iter().map(|t| t.2).sum();
-        // the activation dtype: the embedding's (its scales' when quantized), else torch_dtype
+        // the activation dtype: the embedding's (its scales' when quantized affine), else torch_dtype
+        // (the microscaling modes' scales are uint8: MLX dequantizes those embeddings to bfloat16,
+        // but the first norm's weights promote the hidden state back to the checkpoint's dtype)
         let find = |suffix: &str| tensors.iter().find(|t| t.0.ends_with(suffix)).and_then(|t| dtype_bytes(&t.1));
         let act = match find("embed_tokens.weight") {
             Some(b) if !tensors.iter().any(|t| t.0.ends_with("embed_tokens.scales")) => Some(b),
-            _ => find("embed_tokens.scales"),
+            _ => find("embed_tokens.scales").filter(|&b| b > 1),
         };
         let act = act.or_else(|| text_config(&config).get("torch_dtype").and_then(Value::as_str).and_then(dtype_bytes));
         let mut f = Self::from_config(&config, weights_bytes, act.unwrap_or(2))?;

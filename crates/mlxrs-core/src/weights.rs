@@ -1,6 +1,6 @@
 //! Model weights: safetensors files (sharded or not), and MLX's quantization config.
 use crate::error::{Error, Result};
-use crate::handle::{self as mx, Array};
+use crate::handle::{self as mx, Array, Dtype, QuantMode};
 use crate::safetensors;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
@@ -8,11 +8,40 @@ use std::path::Path;
 use std::sync::Arc;
 use crate::models::experts::{Streaming, TensorLoc};
 
-/// Quantization parameters of one layer.
+/// Quantization parameters of one layer: MLX's group size, bits and mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QuantSpec {
     pub group_size: i32,
     pub bits: i32,
+    pub mode: QuantMode,
+}
+
+impl QuantSpec {
+    pub fn affine(group_size: i32, bits: i32) -> QuantSpec {
+        QuantSpec { group_size, bits, mode: QuantMode::Affine }
+    }
+}
+
+/// A config's quantization entry: `mode` (default affine, as mlx-lm's `to_quantized`), `group_size`
+/// and `bits` (default: the mode's). `field` names the entry in errors.
+fn parse_spec(v: &Value, field: &str) -> Result<QuantSpec> {
+    let mode = match v.get("mode") {
+        None | Some(Value::Null) => QuantMode::Affine,
+        Some(m) => m.as_str().and_then(QuantMode::parse).ok_or_else(|| {
+            let names: Vec<&str> = QuantMode::ALL.iter().map(|m| m.name()).collect();
+            Error::ModelLoad(format!("config.json: {field}.mode = {m} is not a quantization mode MLX supports ({names:?})"))
+        })?,
+    };
+    let (dg, db) = mode.defaults();
+    let int = |k: &str, d: i32| -> Result<i32> {
+        match v.get(k) {
+            None | Some(Value::Null) => Ok(d),
+            Some(x) => x.as_i64().and_then(|x| i32::try_from(x).ok()).ok_or_else(|| {
+                Error::ModelLoad(format!("config.json: {field}.{k} = {x} is not an integer"))
+            }),
+        }
+    };
+    Ok(QuantSpec { group_size: int("group_size", dg)?, bits: int("bits", db)?, mode })
 }
 
 /// Tensors by name, with the model's quantization config.
@@ -29,26 +58,12 @@ pub struct Weights {
     lora: Option<Arc<crate::lora::Registry>>,
 }
 
-fn parse_spec(v: &Value, fallback: Option<QuantSpec>) -> Option<QuantSpec> {
-    let gs = v.get("group_size").and_then(Value::as_i64).map(|x| x as i32);
-    let bits = v.get("bits").and_then(Value::as_i64).map(|x| x as i32);
-    match (gs, bits, fallback) {
-        (Some(g), Some(b), _) => Some(QuantSpec { group_size: g, bits: b }),
-        (g, b, Some(f)) => Some(QuantSpec { group_size: g.unwrap_or(f.group_size), bits: b.unwrap_or(f.bits) }),
-        (g, b, None) => Some(QuantSpec { group_size: g.unwrap_or(64), bits: b.unwrap_or(4) }),
-    }
-}
-
 /// A weight matrix `[out, in]` as stored: dense, or MLX-quantized (packed uint32 values, with a
-/// scale and an optional bias per group of `q.group_size` inputs).
+/// scale per group of `q.group_size` inputs, and in affine mode a bias).
 pub enum Matrix {
     Dense(Array),
     Quant { w: Array, scales: Array, biases: Option<Array>, q: QuantSpec },
 }
-
-/// Bit widths and group sizes of MLX's affine quantization.
-const QUANT_BITS: &[i32] = &[2, 3, 4, 5, 6, 8];
-const QUANT_GROUPS: &[i32] = &[32, 64, 128];
 
 fn shape_error(name: &str, got: &[i32], want: &str) -> Error {
     Error::ModelLoad(format!(
@@ -131,29 +146,41 @@ impl Weights {
         for f in &files {
             map.extend(load_file(f, &mut locations)?);
         }
-        let mut w = Weights::from_map(map, config);
+        let mut w = Weights::from_map(map, config)?;
         w.locations = locations;
         Ok(w)
     }
 
-    pub fn from_map(map: HashMap<String, Array>, config: &Value) -> Weights {
-        let q = config.get("quantization").or_else(|| config.get("quantization_config"));
-        let default_q = q.and_then(|q| parse_spec(q, None));
+    /// The tensors with config.json's quantization: `quantization` (mlx-lm's: a global entry and
+    /// per-module entries, `false` for a module left dense), else `quantization_config` (Hugging
+    /// Face's; `quant_method` mxfp4 / mxfp8 as mlx-lm maps them). A mode MLX does not have is
+    /// refused naming the entry.
+    pub fn from_map(map: HashMap<String, Array>, config: &Value) -> Result<Weights> {
+        let mut default_q = None;
         let mut per_layer = HashMap::new();
-        if let Some(obj) = q.and_then(Value::as_object) {
-            for (k, v) in obj {
-                match v {
-                    Value::Object(_) => {
-                        per_layer.insert(k.clone(), parse_spec(v, default_q));
+        if let Some(q) = config.get("quantization").filter(|q| !q.is_null()) {
+            default_q = Some(parse_spec(q, "quantization")?);
+            if let Some(obj) = q.as_object() {
+                for (k, v) in obj {
+                    match v {
+                        Value::Object(_) => {
+                            per_layer.insert(k.clone(), Some(parse_spec(v, &format!("quantization[\"{k}\"]"))?));
+                        }
+                        Value::Bool(false) => {
+                            per_layer.insert(k.clone(), None);
+                        }
+                        _ => {}
                     }
-                    Value::Bool(false) => {
-                        per_layer.insert(k.clone(), None);
-                    }
-                    _ => {}
                 }
             }
+        } else if let Some(q) = config.get("quantization_config").filter(|q| !q.is_null()) {
+            default_q = Some(match q.get("quant_method").and_then(Value::as_str) {
+                Some("mxfp4") => QuantSpec { group_size: 32, bits: 4, mode: QuantMode::Mxfp4 },
+                Some("mxfp8") => QuantSpec { group_size: 32, bits: 8, mode: QuantMode::Mxfp8 },
+                _ => parse_spec(q, "quantization_config")?,
+            });
         }
-        Weights { map, default_q, per_layer, locations: HashMap::new(), streaming: None, lora: None }
+        Ok(Weights { map, default_q, per_layer, locations: HashMap::new(), streaming: None, lora: None })
     }
 
     /// Open the weights for streaming: MoE layers built from them leave their experts in the
@@ -254,54 +281,81 @@ impl Weights {
     }
 
     /// Take the `[out, inp]` matrix of module `prefix`, dense or quantized, every part's shape and
-    /// dtype checked (and the quantization's bits and group size) before it is used.
+    /// dtype checked (and the quantization's mode, bits and group size) before it is used.
     pub fn take_matrix(&mut self, prefix: &str, out: i32, inp: i32) -> Result<Matrix> {
-        let name = format!("{prefix}.weight");
-        let Some(q) = self.quant_of(prefix) else {
-            return Ok(Matrix::Dense(self.take_shaped(&name, &[out, inp])?));
-        };
-        if !QUANT_BITS.contains(&q.bits) || !QUANT_GROUPS.contains(&q.group_size) || inp % q.group_size != 0 {
-            return Err(Error::ModelLoad(format!(
-                "{prefix}: quantization bits {} / group_size {} do not fit its {inp} inputs (bits: {QUANT_BITS:?}, \
-                 group_size: {QUANT_GROUPS:?} dividing the inputs): config.json's quantization is wrong",
-                q.bits, q.group_size
-            )));
-        }
-        let w = self.take(&name)?;
-        let packed = [out, inp / 32 * q.bits];
-        if w.shape() != packed || w.dtype() != crate::handle::Dtype::Uint32 {
-            return Err(shape_error(&name, &w.shape(), &format!("uint32 {packed:?} ({}-bit quantized [{out}, {inp}])", q.bits)));
-        }
-        let groups = [out, inp / q.group_size];
-        let scales = self.take_shaped(&format!("{prefix}.scales"), &groups)?;
-        let bname = format!("{prefix}.biases");
-        let biases = if self.contains(&bname) { Some(self.take_shaped(&bname, &groups)?) } else { None };
-        Ok(Matrix::Quant { w, scales, biases, q })
+        self.take_stacked(prefix, &[out], inp)
     }
 
     /// Take the `[experts, out, inp]` stacked expert matrices of module `prefix` (mlx-lm's
     /// `SwitchLinear`), dense or quantized, every part's shape checked as [`Weights::take_matrix`]
     /// does: a checkpoint with another expert count or width is refused naming the tensor.
     pub fn take_experts(&mut self, prefix: &str, experts: i32, out: i32, inp: i32) -> Result<Matrix> {
+        self.take_stacked(prefix, &[experts, out], inp)
+    }
+
+    /// The matrices `[..lead, inp]` of module `prefix`: dense, or MLX-quantized in the mode its
+    /// config entry says (packed uint32 weight; scales per group, float in affine mode, uint8 in
+    /// the microscaling ones; biases in affine mode only).
+    fn take_stacked(&mut self, prefix: &str, lead: &[i32], inp: i32) -> Result<Matrix> {
         let name = format!("{prefix}.weight");
+        let with = |last: i32| -> Vec<i32> { lead.iter().copied().chain([last]).collect() };
         let Some(q) = self.quant_of(prefix) else {
-            return Ok(Matrix::Dense(self.take_shaped(&name, &[experts, out, inp])?));
+            return Ok(Matrix::Dense(self.take_shaped(&name, &with(inp))?));
         };
-        if !QUANT_BITS.contains(&q.bits) || !QUANT_GROUPS.contains(&q.group_size) || inp % q.group_size != 0 {
+        let (groups, bits) = q.mode.allowed();
+        if !bits.contains(&q.bits) || !groups.contains(&q.group_size) || inp % q.group_size != 0 {
             return Err(Error::ModelLoad(format!(
-                "{prefix}: quantization bits {} / group_size {} do not fit its {inp} inputs: config.json's quantization is wrong",
-                q.bits, q.group_size
+                "{prefix}: quantization mode {} bits {} / group_size {} do not fit its {inp} inputs ({} takes bits {bits:?}, \
+                 group_size {groups:?} dividing the inputs): config.json's quantization is wrong",
+                q.mode.name(),
+                q.bits,
+                q.group_size,
+                q.mode.name()
+            )));
+        }
+        let gs_name = format!("{prefix}.global_scale");
+        if self.contains(&gs_name) {
+            return Err(Error::Unsupported(format!(
+                "weight {gs_name}: {} with a per-tensor global scale is not supported; re-convert without --global-scale",
+                q.mode.name()
             )));
         }
         let w = self.take(&name)?;
-        let packed = [experts, out, inp / 32 * q.bits];
-        if w.shape() != packed || w.dtype() != crate::handle::Dtype::Uint32 {
-            return Err(shape_error(&name, &w.shape(), &format!("uint32 {packed:?} ({}-bit quantized [{experts}, {out}, {inp}])", q.bits)));
+        let packed = with(inp / 32 * q.bits);
+        if w.shape() != packed || w.dtype() != Dtype::Uint32 {
+            return Err(shape_error(
+                &name,
+                &w.shape(),
+                &format!("uint32 {packed:?} ({} {}-bit quantized {:?})", q.mode.name(), q.bits, with(inp)),
+            ));
         }
-        let groups = [experts, out, inp / q.group_size];
-        let scales = self.take_shaped(&format!("{prefix}.scales"), &groups)?;
+        let groups = with(inp / q.group_size);
+        let sname = format!("{prefix}.scales");
         let bname = format!("{prefix}.biases");
-        let biases = if self.contains(&bname) { Some(self.take_shaped(&bname, &groups)?) } else { None };
+        let (scales, biases) = if q.mode.has_biases() {
+            let biases = if self.contains(&bname) { Some(self.take_shaped(&bname, &groups)?) } else { None };
+            (self.take_shaped(&sname, &groups)?, biases)
+        } else {
+            let scales = self.take(&sname)?;
+            if scales.shape() != groups || scales.dtype() != Dtype::Uint8 {
+                return Err(Error::ModelLoad(format!(
+                    "weight {sname} is {} {:?} but {} quantization of {name} needs uint8 scales {groups:?} (one per group of {}): \
+                     the checkpoint does not match config.json's quantization",
+                    scales.dtype().name(),
+                    scales.shape(),
+                    q.mode.name(),
+                    q.group_size
+                )));
+            }
+            if self.contains(&bname) {
+                return Err(Error::ModelLoad(format!(
+                    "weight {bname}: {} quantization has no biases (they are affine's): the checkpoint does not match \
+                     config.json's quantization",
+                    q.mode.name()
+                )));
+            }
+            (scales, None)
+        };
         Ok(Matrix::Quant { w, scales, biases, q })
     }
 
@@ -312,7 +366,7 @@ impl Weights {
         }
         match self.per_layer.get(prefix) {
             Some(spec) => *spec,
-            None => self.default_q.or(Some(QuantSpec { group_size: 64, bits: 4 })),
+            None => self.default_q.or(Some(QuantSpec::affine(64, 4))),
         }
     }
 
@@ -324,5 +378,52 @@ impl Weights {
     /// Names left over after a model took what it uses.
     pub fn leftover(&self) -> BTreeMap<&String, Vec<i32>> {
         self.map.iter().map(|(k, v)| (k, v.shape())).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// `{prefix}.weight` / `.scales` of a `[4, 64]` matrix quantized by MLX in `mode`.
+    fn quantized(prefix: &str, mode: QuantMode) -> HashMap<String, Array> {
+        let w = mx::reshape(&mx::arange(0.0, 256.0, 1.0, Dtype::Float32).unwrap(), &[4, 64]).unwrap();
+        let (g, b) = mode.defaults();
+        let (q, s, bias) = mx::quantize_mode(&w, g, b, mode).unwrap();
+        let mut m = HashMap::from([(format!("{prefix}.weight"), q), (format!("{prefix}.scales"), s)]);
+        if let Some(bias) = bias {
+            m.insert(format!("{prefix}.biases"), bias);
+        }
+        m
+    }
+
+    #[test]
+    fn modes_come_from_the_global_entry_the_module_entry_or_quant_method() {
+        // a per-module entry without a mode is affine with affine's defaults, whatever the global
+        // entry's mode (mlx-lm passes the entry to `to_quantized`, whose mode defaults to affine)
+        let mut map = quantized("a", QuantMode::Mxfp4);
+        map.extend(quantized("b", QuantMode::Affine));
+        let cfg = json!({"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4", "b": {"bits": 4}}});
+        let mut w = Weights::from_map(map, &cfg).unwrap();
+        assert_eq!(w.quant_of("a"), Some(QuantSpec { group_size: 32, bits: 4, mode: QuantMode::Mxfp4 }));
+        assert_eq!(w.quant_of("b"), Some(QuantSpec::affine(64, 4)));
+        assert!(matches!(w.take_matrix("a", 4, 64).unwrap(), Matrix::Quant { biases: None, .. }));
+        assert!(matches!(w.take_matrix("b", 4, 64).unwrap(), Matrix::Quant { biases: Some(_), .. }));
+        // Hugging Face's quantization_config (gpt-oss's release)
+        let w = Weights::from_map(quantized("a", QuantMode::Mxfp4), &json!({"quantization_config": {"quant_method": "mxfp4"}})).unwrap();
+        assert_eq!(w.quant_of("a").map(|q| q.mode), Some(QuantMode::Mxfp4));
+    }
+
+    #[test]
+    fn a_mode_mlx_does_not_have_is_refused_naming_the_entry() {
+        for (cfg, needle) in [
+            (json!({"quantization": {"mode": "fp3"}}), "quantization.mode = \"fp3\""),
+            (json!({"quantization": {"mode": "affine", "x.y": {"mode": 4}}}), "quantization[\"x.y\"].mode = 4"),
+            (json!({"quantization": {"bits": "four"}}), "quantization.bits = \"four\" is not an integer"),
+        ] {
+            let err = Weights::from_map(HashMap::new(), &cfg).err().expect("refused").to_string();
+            assert!(err.contains(needle), "{err}");
+        }
     }
 }

@@ -930,7 +930,7 @@ impl<'a> Scheduler<'a> {
 /// after every model call once kv_bits is set.
 fn maybe_quantize(cache: &mut [LayerCache], opts: &LoadOptions) -> Result<()> {
     if let Some(bits) = opts.kv_bits {
-        let q = QuantSpec { group_size: opts.kv_group_size, bits };
+        let q = QuantSpec::affine(opts.kv_group_size, bits);
         for c in cache.iter_mut() {
             if matches!(c, LayerCache::Full(_)) {
                 c.quantize(q)?;

@@ -432,12 +432,12 @@ fn run(name: &str, x: &Inputs<'_>, p: &Params<'_>) -> Result<Vec<Array>> {
         "dequantize" => {
             let (w, s) = (x.req()?, x.req()?);
             let b = x.opt("biases")?;
-            one(dequantize(w, s, b, p.i32("group_size", 64)?, p.i32("bits", 4)?))
+            one(dequantize(w, s, b, p.i32("group_size", 64)?, p.i32("bits", 4)?, QuantMode::Affine))
         }
         "quantized_matmul" => {
             let (a, w, s) = (x.req()?, x.req()?, x.req()?);
             let b = x.opt("biases")?;
-            one(quantized_matmul(a, w, s, b, p.bool("transpose", true)?, p.i32("group_size", 64)?, p.i32("bits", 4)?))
+            one(quantized_matmul(a, w, s, b, p.bool("transpose", true)?, p.i32("group_size", 64)?, p.i32("bits", 4)?, QuantMode::Affine))
         }
         "gather_mm" => {
             let (a, b) = (x.req()?, x.req()?);
@@ -460,6 +460,7 @@ fn run(name: &str, x: &Inputs<'_>, p: &Params<'_>) -> Result<Vec<Array>> {
                 p.bool("transpose", true)?,
                 p.i32("group_size", 64)?,
                 p.i32("bits", 4)?,
+                QuantMode::Affine,
                 p.bool("sorted_indices", false)?,
             ))
         }

@@ -328,35 +328,104 @@ pub fn triu(a: &Array, k: i32) -> Result<Array> {
 
 // ---- quantization ----
 
-/// Affine quantization of `w` along its last axis: (packed weights, scales, biases).
-pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
-    let mut v = VecArray::empty();
-    let mode = c"affine";
-    check(unsafe { sys::mlx_quantize(&mut v.0, w.0, opt_int(Some(group_size)), opt_int(Some(bits)), mode.as_ptr(),
-                                   raw_or_null(None), s()) })?;
-    let mut parts = v.to_vec()?.into_iter();
-    match (parts.next(), parts.next(), parts.next()) {
-        (Some(q), Some(sc), Some(b)) => Ok((q, sc, b)),
-        _ => Err(Error::Mlx("quantize returned fewer than three arrays".into())),
+/// An MLX quantization mode (`mlx.core.quantize`'s `mode`): affine keeps a float scale and bias
+/// per group; the microscaling modes keep one 8-bit scale per group (e8m0 for mxfp4/mxfp8, e4m3
+/// for nvfp4) and no bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum QuantMode {
+    #[default]
+    Affine,
+    Mxfp4,
+    Mxfp8,
+    Nvfp4,
+}
+
+impl QuantMode {
+    pub const ALL: [QuantMode; 4] = [QuantMode::Affine, QuantMode::Mxfp4, QuantMode::Mxfp8, QuantMode::Nvfp4];
+
+    /// The name MLX and mlx-lm's config.json use.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMode::Affine => "affine",
+            QuantMode::Mxfp4 => "mxfp4",
+            QuantMode::Mxfp8 => "mxfp8",
+            QuantMode::Nvfp4 => "nvfp4",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<QuantMode> {
+        QuantMode::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    fn c_name(self) -> &'static std::ffi::CStr {
+        match self {
+            QuantMode::Affine => c"affine",
+            QuantMode::Mxfp4 => c"mxfp4",
+            QuantMode::Mxfp8 => c"mxfp8",
+            QuantMode::Nvfp4 => c"nvfp4",
+        }
+    }
+
+    /// Whether groups carry a bias (affine only).
+    pub fn has_biases(self) -> bool {
+        self == QuantMode::Affine
+    }
+
+    /// MLX's (group size, bits) when left out (mlx-lm's `defaults_for_mode`).
+    pub fn defaults(self) -> (i32, i32) {
+        match self {
+            QuantMode::Affine => (64, 4),
+            QuantMode::Mxfp4 => (32, 4),
+            QuantMode::Mxfp8 => (32, 8),
+            QuantMode::Nvfp4 => (16, 4),
+        }
+    }
+
+    /// The (group sizes, bits) MLX 0.32.4 accepts in this mode.
+    pub fn allowed(self) -> (&'static [i32], &'static [i32]) {
+        match self {
+            QuantMode::Affine => (&[32, 64, 128], &[2, 3, 4, 5, 6, 8]),
+            QuantMode::Mxfp4 => (&[32], &[4]),
+            QuantMode::Mxfp8 => (&[32], &[8]),
+            QuantMode::Nvfp4 => (&[16], &[4]),
+        }
     }
 }
 
-pub fn dequantize(w: &Array, scales: &Array, biases: Option<&Array>, group_size: i32, bits: i32) -> Result<Array> {
-    let mode = c"affine";
+/// Affine quantization of `w` along its last axis: (packed weights, scales, biases).
+pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
+    match quantize_mode(w, group_size, bits, QuantMode::Affine)? {
+        (q, sc, Some(b)) => Ok((q, sc, b)),
+        _ => Err(Error::Mlx("affine quantize returned no biases".into())),
+    }
+}
+
+/// Quantization of `w` along its last axis in `mode`: (packed weights, scales, biases — affine only).
+pub fn quantize_mode(w: &Array, group_size: i32, bits: i32, mode: QuantMode) -> Result<(Array, Array, Option<Array>)> {
+    let mut v = VecArray::empty();
+    check(unsafe { sys::mlx_quantize(&mut v.0, w.0, opt_int(Some(group_size)), opt_int(Some(bits)), mode.c_name().as_ptr(),
+                                   raw_or_null(None), s()) })?;
+    let mut parts = v.to_vec()?.into_iter();
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(q), Some(sc), b) if b.is_some() == mode.has_biases() => Ok((q, sc, b)),
+        _ => Err(Error::Mlx(format!("quantize ({}) returned an unexpected number of arrays", mode.name()))),
+    }
+}
+
+pub fn dequantize(w: &Array, scales: &Array, biases: Option<&Array>, group_size: i32, bits: i32, mode: QuantMode) -> Result<Array> {
     let dt = sys::mlx_optional_dtype::default();
     out1(|r| unsafe {
         sys::mlx_dequantize(r, w.0, scales.0, raw_or_null(biases), opt_int(Some(group_size)), opt_int(Some(bits)),
-                            mode.as_ptr(), raw_or_null(None), dt, s())
+                            mode.c_name().as_ptr(), raw_or_null(None), dt, s())
     })
 }
 
 #[allow(clippy::too_many_arguments)]
 pub fn quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, transpose: bool, group_size: i32,
-                        bits: i32) -> Result<Array> {
-    let mode = c"affine";
+                        bits: i32, mode: QuantMode) -> Result<Array> {
     out1(|r| unsafe {
         sys::mlx_quantized_matmul(r, x.0, w.0, scales.0, raw_or_null(biases), transpose, opt_int(Some(group_size)),
-                                  opt_int(Some(bits)), mode.as_ptr(), s())
+                                  opt_int(Some(bits)), mode.c_name().as_ptr(), s())
     })
 }
 
@@ -367,11 +436,10 @@ pub fn gather_mm(a: &Array, b: &Array, lhs: Option<&Array>, rhs: Option<&Array>,
 
 #[allow(clippy::too_many_arguments)]
 pub fn gather_qmm(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, lhs: Option<&Array>, rhs: Option<&Array>,
-                  transpose: bool, group_size: i32, bits: i32, sorted: bool) -> Result<Array> {
-    let mode = c"affine";
+                  transpose: bool, group_size: i32, bits: i32, mode: QuantMode, sorted: bool) -> Result<Array> {
     out1(|r| unsafe {
         sys::mlx_gather_qmm(r, x.0, w.0, scales.0, raw_or_null(biases), raw_or_null(lhs), raw_or_null(rhs), transpose,
-                            opt_int(Some(group_size)), opt_int(Some(bits)), mode.as_ptr(), raw_or_null(None), sorted, s())
+                            opt_int(Some(group_size)), opt_int(Some(bits)), mode.c_name().as_ptr(), raw_or_null(None), sorted, s())
     })
 }
 

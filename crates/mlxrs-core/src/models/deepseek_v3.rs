@@ -110,13 +110,20 @@ pub(crate) fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
         let scales = w.take(&format!("{p}.kv_b_proj.scales"))?;
         let biases = w.remove(&format!("{p}.kv_b_proj.biases"));
         let (cols, groups) = (v.dim(-1), scales.dim(-1));
-        // mlx-lm infers bits and group size from the packed shapes
+        // mlx-lm infers bits and group size from the packed shapes, and re-quantizes affine only
+        if !scales.dtype().is_float() {
+            return Err(Error::Unsupported(format!(
+                "weight {name}: kv_b_proj quantized in a microscaling mode ({} scales) is not supported (mlx-lm's \
+                 sanitize splits and re-quantizes it affine only); convert the model from its unquantized weights",
+                scales.dtype().name()
+            )));
+        }
         let bits = cols * 32 / d.kv_lora_rank;
         if groups == 0 || d.kv_lora_rank % groups != 0 || !(2..=8).contains(&bits) {
             return Err(Error::ModelLoad(format!("weight {name}: its shape {:?} does not fit kv_lora_rank {}", v.shape(), d.kv_lora_rank)));
         }
-        let q = QuantSpec { group_size: d.kv_lora_rank / groups, bits };
-        v = mx::dequantize(&v, &scales, biases.as_ref(), q.group_size, q.bits)?;
+        let q = QuantSpec::affine(d.kv_lora_rank / groups, bits);
+        v = mx::dequantize(&v, &scales, biases.as_ref(), q.group_size, q.bits, q.mode)?;
         Some(q)
     } else {
         None
@@ -190,7 +197,9 @@ impl MultiLinear {
         match self {
             MultiLinear::Dense(w) if transpose => mx::matmul(x, &mx::swapaxes(w, -1, -2)?),
             MultiLinear::Dense(w) => mx::matmul(x, w),
-            MultiLinear::Quant { w, scales, biases, q } => mx::quantized_matmul(x, w, scales, biases.as_ref(), transpose, q.group_size, q.bits),
+            MultiLinear::Quant { w, scales, biases, q } => {
+                mx::quantized_matmul(x, w, scales, biases.as_ref(), transpose, q.group_size, q.bits, q.mode)
+            }
         }
     }
 }

@@ -172,7 +172,9 @@ pub struct ExpertReport {
     pub prefetch: bool,
     /// Experts read ahead; of those, the ones the next layer then used (each also a miss: not in
     /// the cache); prefetch_hits / prefetched. bytes_read counts every read, wasted ones included:
-    /// bytes_read = (misses − prefetch_hits + prefetched) × bytes per expert.
+    /// bytes_read = (misses − prefetch_hits + prefetched) × bytes per expert read (an expert's
+    /// bytes, but in gpt-oss's released layout its gate and up rows interleave, so each of the two
+    /// reads covers both: the gate_up bytes count twice).
     pub prefetched: u64,
     pub prefetch_hits: u64,
     pub prefetch_hit_rate: Option<f64>,
@@ -274,7 +276,7 @@ impl Streaming {
         if want.is_empty() {
             return Ok(());
         }
-        let bytes: usize = src.iter().flatten().map(|p| p.bytes).sum();
+        let bytes: usize = src.iter().flatten().map(PartSource::read_len).sum();
         self.stats.prefetched.fetch_add(want.len() as u64, Ordering::Relaxed);
         self.stats.bytes_read.fetch_add((want.len() * bytes) as u64, Ordering::Relaxed);
         let f = Inflight::start(layer, src, want)?;
@@ -336,6 +338,28 @@ struct PartSource {
     shape: Vec<i32>,
     dtype: Dtype,
     bytes: usize,
+    /// Some(k): the file holds this part's rows interleaved with another part's (gpt-oss's released
+    /// `gate_up_proj_blocks`: row r is the file's row 2r + k), so a read covers both, and the rows
+    /// with parity k are kept.
+    interleaved: Option<usize>,
+}
+
+impl PartSource {
+    /// Bytes one expert's read of this part covers in the file.
+    fn read_len(&self) -> usize {
+        if self.interleaved.is_some() { 2 * self.bytes } else { self.bytes }
+    }
+
+    /// This part of one expert from the bytes its read returned.
+    fn array(&self, b: &[u8]) -> Result<Array> {
+        let Some(k) = self.interleaved else {
+            return Array::from_bytes(b, &self.shape, self.dtype);
+        };
+        let rows = self.shape.first().map_or(1, |&r| r.max(1) as usize);
+        let row = self.bytes / rows;
+        let picked: Vec<u8> = (0..rows).flat_map(|r| b[(2 * r + k) * row..(2 * r + k + 1) * row].iter().copied()).collect();
+        Array::from_bytes(&picked, &self.shape, self.dtype)
+    }
 }
 
 /// Whether streamed layers read ahead by default (measured: bench/RESULTS.md, paged experts).
@@ -365,7 +389,7 @@ impl Inflight {
             for (f, &(i, j)) in order.iter().enumerate() {
                 let p = &src[i][j];
                 let (file, _, off) = &p.at[e as usize];
-                pool().send(Job { file: file.clone(), offset: *off, len: p.bytes, tag: n * order.len() + f, reply: tx.clone() })?;
+                pool().send(Job { file: file.clone(), offset: *off, len: p.read_len(), tag: n * order.len() + f, reply: tx.clone() })?;
             }
         }
         let bufs = (0..experts.len() * order.len()).map(|_| None).collect();
@@ -388,7 +412,7 @@ impl Inflight {
             for (f, &(i, j)) in order.iter().enumerate() {
                 let p = &self.src[i][j];
                 match self.bufs[n * per + f].take() {
-                    Some(Ok(b)) => parts.projs[i].push(Array::from_bytes(&b, &p.shape, p.dtype)?),
+                    Some(Ok(b)) => parts.projs[i].push(p.array(&b)?),
                     Some(Err(err)) => {
                         return Err(Error::ModelLoad(format!(
                             "reading expert {e} of weight {} from {} failed ({err}): the file changed or is truncated \
@@ -507,7 +531,8 @@ impl StreamedExperts {
             Some(Inflight::start(self.layer, self.src.clone(), now.iter().map(|&i| experts[i]).collect())?)
         };
         let bytes = self.expert_bytes();
-        st.bytes_read.fetch_add((now.len() * bytes) as u64, Ordering::Relaxed);
+        let read: usize = self.src.iter().flatten().map(PartSource::read_len).sum();
+        st.bytes_read.fetch_add((now.len() * read) as u64, Ordering::Relaxed);
         st.prefetch_hits.fetch_add(ahead.len() as u64, Ordering::Relaxed);
         if let Some(next) = next {
             self.ctx.prefetch(self.layer + 1, next)?;
@@ -585,6 +610,7 @@ fn locate(ws: &Weights, prefix: &str, proj: &str, part: &str, count: i32, stacke
             shape,
             dtype,
             bytes,
+            interleaved: None,
         });
     }
     let parent = prefix.strip_suffix(".switch_mlp").or_else(|| prefix.strip_suffix(".switch_glu")).unwrap_or(prefix);
@@ -618,6 +644,47 @@ fn locate(ws: &Weights, prefix: &str, proj: &str, part: &str, count: i32, stacke
                 shape,
                 dtype,
                 bytes,
+                interleaved: None,
+            });
+        }
+    }
+    // gpt-oss's released MXFP4 experts: `{fused}_blocks` uint8 [experts, rows, groups, 16] and
+    // `{fused}_scales` uint8 [experts, rows, groups], gate and up rows interleaved in `gate_up_proj`
+    // (the same bytes as the sanitized uint32 weight / scales, `gpt_oss::sanitize`)
+    if let ("weight" | "scales", Some(fused)) = (part, match proj {
+        "gate_proj" | "up_proj" => Some("gate_up_proj"),
+        "down_proj" => Some("down_proj"),
+        _ => None,
+    }) {
+        let suffix = if part == "weight" { "blocks" } else { "scales" };
+        for n in [format!("{parent}.{fused}_{suffix}"), format!("{parent}.experts.{fused}_{suffix}")] {
+            let Some(l) = ws.location(&n) else { continue };
+            let e = &l.entry;
+            let halves: u64 = if fused == "gate_up_proj" { 2 } else { 1 };
+            let rows = shape.first().copied().unwrap_or(0) as u64;
+            if e.shape.first() != Some(&count) || e.shape.get(1).map(|&r| r as u64) != Some(rows * halves)
+                || e.mlx_dtype() != Dtype::Uint8 || e.nbytes() != bytes as u64 * halves * count as u64
+            {
+                return Err(Error::ModelLoad(format!(
+                    "weight {n} in {} is {} {:?} but {count} experts of uint8 {} rows ({} bytes each) were expected: the \
+                     checkpoint does not match config.json",
+                    l.path.display(),
+                    e.dtype,
+                    e.shape,
+                    rows * halves,
+                    bytes as u64 * halves
+                )));
+            }
+            let base = l.data_start + e.begin;
+            let slab = bytes as u64 * halves;
+            let interleaved = (halves == 2).then_some(usize::from(proj == "up_proj"));
+            return Ok(PartSource {
+                names: (0..count).map(|_| n.clone()).collect(),
+                at: (0..count as u64).map(|i| (l.file.clone(), l.path.clone(), base + i * slab)).collect(),
+                shape,
+                dtype,
+                bytes,
+                interleaved,
             });
         }
     }
@@ -655,7 +722,7 @@ fn locate(ws: &Weights, prefix: &str, proj: &str, part: &str, count: i32, stacke
         at.push((l.file.clone(), l.path.clone(), l.data_start + l.entry.begin));
         names.push(n);
     }
-    Ok(PartSource { names, at, shape, dtype, bytes })
+    Ok(PartSource { names, at, shape, dtype, bytes, interleaved: None })
 }
 
 /// One positional read for the pool.

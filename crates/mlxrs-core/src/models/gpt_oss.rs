@@ -2,8 +2,9 @@
 //! projection, per-head attention sinks, sliding-window and full layers alternating (`layer_types`,
 //! else sliding first), and in every layer a MoE: the router's (biased) top k logits, a softmax
 //! over them, experts with biases and gpt-oss's clamped SwiGLU ([`ExpertAct::SwigluOai`]). The
-//! LM head is never tied. Checkpoints in the MXFP4 layout (`*_blocks`) are refused (see
-//! [`sanitize`]); bf16/fp32 and MLX affine-quantized ones load.
+//! LM head is never tied. bf16/fp32 checkpoints load, MLX-quantized ones in any mode (mlx-lm's
+//! affine or mxfp4), and the released ones with MXFP4 experts in Hugging Face's `*_blocks` layout
+//! (see [`sanitize`]).
 use super::arch::{self, Arch, AttnKind, FfnKind, LayerLayout};
 use super::layers::{ExpertAct, MoeSpec, Router};
 use super::llama::{Extra, Model, Variant};
@@ -44,16 +45,14 @@ fn args(config: &Value) -> Value {
 
 /// mlx-lm's sanitize for the Hugging Face layout: the experts' interleaved `gate_up_proj` (and
 /// its bias) split into `gate_proj` (even rows) and `up_proj` (odd rows); `down_proj_bias` renamed.
-/// A checkpoint already in mlx-lm's layout is left alone. MXFP4 blocks (`*_blocks`, the
-/// released checkpoints) are refused: the MLX affine quantization is the one mlxrs runs.
+/// The released checkpoints' MXFP4 experts (`*_blocks` uint8 `[experts, rows, groups, 16]`, two
+/// e2m1 values a byte, and `*_scales` uint8 `[experts, rows, groups]`) become MLX's mxfp4 layout:
+/// the blocks viewed as uint32 `[experts, rows, groups × 4]`, split the same way (their config's
+/// `quantization_config.quant_method` "mxfp4" gives the mode). A checkpoint already in mlx-lm's
+/// layout is left alone.
 pub fn sanitize(_config: &Value, w: &mut Weights) -> Result<()> {
     if w.keys().any(|k| k.contains("gate_proj.weight")) {
         return Ok(());
-    }
-    if let Some(k) = w.keys().filter(|k| k.ends_with("_blocks")).min() {
-        return Err(Error::Unsupported(format!(
-            "weight {k}: gpt-oss's MXFP4 layout is not supported; convert the model with mlx-lm (bf16, or its affine 4/8-bit)"
-        )));
     }
     let keys: Vec<String> = w.keys().cloned().collect();
     for k in keys {
@@ -63,16 +62,39 @@ pub fn sanitize(_config: &Value, w: &mut Weights) -> Result<()> {
             w.insert(k.replace("gate_up_proj_bias", "gate_proj.bias"), g);
             w.insert(k.replace("gate_up_proj_bias", "up_proj.bias"), u);
         } else if k.contains("gate_up_proj") {
-            let v = w.take(&k)?;
+            let v = mxfp4_blocks(&k, w.take(&k)?)?;
             let (g, u) = split_interleaved(&v, -2)?;
+            let k = k.replace("_blocks", ".weight").replace("_scales", ".scales");
             w.insert(k.replace("gate_up_proj", "gate_proj"), g);
             w.insert(k.replace("gate_up_proj", "up_proj"), u);
         } else if k.contains("down_proj_bias") {
             let v = w.take(&k)?;
             w.insert(k.replace("down_proj_bias", "down_proj.bias"), v);
+        } else if k.contains("down_proj_blocks") || k.contains("down_proj_scales") {
+            let v = mxfp4_blocks(&k, w.take(&k)?)?;
+            w.insert(k.replace("_blocks", ".weight").replace("_scales", ".scales"), v);
         }
     }
     Ok(())
+}
+
+/// A `*_blocks` tensor (uint8 `[.., groups, 16]`) as MLX's packed mxfp4 weight (uint32 `[..,
+/// groups × 4]`, the same bytes); any other tensor as it is.
+fn mxfp4_blocks(name: &str, v: mx::Array) -> Result<mx::Array> {
+    if !name.ends_with("_blocks") {
+        return Ok(v);
+    }
+    let shape = v.shape();
+    if v.dtype() != mx::Dtype::Uint8 || shape.len() < 2 || shape[shape.len() - 1] != 16 {
+        return Err(Error::ModelLoad(format!(
+            "weight {name} is {} {shape:?}: MXFP4 blocks are uint8 [.., groups, 16] (32 e2m1 values per group)",
+            v.dtype().name()
+        )));
+    }
+    let words = mx::view(&v, mx::Dtype::Uint32)?;
+    let mut to = shape[..shape.len() - 2].to_vec();
+    to.push(shape[shape.len() - 2] * 4);
+    mx::reshape(&words, &to)
 }
 
 /// The even and odd entries of `v` along `axis` (`v[..., ::2, :]` and `v[..., 1::2, :]`).

@@ -91,11 +91,11 @@ pub fn dequant_rows() -> usize {
 fn quant_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Array> {
     let rows = x.size() / (x.dim(-1).max(1) as usize);
     if rows >= dequant_rows() {
-        let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits)?;
+        let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         return mx::matmul(x, &mx::transpose(&wd)?);
     }
-    mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits)
+    mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)
 }
 
 /// Token embedding (dense or quantized); `as_linear` is the tied output head.
@@ -135,7 +135,7 @@ impl Embedding {
                 let rows = mx::take(w, ids, 0)?;
                 let s = mx::take(scales, ids, 0)?;
                 let b = biases.as_ref().map(|b| mx::take(b, ids, 0)).transpose()?;
-                mx::dequantize(&rows, &s, b.as_ref(), q.group_size, q.bits)
+                mx::dequantize(&rows, &s, b.as_ref(), q.group_size, q.bits, q.mode)
             }
         }
     }
@@ -606,7 +606,7 @@ fn quantized_sdpa(q: &Array, k: &[Array; 3], v: &[Array; 3], scale: f32, mask: &
     } else {
         (k.to_vec(), v.to_vec())
     };
-    let mut scores = mx::quantized_matmul(&q, &kk[0], &kk[1], Some(&kk[2]), true, spec.group_size, spec.bits)?;
+    let mut scores = mx::quantized_matmul(&q, &kk[0], &kk[1], Some(&kk[2]), true, spec.group_size, spec.bits, spec.mode)?;
     match mask {
         Mask::None => {}
         Mask::Causal => {
@@ -620,7 +620,7 @@ fn quantized_sdpa(q: &Array, k: &[Array; 3], v: &[Array; 3], scale: f32, mask: &
         Mask::Array(m) => scores = mask_fill(&scores, m)?,
     }
     let probs = mx::softmax(&scores, &[-1], true)?;
-    let out = mx::quantized_matmul(&probs, &vv[0], &vv[1], Some(&vv[2]), false, spec.group_size, spec.bits)?;
+    let out = mx::quantized_matmul(&probs, &vv[0], &vv[1], Some(&vv[2]), false, spec.group_size, spec.bits, spec.mode)?;
     if rep > 1 {
         mx::reshape(&out, &[b, nq, l, d])
     } else {
@@ -796,7 +796,7 @@ impl SwitchLinear {
         match self {
             SwitchLinear::Dense { wt, .. } => mx::gather_mm(x, wt, None, Some(idx), sorted),
             SwitchLinear::Quant { w, scales, biases, q } => {
-                mx::gather_qmm(x, w, scales, biases.as_ref(), None, Some(idx), true, q.group_size, q.bits, sorted)
+                mx::gather_qmm(x, w, scales, biases.as_ref(), None, Some(idx), true, q.group_size, q.bits, q.mode, sorted)
             }
         }
     }
