@@ -5,7 +5,8 @@ last-position logits against mlx-lm 0.32.2's (tests/oracle_mlxlm.py in a subproc
 mixed-length prompts decoded together (the stacked KV, the GPU default) against each prompt alone,
 and, for the MoE architectures, the experts streamed from the files.
 
-    python bench/device_parity.py [--archs llama,qwen3_moe] [--out parity.json] [--no-compile] [--oracle-batch]
+    python bench/device_parity.py [--archs llama,qwen3_moe] [--variants float32,bfloat16-q4,bfloat16-mxfp4]
+                                  [--out parity.json] [--no-compile] [--oracle-batch]
 
 --no-compile runs both engines with MLX_DISABLE_COMPILE=1 (MLX's compiler off: every op its own
 kernel), which tells a difference in where the two fuse ops from one in what they compute.
@@ -55,16 +56,16 @@ def oracle_batch(d: Path, prompts: list[list[int]]) -> list[int | None]:
     return [next((i for i, (x, y) in enumerate(zip(b, al)) if x != y), None) for b, al in zip(out["batch"], out["alone"])]
 
 
-def one(arch: str, dtype: str, quant: int | None, with_oracle_batch: bool = False) -> dict:
+def one(arch: str, dtype: str, quant: int | None, with_oracle_batch: bool = False, mode: str = "affine") -> dict:
     import numpy as np
 
     import mlxrs
     from tinymodels import make_model
 
-    name = f"{arch}-{dtype}" + (f"-q{quant}" if quant else "")
-    row: dict = {"arch": arch, "dtype": dtype, "quant": quant}
+    name = f"{arch}-{dtype}" + (f"-q{quant}" if quant else "") + ("" if mode == "affine" else f"-{mode}")
+    row: dict = {"arch": arch, "dtype": dtype, "quant": quant, "mode": mode}
     try:
-        d = make_model(name, arch, dtype=dtype, quant_bits=quant)
+        d = make_model(name, arch, dtype=dtype, quant_bits=quant, quant_mode=mode)
         with mlxrs.Session(d) as s:
             ids = s.tokenize(TEXT)
             ours = s.generate(ids, max_tokens=N, ignore_eos=True, temperature=0.0).tokens
@@ -109,8 +110,11 @@ def main() -> int:
     t0 = time.time()
     for arch in a.archs.split(","):
         for v in a.variants.split(","):
-            dtype, _, q = v.partition("-q")
-            r = one(arch, dtype, int(q) if q else None, a.oracle_batch)
+            # float32, float32-q4 (affine 4-bit), bfloat16-mxfp4 / -mxfp8 / -nvfp4 (MLX's microscaling modes)
+            dtype, _, q = v.partition("-")
+            mode = q if q in ("mxfp4", "mxfp8", "nvfp4") else "affine"
+            bits = (8 if q == "mxfp8" else 4) if mode != "affine" else (int(q[1:]) if q else None)
+            r = one(arch, dtype, bits, a.oracle_batch, mode)
             rows.append(r)
             print(json.dumps(r), flush=True)
             if a.out:  # after every row: a run cut short still leaves what it measured
