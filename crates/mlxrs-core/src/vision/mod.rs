@@ -1,8 +1,10 @@
 //! Image input: decoding and preprocessing ([`image`], pure Rust) and the vision towers that turn
 //! pixels into input embeddings for the language model (one file per model family: [`gemma3`],
 //! [`gemma4`]). Audio and video are not implemented.
+pub mod audio;
 pub mod gemma3;
 pub mod gemma4;
+pub mod gemma4_audio;
 pub mod image;
 
 pub use self::image::{ImageLimits, Pixels, DEFAULT_LIMITS};
