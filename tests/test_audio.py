@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlxrs import _native
-from tests.audio_util import tone, wav_bytes
+from audio_util import tone, wav_bytes
 
 audio_io = pytest.importorskip("mlx_audio.audio_io")
 resample_mod = pytest.importorskip("mlx_audio.resample")

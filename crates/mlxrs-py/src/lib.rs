@@ -125,10 +125,10 @@ fn _audio_decode(py: Python<'_>, data: Vec<u8>) -> PyResult<(Vec<f32>, u32)> {
     Ok((w.samples, w.rate))
 }
 
-/// Resample float32 samples from `from` Hz to `to` Hz as the audio path does.
+/// Resample float32 samples from `src` Hz to `dst` Hz as the audio path does.
 #[pyfunction]
-fn _audio_resample(py: Python<'_>, samples: Vec<f32>, from: u32, to: u32) -> PyResult<Vec<f32>> {
-    crate::native(py, move || mlxrs_core::vision::audio::resample(&samples, from, to))
+fn _audio_resample(py: Python<'_>, samples: Vec<f32>, src: u32, dst: u32) -> PyResult<Vec<f32>> {
+    crate::native(py, move || mlxrs_core::vision::audio::resample(&samples, src, dst))
 }
 
 /// Gemma 4's log-mel features of 16 kHz samples, `fe` the feature extractor's settings (JSON):
@@ -276,6 +276,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     plan::register(m)?;
     download::register(m)?;
     m.add_class::<session::Session>()?;
+    m.add_class::<session::AudioClip>()?;
     m.add_class::<session::TokenStream>()?;
     m.add_class::<session::EventHub>()?;
     Ok(())

@@ -50,6 +50,14 @@ impl Processor {
         }
     }
 
+    /// The audio side, when the model has an audio tower (Gemma 4).
+    pub fn audio(&self) -> Option<&gemma4_audio::AudioProcessor> {
+        match self {
+            Processor::Gemma4(p) => p.audio.as_ref(),
+            _ => None,
+        }
+    }
+
     pub fn image_token_id(&self) -> i32 {
         self.tokens().3
     }
@@ -135,6 +143,29 @@ impl Tower {
         match self {
             Tower::Gemma3(t) => t.merged_embeddings(model, prompt, pixels),
             Tower::Gemma4(t) => t.merged_embeddings(model, prompt, pixels),
+        }
+    }
+}
+
+impl Tower {
+    /// [`Tower::merged_embeddings`] with audio clips' features at the prompt's audio tokens too
+    /// (a model without an audio tower refuses clips).
+    pub fn merged_media(&self, model: &dyn CausalLm, prompt: &[i32], pixels: &[&Pixels], mels: &[&audio::Mel]) -> Result<Array> {
+        match self {
+            Tower::Gemma4(t) => t.merged_media(model, prompt, pixels, mels),
+            _ if mels.is_empty() => self.merged_embeddings(model, prompt, pixels),
+            _ => Err(Error::Invalid("this model has no audio tower".into())),
+        }
+    }
+
+    /// The audio tower's projected features `[tokens, text_hidden]` of clips, in `dtype`.
+    pub fn audio_features(&self, mels: &[&audio::Mel], dtype: Dtype) -> Result<Array> {
+        match self {
+            Tower::Gemma4(t) => match &t.audio {
+                Some(a) => a.features(mels, dtype),
+                None => Err(Error::Invalid("this model has no audio tower".into())),
+            },
+            _ => Err(Error::Invalid("this model has no audio tower".into())),
         }
     }
 }
