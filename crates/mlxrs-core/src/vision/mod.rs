@@ -1,6 +1,8 @@
 //! Image input: decoding and preprocessing ([`image`], pure Rust) and the vision towers that turn
 //! pixels into input embeddings for the language model (one file per model family: [`gemma3`],
-//! [`gemma4`]). Audio and video are not implemented.
+//! [`gemma4`]). Audio input (Gemma 4): WAV decoding, resampling and log-mel features ([`audio`],
+//! pure Rust) and the audio encoder ([`gemma4_audio`], held by Gemma 4's tower). Video is not
+//! implemented.
 pub mod audio;
 pub mod gemma3;
 pub mod gemma4;
