@@ -448,11 +448,12 @@ pub fn log_mel(samples: &[f32], cfg: &FeatureConfig) -> Result<Mel> {
         let x = if i < kept { samples[i] } else { cfg.padding_value };
         wave[pad_left + i] = if cfg.input_scale_factor != 1.0 { x * scale } else { x };
     }
-    // periodic Hann window in float32, as numpy makes it
+    // periodic Hann window in float32, as numpy makes it (the angle in float32; its cosine
+    // correctly rounded, where numpy's SIMD float32 cos may be an ulp off)
     let window: Vec<f32> = (0..cfg.frame_length)
         .map(|n| {
-            let a = 2.0f32 * std::f32::consts::PI * n as f32;
-            0.5 - 0.5 * (a / cfg.frame_length as f32).cos()
+            let a = 2.0f32 * std::f32::consts::PI * n as f32 / cfg.frame_length as f32;
+            0.5 - 0.5 * ((a as f64).cos() as f32)
         })
         .collect();
     let filters = cfg.mel_filters();
