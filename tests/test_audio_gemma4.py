@@ -106,6 +106,20 @@ def test_one_clip_greedy_tokens_and_logits(session, clips, oracle, name):
         assert float(np.max(np.abs(moved - ours))) > 1e-2
 
 
+def test_two_clips_each_take_their_own_frames(session, clips):
+    """Two clips in one prompt: each clip's tokens get its own encoder frames (mlx-vlm's batched
+    scatter would hand the second clip's tokens the first's padded frames; not copied), and the
+    prompt holds both runs in order."""
+    a, b = session.audio_clips([clips["stereo44k"], clips["wrap16k"]])
+    both = np.array(session._s.audio_features([a, b]), dtype=np.float32)
+    one = np.array(session._s.audio_features([a]), dtype=np.float32)
+    two = np.array(session._s.audio_features([b]), dtype=np.float32)
+    np.testing.assert_array_equal(both, np.concatenate([one, two]))
+    out = session.generate("First <|audio|> then <|audio|>.", audio=[clips["stereo44k"], clips["wrap16k"]],
+                           max_tokens=4, ignore_eos=True, temperature=0.0)
+    assert out.usage.prompt_tokens > a.tokens + b.tokens
+
+
 def test_chat_content_part(session, clips, oracle):
     """An OpenAI `input_audio` part in a message: the same tokens as the clip in a string prompt
     rendered by the template."""
@@ -152,3 +166,71 @@ def test_openai_input_audio_format_other_than_wav_is_refused(session):
     msgs = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}}]}]
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match="mp3 audio is not supported"):
         session.generate(msgs, max_tokens=2)
+
+
+def test_memory_plan_counts_the_audio_tower(model_dir):
+    """The plan's weights are the checkpoint's tensors: the audio tower's and its projector's are in
+    them (as the vision tower's are), exactly what the audio model adds to the vision one."""
+    import mlx.core as mx
+
+    from mlxrs import fit
+
+    audio_bytes = sum(a.nbytes for k, a in mx.load(str(model_dir / "model.safetensors")).items()
+                      if k.startswith(("model.audio_tower.", "model.embed_audio.")))
+    assert audio_bytes > 0
+    with_audio = fit.plan(model_dir)["weightsBytes"]
+    without = fit.plan(make_gemma4_vision())["weightsBytes"]
+    assert with_audio - without == audio_bytes
+
+
+def _copy(model_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    return d
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("audio_config.subsampling_conv_channels", [8], "audio_config.subsampling_conv_channels = [8] is not two"),
+    ("audio_config.num_attention_heads", 5, "audio_config.hidden_size 32 is not a multiple of num_attention_heads 5"),
+    ("audio_config.hidden_act", "gelu", "audio_config.hidden_act \"gelu\""),
+    ("audio_config.hidden_size", 64, "model.audio_tower.subsample_conv_projection.input_proj_linear.weight"),
+    ("audio_config.output_proj_dims", 40, "model.audio_tower.output_proj.bias has shape [48]"),
+    ("audio_token_id", 7, "audio_token_id is 7"),
+])
+def test_a_bad_audio_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
+    import json
+    import re
+
+    d = _copy(model_dir, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    node = cfg
+    *path, key = field.split(".")
+    for k in path:
+        node = node[k]
+    node[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mlxrs.errors.MlxrsError, match=re.escape(needle)):
+        mlxrs.Session(d)
+
+
+def test_a_missing_audio_tensor_or_bad_extractor_is_refused(model_dir, tmp_path):
+    import json
+
+    import mlx.core as mx
+
+    d = _copy(model_dir, tmp_path)
+    w = dict(mx.load(str(d / "model.safetensors")))
+    del w["model.audio_tower.layers.1.lconv1d.depthwise_conv1d.weight"]
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
+    with pytest.raises(mlxrs.errors.MlxrsError, match=r"model\.audio_tower\.layers\.1\.lconv1d\.depthwise_conv1d\.weight"):
+        mlxrs.Session(d)
+    e = tmp_path / "fe"
+    e.mkdir()
+    d2 = _copy(model_dir, e)
+    proc = json.loads((d2 / "processor_config.json").read_text())
+    proc["feature_extractor"] = {"feature_size": 80}
+    (d2 / "processor_config.json").write_text(json.dumps(proc))
+    with pytest.raises(mlxrs.errors.MlxrsError, match="feature_extractor.feature_size = 80"):
+        mlxrs.Session(d2)

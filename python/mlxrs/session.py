@@ -667,7 +667,8 @@ class Session:
     ) -> Completion:
         """Generate a reply to `messages` through the chat template (template kwargs such as
         enable_thinking pass through). Content parts may hold images (OpenAI `image_url`,
-        Anthropic `image`, `{"type": "image", "image": bytes | path}`)."""
+        Anthropic `image`, `{"type": "image", "image": bytes | path}`) and, for a model with an
+        audio tower, WAV clips (OpenAI `input_audio`, `{"type": "audio", "audio": bytes | path}`)."""
         return self.generate(list(messages), tools=tools, template_kwargs=template_kwargs,
                              max_tokens=max_tokens, temperature=temperature)
 
