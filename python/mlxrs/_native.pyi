@@ -22,6 +22,9 @@ __all__ = [
     "gguf_import",
     "default_import_dtype",
     "_sample",
+    "_audio_decode",
+    "_audio_resample",
+    "_audio_log_mel",
     "plan",
     "device_memory",
     "model_facts",
@@ -36,6 +39,7 @@ __all__ = [
     "_gguf_tokenizer",
     "_safetensors_header",
     "Session",
+    "AudioClip",
     "TokenStream",
     "EventHub",
 ]
