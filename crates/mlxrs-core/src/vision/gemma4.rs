@@ -44,7 +44,7 @@ pub struct Processor {
     /// Why this model's images are refused (a config mlxrs does not implement for images).
     refuse: Option<String>,
     /// The audio side, when the model has an audio tower.
-    pub audio: Option<super::gemma4_audio::AudioProcessor>,
+    pub audio: Option<Box<super::gemma4_audio::AudioProcessor>>,
 }
 
 impl Processor {
@@ -186,7 +186,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
         return Err(Error::ModelLoad(format!("{name}.image_std has a zero")));
     }
     let tc = json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
-    let audio = super::gemma4_audio::processor(config, &proc_cfg, file, &tc, tokenizer)?;
+    let audio = super::gemma4_audio::processor(config, &proc_cfg, file, &tc, tokenizer)?.map(Box::new);
     let special = |k: &str, dflt: &str| -> String {
         let from = |v: &Value| v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string);
         from(&tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
@@ -358,7 +358,7 @@ pub struct Tower {
     d: VisionDims,
     pub processor: Processor,
     /// The audio encoder, when the model has one.
-    pub audio: Option<super::gemma4_audio::AudioTower>,
+    pub audio: Option<Box<super::gemma4_audio::AudioTower>>,
 }
 
 /// The 2-D rotary embedding of a `rows`×`cols` patch grid: per spatial dimension (x, then y) the
@@ -410,7 +410,7 @@ impl Tower {
         };
         let proj = Linear::load(w, &format!("{root}embed_vision.embedding_projection"), false, text_hidden, h)?;
         let audio = match &processor.audio {
-            Some(ap) => Some(super::gemma4_audio::AudioTower::load(config, w, ap.clone())?),
+            Some(ap) => Some(Box::new(super::gemma4_audio::AudioTower::load(config, w, (**ap).clone())?)),
             None => None,
         };
         Ok(Tower { input_proj, pos_table, layers, std, proj, d, processor, audio })

@@ -357,7 +357,7 @@ impl AudioTower {
         let max_back = (self.d.context_left - 1).max(0);
         let (pl, pr) = (max_back, self.d.context_right + self.d.chunk - 1);
         let ctx = self.d.chunk + max_back + self.d.context_right;
-        let nd = x.ndim() as usize;
+        let nd = x.ndim();
         let mut lo = vec![0; nd];
         let mut hi = vec![0; nd];
         lo[1] = pl;

@@ -55,7 +55,7 @@ impl Processor {
     /// The audio side, when the model has an audio tower (Gemma 4).
     pub fn audio(&self) -> Option<&gemma4_audio::AudioProcessor> {
         match self {
-            Processor::Gemma4(p) => p.audio.as_ref(),
+            Processor::Gemma4(p) => p.audio.as_deref(),
             _ => None,
         }
     }
