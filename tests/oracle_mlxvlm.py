@@ -3,7 +3,9 @@ mlxrs through LD_PRELOAD, like oracle_mlxlm.py). The tests reach it through test
 (one long-lived process, each model loaded once); run as a script it answers one job: reads a JSON
 job on stdin, writes JSON on stdout.
 
-Gemma 4 (variable image sizes, per-layer inputs) takes its own path: see `gemma4`.
+Gemma 4 (variable image sizes, per-layer inputs, audio) takes its own path: see `gemma4`; its job may
+name "audio": [WAV paths] (out: "mel" and "mel_mask" per clip, "audio_features": each clip's
+encoder frames through the projector, `[frames, hidden]`).
 
 Job: {"model": dir, "prompt": text with one image marker per image, "images": [paths],
       "max_tokens": n, "prefill_step_size": n}
@@ -30,7 +32,8 @@ def gemma4(job: dict, model, processor) -> dict:
     from mlx_vlm.utils import load_image
 
     images = [load_image(p) for p in job["images"]]
-    inputs = processor(text=[job["prompt"]], images=images or None, return_tensors="np")
+    audio = _gemma4_audio(job)
+    inputs = processor(text=[job["prompt"]], images=images or None, audio=audio or None, return_tensors="np")
     input_ids = mx.array(np.asarray(inputs["input_ids"]))
     out: dict = {"input_ids": input_ids[0].tolist()}
     pixel_values = inputs.get("pixel_values")
@@ -39,7 +42,19 @@ def gemma4(job: dict, model, processor) -> dict:
         out["pixel_values"] = [np.asarray(p, dtype=np.float32).ravel().tolist() for p in items]
         out["pixel_shapes"] = [list(np.asarray(p).shape) for p in items]
         out["features"] = np.asarray(model.encode_image(pixel_values).astype(mx.float32)).ravel().tolist()
-    emb = model.get_input_embeddings(input_ids, pixel_values)
+    extra: dict = {}
+    if audio:
+        feats = mx.array(np.stack([np.asarray(f, dtype=np.float32) for f in inputs["input_features"]]))
+        fmask = mx.array(np.stack([np.asarray(m, dtype=bool) for m in inputs["input_features_mask"]]))
+        extra = {"input_features": feats, "input_features_mask": fmask}
+        out["mel"] = [np.asarray(f, dtype=np.float32).ravel().tolist() for f in np.asarray(feats)]
+        out["mel_mask"] = [np.asarray(m).tolist() for m in np.asarray(fmask)]
+        # each clip's encoder frames through the projector (all of them, the padded ones zero)
+        out["audio_features"] = []
+        for i in range(feats.shape[0]):
+            enc, _ = model.audio_tower(feats[i:i + 1], ~fmask[i:i + 1])
+            out["audio_features"].append(np.asarray(model.embed_audio(enc)[0].astype(mx.float32)).tolist())
+    emb = model.get_input_embeddings(input_ids, pixel_values, **extra)
     h, pli = emb.inputs_embeds, emb.per_layer_inputs
     lm = model.language_model
     cache = lm.make_cache()
@@ -58,8 +73,18 @@ def gemma4(job: dict, model, processor) -> dict:
     from mlx_vlm.generate.ar import generate_step
 
     out["tokens"] = [int(t) for t, _ in generate_step(input_ids, model, pixel_values, None, max_tokens=job["max_tokens"],
-                                                      temperature=0.0, prefill_step_size=step)]
+                                                      temperature=0.0, prefill_step_size=step, **extra)]
     return out
+
+
+def _gemma4_audio(job: dict) -> list:
+    """The job's audio clips as mlx-vlm's generate loads them (`load_audio`: decoded, averaged to
+    mono, resampled to the feature extractor's 16 kHz)."""
+    if not job.get("audio"):
+        return []
+    from mlx_vlm.utils import load_audio
+
+    return [load_audio(p, sr=16000) for p in job["audio"]]
 
 
 def load(job: dict[str, Any]) -> tuple[Any, Any]:

@@ -325,8 +325,8 @@ def test_mlx_vlm_4bit_checkpoint(images):
 
 
 def test_audio_and_video_parts_are_refused(session):
-    """Gemma 4's audio tower is not implemented: audio (and video) parts are refused naming the
-    part, as for every model."""
+    """This model has no audio tower (tests/test_audio_gemma4.py has one): audio (and video) parts
+    are refused naming the part, as for every model without the tower."""
     for part, kind in [({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "audio"),
                        ({"type": "video_url", "video_url": {"url": "x"}}, "video")]:
         with pytest.raises(mlxrs.errors.InvalidArgumentError, match=rf"messages\[0\].content\[0\]: {kind} input"):

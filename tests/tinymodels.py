@@ -720,3 +720,95 @@ def make_gemma4_vision_q4(name: str = "gemma4-vision-q4") -> Path:
     convert(str(src), mlx_path=str(d), quantize=True, q_bits=4, q_group_size=64)
     (d / ".complete").write_text("ok")
     return d
+
+
+GEMMA4_AUDIO_SPECIALS = {**GEMMA4_SPECIALS, "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
+
+# the image template with Gemma 4's audio marker standing for an audio part
+GEMMA4_AUDIO_CHAT_TEMPLATE = GEMMA4_CHAT_TEMPLATE
+
+
+def make_gemma4_audio(name: str = "gemma4-audio-f32", *, dtype: str = "float32", seed: int = 1) -> Path:
+    """Write (once) `make_gemma4_vision`'s layout plus a tiny random audio tower (mlx-vlm 0.7.10's
+    Gemma 4 conformer: subsampling convs of 8 then 4 channels, hidden 32, 2 blocks of 4 heads,
+    chunks of 4 with 5 frames of left context and 2 of right, clipped linears whose bounds clip,
+    an output projection to 48) under `model.audio_tower.*` (Hugging Face's conv layouts) and
+    `model.embed_audio.*`; the tokenizer with the audio markers; processor_config.json with
+    `audio_seq_length` 750 and `audio_ms_per_token` 40. mlx-vlm loads it."""
+    import mlx.core as mx
+
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    src = make_gemma4_vision()
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg["text_config"]
+    write_tokenizer(d, text["vocab_size"], extra_specials=GEMMA4_AUDIO_SPECIALS, chat_template=GEMMA4_AUDIO_CHAT_TEMPLATE)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    audio = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "silu",
+             "subsampling_conv_channels": [8, 4], "conv_kernel_size": 5, "residual_weight": 0.5,
+             "attention_chunk_size": 4, "attention_context_left": 6, "attention_context_right": 2,
+             "attention_logit_cap": 50.0, "attention_invalid_logits_value": -1e9, "use_clipped_linears": True,
+             "rms_norm_eps": 1e-6, "gradient_clipping": 1e10, "output_proj_dims": 48}
+    cfg.update({"audio_config": audio, "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"],
+                "eoi_token_id": ids["<image|>"], "video_token_id": ids["<|video|>"], "audio_token_id": ids["<|audio|>"],
+                "boa_token_id": ids["<|audio>"], "eoa_token_id": ids["<audio|>"]})
+    w = dict(mx.load(str(src / "model.safetensors")))
+    keys = iter(mx.random.split(mx.random.key(seed), 512))
+
+    def rnd(shape: tuple[int, ...], scale: float) -> Any:
+        return mx.random.normal(shape, key=next(keys)) * scale
+
+    h, c0, c1, k = audio["hidden_size"], *audio["subsampling_conv_channels"], audio["conv_kernel_size"]
+    a = "model.audio_tower"
+    s = f"{a}.subsample_conv_projection"
+    # Hugging Face's conv layouts: [out, in, kH, kW] and [out, 1, kW]
+    w[f"{s}.layer0.conv.weight"] = rnd((c0, 1, 3, 3), 1 / 3)
+    w[f"{s}.layer0.norm.weight"] = 1.0 + rnd((c0,), 0.1)
+    w[f"{s}.layer1.conv.weight"] = rnd((c1, c0, 3, 3), (9 * c0) ** -0.5)
+    w[f"{s}.layer1.norm.weight"] = 1.0 + rnd((c1,), 0.1)
+    w[f"{s}.input_proj_linear.weight"] = rnd((h, 32 * c1), (32 * c1) ** -0.5)
+
+    def clipped(name: str, out: int, inp: int) -> None:
+        w[f"{name}.linear.weight"] = rnd((out, inp), inp ** -0.5)
+        w[f"{name}.input_min"] = mx.array(-2.5 + float(rnd((), 0.1)))
+        w[f"{name}.input_max"] = mx.array(2.5 + float(rnd((), 0.1)))
+        w[f"{name}.output_min"] = mx.array(-1.5 + float(rnd((), 0.1)))
+        w[f"{name}.output_max"] = mx.array(1.5 + float(rnd((), 0.1)))
+
+    for i in range(audio["num_hidden_layers"]):
+        b = f"{a}.layers.{i}"
+        for ff in ("feed_forward1", "feed_forward2"):
+            w[f"{b}.{ff}.pre_layer_norm.weight"] = 1.0 + rnd((h,), 0.1)
+            clipped(f"{b}.{ff}.ffw_layer_1", 4 * h, h)
+            clipped(f"{b}.{ff}.ffw_layer_2", h, 4 * h)
+            w[f"{b}.{ff}.post_layer_norm.weight"] = 1.0 + rnd((h,), 0.1)
+        for p in ("q_proj", "k_proj", "v_proj", "post"):
+            clipped(f"{b}.self_attn.{p}", h, h)
+        w[f"{b}.self_attn.relative_k_proj.weight"] = rnd((h, h), h ** -0.5)
+        w[f"{b}.self_attn.per_dim_scale"] = rnd((h // audio["num_attention_heads"],), 0.5)
+        w[f"{b}.lconv1d.pre_layer_norm.weight"] = 1.0 + rnd((h,), 0.1)
+        clipped(f"{b}.lconv1d.linear_start", 2 * h, h)
+        w[f"{b}.lconv1d.depthwise_conv1d.weight"] = rnd((h, 1, k), k ** -0.5)
+        w[f"{b}.lconv1d.conv_norm.weight"] = 1.0 + rnd((h,), 0.1)
+        clipped(f"{b}.lconv1d.linear_end", h, h)
+        for n in ("norm_pre_attn", "norm_post_attn", "norm_out"):
+            w[f"{b}.{n}.weight"] = 1.0 + rnd((h,), 0.1)
+    w[f"{a}.output_proj.weight"] = rnd((audio["output_proj_dims"], h), h ** -0.5)
+    w[f"{a}.output_proj.bias"] = rnd((audio["output_proj_dims"],), 0.1)
+    w["model.embed_audio.embedding_projection.weight"] = rnd((text["hidden_size"], audio["output_proj_dims"]),
+                                                             0.5 * audio["output_proj_dims"] ** -0.5)
+    dt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
+    w = {k: x.astype(dt) for k, x in w.items()}
+    mx.eval(w)
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
+    cfg["torch_dtype"] = dtype
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    proc = json.loads((src / "processor_config.json").read_text())
+    proc.update({"audio_seq_length": 750, "audio_ms_per_token": 40})
+    (d / "processor_config.json").write_text(json.dumps(proc, indent=2))
+    (d / ".complete").write_text("ok")
+    return d

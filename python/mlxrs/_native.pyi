@@ -22,6 +22,9 @@ __all__ = [
     "gguf_import",
     "default_import_dtype",
     "_sample",
+    "_audio_decode",
+    "_audio_resample",
+    "_audio_log_mel",
     "plan",
     "device_memory",
     "model_facts",
@@ -36,6 +39,7 @@ __all__ = [
     "_gguf_tokenizer",
     "_safetensors_header",
     "Session",
+    "AudioClip",
     "TokenStream",
     "EventHub",
 ]
@@ -94,6 +98,18 @@ def _op(name: str, inputs: Sequence[_RawArrayIn], params: str = "{}") -> list[_R
 def _sample(logits: Sequence[float], params: str = "{}", draws: int = 1) -> tuple[list[float], list[int]]:
     """Apply sampling `params` (JSON) to fixed logits: the filtered log-probabilities and `draws`
     samples from one seeded sampler."""
+
+# ---- test hooks: audio --------------------------------------------------------------------------
+
+def _audio_decode(data: bytes) -> tuple[list[float], int]:
+    """(mono float32 samples, sample rate) of a WAV clip, as the audio path decodes it."""
+
+def _audio_resample(samples: Sequence[float], src: int, dst: int) -> list[float]:
+    """Samples resampled from `src` Hz to `dst` Hz (scipy's resample_poly, kaiser_best filter)."""
+
+def _audio_log_mel(samples: Sequence[float], fe: str = "{}") -> tuple[list[float], int, list[bool]]:
+    """Gemma 4's log-mel features of 16 kHz samples (`fe`: the feature extractor's settings,
+    JSON): (features [frames, 128] flattened, frames, each frame's mask)."""
 
 # ---- test hooks: GGUF ---------------------------------------------------------------------------
 
@@ -272,11 +288,21 @@ class Session:
         model's own."""
     def encode_rendered(self, text: str) -> list[int]: ...
     def start(self, prompt: Sequence[int], params: str = "{}", hub: EventHub | None = None,
-              images: Sequence[tuple[bytes, str]] | None = None) -> TokenStream:
+              images: Sequence[tuple[bytes, str]] | None = None,
+              audio: Sequence[AudioClip] | None = None) -> TokenStream:
         """Queue a generation; `params` is a JSON object of sampling options (and
         `max_image_bytes`, `max_image_pixels`). With `hub`, its events go to the hub, tagged with
         the stream's `id`. `images`: (encoded bytes, the name errors give it) each, in the order
-        of the prompt's image-token runs (a model with a vision tower)."""
+        of the prompt's image-token runs (a model with a vision tower). `audio`: clips from
+        `audio_clips`, in the order of the prompt's audio-token runs."""
+    def audio_clips(self, clips: Sequence[tuple[bytes, str]], params: str = "{}") -> list[AudioClip]:
+        """Decode and featurize WAV clips, each (bytes, the name errors give it); `params` may
+        hold `max_audio_bytes` and `max_audio_seconds`."""
+    def expand_audio_markers(self, text: str, tokens: Sequence[int]) -> str:
+        """`text` with each audio marker expanded to boa, `tokens[i]` audio tokens, eoa."""
+    def audio_features(self, clips: Sequence[AudioClip]) -> list[float]:
+        """The audio tower's projected features of clips, flattened (each clip's audio tokens in
+        order, `hidden` wide)."""
     def pixel_values(self, data: bytes, params: str = "{}") -> tuple[list[float], int, int]:
         """(pixel values [3, H, W] flattened, H, W) of an encoded image, as the model's processor
         makes them."""
@@ -292,9 +318,10 @@ class Session:
         headers; each (bytes, the name errors give it); `params` the media limits as JSON."""
     def embed(self, prompt: Sequence[int]) -> list[float]:
         """Final normed hidden states of `prompt`, mean-pooled, L2-normalised."""
-    def logits(self, prompt: Sequence[int], images: Sequence[bytes] | None = None) -> list[float]:
-        """Last-position logits (float32) from a fresh cache; with `images`, their embeddings at the
-        prompt's image tokens."""
+    def logits(self, prompt: Sequence[int], images: Sequence[bytes] | None = None,
+               audio: Sequence[AudioClip] | None = None) -> list[float]:
+        """Last-position logits (float32) from a fresh cache; with `images` (`audio`), their
+        embeddings at the prompt's image (audio) tokens."""
     def info(self) -> dict[str, Any]:
         """Model facts and counters; `info()["engine"]` is {"state": "running" | "dead" | "closed",
         "error": the engine's death message or None}. Works on a closed session."""
@@ -305,6 +332,21 @@ class Session:
         """TEST-ONLY hook: the engine thread panics at its next iteration, as a bug in its step loop
         would; in-flight and later requests then fail with `mlxrs.errors.EngineError`. Never call it
         outside tests: the session is unusable afterwards."""
+
+@final
+class AudioClip:
+    """One WAV clip decoded and featurized (Gemma 4's log-mel), ready for a prompt."""
+    @property
+    def tokens(self) -> int:
+        """The audio tokens it stands for in a prompt."""
+    @property
+    def frames(self) -> int:
+        """Log-mel frames."""
+    @property
+    def samples(self) -> int:
+        """Samples at 16 kHz (before the 30 s cut)."""
+    def features(self) -> tuple[list[float], list[bool]]:
+        """(features [frames, 128] flattened float32, each frame's mask: true for real audio)."""
 
 @final
 class TokenStream:

@@ -3,7 +3,8 @@ http(s) URL), under a policy (local files and remote URLs are each off unless al
 time limited), and content parts turned into the prompt text's image markers.
 
 Decoding and preprocessing happen in Rust (`mlxrs._native`); this module only gets the bytes.
-Audio and video are not supported: such parts are refused naming the part.
+Audio (WAV) is taken by models with an audio tower (Gemma 4); video is not supported: such parts
+are refused naming the part.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from .errors import InvalidArgumentError
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 DEFAULT_FETCH_TIMEOUT = 10.0
+#: Encoded bytes an audio clip may have (mirrors the Rust default; 30 s at most decoded).
+DEFAULT_MAX_AUDIO_BYTES = 50 << 20
 
 #: Content part types that carry an image (OpenAI chat, OpenAI Responses, Hugging Face / Anthropic).
 IMAGE_PARTS = ("image_url", "input_image", "image")
@@ -174,6 +177,42 @@ async def load_async(ref: ImageRef, policy: MediaPolicy) -> bytes:
     return data
 
 
+def audio_source(part: Mapping[str, Any], where: str) -> bytes | str:
+    """The source of an audio content part: OpenAI `{"type": "input_audio", "input_audio": {"data":
+    base64, "format": "wav"}}` (WAV only: another format is refused naming it), `{"type":
+    "audio_url", "audio_url": {"url"}}`, or `{"type": "audio", "audio" | "url" | "path": ...}`
+    (Hugging Face's message form, bytes allowed)."""
+    t = part.get("type")
+    if t == "input_audio":
+        v = part.get("input_audio")
+        if not isinstance(v, Mapping) or not isinstance(v.get("data"), str):
+            raise _err(where, "an input_audio part needs input_audio.data (base64) and input_audio.format")
+        fmt = str(v.get("format") or "wav").lower()
+        if fmt != "wav":
+            raise _err(where, f"{fmt} audio is not supported: send WAV (input_audio.format \"wav\")")
+        return "data:audio/wav;base64," + v["data"]
+    if t == "audio_url":
+        v = part.get("audio_url")
+        if isinstance(v, Mapping):
+            v = v.get("url")
+        if not isinstance(v, str) or not v:
+            raise _err(where, "an audio_url part needs a URL (audio_url.url)")
+        return v
+    for k in ("audio", "url", "path"):
+        v = part.get(k)
+        if isinstance(v, (bytes, bytearray)):
+            return bytes(v)
+        if isinstance(v, (str, os.PathLike)):
+            return os.fspath(v)
+    raise _err(where, "an audio part needs a source (input_audio, audio_url, audio, url or path)")
+
+
+def no_audio(where: str, model: str, part: str = "input_audio") -> InvalidArgumentError:
+    """The error for audio sent to a model without an audio tower."""
+    return _err(where, f"audio input ({part!r} part) is not supported: model {model} has no audio tower and "
+                       "cannot take audio — send text only")
+
+
 def refuse_av(t: str, where: str, model: str) -> InvalidArgumentError:
     """The error for an audio or video part (mlxrs takes neither)."""
     kind = AV_PARTS.get(t, t)
@@ -181,10 +220,13 @@ def refuse_av(t: str, where: str, model: str) -> InvalidArgumentError:
                        "text and, for models with a vision tower, images)")
 
 
-def parts_text(content: Any, marker: str | None, images: list[ImageRef], where: str, model: str) -> str:
+def parts_text(content: Any, marker: str | None, images: list[ImageRef], where: str, model: str, *,
+               audio_marker: str | None = None, audio: list[ImageRef] | None = None) -> str:
     """A message's content as prompt text: a string as is; content parts joined by newlines, each
     image part replaced by `marker` (the model's image marker) and its source appended to `images`.
-    `marker` None: the model has no vision tower, and an image part is refused naming it."""
+    `marker` None: the model has no vision tower, and an image part is refused naming it. With
+    `audio` (a list), audio parts likewise become `audio_marker` (None: the model has no audio
+    tower, refused naming the part) with their sources appended to `audio`."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -205,6 +247,11 @@ def parts_text(content: Any, marker: str | None, images: list[ImageRef], where: 
                 raise no_vision(pw, model, str(t))
             images.append(ImageRef(image_source(part, pw), pw))
             texts.append(marker)
+        elif t in AV_PARTS and AV_PARTS[str(t)] == "audio" and audio is not None:
+            if audio_marker is None:
+                raise no_audio(pw, model, str(t))
+            audio.append(ImageRef(audio_source(part, pw), pw))
+            texts.append(audio_marker)
         elif t in AV_PARTS:
             raise refuse_av(str(t), pw, model)
         else:

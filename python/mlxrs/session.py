@@ -399,13 +399,40 @@ class Session:
         v = self._s.info().get("vision")
         return dict(v) if v else None
 
+    @property
+    def audio(self) -> dict[str, Any] | None:
+        """The model's audio input (marker: the text standing for one clip in a prompt;
+        max_tokens_per_clip, ms_per_token, sampling_rate, boa_token, audio_token, …), or None for a
+        model without an audio tower."""
+        a = self._s.info().get("audio")
+        return dict(a) if a else None
+
+    def audio_clips(self, audio: Sequence[bytes | str | os.PathLike[str]], names: Sequence[str] | None = None) -> list[Any]:
+        """Decode and featurize WAV clips (bytes, local paths or base64 data URLs): native
+        `AudioClip`s (`tokens`: the audio tokens each stands for; `features()`: its log-mel)."""
+        from . import media
+
+        pol = media.MediaPolicy(allow_local=True, max_bytes=media.DEFAULT_MAX_AUDIO_BYTES)
+        names = list(names) if names is not None else [f"audio[{i}]" for i in range(len(audio))]
+        data = [(media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, w), pol), w)
+                for x, w in zip(audio, names)]
+        return list(self._s.audio_clips(data)) if data else []
+
+    def audio_features(self, audio: Sequence[bytes | str | os.PathLike[str]]) -> list[float]:
+        """The audio tower's projected features of clips (flattened float32: each clip's audio
+        tokens in order, each `hidden` wide): what replaces their audio tokens in the prompt."""
+        return list(self._s.audio_features(self.audio_clips(audio)))
+
     def _prepare(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
                  template_kwargs: Mapping[str, Any] | None,
-                 images: Sequence[bytes | str | os.PathLike[str]] | None) -> tuple[list[int], list[tuple[bytes, str]]]:
-        """Token ids and the images' bytes (each with its name for errors) of a prompt: a string
-        with one image marker per image where it goes (none: the images first), messages whose
-        content parts hold images (OpenAI `image_url`, Anthropic `image`, `{"type": "image",
-        "image": ...}`), or ids already holding the image tokens."""
+                 images: Sequence[bytes | str | os.PathLike[str]] | None,
+                 audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
+                 ) -> tuple[list[int], list[tuple[bytes, str]], list[Any]]:
+        """Token ids, the images' bytes (each with its name for errors) and the audio clips of a
+        prompt: a string with one image (audio) marker per image (clip) where it goes (none: the
+        media first), messages whose content parts hold images (OpenAI `image_url`, Anthropic
+        `image`, `{"type": "image", "image": ...}`) or audio (OpenAI `input_audio`, `{"type":
+        "audio", "audio": ...}`), or ids already holding the media tokens."""
         from . import media
 
         items: list[Any] | None = None if isinstance(prompt, str) else list(prompt)
@@ -415,8 +442,8 @@ class Session:
             and any(isinstance(p, Mapping) and (p.get("type") in media.IMAGE_PARTS or p.get("type") in media.AV_PARTS)
                     for p in m["content"])
             for m in items)
-        if not images and not has_parts:
-            return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), []
+        if not images and not audio and not has_parts:
+            return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), [], []
         vision = self.vision
         model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
         marker: str | None = str(vision["marker"]) if vision else None
@@ -424,7 +451,25 @@ class Session:
                 for i, x in enumerate(images or [])]
         if refs and marker is None:
             raise media.no_vision("images", model)
+        ainfo = self.audio
+        amarker: str | None = str(ainfo["marker"]) if ainfo else None
+        arefs = [media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"audio[{i}]")
+                 for i, x in enumerate(audio or [])]
+        if arefs and amarker is None:
+            raise media.no_audio("audio", model, "audio")
         policy = media.MediaPolicy(allow_local=True)
+        apolicy = media.MediaPolicy(allow_local=True, max_bytes=media.DEFAULT_MAX_AUDIO_BYTES)
+        clips: list[Any] = []
+
+        def load_clips() -> None:  # decoded and featurized once, when all refs are known
+            if arefs and not clips:
+                clips.extend(self._s.audio_clips([(media.load_sync(r, apolicy), r.where) for r in arefs]))
+
+        def expand_audio(text: str) -> str:
+            if not arefs:
+                return text
+            load_clips()
+            return str(self._s.expand_audio_markers(text, [c.tokens for c in clips]))
 
         loaded: list[tuple[bytes, str]] = []
 
@@ -439,27 +484,35 @@ class Session:
             return str(self._s.expand_image_markers(text, len(refs), sizes))
 
         if isinstance(prompt, str):
-            assert marker is not None  # a string without images returned above
-            text = prompt if marker in prompt else marker * len(refs) + prompt
-            ids = self.tokenize(expand(text))
+            text = prompt
+            if refs:
+                assert marker is not None
+                text = text if marker in text else marker * len(refs) + text
+                text = expand(text)
+            if arefs:
+                assert amarker is not None
+                text = text if amarker in text else amarker * len(arefs) + text
+            ids = self.tokenize(expand_audio(text))
         elif items and all(isinstance(t, int) for t in items):
             ids = [int(t) for t in items]
+            load_clips()  # the ids hold their audio tokens already
         else:
-            if refs:
-                raise InvalidArgumentError("images: pass a conversation's images as content parts of its messages")
+            if refs or arefs:
+                raise InvalidArgumentError("images/audio: pass a conversation's media as content parts of its messages")
             msgs = []
             for i, m in enumerate(items or []):
                 if not isinstance(m, Mapping):
                     raise InvalidArgumentError("prompt must be a string, a list of token ids or a list of messages")
                 m = dict(m)
                 if isinstance(m.get("content"), list):
-                    m["content"] = media.parts_text(m["content"], marker, refs, f"messages[{i}].content", model)
+                    m["content"] = media.parts_text(m["content"], marker, refs, f"messages[{i}].content", model,
+                                                    audio_marker=amarker, audio=arefs)
                 msgs.append(m)
             text = self.apply_chat_template(msgs, tools=tools, **dict(template_kwargs or {}))
             if refs:
                 text = expand(text)
-            ids = list(self._s.encode_rendered(text))
-        return ids, load()
+            ids = list(self._s.encode_rendered(expand_audio(text)))
+        return ids, load(), clips
 
     def pixel_values(self, image: bytes | str | os.PathLike[str]) -> list[float]:
         """The pixel values `[3, H, W]` (flattened, float32) the model's processor makes of an image."""
@@ -482,8 +535,8 @@ class Session:
 
     # -- generation --------------------------------------------------------------------------------
     def _events(self, ids: list[int], kwargs: dict[str, Any],
-                images: list[tuple[bytes, str]] | None = None) -> Iterator[dict[str, Any]]:
-        stream = self._s.start(ids, self._start_params(ids, kwargs), None, images or None)
+                images: list[tuple[bytes, str]] | None = None, audio: list[Any] | None = None) -> Iterator[dict[str, Any]]:
+        stream = self._s.start(ids, self._start_params(ids, kwargs), None, images or None, audio or None)
         try:
             yield from stream
         finally:
@@ -496,19 +549,21 @@ class Session:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         images: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
         **sampling: Any,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are generated; the last chunk carries finish_reason and usage.
         Closing the iterator early cancels the generation. Options are checked here, before the
-        first chunk is asked for. `images`: as for `generate`."""
+        first chunk is asked for. `images`, `audio`: as for `generate`."""
         _validate(sampling, self._vocab)
-        return self._stream(prompt, tools, template_kwargs, sampling, images)
+        return self._stream(prompt, tools, template_kwargs, sampling, images, audio)
 
     def _stream(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
                 template_kwargs: Mapping[str, Any] | None, sampling: dict[str, Any],
-                images: Sequence[bytes | str | os.PathLike[str]] | None = None) -> Iterator[Chunk]:
-        ids, media = self._prepare(prompt, tools, template_kwargs, images)
-        for ev in self._events(ids, sampling, media):
+                images: Sequence[bytes | str | os.PathLike[str]] | None = None,
+                audio: Sequence[bytes | str | os.PathLike[str]] | None = None) -> Iterator[Chunk]:
+        ids, media, clips = self._prepare(prompt, tools, template_kwargs, images, audio)
+        for ev in self._events(ids, sampling, media, clips):
             ch = _chunk(ev)
             if ch is not None:
                 yield ch
@@ -520,15 +575,18 @@ class Session:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         images: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
         **sampling: Any,
     ) -> Completion:
         """Generate to the end and return the whole Completion. `images` (a model with a vision
         tower): encoded bytes, local paths or base64 data URLs, one per image marker of a string
-        prompt (`info()["vision"]["boi_token"]`; none: the images go first). A conversation carries
-        its images as content parts of its messages instead."""
-        ids, media = self._prepare(prompt, tools, template_kwargs, images)
+        prompt (`info()["vision"]["boi_token"]`; none: the images go first). `audio` (a model with
+        an audio tower, Gemma 4): WAV clips as bytes, local paths or base64 data URLs, one per
+        audio marker (`session.audio["marker"]`; none: the clips go first). A conversation carries
+        its media as content parts of its messages instead."""
+        ids, media, clips = self._prepare(prompt, tools, template_kwargs, images, audio)
         want_lp = bool(sampling.get("logprobs")) or bool(sampling.get("top_logprobs"))
-        return _collect(self._events(ids, sampling, media), want_lp)
+        return _collect(self._events(ids, sampling, media, clips), want_lp)
 
     def generate_batch(
         self,
@@ -541,8 +599,8 @@ class Session:
         streams = []
         try:
             for p in prompts:
-                ids, media = self._prepare(p, None, None, None)
-                streams.append(self._s.start(ids, self._start_params(ids, sampling), None, media or None))
+                ids, media, clips = self._prepare(p, None, None, None)
+                streams.append(self._s.start(ids, self._start_params(ids, sampling), None, media or None, clips or None))
         except BaseException:
             for st in streams:
                 st.cancel()
@@ -576,9 +634,9 @@ class Session:
         from . import _dispatch
 
         loop = asyncio.get_running_loop()
-        ids, media = await loop.run_in_executor(None, lambda: self._prepare(prompt, tools, template_kwargs, None))
+        ids, media, clips = await loop.run_in_executor(None, lambda: self._prepare(prompt, tools, template_kwargs, None))
         d = _dispatch.default()
-        st = self._s.start(ids, self._start_params(ids, sampling), d.hub, media or None)
+        st = self._s.start(ids, self._start_params(ids, sampling), d.hub, media or None, clips or None)
         q = d.register(st.id)
         finished = False
         try:
@@ -609,7 +667,8 @@ class Session:
     ) -> Completion:
         """Generate a reply to `messages` through the chat template (template kwargs such as
         enable_thinking pass through). Content parts may hold images (OpenAI `image_url`,
-        Anthropic `image`, `{"type": "image", "image": bytes | path}`)."""
+        Anthropic `image`, `{"type": "image", "image": bytes | path}`) and, for a model with an
+        audio tower, WAV clips (OpenAI `input_audio`, `{"type": "audio", "audio": bytes | path}`)."""
         return self.generate(list(messages), tools=tools, template_kwargs=template_kwargs,
                              max_tokens=max_tokens, temperature=temperature)
 

@@ -118,6 +118,32 @@ fn _op(py: Python<'_>, name: &str, inputs: Vec<(Vec<u8>, Vec<i32>, String)>, par
     outs.iter().map(|a| array_out(py, a).py(py)).collect()
 }
 
+/// Decode a WAV clip as the audio path does: (mono float32 samples, sample rate).
+#[pyfunction]
+fn _audio_decode(py: Python<'_>, data: Vec<u8>) -> PyResult<(Vec<f32>, u32)> {
+    let w = crate::native(py, move || mlxrs_core::vision::audio::decode(&data, &mlxrs_core::vision::audio::DEFAULT_AUDIO_LIMITS, "audio"))?;
+    Ok((w.samples, w.rate))
+}
+
+/// Resample float32 samples from `src` Hz to `dst` Hz as the audio path does.
+#[pyfunction]
+fn _audio_resample(py: Python<'_>, samples: Vec<f32>, src: u32, dst: u32) -> PyResult<Vec<f32>> {
+    crate::native(py, move || mlxrs_core::vision::audio::resample(&samples, src, dst))
+}
+
+/// Gemma 4's log-mel features of 16 kHz samples, `fe` the feature extractor's settings (JSON):
+/// (features `[frames, 128]` flattened, frames, each frame's mask).
+#[pyfunction]
+#[pyo3(signature = (samples, fe="{}"))]
+fn _audio_log_mel(py: Python<'_>, samples: Vec<f32>, fe: &str) -> PyResult<(Vec<f32>, usize, Vec<bool>)> {
+    let fe: serde_json::Value = serde_json::from_str(fe).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let m = crate::native(py, move || {
+        let cfg = mlxrs_core::vision::audio::FeatureConfig::from_json(&fe, "feature_extractor")?;
+        mlxrs_core::vision::audio::log_mel(&samples, &cfg)
+    })?;
+    Ok((m.data, m.frames, m.mask))
+}
+
 /// Run the sampler on fixed logits: (filtered log-probabilities, `draws` seeded samples).
 #[pyfunction]
 #[pyo3(signature = (logits, params="{}", draws=1))]
@@ -237,6 +263,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
     m.add_function(wrap_pyfunction!(_op, m)?)?;
     m.add_function(wrap_pyfunction!(_sample, m)?)?;
+    m.add_function(wrap_pyfunction!(_audio_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(_audio_resample, m)?)?;
+    m.add_function(wrap_pyfunction!(_audio_log_mel, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_import, m)?)?;
     m.add_function(wrap_pyfunction!(default_import_dtype, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_dequantize, m)?)?;
@@ -247,6 +276,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     plan::register(m)?;
     download::register(m)?;
     m.add_class::<session::Session>()?;
+    m.add_class::<session::AudioClip>()?;
     m.add_class::<session::TokenStream>()?;
     m.add_class::<session::EventHub>()?;
     Ok(())

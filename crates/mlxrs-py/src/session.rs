@@ -35,7 +35,56 @@ fn media_limits(params: &Value) -> mlxrs_core::vision::ImageLimits {
     limits
 }
 
+/// The audio limits in a request's `params` (`max_audio_bytes`, `max_audio_seconds`), else the defaults.
+fn audio_limits(params: &Value) -> mlxrs_core::vision::audio::AudioLimits {
+    let mut limits = mlxrs_core::vision::audio::DEFAULT_AUDIO_LIMITS;
+    if let Some(b) = params.get("max_audio_bytes").and_then(Value::as_u64) {
+        limits.max_bytes = b as usize;
+    }
+    if let Some(s) = params.get("max_audio_seconds").and_then(Value::as_f64) {
+        limits.max_seconds = s;
+    }
+    limits
+}
+
+/// One audio clip, decoded and featurized (Gemma 4's log-mel), ready for a prompt.
+#[pyclass(module = "mlxrs._native", frozen)]
+pub struct AudioClip {
+    mel: Arc<mlxrs_core::vision::audio::Mel>,
+    /// The audio tokens it stands for in a prompt.
+    #[pyo3(get)]
+    tokens: usize,
+}
+
+#[pymethods]
+impl AudioClip {
+    /// Log-mel frames.
+    #[getter]
+    fn frames(&self) -> usize {
+        self.mel.frames
+    }
+    /// Samples at 16 kHz (before the 30 s cut).
+    #[getter]
+    fn samples(&self) -> usize {
+        self.mel.samples
+    }
+    /// (features `[frames, 128]` flattened float32, each frame's mask: true for real audio).
+    fn features(&self) -> (Vec<f32>, Vec<bool>) {
+        (self.mel.data.clone(), self.mel.mask.clone())
+    }
+}
+
 impl Session {
+    /// Decode and featurize audio clips (off the GIL) with the limits in `params`.
+    fn clips(&self, py: Python<'_>, e: &Arc<Engine>, params: &Value, clips: Vec<(Vec<u8>, String)>) -> PyResult<Vec<AudioClip>> {
+        let a = e.audio_processor().py(py)?.clone();
+        let limits = audio_limits(params);
+        let mels = crate::native(py, move || {
+            clips.iter().map(|(b, what)| a.mel(b, &limits, what).map(|m| (a.tokens_for(m.samples), Arc::new(m)))).collect::<Result<Vec<_>, Error>>()
+        })?;
+        Ok(mels.into_iter().map(|(tokens, mel)| AudioClip { mel, tokens }).collect())
+    }
+
     /// Decode and preprocess images (off the GIL) with the limits in `params`.
     fn pixels(&self, py: Python<'_>, e: &Arc<Engine>, params: &Value, images: Vec<(Vec<u8>, String)>)
               -> PyResult<Vec<Arc<mlxrs_core::vision::Pixels>>> {
@@ -137,6 +186,7 @@ pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, 
         logprobs: params.get("logprobs").and_then(Value::as_bool).unwrap_or(false),
         top_logprobs: i("top_logprobs").unwrap_or(0).max(0) as usize,
         images: Vec::new(),
+        audio: Vec::new(),
         adapter: match params.get("adapter") {
             None | Some(Value::Null) => None,
             Some(Value::String(a)) => Some(a.clone()),
@@ -245,14 +295,19 @@ impl Session {
     /// itself only cancels.
     /// `images`: (encoded bytes, the name errors give it) each, in the order of the prompt's
     /// image-token runs; `params` may hold `max_image_bytes` and `max_image_pixels`.
-    #[pyo3(signature = (prompt, params="{}", hub=None, images=None))]
+    /// `audio`: clips from `audio_clips`, in the order of the prompt's audio-token runs.
+    #[pyo3(signature = (prompt, params="{}", hub=None, images=None, audio=None))]
     fn start(&self, py: Python<'_>, prompt: Vec<i32>, params: &str, hub: Option<&EventHub>,
-             images: Option<Vec<(Vec<u8>, String)>>) -> PyResult<TokenStream> {
+             images: Option<Vec<(Vec<u8>, String)>>, audio: Option<Vec<PyRef<'_, AudioClip>>>) -> PyResult<TokenStream> {
         let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
         let mut req = request_from(&p, prompt).py(py)?;
         let e = self.engine(py)?.clone();
         if let Some(images) = images.filter(|v| !v.is_empty()) {
             req.images = self.pixels(py, &e, &p, images)?;
+        }
+        if let Some(audio) = audio.filter(|v| !v.is_empty()) {
+            e.audio_processor().py(py)?;
+            req.audio = audio.iter().map(|c| c.mel.clone()).collect();
         }
         match hub {
             None => {
@@ -314,6 +369,30 @@ impl Session {
         })
     }
 
+    /// Decode and featurize WAV clips, each `(bytes, where)` (`where` names it in errors);
+    /// `params` may hold `max_audio_bytes` and `max_audio_seconds`.
+    #[pyo3(signature = (clips, params="{}"))]
+    fn audio_clips(&self, py: Python<'_>, clips: Vec<(Vec<u8>, String)>, params: &str) -> PyResult<Vec<AudioClip>> {
+        let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
+        let e = self.engine(py)?.clone();
+        self.clips(py, &e, &p, clips)
+    }
+
+    /// `text` with each audio marker expanded to `boa + audio_token × n + eoa`, `tokens` each
+    /// clip's count (`AudioClip.tokens`).
+    fn expand_audio_markers(&self, py: Python<'_>, text: &str, tokens: Vec<usize>) -> PyResult<String> {
+        let e = self.engine(py)?;
+        e.audio_processor().and_then(|a| a.expand(text, &tokens)).py(py)
+    }
+
+    /// The audio tower's projected features of clips (flattened float32: each clip's audio tokens
+    /// in order, `hidden` wide): what replaces their audio tokens.
+    fn audio_features(&self, py: Python<'_>, clips: Vec<PyRef<'_, AudioClip>>) -> PyResult<Vec<f32>> {
+        let e = self.engine(py)?.clone();
+        let mels = clips.iter().map(|c| c.mel.clone()).collect();
+        crate::native(py, move || e.audio_features(mels))
+    }
+
     /// The embedding of `prompt`: final normed hidden states, mean-pooled, L2-normalised.
     fn embed(&self, py: Python<'_>, prompt: Vec<i32>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
@@ -322,15 +401,17 @@ impl Session {
 
     /// Last-position logits of `prompt` (float32), from a fresh cache; with `images` (encoded
     /// bytes), their embeddings at the prompt's image tokens.
-    #[pyo3(signature = (prompt, images=None))]
-    fn logits(&self, py: Python<'_>, prompt: Vec<i32>, images: Option<Vec<Vec<u8>>>) -> PyResult<Vec<f32>> {
+    #[pyo3(signature = (prompt, images=None, audio=None))]
+    fn logits(&self, py: Python<'_>, prompt: Vec<i32>, images: Option<Vec<Vec<u8>>>, audio: Option<Vec<PyRef<'_, AudioClip>>>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
+        let mels: Vec<_> = audio.unwrap_or_default().iter().map(|c| c.mel.clone()).collect();
         match images.filter(|v| !v.is_empty()) {
-            None => crate::native(py, move || e.last_logits(prompt)),
+            None if mels.is_empty() => crate::native(py, move || e.last_logits(prompt)),
+            None => crate::native(py, move || e.last_logits_with_media(prompt, Vec::new(), mels)),
             Some(images) => {
                 let named = images.into_iter().enumerate().map(|(i, b)| (b, format!("images[{i}]"))).collect();
                 let px = self.pixels(py, &e, &Value::Null, named)?;
-                crate::native(py, move || e.last_logits_with_images(prompt, px))
+                crate::native(py, move || e.last_logits_with_media(prompt, px, mels))
             }
         }
     }
@@ -404,6 +485,21 @@ impl Session {
                 d.set_item("vision", vd)?;
             }
             None => d.set_item("vision", py.None())?,
+        }
+        match e.vision.as_ref().and_then(|v| v.audio()) {
+            Some(a) => {
+                let ad = PyDict::new(py);
+                ad.set_item("marker", &a.audio_token)?;
+                ad.set_item("boa_token", &a.boa)?;
+                ad.set_item("eoa_token", &a.eoa)?;
+                ad.set_item("audio_token", &a.audio_token)?;
+                ad.set_item("audio_token_id", a.audio_token_id)?;
+                ad.set_item("max_tokens_per_clip", a.seq_length)?;
+                ad.set_item("ms_per_token", a.ms_per_token)?;
+                ad.set_item("sampling_rate", a.features.sampling_rate)?;
+                d.set_item("audio", ad)?;
+            }
+            None => d.set_item("audio", py.None())?,
         }
         d.set_item("max_concurrency", e.options.max_concurrency)?;
         d.set_item("max_queue", e.options.max_queue)?;

@@ -22,6 +22,10 @@ MEDIA_BLOCKS = {"image": "image", "video": "video", "video_url": "video", "audio
 
 def _no_media(state: ServerState, where: str, block_type: str) -> ApiError:
     kind = MEDIA_BLOCKS.get(block_type, block_type)
+    if kind == "audio" and getattr(state, "audio", None):
+        return ApiError(400, f"{where}: {block_type!r} content blocks are not supported: the Messages API has no audio "
+                             f"blocks — send audio to model {state.model_id} through POST /v1/chat/completions as an "
+                             "OpenAI input_audio part", param=where)
     if state.vision and kind != "image":
         return ApiError(400, f"{where}: {block_type!r} content blocks are not supported: model {state.model_id} "
                              f"cannot take {kind} input (the Messages API has no {kind} blocks; mlxrs takes text and "

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
 
@@ -94,6 +94,8 @@ class ServerState:
         self.vocab = int(info["vocab_size"])
         # the model's image input (None: no vision tower)
         self.vision = info.get("vision")
+        # the model's audio input (None: no audio tower)
+        self.audio = info.get("audio")
         self.model_context = int(info.get("max_position_embeddings") or 0) or None
         ceiling = int(plan["maxSafeContext"])
         if self.model_context:
@@ -156,7 +158,7 @@ class ServerState:
     # -- prompts ------------------------------------------------------------------------------
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      template_kwargs: Mapping[str, Any], param: str = "messages", *,
-                     images: Sequence[tuple[bytes, str]] = ()) -> tuple[str, list[int]]:
+                      images: Sequence[tuple[bytes, str]] = (), audio: Sequence[Any] = ()) -> tuple[str, list[int]]:
         """Chat template → (rendered text, token ids), off the event loop; what the template
         cannot render is adapted first (server/adapt.py). With `images` (each image's bytes and its
         place in the request), the rendered text's image markers are expanded to the model's image
@@ -180,6 +182,11 @@ class ServerState:
                 except InvalidArgumentError as e:
                     raise ApiError(400, f"{param}: {e} (does the chat template render image parts?)",
                                    param=param) from None
+            if audio:
+                try:
+                    text = self.session._s.expand_audio_markers(text, [c.tokens for c in audio])
+                except InvalidArgumentError as e:
+                    raise ApiError(400, f"{param}: {e}", param=param) from None
             return text, self._encode(text, lambda t: list(self.session._s.encode_rendered(t)), param)
         return await self._blocking(work)
 
@@ -190,6 +197,22 @@ class ServerState:
         for r in refs:
             try:
                 out.append((await load_async(r, self.media), r.where))
+            except InvalidArgumentError as e:
+                raise ApiError(400, str(e), param=r.where) from None
+        return out
+
+    async def load_audio(self, refs: Sequence[MediaRef]) -> list[Any]:
+        """A request's audio clips decoded and featurized (native `AudioClip`s), under the media
+        policy (its byte limit raised to audio's): a 400 naming the part for what is not allowed,
+        too large, not WAV or undecodable."""
+        from ..media import DEFAULT_MAX_AUDIO_BYTES
+
+        policy = replace(self.media, max_bytes=max(self.media.max_bytes, DEFAULT_MAX_AUDIO_BYTES))
+        out = []
+        for r in refs:
+            try:
+                data = await load_async(r, policy)
+                out.extend(await self._blocking(lambda d=data, w=r.where: self.session._s.audio_clips([(d, w)])))
             except InvalidArgumentError as e:
                 raise ApiError(400, str(e), param=r.where) from None
         return out
@@ -273,7 +296,7 @@ class ServerState:
 
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, ids: list[int], opts: dict[str, Any],
-                       images: list[tuple[bytes, str]] | None = None) -> "Generation":
+                       images: list[tuple[bytes, str]] | None = None, audio: list[Any] | None = None) -> "Generation":
         """Hand the request to the engine (it queues and batches); 429 when its queue is full,
         503 while shutting down or when the engine cannot generate."""
         if self.closing:
@@ -284,7 +307,7 @@ class ServerState:
             params = _params(opts, self.vocab)
             if images:
                 params = json.dumps({**json.loads(params), **self.media.params()})
-            stream = self.session._s.start(ids, params, self.dispatcher.hub, images or None)
+            stream = self.session._s.start(ids, params, self.dispatcher.hub, images or None, audio or None)
         except EngineError as e:
             raise self.engine_unavailable(e) from None
         except Exception as e:
@@ -622,7 +645,7 @@ def _model_card(state: ServerState, anthropic: bool, name: str | None = None) ->
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))}
     return {"id": mid, "object": "model", "created": state.created, "owned_by": "mlxrs",
             "context_length": state.context_tokens,
-            "input_modalities": ["text", "image"] if state.vision else ["text"]}
+            "input_modalities": ["text"] + (["image"] if state.vision else []) + (["audio"] if state.audio else [])}
 
 
 async def models(request: web.Request) -> web.Response:

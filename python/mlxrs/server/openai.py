@@ -33,6 +33,9 @@ UNSUPPORTED_PARTS = {
 
 
 def _unsupported(state: ServerState, where: str, kind: str, what: str) -> ApiError:
+    if kind == "audio input" and not state.audio:
+        return ApiError(400, f"{where}: {kind} ({what!r} part) is not supported: model {state.model_id} has no audio "
+                             "tower and cannot take audio — send text only", param=where)
     if state.vision and kind != "image input":
         return ApiError(400, f"{where}: {kind} content ({what!r} part) is not supported: model {state.model_id} takes "
                              "text and images only", param=where)
@@ -41,7 +44,7 @@ def _unsupported(state: ServerState, where: str, kind: str, what: str) -> ApiErr
 
 
 def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool = False,
-             images: list[media.ImageRef] | None = None) -> str | None:
+             images: list[media.ImageRef] | None = None, audio: list[media.ImageRef] | None = None) -> str | None:
     """A message's content as text: a string, or an array of text parts (joined by newlines); with
     `images` (a model with a vision tower), an image part becomes the model's image marker and its
     source goes to `images`."""
@@ -69,6 +72,12 @@ def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool =
         elif t in ("image_url", "input_image") and images is not None and state.vision:
             images.append(media.ImageRef(_image_source(part, pw), pw))
             texts.append(state.vision["marker"])
+        elif t in ("input_audio", "audio_url") and audio is not None and state.audio:
+            try:
+                audio.append(media.ImageRef(media.audio_source(part, pw), pw))
+            except InvalidArgumentError as e:
+                raise ApiError(400, str(e), param=pw) from None
+            texts.append(state.audio["marker"])
         elif t in UNSUPPORTED_PARTS:
             raise _unsupported(state, pw, UNSUPPORTED_PARTS[t], t)
         else:
@@ -83,7 +92,8 @@ def _image_source(part: dict[str, Any], where: str) -> bytes | str:
         raise ApiError(400, str(e), param=where) from None
 
 
-def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef] | None = None) -> list[dict[str, Any]]:
+def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef] | None = None,
+                     audio: list[media.ImageRef] | None = None) -> list[dict[str, Any]]:
     """OpenAI messages → the Hugging Face chat-template form (arguments as objects); image parts
     (a model with a vision tower) become image markers, their sources appended to `images`."""
     if not isinstance(msgs, list):
@@ -135,7 +145,7 @@ def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef]
             if isinstance(rc, str) and rc:
                 msg["reasoning_content"] = rc
         elif role == "tool":
-            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images)
+            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images, audio=audio)
             tid = m.get("tool_call_id")
             if tid is not None and not isinstance(tid, str):
                 raise bad(f"{w}.tool_call_id", "expected a string")
@@ -144,7 +154,7 @@ def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef]
                 if tid in names:
                     msg["name"] = names[tid]
         else:
-            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images)
+            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images, audio=audio)
         if isinstance(m.get("name"), str) and role != "tool":
             msg["name"] = m["name"]
         out.append(msg)
@@ -267,7 +277,8 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     include_usage). /v1/responses goes through here too, its request translated to this one."""
     state.check_model(body.get("model"))
     images: list[media.ImageRef] = []
-    messages = convert_messages(state, body.get("messages"), images)
+    arefs: list[media.ImageRef] = []
+    messages = convert_messages(state, body.get("messages"), images, arefs)
     tools, tool_names = convert_tools(body)
     s = sampling(state, body)
     stream = bool(opt_bool(body, "stream"))
@@ -287,7 +298,8 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     kwargs = template_kwargs(body)
     requested = max_tokens_of(body)
     loaded = await state.load_images(images)
-    rendered, ids = await state.render(messages, tools, kwargs, images=loaded)
+    clips = await state.load_audio(arefs)
+    rendered, ids = await state.render(messages, tools, kwargs, images=loaded, audio=clips)
     s.set("max_tokens", state.admit(len(ids), requested))
     if lp.want:
         s.set("logprobs", True)
@@ -295,7 +307,7 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     # constrained output starts at once (a template's open <think> is not continued)
     parser = state.parser(None if constraint else rendered, tool_names, tools)
     try:
-        gen = await state.generate(ids, s.opts, loaded)
+        gen = await state.generate(ids, s.opts, loaded, clips)
     except ApiError as e:
         raise naming(e, cparam) from None
     return gen, parser, lp, stream, include_usage

@@ -146,6 +146,10 @@ pub struct Request {
     /// those positions. A request with images bypasses the prompt-prefix cache (its image tokens
     /// are the same ids whatever the image).
     pub images: Vec<Arc<crate::vision::Pixels>>,
+    /// Audio clips' log-mel features, in the order of their audio-token runs in `prompt` (each
+    /// run [`crate::vision::gemma4_audio::AudioProcessor::tokens_for`] long): the audio tower's
+    /// embeddings replace those positions; like images, no prompt-prefix cache.
+    pub audio: Vec<Arc<crate::vision::audio::Mel>>,
     /// The adapter (its name in [`LoadOptions::adapters`]) this request runs with; None: the one
     /// adapter when the model was loaded with exactly one, else the base model.
     pub adapter: Option<String>,
@@ -455,6 +459,11 @@ impl Engine {
                 return Err(Error::Invalid(format!("the prompt has {n} image tokens for {} image(s) of {want} tokens", req.images.len())));
             }
         }
+        if !req.audio.is_empty() {
+            let a = self.audio_processor()?;
+            let mels: Vec<&crate::vision::audio::Mel> = req.audio.iter().map(|m| &**m).collect();
+            crate::vision::gemma4_audio::check_tokens(a, &req.prompt, &mels)?;
+        }
         // a grammar that does not compile is the caller's error, here rather than in the stream
         let guide = match &req.grammar {
             Some(g) => Some(Box::new(self.guides.guide(g, &self.tokenizer, vocab as usize)?)),
@@ -494,13 +503,38 @@ impl Engine {
     /// Last-position logits (float32) of `prompt` from a fresh cache, through the same chunked
     /// prefill as generation (parity tests compare them with mlx-lm's).
     pub fn last_logits(&self, prompt: Vec<i32>) -> Result<Vec<f32>> {
-        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images: Vec::new(), reply })
+        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images: Vec::new(), audio: Vec::new(), reply })
     }
 
     /// [`Engine::last_logits`] of a prompt with images (its image tokens replaced by their
     /// embeddings, as a generation's prefill does).
     pub fn last_logits_with_images(&self, prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>) -> Result<Vec<f32>> {
-        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images, reply })
+        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images, audio: Vec::new(), reply })
+    }
+
+    /// [`Engine::last_logits`] of a prompt with images and audio clips.
+    pub fn last_logits_with_media(&self, prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>, audio: Vec<Arc<crate::vision::audio::Mel>>) -> Result<Vec<f32>> {
+        self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images, audio, reply })
+    }
+
+    /// The audio processor, or the error naming the model and the modality.
+    pub fn audio_processor(&self) -> Result<&crate::vision::gemma4_audio::AudioProcessor> {
+        self.vision.as_ref().and_then(|v| v.audio()).ok_or_else(|| {
+            Error::Invalid(format!("model {} ({}) has no audio tower: it cannot take audio input", self.model_name(), self.shape.model_type))
+        })
+    }
+
+    /// The audio tower's projected features of clips (float32, every clip's audio tokens in
+    /// order, each `hidden` wide, flattened): what replaces the audio tokens.
+    pub fn audio_features(&self, audio: Vec<Arc<crate::vision::audio::Mel>>) -> Result<Vec<f32>> {
+        self.audio_processor()?;
+        let (tx, rx) = channel();
+        {
+            let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+            let s = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
+            s.send(Cmd::AudioFeatures { audio, reply: tx }).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
+        }
+        rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
     }
 
     /// The embedding of `prompt`: its final normed hidden states mean-pooled over the tokens and

@@ -45,10 +45,12 @@ fn stacked_kv_default() -> bool {
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
     Generate { req: Box<Request>, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>> },
-    Logits { prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>, reply: Sender<Result<Vec<f32>>> },
+    Logits { prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>, audio: Vec<Arc<crate::vision::audio::Mel>>, reply: Sender<Result<Vec<f32>>> },
     Embed { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
     /// The vision tower's projected features of images (float32, flattened `[N, tokens, hidden]`).
     ImageFeatures { pixels: Vec<Arc<crate::vision::Pixels>>, reply: Sender<Result<Vec<f32>>> },
+    /// The audio tower's projected features of clips (float32, flattened `[tokens, hidden]`).
+    AudioFeatures { audio: Vec<Arc<crate::vision::audio::Mel>>, reply: Sender<Result<Vec<f32>>> },
     /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
     Panic,
 }
@@ -268,7 +270,7 @@ impl<'a> Scheduler<'a> {
                 self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
                 let _ = events.send(Event::Error(Error::Engine(why.to_string())));
             }
-            Cmd::Logits { reply, .. } | Cmd::Embed { reply, .. } | Cmd::ImageFeatures { reply, .. } => {
+            Cmd::Logits { reply, .. } | Cmd::Embed { reply, .. } | Cmd::ImageFeatures { reply, .. } | Cmd::AudioFeatures { reply, .. } => {
                 let _ = reply.send(Err(Error::Engine(why.to_string())));
             }
             Cmd::Panic => {}
@@ -319,15 +321,16 @@ impl<'a> Scheduler<'a> {
                     let _ = events.send(Event::Error(e));
                 }
             },
-            Cmd::Logits { prompt, images, reply } => {
+            Cmd::Logits { prompt, images, audio, reply } => {
                 let stream = self.stream.clone();
                 let r = mx::with_stream(&stream, || {
-                    let embeds = match (images.is_empty(), self.vision) {
+                    let embeds = match (images.is_empty() && audio.is_empty(), self.vision) {
                         (true, _) => None,
-                        (false, None) => return Err(Error::Invalid("this model has no vision tower".into())),
+                        (false, None) => return Err(Error::Invalid("this model has no vision or audio tower".into())),
                         (false, Some(t)) => {
                             let p: Vec<&crate::vision::Pixels> = images.iter().map(|p| &**p).collect();
-                            Some(t.merged_embeddings(self.model, &prompt, &p)?)
+                            let a: Vec<&crate::vision::audio::Mel> = audio.iter().map(|m| &**m).collect();
+                            Some(t.merged_media(self.model, &prompt, &p, &a)?)
                         }
                     };
                     let ad = [(self.opts.adapters.len() == 1).then_some(0)];
@@ -348,6 +351,16 @@ impl<'a> Scheduler<'a> {
                     let p: Vec<&crate::vision::Pixels> = pixels.iter().map(|p| &**p).collect();
                     let dtype = self.model.embed_tokens(&Array::from_slice(&[0i32], &[1, 1])?)?.dtype();
                     mx::astype(&tower.features(&p, dtype)?, Dtype::Float32)?.to_vec::<f32>()
+                });
+                let _ = reply.send(r);
+            }
+            Cmd::AudioFeatures { audio, reply } => {
+                let stream = self.stream.clone();
+                let r = mx::with_stream(&stream, || -> Result<Vec<f32>> {
+                    let tower = self.vision.ok_or_else(|| Error::Invalid("this model has no audio tower".into()))?;
+                    let a: Vec<&crate::vision::audio::Mel> = audio.iter().map(|m| &**m).collect();
+                    let dtype = self.model.embed_tokens(&Array::from_slice(&[0i32], &[1, 1])?)?.dtype();
+                    mx::astype(&tower.audio_features(&a, dtype)?, Dtype::Float32)?.to_vec::<f32>()
                 });
                 let _ = reply.send(r);
             }
@@ -379,7 +392,7 @@ impl<'a> Scheduler<'a> {
     fn make_seq(&mut self, req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>>) -> Result<Seq> {
         let adapter = self.adapter_of(&req)?;
         // one adapter fused into the weights is the model itself: its prefixes are as reusable
-        let no_prefix = !req.images.is_empty() || (adapter.is_some() && self.opts.adapters.len() > 1);
+        let no_prefix = !req.images.is_empty() || !req.audio.is_empty() || (adapter.is_some() && self.opts.adapters.len() > 1);
         let sampler = Sampler::new(req.sampling.clone(), self.model.shape().vocab_size)?;
         let detok = Detokenizer::new(&req.prompt);
         let stops = StopMatcher::new(req.stop.clone());
@@ -491,10 +504,11 @@ impl<'a> Scheduler<'a> {
         let step = self.opts.prefill_step_size.max(1) as usize;
         let s = &mut self.running[idx];
         let total = s.req.prompt.len();
-        if !s.req.images.is_empty() && s.embeds.is_none() && total - s.done > 1 {
-            let tower = self.vision.ok_or_else(|| Error::Invalid("this model has no vision tower".into()))?;
+        if (!s.req.images.is_empty() || !s.req.audio.is_empty()) && s.embeds.is_none() && total - s.done > 1 {
+            let tower = self.vision.ok_or_else(|| Error::Invalid("this model has no vision or audio tower".into()))?;
             let pixels: Vec<&crate::vision::Pixels> = s.req.images.iter().map(|p| &**p).collect();
-            let e = tower.merged_embeddings(self.model, &s.req.prompt, &pixels)?;
+            let mels: Vec<&crate::vision::audio::Mel> = s.req.audio.iter().map(|m| &**m).collect();
+            let e = tower.merged_media(self.model, &s.req.prompt, &pixels, &mels)?;
             e.eval()?;
             s.embeds = Some(e);
         }

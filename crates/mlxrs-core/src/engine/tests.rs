@@ -88,6 +88,7 @@ fn request(prompt: Vec<i32>, max_tokens: usize) -> Request {
         top_logprobs: 0,
         grammar: None,
         images: Vec::new(),
+        audio: Vec::new(),
         adapter: None,
     }
 }

@@ -448,6 +448,12 @@ pub fn conv1d(x: &Array, w: &Array, stride: i32, padding: i32, dilation: i32, gr
     out1(|r| unsafe { sys::mlx_conv1d(r, x.0, w.0, stride, padding, dilation, groups, s()) })
 }
 
+/// 2-D convolution of `x` `[B, H, W, C_in]` with `w` `[C_out, kH, kW, C_in / groups]` (channels last).
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d(x: &Array, w: &Array, stride_h: i32, stride_w: i32, pad_h: i32, pad_w: i32, dil_h: i32, dil_w: i32, groups: i32) -> Result<Array> {
+    out1(|r| unsafe { sys::mlx_conv2d(r, x.0, w.0, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, s()) })
+}
+
 // ---- fast kernels ----
 
 pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {

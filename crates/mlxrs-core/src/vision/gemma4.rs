@@ -43,6 +43,8 @@ pub struct Processor {
     pub media_token_ids: Vec<i32>,
     /// Why this model's images are refused (a config mlxrs does not implement for images).
     refuse: Option<String>,
+    /// The audio side, when the model has an audio tower.
+    pub audio: Option<Box<super::gemma4_audio::AudioProcessor>>,
 }
 
 impl Processor {
@@ -131,6 +133,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
         Some(p) => ("processor_config.json", p),
         None => ("preprocessor_config.json", json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null)),
     };
+    let file = name;
     let (name, ip) = match proc_cfg.get("image_processor") {
         Some(ip @ Value::Object(_)) => (format!("{name}: image_processor"), ip.clone()),
         _ => (name.to_string(), proc_cfg.clone()),
@@ -183,6 +186,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
         return Err(Error::ModelLoad(format!("{name}.image_std has a zero")));
     }
     let tc = json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
+    let audio = super::gemma4_audio::processor(config, &proc_cfg, file, &tc, tokenizer)?.map(Box::new);
     let special = |k: &str, dflt: &str| -> String {
         let from = |v: &Value| v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string);
         from(&tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
@@ -211,7 +215,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
          tokens) is not implemented: this model cannot take images in mlxrs"
             .to_string()
     });
-    Ok(Processor { patch, pool, max_soft_tokens, rescale, normalize, boi, eoi, image_token, image_token_id, media_token_ids, refuse })
+    Ok(Processor { patch, pool, max_soft_tokens, rescale, normalize, boi, eoi, image_token, image_token_id, media_token_ids, refuse, audio })
 }
 
 /// Vision sizes from `vision_config`, checked.
@@ -281,13 +285,13 @@ fn vision_dims(v: &Value) -> Result<VisionDims> {
 
 /// mlx-vlm's `ClippableLinear`: a bias-free linear map, its input and output clamped to the
 /// checkpoint's bounds when `use_clipped_linears` is set.
-struct ClipLinear {
+pub(super) struct ClipLinear {
     lin: Linear,
     clip: Option<[Array; 4]>,
 }
 
 impl ClipLinear {
-    fn load(w: &mut Weights, p: &str, clipped: bool, out: i32, inp: i32) -> Result<ClipLinear> {
+    pub(super) fn load(w: &mut Weights, p: &str, clipped: bool, out: i32, inp: i32) -> Result<ClipLinear> {
         let lin = Linear::load(w, &format!("{p}.linear"), false, out, inp)?;
         let clip = if clipped {
             let mut b = |k: &str| -> Result<Array> {
@@ -304,7 +308,7 @@ impl ClipLinear {
         };
         Ok(ClipLinear { lin, clip })
     }
-    fn forward(&self, x: &Array) -> Result<Array> {
+    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         match &self.clip {
             None => self.lin.forward(x),
             Some([imin, imax, omin, omax]) => {
@@ -353,6 +357,8 @@ pub struct Tower {
     proj: Linear,
     d: VisionDims,
     pub processor: Processor,
+    /// The audio encoder, when the model has one.
+    pub audio: Option<Box<super::gemma4_audio::AudioTower>>,
 }
 
 /// The 2-D rotary embedding of a `rows`×`cols` patch grid: per spatial dimension (x, then y) the
@@ -403,7 +409,11 @@ impl Tower {
             None
         };
         let proj = Linear::load(w, &format!("{root}embed_vision.embedding_projection"), false, text_hidden, h)?;
-        Ok(Tower { input_proj, pos_table, layers, std, proj, d, processor })
+        let audio = match &processor.audio {
+            Some(ap) => Some(Box::new(super::gemma4_audio::AudioTower::load(config, w, (**ap).clone())?)),
+            None => None,
+        };
+        Ok(Tower { input_proj, pos_table, layers, std, proj, d, processor, audio })
     }
 
     fn rope(&self, rows: i32, cols: i32) -> Result<Rope2d> {
@@ -518,35 +528,60 @@ impl Tower {
     /// token embeddings, the features (unscaled) at the image tokens; the per-layer token
     /// embeddings of the prompt with its image and audio tokens as 0 in trailing columns.
     pub fn merged_embeddings(&self, model: &dyn CausalLm, prompt: &[i32], pixels: &[&Pixels]) -> Result<Array> {
+        self.merged_media(model, prompt, pixels, &[])
+    }
+
+    /// [`Tower::merged_embeddings`] with audio clips too: their features at the prompt's audio
+    /// tokens (mlx-vlm scatters the images', then the audio's, into the same embeddings).
+    pub fn merged_media(&self, model: &dyn CausalLm, prompt: &[i32], pixels: &[&Pixels], mels: &[&super::audio::Mel]) -> Result<Array> {
         let image_id = self.processor.image_token_id;
         let found = prompt.iter().filter(|&&t| t == image_id).count();
         let want: usize = pixels.iter().map(|p| self.processor.tokens_for(p.height, p.width)).sum();
         if found != want {
             return Err(Error::Invalid(format!("the prompt has {found} image tokens for {} image(s) of {want} tokens", pixels.len())));
         }
+        let audio = match (&self.audio, mels.is_empty()) {
+            (_, true) => None,
+            (Some(a), false) => Some(a),
+            (None, false) => return Err(Error::Invalid("this model has no audio tower".into())),
+        };
+        if let Some(a) = audio {
+            super::gemma4_audio::check_tokens(&a.processor, prompt, mels)?;
+        }
         let l = prompt.len();
-        let embeds = model.embed_tokens(&Array::from_slice(prompt, &[1, l as i32])?)?;
-        let dtype = embeds.dtype();
-        let feats = self.features(pixels, dtype)?;
-        let all = mx::concatenate(&[&embeds, &feats], 1)?;
-        let mut next = 0usize;
-        let idx: Vec<i32> = prompt
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| {
-                if t == image_id {
-                    next += 1;
-                    (l + next - 1) as i32
-                } else {
-                    i as i32
-                }
-            })
-            .collect();
-        let merged = mx::take(&all, &Array::from_slice(&idx, &[l as i32])?, 1)?;
+        let mut merged = model.embed_tokens(&Array::from_slice(prompt, &[1, l as i32])?)?;
+        let dtype = merged.dtype();
+        if !pixels.is_empty() {
+            merged = scatter(&merged, prompt, image_id, &self.features(pixels, dtype)?)?;
+        }
+        if let Some(a) = audio {
+            merged = scatter(&merged, prompt, a.processor.audio_token_id, &mx::expand_dims(&a.features(mels, dtype)?, 0)?)?;
+        }
         let text_only: Vec<i32> = prompt.iter().map(|&t| if self.processor.media_token_ids.contains(&t) { 0 } else { t }).collect();
         match model.embed_per_layer(&Array::from_slice(&text_only, &[1, l as i32])?)? {
             Some(e) => mx::concatenate(&[&merged, &mx::astype(&e, dtype)?], -1),
             None => Ok(merged),
         }
     }
+}
+
+/// `embeds` `[1, L, hidden]` with the rows of `feats` `[1, n, hidden]` in order at `prompt`'s
+/// `token` positions (n of them).
+fn scatter(embeds: &Array, prompt: &[i32], token: i32, feats: &Array) -> Result<Array> {
+    let l = prompt.len();
+    let all = mx::concatenate(&[embeds, feats], 1)?;
+    let mut next = 0usize;
+    let idx: Vec<i32> = prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            if t == token {
+                next += 1;
+                (l + next - 1) as i32
+            } else {
+                i as i32
+            }
+        })
+        .collect();
+    mx::take(&all, &Array::from_slice(&idx, &[l as i32])?, 1)
 }

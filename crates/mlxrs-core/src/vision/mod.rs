@@ -1,8 +1,12 @@
 //! Image input: decoding and preprocessing ([`image`], pure Rust) and the vision towers that turn
 //! pixels into input embeddings for the language model (one file per model family: [`gemma3`],
-//! [`gemma4`]). Audio and video are not implemented.
+//! [`gemma4`]). Audio input (Gemma 4): WAV decoding, resampling and log-mel features ([`audio`],
+//! pure Rust) and the audio encoder ([`gemma4_audio`], held by Gemma 4's tower). Video is not
+//! implemented.
+pub mod audio;
 pub mod gemma3;
 pub mod gemma4;
+pub mod gemma4_audio;
 pub mod image;
 
 pub use self::image::{ImageLimits, Pixels, DEFAULT_LIMITS};
@@ -45,6 +49,14 @@ impl Processor {
         match self {
             Processor::Gemma3(p) => (&p.boi, &p.eoi, &p.image_token, p.image_token_id),
             Processor::Gemma4(p) => (&p.boi, &p.eoi, &p.image_token, p.image_token_id),
+        }
+    }
+
+    /// The audio side, when the model has an audio tower (Gemma 4).
+    pub fn audio(&self) -> Option<&gemma4_audio::AudioProcessor> {
+        match self {
+            Processor::Gemma4(p) => p.audio.as_deref(),
+            _ => None,
         }
     }
 
@@ -133,6 +145,29 @@ impl Tower {
         match self {
             Tower::Gemma3(t) => t.merged_embeddings(model, prompt, pixels),
             Tower::Gemma4(t) => t.merged_embeddings(model, prompt, pixels),
+        }
+    }
+}
+
+impl Tower {
+    /// [`Tower::merged_embeddings`] with audio clips' features at the prompt's audio tokens too
+    /// (a model without an audio tower refuses clips).
+    pub fn merged_media(&self, model: &dyn CausalLm, prompt: &[i32], pixels: &[&Pixels], mels: &[&audio::Mel]) -> Result<Array> {
+        match self {
+            Tower::Gemma4(t) => t.merged_media(model, prompt, pixels, mels),
+            _ if mels.is_empty() => self.merged_embeddings(model, prompt, pixels),
+            _ => Err(Error::Invalid("this model has no audio tower".into())),
+        }
+    }
+
+    /// The audio tower's projected features `[tokens, text_hidden]` of clips, in `dtype`.
+    pub fn audio_features(&self, mels: &[&audio::Mel], dtype: Dtype) -> Result<Array> {
+        match self {
+            Tower::Gemma4(t) => match &t.audio {
+                Some(a) => a.features(mels, dtype),
+                None => Err(Error::Invalid("this model has no audio tower".into())),
+            },
+            _ => Err(Error::Invalid("this model has no audio tower".into())),
         }
     }
 }
