@@ -68,8 +68,9 @@ impl ModelShape {
         }
     }
 
-    /// KV cache bytes for `tokens` tokens of one sequence: full layers in steps of 256 slots,
-    /// sliding layers at most their window (the engine's admission; `plan.rs` plans the same way).
+    /// Cache bytes for `tokens` tokens of one sequence: full layers in steps of 256 slots,
+    /// sliding layers at most their window, plus the fixed state of its recurrent layers
+    /// ([`ModelShape::state_bytes`]) (the engine's admission; `plan.rs` plans the same way).
     pub fn kv_bytes(&self, tokens: usize, kv_bits: Option<i32>, group: i32) -> usize {
         let per = |elems: f64| match kv_bits {
             Some(b) => elems * (b as f64 / 8.0 + 2.0 * self.dtype_bytes as f64 / group.max(1) as f64),
@@ -77,7 +78,13 @@ impl ModelShape {
         };
         let slots = tokens.div_ceil(256) * 256;
         let total: f64 = self.layers.iter().map(|l| l.kv_slots(slots) as f64 * per(l.kv_elems() as f64)).sum();
-        total.ceil() as usize
+        total.ceil() as usize + self.state_bytes()
+    }
+
+    /// The fixed-size state one sequence holds whatever its length: every linear-attention layer's
+    /// convolution inputs and recurrent state ([`LayerLayout::state_bytes`]; 0 without such layers).
+    pub fn state_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.state_bytes(self.dtype_bytes)).sum()
     }
 }
 
