@@ -209,7 +209,17 @@ impl ModelFacts {
         for f in &files {
             tensors.extend(safetensors_header(f)?);
         }
-        let weights_bytes = tensors.iter().map(|t| t.2).sum();
+        // an FP8 checkpoint is dequantized at load (weights::dequantize_fp8): its e4m3 weights are
+        // resident as bfloat16, their scales dropped
+        let fp8 = crate::weights::fp8_block(&config).ok().flatten().is_some();
+        let weights_bytes = tensors
+            .iter()
+            .map(|t| match (fp8, t.1.as_str()) {
+                (true, "F8_E4M3") => 2 * t.2,
+                (true, _) if t.0.ends_with("_scale_inv") || t.0.ends_with("activation_scale") => 0,
+                _ => t.2,
+            })
+            .sum();
         // the activation dtype: the embedding's (its scales' when quantized), else torch_dtype
         let find = |suffix: &str| tensors.iter().find(|t| t.0.ends_with(suffix)).and_then(|t| dtype_bytes(&t.1));
         let act = match find("embed_tokens.weight") {
@@ -316,9 +326,11 @@ impl ModelFacts {
             vocab_size: u("vocab_size").unwrap_or(0),
             sliding,
             kv_elems,
+            state_bytes,
             act_bytes,
             weights_bytes,
-            quantized_weights: config.get("quantization").or_else(|| config.get("quantization_config")).is_some(),
+            quantized_weights: config.get("quantization").or_else(|| config.get("quantization_config")).is_some()
+                && !matches!(crate::weights::fp8_block(config), Ok(Some(_))),
             max_position_embeddings: u("max_position_embeddings"),
             expert_bytes: 0,
             moe,

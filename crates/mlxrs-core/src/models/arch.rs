@@ -196,7 +196,7 @@ mod tests {
             [
                 "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "qwen3_next", "qwen3_5",
                 "qwen3_5_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
-                "mistral4", "mistral3"
+                "mistral4", "mistral3", "ministral3"
             ]
         );
         let mut g = gguf_architectures();

@@ -12,6 +12,7 @@ pub mod gpt_oss;
 pub mod layers;
 pub mod experts;
 pub mod llama;
+pub mod ministral3;
 pub mod mistral3;
 pub mod mistral4;
 pub mod mixtral;
@@ -211,6 +212,7 @@ pub static ARCHS: &[Arch] = &[
     glm_moe_dsa::ARCH,
     mistral4::ARCH,
     mistral3::ARCH,
+    ministral3::ARCH,
 ];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
@@ -228,6 +230,14 @@ pub fn build(config: &Value, mut weights: Weights) -> Result<Box<dyn CausalLm>> 
         Error::Unsupported(format!("model_type {mt:?} is not supported; supported: {}", supported().join(", ")))
     })?;
     (arch.sanitize)(config, &mut weights)?;
+    // an FP8 checkpoint of an architecture whose sanitize does not dequantize it (mlx-lm's neither)
+    if crate::weights::fp8_block(config)?.is_some() {
+        if let Some(k) = weights.first_fp8() {
+            return Err(Error::Unsupported(format!(
+                "weight {k}: an FP8 checkpoint of model_type {mt:?}, which neither mlxrs nor mlx-lm dequantizes (convert it with mlx_lm.convert)"
+            )));
+        }
+    }
     (arch.load)(config, weights)
 }
 
