@@ -78,6 +78,7 @@ def test_the_plan_counts_the_recurrent_state_the_engine_holds():
     snapshot (the prompt's after its prefill, prompt and reply when the generation ends) holds exactly
     one plan's kvBytes, whatever its length within one KV growth step."""
     import json
+    import time
 
     d = make_model("qwen3_5-float32", "qwen3_5")
     cfg = json.loads((d / "config.json").read_text())
@@ -88,7 +89,10 @@ def test_the_plan_counts_the_recurrent_state_the_engine_holds():
     with mlxrs.Session(d, prompt_cache_bytes=1 << 30) as s:
         ids = s.tokenize(TEXT)[:30]
         s.generate(ids, max_tokens=8, ignore_eos=True, temperature=0.0)
-        pc = s.info["prompt_cache"]
+        # the snapshot at the generation's end is taken after its last token is sent
+        deadline = time.monotonic() + 10
+        while (pc := s.info["prompt_cache"])["entries"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert pc["entries"] == 2, pc
     assert pc["bytes"] == 2 * p["kvBytes"], (pc, p)
     # a model without linear-attention layers has no stateBytes
