@@ -133,9 +133,9 @@ def _tokens(d: Path) -> tuple[list[int], list[int]]:
 
 # (tiny model, scales): deepseek_v3's blocks (a 160-row kv_a projection padded to 256) over
 # per-expert tensors before they are stacked; mistral4's blocks over 2-D weights and one scale per
-# expert over its fused [experts, 2 × width, hidden] tensors; deepseek_v32 as deepseek_v3, with its
-# indexer's projections
-CASES = [("deepseek_v3", "block"), ("deepseek_v32", "block"), ("mistral4", "block")]
+# expert over its fused [experts, 2 × width, hidden] tensors; deepseek_v32 and glm_moe_dsa as
+# deepseek_v3, with their indexer's projections
+CASES = [("deepseek_v3", "block"), ("deepseek_v32", "block"), ("glm_moe_dsa", "block"), ("mistral4", "block")]
 
 
 @pytest.mark.parametrize("arch,scales", CASES)
