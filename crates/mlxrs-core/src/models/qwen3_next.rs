@@ -497,6 +497,7 @@ pub fn gated_delta_update(
     let g = mx::exp(&mx::multiply(&decay, &softplus)?)?;
     match super::gated_delta::path(k.dim(-1)) {
         super::gated_delta::Path::CudaKernel => super::gated_delta::kernel(q, k, v, &g, &beta, &state),
+        super::gated_delta::Path::MetalKernel => super::gated_delta::metal_kernel(q, k, v, &g, &beta, &state),
         super::gated_delta::Path::Reference => gated_delta_ops(q, k, v, &g, &beta, state),
     }
 }
