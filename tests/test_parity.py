@@ -15,7 +15,7 @@ import mlxrs
 from tinymodels import make_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe", "qwen3_next",
-         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral3", "mistral3_llama"]
+         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral3", "mistral3_llama", "ministral3", "mistral3_ministral3"]
 GEMMA4 = ["gemma4_text", "gemma4_text_moe"]
 # gather_mm (MoE experts) in MLX's CPU backend: float32 only
 MOE = {"qwen3_moe", "qwen3_next", "gemma4_text_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32",
@@ -663,13 +663,14 @@ def test_mistral4_layouts_and_options(oracle, tmp_path, variant):
     _check(oracle, d, TEXT, dtype="float32", step=16, repeat=2)
 
 
-def test_mistral4_query_scale_is_exercised(oracle, tmp_path):
-    """The tiny mistral4's Llama 4 query scale changes mlx-lm's own logits within the parity
-    tests' prompt and generation (so matching them tests it): beta 0 gives different ones."""
+@pytest.mark.parametrize("arch", ["mistral4", "ministral3"])
+def test_mistral4_query_scale_is_exercised(oracle, tmp_path, arch):
+    """The tiny mistral4's (and ministral3's) Llama 4 query scale changes mlx-lm's own logits within
+    the parity tests' prompt and generation (so matching them tests it): beta 0 gives different ones."""
     import json
     import shutil
 
-    src = make_model("mistral4-float32", "mistral4")
+    src = make_model(f"{arch}-float32", arch)
     d = tmp_path / "beta0"
     shutil.copytree(src, d)
     cfg = json.loads((d / "config.json").read_text())

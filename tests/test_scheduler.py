@@ -58,6 +58,8 @@ CASES = [
     ("mistral4", {"stack": 1}),  # the stacked KV with Llama 4's query scale at every row's own position
     ("mistral4", {}),
     ("mistral3", {}),  # the same text model through its multimodal wrapper
+    ("ministral3", {"stack": 1}),  # Llama 4's query scale at every row's own position over the stacked KV
+    ("ministral3", {}),  # ... and over per-row caches
 ]
 RECURRENT = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
@@ -130,7 +132,7 @@ def test_batch_with_mixed_lengths_and_sampling(tmp_path):
 
 # deepseek_v3: the cached latents and rope keys; deepseek_v32: the indexer's keys beside them;
 # mistral4: a prefill after a hit attends with its concatenated rope over the cached latents
-@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v32", "mistral4"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v32", "mistral4", "ministral3"])
 def test_prefix_cache_hit_gives_the_cold_tokens(arch):
     d = make_model(f"{arch}-float32", arch)
     with mlxrs.Session(d, prompt_cache_bytes=0) as cold, mlxrs.Session(d) as warm:

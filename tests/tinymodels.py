@@ -158,6 +158,15 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                     "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
                                     "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
+    elif arch == "ministral3":
+        # Ministral 3: Llama's decoder, the rope in rope_parameters (YaRN factor 4, mscale_all_dim 1)
+        # with Llama 4's query scale stepping every 32 positions (original_max_position_embeddings),
+        # so a 64-token generation crosses two steps; the head tied (mlx-lm's default)
+        del cfg["rope_theta"]
+        cfg.update(architectures=["Ministral3ForCausalLM"], tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
     elif arch == "gemma3_text":
         cfg.update(sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=head_dim,
                    rope_local_base_freq=10000.0, architectures=["Gemma3ForCausalLM"])
@@ -181,12 +190,15 @@ def base_config(arch: str, *, vocab: int = 512, hidden: int = 256, layers: int =
                        attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False)
         if arch == "gemma4_text_full":
             cfg.update(layer_types=["full_attention"] * len(types))
-    elif arch in ("mistral3", "mistral3_llama"):
-        # Mistral's multimodal layout: the text model in text_config (mistral4, or a Mistral/Llama one
-        # with the head untied by mistral3's default), its weights under model.language_model.*, a
-        # vision tower and projector the loaders drop
-        text = base_config("mistral4" if arch == "mistral3" else "llama", vocab=vocab, hidden=hidden, layers=layers,
+    elif arch in ("mistral3", "mistral3_llama", "mistral3_ministral3"):
+        # Mistral's multimodal layout: the text model in text_config (mistral4, ministral3 as the
+        # Ministral 3 releases ship, or a Mistral/Llama one), the head untied by mistral3's default,
+        # its weights under model.language_model.*, a vision tower and projector the loaders drop
+        inner_arch = {"mistral3": "mistral4", "mistral3_llama": "llama", "mistral3_ministral3": "ministral3"}[arch]
+        text = base_config(inner_arch, vocab=vocab, hidden=hidden, layers=layers,
                            heads=heads, kv_heads=kv_heads, head_dim=head_dim, inter=inter)
+        if arch == "mistral3_ministral3":
+            del text["tie_word_embeddings"]
         if arch == "mistral3_llama":
             text.update(model_type="mistral")
             del text["tie_word_embeddings"], text["architectures"]

@@ -165,7 +165,9 @@ def _facts(model: str | os.PathLike[str], kv_bits: int | None) -> dict[str, Any]
 def _kv_line(f: dict[str, Any], kv_bits: int | None) -> str:
     per_layer = float(f["kv_bytes_per_token_layer"])
     sliding = [w for w in f["sliding"] if w is not None]
-    full = len(f["sliding"]) - len(sliding)
+    # the layers with a growing KV of their own (not sliding, shared-KV or linear-attention layers)
+    kv_elems = f.get("kv_elems") or [1] * len(f["sliding"])
+    full = sum(1 for w, e in zip(f["sliding"], kv_elems) if w is None and e > 0)
     dtype = f"{kv_bits}-bit" if kv_bits else {4: "float32", 2: "16-bit"}.get(int(f["act_bytes"]), f"{f['act_bytes']} B")
     elems = max(f.get("kv_elems") or [0])
     if elems and elems != f["num_kv_heads"] * f["head_dim"] * 2:  # latent attention: latent + rope key
@@ -175,6 +177,8 @@ def _kv_line(f: dict[str, Any], kv_bits: int | None) -> str:
              f"{f['head_dim']} × K,V × {dtype}")
     if sliding:
         s += f"; {len(sliding)} sliding-window layers capped at {max(sliding)} tokens"
+    if f.get("state_bytes"):
+        s += f"; + {human_bytes(int(f['state_bytes']))} of linear-attention state per sequence"
     return s
 
 

@@ -147,6 +147,11 @@ pub struct ModelFacts {
     pub sliding: Vec<Option<u64>>,
     /// Per layer: K and V elements per cached token (0: no KV cache of its own).
     pub kv_elems: Vec<u64>,
+    /// Bytes of the fixed-size state one sequence holds beside its KV, whatever its length: the
+    /// linear-attention layers' convolution inputs and recurrent states
+    /// ([`crate::models::LayerLayout::state_bytes`]); 0 for a model without such layers.
+    #[serde(default)]
+    pub state_bytes: u64,
     /// Bytes per element of activations and of an unquantized KV cache (the model's float dtype).
     pub act_bytes: u64,
     /// Sum of every tensor's bytes, from the safetensors headers.
@@ -204,7 +209,17 @@ impl ModelFacts {
         for f in &files {
             tensors.extend(safetensors_header(f)?);
         }
-        let weights_bytes = tensors.iter().map(|t| t.2).sum();
+        // an FP8 checkpoint is dequantized at load (weights::dequantize_fp8): its e4m3 weights are
+        // resident as bfloat16, their scales dropped
+        let fp8 = crate::weights::fp8_block(&config).ok().flatten().is_some();
+        let weights_bytes = tensors
+            .iter()
+            .map(|t| match (fp8, t.1.as_str()) {
+                (true, "F8_E4M3") => 2 * t.2,
+                (true, _) if t.0.ends_with("_scale_inv") || t.0.ends_with("activation_scale") => 0,
+                _ => t.2,
+            })
+            .sum();
         // the activation dtype: the embedding's (its scales' when quantized affine), else torch_dtype
         // (the microscaling modes' scales are uint8: MLX dequantizes those embeddings to bfloat16,
         // but the first norm's weights promote the hidden state back to the checkpoint's dtype)
@@ -291,6 +306,7 @@ impl ModelFacts {
             Some(l) => l.iter().map(|l| l.kv_elems() as u64).collect(),
             None => vec![kv_heads * head_dim * 2; num_layers as usize],
         };
+        let state_bytes = layout.as_ref().map_or(0, |l| l.iter().map(|l| l.state_bytes(act_bytes as usize) as u64).sum());
         let moe = match &layout {
             Some(l) => l
                 .iter()
@@ -312,9 +328,11 @@ impl ModelFacts {
             vocab_size: u("vocab_size").unwrap_or(0),
             sliding,
             kv_elems,
+            state_bytes,
             act_bytes,
             weights_bytes,
-            quantized_weights: config.get("quantization").or_else(|| config.get("quantization_config")).is_some(),
+            quantized_weights: config.get("quantization").or_else(|| config.get("quantization_config")).is_some()
+                && !matches!(crate::weights::fp8_block(config), Ok(Some(_))),
             max_position_embeddings: u("max_position_embeddings"),
             expert_bytes: 0,
             moe,
@@ -453,6 +471,10 @@ pub struct MemoryPlan {
     pub expert_cache_fraction: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub predicted_expert_bytes_per_token: Option<f64>,
+    /// The part of `kv_bytes` that is the fixed-size state of linear-attention layers (one
+    /// sequence's, whatever the context); absent for a model without such layers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_bytes: Option<u64>,
     /// `streamed-experts` with the cache left to the plan: the least cache it keeps
     /// ([`ModelFacts::expert_cache_floor`]); the context gives way to it.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -478,12 +500,18 @@ impl ModelFacts {
         }
     }
 
-    /// KV cache bytes at `ctx` tokens: full layers hold ceil(ctx/256)×256 slots, sliding layers
-    /// at most their window.
+    /// Cache bytes of one sequence at `ctx` tokens: full layers hold ceil(ctx/256)×256 slots,
+    /// sliding layers at most their window, and the recurrent layers their fixed state
+    /// ([`ModelFacts::state_bytes`]) — what the engine's admission counts (`ModelShape::kv_bytes`).
     pub fn kv_bytes(&self, ctx: u64, kv_bits: Option<u32>, group: u64) -> u64 {
         if ctx == 0 {
             return 0;
         }
+        self.kv_cache_bytes(ctx, kv_bits, group) + self.state_bytes
+    }
+
+    /// [`ModelFacts::kv_bytes`] without the recurrent state: the KV caches alone.
+    fn kv_cache_bytes(&self, ctx: u64, kv_bits: Option<u32>, group: u64) -> u64 {
         let full_slots = ctx.div_ceil(KV_STEP) * KV_STEP;
         let mut total = 0f64;
         for (i, s) in self.sliding.iter().enumerate() {
@@ -541,7 +569,7 @@ impl ModelFacts {
             0.0
         };
         let layers = o.layers_in_flight.clamp(1, self.num_layers.max(1)) as f64;
-        let regrow = self.kv_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
+        let regrow = self.kv_cache_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
         let logits = 2.0 * self.vocab_size as f64 * 4.0;
         ((layers * (hidden + qkv + scores + mlp + dequant) + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
     }
@@ -651,8 +679,14 @@ impl ModelFacts {
             expert_cache_bytes: Some(cache),
             expert_cache_fraction: Some(fraction),
             predicted_expert_bytes_per_token: Some(self.predicted_expert_bytes_per_token(fraction)),
+            state_bytes: self.planned_state_bytes(),
             expert_cache_floor_bytes: floor,
         }
+    }
+
+    /// The plan's `stateBytes`: the recurrent state, for a model that has one.
+    fn planned_state_bytes(&self) -> Option<u64> {
+        Some(self.state_bytes).filter(|&b| b > 0)
     }
 
     /// The plan for `o`.
@@ -684,6 +718,7 @@ impl ModelFacts {
             expert_cache_bytes: None,
             expert_cache_fraction: None,
             predicted_expert_bytes_per_token: None,
+            state_bytes: self.planned_state_bytes(),
             expert_cache_floor_bytes: None,
         }
     }
@@ -810,6 +845,39 @@ mod tests {
         cfg["model_type"] = serde_json::json!("deepseek_v32");
         cfg["index_head_dim"] = serde_json::json!(128);
         assert_eq!(ModelFacts::from_config(&cfg, 0, 2).unwrap().kv_elems, vec![704, 704]);
+    }
+
+    /// Qwen3.5's linear-attention layers: no KV, a fixed state per sequence (float32 recurrence,
+    /// convolution inputs in the activation dtype), counted once whatever the context, not quantized
+    /// with the KV, and the same figure the engine's admission uses (`ModelShape::kv_bytes`).
+    #[test]
+    fn recurrent_state_is_counted_per_sequence() {
+        let cfg = serde_json::json!({
+            "model_type": "qwen3_5", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2
+        });
+        let f = ModelFacts::from_config(&cfg, 0, 2).unwrap();
+        // 2 linear layers × (conv 3 × (2·2·32 + 4·16) × 2 bytes + state 4 × 16 × 32 × 4 bytes)
+        let state = 2 * (3 * 192 * 2 + 4 * 16 * 32 * 4);
+        assert_eq!(f.state_bytes, state);
+        assert_eq!(f.kv_elems, vec![0, 256, 0, 256]);
+        let kv = |ctx: u64| 2 * ctx.div_ceil(256) * 256 * 256 * 2;
+        for ctx in [1, 300, 5000] {
+            assert_eq!(f.kv_bytes(ctx, None, 64), kv(ctx) + state, "{ctx}");
+        }
+        assert_eq!(f.kv_bytes(0, None, 64), 0);
+        let q8 = |ctx: u64| (2.0 * (ctx.div_ceil(256) * 256) as f64 * 256.0 * (1.0 + 4.0 / 64.0)).ceil() as u64;
+        assert_eq!(f.kv_bytes(300, Some(8), 64), q8(300) + state);
+        let p = f.plan(&PlanOptions { context_tokens: Some(300), ..opts(u64::MAX) });
+        assert_eq!((p.state_bytes, p.kv_bytes), (Some(state), kv(300) + state));
+        // the loaded model's shape gives the admission the same bytes
+        let layout = crate::models::arch::layout_of(&cfg).unwrap().unwrap();
+        let shape = crate::models::ModelShape::new("qwen3_5", layout, 256, 512, None, 2);
+        assert_eq!(shape.kv_bytes(300, None, 64) as u64, f.kv_bytes(300, None, 64));
+        // a model without recurrent layers: no stateBytes in its plan
+        assert_eq!(facts().plan(&opts(u64::MAX)).state_bytes, None);
     }
 
     #[test]

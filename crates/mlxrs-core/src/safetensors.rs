@@ -45,6 +45,9 @@ pub fn dtype_of(name: &str) -> Option<(Dtype, u64)> {
     Some(match name {
         "BOOL" => (Dtype::Bool, 1),
         "U8" => (Dtype::Uint8, 1),
+        // FP8 checkpoints (`quant_method: fp8`): MLX loads the codes as uint8; the architectures whose
+        // mlx-lm sanitize dequantizes them do so at load (`weights::dequantize_fp8`)
+        "F8_E4M3" => (Dtype::Uint8, 1),
         "I8" => (Dtype::Int8, 1),
         "U16" => (Dtype::Uint16, 2),
         "I16" => (Dtype::Int16, 2),

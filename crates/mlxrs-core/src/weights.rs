@@ -58,6 +58,97 @@ pub struct Weights {
     lora: Option<Arc<crate::lora::Registry>>,
 }
 
+/// The `quantization_config` of an FP8 checkpoint (`quant_method: fp8`), None for any other.
+fn fp8_config(q: &Value) -> Option<&Value> {
+    (q.get("quant_method").and_then(Value::as_str) == Some("fp8")).then_some(q)
+}
+
+/// The FP8 block `(rows, cols)` of `config` (its `quantization_config`, or its `text_config`'s):
+/// None when the checkpoint is not FP8; `weight_block_size` [128, 128] when it does not say (the
+/// size mlx-lm assumes). Power-of-two (`ue8m0`) scales over 32×32 blocks, which mlx-lm keeps packed
+/// as mxfp8, are refused.
+pub fn fp8_block(config: &Value) -> Result<Option<(i32, i32)>> {
+    let text = config.get("text_config").filter(|t| t.is_object());
+    let Some(q) = config.get("quantization_config").or_else(|| text.and_then(|t| t.get("quantization_config"))).and_then(fp8_config)
+    else {
+        return Ok(None);
+    };
+    if q.get("scale_fmt").and_then(Value::as_str) == Some("ue8m0") {
+        return Err(Error::Unsupported(
+            "config.json: quantization_config.scale_fmt \"ue8m0\" (an mxfp8 checkpoint) is not supported; convert it with mlx_lm.convert".into(),
+        ));
+    }
+    let Some(b) = q.get("weight_block_size").filter(|b| !b.is_null()) else { return Ok(Some((128, 128))) };
+    match b.as_array().map(|a| a.iter().map(Value::as_i64).collect::<Vec<_>>()).as_deref() {
+        Some([Some(r), Some(c)]) if (1..=1 << 16).contains(r) && (1..=1 << 16).contains(c) => Ok(Some((*r as i32, *c as i32))),
+        _ => Err(Error::ModelLoad(format!("config.json: quantization_config.weight_block_size = {b} is not [rows, cols] of positive sizes"))),
+    }
+}
+
+/// mlx-lm's FP8 dequantization at load (the sanitize of deepseek_v3, deepseek_v32 / glm_moe_dsa,
+/// mistral4, ministral3): every `{name}_scale_inv` is taken with its `{name}` (e4m3 codes, loaded as
+/// uint8), which becomes `from_fp8(codes) × scale` in bfloat16 — the scale one per `block` tile of
+/// the matrix (`[ceil(rows / block.0), ceil(cols / block.1)]`), or one that broadcasts over it (per
+/// tensor, per expert); `activation_scale`s (static input scales) are dropped. A weight left in
+/// FP8 without its scale, a scale without its weight, or a scale of another shape is refused
+/// naming the tensor. Does nothing for a checkpoint whose config is not FP8.
+pub fn dequantize_fp8(config: &Value, w: &mut Weights) -> Result<()> {
+    let Some(block) = fp8_block(config)? else { return Ok(()) };
+    w.retain(|k| !k.ends_with("activation_scale"));
+    let mut scales: Vec<String> = w.keys().filter(|k| k.ends_with("_scale_inv")).cloned().collect();
+    scales.sort();
+    if w.streaming().is_some() && !scales.is_empty() {
+        return Err(Error::Unsupported("an FP8 checkpoint with streamed experts (dequantize it with mlx_lm.convert first)".into()));
+    }
+    for sk in scales {
+        let wk = sk.replacen("_scale_inv", "", 1);
+        let codes = w.remove(&wk).ok_or_else(|| Error::ModelLoad(format!("weight {sk} has no {wk} to scale: the checkpoint is incomplete")))?;
+        let scale = w.take(&sk)?;
+        if codes.dtype() != mx::Dtype::Uint8 {
+            return Err(Error::ModelLoad(format!("weight {wk} is {:?}, not FP8 (F8_E4M3), yet has a {sk}", codes.dtype())));
+        }
+        w.insert(wk.clone(), fp8_dequantize(&wk, &codes, &scale, block)?);
+    }
+    if let Some(k) = w.first_fp8() {
+        return Err(Error::ModelLoad(format!("weight {k} is FP8 (F8_E4M3) but the checkpoint has no {k}_scale_inv for it")));
+    }
+    Ok(())
+}
+
+impl Weights {
+    /// The first (by name) tensor still holding FP8 codes (uint8) after sanitize, if any.
+    pub fn first_fp8(&self) -> Option<String> {
+        self.map.iter().filter(|(_, a)| a.dtype() == mx::Dtype::Uint8).map(|(k, _)| k.clone()).min()
+    }
+}
+
+/// One FP8 weight `codes` (`[.., rows, cols]` uint8) times its `scale_inv` (see [`dequantize_fp8`]).
+fn fp8_dequantize(name: &str, codes: &Array, scale: &Array, (br, bc): (i32, i32)) -> Result<Array> {
+    let bf16 = mx::Dtype::Bfloat16;
+    let x = mx::from_fp8(codes, bf16)?;
+    let (ws, ss) = (codes.shape(), scale.shape());
+    let broadcasts = ss.len() <= ws.len() && ss.iter().rev().zip(ws.iter().rev()).all(|(s, w)| *s == 1 || s == w);
+    if broadcasts {
+        return mx::astype(&mx::multiply(&x, scale)?, bf16);
+    }
+    let (m, n) = match ws[..] {
+        [m, n] => (m, n),
+        _ => return Err(Error::ModelLoad(format!("weight {name}_scale_inv has shape {ss:?}: neither blocks of the matrix nor broadcasting over {name} {ws:?}"))),
+    };
+    let (rb, cb) = ((m + br - 1) / br, (n + bc - 1) / bc);
+    if ss != [rb, cb] {
+        return Err(Error::ModelLoad(format!(
+            "weight {name}_scale_inv has shape {ss:?} but {name} {ws:?} in blocks of [{br}, {bc}] (quantization_config.weight_block_size) needs [{rb}, {cb}]"
+        )));
+    }
+    let (pm, pn) = (rb * br - m, cb * bc - n);
+    let x = if pm > 0 || pn > 0 { mx::pad(&x, &[0, 1], &[0, 0], &[pm, pn], &mx::scalar_as(0.0, bf16)?)? } else { x };
+    let x = mx::reshape(&x, &[rb, br, cb, bc])?;
+    let s = mx::reshape(scale, &[rb, 1, cb, 1])?;
+    let y = mx::reshape(&mx::multiply(&x, &s)?, &[rb * br, cb * bc])?;
+    mx::astype(&mx::slice(&y, &[0, 0], &[m, n], &[1, 1])?, bf16)
+}
+
 /// A weight matrix `[out, in]` as stored: dense, or MLX-quantized (packed uint32 values, with a
 /// scale per group of `q.group_size` inputs, and in affine mode a bias).
 pub enum Matrix {
@@ -173,7 +264,9 @@ impl Weights {
                     }
                 }
             }
-        } else if let Some(q) = config.get("quantization_config").filter(|q| !q.is_null()) {
+        } else if let Some(q) = config.get("quantization_config").filter(|q| !q.is_null() && fp8_config(q).is_none()) {
+            // (an FP8 checkpoint's quantization_config is not MLX's quantization: its weights are
+            // dequantized at load, dequantize_fp8)
             default_q = Some(match q.get("quant_method").and_then(Value::as_str) {
                 Some("mxfp4") => QuantSpec { group_size: 32, bits: 4, mode: QuantMode::Mxfp4 },
                 Some("mxfp8") => QuantSpec { group_size: 32, bits: 8, mode: QuantMode::Mxfp8 },
@@ -425,5 +518,78 @@ mod tests {
             let err = Weights::from_map(HashMap::new(), &cfg).err().expect("refused").to_string();
             assert!(err.contains(needle), "{err}");
         }
+    }
+}
+
+#[cfg(test)]
+mod fp8_tests {
+    use super::*;
+    use serde_json::json;
+
+    fn cfg(block: Value) -> Value {
+        json!({"quantization_config": {"quant_method": "fp8", "weight_block_size": block, "fmt": "e4m3"}})
+    }
+
+    /// e4m3 codes of small integers (exact in FP8): the bytes 0x38 (1.0), 0x40 (2.0), 0x44 (3.0), 0x30 (0.5).
+    fn codes(shape: &[i32]) -> Array {
+        let n: i32 = shape.iter().product();
+        let v: Vec<u8> = (0..n).map(|i| [0x38u8, 0x40, 0x44, 0x30][i as usize % 4]).collect();
+        Array::from_slice(&v, shape).unwrap()
+    }
+
+    fn weights(entries: Vec<(&str, Array)>, config: &Value) -> Weights {
+        Weights::from_map(entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), config).unwrap()
+    }
+
+    /// Blocks of 2×2 over a 3×5 matrix (padded at the edges): each element its code's value times its
+    /// block's scale, in bfloat16; a per-tensor scale broadcasts; activation scales dropped; the
+    /// config's quantization_config is not taken for MLX's own quantization.
+    #[test]
+    fn block_and_tensor_scales() {
+        let c = cfg(json!([2, 2]));
+        let scale = Array::from_slice(&[1.0f32, 2.0, 4.0, 8.0, 16.0, 32.0], &[2, 3]).unwrap();
+        let mut w = weights(vec![("a.weight", codes(&[3, 5])), ("a.weight_scale_inv", scale), ("b.weight", codes(&[2, 2])),
+                                 ("b.weight_scale_inv", Array::scalar(0.25f32).unwrap()), ("b.activation_scale", Array::scalar(1.0f32).unwrap())], &c);
+        assert_eq!(w.default_q, None);
+        dequantize_fp8(&c, &mut w).unwrap();
+        let a = w.take("a.weight").unwrap();
+        assert_eq!((a.dtype(), a.shape()), (mx::Dtype::Bfloat16, vec![3, 5]));
+        let got = mx::astype(&a, mx::Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+        let val = [1.0f32, 2.0, 3.0, 0.5];
+        let scales = [[1.0f32, 2.0, 4.0], [8.0, 16.0, 32.0]];
+        for r in 0..3 {
+            for col in 0..5 {
+                let want = val[(r * 5 + col) % 4] * scales[r / 2][col / 2];
+                assert_eq!(got[r * 5 + col], want, "[{r}, {col}]");
+            }
+        }
+        let b = mx::astype(&w.take("b.weight").unwrap(), mx::Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(b, [0.25, 0.5, 0.75, 0.125]);
+        assert!(w.keys().next().is_none(), "scales and activation scales are gone");
+    }
+
+    #[test]
+    fn bad_checkpoints_are_refused_naming_the_tensor() {
+        let err = |c: &Value, entries: Vec<(&str, Array)>| {
+            let mut w = weights(entries, c);
+            dequantize_fp8(c, &mut w).err().map(|e| e.to_string()).unwrap_or_default()
+        };
+        let c = cfg(json!([128, 128]));
+        let s = |shape: &[i32]| mx::ones(shape, mx::Dtype::Float32).unwrap();
+        // scales for blocks of 64 under a config of 128
+        let e = err(&c, vec![("l.weight", codes(&[256, 128])), ("l.weight_scale_inv", s(&[4, 2]))]);
+        assert!(e.contains("weight l.weight_scale_inv has shape [4, 2]") && e.contains("needs [2, 1]"), "{e}");
+        let e = err(&c, vec![("l.weight", codes(&[256, 128]))]);
+        assert!(e.contains("weight l.weight is FP8") && e.contains("no l.weight_scale_inv"), "{e}");
+        let e = err(&c, vec![("l.weight_scale_inv", s(&[2, 1]))]);
+        assert!(e.contains("weight l.weight_scale_inv has no l.weight"), "{e}");
+        let e = err(&cfg(json!([128])), vec![]);
+        assert!(e.contains("quantization_config.weight_block_size = [128]"), "{e}");
+        let mx8 = json!({"quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}});
+        assert!(err(&mx8, vec![]).contains("ue8m0"));
+        // not an FP8 checkpoint: nothing done, even to a uint8 tensor
+        let mut w = weights(vec![("l.weight", codes(&[2, 2]))], &json!({}));
+        dequantize_fp8(&json!({}), &mut w).unwrap();
+        assert_eq!(w.take("l.weight").unwrap().dtype(), mx::Dtype::Uint8);
     }
 }

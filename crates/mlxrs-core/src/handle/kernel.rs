@@ -1,5 +1,5 @@
-//! User GPU kernels: mlx-c's `mlx_fast_cuda_kernel_*` (MLX's `mx.fast.cuda_kernel`), and which GPU
-//! backend the loaded MLX has.
+//! User GPU kernels: mlx-c's `mlx_fast_cuda_kernel_*` and `mlx_fast_metal_kernel_*` (MLX's
+//! `mx.fast.cuda_kernel` / `mx.fast.metal_kernel`), and which GPU backend the loaded MLX has.
 use super::array::{Array, Dtype};
 use super::check;
 use super::ops::VecArray;
@@ -127,5 +127,78 @@ impl Drop for CudaKernel {
     fn drop(&mut self) {
         // SAFETY: created by mlx_fast_cuda_kernel_new, freed once.
         unsafe { sys::mlx_fast_cuda_kernel_free(self.0) };
+    }
+}
+
+/// A Metal kernel body compiled by MLX at first use (`mx.fast.metal_kernel`), per set of template
+/// arguments: inputs `const device T* name` (scalars as `const constant T&`), outputs
+/// `device T* name`; `grid` counts threads. MLX refuses it without its Metal backend.
+pub struct MetalKernel(sys::mlx_fast_metal_kernel);
+
+// SAFETY: as CudaKernel's: an immutable MLX kernel function object; applying it builds graph nodes.
+unsafe impl Send for MetalKernel {}
+unsafe impl Sync for MetalKernel {}
+
+struct MetalConfig(sys::mlx_fast_metal_kernel_config);
+
+impl Drop for MetalConfig {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx_fast_metal_kernel_config_new, freed once.
+        unsafe { sys::mlx_fast_metal_kernel_config_free(self.0) };
+    }
+}
+
+impl MetalKernel {
+    /// `ensure_row_contiguous`: inputs copied to row-contiguous first (so the source may index them flat).
+    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str, ensure_row_contiguous: bool) -> Result<MetalKernel> {
+        init()?;
+        let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
+        let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("kernel {name}: text contains NUL")));
+        let (n, src, hdr) = (c(name)?, c(source)?, c(header)?);
+        // SAFETY: every pointer is valid for the call; mlx-c copies what it keeps.
+        let k = unsafe { sys::mlx_fast_metal_kernel_new(n.as_ptr(), ins.0, outs.0, src.as_ptr(), hdr.as_ptr(), ensure_row_contiguous, false) };
+        if k.ctx.is_null() {
+            let e = check(1).err().map_or_else(|| "failed".to_string(), |e| e.to_string());
+            return Err(Error::Mlx(format!("kernel {name}: {e}")));
+        }
+        Ok(MetalKernel(k))
+    }
+
+    /// The kernel over `inputs` on the current stream: outputs of `outputs` (shape, dtype),
+    /// `grid` threads in threadgroups of `group`.
+    pub fn apply(&self, inputs: &[&Array], outputs: &[(&[i32], Dtype)], grid: (i32, i32, i32), group: (i32, i32, i32),
+                 template: &[(&str, TemplateArg)]) -> Result<Vec<Array>> {
+        // SAFETY: a fresh config, freed by its guard.
+        let cfg = MetalConfig(unsafe { sys::mlx_fast_metal_kernel_config_new() });
+        for (shape, dtype) in outputs {
+            // SAFETY: the shape slice is valid for the call; mlx-c copies it.
+            check(unsafe { sys::mlx_fast_metal_kernel_config_add_output_arg(cfg.0, shape.as_ptr(), shape.len(), dtype.raw()) })?;
+        }
+        // SAFETY: plain values into the config.
+        check(unsafe { sys::mlx_fast_metal_kernel_config_set_grid(cfg.0, grid.0, grid.1, grid.2) })?;
+        check(unsafe { sys::mlx_fast_metal_kernel_config_set_thread_group(cfg.0, group.0, group.1, group.2) })?;
+        for (name, arg) in template {
+            let n = CString::new(*name).map_err(|_| Error::Invalid("template name contains NUL".into()))?;
+            // SAFETY: the name is valid for the call; mlx-c copies it.
+            check(unsafe {
+                match arg {
+                    TemplateArg::Int(v) => sys::mlx_fast_metal_kernel_config_add_template_arg_int(cfg.0, n.as_ptr(), *v),
+                    TemplateArg::Bool(v) => sys::mlx_fast_metal_kernel_config_add_template_arg_bool(cfg.0, n.as_ptr(), *v),
+                    TemplateArg::Dtype(d) => sys::mlx_fast_metal_kernel_config_add_template_arg_dtype(cfg.0, n.as_ptr(), d.raw()),
+                }
+            })?;
+        }
+        let ins = VecArray::new(inputs);
+        let mut out = VecArray::new(&[]);
+        // SAFETY: every handle is live for the call; the result vector is owned by `out`.
+        check(unsafe { sys::mlx_fast_metal_kernel_apply(&mut out.0, self.0, ins.0, cfg.0, current_stream()) })?;
+        out.to_vec()
+    }
+}
+
+impl Drop for MetalKernel {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx_fast_metal_kernel_new, freed once.
+        unsafe { sys::mlx_fast_metal_kernel_free(self.0) };
     }
 }

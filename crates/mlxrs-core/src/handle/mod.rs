@@ -12,7 +12,7 @@ mod runtime;
 pub use dispatch::{dispatch, OPS as DISPATCH_OPS};
 
 pub use array::{async_eval, eval, Array, Dtype, Element};
-pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, TemplateArg};
+pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, MetalKernel, TemplateArg};
 pub use ops::*;
 pub use runtime::{
     active_memory, cache_memory, clear_cache, default_device, device_memory_size, init, peak_memory,

@@ -124,6 +124,12 @@ pub fn astype(a: &Array, dtype: Dtype) -> Result<Array> {
     out1(|r| unsafe { sys::mlx_astype(r, a.0, dtype.raw(), s()) })
 }
 
+/// FP8 (e4m3) codes stored as uint8 (how MLX loads a safetensors `F8_E4M3` tensor) as `dtype`
+/// values (MLX's `from_fp8`).
+pub fn from_fp8(a: &Array, dtype: Dtype) -> Result<Array> {
+    out1(|r| unsafe { sys::mlx_from_fp8(r, a.0, dtype.raw(), s()) })
+}
+
 /// Reinterpret the bytes of `a` as `dtype`.
 pub fn view(a: &Array, dtype: Dtype) -> Result<Array> {
     out1(|r| unsafe { sys::mlx_view(r, a.0, dtype.raw(), s()) })

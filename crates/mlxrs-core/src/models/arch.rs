@@ -22,8 +22,10 @@ pub enum AttnKind {
     /// Its [`LayerCache`] is an empty placeholder that only tracks the token count.
     SharedKv { from: usize },
     /// A fixed-size recurrent state instead of a KV cache (Gated DeltaNet linear attention:
-    /// qwen3_next, qwen3_5): a [`crate::cache::RecurrentCache`].
-    LinearRecurrent,
+    /// qwen3_next, qwen3_5): a [`crate::cache::RecurrentCache`] of `conv` elements in the
+    /// activation dtype (the convolution's last `kernel - 1` inputs, `(kernel - 1) × conv_dim`) and
+    /// `state` float32 elements (the delta-rule state, `Hv × Dv × Dk`) per sequence, whatever its length.
+    LinearRecurrent { conv: i32, state: i32 },
     /// Multi-head latent attention (deepseek_v3): every position, a growing cache of one compressed
     /// latent of `rank` elements and one rotary key of `rope_dims` per token, whatever the heads,
     /// plus the sparse-attention indexer's key of `index_dims` (deepseek_v32; 0 without one).
@@ -56,7 +58,16 @@ impl LayerLayout {
         match self.attn {
             AttnKind::Full | AttnKind::Sliding { .. } => (self.kv_heads.max(0) * self.head_dim.max(0) * 2) as usize,
             AttnKind::Latent { rank, rope_dims, index_dims } => (rank.max(0) + rope_dims.max(0) + index_dims.max(0)) as usize,
-            AttnKind::SharedKv { .. } | AttnKind::LinearRecurrent => 0,
+            AttnKind::SharedKv { .. } | AttnKind::LinearRecurrent { .. } => 0,
+        }
+    }
+    /// Bytes of the fixed-size state one sequence holds in this layer beside any KV (a linear-attention
+    /// layer's convolution inputs in `act_bytes`-byte elements and its float32 recurrent state; 0 for
+    /// the others). Not quantized by `kv_bits` (mlx-lm quantizes only the KV caches).
+    pub fn state_bytes(&self, act_bytes: usize) -> usize {
+        match self.attn {
+            AttnKind::LinearRecurrent { conv, state } => conv.max(0) as usize * act_bytes + state.max(0) as usize * 4,
+            _ => 0,
         }
     }
     /// The KV slots a layer holds at `slots` tokens (a sliding layer at most its window).
@@ -115,7 +126,7 @@ pub fn make_cache(layers: &[LayerLayout], opts: &CacheOptions) -> Vec<LayerCache
     layers
         .iter()
         .map(|l| match (l.attn, opts.max_kv_size) {
-            (AttnKind::LinearRecurrent, _) => LayerCache::recurrent(),
+            (AttnKind::LinearRecurrent { .. }, _) => LayerCache::recurrent(),
             (AttnKind::Sliding { window }, _) => LayerCache::rotating(window, 0),
             (AttnKind::SharedKv { .. }, _) => LayerCache::full(),
             (_, Some(m)) => LayerCache::rotating(m, 4),
@@ -185,7 +196,7 @@ mod tests {
             [
                 "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "qwen3_next", "qwen3_5",
                 "qwen3_5_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
-                "mistral4", "mistral3"
+                "mistral4", "mistral3", "ministral3"
             ]
         );
         let mut g = gguf_architectures();

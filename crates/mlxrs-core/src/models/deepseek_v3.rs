@@ -71,20 +71,22 @@ impl MlaDims {
 /// `mlp.switch_mlp.*`; `self_attn.kv_b_proj` split into `embed_q` / `unembed_out` (through its
 /// dequantized values when quantized, re-quantized with its bits and group size); the
 /// multi-token-prediction layers (`model.layers.{num_hidden_layers}` on) and rotary buffers dropped.
-/// DeepSeek's own FP8 (`weight_scale_inv`) and compressed-tensors int4 checkpoints are refused:
-/// convert them with mlx-lm first.
+/// DeepSeek's own FP8 checkpoints (`quant_method: fp8`, `weight_scale_inv` per 128×128 block) are
+/// dequantized to bfloat16 first, as mlx-lm does ([`crate::weights::dequantize_fp8`]);
+/// compressed-tensors int4 checkpoints are refused: convert them with mlx-lm first.
 pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
     let c = Cfg(config);
     let layers = c.size("num_hidden_layers", None, limits::LAYERS)?;
-    if let Some(k) = w.keys().find(|k| k.ends_with("weight_scale_inv") || k.ends_with("weight_packed")).cloned() {
+    if let Some(k) = w.keys().find(|k| k.ends_with("weight_packed")).cloned() {
         return Err(Error::Unsupported(format!(
-            "weight {k}: an FP8 / compressed-tensors checkpoint (convert it with mlx_lm.convert first)"
+            "weight {k}: a compressed-tensors checkpoint (convert it with mlx_lm.convert first)"
         )));
     }
     w.retain(|k| {
         let mtp = k.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<i32>().ok()).is_some_and(|i| i >= layers);
         !mtp && !k.contains("rotary_emb.inv_freq")
     });
+    crate::weights::dequantize_fp8(config, w)?;
     let d = MlaDims::from_config(&c)?;
     for l in 0..layers {
         let p = format!("model.layers.{l}.mlp");
@@ -224,7 +226,7 @@ impl MlaVariant {
 /// mlx-lm's `_get_llama_4_attn_scale` at `offsets` (one per row, `[B, 1, 1, 1]`... when several)
 /// for `l` positions each: `1 + beta * log(1 + floor((arange(l) + offset) / original_max))` in
 /// float32, then `dtype`; shaped `[rows, 1, l, 1]` to scale queries `[B, H, L, D]`.
-fn llama4_scale(offsets: &[i32], l: i32, (beta, max): (f64, f64), dtype: mx::Dtype) -> Result<Array> {
+pub(crate) fn llama4_scale(offsets: &[i32], l: i32, (beta, max): (f64, f64), dtype: mx::Dtype) -> Result<Array> {
     let pos: Vec<i32> = offsets.iter().flat_map(|&o| (0..l).map(move |i| o + i)).collect();
     let pos = mx::astype(&Array::from_slice(&pos, &[offsets.len() as i32, 1, l, 1])?, mx::Dtype::Float32)?;
     let f32s = |v: f64| mx::scalar_as(v, mx::Dtype::Float32);

@@ -495,11 +495,36 @@ impl Attention {
         caches: LayerCaches,
         sinks: Option<&Array>,
     ) -> Result<Array> {
+        self.attend_many_scaled(q, k, v, masks, caches, sinks, None)
+    }
+
+    /// [`Attention::attend_many`] with the rotated queries times `q_scale` (`[rows or 1, 1, L, 1]`,
+    /// in the queries' dtype: Llama 4's position-dependent scale, ministral3), multiplied after the
+    /// rotary embedding as mlx-lm does.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_many_scaled(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        sinks: Option<&Array>,
+        q_scale: Option<&Array>,
+    ) -> Result<Array> {
+        // the scale of batch row `row` (all rows: None)
+        let scaled = |q: Array, row: Option<usize>| -> Result<Array> {
+            match (q_scale, row) {
+                (None, _) => Ok(q),
+                (Some(s), Some(i)) if s.dim(0) > 1 => mx::multiply(&q, &mx::slice_axis(s, 0, i as i32, i as i32 + 1)?),
+                (Some(s), _) => mx::multiply(&q, s),
+            }
+        };
         let l = q.dim(2);
         let (caches, masks) = match (caches, masks) {
             (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
                 // every row's keys in one stacked buffer: the same few ops for any batch size
-                let q = self.rope.forward_rows(&q, kv.offsets())?;
+                let q = scaled(self.rope.forward_rows(&q, kv.offsets())?, None)?;
                 let k = self.rope.forward_rows(&k, kv.offsets())?;
                 let (kk, vv) = kv.update_and_fetch(layer, &k, &v)?;
                 return mx::scaled_dot_product_attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), sinks);
@@ -509,24 +534,30 @@ impl Attention {
         };
         let mut caches = caches;
         if caches.len() == 1 {
-            return self.attend(q, k, v, &masks[0], caches[0], sinks);
+            if q_scale.is_none() {
+                return self.attend(q, k, v, &masks[0], caches[0], sinks);
+            }
+            let o = caches[0].offset();
+            let q = scaled(self.rope.forward(&q, o)?, None)?;
+            let k = self.rope.forward(&k, o)?;
+            return self.attend_roped(q, k, v, &masks[0], caches[0], sinks);
         }
         let n = caches.len() as i32;
         let offsets: Vec<i32> = caches.iter().map(|c| c.offset()).collect();
         // one token per row (a decode step): the rotary embedding for all rows at once
         let (q, k, roped) = if l == 1 {
-            (self.rope.forward_rows(&q, &offsets)?, self.rope.forward_rows(&k, &offsets)?, true)
+            (scaled(self.rope.forward_rows(&q, &offsets)?, None)?, self.rope.forward_rows(&k, &offsets)?, true)
         } else {
             (q, k, false)
         };
         let (qs, ks, vs) = (mx::split(&q, n, 0)?, mx::split(&k, n, 0)?, mx::split(&v, n, 0)?);
         let mut outs = Vec::with_capacity(caches.len());
-        for (((cache, mask), (q, k)), v) in caches.iter_mut().zip(masks).zip(qs.into_iter().zip(ks)).zip(vs) {
+        for (i, (((cache, mask), (q, k)), v)) in caches.iter_mut().zip(masks).zip(qs.into_iter().zip(ks)).zip(vs).enumerate() {
             let (q, k) = if roped {
                 (q, k)
             } else {
                 let o = cache.offset();
-                (self.rope.forward(&q, o)?, self.rope.forward(&k, o)?)
+                (scaled(self.rope.forward(&q, o)?, Some(i))?, self.rope.forward(&k, o)?)
             };
             outs.push(self.attend_roped(q, k, v, mask, cache, sinks)?);
         }
@@ -535,7 +566,7 @@ impl Attention {
     }
 
     /// q, k, v as `[B, heads, L, head_dim]` (before the rotary embedding).
-    fn project(&self, x: &Array) -> Result<(Array, Array, Array)> {
+    pub(crate) fn project(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let sh = x.shape();
         let (b, l) = (sh[0], sh[1]);
         let heads = |t: Array, n: i32| -> Result<Array> { mx::reshape(&t, &[b, l, n, -1]) };
@@ -563,7 +594,8 @@ impl Attention {
         attend_fetched(&q, &cache.update_and_fetch(k, v)?, self.scale, mask, sinks)
     }
 
-    fn output(&self, out: &Array, b: i32, l: i32) -> Result<Array> {
+    /// The heads `[B, heads, L, head_dim]` back to `[B, L, hidden]` through the output projection.
+    pub(crate) fn output(&self, out: &Array, b: i32, l: i32) -> Result<Array> {
         let out = mx::reshape(&mx::transpose_axes(out, &[0, 2, 1, 3])?, &[b, l, -1])?;
         self.o_proj.forward(&out)
     }

@@ -74,6 +74,9 @@ pub struct Model {
     pub lm_head: Option<Linear>,
     pub shape: ModelShape,
     pub sliding_window: Option<i32>,
+    /// Llama 4's position-dependent query scale `(beta, original_max_position_embeddings)`
+    /// (ministral3: [`super::deepseek_v3::llama4_scale`]); None for the others.
+    pub llama4_scale: Option<(f64, f64)>,
 }
 
 /// Per-family switches.
@@ -190,6 +193,7 @@ impl Model {
             norm,
             lm_head,
             sliding_window,
+            llama4_scale: None,
             shape: ModelShape::new(model_type, layout, hidden, d.vocab, c.opt_i("max_position_embeddings"), dtype_bytes),
         })
     }
@@ -211,10 +215,30 @@ impl CausalLm for Model {
             None => None,
         };
         let n_layers = self.layers.len();
+        // Llama 4's query scale at each row's positions (the first layer's offsets, as mlx-lm's
+        // `cache[0].offset`), multiplying the rotated queries
+        let q_scale = match self.llama4_scale {
+            Some(p) => {
+                let offsets: Vec<i32> = match caches.layer_mut(0) {
+                    crate::cache::LayerCaches::Rows(rows) => rows.iter().map(|c| c.offset()).collect(),
+                    crate::cache::LayerCaches::Batch(kv, _) => kv.offsets().to_vec(),
+                };
+                Some(super::deepseek_v3::llama4_scale(&offsets, n, p, h.dtype())?)
+            }
+            None => None,
+        };
         let mut stager = super::Stager::new(staging);
         for (i, layer) in self.layers.iter().enumerate() {
             let mask = if layer.sliding { swa_mask.as_ref().unwrap_or(&fa_mask) } else { &fa_mask };
-            let r = layer.attn.forward_many_sinks(&layer.in_norm.forward(&h)?, mask, caches.layer_mut(i), layer.sinks.as_ref())?;
+            let x = layer.in_norm.forward(&h)?;
+            let r = match &q_scale {
+                Some(s) => {
+                    let (q, k, v) = layer.attn.project(&x)?;
+                    let out = layer.attn.attend_many_scaled(q, k, v, mask, caches.layer_mut(i), layer.sinks.as_ref(), Some(s))?;
+                    layer.attn.output(&out, x.dim(0), n)?
+                }
+                None => layer.attn.forward_many_sinks(&x, mask, caches.layer_mut(i), layer.sinks.as_ref())?,
+            };
             let hh = mx::add(&h, &r)?;
             let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
             h = mx::add(&hh, &r)?;

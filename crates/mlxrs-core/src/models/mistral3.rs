@@ -1,11 +1,11 @@
 //! Mistral 3 (mlx-lm's `models/mistral3.py`): the multimodal wrapper Mistral's checkpoints ship in
 //! (Mistral Small 4 among them) — its text model, the vision tower and projector dropped. The text
-//! model in `text_config` is `mistral4` ([`super::mistral4`]) when its `model_type` says so and
-//! Llama/Mistral ([`super::llama`]) otherwise, as mlx-lm dispatches; `ministral3` text models are
-//! refused (not implemented here). `tie_word_embeddings` defaults to false (mlx-lm's
+//! model in `text_config` is `mistral4` ([`super::mistral4`]) or `ministral3`
+//! ([`super::ministral3`]) when its `model_type` says so and Llama/Mistral ([`super::llama`])
+//! otherwise, as mlx-lm dispatches. `tie_word_embeddings` defaults to false (mlx-lm's
 //! `__post_init__`). Weights: `model.language_model.*` → `model.*`, `language_model.*` stripped.
 use super::arch::{Arch, LayerLayout};
-use super::{llama, mistral4, CausalLm};
+use super::{llama, ministral3, mistral4, CausalLm};
 use crate::error::{Error, Result};
 use crate::weights::Weights;
 use serde_json::Value;
@@ -29,11 +29,13 @@ fn text(config: &Value) -> Result<(Value, &'static Arch)> {
     if t.get("tie_word_embeddings").is_none() {
         t["tie_word_embeddings"] = Value::Bool(false);
     }
+    // an FP8 checkpoint says so at the top: the text model's sanitize dequantizes it
+    if let (None, Some(q)) = (t.get("quantization_config"), config.get("quantization_config")) {
+        t["quantization_config"] = q.clone();
+    }
     let arch = match t.get("model_type").and_then(Value::as_str) {
         Some("mistral4") => &mistral4::ARCH,
-        Some("ministral3") => {
-            return Err(Error::Unsupported("config.json: text_config.model_type \"ministral3\" (mistral3 with a Ministral 3 text model)".into()))
-        }
+        Some("ministral3") => &ministral3::ARCH,
         _ => &llama::ARCH,
     };
     Ok((t, arch))
@@ -74,8 +76,9 @@ mod tests {
         let (t, a) = text(&c).unwrap();
         assert_eq!((a.name, t["tie_word_embeddings"].as_bool()), ("llama", Some(true)));
         let c = json!({"model_type": "mistral3", "text_config": {"model_type": "ministral3"}});
+        let (t, a) = text(&c).unwrap();
+        assert_eq!((a.name, t["tie_word_embeddings"].as_bool()), ("ministral3", Some(false)));
         let err = |c: &Value| text(c).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(err(&c).contains("text_config.model_type \"ministral3\""));
         assert!(err(&json!({"model_type": "mistral3"})).contains("no text_config"));
     }
 }

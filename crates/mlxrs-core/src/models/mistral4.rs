@@ -15,8 +15,9 @@
 //!
 //! Checkpoints: Hugging Face's per-expert `mlp.experts.{e}.*` and fused `mlp.experts.gate_up_proj`
 //! / `mlp.experts.down_proj` layouts are both stacked into `switch_mlp` (mlx-lm's sanitize);
-//! Mistral's FP8 (`*_scale_inv`) and compressed-tensors int4 checkpoints are refused (convert them
-//! with mlx-lm first).
+//! Mistral's FP8 checkpoints (`*_scale_inv`: per 128×128 block, per tensor or per expert) are
+//! dequantized to bfloat16 at load as mlx-lm does ([`crate::weights::dequantize_fp8`]);
+//! compressed-tensors int4 checkpoints are refused (convert them with mlx-lm first).
 use super::arch::{self, Arch, AttnKind, FfnKind, LayerLayout};
 use super::deepseek_v3::{self, MlaDims, MlaVariant};
 use super::layers::Router;
@@ -76,12 +77,13 @@ fn remap(config: &Value) -> Result<(Value, (f64, f64))> {
 pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
     let c = Cfg(config);
     let layers = c.size("num_hidden_layers", None, limits::LAYERS)?;
-    if let Some(k) = w.keys().find(|k| k.ends_with("_scale_inv") || k.ends_with("weight_packed") || k.ends_with("weight_shape")).cloned() {
+    if let Some(k) = w.keys().find(|k| k.ends_with("weight_packed") || k.ends_with("weight_shape")).cloned() {
         return Err(Error::Unsupported(format!(
-            "weight {k}: an FP8 / compressed-tensors checkpoint (convert it with mlx_lm.convert first)"
+            "weight {k}: a compressed-tensors checkpoint (convert it with mlx_lm.convert first)"
         )));
     }
     w.retain(|k| !k.contains("rotary_emb.inv_freq"));
+    crate::weights::dequantize_fp8(config, w)?;
     let d = MlaDims::from_config(&c)?;
     for l in 0..layers {
         let p = format!("model.layers.{l}.mlp");

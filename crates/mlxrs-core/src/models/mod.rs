@@ -12,6 +12,7 @@ pub mod gpt_oss;
 pub mod layers;
 pub mod experts;
 pub mod llama;
+pub mod ministral3;
 pub mod mistral3;
 pub mod mistral4;
 pub mod mixtral;
@@ -68,8 +69,9 @@ impl ModelShape {
         }
     }
 
-    /// KV cache bytes for `tokens` tokens of one sequence: full layers in steps of 256 slots,
-    /// sliding layers at most their window (the engine's admission; `plan.rs` plans the same way).
+    /// Cache bytes for `tokens` tokens of one sequence: full layers in steps of 256 slots,
+    /// sliding layers at most their window, plus the fixed state of its recurrent layers
+    /// ([`ModelShape::state_bytes`]) (the engine's admission; `plan.rs` plans the same way).
     pub fn kv_bytes(&self, tokens: usize, kv_bits: Option<i32>, group: i32) -> usize {
         let per = |elems: f64| match kv_bits {
             Some(b) => elems * (b as f64 / 8.0 + 2.0 * self.dtype_bytes as f64 / group.max(1) as f64),
@@ -77,7 +79,13 @@ impl ModelShape {
         };
         let slots = tokens.div_ceil(256) * 256;
         let total: f64 = self.layers.iter().map(|l| l.kv_slots(slots) as f64 * per(l.kv_elems() as f64)).sum();
-        total.ceil() as usize
+        total.ceil() as usize + self.state_bytes()
+    }
+
+    /// The fixed-size state one sequence holds whatever its length: every linear-attention layer's
+    /// convolution inputs and recurrent state ([`LayerLayout::state_bytes`]; 0 without such layers).
+    pub fn state_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.state_bytes(self.dtype_bytes)).sum()
     }
 }
 
@@ -204,6 +212,7 @@ pub static ARCHS: &[Arch] = &[
     glm_moe_dsa::ARCH,
     mistral4::ARCH,
     mistral3::ARCH,
+    ministral3::ARCH,
 ];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
@@ -221,6 +230,14 @@ pub fn build(config: &Value, mut weights: Weights) -> Result<Box<dyn CausalLm>> 
         Error::Unsupported(format!("model_type {mt:?} is not supported; supported: {}", supported().join(", ")))
     })?;
     (arch.sanitize)(config, &mut weights)?;
+    // an FP8 checkpoint of an architecture whose sanitize does not dequantize it (mlx-lm's neither)
+    if crate::weights::fp8_block(config)?.is_some() {
+        if let Some(k) = weights.first_fp8() {
+            return Err(Error::Unsupported(format!(
+                "weight {k}: an FP8 checkpoint of model_type {mt:?}, which neither mlxrs nor mlx-lm dequantizes (convert it with mlx_lm.convert)"
+            )));
+        }
+    }
     (arch.load)(config, weights)
 }
 

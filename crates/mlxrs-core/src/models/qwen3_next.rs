@@ -238,13 +238,19 @@ impl Params {
         })
     }
 
+    /// The channels of a linear layer's causal convolution: q, k (`Hk × Dk` each) and v (`Hv × Dv`).
+    pub fn conv_dim(&self) -> i32 {
+        2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+    }
+
     /// Linear-attention layers hold a recurrent state (no KV); the others a full KV cache.
     pub fn layout(&self) -> Vec<LayerLayout> {
+        let recurrent = AttnKind::LinearRecurrent { conv: (self.conv_kernel - 1) * self.conv_dim(), state: self.lin_v_heads * self.lin_v_dim * self.lin_k_dim };
         self.linear
             .iter()
             .zip(&self.ffn)
             .map(|(&lin, &ffn)| LayerLayout {
-                attn: if lin { AttnKind::LinearRecurrent } else { AttnKind::Full },
+                attn: if lin { recurrent } else { AttnKind::Full },
                 kv_heads: self.d.kv_heads,
                 head_dim: self.d.head_dim,
                 ffn,
@@ -343,7 +349,7 @@ impl GatedDeltaNet {
     fn load(w: &mut Weights, p: &str, prm: &Params) -> Result<GatedDeltaNet> {
         let (nk, nv, dk, dv, hidden) = (prm.lin_k_heads, prm.lin_v_heads, prm.lin_k_dim, prm.lin_v_dim, prm.d.hidden);
         let (key_dim, value_dim) = (nk * dk, nv * dv);
-        let conv_dim = 2 * key_dim + value_dim;
+        let conv_dim = prm.conv_dim();
         let proj = match prm.flavor {
             Flavor::Next => DeltaProj::Joint {
                 qkvz: Linear::load(w, &format!("{p}.in_proj_qkvz"), false, 2 * key_dim + 2 * value_dim, hidden)?,
@@ -491,6 +497,7 @@ pub fn gated_delta_update(
     let g = mx::exp(&mx::multiply(&decay, &softplus)?)?;
     match super::gated_delta::path(k.dim(-1)) {
         super::gated_delta::Path::CudaKernel => super::gated_delta::kernel(q, k, v, &g, &beta, &state),
+        super::gated_delta::Path::MetalKernel => super::gated_delta::metal_kernel(q, k, v, &g, &beta, &state),
         super::gated_delta::Path::Reference => gated_delta_ops(q, k, v, &g, &beta, state),
     }
 }
@@ -715,10 +722,17 @@ mod tests {
     fn linear_layers_hold_no_kv() {
         let l = layout_of(&cfg("qwen3_next")).unwrap().unwrap();
         let attn: Vec<_> = l.iter().map(|l| l.attn).collect();
-        assert_eq!(attn, [AttnKind::LinearRecurrent, AttnKind::Full, AttnKind::LinearRecurrent, AttnKind::Full]);
+        // conv: (kernel 4 - 1) × (2 × 2 × 32 + 4 × 32) elements; state: 4 value heads × 32 × 32
+        let lin = AttnKind::LinearRecurrent { conv: 3 * 256, state: 4 * 32 * 32 };
+        assert_eq!(attn, [lin, AttnKind::Full, lin, AttnKind::Full]);
         let shape = ModelShape::new("qwen3_next", l.clone(), 256, 512, None, 4);
-        // two full layers of 2 KV heads × 64 × K,V, 256 slots, 4 bytes: the linear layers add nothing
-        assert_eq!(shape.kv_bytes(10, None, 64), 2 * 256 * (2 * 64 * 2) * 4);
+        // two full layers of 2 KV heads × 64 × K,V, 256 slots, 4 bytes; the linear layers no KV but
+        // their fixed state: conv (4 - 1) × (2 × 2 × 32 + 4 × 32) float32 + state 4 × 32 × 32 float32
+        let state = 2 * (3 * 256 * 4 + 4 * 32 * 32 * 4);
+        assert_eq!(shape.state_bytes(), state);
+        assert_eq!(shape.kv_bytes(10, None, 64), 2 * 256 * (2 * 64 * 2) * 4 + state);
+        // quantized KV leaves the state as it is
+        assert_eq!(shape.kv_bytes(10, Some(8), 64), (2.0 * 256.0 * 256.0 * (1.0 + 8.0 / 64.0)) as usize + state);
         let caches = crate::models::arch::make_cache(&l, &Default::default());
         assert!(matches!(caches[0], LayerCache::Recurrent(_)) && matches!(caches[1], LayerCache::Full(_)));
         // a multimodal Qwen3.5 config: the text model in text_config
@@ -750,6 +764,42 @@ mod tests {
         let mut c = cfg("qwen3_5");
         c["num_attention_heads"] = json!(3);
         assert!(err(&c).contains("num_attention_heads 3 is not a multiple"));
+    }
+
+    /// The layout's state bytes are what a linear layer's cache holds after a prefill (alone and
+    /// for each row of a batch), in float32 and bfloat16: the planner and the admission count the
+    /// arrays the engine keeps.
+    #[test]
+    fn the_layout_state_bytes_are_the_cache_arrays() {
+        let mut c = cfg("qwen3_5");
+        c["linear_value_head_dim"] = json!(16);
+        c["linear_conv_kernel_dim"] = json!(3);
+        let prm = Params::from_config(&c, Flavor::Qwen35).unwrap();
+        let layer = prm.layout()[0];
+        assert!(matches!(layer.attn, AttnKind::LinearRecurrent { .. }));
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let (h, conv_dim, nv, vd) = (256, prm.conv_dim(), 4, 4 * 16);
+            let r = |seed: u64, shape: &[i32]| mx::astype(&mx::multiply(&randn(seed, shape), &Array::scalar(0.1f32).unwrap()).unwrap(), dtype).unwrap();
+            let mut map = std::collections::HashMap::new();
+            for (n, shape) in [("in_proj_qkv.weight", vec![conv_dim, h]), ("in_proj_z.weight", vec![vd, h]), ("in_proj_b.weight", vec![nv, h]),
+                               ("in_proj_a.weight", vec![nv, h]), ("conv1d.weight", vec![conv_dim, 3, 1]), ("dt_bias", vec![nv]),
+                               ("A_log", vec![nv]), ("norm.weight", vec![16]), ("out_proj.weight", vec![h, vd])] {
+                map.insert(format!("l.{n}"), r(map.len() as u64 + 10, &shape));
+            }
+            let mut w = crate::weights::Weights::from_map(map, &c).unwrap();
+            let net = GatedDeltaNet::load(&mut w, "l", &prm).unwrap();
+            let act = if dtype == Dtype::Float32 { 4 } else { 2 };
+            let mut caches = crate::models::arch::make_cache(&[layer, layer], &Default::default());
+            let (a, b) = caches.split_at_mut(1);
+            // one row of 7 tokens, then a batch of two rows (one new, one continuing) of 3
+            net.forward(&r(1, &[1, 7, h]), LayerCaches::Rows(vec![&mut a[0]])).unwrap();
+            net.forward(&r(2, &[2, 3, h]), LayerCaches::Rows(vec![&mut a[0], &mut b[0]])).unwrap();
+            for c in &caches {
+                let LayerCache::Recurrent(rc) = c else { panic!("not a recurrent cache") };
+                assert_eq!(rc.conv.as_ref().unwrap().dtype(), dtype);
+                assert_eq!(c.nbytes(), layer.state_bytes(act), "{dtype:?}");
+            }
+        }
     }
 
     fn randn(seed: u64, shape: &[i32]) -> Array {
