@@ -49,11 +49,11 @@ def widen(bits: np.ndarray) -> np.ndarray:
 
 
 def run_op(name: str, arrays: list[np.ndarray], dtypes: list[str]) -> list[np.ndarray]:
-    from mlxrs import _arrays, _native
+    import arrays_util  # tests/: needs the test build's mlxrs._native._op (the `testing` feature)
 
-    raws = [_arrays.to_raw(bf16_bits(a), "bfloat16") if d == "bfloat16" else _arrays.to_raw(a.astype(np.float32))
-            for a, d in zip(arrays, dtypes)]
-    return [_arrays.from_raw(o) for o in _native._op(name, raws, "{}")]
+    raws = [arrays_util.to_raw(bf16_bits(a), "bfloat16") if d == "bfloat16"
+            else arrays_util.to_raw(a.astype(np.float32)) for a, d in zip(arrays, dtypes)]
+    return [arrays_util.from_raw(o) for o in arrays_util.native_op()(name, raws, "{}")]
 
 
 def numpy_ref(q, k, v, g, beta, state):

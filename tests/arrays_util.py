@@ -1,4 +1,6 @@
-"""numpy <-> native array bridge used by tests and diagnostics."""
+"""numpy <-> native array bridge for the tests (and bench/check_gdn_kernel.py): raw arrays through
+`mlxrs._native._array_roundtrip` and `mlxrs._native._op`, the op dispatch the test build has (the
+`testing` cargo feature of crates/mlxrs-py; the wheel has no `_op`)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _native
+from mlxrs import _native
 
 _NP_TO_MLX = {
     np.dtype("bool"): "bool", np.dtype("uint8"): "uint8", np.dtype("uint16"): "uint16",
@@ -35,6 +37,15 @@ def roundtrip(a: np.ndarray, dtype: str | None = None) -> np.ndarray:
     return from_raw(_native._array_roundtrip(*to_raw(a, dtype)))
 
 
+def native_op() -> Any:
+    """`mlxrs._native._op`, or a clear error when the extension was built without it."""
+    f = getattr(_native, "_op", None)
+    if f is None:
+        raise RuntimeError("mlxrs._native has no _op: build the extension with the testing feature "
+                           "(scripts/setup.sh does: maturin develop --release --features testing)")
+    return f
+
+
 def op(name: str, *inputs: np.ndarray, **params: Any) -> list[np.ndarray]:
-    outs = _native._op(name, [to_raw(x) for x in inputs], json.dumps(params))
+    outs = native_op()(name, [to_raw(x) for x in inputs], json.dumps(params))
     return [from_raw(o) for o in outs]
