@@ -190,16 +190,7 @@ impl ModelFacts {
         })?;
         let config: Value = serde_json::from_str(&text)
             .map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
-        let rd = std::fs::read_dir(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
-        let mut files: Vec<_> = rd
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(Error::ModelLoad(format!("no *.safetensors weights in {}", dir.display())));
-        }
+        let files = crate::safetensors::model_files(dir)?;
         let mut tensors = Vec::new();
         for f in &files {
             tensors.extend(safetensors_header(f)?);

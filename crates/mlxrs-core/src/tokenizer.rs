@@ -39,6 +39,12 @@ fn ids_of(v: Option<&Value>) -> Vec<i32> {
     }
 }
 
+/// A model directory's generation_config.json (Null when it has none): the one reader of it (the
+/// EOS ids here; the server's sampling defaults through `mlxrs._native.generation_config`).
+pub fn generation_config(dir: &Path) -> Result<Value> {
+    Ok(read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null))
+}
+
 /// The chat template of a model directory, with the one precedence everything in mlxrs uses (the
 /// tokenizer here, the registry through `mlxrs._native.chat_template`): chat_template.jinja, else
 /// tokenizer_config.json's `chat_template` (a string, or the "default" of a list of named ones).
@@ -77,7 +83,7 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(&tj)
             .map_err(|e| Error::ModelLoad(format!("{}: {e}", tj.display())))?;
         let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
-        let gc = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
+        let gc = generation_config(dir)?;
         let bos_token = token_str(tc.get("bos_token"));
         let eos_token = token_str(tc.get("eos_token"));
         let mut eos_ids = ids_of(config.get("eos_token_id"));

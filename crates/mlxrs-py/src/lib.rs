@@ -94,6 +94,27 @@ fn chat_template(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Opti
     native(py, || mlxrs_core::tokenizer::chat_template(&model_dir))
 }
 
+/// A model directory's generation_config.json as JSON text ("null" when it has none).
+#[pyfunction]
+fn generation_config(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
+    native(py, || mlxrs_core::tokenizer::generation_config(&model_dir)).map(|v| v.to_string())
+}
+
+/// mlxrs's own directory (`$MLXRS_HOME`, else `$XDG_CACHE_HOME/mlxrs`, else `~/.cache/mlxrs`;
+/// None without any of them): the native packs, the registry, GGUF imports.
+#[pyfunction]
+fn mlxrs_home() -> Option<String> {
+    mlxrs_sys::mlxrs_home().map(|p| p.to_string_lossy().into_owned())
+}
+
+/// The safetensors files of a model directory (mlxrs-core's `safetensors::model_files`: the index's
+/// shards, else every `*.safetensors`), as paths.
+#[pyfunction]
+fn model_files(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Vec<String>> {
+    let files = native(py, || mlxrs_core::safetensors::model_files(&model_dir))?;
+    Ok(files.iter().map(|p| p.to_string_lossy().into_owned()).collect())
+}
+
 /// Set MLX's memory limit (the memory plan's `allocatorLimitBytes`); returns the previous one.
 #[pyfunction]
 fn set_memory_limit(py: Python<'_>, bytes: usize) -> PyResult<usize> {
@@ -271,6 +292,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
     m.add_function(wrap_pyfunction!(_tiny_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(chat_template, m)?)?;
+    m.add_function(wrap_pyfunction!(model_files, m)?)?;
+    m.add_function(wrap_pyfunction!(generation_config, m)?)?;
+    m.add_function(wrap_pyfunction!(mlxrs_home, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_limit, m)?)?;
     m.add_function(wrap_pyfunction!(memory_limit, m)?)?;
     m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
