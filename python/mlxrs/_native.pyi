@@ -23,6 +23,9 @@ __all__ = [
     "_resolution_order",
     "_tiny_matmul",
     "chat_template",
+    "model_files",
+    "generation_config",
+    "mlxrs_home",
     "set_memory_limit",
     "memory_limit",
     "_array_roundtrip",
@@ -89,6 +92,18 @@ def _resolution_order() -> list[str]:
 def chat_template(model_dir: str | os.PathLike[str]) -> str | None:
     """The chat template of a model directory with the tokenizer's precedence (chat_template.jinja,
     else tokenizer_config.json's chat_template), or None."""
+
+def model_files(model_dir: str | os.PathLike[str]) -> list[str]:
+    """The safetensors files of a model directory: the shards model.safetensors.index.json names
+    (each must exist), else every *.safetensors; raises ModelLoadError saying what is missing."""
+
+def generation_config(model_dir: str | os.PathLike[str]) -> str:
+    """A model directory's generation_config.json as JSON text ("null" when it has none); raises
+    ModelLoadError when it is not valid JSON."""
+
+def mlxrs_home() -> str | None:
+    """mlxrs's own directory: $MLXRS_HOME, else $XDG_CACHE_HOME/mlxrs, else ~/.cache/mlxrs (None
+    without HOME)."""
 
 def set_memory_limit(bytes: int) -> int:
     """Set MLX's memory limit (the memory plan's allocatorLimitBytes); returns the previous one."""
