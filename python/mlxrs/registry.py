@@ -615,12 +615,10 @@ def human_count(n: int | None) -> str:
 
 
 def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for div, suf in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if n >= div:
-            return f"{n / div:.2f} {suf}"
-    return f"{n} B"
+    """`ls`'s and `fit`'s sizes: download.human with two digits ("-" for unknown)."""
+    from .download import human
+
+    return "-" if n is None else human(n, 2)
 
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:

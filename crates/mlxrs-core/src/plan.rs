@@ -184,12 +184,7 @@ fn safetensors_header(path: &Path) -> Result<Vec<(String, String, u64)>> {
 impl ModelFacts {
     /// Facts from a model directory: config.json plus the safetensors headers.
     pub fn from_dir(dir: &Path) -> Result<ModelFacts> {
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
-            Error::ModelLoad(format!("{}: {e} (a model directory needs config.json and *.safetensors)", cfg_path.display()))
-        })?;
-        let config: Value = serde_json::from_str(&text)
-            .map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
+        let config = crate::engine::read_config(dir)?;
         let files = crate::safetensors::model_files(dir)?;
         let mut tensors = Vec::new();
         for f in &files {
