@@ -57,18 +57,9 @@ def run_op(name: str, arrays: list[np.ndarray], dtypes: list[str]) -> list[np.nd
 
 
 def numpy_ref(q, k, v, g, beta, state):
-    b, t, hk, _ = q.shape
-    hv = v.shape[2]
-    s = state.astype(np.float64).copy()
-    y = np.zeros(v.shape, np.float64)
-    for i in range(t):
-        for h in range(hv):
-            kh, qh = k[:, i, h // (hv // hk)].astype(np.float64), q[:, i, h // (hv // hk)].astype(np.float64)
-            s[:, h] *= g[:, i, h, None, None]
-            delta = (v[:, i, h] - np.einsum("bvd,bd->bv", s[:, h], kh)) * beta[:, i, h, None]
-            s[:, h] += delta[:, :, None] * kh[:, None, :]
-            y[:, i, h] = np.einsum("bvd,bd->bv", s[:, h], qh)
-    return y, s
+    from arrays_util import np_gated_delta  # tests/: the float64 recurrence tests/test_ops.py checks against
+
+    return np_gated_delta(q, k, v, g, beta, state)
 
 
 def inputs(shape: tuple[int, int, int, int, int, int], seed: int, dtype: str):

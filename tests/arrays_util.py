@@ -49,3 +49,22 @@ def native_op() -> Any:
 def op(name: str, *inputs: np.ndarray, **params: Any) -> list[np.ndarray]:
     outs = native_op()(name, [to_raw(x) for x in inputs], json.dumps(params))
     return [from_raw(o) for o in outs]
+
+
+def np_gated_delta(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule token by token (float64): per value head h (key head h // (Hv / Hk)),
+    S = g S; S += beta (v - S k) k^T; y = S q."""
+    b, t, hk, _ = q.shape
+    hv = v.shape[2]
+    s = state.astype(np.float64).copy()
+    y = np.zeros(v.shape, np.float64)
+    for i in range(t):
+        for h in range(hv):
+            kh, qh = k[:, i, h // (hv // hk)].astype(np.float64), q[:, i, h // (hv // hk)].astype(np.float64)
+            s[:, h] *= g[:, i, h, None, None]
+            kv = np.einsum("bvd,bd->bv", s[:, h], kh)
+            delta = (v[:, i, h] - kv) * beta[:, i, h, None]
+            s[:, h] += delta[:, :, None] * kh[:, None, :]
+            y[:, i, h] = np.einsum("bvd,bd->bv", s[:, h], qh)
+    return y, s

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import arrays_util
-from arrays_util import op
+from arrays_util import np_gated_delta, op
 from mlxrs import _native
 from mlxrs.errors import InvalidArgumentError, MlxError
 
@@ -819,25 +819,6 @@ def test_sdpa_sinks_scale_and_low_precision() -> None:
         out = one("scaled_dot_product_attention", qi, ki, vi, mask="causal", **extra)
         tol = 2 * TOL[dtype]["atol"]
         np.testing.assert_allclose(out, np_sdpa(qs, ks, vs, 8 ** -0.5, "causal"), rtol=tol, atol=tol)
-
-
-def np_gated_delta(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The gated delta rule token by token (float64): per value head h (key head h // (Hv / Hk)),
-    S = g S; S += beta (v - S k) k^T; y = S q."""
-    b, t, hk, _ = q.shape
-    hv = v.shape[2]
-    s = state.astype(np.float64).copy()
-    y = np.zeros(v.shape, np.float64)
-    for i in range(t):
-        for h in range(hv):
-            kh, qh = k[:, i, h // (hv // hk)].astype(np.float64), q[:, i, h // (hv // hk)].astype(np.float64)
-            s[:, h] *= g[:, i, h, None, None]
-            kv = np.einsum("bvd,bd->bv", s[:, h], kh)
-            delta = (v[:, i, h] - kv) * beta[:, i, h, None]
-            s[:, h] += delta[:, :, None] * kh[:, None, :]
-            y[:, i, h] = np.einsum("bvd,bd->bv", s[:, h], qh)
-    return y, s
 
 
 @pytest.mark.parametrize("t", [1, 5])
