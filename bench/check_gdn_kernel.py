@@ -49,26 +49,17 @@ def widen(bits: np.ndarray) -> np.ndarray:
 
 
 def run_op(name: str, arrays: list[np.ndarray], dtypes: list[str]) -> list[np.ndarray]:
-    from mlxrs import _arrays, _native
+    import arrays_util  # tests/: needs the test build's mlxrs._native._op (the `testing` feature)
 
-    raws = [_arrays.to_raw(bf16_bits(a), "bfloat16") if d == "bfloat16" else _arrays.to_raw(a.astype(np.float32))
-            for a, d in zip(arrays, dtypes)]
-    return [_arrays.from_raw(o) for o in _native._op(name, raws, "{}")]
+    raws = [arrays_util.to_raw(bf16_bits(a), "bfloat16") if d == "bfloat16"
+            else arrays_util.to_raw(a.astype(np.float32)) for a, d in zip(arrays, dtypes)]
+    return [arrays_util.from_raw(o) for o in arrays_util.native_op()(name, raws, "{}")]
 
 
 def numpy_ref(q, k, v, g, beta, state):
-    b, t, hk, _ = q.shape
-    hv = v.shape[2]
-    s = state.astype(np.float64).copy()
-    y = np.zeros(v.shape, np.float64)
-    for i in range(t):
-        for h in range(hv):
-            kh, qh = k[:, i, h // (hv // hk)].astype(np.float64), q[:, i, h // (hv // hk)].astype(np.float64)
-            s[:, h] *= g[:, i, h, None, None]
-            delta = (v[:, i, h] - np.einsum("bvd,bd->bv", s[:, h], kh)) * beta[:, i, h, None]
-            s[:, h] += delta[:, :, None] * kh[:, None, :]
-            y[:, i, h] = np.einsum("bvd,bd->bv", s[:, h], qh)
-    return y, s
+    from arrays_util import np_gated_delta  # tests/: the float64 recurrence tests/test_ops.py checks against
+
+    return np_gated_delta(q, k, v, g, beta, state)
 
 
 def inputs(shape: tuple[int, int, int, int, int, int], seed: int, dtype: str):

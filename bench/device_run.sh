@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU test machine (the `device` tool), with .device/ carried: the repacked MLX CUDA
 # bundle (shared/device/pack-mlx-cuda.sh .device 0.32.4 0.32.2) and an abi3 mlxrs wheel built here
-# (maturin build --release --auditwheel skip --out .device).
+# (maturin build --release --auditwheel skip --out .device; add --features testing for `gdn`, which
+# runs ops through the test build's mlxrs._native._op).
 #   bash bench/device_run.sh ARGS...        bench/bench_device.py ARGS (generation vs mlx-lm)
 #   bash bench/device_run.sh serve ARGS...  bench/bench_serve.py ARGS on bench_device.py's 1B bf16
 #                                           model (serving vs mlx_lm.server)

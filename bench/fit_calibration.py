@@ -5,8 +5,8 @@ and without fused attention).
 
     python bench/fit_calibration.py [--out results.json] [--cases NAME:N[:KVBITS] ...]
 
-The models are tests/test_fit.py's (random weights, written once under tests/.models). The table at
-TRANSIENT_SLACK in plan.rs comes from this script on the CPU, the one at GPU_LAYERS_IN_FLIGHT from it
+The models are tests/test_fit.py's (random weights, written once under tests/.models). The calibration of
+plan.rs's TRANSIENT_SLACK comes from this script on the CPU, its GPU_LAYERS_IN_FLIGHT from it
 (and bench/prefill_eval_speed.py) on an H200 (bench/device_fit.sh, bench/RESULTS-fit.md). The measuring processes inherit the environment:
 MLXRS_PREFILL_EVAL_LAYERS=0 measures the prefill evaluated a whole chunk at a time (the GPU default
 before per-layer evaluation); each row records the setting.

@@ -4,8 +4,9 @@
 #   2. scripts/requirements-dev.txt into it (skipped while the file, Python and platform are unchanged)
 #   3. Linux: OpenBLAS from apt when missing (root only; a warning otherwise)
 #   4. libmlxc: python native/build.py (itself a no-op when nothing changed)
-#   5. the extension module: maturin develop --release (skipped while crates/, Cargo.toml, Cargo.lock
-#      and pyproject.toml are unchanged)
+#   5. the extension module: maturin develop --release --features testing (the test build: with the
+#      op dispatch `_native._op` the tests use, which the wheel leaves out; skipped while crates/,
+#      Cargo.toml, Cargo.lock and pyproject.toml are unchanged)
 # Environment: PYTHON (interpreter for the venv, default python3);
 #              MLXRS_NATIVE_ARGS (extra arguments for native/build.py, e.g. --fetchcontent).
 set -euo pipefail
@@ -71,16 +72,19 @@ say "native: python native/build.py${MLXRS_NATIVE_ARGS:+ $MLXRS_NATIVE_ARGS}"
 python native/build.py ${MLXRS_NATIVE_ARGS:-} || die "native/build.py failed (see docs/troubleshooting.md)"
 
 # --- 5. the extension module -------------------------------------------------------------------
+# `testing`: crates/mlxrs-py's op dispatch (`mlxrs._native._op`, tests/arrays_util.py); wheels are
+# built without it (.github/workflows/wheels.yml, tests/test_wheel.py).
+FEATURES=testing
 command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs)"
 src_hash=$( {
     { find crates -type f -not -path '*/target/*' -print0; printf '%s\0' Cargo.toml Cargo.lock pyproject.toml; } \
         | LC_ALL=C sort -z | xargs -0 "${SHA[@]}"
-    rustc -V; python -V
+    rustc -V; python -V; echo "features: $FEATURES"
 } | sha )
 have_ext=$(ls python/mlxrs/_native*.so python/mlxrs/_native*.pyd 2>/dev/null | head -n1 || true)
 if [ -z "$have_ext" ] || [ "$(cat "$STAMP_DIR/maturin" 2>/dev/null)" != "$src_hash" ]; then
-    say "building the extension module: maturin develop --release"
-    maturin develop --release || die "maturin develop failed"
+    say "building the extension module: maturin develop --release --features $FEATURES"
+    maturin develop --release --features "$FEATURES" || die "maturin develop failed"
     echo "$src_hash" > "$STAMP_DIR/maturin"
 else
     say "extension module up to date ($have_ext)"

@@ -41,10 +41,13 @@ export MLXRS_LIBMLXC="$ROOT/python/mlxrs/$LIBMLXC"
 export VIRTUAL_ENV="$ROOT/.venv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
 
-stage "lint: cargo clippy (warnings are errors)" cargo clippy --workspace --all-targets --quiet -- -D warnings
+# --all-features: crates/mlxrs-py's `testing` (the op dispatch) is linted and tested too; the
+# extension as the wheel builds it (no features) is linted on its own
+stage "lint: cargo clippy (warnings are errors)" cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
+stage "lint: cargo clippy, the wheel's features" cargo clippy -p mlxrs-py --quiet -- -D warnings
 stage "lint: ruff" ruff check python tests bench scripts
 stage "lint: mypy --strict (the package)" python -m mypy --strict python/mlxrs
-stage "cargo test --workspace" cargo test --workspace
+stage "cargo test --workspace" cargo test --workspace --all-features
 [ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
 stage "pytest tests" python -m pytest -q tests ${1+"$@"}  # ${1+...}: bash 3.2 (macOS) with set -u
 printf '\n[test] all stages passed\n'

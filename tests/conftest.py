@@ -23,6 +23,18 @@ def gemma_gguf() -> Path:
     return Path(pkg.assemble(root / "gemma-3-270m-q4_k_m.gguf"))
 
 
+#: The fixtures of the real model (Gemma 3 270M): a test that uses one is marked `slow`.
+REAL_MODEL_FIXTURES = {"gemma_gguf"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`slow`: the wheel build (tests/test_wheel.py marks itself) and every test on the real model
+    (through its fixture, wherever it is used). `pytest -m "not slow"` is the fast layer."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def oracle() -> Oracle:
     """mlx-lm on the same weights, in one long-lived process (tests/oracle_server.py): `oracle(job)`

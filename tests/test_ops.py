@@ -1,5 +1,6 @@
 """Every op of the core's surface (crates/mlxrs-core/src/handle/ops.rs), run through
-`mlxrs._arrays.op` and checked against numpy on the same inputs. mlx.core is the reference only
+`arrays_util.op` (mlxrs._native._op, the test build's op dispatch: crates/mlxrs-py/src/dispatch.rs)
+and checked against numpy on the same inputs. mlx.core is the reference only
 where numpy has no equivalent (the quantization kernels); rope, attention and the norms are written
 out in numpy here."""
 from __future__ import annotations
@@ -16,12 +17,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxrs import _arrays, _native
-from mlxrs._arrays import op
+import arrays_util
+from arrays_util import np_gated_delta, op
+from mlxrs import _native
 from mlxrs.errors import InvalidArgumentError, MlxError
 
 ROOT = Path(__file__).resolve().parents[1]
-DISPATCH_RS = ROOT / "crates" / "mlxrs-core" / "src" / "handle" / "dispatch.rs"
+DISPATCH_RS = ROOT / "crates" / "mlxrs-py" / "src" / "dispatch.rs"
 
 
 def rng(seed: int = 0) -> np.random.Generator:
@@ -41,7 +43,7 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 def out_dtypes(name: str, *inputs: np.ndarray, **params: Any) -> list[str]:
     """The MLX dtype names of an op's outputs (from_raw widens bfloat16, so ask the raw layer)."""
-    raws = _native._op(name, [_arrays.to_raw(x) for x in inputs], json.dumps(params))
+    raws = _native._op(name, [arrays_util.to_raw(x) for x in inputs], json.dumps(params))
     return [r[2] for r in raws]
 
 
@@ -91,21 +93,21 @@ def test_every_dispatch_op_is_tested() -> None:
                                    np.uint16, np.uint32, np.uint64, np.int16, np.bool_])
 def test_roundtrip_numpy_dtypes(dtype: Any) -> None:
     x = (randn(3, 5, seed=1) * 50).astype(dtype)
-    y = _arrays.roundtrip(x)
+    y = arrays_util.roundtrip(x)
     assert y.dtype == x.dtype and y.shape == x.shape
     np.testing.assert_array_equal(y, x)
 
 
 def test_roundtrip_float32_specials() -> None:
     x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 3.4e38], dtype=np.float32)
-    y = _arrays.roundtrip(x)
+    y = arrays_util.roundtrip(x)
     np.testing.assert_array_equal(y.view(np.uint32), x.view(np.uint32))
 
 
 def test_roundtrip_float16_bit_exact() -> None:
     bits = np.arange(0, 1 << 16, 7, dtype=np.uint16)
     x = bits.view(np.float16)
-    y = _arrays.roundtrip(x)
+    y = arrays_util.roundtrip(x)
     assert y.dtype == np.float16
     np.testing.assert_array_equal(y.view(np.uint16), bits)
 
@@ -115,17 +117,17 @@ def test_roundtrip_bfloat16_bit_exact() -> None:
     raw = _native._array_roundtrip(bits.tobytes(), [bits.size], "bfloat16")
     assert raw[2] == "bfloat16" and raw[1] == [bits.size]
     np.testing.assert_array_equal(np.frombuffer(raw[0], dtype=np.uint16), bits)
-    widened = _arrays.roundtrip(bits, "bfloat16")
+    widened = arrays_util.roundtrip(bits, "bfloat16")
     np.testing.assert_array_equal(widened.view(np.uint32), bits.astype(np.uint32) << 16)
 
 
 def test_roundtrip_scalar_and_empty() -> None:
-    # 0-d goes through the raw layer (np.ascontiguousarray in _arrays.to_raw makes it 1-d)
+    # 0-d goes through the raw layer (np.ascontiguousarray in arrays_util.to_raw makes it 1-d)
     data, shape, name = _native._array_roundtrip(np.float32(2.5).tobytes(), [], "float32")
     assert shape == [] and name == "float32"
     assert np.frombuffer(data, np.float32).tolist() == [2.5]
     e = np.zeros((0, 3), dtype=np.float32)
-    assert _arrays.roundtrip(e).shape == (0, 3)
+    assert arrays_util.roundtrip(e).shape == (0, 3)
 
 
 def test_roundtrip_rejects_bad_length() -> None:
@@ -819,25 +821,6 @@ def test_sdpa_sinks_scale_and_low_precision() -> None:
         np.testing.assert_allclose(out, np_sdpa(qs, ks, vs, 8 ** -0.5, "causal"), rtol=tol, atol=tol)
 
 
-def np_gated_delta(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The gated delta rule token by token (float64): per value head h (key head h // (Hv / Hk)),
-    S = g S; S += beta (v - S k) k^T; y = S q."""
-    b, t, hk, _ = q.shape
-    hv = v.shape[2]
-    s = state.astype(np.float64).copy()
-    y = np.zeros(v.shape, np.float64)
-    for i in range(t):
-        for h in range(hv):
-            kh, qh = k[:, i, h // (hv // hk)].astype(np.float64), q[:, i, h // (hv // hk)].astype(np.float64)
-            s[:, h] *= g[:, i, h, None, None]
-            kv = np.einsum("bvd,bd->bv", s[:, h], kh)
-            delta = (v[:, i, h] - kv) * beta[:, i, h, None]
-            s[:, h] += delta[:, :, None] * kh[:, None, :]
-            y[:, i, h] = np.einsum("bvd,bd->bv", s[:, h], qh)
-    return y, s
-
-
 @pytest.mark.parametrize("t", [1, 5])
 def test_gated_delta_ops_and_the_kernel_on_cpu(t: int) -> None:
     """The reference recurrence against numpy (2 key heads shared by 4 value heads, a carried
@@ -1108,8 +1091,10 @@ def test_process_survives_errors_in_a_subprocess() -> None:
     import subprocess
 
     code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import numpy as np\n"
-        "from mlxrs._arrays import op\n"
+        "from arrays_util import op\n"
         "from mlxrs.errors import MlxError\n"
         "for i in range(20):\n"
         "    try:\n"

@@ -368,6 +368,108 @@ def test_serve_reports_a_miss_and_exits_1(world: dict[str, Any]) -> None:
     assert r.returncode == 1 and "ambiguous" in r.stderr
 
 
+# ---- incremental scans --------------------------------------------------------------------------
+
+AUDIT = """
+CREATE TABLE audit (tbl TEXT, op TEXT, path TEXT);
+CREATE TRIGGER models_ins AFTER INSERT ON models BEGIN INSERT INTO audit VALUES ('models', 'insert', NEW.path); END;
+CREATE TRIGGER models_upd AFTER UPDATE ON models BEGIN INSERT INTO audit VALUES ('models', 'update', NEW.path); END;
+CREATE TRIGGER models_del AFTER DELETE ON models BEGIN INSERT INTO audit VALUES ('models', 'delete', OLD.path); END;
+CREATE TRIGGER skipped_ins AFTER INSERT ON skipped BEGIN INSERT INTO audit VALUES ('skipped', 'insert', NEW.path); END;
+CREATE TRIGGER skipped_upd AFTER UPDATE ON skipped BEGIN INSERT INTO audit VALUES ('skipped', 'update', NEW.path); END;
+CREATE TRIGGER skipped_del AFTER DELETE ON skipped BEGIN INSERT INTO audit VALUES ('skipped', 'delete', OLD.path); END;
+"""
+
+
+def audited(db: Path) -> list[tuple[str, str, str]]:
+    """The writes sqlite recorded (through AUDIT's triggers) since the last call; clears them."""
+    con = sqlite3.connect(db)
+    with con:
+        rows = con.execute("SELECT tbl, op, path FROM audit ORDER BY rowid").fetchall()
+        con.execute("DELETE FROM audit")
+    con.close()
+    return rows
+
+
+@pytest.fixture
+def small_world(tmp_path: Path) -> dict[str, Any]:
+    """A hub cache with two models (one broken), MLXRS_MODEL_DIRS with a directory and a GGUF, scanned
+    once into a registry whose writes sqlite audits from then on."""
+    hub, extra, db = tmp_path / "hub", tmp_path / "extra", tmp_path / "home" / "registry.sqlite"
+    qwen3 = make_model("qwen3-float32", "qwen3")
+    paths = {"alpha": hub_model(hub, "Org/Alpha-Qwen3", REV_ALPHA, qwen3),
+             "broken": hub_model(hub, "Org/Broken-Model", "e1" * 20, qwen3, config="{not json")}
+    extra.mkdir()
+    shutil.copytree(make_model("qwen2-float32", "qwen2"), extra / "local-qwen2", ignore=shutil.ignore_patterns(".*"))
+    paths["local"] = extra / "local-qwen2"
+    paths["gguf"] = extra / "tiny-llama.gguf"
+    write_gguf(paths["gguf"])
+    from mlxrs import registry
+
+    first = registry.scan(hub=hub, extra=[extra], db=db)
+    con = sqlite3.connect(db)
+    con.executescript(AUDIT)
+    con.close()
+    return {"hub": hub, "extra": extra, "db": db, "paths": paths, "first": first, "src": qwen3}
+
+
+def test_a_second_scan_of_an_unchanged_cache_reads_and_writes_nothing(small_world: dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxrs import registry
+
+    w = small_world
+    assert w["first"].read == 4 and w["first"].unchanged == 0
+    assert {e.name for e in w["first"].entries} == {"Org/Alpha-Qwen3", "local-qwen2", "tiny-llama.gguf"}
+
+    def never(*a: Any, **kw: Any) -> Any:
+        raise AssertionError(f"an unchanged model was read again: {a}")
+
+    monkeypatch.setattr(registry, "inspect_dir", never)
+    monkeypatch.setattr(registry, "inspect_gguf", never)
+    again = registry.scan(hub=w["hub"], extra=[w["extra"]], db=w["db"])
+    assert audited(w["db"]) == []  # sqlite saw no write to the models or the skipped paths
+    assert (again.read, again.unchanged, again.removed) == (0, 4, 0)
+    assert [e.to_json() for e in again.entries] == [e.to_json() for e in w["first"].entries]
+    assert dict(again.skipped) == dict(w["first"].skipped)
+    assert "config.json is not valid JSON" in dict(again.skipped)[str(w["paths"]["broken"])]
+
+
+def test_a_model_added_changed_or_removed_is_the_only_row_written(small_world: dict[str, Any]) -> None:
+    from mlxrs import registry
+
+    w = small_world
+    # added to the hub cache: read and inserted, and found by name
+    beta = hub_model(w["hub"], "Org/Beta-Qwen3", REV_BETA_MAIN, w["src"])
+    res = registry.scan(hub=w["hub"], extra=[w["extra"]], db=w["db"])
+    assert audited(w["db"]) == [("models", "insert", str(beta))]
+    assert (res.read, res.unchanged) == (1, 4)
+    assert registry.resolve_name("beta", db=w["db"]) == beta
+    assert "Org/Beta-Qwen3" in {e.name for e in registry.entries(w["db"])}
+    # changed (a model directory's config.json rewritten): that row alone is replaced
+    cfg = w["paths"]["local"] / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "max_position_embeddings": 1234}))
+    res = registry.scan(hub=w["hub"], extra=[w["extra"]], db=w["db"])
+    writes = audited(w["db"])
+    assert {p for _t, _op, p in writes} == {str(w["paths"]["local"])} and res.read == 1, writes
+    assert {e.name: e.context_length for e in res.entries}["local-qwen2"] == 1234
+    # removed: its row is deleted, nothing else written
+    (w["paths"]["gguf"]).unlink()
+    res = registry.scan(hub=w["hub"], extra=[w["extra"]], db=w["db"])
+    assert audited(w["db"]) == [("models", "delete", str(w["paths"]["gguf"]))]
+    assert (res.read, res.removed) == (0, 1)
+
+
+def test_names_are_looked_up_through_indexes(small_world: dict[str, Any]) -> None:
+    from mlxrs import registry
+
+    con = sqlite3.connect(small_world["db"])
+    plan = " ".join(str(r[-1]) for r in con.execute(
+        f"EXPLAIN QUERY PLAN SELECT path FROM models {registry.EXACT_WHERE}", ("org/alpha-qwen3",)))
+    con.close()
+    assert "models_name" in plan and "models_repo_id" in plan, plan
+    assert registry.resolve_name("ORG/ALPHA-QWEN3", db=small_world["db"]) == small_world["paths"]["alpha"]
+
+
 # ---- rescan drops the stale entry (last: it changes the registry) -------------------------------
 
 def test_rescan_drops_the_stale_entry(world: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,26 @@ def test_version_with_missing_libmlxc_names_the_path_without_a_traceback() -> No
     assert bad in out, out
     assert "MLXRS_LIBMLXC" in out
     assert f"mlxrs {mlxrs.__version__}" in r.stdout  # the version itself is still printed
+
+
+def tiny_computation(stdout: str) -> list[list[float]]:
+    """The result `mlxrs info` prints on its "tiny computation" line."""
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("tiny computation: "))
+    assert line.startswith("tiny computation: [[0,1,2],[3,4,5]] @ ones(3,2) = "), line
+    return json.loads(line.split(" = ", 1)[1])  # type: ignore[no-any-return]
+
+
+def test_info_computes_through_mlx() -> None:
+    """`mlxrs info`: the runtime's description, a matmul through MLX (numpy's result), the memory counters."""
+    import numpy as np
+    from cli_util import run_cli
+
+    r = run_cli("info")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"mlxrs {mlxrs.__version__}\n"), r.stdout
+    want = np.arange(6, dtype=np.float64).reshape(2, 3) @ np.ones((3, 2))
+    np.testing.assert_array_equal(np.array(tiny_computation(r.stdout)), want)
+    assert re.search(r"^active memory: \d+ bytes, peak \d+ bytes$", r.stdout, re.M), r.stdout
 
 
 def test_missing_libmlxc_is_a_native_runtime_error_and_a_retry_can_succeed() -> None:
@@ -99,9 +120,10 @@ def test_blas_off_and_default() -> None:
 
 GEMV_SCRIPT = r"""
 import ctypes, json, sys
+sys.path.insert(0, sys.argv[2])  # tests/, for arrays_util
 import numpy as np
 import mlxrs
-from mlxrs._arrays import op
+from arrays_util import op
 
 info = mlxrs.runtime_info()
 out = {"blas": info["blas"], "blas_gemv": info["blas_gemv"], "calls": None, "err": []}
@@ -142,7 +164,7 @@ def test_gemv_router_matches_numpy_and_plain_openblas(tmp_path: Path) -> None:
     model = make_model("llama-float32", "llama")
 
     def run(**env: str) -> dict[str, object]:
-        r = run_py(["-c", GEMV_SCRIPT, str(model)], **env)
+        r = run_py(["-c", GEMV_SCRIPT, str(model), str(Path(__file__).parent)], **env)
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 

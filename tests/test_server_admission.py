@@ -54,6 +54,8 @@ def test_ceiling_at_stats(server, budget, model_dir):
     plan = st["memory_plan"]
     assert plan["maxSafeContext"] == CEILING and plan["usableBytes"] == budget and plan["fits"] is False
     assert plan == json.loads(_native.plan(str(model_dir), None, None, str(budget)))
+    # the plan's allocator limit is MLX's memory limit in the serving process (read back from MLX)
+    assert st["memory_limit_bytes"] == plan["allocatorLimitBytes"] == budget - plan["reserveBytes"]
     assert "does not fit the memory budget" in server.stderr()  # warned, and serving
 
 

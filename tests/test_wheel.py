@@ -6,8 +6,9 @@ directory outside the checkout with nothing of the source tree on the path.
   setup.sh's `maturin develop --release`), so this costs seconds when the extension is built;
 - Linux: `auditwheel repair --exclude libmlx.so` (libmlx comes from the `mlx` wheel);
 - the contents and the size are printed (visible with plain `pytest -q`);
-- smoke test: `python -m mlxrs --version`, a Session generation on a tiny model, and
+- smoke test: `python -m mlxrs --version` and `info`, a Session generation on a tiny model, and
   `python -m mlxrs serve` answering one OpenAI and one Anthropic request;
+- the test build's op dispatch (crates/mlxrs-py/src/dispatch.rs, the `testing` feature) is not in it;
 - native/pack.py's tarball, unpacked into a fresh MLXRS_HOME, serves the installed wheel when
   its sidecar is gone.
 
@@ -40,7 +41,8 @@ MLX_VERSION = "0.32.4"
 
 _LOG: list[str] = []  # timings, printed by the first test that runs the installed wheel
 
-pytestmark = pytest.mark.skipif(os.environ.get("MLXRS_TEST_WHEEL") == "0", reason="MLXRS_TEST_WHEEL=0")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("MLXRS_TEST_WHEEL") == "0", reason="MLXRS_TEST_WHEEL=0")]
 
 
 def _run(cmd: Sequence[object], what: str, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -239,6 +241,45 @@ def test_installed_wheel_version(venv: Path, tmp_path: Path, capsys: pytest.Capt
     # the console script too
     script = _run([venv / "bin" / "mlxrs", "--version"], "mlxrs --version", cwd=tmp_path, env=_clean_env(venv))
     assert script.stdout == out
+    # `info` computes through MLX without the test build's op dispatch
+    import numpy as np
+
+    info = _py(venv, ["-m", "mlxrs", "info"], "python -m mlxrs info", cwd=tmp_path)
+    assert info.startswith(out), info
+    line = _only(ln for ln in info.splitlines() if ln.startswith("tiny computation: "))
+    got = np.array(json.loads(line.split(" = ", 1)[1]))
+    np.testing.assert_array_equal(got, np.arange(6.0).reshape(2, 3) @ np.ones((3, 2)))
+
+
+def _dispatch_only_strings() -> list[bytes]:
+    """The string literals (the pieces between format placeholders, 16 characters or more) of
+    crates/mlxrs-py/src/dispatch.rs, outside its tests, that no other Rust source of the repository has."""
+    dispatch = ROOT / "crates" / "mlxrs-py" / "src" / "dispatch.rs"
+    src = dispatch.read_text().split("#[cfg(test)]\nmod tests")[0]
+    others = "\n".join(p.read_text() for p in (ROOT / "crates").rglob("*.rs") if p != dispatch)
+    pieces = {piece for lit in re.findall(r'"((?:[^"\\]|\\.)*)"', src)
+              for piece in re.split(r"\{[^}]*\}", lit.replace('\\"', '"')) if len(piece) >= 16}
+    return sorted(p.encode() for p in pieces if p not in others)
+
+
+def test_wheel_has_no_test_dispatch(wheel: Path, venv: Path, tmp_path: Path) -> None:
+    """The op dispatch `_native._op` is the test build's (the `testing` feature, scripts/setup.sh):
+    the installed wheel has no `_op`, and its extension module none of the dispatch's strings. (The
+    release profile strips symbols, so `nm` has nothing to tell; the strings are what remains of the
+    code.) The test build's extension, which has `_op`, shows the same scan finds them."""
+    marks = _dispatch_only_strings()
+    assert len(marks) >= 5, marks
+    with zipfile.ZipFile(wheel) as z:
+        ext = z.read(_only(n for n in z.namelist() if re.fullmatch(r"mlxrs/_native\.abi3\.so", n)))
+    assert not [m for m in marks if m in ext], [m for m in marks if m in ext]
+    from mlxrs import _native
+
+    if hasattr(_native, "_op"):  # the test build (absent where only a wheel was built: MLXRS_WHEEL)
+        dev = Path(_native.__file__).read_bytes()
+        assert len([m for m in marks if m in dev]) >= len(marks) // 2, [m for m in marks if m not in dev]
+    out = _py(venv, ["-c", "import json, mlxrs._native as n; print(json.dumps([hasattr(n, '_op'), '_op' in n.__all__]))"],
+              "mlxrs._native without _op", cwd=tmp_path)
+    assert json.loads(out.strip().splitlines()[-1]) == [False, False], out
 
 
 SESSION = """

@@ -4,6 +4,10 @@ Checked against the built module by tests/test_stubs.py (`python -m mypy.stubtes
 every name the module exports must be declared here with its real signature. Add new exports in
 the section they belong to (module constants, runtime, test hooks, classes at the end) and to
 `__all__` (PyO3 lists every added function and class there, private ones included).
+
+The test build (the `testing` cargo feature, scripts/setup.sh) has one more function, `_op`: every
+handle op by name (crates/mlxrs-py/src/dispatch.rs). The wheel does not, so it is declared neither
+here nor in the module's `__all__`; the tests reach it through tests/arrays_util.py.
 """
 
 import os
@@ -17,8 +21,14 @@ __all__ = [
     "runtime_info",
     "_register_mlx_lib_dir",
     "_resolution_order",
+    "_tiny_matmul",
+    "chat_template",
+    "model_files",
+    "generation_config",
+    "mlxrs_home",
+    "set_memory_limit",
+    "memory_limit",
     "_array_roundtrip",
-    "_op",
     "gguf_import",
     "default_import_dtype",
     "_sample",
@@ -83,17 +93,37 @@ def _register_mlx_lib_dir(dir: str | os.PathLike[str]) -> None:
 def _resolution_order() -> list[str]:
     """Where the resolver finds libmlxc ("<source>: <path>"), or its explanation of every place it tried."""
 
+def chat_template(model_dir: str | os.PathLike[str]) -> str | None:
+    """The chat template of a model directory with the tokenizer's precedence (chat_template.jinja,
+    else tokenizer_config.json's chat_template), or None."""
+
+def model_files(model_dir: str | os.PathLike[str]) -> list[str]:
+    """The safetensors files of a model directory: the shards model.safetensors.index.json names
+    (each must exist), else every *.safetensors; raises ModelLoadError saying what is missing."""
+
+def generation_config(model_dir: str | os.PathLike[str]) -> str:
+    """A model directory's generation_config.json as JSON text ("null" when it has none); raises
+    ModelLoadError when it is not valid JSON."""
+
+def mlxrs_home() -> str | None:
+    """mlxrs's own directory: $MLXRS_HOME, else $XDG_CACHE_HOME/mlxrs, else ~/.cache/mlxrs (None
+    without HOME)."""
+
+def set_memory_limit(bytes: int) -> int:
+    """Set MLX's memory limit (the memory plan's allocatorLimitBytes); returns the previous one."""
+
+def memory_limit() -> int:
+    """MLX's memory limit now."""
+
+def _tiny_matmul() -> list[list[float]]:
+    """`mlxrs info`'s tiny computation through MLX: [[0,1,2],[3,4,5]] @ ones(3,2), as rows."""
+
 # ---- test hooks: raw arrays as (bytes, shape, MLX dtype name) ---------------------------------
 
 _RawArray = tuple[bytes, list[int], str]
-_RawArrayIn = tuple[bytes, Sequence[int], str]
 
 def _array_roundtrip(data: bytes, shape: Sequence[int], dtype: str) -> _RawArray:
     """Copy a buffer into an MLX array and back out."""
-
-def _op(name: str, inputs: Sequence[_RawArrayIn], params: str = "{}") -> list[_RawArray]:
-    """Run one op of the core's surface by name (see crates/mlxrs-core/src/handle/dispatch.rs);
-    `params` is a JSON object."""
 
 def _sample(logits: Sequence[float], params: str = "{}", draws: int = 1) -> tuple[list[float], list[int]]:
     """Apply sampling `params` (JSON) to fixed logits: the filtered log-probabilities and `draws`

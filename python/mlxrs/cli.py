@@ -31,16 +31,11 @@ def _version_text() -> str:
 
 
 def _cmd_info(_args: argparse.Namespace) -> int:
-    import numpy as np
-
     import mlxrs
-    from mlxrs import _arrays
+    from mlxrs import _native
 
     print(_version_text())
-    a = np.arange(6, dtype=np.float32).reshape(2, 3)
-    b = np.ones((3, 2), dtype=np.float32)
-    out = _arrays.op("matmul", a, b)[0]
-    print(f"tiny computation: [[0,1,2],[3,4,5]] @ ones(3,2) = {out.tolist()}")
+    print(f"tiny computation: [[0,1,2],[3,4,5]] @ ones(3,2) = {_native._tiny_matmul()}")
     info = mlxrs.runtime_info()
     print(f"active memory: {info['active_memory']} bytes, peak {info['peak_memory']} bytes")
     return 0

@@ -29,13 +29,14 @@ GiB = 1 << 30
 RESERVE_BYTES = GiB
 
 
-def human(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
+def human(n: float, digits: int = 1) -> str:
+    """1536 -> '1.5 KiB' (`digits` after the point; bytes are whole): mlxrs's one byte formatter in
+    Python (`get`'s progress, `ls` and `fit` with two digits)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+    return f"{n:.{digits}f} TiB"  # pragma: no cover
 
 
 def _duration(s: float) -> str:

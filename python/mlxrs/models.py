@@ -23,11 +23,14 @@ IMPORT_VERSION = 3
 
 
 def mlxrs_home() -> Path:
-    env = os.environ.get("MLXRS_HOME")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlxrs"
+    """mlxrs's own directory, as the native side finds it (crates/mlxrs-sys's `mlxrs_home`:
+    $MLXRS_HOME, else $XDG_CACHE_HOME/mlxrs, else ~/.cache/mlxrs)."""
+    from . import _native
+
+    home = _native.mlxrs_home()
+    if home is None:
+        raise ModelLoadError("mlxrs has no cache directory: set MLXRS_HOME (or HOME)")
+    return Path(home)
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

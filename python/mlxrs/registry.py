@@ -2,13 +2,18 @@
 cache and in `MLXRS_MODEL_DIRS`, `mlxrs ls` lists them, and `serve`/`fit`/`Session` accept a
 registry name (or a unique substring of one) wherever a path is expected.
 
-Everything is read from metadata: config.json, tokenizer_config.json, the safetensors headers (the
-8-byte length and the JSON header, never tensor data) and GGUF headers. The registry is a sqlite
-database at `$MLXRS_HOME/registry.sqlite` (default `~/.cache/mlxrs/registry.sqlite`).
+Everything is read from metadata: config.json, the chat template, the safetensors headers (the
+8-byte length and the JSON header, never tensor data) and GGUF headers; the headers and the template
+through the Rust readers the loader uses. The hub cache is listed by `huggingface_hub.scan_cache_dir()`.
+The registry is a sqlite database at `$MLXRS_HOME/registry.sqlite` (default
+`~/.cache/mlxrs/registry.sqlite`), updated incrementally: a model whose files are unchanged since the
+last scan (its fingerprint: the hub's blob names and sizes, or the files' sizes and mtimes) is neither
+read again nor rewritten; names are looked up through indexes.
 """
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import math
 import os
@@ -21,7 +26,7 @@ from typing import Any
 
 from .errors import ModelLoadError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the fingerprint column, incremental scans, name indexes
 SCAN_HINT = "(try `mlxrs scan`)"
 #: How deep below an `MLXRS_MODEL_DIRS` entry model directories and .gguf files are looked for.
 MODEL_DIRS_DEPTH = 3
@@ -124,16 +129,15 @@ def safetensors_header(path: Path) -> dict[str, Any]:
 
 
 def _weight_files(d: Path) -> list[str]:
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text()).get("weight_map", {})
-            files = sorted(set(wm.values()))
-            if files:
-                return files
-        except (OSError, ValueError):
-            pass
-    return sorted(p.name for p in d.glob("*.safetensors"))
+    """The names of the model's safetensors files (the loader's answer: crates/mlxrs-core's
+    `safetensors::model_files`, through the extension); raises ValueError saying what is missing."""
+    from . import _native
+    from .errors import MlxrsError
+
+    try:
+        return [Path(p).name for p in _native.model_files(str(d))]
+    except MlxrsError as e:
+        raise ValueError(str(e)) from None
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -156,30 +160,15 @@ def _quantization(cfg: dict[str, Any]) -> str | None:
 
 
 def _chat_template(d: Path) -> str | None:
-    """The chat template text: tokenizer_config.json's chat_template (string or named list),
-    else chat_template.jinja / chat_template.json."""
-    texts: list[str] = []
+    """The chat template mlxrs renders for a model directory (the tokenizer's one precedence,
+    crates/mlxrs-core/src/tokenizer.rs, through the extension)."""
+    from . import _native
+    from .errors import MlxrsError
+
     try:
-        tc = json.loads((d / "tokenizer_config.json").read_text())
-        ct = tc.get("chat_template") if isinstance(tc, dict) else None
-        if isinstance(ct, str):
-            texts.append(ct)
-        elif isinstance(ct, list):
-            texts += [str(t.get("template", "")) for t in ct if isinstance(t, dict)]
-    except (OSError, ValueError):
-        pass
-    jinja = d / "chat_template.jinja"
-    if jinja.is_file():
-        texts.append(jinja.read_text(errors="replace"))
-    cj = d / "chat_template.json"
-    if cj.is_file():
-        try:
-            v = json.loads(cj.read_text())
-            texts.append(str(v.get("chat_template", "")) if isinstance(v, dict) else "")
-        except ValueError:
-            pass
-    text = "\n".join(t for t in texts if t)
-    return text or None
+        return _native.chat_template(str(d))
+    except MlxrsError:
+        return None
 
 
 def _supported_types() -> list[str]:
@@ -208,8 +197,6 @@ def inspect_dir(d: Path, supported: Sequence[str]) -> Entry:
     if not isinstance(cfg, dict):
         raise ValueError("config.json is not a JSON object")
     files = _weight_files(d)
-    if not files:
-        raise ValueError("no *.safetensors weights")
     tensors: dict[str, tuple[str, list[int], int]] = {}
     for f in files:
         fp = d / f
@@ -307,77 +294,92 @@ class ScanResult:
     entries: list[Entry]
     skipped: list[tuple[str, str]]  # (path, why)
     roots: list[str]
+    read: int = 0  # models read this scan (new, or changed since the last one)
+    unchanged: int = 0  # models (and skipped paths) whose fingerprint matched: neither read nor rewritten
+    removed: int = 0  # rows dropped: their files are gone
 
 
-def _hub_repos(hub: Path) -> Iterator[tuple[str, Path]]:
+@dataclass
+class _Found:
+    """A model directory or .gguf file a walk found, before it is read."""
+
+    path: Path
+    kind: str  # "dir" | "gguf"
+    fingerprint: str
+    name: str | None = None  # hub entries: the repo id (and the file within it for a GGUF)
+    repo_id: str | None = None
+    revision: str | None = None
+    is_main: bool = False
+
+
+def _digest(parts: Sequence[object]) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def _stat_fingerprint(paths: Sequence[Path]) -> str:
+    """The names, sizes and modification times of `paths` (a change to any is a change of model)."""
+    parts: list[object] = []
+    for p in sorted(paths):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        parts.append((p.name, st.st_size, st.st_mtime_ns))
+    return _digest(parts)
+
+
+def _hub_found(hub: Path, out: ScanResult) -> Iterator[_Found]:
+    """The model snapshots and GGUF files of the hub cache, as huggingface_hub lists them. The
+    fingerprint of a snapshot is its files' blob names (content hashes) and sizes, and its refs."""
     if not hub.is_dir():
         return
-    for d in sorted(hub.iterdir()):
-        if d.is_dir() and d.name.startswith("models--"):
-            yield d.name[len("models--"):].replace("--", "/"), d
+    from huggingface_hub import scan_cache_dir
 
-
-def _scan_hub(hub: Path, supported: Sequence[str], out: ScanResult) -> None:
-    for repo_id, d in _hub_repos(hub):
-        refs: dict[str, str] = {}
-        refs_dir = d / "refs"
-        if refs_dir.is_dir():
-            for r in refs_dir.rglob("*"):
-                if r.is_file():
-                    try:
-                        refs[r.read_text().strip()] = str(r.relative_to(refs_dir))
-                    except OSError:
-                        pass
-        snaps = d / "snapshots"
-        if not snaps.is_dir():
+    try:
+        info = scan_cache_dir(hub)
+    except Exception as e:  # CacheNotFound and friends: nothing to list
+        out.skipped.append((str(hub), f"not a Hugging Face hub cache: {e}"))
+        return
+    for w in info.warnings:  # a corrupted repo: reported, the rest is listed
+        out.skipped.append((str(getattr(w, "path", hub)), str(w)))
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model":
             continue
-        for snap in sorted(snaps.iterdir()):
-            if not snap.is_dir():
-                continue
-            rev = snap.name
-            is_main = refs.get(rev) == "main"
-            if (snap / "config.json").exists() or any(snap.glob("*.safetensors")):
-                try:
-                    e = inspect_dir(snap, supported)
-                except ValueError as why:
-                    out.skipped.append((str(snap), f"{repo_id}@{rev[:7]}: {why}"))
-                else:
-                    e.name, e.repo_id, e.revision, e.is_main, e.source = repo_id, repo_id, rev, is_main, "hf-cache"
-                    out.entries.append(e)
-            for g in sorted(snap.rglob("*.gguf")):
-                try:
-                    e = inspect_gguf(g)
-                except (OSError, ValueError) as why:
-                    out.skipped.append((str(g), str(why)))
-                    continue
-                rel = g.relative_to(snap).as_posix()
-                e.name, e.repo_id, e.revision, e.is_main, e.source = f"{repo_id}/{rel}", repo_id, rev, is_main, "hf-cache"
-                out.entries.append(e)
+        for rev in sorted(repo.revisions, key=lambda r: r.commit_hash):
+            snap = rev.snapshot_path
+            files = {f.file_path.relative_to(snap).as_posix(): f for f in rev.files}
+            is_main = "main" in rev.refs
+            listing = [(rel, f.blob_path.name, f.size_on_disk) for rel, f in sorted(files.items())]
+            if "config.json" in files or any(r.endswith(".safetensors") and "/" not in r for r in files):
+                yield _Found(snap, "dir", _digest([listing, is_main]), repo.repo_id, repo.repo_id,
+                             rev.commit_hash, is_main)
+            for rel in sorted(r for r in files if r.endswith(".gguf")):
+                f = files[rel]
+                yield _Found(f.file_path, "gguf", _digest([rel, f.blob_path.name, f.size_on_disk, is_main]),
+                             f"{repo.repo_id}/{rel}", repo.repo_id, rev.commit_hash, is_main)
 
 
-def _scan_dir(root: Path, supported: Sequence[str], out: ScanResult) -> None:
-    if root.is_file():
-        candidates: list[tuple[Path, int]] = [(root, 0)]
-    elif root.is_dir():
-        candidates = [(root, 0)]
-    else:
+def _dir_found(root: Path, out: ScanResult) -> Iterator[_Found]:
+    """The model directories (config.json) and .gguf files under an `MLXRS_MODEL_DIRS` entry, at most
+    MODEL_DIRS_DEPTH levels down; a model directory is not searched further."""
+    if not root.exists():
         out.skipped.append((str(root), "MLXRS_MODEL_DIRS entry does not exist"))
         return
+    candidates: list[tuple[Path, int]] = [(root, 0)]
     while candidates:
         p, depth = candidates.pop(0)
         if p.is_file():
             if p.suffix.lower() == ".gguf":
-                try:
-                    out.entries.append(inspect_gguf(p))
-                except (OSError, ValueError) as why:
-                    out.skipped.append((str(p), str(why)))
+                yield _Found(p, "gguf", _stat_fingerprint([p]))
             continue
         if (p / "config.json").exists():
             try:
-                out.entries.append(inspect_dir(p, supported))
-            except ValueError as why:
-                out.skipped.append((str(p), str(why)))
-            continue  # a model directory is not searched further
+                files = [f for f in p.iterdir() if f.is_file()]
+            except OSError as e:
+                out.skipped.append((str(p), e.strerror or str(e)))
+                continue
+            yield _Found(p, "dir", _stat_fingerprint(files))
+            continue
         if depth >= MODEL_DIRS_DEPTH:
             continue
         try:
@@ -392,25 +394,82 @@ def _scan_dir(root: Path, supported: Sequence[str], out: ScanResult) -> None:
                 candidates.append((k, depth + 1))
 
 
+def _read(f: _Found, supported: Sequence[str]) -> Entry:
+    """The entry for what a walk found (raises ValueError or OSError saying why it is not one)."""
+    e = inspect_gguf(f.path) if f.kind == "gguf" else inspect_dir(f.path, supported)
+    if f.repo_id:
+        e.name, e.repo_id, e.revision, e.is_main, e.source = (f.name or f.repo_id, f.repo_id, f.revision,
+                                                               f.is_main, "hf-cache")
+    return e
+
+
+def _why_skipped(f: _Found, why: Exception) -> str:
+    if f.kind == "dir" and f.repo_id:
+        return f"{f.repo_id}@{(f.revision or '')[:7]}: {why}"
+    return str(why)
+
+
 def scan(*, hub: Path | None = None, extra: Sequence[Path] | None = None, db: Path | None = None) -> ScanResult:
-    """Walk the hub cache and `MLXRS_MODEL_DIRS`, and replace the registry's contents with what is
-    found there."""
+    """Walk the hub cache and `MLXRS_MODEL_DIRS` and bring the registry up to date: read what is new
+    or changed since the last scan (and write its row), keep what is unchanged as it is, and drop
+    what is gone."""
     supported = _supported_types()
     hub = hub or hub_cache()
     extra = list(model_dirs() if extra is None else extra)
     out = ScanResult([], [], [str(hub), *map(str, extra)])
-    _scan_hub(hub, supported, out)
-    for root in extra:
-        _scan_dir(root, supported, out)
-    # one entry per path (a directory listed twice, or inside the hub cache too)
-    seen: dict[str, Entry] = {}
-    for e in out.entries:
-        seen.setdefault(str(Path(e.path).resolve()), e)
-    out.entries = list(seen.values())
-    now = time.time()
-    for e in out.entries:
-        e.scanned_at = now
-    _write(db or db_path(), out)
+    found: dict[str, _Found] = {}  # one per path (a directory listed twice, or inside the hub cache too)
+    walks = [_hub_found(hub, out), *(_dir_found(root, out) for root in extra)]
+    for walk in walks:
+        for f in walk:
+            found.setdefault(str(f.path.resolve()), f)
+    con = _connect(db or db_path())
+    try:
+        with con:
+            known = dict(con.execute("SELECT path, fingerprint FROM models").fetchall())
+            known_skipped = {p: (fp, why) for p, fp, why in con.execute("SELECT path, fingerprint, why FROM skipped")}
+            keep: set[str] = set()
+            for f in found.values():
+                key = str(f.path)
+                keep.add(key)
+                if known.get(key) == f.fingerprint:
+                    out.unchanged += 1
+                    continue
+                if key in known_skipped and known_skipped[key][0] == f.fingerprint:
+                    out.unchanged += 1
+                    out.skipped.append((key, known_skipped[key][1]))
+                    continue
+                out.read += 1
+                try:
+                    e = _read(f, supported)
+                except (OSError, ValueError) as why:
+                    out.skipped.append((key, _why_skipped(f, why)))
+                    con.execute("DELETE FROM models WHERE path = ?", (key,))
+                    con.execute("INSERT OR REPLACE INTO skipped VALUES (?, ?, ?)",
+                                (key, f.fingerprint, out.skipped[-1][1]))
+                    continue
+                e.scanned_at = time.time()
+                row = e.to_json()
+                row["files"] = json.dumps(row["files"])
+                row["fingerprint"] = f.fingerprint
+                cols = (*_COLUMNS, "fingerprint")
+                con.execute(f"INSERT OR REPLACE INTO models ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                            [row[c] for c in cols])
+                con.execute("DELETE FROM skipped WHERE path = ?", (key,))
+            for path in set(known) - keep:
+                con.execute("DELETE FROM models WHERE path = ?", (path,))
+                out.removed += 1
+            for path in set(known_skipped) - keep:
+                con.execute("DELETE FROM skipped WHERE path = ?", (path,))
+            # paths a walk reported without a fingerprint (a missing MLXRS_MODEL_DIRS entry, a
+            # corrupted hub repo) are not rows of the skipped table
+            for k, v in (("scanned_at", str(time.time())), ("roots", json.dumps(out.roots))):
+                con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, v))
+            rows = con.execute(f"SELECT {', '.join(_COLUMNS)} FROM models WHERE path IN "
+                               f"({', '.join('?' * len(keep))})", sorted(keep)).fetchall() if keep else []
+    finally:
+        con.close()
+    order = {str(f.path): i for i, f in enumerate(found.values())}
+    out.entries = sorted((_entry(r) for r in rows), key=lambda e: order.get(e.path, 0))
     return out
 
 
@@ -422,58 +481,58 @@ _COLUMNS = ("path", "name", "source", "format", "repo_id", "revision", "is_main"
 
 
 def _connect(path: Path) -> sqlite3.Connection:
+    """The registry database, created (or, from an older schema, recreated: a rescan fills it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     con = sqlite3.connect(str(path), timeout=30)
-    con.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
-    con.execute(
-        "CREATE TABLE IF NOT EXISTS models (path TEXT PRIMARY KEY, name TEXT NOT NULL, source TEXT NOT NULL, "
-        "format TEXT NOT NULL, repo_id TEXT, revision TEXT, is_main INTEGER NOT NULL DEFAULT 0, model_type TEXT, "
-        "supported INTEGER NOT NULL, note TEXT, params INTEGER, weight_bytes INTEGER, dtype TEXT, "
-        "quantization TEXT, context_length INTEGER, chat_template INTEGER NOT NULL DEFAULT 0, "
-        "tools INTEGER NOT NULL DEFAULT 0, files TEXT NOT NULL DEFAULT '[]', scanned_at REAL)")
-    con.execute("CREATE TABLE IF NOT EXISTS skipped (path TEXT PRIMARY KEY, why TEXT)")
+    with con:
+        con.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+        version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if version is not None and version[0] != str(SCHEMA_VERSION):
+            con.execute("DROP TABLE IF EXISTS models")
+            con.execute("DROP TABLE IF EXISTS skipped")
+        con.execute(
+            "CREATE TABLE IF NOT EXISTS models (path TEXT PRIMARY KEY, name TEXT NOT NULL, source TEXT NOT NULL, "
+            "format TEXT NOT NULL, repo_id TEXT, revision TEXT, is_main INTEGER NOT NULL DEFAULT 0, model_type TEXT, "
+            "supported INTEGER NOT NULL, note TEXT, params INTEGER, weight_bytes INTEGER, dtype TEXT, "
+            "quantization TEXT, context_length INTEGER, chat_template INTEGER NOT NULL DEFAULT 0, "
+            "tools INTEGER NOT NULL DEFAULT 0, files TEXT NOT NULL DEFAULT '[]', scanned_at REAL, "
+            "fingerprint TEXT NOT NULL DEFAULT '')")
+        con.execute("CREATE INDEX IF NOT EXISTS models_name ON models (name COLLATE NOCASE)")
+        con.execute("CREATE INDEX IF NOT EXISTS models_repo_id ON models (repo_id COLLATE NOCASE)")
+        con.execute("CREATE TABLE IF NOT EXISTS skipped (path TEXT PRIMARY KEY, fingerprint TEXT, why TEXT)")
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
     return con
 
 
-def _write(path: Path, res: ScanResult) -> None:
-    con = _connect(path)
-    try:
-        with con:
-            con.execute("DELETE FROM models")
-            con.execute("DELETE FROM skipped")
-            for e in res.entries:
-                row = e.to_json()
-                row["files"] = json.dumps(row["files"])
-                con.execute(f"INSERT INTO models ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
-                            [row[c] for c in _COLUMNS])
-            con.executemany("INSERT OR REPLACE INTO skipped VALUES (?, ?)", res.skipped)
-            for k, v in (("schema_version", str(SCHEMA_VERSION)), ("scanned_at", str(time.time())),
-                         ("roots", json.dumps(res.roots))):
-                con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, v))
-    finally:
-        con.close()
+def _entry(r: Sequence[Any]) -> Entry:
+    d = dict(zip(_COLUMNS, r))
+    d["files"] = tuple(json.loads(d["files"] or "[]"))
+    for b in ("is_main", "supported", "chat_template", "tools"):
+        d[b] = bool(d[b])
+    e = Entry(**d)
+    e.stale = bool(e.gone())
+    return e
 
 
-def entries(db: Path | None = None) -> list[Entry]:
-    """Every registered model (stale ones marked), or [] when nothing was scanned yet."""
+def _query(db: Path | None, where: str = "", args: Sequence[Any] = ()) -> list[Entry]:
     path = db or db_path()
     if not path.exists():
         return []
     con = _connect(path)
     try:
-        rows = con.execute(f"SELECT {', '.join(_COLUMNS)} FROM models ORDER BY name, revision").fetchall()
+        rows = con.execute(f"SELECT {', '.join(_COLUMNS)} FROM models {where} ORDER BY name, revision", args).fetchall()
     finally:
         con.close()
-    out = []
-    for r in rows:
-        d = dict(zip(_COLUMNS, r))
-        d["files"] = tuple(json.loads(d["files"] or "[]"))
-        for b in ("is_main", "supported", "chat_template", "tools"):
-            d[b] = bool(d[b])
-        e = Entry(**d)
-        e.stale = bool(e.gone())
-        out.append(e)
-    return out
+    return [_entry(r) for r in rows]
+
+
+#: The exact-name lookup: a name or repo id (any case, through their indexes) or a path.
+EXACT_WHERE = "WHERE name = ?1 COLLATE NOCASE OR repo_id = ?1 COLLATE NOCASE OR path = ?1"
+
+
+def entries(db: Path | None = None) -> list[Entry]:
+    """Every registered model (stale ones marked), or [] when nothing was scanned yet."""
+    return _query(db)
 
 
 # ---- name resolution --------------------------------------------------------------------------
@@ -520,8 +579,9 @@ def _label(e: Entry) -> str:
 def resolve_name(name: str, db: Path | None = None) -> Path:
     """The path of the registered model `name` designates (exact name, repo id, or a unique
     substring). Raises ModelLoadError on a miss, an ambiguous name, or a stale entry."""
-    pool = entries(db)
-    cands = match(name, pool)
+    cands = _query(db, EXACT_WHERE, (name.strip(),))  # the indexed lookup first
+    pool = cands or entries(db)
+    cands = cands or match(name, pool)
     if not cands:
         if not pool:
             raise ModelLoadError(f"{name!r} is not a model directory or file, and the registry is empty: "
@@ -555,12 +615,10 @@ def human_count(n: int | None) -> str:
 
 
 def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for div, suf in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if n >= div:
-            return f"{n / div:.2f} {suf}"
-    return f"{n} B"
+    """`ls`'s and `fit`'s sizes: download.human with two digits ("-" for unknown)."""
+    from .download import human
+
+    return "-" if n is None else human(n, 2)
 
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:

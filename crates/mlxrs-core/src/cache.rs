@@ -54,16 +54,6 @@ impl LayerCache {
         }
     }
 
-    /// Tokens currently held (a recurrent state summarises all it has seen).
-    pub fn size(&self) -> i32 {
-        match self {
-            LayerCache::Full(c) => c.offset,
-            LayerCache::Rotating(c) => c.offset.min(c.max_size),
-            LayerCache::Quantized(c) => c.offset,
-            LayerCache::Recurrent(c) => c.offset,
-        }
-    }
-
     pub fn update_and_fetch(&mut self, k: Array, v: Array) -> Result<Fetched> {
         match self {
             LayerCache::Full(c) => c.update_and_fetch(&k, &v).map(|(k, v)| Fetched::Dense(k, v)),
@@ -389,10 +379,6 @@ pub struct QuantizedKvCache {
 }
 
 impl QuantizedKvCache {
-    pub fn new(q: QuantSpec) -> Self {
-        QuantizedKvCache { keys: None, values: None, offset: 0, q }
-    }
-
     fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<Fetched> {
         let ks = k.shape();
         let (b, h, n, kd) = (ks[0], ks[1], ks[2], ks[3]);
@@ -821,7 +807,7 @@ mod tests {
         r.state = Some(randn(4, &[1, 2, 4, 8]));
         r.offset = 9;
         let snap = c.clone();
-        assert_eq!((c.offset(), c.size(), c.state().len(), c.nbytes()), (9, 9, 2, (3 * 16 + 2 * 4 * 8) * 4));
+        assert_eq!((c.offset(), c.state().len(), c.nbytes()), (9, 2, (3 * 16 + 2 * 4 * 8) * 4));
         assert!(c.can_trim(0) && !c.can_trim(1));
         assert_eq!(c.trim(3), 0);
         assert_eq!(c.offset(), 9);

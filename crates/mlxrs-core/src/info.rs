@@ -21,6 +21,16 @@ pub struct RuntimeInfo {
     pub peak_memory: usize,
 }
 
+/// `mlxrs info`'s tiny computation through MLX: `[[0,1,2],[3,4,5]] @ ones(3,2)`, as rows.
+pub fn tiny_matmul() -> Result<Vec<Vec<f32>>> {
+    handle::init()?;
+    let a = handle::Array::from_slice(&[0.0f32, 1.0, 2.0, 3.0, 4.0, 5.0], &[2, 3])?;
+    let b = handle::ones(&[3, 2], handle::Dtype::Float32)?;
+    let c = handle::matmul(&a, &b)?;
+    let cols = c.shape()[1] as usize;
+    Ok(c.to_vec::<f32>()?.chunks(cols).map(<[f32]>::to_vec).collect())
+}
+
 /// Load the runtime if needed and describe it.
 pub fn runtime_info() -> Result<RuntimeInfo> {
     let rt = handle::init()?;

@@ -381,12 +381,6 @@ fn stack(deltas: &[Option<Delta>], inp: i32, out: i32) -> Result<Stacked> {
 }
 
 impl LoraLinear {
-    pub fn nbytes(&self) -> usize {
-        let d: usize = self.deltas.iter().flatten().map(|d| d.a.nbytes() + d.b.nbytes() + d.factor.as_ref().map_or(0, Array::nbytes)).sum();
-        let s = self.stacked.as_ref().map_or(0, |s| s.a.nbytes() + s.b.nbytes() + s.factor.as_ref().map_or(0, Array::nbytes));
-        self.base.nbytes() + self.bias.as_ref().map_or(0, Array::nbytes) + d + s
-    }
-
     fn plus_bias(&self, y: Array) -> Result<Array> {
         match &self.bias {
             Some(b) => mx::add(&y, b),

@@ -21,9 +21,8 @@ pub const DEFAULT_BUDGET_FRACTION: f64 = 0.75;
 
 /// Memory outside weights, KV and prefill activations that the serving process holds: the MLX
 /// runtime and its allocator's buffer cache slack, the tokenizer, the Python interpreter with
-/// aiohttp. Measured on Linux/CPU (x86_64, MLX 0.30.6): a `python -m mlxrs serve` process with
-/// a 5 MB model has a resident set of ~180 MB before the first request; 256 MiB leaves headroom
-/// for allocator fragmentation.
+/// aiohttp: 256 MiB, headroom over the serving process's resident set before the first request
+/// (bench/RESULTS-fit.md).
 pub const RESERVE_BYTES: u64 = 256 << 20;
 
 /// KV caches grow in steps of this many tokens (`cache.rs`, mlx-lm's `KVCache.step`), so a full
@@ -189,22 +188,8 @@ fn safetensors_header(path: &Path) -> Result<Vec<(String, String, u64)>> {
 impl ModelFacts {
     /// Facts from a model directory: config.json plus the safetensors headers.
     pub fn from_dir(dir: &Path) -> Result<ModelFacts> {
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| {
-            Error::ModelLoad(format!("{}: {e} (a model directory needs config.json and *.safetensors)", cfg_path.display()))
-        })?;
-        let config: Value = serde_json::from_str(&text)
-            .map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
-        let rd = std::fs::read_dir(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
-        let mut files: Vec<_> = rd
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(Error::ModelLoad(format!("no *.safetensors weights in {}", dir.display())));
-        }
+        let config = crate::engine::read_config(dir)?;
+        let files = crate::safetensors::model_files(dir)?;
         let mut tensors = Vec::new();
         for f in &files {
             tensors.extend(safetensors_header(f)?);
@@ -731,32 +716,7 @@ impl ModelFacts {
 /// OpenBLAS, MLX 0.30.6, prefill step 2048. tests/test_fit.py re-measures the fit-* rows and
 /// requires every ratio within 15%.
 ///
-/// | model (tests/tinymodels.py unless noted)                         | n    | measured MB   | planned MB    | ratio         |
-/// |------------------------------------------------------------------|------|---------------|---------------|---------------|
-/// | fit-llama-f32: 8 layers, hidden 1024, 8/8 heads × 128, float32   | 256  | 390.8         | 410.0         | 1.049         |
-/// |                                                                  | 512  | 409.7         | 453.3         | 1.107         |
-/// |                                                                  | 2048 | 743.3         | 818.1         | 1.101         |
-/// |                                                                  | 4000 | 1015.1        | 1106.7        | 1.090         |
-/// |   the same, 8-bit KV cache                                       | 1000 | 488.7         | 476.7         | 0.976         |
-/// |   the same, 8-bit / 4-bit KV cache                               | 3000 | 753.0 / 747.7 | 784.5 / 755.5 | 1.042 / 1.010 |
-/// | fit-gemma3-f32: 6 layers, hidden 768, 4/2 heads × 192, window 16 | 512  | 233.4         | 266.6         | 1.142         |
-/// |                                                                  | 1000 | 288.7         | 316.0         | 1.095         |
-/// |                                                                  | 2048 | 441.7         | 460.9         | 1.044         |
-/// |                                                                  | 4000 | 513.3         | 557.5         | 1.086         |
-/// | fit-qwen3-bf16: 8 layers, hidden 1024, 16/4 heads × 64, bfloat16 | 512  | 203.8         | 219.4         | 1.076         |
-/// |                                                                  | 1000 | 259.3         | 266.7         | 1.029         |
-/// |                                                                  | 2048 | 431.1         | 436.7         | 1.013         |
-/// | qwen3-float32: 2 layers, hidden 256, 4/2 heads × 64, float32     | 1000 | 38.3          | 42.7          | 1.113         |
-/// |                                                                  | 2049 | 116.8         | 123.7         | 1.058         |
-/// |                                                                  | 4000 | 181.3         | 206.2         | 1.137         |
-/// | Gemma 3 270M, the bf16 import of the Q4_K_M GGUF (18 layers, 4/1 heads × 256, window 512) | 500 | 562.1 | 563.5 | 1.003 |
-/// |                                                                  | 2000 | 694.3         | 641.5         | 0.924         |
-///
-/// The estimate sums phases that are not all live at once (the prefill's activations are gone when
-/// the decode step regrows the cache), so it leans high; 1.1 would centre the float32 rows better but
-/// take the quantized-KV and Gemma 270M rows to 0.96 / 0.91. Before this calibration the slack was
-/// 1.25 and bfloat16 scores were counted with a float32 copy (6 bytes per element): fit-qwen3-bf16 at
-/// n = 512 / 2048 was planned at 1.19 / 1.81× its peak.
+/// The measured peaks against this plan, and the history of the constant: bench/RESULTS-fit.md (CPU).
 pub const TRANSIENT_SLACK: f64 = 1.2;
 
 /// Decoder layers whose prefill activations the planner counts on a GPU (CUDA, Metal), where the
@@ -765,34 +725,10 @@ pub const TRANSIENT_SLACK: f64 = 1.2;
 /// MLX releases a finished layer's buffers from its completion thread, so part of the one before can
 /// still be held. With [`TRANSIENT_SLACK`], and attention per [`Backend::fused_attention`].
 ///
-/// Measured on an NVIDIA H200 (MLX 0.30.6's CUDA backend, bench/device_fit.sh and
-/// bench/prefill_eval_speed.py, four runs on fresh machines, 2026-11-30): MLX's peak over a prefill of
-/// n random tokens + 2 generated, against weights + KV + transient at n + 2 (bench/RESULTS-fit.md has
-/// every row). "Queued ahead" is the default (the highest of 1–11 runs); the last column evaluates
-/// every layer and waits for it (`MLXRS_PREFILL_EVAL_LAYERS=1`).
-///
-/// | model (random weights)                                | n    | planned MB | queued ahead: peak MB (ratio) | waiting: peak MB (ratio) |
-/// |-------------------------------------------------------|------|------------|-------------------------------|--------------------------|
-/// | Llama-1B shape (bench_device.py), bf16                | 512  | 2368.4     | 2294.4 (1.032)                | 2304.8 (1.028)           |
-/// |                                                       | 2048 | 2818.4     | 2705.4 (1.042)                | 2437.0 (1.156)           |
-/// |                                                       | 4000 | 2881.5     | 2738.7 (1.052)                | 2504.7 (1.150)           |
-/// |                                                       | 8000 | 3025.8     | 2945.6 (1.027)                | 2786.3 (1.086)           |
-/// | Llama-3B shape (28 layers, hidden 3072), bf16         | 2048 | 6925.7     | 6513.1 (1.063)                | 6555.1 (1.057)           |
-/// |                                                       | 4000 | 7140.0     | 6929.5 (1.030)                | 6732.0 (1.061)           |
-/// |                                                       | 8000 | 7629.9     | 7306.4 (1.044)                | 7184.8 (1.062)           |
-/// | fit-llama-bf16 (fit-llama-f32's shape), bf16          | 512  | 254.4      | 222.5 (1.14)                  | 226.7 (1.12)             |
-/// |                                                       | 4000 | 526.9      | 446.1 (1.18)                  | 369.8 (1.42)             |
-/// | fit-qwen3-bf16                                        | 4000 | 430.8      | 350.2 (1.23)                  | 267.7 (1.61)             |
-/// | fit-llama-f32 (materialized scores)                   | 512  | 539.3      | 453.4 (1.19)                  | 445.0 (1.21)             |
-/// |                                                       | 4000 | 1997.9     | 1424.1 (1.40)                 | 997.1 (2.00)             |
-/// | fit-gemma3-f32 (materialized scores)                  | 4000 | 1144.0     | 614.0 (1.86)                  | 516.6 (2.21)             |
-///
-/// How many layers are alive depends on timing: the 1B and 3B shapes peak at two to two and a half
-/// layers' worth (with two counted, 1B runs peaked up to 3.3% above the plan: 2945.6 MB at 8000 against
-/// 2849.6); the small float32 models, whose one layer is mostly attention scores, often at one, up to
-/// 2.3× below this plan — an upper bound for them. Before the staged prefill (a whole chunk as one
-/// graph), the same models peaked up to 2.8× the plan of then (one layer; fit-llama-f32 at n = 4000:
-/// 3125.5 MB against 1106.7), varying from run to run.
+/// Measured on an NVIDIA H200 (MLX 0.30.6's CUDA backend): the 1B and 3B shapes peak at two to two
+/// and a half layers' worth, within 1.03–1.06 of this plan; the small float32 models, whose one layer
+/// is mostly attention scores, below it (an upper bound for them). Every row, and the peaks before the
+/// staged prefill: bench/RESULTS-fit.md (CUDA).
 pub const GPU_LAYERS_IN_FLIGHT: u64 = 3;
 
 #[cfg(test)]

@@ -5,7 +5,52 @@
 use crate::error::{Error, Result};
 use crate::handle::Dtype;
 use serde_json::Value;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The safetensors files of a model directory: the shards `model.safetensors.index.json` names when
+/// it is there (each must exist), else every `*.safetensors` of the directory; sorted, never empty.
+/// The one answer to "which files hold the weights" (the loader, the planner, the registry).
+pub fn model_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    let mut files: Vec<PathBuf> = Vec::new();
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|e| Error::Io { path: index.clone(), source: e })?;
+        let v: Value =
+            serde_json::from_str(&text).map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", index.display())))?;
+        let mut names: Vec<String> = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| Error::ModelLoad(format!("{}: no weight_map", index.display())))?
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
+        names.sort();
+        names.dedup();
+        for n in names {
+            let p = dir.join(&n);
+            if !p.is_file() {
+                return Err(Error::ModelLoad(format!(
+                    "{} lists shard {n}, which is missing from {}: re-download the model",
+                    index.display(),
+                    dir.display()
+                )));
+            }
+            files.push(p);
+        }
+    } else {
+        let rd = std::fs::read_dir(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
+        files = rd.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect();
+        files.sort();
+    }
+    if files.is_empty() {
+        return Err(Error::ModelLoad(format!(
+            "no *.safetensors weights in {}: is this an MLX/Hugging Face model directory? \
+             (a model directory needs config.json and *.safetensors)",
+            dir.display()
+        )));
+    }
+    Ok(files)
+}
 
 /// A header larger than this is not a model file's (real ones are a few MB at most).
 pub const MAX_HEADER_BYTES: u64 = 100 << 20;

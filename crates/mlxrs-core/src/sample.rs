@@ -125,10 +125,6 @@ impl Sampler {
         Ok(Sampler { key: mx::random_key(seed)?, p, history: None, counts: None, bias, vocab })
     }
 
-    pub fn params(&self) -> &SamplingParams {
-        &self.p
-    }
-
     /// Greedy with no logit processors: the engine may sample such rows together.
     pub fn is_plain_greedy(&self) -> bool {
         self.p.is_greedy() && !self.has_processors()

@@ -39,6 +39,37 @@ fn ids_of(v: Option<&Value>) -> Vec<i32> {
     }
 }
 
+/// A model directory's generation_config.json (Null when it has none): the one reader of it (the
+/// EOS ids here; the server's sampling defaults through `mlxrs._native.generation_config`).
+pub fn generation_config(dir: &Path) -> Result<Value> {
+    Ok(read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null))
+}
+
+/// The chat template of a model directory, with the one precedence everything in mlxrs uses (the
+/// tokenizer here, the registry through `mlxrs._native.chat_template`): chat_template.jinja, else
+/// tokenizer_config.json's `chat_template` (a string, or the "default" of a list of named ones).
+pub fn chat_template(dir: &Path) -> Result<Option<String>> {
+    let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+    template_of(dir, &tc)
+}
+
+fn template_of(dir: &Path, tokenizer_config: &Value) -> Result<Option<String>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.is_file() {
+        return std::fs::read_to_string(&jinja).map(Some).map_err(|e| Error::Io { path: jinja, source: e });
+    }
+    Ok(match tokenizer_config.get("chat_template") {
+        Some(Value::String(s)) => Some(s.clone()),
+        // a list of named templates: take "default"
+        Some(Value::Array(a)) => a
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template").and_then(Value::as_str))
+            .map(str::to_string),
+        _ => None,
+    })
+}
+
 impl Tokenizer {
     /// Load from a model directory.
     pub fn load(dir: &Path, config: &Value) -> Result<Tokenizer> {
@@ -52,7 +83,7 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(&tj)
             .map_err(|e| Error::ModelLoad(format!("{}: {e}", tj.display())))?;
         let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
-        let gc = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
+        let gc = generation_config(dir)?;
         let bos_token = token_str(tc.get("bos_token"));
         let eos_token = token_str(tc.get("eos_token"));
         let mut eos_ids = ids_of(config.get("eos_token_id"));
@@ -64,21 +95,7 @@ impl Tokenizer {
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        let jinja = dir.join("chat_template.jinja");
-        let chat_template = if jinja.is_file() {
-            Some(std::fs::read_to_string(&jinja).map_err(|e| Error::Io { path: jinja.clone(), source: e })?)
-        } else {
-            match tc.get("chat_template") {
-                Some(Value::String(s)) => Some(s.clone()),
-                // a list of named templates: take "default"
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                    .and_then(|t| t.get("template").and_then(Value::as_str))
-                    .map(str::to_string),
-                _ => None,
-            }
-        };
+        let chat_template = template_of(dir, &tc)?;
         Ok(Tokenizer { inner, bos_token, eos_token, eos_ids, chat_template })
     }
 

@@ -3,7 +3,7 @@ use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, Dtype, QuantMode};
 use crate::safetensors;
 use serde_json::Value;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use crate::models::experts::{Streaming, TensorLoc};
@@ -191,47 +191,7 @@ fn load_file(path: &Path, locations: &mut HashMap<String, TensorLoc>) -> Result<
 impl Weights {
     /// Load every `*.safetensors` of `dir` (the index file, when present, names the shards).
     pub fn load_dir(dir: &Path, config: &Value) -> Result<Weights> {
-        let index = dir.join("model.safetensors.index.json");
-        let mut files: Vec<std::path::PathBuf> = Vec::new();
-        if index.is_file() {
-            let text = std::fs::read_to_string(&index).map_err(|e| Error::Io { path: index.clone(), source: e })?;
-            let v: Value = serde_json::from_str(&text)
-                .map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", index.display())))?;
-            let mut names: Vec<String> = v
-                .get("weight_map")
-                .and_then(Value::as_object)
-                .ok_or_else(|| Error::ModelLoad(format!("{}: no weight_map", index.display())))?
-                .values()
-                .filter_map(|f| f.as_str().map(str::to_string))
-                .collect();
-            names.sort();
-            names.dedup();
-            for n in names {
-                let p = dir.join(&n);
-                if !p.is_file() {
-                    return Err(Error::ModelLoad(format!(
-                        "{} lists shard {n}, which is missing from {}: re-download the model",
-                        index.display(),
-                        dir.display()
-                    )));
-                }
-                files.push(p);
-            }
-        } else {
-            let rd = std::fs::read_dir(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
-            files = rd
-                .flatten()
-                .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-                .collect();
-            files.sort();
-        }
-        if files.is_empty() {
-            return Err(Error::ModelLoad(format!(
-                "no *.safetensors weights in {}: is this an MLX/Hugging Face model directory?",
-                dir.display()
-            )));
-        }
+        let files = crate::safetensors::model_files(dir)?;
         let mut map = HashMap::new();
         let mut locations = HashMap::new();
         for f in &files {
@@ -466,11 +426,6 @@ impl Weights {
     /// Total bytes of the tensors still held.
     pub fn nbytes(&self) -> usize {
         self.map.values().map(Array::nbytes).sum()
-    }
-
-    /// Names left over after a model took what it uses.
-    pub fn leftover(&self) -> BTreeMap<&String, Vec<i32>> {
-        self.map.iter().map(|(k, v)| (k, v.shape())).collect()
     }
 }
 

@@ -1,10 +1,12 @@
 //! `mlxrs._native`: thin PyO3 wrappers over mlxrs-core and the mapping of its errors onto
 //! `mlxrs.errors`. No logic lives here.
-use mlxrs_core::{handle as mx, Array, Dtype, Error};
+use mlxrs_core::{Array, Dtype, Error};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+#[cfg(feature = "testing")]
+mod dispatch;
 mod download;
 mod plan;
 mod session;
@@ -79,6 +81,58 @@ fn runtime_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// `mlxrs info`'s tiny computation through MLX: `[[0,1,2],[3,4,5]] @ ones(3,2)`.
+#[pyfunction]
+fn _tiny_matmul(py: Python<'_>) -> PyResult<Vec<Vec<f32>>> {
+    native(py, mlxrs_core::info::tiny_matmul)
+}
+
+/// The chat template of a model directory (mlxrs-core's `tokenizer::chat_template`: the one
+/// precedence the tokenizer uses), or None.
+#[pyfunction]
+fn chat_template(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Option<String>> {
+    native(py, || mlxrs_core::tokenizer::chat_template(&model_dir))
+}
+
+/// A model directory's generation_config.json as JSON text ("null" when it has none).
+#[pyfunction]
+fn generation_config(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
+    native(py, || mlxrs_core::tokenizer::generation_config(&model_dir)).map(|v| v.to_string())
+}
+
+/// mlxrs's own directory (`$MLXRS_HOME`, else `$XDG_CACHE_HOME/mlxrs`, else `~/.cache/mlxrs`;
+/// None without any of them): the native packs, the registry, GGUF imports.
+#[pyfunction]
+fn mlxrs_home() -> Option<String> {
+    mlxrs_sys::mlxrs_home().map(|p| p.to_string_lossy().into_owned())
+}
+
+/// The safetensors files of a model directory (mlxrs-core's `safetensors::model_files`: the index's
+/// shards, else every `*.safetensors`), as paths.
+#[pyfunction]
+fn model_files(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Vec<String>> {
+    let files = native(py, || mlxrs_core::safetensors::model_files(&model_dir))?;
+    Ok(files.iter().map(|p| p.to_string_lossy().into_owned()).collect())
+}
+
+/// Set MLX's memory limit (the memory plan's `allocatorLimitBytes`); returns the previous one.
+#[pyfunction]
+fn set_memory_limit(py: Python<'_>, bytes: usize) -> PyResult<usize> {
+    native(py, || {
+        mlxrs_core::handle::init()?;
+        mlxrs_core::handle::set_memory_limit(bytes)
+    })
+}
+
+/// MLX's memory limit now.
+#[pyfunction]
+fn memory_limit(py: Python<'_>) -> PyResult<usize> {
+    native(py, || {
+        mlxrs_core::handle::init()?;
+        mlxrs_core::handle::memory_limit()
+    })
+}
+
 /// The places the resolver would search, in order, without loading anything.
 #[pyfunction]
 fn _resolution_order() -> Vec<String> {
@@ -109,12 +163,14 @@ fn _array_roundtrip(py: Python<'_>, data: &[u8], shape: Vec<i32>, dtype: &str) -
 }
 
 /// Run one op of the core's surface by name on raw arrays (the test suite checks each against numpy).
+/// Only in the test build (the `testing` feature).
+#[cfg(feature = "testing")]
 #[pyfunction]
 #[pyo3(signature = (name, inputs, params="{}"))]
 fn _op(py: Python<'_>, name: &str, inputs: Vec<(Vec<u8>, Vec<i32>, String)>, params: &str) -> PyResult<Vec<Raw>> {
     let arrays = inputs.iter().map(|(d, s, t)| array_in(d, s, t)).collect::<mlxrs_core::Result<Vec<_>>>().py(py)?;
     let params: serde_json::Value = serde_json::from_str(params).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let outs = native(py, || mx::dispatch(name, &arrays, &params))?;
+    let outs = native(py, || dispatch::dispatch(name, &arrays, &params))?;
     outs.iter().map(|a| array_out(py, a).py(py)).collect()
 }
 
@@ -260,8 +316,17 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime_info, m)?)?;
     m.add_function(wrap_pyfunction!(_register_mlx_lib_dir, m)?)?;
     m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
+    m.add_function(wrap_pyfunction!(_tiny_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(chat_template, m)?)?;
+    m.add_function(wrap_pyfunction!(model_files, m)?)?;
+    m.add_function(wrap_pyfunction!(generation_config, m)?)?;
+    m.add_function(wrap_pyfunction!(mlxrs_home, m)?)?;
+    m.add_function(wrap_pyfunction!(set_memory_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_limit, m)?)?;
     m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
-    m.add_function(wrap_pyfunction!(_op, m)?)?;
+    // not through add_function, which lists it in __all__: the stub (as the wheel) has no _op
+    #[cfg(feature = "testing")]
+    m.setattr("_op", wrap_pyfunction!(_op, m)?)?;
     m.add_function(wrap_pyfunction!(_sample, m)?)?;
     m.add_function(wrap_pyfunction!(_audio_decode, m)?)?;
     m.add_function(wrap_pyfunction!(_audio_resample, m)?)?;

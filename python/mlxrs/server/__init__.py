@@ -199,6 +199,8 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
     kv_budget = max(0, int(plan["usableBytes"]) - int(plan["weightsBytes"]) - int(plan["reserveBytes"])
                     - int(plan["transientBytes"]))
     cache_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else kv_budget // 2
+    # MLX's allocator works under the plan's limit (the budget less the reserve) from the load on
+    _native.set_memory_limit(int(plan["allocatorLimitBytes"]))
     session = Session(model_dir, kv_bits=args.kv_quant, max_concurrency=args.max_concurrency,
                       max_queue=args.max_queue, prompt_cache_bytes=cache_bytes, kv_budget_bytes=kv_budget,
                       stream_experts=streamed, expert_cache_bytes=int(plan["expertCacheBytes"]) if streamed else None,

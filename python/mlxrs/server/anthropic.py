@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from .app import KEEPALIVE_SECONDS, STATE, Generation, ServerState, read_json, sse, start_sse, steps
-from .common import bad, common_sampling, opt_bool, opt_int, stop_list, type_name
+from .common import bad, common_sampling, content_parts, opt_bool, opt_int, stop_list, type_name
 from .constrain import anthropic_output_config, combine, extension, naming, tool_call_schema
 from .. import media
 from ..errors import InvalidArgumentError
@@ -69,13 +69,7 @@ def _blocks_text(state: ServerState, content: Any, where: str, images: list[medi
     if not isinstance(content, list):
         raise bad(where, f"expected a string or an array of content blocks, got {type_name(content)}")
     parts = []
-    for j, b in enumerate(content):
-        bw = f"{where}[{j}]"
-        if not isinstance(b, dict):
-            raise bad(bw, f"expected a content block object, got {type_name(b)}")
-        t = b.get("type")
-        if not isinstance(t, str):
-            raise bad(bw, f"a content block needs a string `type`, got {type_name(t)}")
+    for t, b, bw in content_parts(content, where, "content block"):
         if t == "text":
             if not isinstance(b.get("text"), str):
                 raise bad(bw, "a text block needs a string `text`")
@@ -124,13 +118,7 @@ def convert_messages(state: ServerState, body: dict[str, Any],
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         tool_msgs: list[dict[str, Any]] = []
-        for j, b in enumerate(content):
-            bw = f"{w}.content[{j}]"
-            if not isinstance(b, dict):
-                raise bad(bw, f"expected a content block object, got {type_name(b)}")
-            t = b.get("type")
-            if not isinstance(t, str):
-                raise bad(bw, f"a content block needs a string `type`, got {type_name(t)}")
+        for j, (t, b, bw) in enumerate(content_parts(content, f"{w}.content", "content block")):
             if t == "text":
                 if not isinstance(b.get("text"), str):
                     raise bad(bw, "a text block needs a string `text`")

@@ -21,10 +21,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, T
 
 from aiohttp import web, web_protocol
 
-from .. import _dispatch
+from .. import _dispatch, _native
 from ..session import Session, _params
 from .common import loads_strict
-from ..errors import EngineError, InvalidArgumentError
+from ..errors import EngineError, InvalidArgumentError, MlxrsError
 from ..media import ImageRef as MediaRef
 from ..media import MediaPolicy, load_async
 from .errors import ApiError, admission_error, engine_error, from_exception
@@ -351,6 +351,7 @@ class ServerState:
             "kv_bits": self.kv_bits,
             "memory_plan": self.plan,
             "memory_budget_source": self.budget_source,
+            "memory_limit_bytes": _native.memory_limit(),  # MLX's: the plan's allocatorLimitBytes
             # the engine's counts: received = served + cancelled + rejected + failed + active + queued
             "requests": {
                 "received": engine.get("requests", 0),
@@ -717,10 +718,13 @@ class Runner(web.AppRunner):
 
 # -- helpers -------------------------------------------------------------------------------------
 def _generation_defaults(model_dir: Path) -> dict[str, Any]:
-    """Sampling defaults the model ships in generation_config.json (temperature, top_p, top_k, min_p)."""
+    """Sampling defaults the model ships in generation_config.json (temperature, top_p, top_k, min_p),
+    read by the tokenizer's reader (crates/mlxrs-core/src/tokenizer.rs)."""
     try:
-        g = json.loads((model_dir / "generation_config.json").read_text())
-    except (OSError, ValueError):
+        g = json.loads(_native.generation_config(str(model_dir)))
+    except MlxrsError:
+        return {}
+    if not isinstance(g, dict):
         return {}
     out: dict[str, Any] = {}
     if g.get("do_sample") is False:

@@ -5,7 +5,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .errors import ApiError
 
@@ -121,6 +121,20 @@ def type_name(v: Any) -> str:
 
 def bad(param: str, msg: str) -> ApiError:
     return ApiError(400, f"{param}: {msg}", param=param)
+
+
+def content_parts(content: list[Any], where: str, noun: str) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """(type, part, its param path) of each element of a content array, each checked to be an object
+    with a string `type` (a 400 naming the element otherwise): how both protocols walk their content
+    parts (OpenAI) and blocks (Anthropic). `noun` names an element in the messages."""
+    for j, part in enumerate(content):
+        pw = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise bad(pw, f"expected a {noun} object, got {type_name(part)}")
+        t = part.get("type")
+        if not isinstance(t, str):
+            raise bad(pw, f"a {noun} needs a string `type`, got {type_name(t)}")
+        yield t, part, pw
 
 
 def opt_number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: float | None = None,

@@ -11,7 +11,7 @@ from aiohttp import web
 from .. import __version__
 from .app import (KEEPALIVE_SECONDS, STATE, Generation, ServerState, Step, TokenText, read_json, sse, start_sse,
                   steps)
-from .common import (Sampling, bad, check_json, common_sampling, logit_bias, opt_bool, opt_int, opt_number,
+from .common import (Sampling, bad, check_json, common_sampling, content_parts, logit_bias, opt_bool, opt_int, opt_number,
                      opt_object, parse_json, stop_list, type_name)
 from .constrain import combine, extension, naming, openai_response_format, tool_call_schema
 from .. import media
@@ -57,13 +57,7 @@ def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool =
     if not isinstance(content, list):
         raise bad(where, f"expected a string or an array of content parts, got {type_name(content)}")
     texts = []
-    for j, part in enumerate(content):
-        pw = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(pw, f"expected a content part object, got {type_name(part)}")
-        t = part.get("type")
-        if not isinstance(t, str):
-            raise bad(pw, f"a content part needs a string `type`, got {type_name(t)}")
+    for t, part, pw in content_parts(content, where, "content part"):
         if t in ("text", "input_text", "refusal"):
             v = part.get("text" if t != "refusal" else "refusal")
             if not isinstance(v, str):

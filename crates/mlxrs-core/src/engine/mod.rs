@@ -305,7 +305,8 @@ impl EventSink {
     }
 }
 
-fn read_config(dir: &Path) -> Result<Value> {
+/// A model directory's config.json: the one reader of it (the loader, the planner).
+pub fn read_config(dir: &Path) -> Result<Value> {
     let p = dir.join("config.json");
     if !dir.is_dir() {
         return Err(Error::ModelLoad(format!("model directory {} does not exist", dir.display())));

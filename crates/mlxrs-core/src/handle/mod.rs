@@ -5,19 +5,15 @@
 //! module installs once per process in place of mlx-c's default, which calls `exit()`).
 mod array;
 mod ops;
-mod dispatch;
 mod kernel;
 mod runtime;
-
-pub use dispatch::{dispatch, OPS as DISPATCH_OPS};
 
 pub use array::{async_eval, eval, Array, Dtype, Element};
 pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, MetalKernel, TemplateArg};
 pub use ops::*;
 pub use runtime::{
-    active_memory, cache_memory, clear_cache, default_device, device_memory_size, init, peak_memory,
-    reset_peak_memory, set_cache_limit, set_memory_limit, set_wired_limit, synchronize, with_stream, Device,
-    DeviceKind, Stream,
+    active_memory, cache_memory, clear_cache, default_device, device_memory_size, init, memory_limit, peak_memory,
+    reset_peak_memory, set_memory_limit, synchronize, with_stream, Device, DeviceKind, Stream,
 };
 
 use crate::error::{Error, Result};

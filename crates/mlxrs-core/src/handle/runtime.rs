@@ -201,19 +201,16 @@ pub fn reset_peak_memory() {
 pub fn clear_cache() {
     unsafe { sys::mlx_clear_cache() };
 }
-/// Set MLX's memory limit; returns the previous one.
+/// Set MLX's memory limit (the allocator's guideline for one evaluation: the memory plan's
+/// `allocatorLimitBytes`, applied when the server loads a model); returns the previous one.
 pub fn set_memory_limit(bytes: usize) -> Result<usize> {
     let mut prev = 0;
     check(unsafe { sys::mlx_set_memory_limit(&mut prev, bytes) })?;
     Ok(prev)
 }
-pub fn set_cache_limit(bytes: usize) -> Result<usize> {
-    let mut prev = 0;
-    check(unsafe { sys::mlx_set_cache_limit(&mut prev, bytes) })?;
-    Ok(prev)
-}
-pub fn set_wired_limit(bytes: usize) -> Result<usize> {
-    let mut prev = 0;
-    check(unsafe { sys::mlx_set_wired_limit(&mut prev, bytes) })?;
-    Ok(prev)
+/// MLX's memory limit now.
+pub fn memory_limit() -> Result<usize> {
+    let mut v = 0;
+    check(unsafe { sys::mlx_get_memory_limit(&mut v) })?;
+    Ok(v)
 }

@@ -160,12 +160,19 @@ pub(crate) fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
 /// the `moe_layer_freq` grid, the MoE elsewhere.
 pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     let c = Cfg(config);
-    let d = MlaDims::from_config(&c)?;
-    let layers = c.size("num_hidden_layers", None, limits::LAYERS)?;
-    let moe = super::glm4_moe::moe(&c, true)?;
-    let first_dense = c.opt_i("first_k_dense_replace").unwrap_or(0);
     let freq = c.size("moe_layer_freq", Some(1), limits::LAYERS)?;
-    let inter = c.size("intermediate_size", Some(11008), limits::INTERMEDIATE)?;
+    mla_layout(&c, freq, Some(11008))
+}
+
+/// The layer layout of a latent-attention MoE (deepseek_v3's, mistral4's): dense FFNs
+/// (`intermediate_size`, default `inter_default`) in the first `first_k_dense_replace` layers and
+/// off the every-`freq`-layers grid, the MoE elsewhere.
+pub fn mla_layout(c: &Cfg, freq: i32, inter_default: Option<i64>) -> Result<Vec<LayerLayout>> {
+    let d = MlaDims::from_config(c)?;
+    let layers = c.size("num_hidden_layers", None, limits::LAYERS)?;
+    let moe = super::glm4_moe::moe(c, true)?;
+    let first_dense = c.opt_i("first_k_dense_replace").unwrap_or(0);
+    let inter = c.size("intermediate_size", inter_default, limits::INTERMEDIATE)?;
     let attn = AttnKind::Latent { rank: d.kv_lora_rank, rope_dims: d.rope, index_dims: 0 };
     Ok((0..layers)
         .map(|i| LayerLayout {

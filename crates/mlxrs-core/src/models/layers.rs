@@ -56,17 +56,6 @@ impl Linear {
             Linear::Lora(l) => l.forward(x),
         }
     }
-
-    /// Bytes of the parameters.
-    pub fn nbytes(&self) -> usize {
-        match self {
-            Linear::Dense { w, b, .. } => w.nbytes() + b.as_ref().map_or(0, Array::nbytes),
-            Linear::Quant { w, scales, biases, b, .. } => {
-                w.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes) + b.as_ref().map_or(0, Array::nbytes)
-            }
-            Linear::Lora(l) => l.nbytes(),
-        }
-    }
 }
 
 /// Rows of `x` (all but its last axis) from which a quantized matmul dequantizes its weight to the

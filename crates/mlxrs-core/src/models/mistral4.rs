@@ -18,10 +18,10 @@
 //! Mistral's FP8 checkpoints (`*_scale_inv`: per 128×128 block, per tensor or per expert) are
 //! dequantized to bfloat16 at load as mlx-lm does ([`crate::weights::dequantize_fp8`]);
 //! compressed-tensors int4 checkpoints are refused (convert them with mlx-lm first).
-use super::arch::{self, Arch, AttnKind, FfnKind, LayerLayout};
+use super::arch::{self, Arch, LayerLayout};
 use super::deepseek_v3::{self, MlaDims, MlaVariant};
 use super::layers::Router;
-use super::{glm4_moe, limits, Cfg};
+use super::{limits, Cfg};
 use crate::error::{Error, Result};
 use crate::handle as mx;
 use crate::weights::Weights;
@@ -118,24 +118,7 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
 /// Latent attention everywhere; dense FFNs (`intermediate_size`) in the first
 /// `first_k_dense_replace` layers, the MoE after (every layer from there: no `moe_layer_freq`).
 pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
-    let c = Cfg(config);
-    let d = MlaDims::from_config(&c)?;
-    let layers = c.size("num_hidden_layers", None, limits::LAYERS)?;
-    let moe = glm4_moe::moe(&c, true)?;
-    let first_dense = c.opt_i("first_k_dense_replace").unwrap_or(0);
-    let inter = c.size("intermediate_size", None, limits::INTERMEDIATE)?;
-    let attn = AttnKind::Latent { rank: d.kv_lora_rank, rope_dims: d.rope, index_dims: 0 };
-    Ok((0..layers)
-        .map(|i| LayerLayout {
-            attn,
-            kv_heads: 1,
-            head_dim: d.kv_lora_rank,
-            ffn: match moe {
-                Some(m) if i >= first_dense => m,
-                _ => FfnKind::Dense { intermediate: inter },
-            },
-        })
-        .collect())
+    deepseek_v3::mla_layout(&Cfg(config), 1, None)
 }
 
 /// The softmax grouped router of the config: `n_group`, `topk_group`, `routed_scaling_factor`
@@ -159,6 +142,7 @@ pub fn load(config: &Value, w: Weights) -> Result<deepseek_v3::Model> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::arch::{AttnKind, FfnKind};
     use serde_json::json;
 
     fn config() -> Value {

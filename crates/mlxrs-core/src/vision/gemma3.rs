@@ -65,7 +65,7 @@ fn vision_dims(v: &Value) -> Result<VisionDims> {
     if !["siglip_vision_model", "gemma3", "gemma3_vision"].contains(&mt) {
         return Err(Error::Unsupported(format!("vision_config.model_type {mt:?} is not a SigLIP tower mlxrs implements")));
     }
-    let f = |k: &str, d: Option<i64>, max: i64| c.size(k, d, max).map_err(|e| Error::ModelLoad(e.to_string().replace("config.json: ", "config.json: vision_config.")));
+    let f = |k: &str, d: Option<i64>, max: i64| super::vision_size(v, k, d, max);
     let d = VisionDims {
         hidden: f("hidden_size", None, HIDDEN)?,
         inter: f("intermediate_size", None, INTERMEDIATE)?,
@@ -144,15 +144,6 @@ pub fn is_gemma3_vision(config: &Value) -> bool {
     config.get("model_type").and_then(Value::as_str) == Some("gemma3") && config.get("vision_config").is_some_and(Value::is_object)
 }
 
-pub(super) fn json_file(dir: &Path, name: &str) -> Result<Option<Value>> {
-    let p = dir.join(name);
-    if !p.is_file() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(&p).map_err(|e| Error::Io { path: p.clone(), source: e })?;
-    serde_json::from_str(&text).map(Some).map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", p.display())))
-}
-
 /// mm_tokens_per_image: the text config's (what mlx-vlm's projector reads), else the top level's,
 /// else 256.
 fn tokens_per_image(config: &Value) -> Result<i32> {
@@ -174,7 +165,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     let d = vision_dims(config.get("vision_config").unwrap_or(&Value::Null))?;
     let n = tokens_per_image(config)?;
     let pp = Value::Object(Default::default());
-    let pre = json_file(dir, "preprocessor_config.json")?.unwrap_or(pp);
+    let pre = super::json_file(dir, "preprocessor_config.json")?.unwrap_or(pp);
     let name = "preprocessor_config.json";
     if pre.get("do_pan_and_scan").and_then(Value::as_bool) == Some(true) {
         return Err(Error::Unsupported(format!("{name}: do_pan_and_scan is not supported")));
@@ -219,14 +210,14 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             return Err(Error::ModelLoad(format!("{name}: image_std has a zero")));
         }
     }
-    if let Some(seq) = json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_seq_length").and_then(Value::as_i64)) {
+    if let Some(seq) = super::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_seq_length").and_then(Value::as_i64)) {
         if seq != n as i64 {
             return Err(Error::ModelLoad(format!(
                 "processor_config.json: image_seq_length {seq} differs from config.json's mm_tokens_per_image {n}"
             )));
         }
     }
-    let tc = json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
+    let tc = super::json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
     let special = |k: &str, dflt: &str| -> String {
         let from = |v: &Value| v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string);
         from(&tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
@@ -388,21 +379,8 @@ impl Tower {
         let zero = mx::zeros(&[1, 1, hidden], dtype)?;
         let all = mx::concatenate(&[&embeds, &feats, &zero], 1)?;
         // row of `all` each position takes: its own, the next image feature, or the zero row
-        let mut next = 0usize;
-        let idx: Vec<i32> = prompt
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| {
-                if t == image_id {
-                    next += 1;
-                    (l + next - 1) as i32
-                } else if t == self.pad_token_id {
-                    (l + want) as i32
-                } else {
-                    i as i32
-                }
-            })
-            .collect();
+        let pad = self.pad_token_id;
+        let idx = super::merge_rows(prompt, image_id, |i, t| if t == pad { (l + want) as i32 } else { i as i32 });
         mx::take(&all, &Array::from_slice(&idx, &[l as i32])?, 1)
     }
 }

@@ -119,19 +119,15 @@ impl Processor {
     }
 }
 
-fn json_file(dir: &Path, name: &str) -> Result<Option<Value>> {
-    super::gemma3::json_file(dir, name)
-}
-
 /// The processor of a Gemma 4 model directory: processor_config.json's `image_processor` (else
 /// preprocessor_config.json's flat keys, as mlx-vlm reads them), checked against the tower's
 /// config; the tokenizer's boi/eoi/image tokens.
 pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
     let v = config.get("vision_config").unwrap_or(&Value::Null);
     let d = vision_dims(v)?;
-    let (name, proc_cfg) = match json_file(dir, "processor_config.json")? {
+    let (name, proc_cfg) = match super::json_file(dir, "processor_config.json")? {
         Some(p) => ("processor_config.json", p),
-        None => ("preprocessor_config.json", json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null)),
+        None => ("preprocessor_config.json", super::json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null)),
     };
     let file = name;
     let (name, ip) = match proc_cfg.get("image_processor") {
@@ -185,7 +181,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     if normalize.is_some_and(|(_, std)| std.contains(&0.0)) {
         return Err(Error::ModelLoad(format!("{name}.image_std has a zero")));
     }
-    let tc = json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
+    let tc = super::json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
     let audio = super::gemma4_audio::processor(config, &proc_cfg, file, &tc, tokenizer)?.map(Box::new);
     let special = |k: &str, dflt: &str| -> String {
         let from = |v: &Value| v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string);
@@ -242,9 +238,7 @@ fn vision_dims(v: &Value) -> Result<VisionDims> {
     if mt != "gemma4_vision" {
         return Err(Error::Unsupported(format!("vision_config.model_type {mt:?} is not a Gemma 4 vision tower mlxrs implements")));
     }
-    let f = |k: &str, d: Option<i64>, max: i64| {
-        c.size(k, d, max).map_err(|e| Error::ModelLoad(e.to_string().replace("config.json: ", "config.json: vision_config.")))
-    };
+    let f = |k: &str, d: Option<i64>, max: i64| super::vision_size(v, k, d, max);
     let heads = f("num_attention_heads", Some(12), HEADS)?;
     let theta = match v.get("rope_parameters") {
         None | Some(Value::Null) => 100.0,

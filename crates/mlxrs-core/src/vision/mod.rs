@@ -19,6 +19,44 @@ use crate::weights::Weights;
 use serde_json::Value;
 use std::path::Path;
 
+/// A JSON file of a model directory (a processor's config), or None when it is not there.
+pub(crate) fn json_file(dir: &Path, name: &str) -> Result<Option<Value>> {
+    let p = dir.join(name);
+    if !p.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&p).map_err(|e| Error::Io { path: p.clone(), source: e })?;
+    serde_json::from_str(&text).map(Some).map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", p.display())))
+}
+
+/// One size of a `vision_config` (`v`), checked as the text config's are
+/// ([`crate::models::Cfg::size`]) and named `config.json: vision_config.KEY` in errors.
+pub(crate) fn vision_size(v: &Value, k: &str, default: Option<i64>, max: i64) -> Result<i32> {
+    crate::models::Cfg(v)
+        .size(k, default, max)
+        .map_err(|e| Error::ModelLoad(e.to_string().replace("config.json: ", "config.json: vision_config.")))
+}
+
+/// The rows of `[embeds; features]` (concatenated along the sequence) each prompt position takes:
+/// the next image feature at an `image_id` token, `other(i, token)` elsewhere (its own row `i`, or
+/// a row past the features). How both towers scatter image features into the token embeddings.
+pub(crate) fn merge_rows(prompt: &[i32], image_id: i32, other: impl Fn(usize, i32) -> i32) -> Vec<i32> {
+    let l = prompt.len();
+    let mut next = 0usize;
+    prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            if t == image_id {
+                next += 1;
+                (l + next - 1) as i32
+            } else {
+                other(i, t)
+            }
+        })
+        .collect()
+}
+
 /// The prompt side of a vision tower: preprocessing, the image marker and its expansion.
 #[derive(Clone, Debug)]
 pub enum Processor {

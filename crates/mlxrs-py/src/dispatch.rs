@@ -1,6 +1,7 @@
 //! Ops by name, for the test suite (through `mlxrs._native._op`): each is checked against numpy
-//! (or mlx.core where numpy has no equivalent). Safe code only; lives beside the handles because it
-//! enumerates their surface: every public op of [`ops`](super::ops) is reachable from here.
+//! (or mlx.core where numpy has no equivalent). Safe code only; it enumerates the handles' surface:
+//! every public op of `mlxrs_core::handle` is reachable from here. Built only with the `testing`
+//! feature (the test build: scripts/setup.sh), never into the wheel.
 //!
 //! Conventions (the Python side passes `params` as JSON):
 //! - inputs are consumed in the order the op's Rust signature takes them; an op's optional array
@@ -11,8 +12,8 @@
 //! - an input left over after the op took its arguments is an error (it catches mismatched tests).
 #![forbid(unsafe_code)]
 
-use super::*;
-use crate::error::{Error, Result};
+use mlxrs_core::handle::*;
+use mlxrs_core::{Error, Result};
 use serde_json::Value;
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -205,7 +206,9 @@ fn reduce_fn(name: &str) -> Option<ReduceFn> {
     })
 }
 
-/// Every op name [`dispatch`] accepts (the test suite checks each one is exercised).
+/// Every op name [`dispatch`] accepts (the test below checks each is known, tests/test_ops.py that
+/// each is exercised).
+#[cfg(test)]
 pub const OPS: &[&str] = &[
     // unary
     "exp", "log", "log1p", "sqrt", "rsqrt", "negative", "abs", "sigmoid", "tanh", "erf", "square", "sin", "cos",
@@ -511,13 +514,13 @@ fn run(name: &str, x: &Inputs<'_>, p: &Params<'_>) -> Result<Vec<Array>> {
             one(scaled_dot_product_attention(q, k, v, scale, mask, sinks))
         }
         // the gated delta rule's two paths (q, k, v, g, beta, state → y, state): the reference ops
-        // and the CUDA kernel (crate::models::gated_delta), for bench/check_gdn_kernel.py
+        // and the CUDA kernel (mlxrs_core::models::gated_delta), for bench/check_gdn_kernel.py
         "gated_delta_ops" | "gated_delta_kernel" => {
             let (q, k, v, g, beta, st) = (x.req()?, x.req()?, x.req()?, x.req()?, x.req()?, x.req()?);
             let (y, s) = if name == "gated_delta_ops" {
-                crate::models::qwen3_next::gated_delta_ops(q, k, v, g, beta, st.clone())?
+                mlxrs_core::models::qwen3_next::gated_delta_ops(q, k, v, g, beta, st.clone())?
             } else {
-                crate::models::gated_delta::kernel(q, k, v, g, beta, st)?
+                mlxrs_core::models::gated_delta::kernel(q, k, v, g, beta, st)?
             };
             Ok(vec![y, s])
         }
