@@ -88,7 +88,7 @@ impl Processor {
         match self {
             Processor::Gemma3(p) => p.tokens_per_image,
             Processor::Gemma4(p) => p.tokens_for(px.height, px.width),
-            Processor::Qwen35(p) => p.tokens_for(px.height, px.width),
+            Processor::Qwen35(p) => p.tokens_of(px),
         }
     }
 
@@ -111,6 +111,32 @@ impl Processor {
                 }
                 p.expand(text, sizes)
             }
+        }
+    }
+}
+
+impl Processor {
+    /// The text that stands for one video in a rendered prompt (None: the model takes no video).
+    pub fn video_marker(&self) -> Option<&str> {
+        match self {
+            Processor::Qwen35(p) => Some(&p.video_marker),
+            _ => None,
+        }
+    }
+
+    /// Pixel values of a video given as its encoded frames (each with the name errors give it).
+    pub fn video_pixels(&self, frames: &[(&[u8], &str)], limits: &ImageLimits) -> Result<Pixels> {
+        match self {
+            Processor::Qwen35(p) => p.video_pixels(frames, limits),
+            _ => Err(Error::Unsupported("this model's vision tower takes images only, not video".into())),
+        }
+    }
+
+    /// `text` with its one video marker expanded for a video of `frames` frames of `h`×`w`.
+    pub fn expand_video(&self, text: &str, frames: u32, h: u32, w: u32) -> Result<String> {
+        match self {
+            Processor::Qwen35(p) => p.expand_video(text, frames, h, w),
+            _ => Err(Error::Unsupported("this model's vision tower takes images only, not video".into())),
         }
     }
 }

@@ -37,10 +37,11 @@ pub fn is_qwen3_5_vision(config: &Value) -> bool {
 /// The prefixes the tower's tensors go by: Hugging Face's, mlx-vlm's, and mlx-vlm's other one.
 const ROOTS: [&str; 3] = ["model.visual", "vision_tower", "model.language_model.visual"];
 
-/// Whether the checkpoint in `dir` holds a vision tower (a text-only conversion keeps the vision
-/// config but drops the tower's weights: that model takes no images).
+/// Whether the checkpoint in `dir` holds a vision tower: its merger's output layer is there (a
+/// text-only conversion keeps the vision config but drops the tower's weights: that model takes no
+/// images; a tower with that layer but missing others is refused naming the missing tensor).
 pub fn has_tower(dir: &Path) -> Result<bool> {
-    let want = |k: &str| ROOTS.iter().any(|r| k == format!("{r}.patch_embed.proj.weight"));
+    let want = |k: &str| ROOTS.iter().any(|r| k.strip_prefix(r).is_some_and(|rest| rest.starts_with(".merger.linear_fc2.")));
     let index = dir.join("model.safetensors.index.json");
     if let Some(v) = super::gemma3::json_file(dir, "model.safetensors.index.json")? {
         let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| Error::ModelLoad(format!("{}: no weight_map", index.display())))?;
@@ -71,6 +72,44 @@ pub struct Processor {
     pub image_token_id: i32,
     /// `vision_start + image_token + vision_end`: what stands for one image in a prompt.
     pub marker: String,
+    /// The video processor's (video_preprocessor_config.json): the area bounds of a video (all its
+    /// frames together, as `smart_resize` counts them) and the frame rate its timestamps assume.
+    pub video_min_pixels: u64,
+    pub video_max_pixels: u64,
+    pub fps: f64,
+    pub video_token: String,
+    pub video_token_id: i32,
+    /// `vision_start + video_token + vision_end`: what stands for one video in a prompt.
+    pub video_marker: String,
+}
+
+/// mlx-vlm's `_smart_resize_video`: the (height, width) every frame of a `t`-frame video of
+/// `h`×`w` is resized to, the area of the frames (`t` rounded up to `tf`) within bounds.
+pub fn smart_resize_video(t: u32, h: u32, w: u32, tf: u32, factor: u32, min_px: u64, max_px: u64) -> Result<(u32, u32)> {
+    if h < factor || w < factor {
+        return Err(Error::Invalid(format!("a {w}x{h} video frame: both sides must be at least {factor} pixels")));
+    }
+    let (tt, hf, wf, f) = (t as f64, h as f64, w as f64, factor as f64);
+    let ratio = hf.max(wf) / hf.min(wf);
+    if ratio > 200.0 {
+        return Err(Error::Invalid(format!("a {w}x{h} video frame: absolute aspect ratio must be smaller than 200, got {ratio}")));
+    }
+    let mut hb = (hf / f).round_ties_even() * f;
+    let mut wb = (wf / f).round_ties_even() * f;
+    let tb = t.div_ceil(tf) as f64 * tf as f64;
+    if tb * hb * wb > max_px as f64 {
+        let beta = ((tt * hf * wf) / max_px as f64).sqrt();
+        hb = f.max((hf / beta / f).floor() * f);
+        wb = f.max((wf / beta / f).floor() * f);
+    } else if tb * hb * wb < min_px as f64 {
+        let beta = (min_px as f64 / (tt * hf * wf)).sqrt();
+        hb = (hf * beta / f).ceil() * f;
+        wb = (wf * beta / f).ceil() * f;
+    }
+    if hb > u32::MAX as f64 || wb > u32::MAX as f64 {
+        return Err(Error::Invalid(format!("a {w}x{h} video cannot be resized for the vision tower")));
+    }
+    Ok((hb as u32, wb as u32))
 }
 
 /// Hugging Face's `smart_resize` (mlx-vlm's `_smart_resize_image`): the (height, width) an image of
@@ -145,10 +184,72 @@ impl Processor {
         Ok(out)
     }
 
-    /// Each image's merged grid (frames, rows, columns) in LM tokens.
+    /// Merged rows and columns of an image or video frame of `px`'s size, and its temporal groups
+    /// (1 for an image).
     fn grid(&self, px: &Pixels) -> (i32, i32, i32) {
         let (p, m) = (self.patch, self.merge);
-        (1, (px.height / p / m) as i32, (px.width / p / m) as i32)
+        (px.video_frames.max(1).div_ceil(self.temporal) as i32, (px.height / p / m) as i32, (px.width / p / m) as i32)
+    }
+
+    /// Image or video tokens of preprocessed pixels.
+    pub fn tokens_of(&self, px: &Pixels) -> usize {
+        let (g, r, c) = self.grid(px);
+        (g * r * c) as usize
+    }
+
+    /// The (height, width) a video of `frames` frames of `h`×`w` is resized to.
+    pub fn video_size(&self, frames: u32, h: u32, w: u32) -> Result<(u32, u32)> {
+        smart_resize_video(frames, h, w, self.temporal, self.patch * self.merge, self.video_min_pixels, self.video_max_pixels)
+    }
+
+    /// Pixel values `[frames, 3, H, W]` of a video given as its encoded frames (each with the name
+    /// errors give it): every frame decoded, of one size, resized and normalized as an image is.
+    pub fn video_pixels(&self, frames: &[(&[u8], &str)], limits: &ImageLimits) -> Result<Pixels> {
+        let imgs = frames.iter().map(|(b, what)| super::image::decode(b, limits, what)).collect::<Result<Vec<_>>>()?;
+        let first = imgs.first().ok_or_else(|| Error::Invalid("a video needs at least one frame".into()))?;
+        for (img, (_, what)) in imgs.iter().zip(frames) {
+            if (img.width, img.height) != (first.width, first.height) {
+                return Err(Error::Invalid(format!(
+                    "{what}: a {}x{} frame in a video of {}x{} frames (a video's frames have one size)",
+                    img.width, img.height, first.width, first.height
+                )));
+            }
+        }
+        let what = frames[0].1;
+        let size = self.video_size(imgs.len() as u32, first.height, first.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
+        let pre = Preprocess { size: Some(size), filter: Filter::Bicubic, rescale: self.rescale, rescale_f32: true, normalize: self.normalize };
+        let mut data = Vec::new();
+        for img in &imgs {
+            data.extend(pre.run(img).data);
+        }
+        Ok(Pixels { height: size.0, width: size.1, data, video_frames: imgs.len() as u32 })
+    }
+
+    /// The processor's video expansion: the video marker (vision start, video token, vision end)
+    /// becomes, per temporal group of frames, `<t.t seconds>` (the group's mean frame time at
+    /// `fps`), vision start, the group's video tokens and vision end; a bare video token becomes
+    /// all the video's tokens. The video has `frames` frames of `h`×`w` before resizing.
+    pub fn expand_video(&self, text: &str, frames: u32, h: u32, w: u32) -> Result<String> {
+        let found = text.matches(&self.video_token).count();
+        if found != 1 {
+            return Err(Error::Invalid(format!("the prompt has {found} video marker(s) ({}) for one video", self.video_token)));
+        }
+        let (th, tw) = self.video_size(frames, h, w)?;
+        let per = self.tokens_for(th, tw);
+        let tp = self.temporal as usize;
+        let groups = (frames as usize).div_ceil(tp);
+        if text.contains(&self.video_marker) {
+            let times: Vec<f64> = (0..groups * tp).map(|i| i as f64 / self.fps).collect();
+            let blocks: String = (0..groups)
+                .map(|g| {
+                    let ts = (times[g * tp] + times[g * tp + tp - 1]) / 2.0;
+                    format!("<{ts:.1} seconds>{}{}{}", self.vision_start, self.video_token.repeat(per), self.vision_end)
+                })
+                .collect();
+            Ok(text.replacen(&self.video_marker, &blocks, 1))
+        } else {
+            Ok(text.replacen(&self.video_token, &self.video_token.repeat(per * groups), 1))
+        }
     }
 }
 
@@ -232,7 +333,62 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
         return Err(Error::ModelLoad(format!("the tokenizer has no vision end token {vision_end}")));
     }
     let marker = format!("{vision_start}{image_token}{vision_end}");
-    Ok(Processor { patch, temporal, merge, min_pixels, max_pixels, rescale, normalize, vision_start, vision_end, image_token, image_token_id, marker })
+    let (video_token, video_token_id) = token("video", "<|video_pad|>", "video_token_id", 248057)?;
+    let video_marker = format!("{vision_start}{video_token}{vision_end}");
+    // the video processor's settings: video_preprocessor_config.json, else preprocessor_config.json's
+    let (vname, vp) = match super::gemma3::json_file(dir, "video_preprocessor_config.json")? {
+        Some(v) => ("video_preprocessor_config.json", v),
+        None => (name, ip.clone()),
+    };
+    let vuint = |v: Option<&Value>, k: &str, dflt: u64| -> Result<u64> {
+        match v {
+            None | Some(Value::Null) => Ok(dflt),
+            Some(x) => match x.as_u64() {
+                Some(n) if (1..=px_max).contains(&n) => Ok(n),
+                _ => Err(Error::ModelLoad(format!("{vname}: {k} = {x} is not a positive integer"))),
+            },
+        }
+    };
+    for (k, ours) in [("patch_size", patch), ("temporal_patch_size", temporal), ("merge_size", merge)] {
+        if let Some(x) = vp.get(k).filter(|x| !x.is_null()) {
+            if x.as_u64() != Some(ours as u64) {
+                return Err(Error::ModelLoad(format!("{vname}: {k} = {x} differs from the image processor's {ours}")));
+            }
+        }
+    }
+    let vsize = vp.get("size").cloned().unwrap_or(Value::Null);
+    let mut video_min_pixels = vuint(vsize.get("shortest_edge"), "size.shortest_edge", 128 * 32 * 32)?;
+    let mut video_max_pixels = vuint(vsize.get("longest_edge"), "size.longest_edge", 32 * 32 * 768)?;
+    video_min_pixels = vuint(vp.get("min_pixels"), "min_pixels", video_min_pixels)?;
+    video_max_pixels = vuint(vp.get("max_pixels"), "max_pixels", video_max_pixels)?;
+    let fps = match vp.get("fps") {
+        None | Some(Value::Null) => 2.0,
+        Some(x) => x.as_f64().filter(|f| f.is_finite() && *f > 0.0).ok_or_else(|| Error::ModelLoad(format!("{vname}: fps = {x} is not a positive number")))?,
+    };
+    let same = |k: &str| vp.get(k).filter(|x| !x.is_null()).is_some_and(|x| Some(x) != ip.get(k));
+    if ["do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std"].iter().any(|k| same(k)) {
+        return Err(Error::Unsupported(format!("{vname}: a rescale or normalization other than the image processor's is not supported")));
+    }
+    Ok(Processor {
+        patch,
+        temporal,
+        merge,
+        min_pixels,
+        max_pixels,
+        rescale,
+        normalize,
+        vision_start,
+        vision_end,
+        image_token,
+        image_token_id,
+        marker,
+        video_min_pixels,
+        video_max_pixels,
+        fps,
+        video_token,
+        video_token_id,
+        video_marker,
+    })
 }
 
 /// The tower's sizes (mlx-vlm's `qwen3_vl` VisionConfig defaults), checked.
@@ -465,27 +621,24 @@ impl Tower {
         Ok((dup(mx::cos(&emb)?)?, dup(mx::sin(&emb)?)?))
     }
 
-    /// The merged features `[gt·gh·gw / merge², out_hidden]` of frames `[3, H, W]` each (one frame:
-    /// a still image, repeated to the temporal patch), in `dtype`.
-    fn encode(&self, frames: &[&Pixels], dtype: Dtype) -> Result<Array> {
+    /// The merged features `[gt·gh·gw / merge², out_hidden]` of an image (one frame, repeated to
+    /// the temporal patch) or a video (its frames, the last repeated up to a multiple of it), in
+    /// `dtype`.
+    fn encode(&self, px: &Pixels, dtype: Dtype) -> Result<Array> {
         let d = &self.d;
         let (p, m, t) = (d.patch, d.merge, d.temporal);
-        let first = frames.first().ok_or_else(|| Error::Invalid("no frames to encode".into()))?;
-        let (hh, ww) = (first.height as i32, first.width as i32);
-        for f in frames {
-            if f.height as i32 != hh || f.width as i32 != ww || f.data.len() != (3 * hh * ww) as usize {
-                return Err(Error::Invalid(format!("frames of {}x{} and {ww}x{hh}: a video's frames have one size", f.width, f.height)));
-            }
-        }
-        if hh % (p * m) != 0 || ww % (p * m) != 0 {
+        let (hh, ww) = (px.height as i32, px.width as i32);
+        let frames = px.video_frames.max(1) as usize;
+        let frame = (3 * hh * ww) as usize;
+        if hh % (p * m) != 0 || ww % (p * m) != 0 || px.data.len() != frames * frame {
             return Err(Error::Invalid(format!("pixel values of {ww}x{hh}: not a grid of {m}x{m} blocks of {p}x{p} patches")));
         }
         let (gh, gw) = (hh / p, ww / p);
-        // the frames, the last repeated up to a multiple of the temporal patch
-        let nf = (frames.len() as i32 + t - 1) / t * t;
-        let mut data = Vec::with_capacity((nf * 3 * hh * ww) as usize);
+        let nf = (frames as i32 + t - 1) / t * t;
+        let mut data = Vec::with_capacity(nf as usize * frame);
         for i in 0..nf as usize {
-            data.extend_from_slice(&frames[i.min(frames.len() - 1)].data);
+            let f = i.min(frames - 1);
+            data.extend_from_slice(&px.data[f * frame..(f + 1) * frame]);
         }
         let gt = nf / t;
         let n = gt * gh * gw;
@@ -530,44 +683,54 @@ impl Tower {
     /// The features `[1, total tokens, text_hidden]` of `pixels` (each image at its own size), in
     /// `dtype` (the language model's).
     pub fn features(&self, pixels: &[&Pixels], dtype: Dtype) -> Result<Array> {
-        let feats = pixels.iter().map(|p| self.encode(&[p], dtype)).collect::<Result<Vec<_>>>()?;
+        let feats = pixels.iter().map(|p| self.encode(p, dtype)).collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Array> = feats.iter().collect();
         mx::expand_dims(&mx::concatenate(&refs, 0)?, 0)
     }
 
     /// The prompt's multimodal rotary positions `[L]` × (t, h, w) and the delta of the positions
     /// after it (mlx-vlm's `get_rope_index` for one sequence): each run of image tokens is the next
-    /// image's merged grid.
+    /// image's merged grid, each run of video tokens the next temporal group of the video's frames
+    /// (a grid one frame deep: mlx-vlm splits a video's grid so).
     pub fn positions(&self, prompt: &[i32], pixels: &[&Pixels]) -> Result<(Vec<[i32; 3]>, i32)> {
-        let id = self.processor.image_token_id;
+        let (img, vid) = (self.processor.image_token_id, self.processor.video_token_id);
+        // the blocks in order: (token, rows, columns, which input)
+        let mut blocks = Vec::new();
+        for (k, px) in pixels.iter().enumerate() {
+            let (g, r, c) = self.processor.grid(px);
+            let tok = if px.video_frames > 0 { vid } else { img };
+            blocks.extend((0..g).map(|_| (tok, r, c, k)));
+        }
         let mut out = Vec::with_capacity(prompt.len());
-        let (mut i, mut next, mut k) = (0usize, 0i32, 0usize);
+        let (mut i, mut next, mut b) = (0usize, 0i32, 0usize);
         while i < prompt.len() {
-            if prompt[i] != id {
+            if prompt[i] != img && prompt[i] != vid {
                 out.push([next; 3]);
                 next += 1;
                 i += 1;
                 continue;
             }
-            let px = pixels.get(k).ok_or_else(|| Error::Invalid(format!("the prompt has more image tokens than its {} image(s) take", pixels.len())))?;
-            let (gt, gh, gw) = self.processor.grid(px);
-            let n = (gt * gh * gw) as usize;
-            if prompt.len() < i + n || prompt[i..i + n].iter().any(|&t| t != id) {
-                return Err(Error::Invalid(format!("image {k} takes {n} consecutive image tokens; the prompt has fewer at position {i}")));
+            let &(tok, gh, gw, k) = blocks
+                .get(b)
+                .ok_or_else(|| Error::Invalid(format!("the prompt has more image or video tokens than its {} input(s) take", pixels.len())))?;
+            let n = (gh * gw) as usize;
+            if prompt.len() < i + n || prompt[i..i + n].iter().any(|&t| t != tok) {
+                return Err(Error::Invalid(format!(
+                    "input {k} takes {n} consecutive {} tokens at position {i}; the prompt has others",
+                    if tok == vid { "video" } else { "image" }
+                )));
             }
-            for tt in 0..gt {
-                for r in 0..gh {
-                    for c in 0..gw {
-                        out.push([next + tt, next + r, next + c]);
-                    }
+            for r in 0..gh {
+                for c in 0..gw {
+                    out.push([next, next + r, next + c]);
                 }
             }
-            next += gt.max(gh).max(gw);
+            next += gh.max(gw);
             i += n;
-            k += 1;
+            b += 1;
         }
-        if k != pixels.len() {
-            return Err(Error::Invalid(format!("the prompt's image tokens take {k} image(s), not {}", pixels.len())));
+        if b != blocks.len() {
+            return Err(Error::Invalid(format!("the prompt's image and video tokens take {b} of its inputs' {} blocks", blocks.len())));
         }
         Ok((out, next - prompt.len() as i32))
     }
@@ -576,11 +739,13 @@ impl Tower {
     /// its image tokens, then per token its (t, h, w) rotary positions and the sequence's position
     /// delta in four trailing columns: what Qwen3.5's `forward_embeds` takes.
     pub fn merged_embeddings(&self, model: &dyn CausalLm, prompt: &[i32], pixels: &[&Pixels]) -> Result<Array> {
-        let id = self.processor.image_token_id;
-        let found = prompt.iter().filter(|&&t| t == id).count();
-        let want: usize = pixels.iter().map(|p| self.processor.tokens_for(p.height, p.width)).sum();
+        let (img, vid) = (self.processor.image_token_id, self.processor.video_token_id);
+        let media = |t: i32| t == img || t == vid;
+        let found = prompt.iter().filter(|&&t| media(t)).count();
+        let want: usize = pixels.iter().map(|p| self.processor.tokens_of(p)).sum();
         if found != want {
-            return Err(Error::Invalid(format!("the prompt has {found} image tokens for {} image(s) of {want} tokens", pixels.len())));
+            let what = if pixels.iter().any(|p| p.video_frames > 0) { "image or video" } else { "image" };
+            return Err(Error::Invalid(format!("the prompt has {found} {what} tokens for {} input(s) of {want} tokens", pixels.len())));
         }
         let (pos, delta) = self.positions(prompt, pixels)?;
         let l = prompt.len();
@@ -592,7 +757,7 @@ impl Tower {
             .iter()
             .enumerate()
             .map(|(i, &t)| {
-                if t == id {
+                if media(t) {
                     next += 1;
                     (l + next - 1) as i32
                 } else {
