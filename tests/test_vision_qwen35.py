@@ -124,17 +124,18 @@ def test_image_token_counts_match_the_processor_over_sizes(session):
 
 def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
     """JPEG: the decoders round differently (see test_vision.py); normalized by 0.5, a level is
-    2/255; bicubic resampling amplifies the differences (bounds as for Gemma 4, doubled)."""
+    2/255; bicubic resampling amplifies the differences. Measured on this noise image (the worst
+    case): at most 16 levels, 0.4 of a level on average; the bounds leave a little room."""
     ref = run_vlm({"model": str(model_dir), "prompt": IMG, "images": [str(images["jpg"])], "max_tokens": 1})
     (_, gh, gw), = ref["grid_thw"]
     ours = _patches(np.array(session.pixel_values(images["jpg"]), dtype=np.float32), gh * 8, gw * 8)
     diff = np.abs(ours - np.array(ref["patches"], dtype=np.float32))
-    assert float(diff.max()) <= 2 * 12 / 255 + 1e-6, float(diff.max())
+    assert float(diff.max()) <= 2 * 18 / 255 + 1e-6, float(diff.max())
     assert float(diff.mean()) <= 2 * 0.6 / 255, float(diff.mean())
 
 
 def test_tower_features_match(session, images, oracle_two):
-    """The merged features of two images of different sizes (24 + 32 tokens), concatenated: float32
+    """The merged features of two images of other shapes (16×6 and 8×12 merged blocks), concatenated: float32
     rounding apart (1e-4 relative to their scale, as for Gemma 3 and 4)."""
     ours = np.array(session.image_features([images["tall"], images["large"]]), dtype=np.float32)
     theirs = np.array(oracle_two["features"], dtype=np.float32)
@@ -158,7 +159,7 @@ def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
 
 def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two):
     # chunks of 16 tokens: the image-token runs (and their M-RoPE positions) straddle chunk
-    # boundaries; the decode positions run (24 + 32) - (3 + 4) behind the token indices
+    # boundaries; the decode positions run (24 + 24) - (16 + 12) behind the token indices
     with mlxrs.Session(model_dir, prefill_step_size=16) as s:
         ids = _ids(s, TWO, [images["tall"], images["large"]])
         assert ids == oracle_two["input_ids"]
@@ -188,7 +189,7 @@ def test_chat_content_parts_and_batch(session, images):
     msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                          {"type": "image_url", "image_url": {"url": url}}]}]
     out = session.chat(msgs, max_tokens=8, temperature=0.0, ignore_eos=True)
-    text = session.apply_chat_template([{"role": "user", "content": f"What is this?{IMG}"}])
+    text = session.apply_chat_template([{"role": "user", "content": f"What is this?\n{IMG}"}])
     ids = session.tokenize(session._s.expand_image_markers(text, 1, session._s.image_sizes([(data, "x")])))
     assert ids.count(session.vision["image_token_id"]) == len(session.image_features([data])) // 256
     ref = session.generate(ids, images=[data], max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -206,8 +207,8 @@ def test_expansion_needs_the_sizes_and_the_right_count(session, images):
         session._s.expand_image_markers(IMG, 2, [(10, 10), (10, 10)])
     ids = _ids(session, ONE, [images["a"]])
     n = ids.count(session.vision["image_token_id"])
-    with pytest.raises(mlxrs.errors.InvalidArgumentError, match=f"the prompt has {n} image tokens for 1 input"):
-        session.generate(ids, images=[images["tall"]], max_tokens=2)
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match=f"the prompt has {n} image tokens for 1 image"):
+        session.generate(ids, images=[images["tiny"]], max_tokens=2)
 
 
 def _copy(model_dir: Path, tmp_path: Path) -> Path:

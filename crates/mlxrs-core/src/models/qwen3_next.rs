@@ -347,7 +347,7 @@ type RowRopes = Vec<Option<(Array, Array)>>;
 impl GatedAttention {
     /// Per row: the M-RoPE rotation where `ropes` gives one, the ordinary one at the cache's offset
     /// otherwise; then the cache update and attention.
-    fn attend_rows(&self, q: Array, k: Array, v: Array, masks: &Masks, caches: LayerCaches, mrope: &MRope, ropes: &RowRopes) -> Result<Array> {
+    fn attend_rows(&self, q: Array, k: Array, v: Array, masks: &Masks, caches: LayerCaches, (mrope, ropes): (&MRope, &RowRopes)) -> Result<Array> {
         let a = &self.attn;
         let (LayerCaches::Rows(mut rows), Masks::Rows(ms)) = (caches, masks) else {
             return Err(Error::Invalid("M-RoPE attention runs over per-row caches".into()));
@@ -386,7 +386,7 @@ impl GatedAttention {
         let k = mx::transpose_axes(&n.k.forward(&k)?, &perm)?;
         let v = mx::transpose_axes(&v, &perm)?;
         let out = match mrope {
-            Some((m, ropes)) => self.attend_rows(q, k, v, masks, caches, m, ropes)?,
+            Some(mr) => self.attend_rows(q, k, v, masks, caches, mr)?,
             None => a.attend_many(q, k, v, masks, caches, None)?,
         };
         let out = mx::reshape(&mx::transpose_axes(&out, &perm)?, &[b, l, -1])?;

@@ -124,6 +124,14 @@ impl Processor {
         }
     }
 
+    /// The token a video's frames stand in (None: the model takes no video).
+    pub fn video_token_id(&self) -> Option<i32> {
+        match self {
+            Processor::Qwen35(p) => Some(p.video_token_id),
+            _ => None,
+        }
+    }
+
     /// Pixel values of a video given as its encoded frames (each with the name errors give it).
     pub fn video_pixels(&self, frames: &[(&[u8], &str)], limits: &ImageLimits) -> Result<Pixels> {
         match self {
