@@ -339,3 +339,44 @@ def test_video_is_refused_where_it_cannot_go(session, frames, images, tmp_path):
     Image.fromarray(np.zeros((8, 40, 3), dtype=np.uint8)).save(small)
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match="at least 16 pixels"):
         session.generate("x", video=[small], max_tokens=2)
+
+
+def test_mlx_vlm_4bit_checkpoint(images):
+    """A checkpoint mlx-vlm converted (4-bit language model, `vision_tower.*` names, the patch
+    embedding channels-last): the same features, logits within the fp32 tolerance, 32 identical
+    greedy tokens."""
+    from tinymodels import make_qwen3_5_vision_q4
+
+    d = make_qwen3_5_vision_q4()
+    ref = run_vlm({"model": str(d), "prompt": ONE, "images": [str(images["a"])], "max_tokens": N_TOKENS})
+    with mlxrs.Session(d) as s:
+        feats = np.array(s.image_features([images["a"]]), dtype=np.float32)
+        theirs = np.array(ref["features"], dtype=np.float32)
+        assert float(np.max(np.abs(feats - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
+        ids = _ids(s, ONE, [images["a"]])
+        assert ids == ref["input_ids"]
+        logits = _logits(s, ids, [images["a"]])
+        out = s.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 1e-4
+    assert out.tokens == ref["tokens"]
+
+
+def test_bfloat16_two_images(images):
+    """The same model in bfloat16 (the tower's rotary tables in float32 then cast, as mlx-vlm does):
+    the features equal to bfloat16 rounding, logits within the bf16 parity tolerance (2e-2), 32
+    identical greedy tokens, prefill in chunks of 16."""
+    d = make_qwen3_5_vision("qwen3_5-vision-bf16", dtype="bfloat16")
+    imgs = [images["tall"], images["a"]]
+    ref = run_vlm({"model": str(d), "prompt": TWO, "images": [str(p) for p in imgs], "max_tokens": N_TOKENS,
+                   "prefill_step_size": 16})
+    with mlxrs.Session(d, prefill_step_size=16) as s:
+        feats = np.array(s.image_features(imgs), dtype=np.float32)
+        theirs = np.array(ref["features"], dtype=np.float32)
+        assert feats.shape == theirs.shape
+        assert float(np.max(np.abs(feats - theirs))) <= 2 ** -7 * float(np.max(np.abs(theirs)))
+        ids = _ids(s, TWO, imgs)
+        assert ids == ref["input_ids"]
+        logits = _logits(s, ids, imgs)
+        out = s.generate(TWO, images=imgs, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 2e-2
+    assert out.tokens == ref["tokens"]

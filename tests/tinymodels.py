@@ -801,3 +801,19 @@ def make_qwen3_5_vision(name: str = "qwen3_5-vision-f32", *, dtype: str = "float
     (d / "video_preprocessor_config.json").write_text(json.dumps(vid, indent=2))
     (d / ".complete").write_text("ok")
     return d
+
+
+def make_qwen3_5_vision_q4(name: str = "qwen3_5-vision-q4") -> Path:
+    """`make_qwen3_5_vision`'s model converted by mlx-vlm 0.7.10 to 4 bits (group 64): the language
+    model quantized, saved in mlx-vlm's layout (the tower as `vision_tower.*`, its Conv3d patch
+    embedding in MLX's channels-last layout)."""
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    from mlx_vlm import convert
+
+    src = make_qwen3_5_vision()
+    shutil.rmtree(d, ignore_errors=True)
+    convert(str(src), mlx_path=str(d), quantize=True, q_bits=4, q_group_size=64)
+    (d / ".complete").write_text("ok")
+    return d

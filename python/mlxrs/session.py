@@ -483,12 +483,12 @@ class Session:
                                    policy), f"video[{i}]") for i, x in enumerate(video)]
 
         def expand(text: str) -> str:
-            (h, w), = self._s.image_sizes(frames[:1])
+            (h, w), = self._s.image_sizes(frames[:1])  # the first frame's size: the video's
             return str(self._s.expand_video_marker(text, len(frames), h, w))
 
         if isinstance(prompt, str):
             return self.tokenize(expand(prompt if marker in prompt else marker + prompt)), frames
-        items = list(prompt)
+        items: list[Any] = list(prompt)
         if items and all(isinstance(t, int) for t in items):
             return [int(t) for t in items], frames
         msgs = []
