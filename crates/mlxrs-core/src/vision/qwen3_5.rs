@@ -21,7 +21,7 @@ use super::gemma3::LayerNorm;
 use super::image::{Filter, ImageLimits, Pixels, Preprocess};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
-use crate::models::layers::{gelu_approx, Embedding, Linear};
+use crate::models::layers::{gelu_approx_compiled, gelu_compiled, Embedding, Linear};
 use crate::models::{CausalLm, Cfg};
 use crate::weights::Weights;
 use serde_json::Value;
@@ -484,12 +484,21 @@ pub struct Tower {
     pub processor: Processor,
 }
 
-/// `x (1 + erf(x / √2)) / 2` (mlx.nn.gelu), in x's dtype.
-fn gelu(x: &Array) -> Result<Array> {
-    let dt = x.dtype();
-    let c = |v: f64| mx::scalar_as(v, dt);
-    let e = mx::erf(&mx::divide(x, &c(std::f64::consts::SQRT_2)?)?)?;
-    mx::divide(&mx::multiply(x, &mx::add(&c(1.0)?, &e)?)?, &c(2.0)?)
+/// mlx-vlm's `ensure_fused_sdpa`: the head size zero-padded up to the next size MLX's fused
+/// attention kernel takes (64, 80, 128), the output cut back (the same kernel as mlx-vlm's).
+fn fused_sdpa(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+    let d = q.dim(-1);
+    let target = [64, 80, 128].into_iter().find(|&t| d <= t).unwrap_or(d);
+    if target == d {
+        return mx::scaled_dot_product_attention(q, k, v, scale, AttnMask::None, None);
+    }
+    let n = q.ndim() as i32;
+    let pad = |a: &Array| -> Result<Array> {
+        let z = mx::scalar_as(0.0, a.dtype())?;
+        mx::pad(a, &[n - 1], &[0], &[target - d], &z)
+    };
+    let o = mx::scaled_dot_product_attention(&pad(q)?, &pad(k)?, &pad(v)?, scale, AttnMask::None, None)?;
+    mx::slice_axis(&o, -1, 0, d)
 }
 
 fn rotate_half(x: &Array) -> Result<Array> {
@@ -666,17 +675,17 @@ impl Tower {
             let mut outs = Vec::with_capacity(gt as usize);
             for f in 0..gt {
                 let s = |a: &Array| mx::slice_axis(a, 2, f * per, (f + 1) * per);
-                outs.push(mx::scaled_dot_product_attention(&s(&q)?, &s(&k)?, &s(&v)?, scale, AttnMask::None, None)?);
+                outs.push(fused_sdpa(&s(&q)?, &s(&k)?, &s(&v)?, scale)?);
             }
             let refs: Vec<&Array> = outs.iter().collect();
             let o = mx::concatenate(&refs, 2)?;
             let o = mx::reshape(&mx::transpose_axes(&o, &[0, 2, 1, 3])?, &[n, d.hidden])?;
             h = mx::add(&h, &b.proj.forward(&o)?)?;
-            let y = b.fc2.forward(&gelu_approx(&b.fc1.forward(&b.norm2.forward(&h)?)?)?)?;
+            let y = b.fc2.forward(&gelu_approx_compiled(&b.fc1.forward(&b.norm2.forward(&h)?)?)?)?;
             h = mx::add(&h, &y)?;
         }
         let x = mx::reshape(&self.merger_norm.forward(&h)?, &[n / (m * m), d.hidden * m * m])?;
-        let f = self.merger_fc2.forward(&gelu(&self.merger_fc1.forward(&x)?)?)?;
+        let f = self.merger_fc2.forward(&gelu_compiled(&self.merger_fc1.forward(&x)?)?)?;
         mx::astype(&f, dtype)
     }
 
