@@ -191,7 +191,7 @@ def audio_source(part: Mapping[str, Any], where: str) -> bytes | str:
         fmt = str(v.get("format") or "wav").lower()
         if fmt != "wav":
             raise _err(where, f"{fmt} audio is not supported: send WAV (input_audio.format \"wav\")")
-        return "data:audio/wav;base64," + v["data"]
+        return "data:audio/wav;base64," + str(v["data"])
     if t == "audio_url":
         v = part.get("audio_url")
         if isinstance(v, Mapping):

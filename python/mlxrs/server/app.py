@@ -219,7 +219,11 @@ class ServerState:
         for r in refs:
             try:
                 data = await load_async(r, policy)
-                out.extend(await self._blocking(lambda d=data, w=r.where: self.session._s.audio_clips([(d, w)])))
+
+                def clips(d: bytes = data, w: str = r.where) -> list[Any]:
+                    return list(self.session._s.audio_clips([(d, w)]))
+
+                out.extend(await self._blocking(clips))
             except InvalidArgumentError as e:
                 raise ApiError(400, str(e), param=r.where) from None
         return out
