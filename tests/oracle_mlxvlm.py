@@ -5,7 +5,8 @@ job on stdin, writes JSON on stdout.
 
 Gemma 4 (variable image sizes, per-layer inputs, audio) takes its own path: see `gemma4`; its job may
 name "audio": [WAV paths] (out: "mel" and "mel_mask" per clip, "audio_features": each clip's
-encoder frames through the projector, `[frames, hidden]`).
+encoder frames through the projector, `[frames, hidden]`). Qwen3.5 (patches, M-RoPE positions,
+video frames) too: see `qwen3_5`.
 
 Job: {"model": dir, "prompt": text with one image marker per image, "images": [paths],
       "max_tokens": n, "prefill_step_size": n}
@@ -87,6 +88,57 @@ def _gemma4_audio(job: dict) -> list:
     return [load_audio(p, sr=16000) for p in job["audio"]]
 
 
+def qwen3_5(job: dict, model, processor) -> dict:
+    """Qwen3.5: the processor's patches (`[patches, C·T·p·p]`, in the tower's block order) and
+    `image_grid_thw`, the tower's merged features, the last-position logits of
+    `get_input_embeddings`' merged embeddings through the language model with its M-RoPE positions
+    on generate's prefill schedule, and `generate_step`'s greedy tokens. `video` (a list of frame
+    paths) goes to the processor as one video."""
+    from mlx_vlm.utils import load_image
+
+    images = [load_image(p) for p in job["images"]]
+    videos = [[load_image(p) for p in job["video"]]] if job.get("video") else None
+    inputs = processor(text=[job["prompt"]], images=images or None, videos=videos, return_tensors="np")
+    input_ids = mx.array(np.asarray(inputs["input_ids"]))
+    out: dict = {"input_ids": input_ids[0].tolist()}
+    extra: dict = {}
+    pixel_values = None
+    for pv, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if inputs.get(pv) is not None:
+            pixel_values = mx.array(np.asarray(inputs[pv]))
+            extra[grid] = mx.array(np.asarray(inputs[grid]))
+            out["patches"] = np.asarray(inputs[pv], dtype=np.float32).tolist()
+            out["grid_thw"] = np.asarray(inputs[grid]).tolist()
+            dtype = model.vision_tower.patch_embed.proj.weight.dtype
+            feats, _ = model.vision_tower(pixel_values.astype(dtype), extra[grid])
+            out["features"] = np.asarray(feats.astype(mx.float32)).ravel().tolist()
+    if pixel_values is not None and "pixel_values_videos" in inputs:
+        extra["pixel_values_videos"] = pixel_values
+    emb = model.get_input_embeddings(input_ids, None if "pixel_values_videos" in inputs else pixel_values, **extra)
+    h = emb.inputs_embeds
+    lm = model.language_model
+    lm._position_ids = None
+    lm._rope_deltas = None
+    cache = lm.make_cache()
+    n, i, step = input_ids.shape[1], 0, job.get("prefill_step_size", 2048)
+    kw = {"position_ids": emb.position_ids, "rope_deltas": emb.rope_deltas}
+    while n - i > 1:
+        k = min(step, n - 1 - i)
+        lm(input_ids[:, i:i + k], inputs_embeds=h[:, i:i + k], cache=cache, **kw)
+        mx.eval([c.state for c in cache])
+        i += k
+    last = lm(input_ids[:, i:n], inputs_embeds=h[:, i:n], cache=cache, **kw).logits
+    out["logits"] = np.asarray(last[0, -1].astype(mx.float32)).tolist()
+    from mlx_vlm.generate.ar import generate_step
+
+    lm._position_ids = None
+    lm._rope_deltas = None
+    pv_arg = None if "pixel_values_videos" in inputs else pixel_values
+    out["tokens"] = [int(t) for t, _ in generate_step(input_ids, model, pv_arg, None, max_tokens=job["max_tokens"],
+                                                      temperature=0.0, prefill_step_size=step, **extra)]
+    return out
+
+
 def load(job: dict[str, Any]) -> tuple[Any, Any]:
     """(model, processor): mlx-vlm's `load`."""
     from mlx_vlm.utils import load as mlx_vlm_load
@@ -102,6 +154,8 @@ def run(loaded: tuple[Any, Any], job: dict[str, Any]) -> dict[str, Any]:
     model, processor = loaded
     if model.config.model_type == "gemma4":
         return gemma4(job, model, processor)
+    if model.config.model_type in ("qwen3_5", "qwen3_5_moe"):
+        return qwen3_5(job, model, processor)
     images = [load_image(p) for p in job["images"]]
     inputs = processor(text=[job["prompt"]], images=images or None, return_tensors="np")
     input_ids = mx.array(np.asarray(inputs["input_ids"]))

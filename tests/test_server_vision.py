@@ -308,3 +308,58 @@ def test_gemma4_images_through_both_protocols(gemma4_dir):
         assert "messages[0].content[1]" in e.value.message
         r = oa(s).chat.completions.create(model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens >= 1
+
+
+def test_qwen35_images_and_video_frames_through_the_openai_sdk(tmp_path):
+    """Qwen3.5 (its tower takes images and videos as frames): `/v1/models` lists image and video;
+    an image_url part and a video_url part holding the video's frames (data URLs) reach the model
+    with the library's prompt and answer for the same input (the library itself checked against
+    mlx-vlm in test_vision_qwen35.py); a video file URL is a 400 saying frames are needed; images
+    and a video together are a 400."""
+    from PIL import Image
+
+    from tinymodels import make_qwen3_5_vision
+
+    d = make_qwen3_5_vision()
+    name = "qwen3_5-vision-f32"
+
+    def png(h: int, w: int, seed: int) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+        return buf.getvalue()
+    img = png(70, 90, 1)
+    frames = [png(48, 64, 10 + i) for i in range(3)]
+    with Server(d) as s, mlxrs.Session(d) as lib:
+        card = oa(s).models.retrieve(name)
+        assert card.model_extra["input_modalities"] == ["text", "image", "video"]
+        parts = [{"type": "text", "text": "What is in this picture?"},
+                 {"type": "image_url", "image_url": {"url": data_url(img)}}]
+        r = oa(s).chat.completions.create(model=name, messages=[{"role": "user", "content": parts}], max_tokens=10,
+                                          temperature=0)
+        ref = lib.chat([{"role": "user", "content": parts}], max_tokens=10, temperature=0.0)
+        assert r.usage.prompt_tokens == ref.usage.prompt_tokens > 24
+        assert r.choices[0].message.content == ref.text
+        vparts = [{"type": "text", "text": "What happens?"},
+                  {"type": "video_url", "video_url": {"url": [data_url(f) for f in frames]}}]
+        r = oa(s).chat.completions.create(model=name, messages=[{"role": "user", "content": vparts}], max_tokens=10,
+                                          temperature=0)
+        ref = lib.generate([{"role": "user", "content": [vparts[0], {"type": "video"}]}], video=frames,
+                           max_tokens=10, temperature=0.0)
+        assert r.usage.prompt_tokens == ref.usage.prompt_tokens
+        assert r.choices[0].message.content == ref.text
+        with pytest.raises(openai.BadRequestError) as e:
+            oa(s).chat.completions.create(model=name, max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}]}])
+        assert "messages[0].content[0]" in e.value.message and "list of its frames" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            oa(s).chat.completions.create(model=name, max_tokens=4, messages=[{"role": "user", "content": [
+                parts[1], vparts[1]]}])
+        assert "images or one video" in e.value.message
+
+
+def test_video_to_a_model_without_video_names_model_and_modality(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        oa(server).chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": [data_url(_png(1))]}}]}])
+    assert e.value.status_code == 400
+    assert "messages[0].content[0]" in e.value.message and "video" in e.value.message and MODEL in e.value.message

@@ -824,3 +824,114 @@ def make_gemma4_audio(name: str = "gemma4-audio-f32", *, dtype: str = "float32",
     (d / "processor_config.json").write_text(json.dumps(proc, indent=2))
     (d / ".complete").write_text("ok")
     return d
+
+
+# Qwen3.5's vision markers (its tokenizer's special tokens)
+QWEN35_SPECIALS = {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
+                   "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+
+# A Qwen-style chat template that renders image and video content parts as Qwen3.5's does
+QWEN35_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for item in m['content'] %}"
+    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_qwen3_5_vision(name: str = "qwen3_5-vision-f32", *, dtype: str = "float32", seed: int = 0) -> Path:
+    """Write (once) a tiny random Qwen3.5 multimodal model in the Hugging Face layout (as
+    transformers saves Qwen3_5ForConditionalGeneration): the text model (tests' qwen3_5 shape:
+    Gated DeltaNet and gated attention, interleaved M-RoPE sections [2, 3, 3]) under
+    `model.language_model.*`, a vision tower of 8×8 patches (2 frames deep, merged 2×2: 16×16 pixels
+    per image token; an 8×8 learned position grid, interpolated) under `model.visual.*`, the Conv3d
+    patch embedding in PyTorch's layout; preprocessor configs allowing 4 to 32 image tokens, and a
+    tokenizer with its vision tokens. mlx-vlm 0.7.10 loads it."""
+    import mlx.core as mx
+
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    text = base_config("qwen3_5")
+    text.pop("architectures")
+    text.pop("eos_token_id")
+    vision = {"model_type": "qwen3_5", "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+              "in_channels": 3, "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "out_hidden_size": text["hidden_size"], "num_position_embeddings": 64, "deepstack_visual_indexes": []}
+    write_tokenizer(d, text["vocab_size"], extra_specials=QWEN35_SPECIALS, chat_template=QWEN35_CHAT_TEMPLATE)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    cfg = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+           "vision_config": vision, "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+           "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+           "vocab_size": text["vocab_size"], "eos_token_id": 0, "tie_word_embeddings": False, "torch_dtype": dtype}
+    keys = iter(mx.random.split(mx.random.key(seed), 512))
+
+    def rnd(shape: tuple[int, ...], scale: float) -> Any:
+        return mx.random.normal(shape, key=next(keys)) * scale
+
+    w = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): x
+         for k, x in _qwen3_next_weights("qwen3_5", text, rnd).items()}
+    vh, vi, p, m = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"], vision["spatial_merge_size"]
+    tp, v = vision["temporal_patch_size"], "model.visual"
+    fan = 3 * tp * p * p
+    w[f"{v}.patch_embed.proj.weight"] = rnd((vh, 3, tp, p, p), fan ** -0.5)  # PyTorch's Conv3d layout
+    w[f"{v}.patch_embed.proj.bias"] = rnd((vh,), 0.1)
+    w[f"{v}.pos_embed.weight"] = rnd((vision["num_position_embeddings"], vh), 0.5)
+    for i in range(vision["depth"]):
+        b = f"{v}.blocks.{i}"
+        for n in ("norm1", "norm2"):
+            w[f"{b}.{n}.weight"] = 1.0 + rnd((vh,), 0.1)
+            w[f"{b}.{n}.bias"] = rnd((vh,), 0.1)
+        w[f"{b}.attn.qkv.weight"] = rnd((3 * vh, vh), vh ** -0.5)
+        w[f"{b}.attn.qkv.bias"] = rnd((3 * vh,), 0.1)
+        w[f"{b}.attn.proj.weight"] = rnd((vh, vh), vh ** -0.5)
+        w[f"{b}.attn.proj.bias"] = rnd((vh,), 0.1)
+        w[f"{b}.mlp.linear_fc1.weight"] = rnd((vi, vh), vh ** -0.5)
+        w[f"{b}.mlp.linear_fc1.bias"] = rnd((vi,), 0.1)
+        w[f"{b}.mlp.linear_fc2.weight"] = rnd((vh, vi), vi ** -0.5)
+        w[f"{b}.mlp.linear_fc2.bias"] = rnd((vh,), 0.1)
+    mh = vh * m * m
+    w[f"{v}.merger.norm.weight"] = 1.0 + rnd((vh,), 0.1)
+    w[f"{v}.merger.norm.bias"] = rnd((vh,), 0.1)
+    w[f"{v}.merger.linear_fc1.weight"] = rnd((mh, mh), mh ** -0.5)
+    w[f"{v}.merger.linear_fc1.bias"] = rnd((mh,), 0.1)
+    # scaled so that the image embeddings are of the text embeddings' order (0.5)
+    w[f"{v}.merger.linear_fc2.weight"] = rnd((text["hidden_size"], mh), 0.5 * mh ** -0.5)
+    w[f"{v}.merger.linear_fc2.bias"] = rnd((text["hidden_size"],), 0.1)
+    dt = {"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype]
+    w = {k: x.astype(dt) for k, x in w.items()}
+    mx.eval(w)
+    mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    pre = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+           "patch_size": p, "temporal_patch_size": tp, "merge_size": m, "image_mean": [0.5, 0.5, 0.5],
+           "image_std": [0.5, 0.5, 0.5], "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+           "size": {"shortest_edge": 4 * 16 * 16, "longest_edge": 32 * 16 * 16}}
+    (d / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    vid = {**pre, "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2.0, "min_frames": 2, "max_frames": 16,
+           "size": {"shortest_edge": 4 * 16 * 16 * 2, "longest_edge": 64 * 16 * 16 * 2}}
+    vid.pop("image_processor_type")
+    (d / "video_preprocessor_config.json").write_text(json.dumps(vid, indent=2))
+    (d / ".complete").write_text("ok")
+    return d
+
+
+def make_qwen3_5_vision_q4(name: str = "qwen3_5-vision-q4") -> Path:
+    """`make_qwen3_5_vision`'s model converted by mlx-vlm 0.7.10 to 4 bits (group 64): the language
+    model quantized, saved in mlx-vlm's layout (the tower as `vision_tower.*`, its Conv3d patch
+    embedding in MLX's channels-last layout)."""
+    d = ROOT / name
+    if (d / ".complete").exists():
+        return d
+    from mlx_vlm import convert
+
+    src = make_qwen3_5_vision()
+    shutil.rmtree(d, ignore_errors=True)
+    convert(str(src), mlx_path=str(d), quantize=True, q_bits=4, q_group_size=64)
+    (d / ".complete").write_text("ok")
+    return d

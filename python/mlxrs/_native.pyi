@@ -319,12 +319,14 @@ class Session:
     def encode_rendered(self, text: str) -> list[int]: ...
     def start(self, prompt: Sequence[int], params: str = "{}", hub: EventHub | None = None,
               images: Sequence[tuple[bytes, str]] | None = None,
-              audio: Sequence[AudioClip] | None = None) -> TokenStream:
+              audio: Sequence[AudioClip] | None = None,
+              video: Sequence[tuple[bytes, str]] | None = None) -> TokenStream:
         """Queue a generation; `params` is a JSON object of sampling options (and
         `max_image_bytes`, `max_image_pixels`). With `hub`, its events go to the hub, tagged with
         the stream's `id`. `images`: (encoded bytes, the name errors give it) each, in the order
         of the prompt's image-token runs (a model with a vision tower). `audio`: clips from
-        `audio_clips`, in the order of the prompt's audio-token runs."""
+        `audio_clips`, in the order of the prompt's audio-token runs. `video`: one video's
+        frames as images are (a model whose tower takes video), after the images."""
     def audio_clips(self, clips: Sequence[tuple[bytes, str]], params: str = "{}") -> list[AudioClip]:
         """Decode and featurize WAV clips, each (bytes, the name errors give it); `params` may
         hold `max_audio_bytes` and `max_audio_seconds`."""
@@ -339,6 +341,13 @@ class Session:
     def image_features(self, images: Sequence[bytes]) -> list[float]:
         """The vision tower's projected features of encoded images, flattened (each image's tokens
         in order, `hidden` wide)."""
+    def video_pixel_values(self, frames: Sequence[bytes]) -> tuple[list[float], int, int, int]:
+        """(pixel values [frames, 3, H, W] flattened, frames, H, W) of a video's encoded frames."""
+    def video_features(self, frames: Sequence[bytes]) -> list[float]:
+        """The vision tower's merged features of a video's encoded frames, flattened."""
+    def expand_video_marker(self, text: str, frames: int, height: int, width: int) -> str:
+        """`text` with its one video marker expanded for a video of `frames` frames of
+        `height`×`width` (Qwen3.5: one timestamped vision block per temporal group)."""
     def expand_image_markers(self, text: str, images: int, sizes: Sequence[tuple[int, int]] | None = None) -> str:
         """`text` with each image marker expanded to the model's image-token sequence; `sizes`
         (each image's (height, width), from `image_sizes`) when the count of image tokens depends
@@ -349,9 +358,11 @@ class Session:
     def embed(self, prompt: Sequence[int]) -> list[float]:
         """Final normed hidden states of `prompt`, mean-pooled, L2-normalised."""
     def logits(self, prompt: Sequence[int], images: Sequence[bytes] | None = None,
-               audio: Sequence[AudioClip] | None = None) -> list[float]:
+               audio: Sequence[AudioClip] | None = None,
+               video: Sequence[bytes] | None = None) -> list[float]:
         """Last-position logits (float32) from a fresh cache; with `images` (`audio`), their
-        embeddings at the prompt's image (audio) tokens."""
+        embeddings at the prompt's image (audio) tokens; `video`: one video's frames, after the
+        images."""
     def info(self) -> dict[str, Any]:
         """Model facts and counters; `info()["engine"]` is {"state": "running" | "dead" | "closed",
         "error": the engine's death message or None}. Works on a closed session."""

@@ -3,8 +3,9 @@ http(s) URL), under a policy (local files and remote URLs are each off unless al
 time limited), and content parts turned into the prompt text's image markers.
 
 Decoding and preprocessing happen in Rust (`mlxrs._native`); this module only gets the bytes.
-Audio (WAV) is taken by models with an audio tower (Gemma 4); video is not supported: such parts
-are refused naming the part.
+Audio (WAV) is taken by models with an audio tower (Gemma 4). Video (Qwen3.5, as its frames) is
+taken through `Session.generate(video=...)` and the server's video parts; `parts_text` refuses video
+parts naming the part.
 """
 from __future__ import annotations
 
@@ -190,7 +191,7 @@ def audio_source(part: Mapping[str, Any], where: str) -> bytes | str:
         fmt = str(v.get("format") or "wav").lower()
         if fmt != "wav":
             raise _err(where, f"{fmt} audio is not supported: send WAV (input_audio.format \"wav\")")
-        return "data:audio/wav;base64," + v["data"]
+        return "data:audio/wav;base64," + str(v["data"])
     if t == "audio_url":
         v = part.get("audio_url")
         if isinstance(v, Mapping):
@@ -214,8 +215,12 @@ def no_audio(where: str, model: str, part: str = "input_audio") -> InvalidArgume
 
 
 def refuse_av(t: str, where: str, model: str) -> InvalidArgumentError:
-    """The error for an audio or video part (mlxrs takes neither)."""
+    """The error for an audio or video part where it is not taken."""
     kind = AV_PARTS.get(t, t)
+    if kind == "video":
+        return _err(where, f"video input ({t!r} part) is not supported here: a model whose vision tower takes "
+                           "video (Qwen3.5) takes one video as its frames, through `video=` or the server's "
+                           "`video_url` part")
     return _err(where, f"{kind} input ({t!r} part) is not supported: {model} cannot take {kind} (mlxrs takes "
                        "text and, for models with a vision tower, images)")
 

@@ -514,6 +514,78 @@ class Session:
             ids = list(self._s.encode_rendered(expand_audio(text)))
         return ids, load(), clips
 
+    def _prepare_video(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
+                       template_kwargs: Mapping[str, Any] | None,
+                       video: Sequence[bytes | str | os.PathLike[str]]) -> tuple[list[int], list[tuple[bytes, str]]]:
+        """Token ids and the frames' bytes (each with its name for errors) of a prompt with one
+        video given as its frames (`video`): a string with the video marker where the video goes
+        (none: the video first), messages whose content holds a `{"type": "video"}` part where it
+        goes, or ids already holding the video's tokens."""
+        from . import media
+
+        vision = self.vision
+        model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
+        marker = vision.get("video_marker") if vision else None
+        if not marker:
+            raise InvalidArgumentError(f"video: model {model} cannot take video input (its vision tower, if any, "
+                                       "takes images only)")
+        if isinstance(video, (str, bytes, os.PathLike)) or not video:
+            raise InvalidArgumentError("video: pass a video as a non-empty list of its frames (images)")
+        policy = media.MediaPolicy(allow_local=True)
+        frames = [(media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"),
+                                   policy), f"video[{i}]") for i, x in enumerate(video)]
+
+        def expand(text: str) -> str:
+            (h, w), = self._s.image_sizes(frames[:1])  # the first frame's size: the video's
+            return str(self._s.expand_video_marker(text, len(frames), h, w))
+
+        if isinstance(prompt, str):
+            return self.tokenize(expand(prompt if marker in prompt else marker + prompt)), frames
+        items: list[Any] = list(prompt)
+        if items and all(isinstance(t, int) for t in items):
+            return [int(t) for t in items], frames
+        msgs = []
+        for i, m in enumerate(items):
+            if not isinstance(m, Mapping):
+                raise InvalidArgumentError("prompt must be a string, a list of token ids or a list of messages")
+            m = dict(m)
+            c = m.get("content")
+            if isinstance(c, list):
+                texts = []
+                for j, part in enumerate(c):
+                    t = part.get("type") if isinstance(part, Mapping) else None
+                    if t == "video":
+                        texts.append(marker)
+                    elif t in ("text", "input_text") and isinstance(part.get("text"), str):
+                        texts.append(part["text"])
+                    else:
+                        raise InvalidArgumentError(f"messages[{i}].content[{j}]: with a video, content parts are "
+                                                   "text and one {\"type\": \"video\"} part")
+                m["content"] = "\n".join(texts)
+            msgs.append(m)
+        text = self.apply_chat_template(msgs, tools=tools, **dict(template_kwargs or {}))
+        return list(self._s.encode_rendered(expand(text))), frames
+
+    def video_pixel_values(self, frames: Sequence[bytes | str | os.PathLike[str]]) -> tuple[list[float], int, int, int]:
+        """A video's pixel values `[frames, 3, H, W]` (flattened, float32) as the model's video
+        processor makes them from its frames, with frames, H and W."""
+        from . import media
+
+        pol = media.MediaPolicy(allow_local=True)
+        data = [media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), pol)
+                for i, x in enumerate(frames)]
+        px, n, h, w = self._s.video_pixel_values(data)
+        return list(px), int(n), int(h), int(w)
+
+    def video_features(self, frames: Sequence[bytes | str | os.PathLike[str]]) -> list[float]:
+        """The vision tower's merged features of a video given as its frames (flattened float32)."""
+        from . import media
+
+        pol = media.MediaPolicy(allow_local=True)
+        data = [media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), pol)
+                for i, x in enumerate(frames)]
+        return list(self._s.video_features(data))
+
     def pixel_values(self, image: bytes | str | os.PathLike[str]) -> list[float]:
         """The pixel values `[3, H, W]` (flattened, float32) the model's processor makes of an image."""
         from . import media
@@ -535,8 +607,10 @@ class Session:
 
     # -- generation --------------------------------------------------------------------------------
     def _events(self, ids: list[int], kwargs: dict[str, Any],
-                images: list[tuple[bytes, str]] | None = None, audio: list[Any] | None = None) -> Iterator[dict[str, Any]]:
-        stream = self._s.start(ids, self._start_params(ids, kwargs), None, images or None, audio or None)
+                images: list[tuple[bytes, str]] | None = None, audio: list[Any] | None = None,
+                video: list[tuple[bytes, str]] | None = None) -> Iterator[dict[str, Any]]:
+        stream = self._s.start(ids, self._start_params(ids, kwargs), None, images or None, audio or None,
+                               video or None)
         try:
             yield from stream
         finally:
@@ -550,20 +624,39 @@ class Session:
         template_kwargs: Mapping[str, Any] | None = None,
         images: Sequence[bytes | str | os.PathLike[str]] | None = None,
         audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        video: Sequence[bytes | str | os.PathLike[str]] | None = None,
         **sampling: Any,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are generated; the last chunk carries finish_reason and usage.
         Closing the iterator early cancels the generation. Options are checked here, before the
-        first chunk is asked for. `images`, `audio`: as for `generate`."""
+        first chunk is asked for. `images`, `audio`, `video`: as for `generate`."""
         _validate(sampling, self._vocab)
-        return self._stream(prompt, tools, template_kwargs, sampling, images, audio)
+        return self._stream(prompt, tools, template_kwargs, sampling, images, audio, video)
+
+    def _media(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
+               template_kwargs: Mapping[str, Any] | None, images: Sequence[bytes | str | os.PathLike[str]] | None,
+               audio: Sequence[bytes | str | os.PathLike[str]] | None,
+               video: Sequence[bytes | str | os.PathLike[str]] | None,
+               ) -> tuple[list[int], list[tuple[bytes, str]], list[Any], list[tuple[bytes, str]]]:
+        """(ids, images, audio clips, video frames) of a prompt: images and audio, or one video
+        (mlx-vlm takes a video alone)."""
+        if video is None:
+            ids, media, clips = self._prepare(prompt, tools, template_kwargs, images, audio)
+            return ids, media, clips, []
+        if images:
+            raise InvalidArgumentError("images and video: a prompt takes images or one video, not both")
+        if audio:
+            raise InvalidArgumentError("audio and video: a prompt takes audio or one video, not both")
+        ids, frames = self._prepare_video(prompt, tools, template_kwargs, video)
+        return ids, [], [], frames
 
     def _stream(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
                 template_kwargs: Mapping[str, Any] | None, sampling: dict[str, Any],
                 images: Sequence[bytes | str | os.PathLike[str]] | None = None,
-                audio: Sequence[bytes | str | os.PathLike[str]] | None = None) -> Iterator[Chunk]:
-        ids, media, clips = self._prepare(prompt, tools, template_kwargs, images, audio)
-        for ev in self._events(ids, sampling, media, clips):
+                audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
+                video: Sequence[bytes | str | os.PathLike[str]] | None = None) -> Iterator[Chunk]:
+        ids, media, clips, frames = self._media(prompt, tools, template_kwargs, images, audio, video)
+        for ev in self._events(ids, sampling, media, clips, frames):
             ch = _chunk(ev)
             if ch is not None:
                 yield ch
@@ -576,6 +669,7 @@ class Session:
         template_kwargs: Mapping[str, Any] | None = None,
         images: Sequence[bytes | str | os.PathLike[str]] | None = None,
         audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        video: Sequence[bytes | str | os.PathLike[str]] | None = None,
         **sampling: Any,
     ) -> Completion:
         """Generate to the end and return the whole Completion. `images` (a model with a vision
@@ -583,10 +677,13 @@ class Session:
         prompt (`info()["vision"]["boi_token"]`; none: the images go first). `audio` (a model with
         an audio tower, Gemma 4): WAV clips as bytes, local paths or base64 data URLs, one per
         audio marker (`session.audio["marker"]`; none: the clips go first). A conversation carries
-        its media as content parts of its messages instead."""
-        ids, media, clips = self._prepare(prompt, tools, template_kwargs, images, audio)
+        its media as content parts of its messages instead. `video` (a model whose tower takes
+        video: `info()["vision"]["video_marker"]`): one video as the list of its frames (images as
+        above), at the video marker of a string prompt (none: first) or at a conversation's
+        `{"type": "video"}` content part."""
+        ids, media, clips, frames = self._media(prompt, tools, template_kwargs, images, audio, video)
         want_lp = bool(sampling.get("logprobs")) or bool(sampling.get("top_logprobs"))
-        return _collect(self._events(ids, sampling, media, clips), want_lp)
+        return _collect(self._events(ids, sampling, media, clips, frames), want_lp)
 
     def generate_batch(
         self,

@@ -446,6 +446,10 @@ pub struct RecurrentCache {
     pub state: Option<Array>,
     /// Tokens seen.
     pub offset: i32,
+    /// Qwen3.5 after images: how far the sequence's rotary positions run behind its token count
+    /// (M-RoPE gives an image fewer positions than tokens); None: a text-only sequence. Kept here
+    /// because it belongs to the sequence, and every Qwen3.5 sequence has a recurrent layer.
+    pub rope_delta: Option<i32>,
 }
 
 /// Options that shape the cache a model makes.

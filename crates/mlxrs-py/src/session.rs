@@ -97,6 +97,22 @@ impl Session {
         })
     }
 
+    /// Decode and preprocess a video's frames (off the GIL) with the limits in `params`.
+    fn video(&self, py: Python<'_>, e: &Arc<Engine>, params: &Value, frames: Vec<(Vec<u8>, String)>)
+             -> PyResult<Arc<mlxrs_core::vision::Pixels>> {
+        let v = e.vision.clone().ok_or_else(|| {
+            to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take video input", e.model_name(), e.shape.model_type)))
+        })?;
+        if v.video_marker().is_none() {
+            return Err(to_py(py, Error::Invalid(format!("model {} ({}) takes images but not video", e.model_name(), e.shape.model_type))));
+        }
+        let limits = media_limits(params);
+        crate::native(py, move || {
+            let refs: Vec<(&[u8], &str)> = frames.iter().map(|(b, w)| (b.as_slice(), w.as_str())).collect();
+            v.video_pixels(&refs, &limits).map(Arc::new)
+        })
+    }
+
     fn engine(&self, py: Python<'_>) -> PyResult<&Arc<Engine>> {
         if self.closed {
             return Err(to_py(py, Error::Invalid("this session is closed".into())));
@@ -296,14 +312,20 @@ impl Session {
     /// `images`: (encoded bytes, the name errors give it) each, in the order of the prompt's
     /// image-token runs; `params` may hold `max_image_bytes` and `max_image_pixels`.
     /// `audio`: clips from `audio_clips`, in the order of the prompt's audio-token runs.
-    #[pyo3(signature = (prompt, params="{}", hub=None, images=None, audio=None))]
+    /// `video`: a video's frames (each (encoded bytes, name)), after the images in prompt order.
+    #[pyo3(signature = (prompt, params="{}", hub=None, images=None, audio=None, video=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: one argument per kind of media
     fn start(&self, py: Python<'_>, prompt: Vec<i32>, params: &str, hub: Option<&EventHub>,
-             images: Option<Vec<(Vec<u8>, String)>>, audio: Option<Vec<PyRef<'_, AudioClip>>>) -> PyResult<TokenStream> {
+             images: Option<Vec<(Vec<u8>, String)>>, audio: Option<Vec<PyRef<'_, AudioClip>>>,
+             video: Option<Vec<(Vec<u8>, String)>>) -> PyResult<TokenStream> {
         let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
         let mut req = request_from(&p, prompt).py(py)?;
         let e = self.engine(py)?.clone();
         if let Some(images) = images.filter(|v| !v.is_empty()) {
             req.images = self.pixels(py, &e, &p, images)?;
+        }
+        if let Some(frames) = video.filter(|v| !v.is_empty()) {
+            req.images.push(self.video(py, &e, &p, frames)?);
         }
         if let Some(audio) = audio.filter(|v| !v.is_empty()) {
             e.audio_processor().py(py)?;
@@ -341,6 +363,32 @@ impl Session {
         let named = images.into_iter().enumerate().map(|(i, b)| (b, format!("image {i}"))).collect();
         let px = self.pixels(py, &e, &Value::Null, named)?;
         crate::native(py, move || e.image_features(px))
+    }
+
+    /// A video's pixel values (flattened float32 `[frames, 3, H, W]`), frames, height and width.
+    fn video_pixel_values(&self, py: Python<'_>, frames: Vec<Vec<u8>>) -> PyResult<(Vec<f32>, u32, u32, u32)> {
+        let e = self.engine(py)?.clone();
+        let named = frames.into_iter().enumerate().map(|(i, b)| (b, format!("video frame {i}"))).collect();
+        let px = self.video(py, &e, &Value::Null, named)?;
+        Ok((px.data.clone(), px.video_frames, px.height, px.width))
+    }
+
+    /// The vision tower's merged features of a video's frames (flattened float32).
+    fn video_features(&self, py: Python<'_>, frames: Vec<Vec<u8>>) -> PyResult<Vec<f32>> {
+        let e = self.engine(py)?.clone();
+        let named = frames.into_iter().enumerate().map(|(i, b)| (b, format!("video frame {i}"))).collect();
+        let px = self.video(py, &e, &Value::Null, named)?;
+        crate::native(py, move || e.image_features(vec![px]))
+    }
+
+    /// `text` with its one video marker expanded for a video of `frames` frames of
+    /// `height`×`width` (its first frame's size, from `image_sizes`).
+    fn expand_video_marker(&self, py: Python<'_>, text: &str, frames: u32, height: u32, width: u32) -> PyResult<String> {
+        let e = self.engine(py)?;
+        let v = e.vision.as_ref().ok_or_else(|| {
+            to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take video input", e.model_name(), e.shape.model_type)))
+        })?;
+        v.expand_video(text, frames, height, width).py(py)
     }
 
     /// `text` with every image marker expanded to the model's image-token sequence; `images` must
@@ -401,19 +449,28 @@ impl Session {
 
     /// Last-position logits of `prompt` (float32), from a fresh cache; with `images` (encoded
     /// bytes), their embeddings at the prompt's image tokens.
-    #[pyo3(signature = (prompt, images=None, audio=None))]
-    fn logits(&self, py: Python<'_>, prompt: Vec<i32>, images: Option<Vec<Vec<u8>>>, audio: Option<Vec<PyRef<'_, AudioClip>>>) -> PyResult<Vec<f32>> {
+    /// `audio`: clips from `audio_clips`, their embeddings at the prompt's audio tokens.
+    /// `video`: a video's frames (encoded bytes), after the images.
+    #[pyo3(signature = (prompt, images=None, audio=None, video=None))]
+    fn logits(&self, py: Python<'_>, prompt: Vec<i32>, images: Option<Vec<Vec<u8>>>, audio: Option<Vec<PyRef<'_, AudioClip>>>,
+              video: Option<Vec<Vec<u8>>>) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
         let mels: Vec<_> = audio.unwrap_or_default().iter().map(|c| c.mel.clone()).collect();
-        match images.filter(|v| !v.is_empty()) {
-            None if mels.is_empty() => crate::native(py, move || e.last_logits(prompt)),
-            None => crate::native(py, move || e.last_logits_with_media(prompt, Vec::new(), mels)),
+        let mut px = match images.filter(|v| !v.is_empty()) {
+            None => Vec::new(),
             Some(images) => {
                 let named = images.into_iter().enumerate().map(|(i, b)| (b, format!("images[{i}]"))).collect();
-                let px = self.pixels(py, &e, &Value::Null, named)?;
-                crate::native(py, move || e.last_logits_with_media(prompt, px, mels))
+                self.pixels(py, &e, &Value::Null, named)?
             }
+        };
+        if let Some(frames) = video.filter(|v| !v.is_empty()) {
+            let named = frames.into_iter().enumerate().map(|(i, b)| (b, format!("video[{i}]"))).collect();
+            px.push(self.video(py, &e, &Value::Null, named)?);
         }
+        if px.is_empty() && mels.is_empty() {
+            return crate::native(py, move || e.last_logits(prompt));
+        }
+        crate::native(py, move || e.last_logits_with_media(prompt, px, mels))
     }
 
     /// Model facts: type, layers, vocab, context, weights bytes, options, eos ids, template
@@ -482,6 +539,7 @@ impl Session {
                 vd.set_item("eoi_token", eoi)?;
                 vd.set_item("image_token", image_token)?;
                 vd.set_item("image_token_id", image_token_id)?;
+                vd.set_item("video_marker", v.video_marker())?;
                 d.set_item("vision", vd)?;
             }
             None => d.set_item("vision", py.None())?,

@@ -158,7 +158,8 @@ class ServerState:
     # -- prompts ------------------------------------------------------------------------------
     async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      template_kwargs: Mapping[str, Any], param: str = "messages", *,
-                      images: Sequence[tuple[bytes, str]] = (), audio: Sequence[Any] = ()) -> tuple[str, list[int]]:
+                     images: Sequence[tuple[bytes, str]] = (), audio: Sequence[Any] = (),
+                     video: Sequence[tuple[bytes, str]] = ()) -> tuple[str, list[int]]:
         """Chat template → (rendered text, token ids), off the event loop; what the template
         cannot render is adapted first (server/adapt.py). With `images` (each image's bytes and its
         place in the request), the rendered text's image markers are expanded to the model's image
@@ -187,6 +188,12 @@ class ServerState:
                     text = self.session._s.expand_audio_markers(text, [c.tokens for c in audio])
                 except InvalidArgumentError as e:
                     raise ApiError(400, f"{param}: {e}", param=param) from None
+            if video:  # one video, its frames: the marker expanded by the frame count and size
+                try:
+                    (h, w), = self.session._s.image_sizes(list(video[:1]), json.dumps(self.media.params()))
+                    text = self.session._s.expand_video_marker(text, len(video), h, w)
+                except InvalidArgumentError as e:
+                    raise ApiError(400, f"{param}: {e}", param=param) from None
             return text, self._encode(text, lambda t: list(self.session._s.encode_rendered(t)), param)
         return await self._blocking(work)
 
@@ -212,7 +219,11 @@ class ServerState:
         for r in refs:
             try:
                 data = await load_async(r, policy)
-                out.extend(await self._blocking(lambda d=data, w=r.where: self.session._s.audio_clips([(d, w)])))
+
+                def clips(d: bytes = data, w: str = r.where) -> list[Any]:
+                    return list(self.session._s.audio_clips([(d, w)]))
+
+                out.extend(await self._blocking(clips))
             except InvalidArgumentError as e:
                 raise ApiError(400, str(e), param=r.where) from None
         return out
@@ -296,7 +307,8 @@ class ServerState:
 
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, ids: list[int], opts: dict[str, Any],
-                       images: list[tuple[bytes, str]] | None = None, audio: list[Any] | None = None) -> "Generation":
+                       images: list[tuple[bytes, str]] | None = None, audio: list[Any] | None = None,
+                       video: list[tuple[bytes, str]] | None = None) -> "Generation":
         """Hand the request to the engine (it queues and batches); 429 when its queue is full,
         503 while shutting down or when the engine cannot generate."""
         if self.closing:
@@ -305,9 +317,10 @@ class ServerState:
             raise self.engine_unavailable()
         try:
             params = _params(opts, self.vocab)
-            if images:
+            if images or video:
                 params = json.dumps({**json.loads(params), **self.media.params()})
-            stream = self.session._s.start(ids, params, self.dispatcher.hub, images or None, audio or None)
+            stream = self.session._s.start(ids, params, self.dispatcher.hub, images or None, audio or None,
+                                           video or None)
         except EngineError as e:
             raise self.engine_unavailable(e) from None
         except Exception as e:
@@ -646,7 +659,9 @@ def _model_card(state: ServerState, anthropic: bool, name: str | None = None) ->
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))}
     return {"id": mid, "object": "model", "created": state.created, "owned_by": "mlxrs",
             "context_length": state.context_tokens,
-            "input_modalities": ["text"] + (["image"] if state.vision else []) + (["audio"] if state.audio else [])}
+            "input_modalities": ["text"] + (["image"] if state.vision else [])
+            + (["video"] if state.vision and state.vision.get("video_marker") else [])
+            + (["audio"] if state.audio else [])}
 
 
 async def models(request: web.Request) -> web.Response:

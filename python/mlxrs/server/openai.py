@@ -44,10 +44,12 @@ def _unsupported(state: ServerState, where: str, kind: str, what: str) -> ApiErr
 
 
 def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool = False,
-             images: list[media.ImageRef] | None = None, audio: list[media.ImageRef] | None = None) -> str | None:
+             images: list[media.ImageRef] | None = None, audio: list[media.ImageRef] | None = None,
+             videos: list[list[media.ImageRef]] | None = None) -> str | None:
     """A message's content as text: a string, or an array of text parts (joined by newlines); with
     `images` (a model with a vision tower), an image part becomes the model's image marker and its
-    source goes to `images`."""
+    source goes to `images`; with `videos` (a model whose tower takes video), a video part (its
+    frames) becomes the video marker and its frames go to `videos`."""
     if content is None:
         if allow_none:
             return None
@@ -72,11 +74,30 @@ def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool =
             except InvalidArgumentError as e:
                 raise ApiError(400, str(e), param=pw) from None
             texts.append(state.audio["marker"])
+        elif t in ("video_url", "video") and videos is not None and state.vision and state.vision.get("video_marker"):
+            videos.append(_video_frames(part, pw, bool(videos)))
+            texts.append(state.vision["video_marker"])
         elif t in UNSUPPORTED_PARTS:
             raise _unsupported(state, pw, UNSUPPORTED_PARTS[t], t)
         else:
             raise bad(pw, f"unknown content part type {t!r}")
     return "\n".join(texts)
+
+
+def _video_frames(part: dict[str, Any], where: str, again: bool) -> list[media.ImageRef]:
+    """A video part's frames: `{"type": "video_url", "video_url": {"url": [frame, ...]}}` or
+    `{"type": "video", "video": [frame, ...]}`, each frame an image URL (data URL, http(s) URL or
+    path, as the media policy allows). A video file is not decoded (mlxrs has no video decoder)."""
+    if again:
+        raise bad(where, "a request takes one video")
+    frames = part.get("video") if part.get("type") == "video" else (part.get("video_url") or {}).get("url") \
+        if isinstance(part.get("video_url"), dict) else None
+    if isinstance(frames, str):
+        raise bad(where, "a video file is not decoded (mlxrs has no video decoder): send the video as a list of "
+                         "its frames (image URLs or data URLs)")
+    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
+        raise bad(where, "a video part needs a non-empty list of frames (image URLs or data URLs)")
+    return [media.ImageRef(f, f"{where}.frames[{k}]") for k, f in enumerate(frames)]
 
 
 def _image_source(part: dict[str, Any], where: str) -> bytes | str:
@@ -87,9 +108,11 @@ def _image_source(part: dict[str, Any], where: str) -> bytes | str:
 
 
 def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef] | None = None,
-                     audio: list[media.ImageRef] | None = None) -> list[dict[str, Any]]:
+                     audio: list[media.ImageRef] | None = None,
+                     videos: list[list[media.ImageRef]] | None = None) -> list[dict[str, Any]]:
     """OpenAI messages → the Hugging Face chat-template form (arguments as objects); image parts
-    (a model with a vision tower) become image markers, their sources appended to `images`."""
+    (a model with a vision tower) become image markers, their sources appended to `images`; a video
+    part (a model whose tower takes video) the video marker, its frames appended to `videos`."""
     if not isinstance(msgs, list):
         raise bad("messages", f"expected an array, got {type_name(msgs)}")
     if not msgs:
@@ -148,7 +171,8 @@ def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef]
                 if tid in names:
                     msg["name"] = names[tid]
         else:
-            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images, audio=audio)
+            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images, audio=audio,
+                                      videos=videos)
         if isinstance(m.get("name"), str) and role != "tool":
             msg["name"] = m["name"]
         out.append(msg)
@@ -272,7 +296,12 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     state.check_model(body.get("model"))
     images: list[media.ImageRef] = []
     arefs: list[media.ImageRef] = []
-    messages = convert_messages(state, body.get("messages"), images, arefs)
+    videos: list[list[media.ImageRef]] = []
+    messages = convert_messages(state, body.get("messages"), images, arefs, videos)
+    if images and videos:
+        raise bad("messages", "a request takes images or one video, not both")
+    if arefs and videos:
+        raise bad("messages", "a request takes audio or one video, not both")
     tools, tool_names = convert_tools(body)
     s = sampling(state, body)
     stream = bool(opt_bool(body, "stream"))
@@ -293,7 +322,8 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     requested = max_tokens_of(body)
     loaded = await state.load_images(images)
     clips = await state.load_audio(arefs)
-    rendered, ids = await state.render(messages, tools, kwargs, images=loaded, audio=clips)
+    frames = await state.load_images(videos[0]) if videos else []
+    rendered, ids = await state.render(messages, tools, kwargs, images=loaded, audio=clips, video=frames)
     s.set("max_tokens", state.admit(len(ids), requested))
     if lp.want:
         s.set("logprobs", True)
@@ -301,7 +331,7 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     # constrained output starts at once (a template's open <think> is not continued)
     parser = state.parser(None if constraint else rendered, tool_names, tools)
     try:
-        gen = await state.generate(ids, s.opts, loaded, clips)
+        gen = await state.generate(ids, s.opts, loaded, clips, frames)
     except ApiError as e:
         raise naming(e, cparam) from None
     return gen, parser, lp, stream, include_usage

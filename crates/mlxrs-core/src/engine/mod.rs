@@ -454,10 +454,12 @@ impl Engine {
                     self.shape.model_type
                 )));
             };
-            let n = req.prompt.iter().filter(|&&t| t == v.image_token_id()).count();
+            let (img, vid) = (v.image_token_id(), v.video_token_id());
+            let n = req.prompt.iter().filter(|&&t| t == img || Some(t) == vid).count();
             let want: usize = req.images.iter().map(|p| v.tokens_of(p)).sum();
             if n != want {
-                return Err(Error::Invalid(format!("the prompt has {n} image tokens for {} image(s) of {want} tokens", req.images.len())));
+                let what = if req.images.iter().any(|p| p.video_frames > 0) { "image or video" } else { "image" };
+                return Err(Error::Invalid(format!("the prompt has {n} {what} tokens for {} image(s) of {want} tokens", req.images.len())));
             }
         }
         if !req.audio.is_empty() {

@@ -712,6 +712,7 @@ impl Mlp {
 type CompiledSlot = std::sync::OnceLock<Option<std::sync::Mutex<mx::Compiled>>>;
 static SWIGLU: CompiledSlot = std::sync::OnceLock::new();
 static GELU_APPROX: CompiledSlot = std::sync::OnceLock::new();
+static GELU: CompiledSlot = std::sync::OnceLock::new();
 static GEGLU: CompiledSlot = std::sync::OnceLock::new();
 static SOFTCAP: CompiledSlot = std::sync::OnceLock::new();
 
@@ -740,6 +741,21 @@ pub fn geglu(gate: &Array, up: &Array) -> Result<Array> {
 /// `gelu_approx(x)` compiled alone, as `mlx.nn.gelu_approx` (a `@mx.compile(shapeless=True)` function).
 pub fn gelu_approx_compiled(x: &Array) -> Result<Array> {
     compiled(&GELU_APPROX, |a| Ok(vec![gelu_approx(&a[0])?]), &[x])
+}
+
+/// `x (1 + erf(x / √2)) / 2` compiled alone, as `mlx.nn.gelu` (a `@mx.compile(shapeless=True)`
+/// function).
+pub fn gelu_compiled(x: &Array) -> Result<Array> {
+    compiled(
+        &GELU,
+        |a| {
+            let x = &a[0];
+            let c = |v: f64| mx::scalar_as(v, x.dtype());
+            let e = mx::erf(&mx::divide(x, &c(std::f64::consts::SQRT_2)?)?)?;
+            Ok(vec![mx::divide(&mx::multiply(x, &mx::add(&c(1.0)?, &e)?)?, &c(2.0)?)?])
+        },
+        &[x],
+    )
 }
 
 /// `gelu_approx(gate) * up` compiled as one function (mlx-lm's Gemma 4 `geglu`).

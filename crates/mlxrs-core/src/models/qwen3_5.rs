@@ -1,7 +1,9 @@
 //! Qwen3.5 (text): the Qwen3-Next decoder (`qwen3_next.rs`) with Qwen3.5's separate Gated DeltaNet
 //! input projections, mlx-lm's config defaults and rotary `rope_parameters`; a multimodal
 //! checkpoint's config nests it in `text_config` and its weights under `model.language_model`
-//! (the vision tower is dropped). mlx-lm's `models/qwen3_5.py`.
+//! (its vision tower, when the checkpoint has one, is taken out first by `vision::qwen3_5`; what
+//! remains of it is dropped). mlx-lm's `models/qwen3_5.py`; with images, mlx-vlm's M-RoPE
+//! positions (`qwen3_next::MRope`).
 use super::arch::Arch;
 use super::qwen3_next::{fix_conv_and_norms, Flavor, Model, Params};
 use crate::error::Result;

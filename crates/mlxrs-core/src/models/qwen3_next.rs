@@ -5,9 +5,9 @@
 //! a sparse MoE with a gated shared expert, or a dense SwiGLU MLP (mlx-lm's `models/qwen3_next.py`,
 //! `qwen3_5.py` and `gated_delta.py`, its ops path: no fused GPU kernel here yet).
 use super::arch::{Arch, AttnKind, FfnKind, LayerLayout};
-use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope, SparseMoe};
+use super::layers::{attend_fetched, Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope, SparseMoe};
 use super::{limits, CausalLm, Cfg, DimDefaults, Dims, ModelShape};
-use crate::cache::{Caches, LayerCache, LayerCaches, Masks};
+use crate::cache::{Caches, LayerCache, LayerCaches, Mask, Masks};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, Dtype};
 use crate::weights::Weights;
@@ -296,8 +296,88 @@ struct GatedAttention {
     attn: Attention,
 }
 
+/// Qwen3.5's multimodal rotary embedding (mlx-vlm's interleaved M-RoPE, `rope_utils.py`): rotated
+/// frequency i turns by the t, h or w position as `selector[i]` says (h on every third from 1, w
+/// on every third from 2, within 3 × their `mrope_section`; t elsewhere), cos and sin computed in
+/// float32 and cast, the first `dims` channels rotated by halves.
+pub struct MRope {
+    inv_freq: Array,
+    selector: Array,
+    dims: i32,
+}
+
+impl MRope {
+    pub fn new(dims: i32, base: f32, section: &[i32]) -> Result<MRope> {
+        let f = dims / 2;
+        let mut sel = vec![0i32; f as usize];
+        for (dim, start) in [(1usize, 1i32), (2, 2)] {
+            let mut i = start;
+            while i < (section[dim] * 3).min(f) {
+                sel[i as usize] = dim as i32;
+                i += 3;
+            }
+        }
+        let exps = mx::divide(&mx::arange(0.0, dims as f64, 2.0, Dtype::Float32)?, &Array::f32(dims as f32)?)?;
+        let inv_freq = mx::divide(&Array::f32(1.0)?, &mx::power(&Array::f32(base)?, &exps)?)?;
+        Ok(MRope { inv_freq, selector: Array::from_slice(&sel, &[f])?, dims })
+    }
+
+    /// cos and sin `[B, 1, L, dims]` in `dtype` of positions `[3, B, L]` (int32).
+    fn cos_sin(&self, pos: &Array, dtype: Dtype) -> Result<(Array, Array)> {
+        let p = mx::transpose_axes(&mx::take(pos, &self.selector, 0)?, &[1, 2, 0])?;
+        let freqs = mx::multiply(&mx::astype(&p, Dtype::Float32)?, &self.inv_freq)?;
+        let emb = mx::concatenate(&[&freqs, &freqs], -1)?;
+        let c = mx::expand_dims(&mx::astype(&mx::cos(&emb)?, dtype)?, 1)?;
+        let s = mx::expand_dims(&mx::astype(&mx::sin(&emb)?, dtype)?, 1)?;
+        Ok((c, s))
+    }
+
+    /// `x` `[B, heads, L, head_dim]` rotated by `cs` (from [`MRope::cos_sin`]).
+    fn apply(&self, x: &Array, cs: &(Array, Array)) -> Result<Array> {
+        let d = x.dim(-1);
+        let rot = mx::slice_axis(x, -1, 0, self.dims)?;
+        let half = self.dims / 2;
+        let rh = mx::concatenate(&[&mx::negative(&mx::slice_axis(&rot, -1, half, self.dims)?)?, &mx::slice_axis(&rot, -1, 0, half)?], -1)?;
+        let e = mx::astype(&mx::add(&mx::multiply(&rot, &cs.0)?, &mx::multiply(&rh, &cs.1)?)?, x.dtype())?;
+        if self.dims == d {
+            return Ok(e);
+        }
+        mx::concatenate(&[&e, &mx::slice_axis(x, -1, self.dims, d)?], -1)
+    }
+}
+
+/// Per batch row, the M-RoPE cos and sin of this forward pass's positions (None: the row's
+/// positions are its cache offsets, the ordinary rotary embedding).
+type RowRopes = Vec<Option<(Array, Array)>>;
+
 impl GatedAttention {
-    fn forward(&self, x: &Array, masks: &Masks, caches: LayerCaches) -> Result<Array> {
+    /// Per row: the M-RoPE rotation where `ropes` gives one, the ordinary one at the cache's offset
+    /// otherwise; then the cache update and attention.
+    fn attend_rows(&self, q: Array, k: Array, v: Array, masks: &Masks, caches: LayerCaches, (mrope, ropes): (&MRope, &RowRopes)) -> Result<Array> {
+        let a = &self.attn;
+        let (LayerCaches::Rows(mut rows), Masks::Rows(ms)) = (caches, masks) else {
+            return Err(Error::Invalid("M-RoPE attention runs over per-row caches".into()));
+        };
+        let n = rows.len() as i32;
+        let (qs, ks, vs) = if n == 1 { (vec![q], vec![k], vec![v]) } else { (mx::split(&q, n, 0)?, mx::split(&k, n, 0)?, mx::split(&v, n, 0)?) };
+        let mut outs = Vec::with_capacity(rows.len());
+        for (r, ((q, k), v)) in qs.into_iter().zip(ks).zip(vs).enumerate() {
+            let c = &mut *rows[r];
+            let (q, k) = match &ropes[r] {
+                Some(cs) => (mrope.apply(&q, cs)?, mrope.apply(&k, cs)?),
+                None => (a.rope.forward(&q, c.offset())?, a.rope.forward(&k, c.offset())?),
+            };
+            let mask: &Mask = &ms[r];
+            outs.push(attend_fetched(&q, &c.update_and_fetch(k, v)?, a.scale, mask, None)?);
+        }
+        if outs.len() == 1 {
+            return Ok(outs.pop().expect("one row"));
+        }
+        let refs: Vec<&Array> = outs.iter().collect();
+        mx::concatenate(&refs, 0)
+    }
+
+    fn forward(&self, x: &Array, masks: &Masks, caches: LayerCaches, mrope: Option<(&MRope, &RowRopes)>) -> Result<Array> {
         let a = &self.attn;
         let (b, l) = (x.dim(0), x.dim(1));
         let hd = a.head_dim;
@@ -311,7 +391,10 @@ impl GatedAttention {
         let q = mx::transpose_axes(&n.q.forward(&q)?, &perm)?;
         let k = mx::transpose_axes(&n.k.forward(&k)?, &perm)?;
         let v = mx::transpose_axes(&v, &perm)?;
-        let out = a.attend_many(q, k, v, masks, caches, None)?;
+        let out = match mrope {
+            Some(mr) => self.attend_rows(q, k, v, masks, caches, mr)?,
+            None => a.attend_many(q, k, v, masks, caches, None)?,
+        };
         let out = mx::reshape(&mx::transpose_axes(&out, &perm)?, &[b, l, -1])?;
         a.o_proj.forward(&mx::multiply(&out, &mx::sigmoid(&gate)?)?)
     }
@@ -606,6 +689,10 @@ pub struct Model {
     lm_head: Option<Linear>,
     /// The first full-attention layer (its cache gives the attention masks).
     fa_idx: Option<usize>,
+    /// The first linear-attention layer (its cache keeps a sequence's M-RoPE delta).
+    lin_idx: Option<usize>,
+    /// Qwen3.5's multimodal rotary embedding (rope_parameters.mrope_section), for prompts with images.
+    mrope: Option<MRope>,
     shape: ModelShape,
 }
 
@@ -652,8 +739,20 @@ impl Model {
         let norm = RmsNorm::load(&mut w, "model.norm", prm.eps, hidden)?;
         let lm_head = if prm.tie { None } else { Some(Linear::load(&mut w, "lm_head", false, embed.rows(), hidden)?) };
         let dtype_bytes = embed.dtype().size();
+        let mrope = match prm.rope_scaling.as_ref().and_then(|r| r.get("mrope_section")) {
+            Some(sec) if prm.flavor == Flavor::Qwen35 => {
+                let s: Vec<i32> = sec.as_array().map(|a| a.iter().filter_map(Value::as_i64).filter(|&v| (0..=1 << 16).contains(&v)).map(|v| v as i32).collect()).unwrap_or_default();
+                if s.len() != 3 || sec.as_array().map_or(0, Vec::len) != 3 {
+                    return Err(Error::ModelLoad(format!("config.json: rope_parameters.mrope_section = {sec} is not three sizes (t, h, w)")));
+                }
+                Some(MRope::new(prm.rope_dims, prm.rope_theta, &s)?)
+            }
+            _ => None,
+        };
         Ok(Model {
             fa_idx: prm.linear.iter().position(|&l| !l),
+            lin_idx: prm.linear.iter().position(|&l| l),
+            mrope,
             shape: ModelShape::new(&prm.model_type, prm.layout(), hidden, d.vocab, prm.max_position_embeddings, dtype_bytes),
             embed,
             layers,
@@ -670,8 +769,89 @@ impl CausalLm for Model {
     }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        let mut h = self.embed.forward(tokens)?;
-        let n = tokens.dim(1);
+        let h = self.embed.forward(tokens)?;
+        let ropes = self.delta_ropes(caches, tokens.dim(1), h.dtype())?;
+        self.run(h, ropes, caches, staging)
+    }
+
+    fn embed_tokens(&self, tokens: &Array) -> Result<Array> {
+        self.embed.forward(tokens)
+    }
+
+    /// Plain input embeddings `[B, L, hidden]`, or a prompt with images as Qwen3.5's vision tower
+    /// merges it (`vision::qwen3_5`): `[B, L, hidden + 4]` (float32), each token's (t, h, w) M-RoPE
+    /// positions and the sequence's position delta in the trailing columns; the delta is kept in
+    /// the row's cache for the tokens that follow.
+    fn forward_embeds(&self, embeds: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let hidden = self.shape.hidden_size;
+        let w = embeds.dim(-1);
+        let h = if w == hidden {
+            let ropes = self.delta_ropes(caches, embeds.dim(1), embeds.dtype())?;
+            self.run(embeds.clone(), ropes, caches, staging)?
+        } else {
+            let Some(m) = self.mrope.as_ref().filter(|_| w == hidden + 4) else {
+                return Err(Error::Invalid(format!("input embeddings of width {w}: this model takes {hidden} (or {} with M-RoPE positions)", hidden + 4)));
+            };
+            let x = mx::astype(&mx::slice_axis(embeds, -1, 0, hidden)?, self.embed.dtype())?;
+            let cols = mx::slice_axis(embeds, -1, hidden, hidden + 4)?;
+            let pos = mx::astype(&mx::transpose_axes(&mx::slice_axis(&cols, -1, 0, 3)?, &[2, 0, 1])?, Dtype::Int32)?;
+            let deltas = mx::astype(&mx::slice_axis(&mx::slice_axis(&cols, 1, 0, 1)?, -1, 3, 4)?, Dtype::Int32)?.to_vec::<i32>()?;
+            let lin = self.lin_idx.ok_or_else(|| Error::Unsupported("M-RoPE positions need a linear-attention layer to keep their delta".into()))?;
+            let LayerCaches::Rows(mut rows) = caches.layer_mut(lin) else {
+                return Err(Error::Invalid("a linear-attention layer cannot run over the stacked KV".into()));
+            };
+            for (c, &d) in rows.iter_mut().zip(&deltas) {
+                if let LayerCache::Recurrent(rc) = &mut **c {
+                    rc.rope_delta = Some(d);
+                }
+            }
+            let b = x.dim(0);
+            let ropes = (0..b)
+                .map(|r| Ok(Some(m.cos_sin(&mx::slice_axis(&pos, 1, r, r + 1)?, x.dtype())?)))
+                .collect::<Result<RowRopes>>()?;
+            self.run(x, Some(ropes), caches, staging)?
+        };
+        self.embed.logits(self.lm_head.as_ref(), &h)
+    }
+
+    fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+}
+
+impl Model {
+    /// The M-RoPE rotations of `n` new tokens for rows whose sequence had images (their positions
+    /// run `rope_delta` behind their offsets, all three equal); None when no row had any.
+    fn delta_ropes(&self, caches: &mut Caches, n: i32, dtype: Dtype) -> Result<Option<RowRopes>> {
+        let (Some(m), Some(lin)) = (&self.mrope, self.lin_idx) else { return Ok(None) };
+        let LayerCaches::Rows(rows) = caches.layer_mut(lin) else { return Ok(None) };
+        let rows: Vec<(Option<i32>, i32)> = rows
+            .iter()
+            .map(|c| match &**c {
+                LayerCache::Recurrent(rc) => (rc.rope_delta, rc.offset),
+                other => (None, other.offset()),
+            })
+            .collect();
+        if rows.iter().all(|(d, _)| d.is_none()) {
+            return Ok(None);
+        }
+        let ropes = rows
+            .into_iter()
+            .map(|(d, off)| {
+                d.map(|d| {
+                    let p: Vec<i32> = (0..n).map(|i| off + d + i).collect();
+                    let p = mx::broadcast_to(&Array::from_slice(&p, &[1, 1, n])?, &[3, 1, n])?;
+                    m.cos_sin(&p, dtype)
+                })
+                .transpose()
+            })
+            .collect::<Result<RowRopes>>()?;
+        Ok(Some(ropes))
+    }
+
+    /// The decoder over embeddings `h` (M-RoPE rotations per row where `ropes` gives them).
+    fn run(&self, mut h: Array, ropes: Option<RowRopes>, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let n = h.dim(1);
         let fa_mask = match self.fa_idx {
             Some(i) => Some(caches.masks(i, n, None)?),
             None => None,
@@ -684,7 +864,11 @@ impl CausalLm for Model {
                 Mixer::Linear(m) => m.forward(&x, caches.layer_mut(i))?,
                 Mixer::Attn(m) => {
                     let mask = fa_mask.as_ref().ok_or_else(|| Error::Invalid("no attention mask".into()))?;
-                    m.forward(&x, mask, caches.layer_mut(i))?
+                    let mr = match (&self.mrope, &ropes) {
+                        (Some(mr), Some(r)) => Some((mr, r)),
+                        _ => None,
+                    };
+                    m.forward(&x, mask, caches.layer_mut(i), mr)?
                 }
             };
             let hh = mx::add(&h, &r)?;
@@ -693,10 +877,6 @@ impl CausalLm for Model {
             stager.after_layer(i, n_layers, &h, caches)?;
         }
         self.norm.forward(&h)
-    }
-
-    fn shape(&self) -> &ModelShape {
-        &self.shape
     }
 }
 

@@ -94,17 +94,17 @@ fn vision_dims(v: &Value) -> Result<VisionDims> {
     Ok(d)
 }
 
-struct LayerNorm {
+pub(super) struct LayerNorm {
     w: Array,
     b: Array,
     eps: f32,
 }
 
 impl LayerNorm {
-    fn load(ws: &mut Weights, p: &str, dim: i32, eps: f32) -> Result<LayerNorm> {
+    pub(super) fn load(ws: &mut Weights, p: &str, dim: i32, eps: f32) -> Result<LayerNorm> {
         Ok(LayerNorm { w: ws.take_shaped(&format!("{p}.weight"), &[dim])?, b: ws.take_shaped(&format!("{p}.bias"), &[dim])?, eps })
     }
-    fn forward(&self, x: &Array) -> Result<Array> {
+    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         mx::layer_norm(x, Some(&self.w), Some(&self.b), self.eps)
     }
 }

@@ -317,12 +317,15 @@ pub struct Preprocess {
     pub normalize: Option<([f32; 3], [f32; 3])>,
 }
 
-/// Pixel values `[3, height, width]`, float32, channels first (what the processor returns).
+/// Pixel values `[3, height, width]`, float32, channels first (what the processor returns); or a
+/// video's frames, each so.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Pixels {
     pub height: u32,
     pub width: u32,
     pub data: Vec<f32>,
+    /// A video's frames (`data` is `[frames, 3, height, width]`); 0: a still image.
+    pub video_frames: u32,
 }
 
 impl Preprocess {
@@ -349,7 +352,7 @@ impl Preprocess {
                 data[c * h * w + i] = x;
             }
         }
-        Pixels { height: img.height, width: img.width, data }
+        Pixels { height: img.height, width: img.width, data, video_frames: 0 }
     }
 }
 

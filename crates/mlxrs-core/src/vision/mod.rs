@@ -1,13 +1,14 @@
 //! Image input: decoding and preprocessing ([`image`], pure Rust) and the vision towers that turn
 //! pixels into input embeddings for the language model (one file per model family: [`gemma3`],
-//! [`gemma4`]). Audio input (Gemma 4): WAV decoding, resampling and log-mel features ([`audio`],
-//! pure Rust) and the audio encoder ([`gemma4_audio`], held by Gemma 4's tower). Video is not
-//! implemented.
+//! [`gemma4`], [`qwen3_5`]; Qwen3.5's also takes video, as frames). Audio input (Gemma 4): WAV
+//! decoding, resampling and log-mel features ([`audio`], pure Rust) and the audio encoder
+//! ([`gemma4_audio`], held by Gemma 4's tower).
 pub mod audio;
 pub mod gemma3;
 pub mod gemma4;
 pub mod gemma4_audio;
 pub mod image;
+pub mod qwen3_5;
 
 pub use self::image::{ImageLimits, Pixels, DEFAULT_LIMITS};
 
@@ -62,6 +63,7 @@ pub(crate) fn merge_rows(prompt: &[i32], image_id: i32, other: impl Fn(usize, i3
 pub enum Processor {
     Gemma3(gemma3::Processor),
     Gemma4(gemma4::Processor),
+    Qwen35(qwen3_5::Processor),
 }
 
 impl Processor {
@@ -70,15 +72,17 @@ impl Processor {
         match self {
             Processor::Gemma3(p) => p.pixels(bytes, limits, what),
             Processor::Gemma4(p) => p.pixels(bytes, limits, what),
+            Processor::Qwen35(p) => p.pixels(bytes, limits, what),
         }
     }
 
     /// The text that stands for one image in a rendered prompt, before [`Processor::expand`]
-    /// (Gemma 3: its boi token; Gemma 4: its image token).
+    /// (Gemma 3: its boi token; Gemma 4: its image token; Qwen3.5: vision start, image pad, vision end).
     pub fn marker(&self) -> &str {
         match self {
             Processor::Gemma3(p) => &p.boi,
             Processor::Gemma4(p) => &p.image_token,
+            Processor::Qwen35(p) => &p.marker,
         }
     }
 
@@ -87,6 +91,7 @@ impl Processor {
         match self {
             Processor::Gemma3(p) => (&p.boi, &p.eoi, &p.image_token, p.image_token_id),
             Processor::Gemma4(p) => (&p.boi, &p.eoi, &p.image_token, p.image_token_id),
+            Processor::Qwen35(p) => (&p.vision_start, &p.vision_end, &p.image_token, p.image_token_id),
         }
     }
 
@@ -107,7 +112,7 @@ impl Processor {
     pub fn fixed_tokens_per_image(&self) -> Option<usize> {
         match self {
             Processor::Gemma3(p) => Some(p.tokens_per_image),
-            Processor::Gemma4(_) => None,
+            Processor::Gemma4(_) | Processor::Qwen35(_) => None,
         }
     }
 
@@ -116,6 +121,7 @@ impl Processor {
         match self {
             Processor::Gemma3(p) => p.tokens_per_image,
             Processor::Gemma4(p) => p.max_soft_tokens as usize,
+            Processor::Qwen35(p) => (p.max_pixels / (p.patch as u64 * p.patch as u64 * (p.merge * p.merge) as u64)) as usize,
         }
     }
 
@@ -123,7 +129,7 @@ impl Processor {
     pub fn image_size(&self) -> Option<(u32, u32)> {
         match self {
             Processor::Gemma3(p) => p.preprocess.size,
-            Processor::Gemma4(_) => None,
+            Processor::Gemma4(_) | Processor::Qwen35(_) => None,
         }
     }
 
@@ -132,6 +138,7 @@ impl Processor {
         match self {
             Processor::Gemma3(p) => p.tokens_per_image,
             Processor::Gemma4(p) => p.tokens_for(px.height, px.width),
+            Processor::Qwen35(p) => p.tokens_of(px),
         }
     }
 
@@ -147,6 +154,47 @@ impl Processor {
                 }
                 p.expand(text, sizes)
             }
+            Processor::Qwen35(p) => {
+                let sizes = sizes.ok_or_else(|| Error::Invalid("Qwen3.5's image markers expand by the images' sizes: pass them".into()))?;
+                if sizes.len() != images {
+                    return Err(Error::Invalid(format!("{} image size(s) for {images} image(s)", sizes.len())));
+                }
+                p.expand(text, sizes)
+            }
+        }
+    }
+}
+
+impl Processor {
+    /// The text that stands for one video in a rendered prompt (None: the model takes no video).
+    pub fn video_marker(&self) -> Option<&str> {
+        match self {
+            Processor::Qwen35(p) => Some(&p.video_marker),
+            _ => None,
+        }
+    }
+
+    /// The token a video's frames stand in (None: the model takes no video).
+    pub fn video_token_id(&self) -> Option<i32> {
+        match self {
+            Processor::Qwen35(p) => Some(p.video_token_id),
+            _ => None,
+        }
+    }
+
+    /// Pixel values of a video given as its encoded frames (each with the name errors give it).
+    pub fn video_pixels(&self, frames: &[(&[u8], &str)], limits: &ImageLimits) -> Result<Pixels> {
+        match self {
+            Processor::Qwen35(p) => p.video_pixels(frames, limits),
+            _ => Err(Error::Unsupported("this model's vision tower takes images only, not video".into())),
+        }
+    }
+
+    /// `text` with its one video marker expanded for a video of `frames` frames of `h`×`w`.
+    pub fn expand_video(&self, text: &str, frames: u32, h: u32, w: u32) -> Result<String> {
+        match self {
+            Processor::Qwen35(p) => p.expand_video(text, frames, h, w),
+            _ => Err(Error::Unsupported("this model's vision tower takes images only, not video".into())),
         }
     }
 }
@@ -159,6 +207,10 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &Tokenizer) -> Result<Op
     if gemma4::is_gemma4_vision(config) {
         return gemma4::processor(config, dir, tokenizer).map(|p| Some(Processor::Gemma4(p)));
     }
+    // a text-only conversion keeps the vision config without the tower: no images then
+    if qwen3_5::is_qwen3_5_vision(config) && qwen3_5::has_tower(dir)? {
+        return qwen3_5::processor(config, dir, tokenizer).map(|p| Some(Processor::Qwen35(p)));
+    }
     Ok(None)
 }
 
@@ -166,6 +218,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &Tokenizer) -> Result<Op
 pub enum Tower {
     Gemma3(gemma3::Tower),
     Gemma4(gemma4::Tower),
+    Qwen35(qwen3_5::Tower),
 }
 
 impl Tower {
@@ -174,6 +227,7 @@ impl Tower {
         match self {
             Tower::Gemma3(t) => t.features(pixels, dtype),
             Tower::Gemma4(t) => t.features(pixels, dtype),
+            Tower::Qwen35(t) => t.features(pixels, dtype),
         }
     }
 
@@ -183,6 +237,7 @@ impl Tower {
         match self {
             Tower::Gemma3(t) => t.merged_embeddings(model, prompt, pixels),
             Tower::Gemma4(t) => t.merged_embeddings(model, prompt, pixels),
+            Tower::Qwen35(t) => t.merged_embeddings(model, prompt, pixels),
         }
     }
 }
@@ -215,6 +270,7 @@ pub fn load(config: &Value, weights: &mut Weights, processor: Option<Processor>)
     match processor {
         Some(Processor::Gemma3(p)) => gemma3::Tower::load(config, weights, p).map(|t| Some(Tower::Gemma3(t))),
         Some(Processor::Gemma4(p)) => gemma4::Tower::load(config, weights, p).map(|t| Some(Tower::Gemma4(t))),
+        Some(Processor::Qwen35(p)) => qwen3_5::Tower::load(config, weights, p).map(|t| Some(Tower::Qwen35(t))),
         None => Ok(None),
     }
 }
