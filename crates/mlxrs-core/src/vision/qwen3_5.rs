@@ -43,7 +43,7 @@ const ROOTS: [&str; 3] = ["model.visual", "vision_tower", "model.language_model.
 pub fn has_tower(dir: &Path) -> Result<bool> {
     let want = |k: &str| ROOTS.iter().any(|r| k.strip_prefix(r).is_some_and(|rest| rest.starts_with(".merger.linear_fc2.")));
     let index = dir.join("model.safetensors.index.json");
-    if let Some(v) = super::gemma3::json_file(dir, "model.safetensors.index.json")? {
+    if let Some(v) = super::json_file(dir, "model.safetensors.index.json")? {
         let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| Error::ModelLoad(format!("{}: no weight_map", index.display())))?;
         return Ok(map.keys().any(|k| want(k)));
     }
@@ -258,8 +258,8 @@ impl Processor {
 /// vision tokens from config.json's ids and the tokenizer.
 pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
     let d = vision_dims(config)?;
-    let mut ip = super::gemma3::json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null);
-    if let Some(Value::Object(o)) = super::gemma3::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_processor").cloned()) {
+    let mut ip = super::json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null);
+    if let Some(Value::Object(o)) = super::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_processor").cloned()) {
         if !ip.is_object() {
             ip = Value::Object(Default::default());
         }
@@ -336,7 +336,7 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     let (video_token, video_token_id) = token("video", "<|video_pad|>", "video_token_id", 248057)?;
     let video_marker = format!("{vision_start}{video_token}{vision_end}");
     // the video processor's settings: video_preprocessor_config.json, else preprocessor_config.json's
-    let (vname, vp) = match super::gemma3::json_file(dir, "video_preprocessor_config.json")? {
+    let (vname, vp) = match super::json_file(dir, "video_preprocessor_config.json")? {
         Some(v) => ("video_preprocessor_config.json", v),
         None => (name, ip.clone()),
     };
