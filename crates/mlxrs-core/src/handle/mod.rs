@@ -7,6 +7,7 @@ mod array;
 mod ops;
 mod dispatch;
 mod kernel;
+mod q8;
 mod runtime;
 
 pub use dispatch::{dispatch, OPS as DISPATCH_OPS};
@@ -14,6 +15,7 @@ pub use dispatch::{dispatch, OPS as DISPATCH_OPS};
 pub use array::{async_eval, eval, Array, Dtype, Element};
 pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, TemplateArg};
 pub use ops::*;
+pub use q8::{Q8Matrix, Q8_BLOCK};
 pub use runtime::{
     active_memory, cache_memory, clear_cache, default_device, device_memory_size, init, peak_memory,
     reset_peak_memory, set_cache_limit, set_memory_limit, set_wired_limit, synchronize, with_stream, Device,
