@@ -209,7 +209,7 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
 /// `n` values of Q8_0 as they are stored: the int8 values, and each 32-value block's float16 scale
 /// widened to float32 (exact). `q8_0` above dequantizes the same blocks: `d · q`.
 pub fn split_q8_0(raw: &[u8], n: usize) -> Result<(Vec<i8>, Vec<f32>), String> {
-    if n % 32 != 0 || raw.len() < n / 32 * 34 {
+    if !n.is_multiple_of(32) || raw.len() < n / 32 * 34 {
         return Err(format!("{} bytes cannot hold {n} values of Q8_0 in whole blocks", raw.len()));
     }
     let mut q = Vec::with_capacity(n);

@@ -452,7 +452,7 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         let raw = f.read_raw(t)?;
         let n = t.n_elements() as usize;
         let dims = t.shape();
-        if dtype == OutDtype::F32 && t.name == head_name && t.ty == GgmlType::Q8_0 && dims.len() == 2 && dims[1] % 32 == 0 {
+        if dtype == OutDtype::F32 && t.name == head_name && t.ty == GgmlType::Q8_0 && dims.len() == 2 && dims[1].is_multiple_of(32) {
             use crate::models::layers::{Q8_HEAD_SCALES, Q8_HEAD_VALUES};
             let (q, d) = split_q8_0(&raw, n).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
             let (rows, cols) = (dims[0] as i32, dims[1] as i32);

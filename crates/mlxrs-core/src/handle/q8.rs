@@ -46,7 +46,7 @@ fn detect() -> Isa {
 impl Q8Matrix {
     /// `q` holds `rows · cols` values, `d` `rows · cols / 32` scales; `cols` a multiple of 32.
     pub fn new(q: Vec<i8>, d: Vec<f32>, rows: usize, cols: usize) -> Result<Q8Matrix> {
-        if cols == 0 || cols % Q8_BLOCK != 0 {
+        if cols == 0 || !cols.is_multiple_of(Q8_BLOCK) {
             return Err(Error::Invalid(format!("a Q8_0 matrix needs columns in whole blocks of {Q8_BLOCK}, not {cols}")));
         }
         if rows.checked_mul(cols) != Some(q.len()) || rows * (cols / Q8_BLOCK) != d.len() {
@@ -84,7 +84,7 @@ impl Q8Matrix {
     /// `threads` threads (each a contiguous range of W's rows). Equal to the float32 product with the
     /// dequantized matrix up to float32 rounding and summation order.
     pub fn matvec(&self, x: &[f32], threads: usize) -> Result<Vec<f32>> {
-        if x.len() % self.cols != 0 {
+        if !x.len().is_multiple_of(self.cols) {
             return Err(Error::Invalid(format!("{} input values are not rows of {}", x.len(), self.cols)));
         }
         let n = x.len() / self.cols;
