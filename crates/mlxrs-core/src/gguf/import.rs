@@ -412,6 +412,20 @@ pub const GEMMA_CHAT_TEMPLATE: &str = r#"{{ bos_token }}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"#;
 
+/// The output head (the embedding when tied) that an import as `dtype` also keeps as its Q8_0
+/// blocks ([`crate::models::layers::Q8_HEAD_FILE`], which the CPU decodes through): in an f32 import
+/// (the CPU default), when the file stores it as Q8_0 with rows in whole blocks.
+pub fn q8_head(h: &GgufHeader, dtype: OutDtype) -> Option<&super::reader::TensorInfo> {
+    let t = h.tensor("output.weight").or_else(|| h.tensor("token_embd.weight"))?;
+    let dims = t.shape();
+    (dtype == OutDtype::F32 && t.ty == GgmlType::Q8_0 && dims.len() == 2 && dims[1].is_multiple_of(32)).then_some(t)
+}
+
+/// Bytes the Q8_0 head of [`q8_head`] takes in memory (int8 values, a float32 scale per 32).
+pub fn q8_head_bytes(h: &GgufHeader, dtype: OutDtype) -> u64 {
+    q8_head(h, dtype).map_or(0, |t| t.n_elements() + t.n_elements() / 32 * 4)
+}
+
 /// Progress: (bytes of tensors done, total bytes, current tensor).
 pub type ImportProgress<'a> = &'a mut dyn FnMut(u64, u64, &str);
 
@@ -440,8 +454,7 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     let mut done = 0u64;
     let mut tensors: BTreeMap<String, Array> = BTreeMap::new();
     let mut head_q8: BTreeMap<String, Array> = BTreeMap::new();
-    // the output head (the embedding when tied), kept beside the f32 import as its Q8_0 blocks too
-    let head_name = if h.tensor("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
+    let head_name = q8_head(h, dtype).map(|t| t.name.clone());
     let group = 64;
     for t in &h.tensors {
         let Some(name) = hf_name(&t.name, gemma) else {
@@ -452,7 +465,7 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         let raw = f.read_raw(t)?;
         let n = t.n_elements() as usize;
         let dims = t.shape();
-        if dtype == OutDtype::F32 && t.name == head_name && t.ty == GgmlType::Q8_0 && dims.len() == 2 && dims[1].is_multiple_of(32) {
+        if head_name.as_deref() == Some(t.name.as_str()) {
             use crate::models::layers::{Q8_HEAD_SCALES, Q8_HEAD_VALUES};
             let (q, d) = split_q8_0(&raw, n).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
             let (rows, cols) = (dims[0] as i32, dims[1] as i32);
