@@ -255,15 +255,20 @@ impl RmsNorm {
         Ok(RmsNorm { weight: mx::add(&one, &w)?, eps })
     }
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        if on_gpu() || std::env::var(COMPILED_NORM_ENV).is_ok_and(|v| v.trim() == "0") {
+        // compiled for decode-sized inputs only: the compiled function is traced once per input
+        // shape, and prefill chunks come in every length
+        let rows = x.size() / (x.dim(-1).max(1) as usize);
+        if on_gpu() || rows > COMPILED_NORM_MAX_ROWS || std::env::var(COMPILED_NORM_ENV).is_ok_and(|v| v.trim() == "0") {
             return mx::rms_norm(x, Some(&self.weight), self.eps);
         }
         compiled_rms_norm(x, &self.weight, self.eps)
     }
 }
 
-/// `0`: RMSNorm on the CPU runs as MLX's plain op; otherwise compiled ([`compiled_rms_norm`]).
+/// `0`: RMSNorm on the CPU runs as MLX's plain op; otherwise compiled ([`compiled_rms_norm`]) for
+/// inputs of up to [`COMPILED_NORM_MAX_ROWS`] rows.
 pub const COMPILED_NORM_ENV: &str = "MLXRS_CPU_COMPILED_NORM";
+const COMPILED_NORM_MAX_ROWS: usize = 32;
 
 /// `mx::rms_norm` through MLX's compiler, one compiled function per `eps`. On the CPU MLX's
 /// `fast::rms_norm` is its op-by-op fallback (float32 cast, square, mean, add, rsqrt, two
