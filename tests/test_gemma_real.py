@@ -67,6 +67,42 @@ def test_import_logits_match_independent_conversion(oracle, ours_f32, reference_
             assert got == ref["tokens"], f"{text!r}: greedy continuations differ\n ours {got}\n ref  {ref['tokens']}"
 
 
+@pytest.fixture(scope="module")
+def ours_f32_q8(gguf_file: Path) -> Path:
+    """The import as the CPU default makes it since the Q8_0 head (IMPORT_VERSION 4): f32 plus
+    head_q8_0.safetensors (its own directory: gemma3-270m-mlxrs-f32 above predates the head file)."""
+    out = ROOT / "gemma3-270m-mlxrs-f32-q8head"
+    if not (out / "config.json").exists():
+        models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
+    return out
+
+
+def test_q8_head_gives_the_f32_heads_and_mlx_lms_tokens(oracle, ours_f32_q8, reference_f32, monkeypatch):
+    """The tied head as the file's Q8_0 blocks through the host gemv (the CPU default) against the
+    f32 head through MLX (MLXRS_CPU_Q8_HEAD=0) and mlx-lm on the independent conversion: identical
+    greedy tokens; a short prompt's logits (which the Q8_0 head computes) within float32 rounding of
+    the f32 head's, and not bit-equal to them (the other path really ran)."""
+    assert (ours_f32_q8 / "head_q8_0.safetensors").is_file()
+    got: dict[str, tuple[list[list[int]], np.ndarray]] = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", mode)
+        with mlxrs.Session(ours_f32_q8) as s:
+            short = s.tokenize("The quick brown fox")
+            assert len(short) <= 8
+            tokens = [s.generate(s.tokenize(t), max_tokens=16, ignore_eos=True).tokens for t in PROMPTS]
+            got[mode] = (tokens, np.array(s.logits(short), dtype=np.float32))
+    assert got["1"][0] == got["0"][0], "the Q8_0 and f32 heads decode different tokens"
+    for text, toks in zip(PROMPTS, got["1"][0]):
+        with mlxrs.Session(ours_f32_q8) as s:
+            ids = s.tokenize(text)
+        ref = oracle({"model": str(reference_f32), "prompt": ids, "max_tokens": 16, "prefill_step_size": 2048})
+        assert toks == ref["tokens"], f"{text!r}: the Q8_0 head's greedy tokens differ from mlx-lm's"
+    q8, f32 = got["1"][1], got["0"][1]
+    diff = float(np.max(np.abs(q8 - f32)))
+    assert 0 < diff <= 1e-4 * float(np.max(np.abs(f32))), diff
+    assert int(np.argmax(q8)) == int(np.argmax(f32))
+
+
 def _safetensors_header(path: Path) -> dict:
     with path.open("rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]

@@ -53,7 +53,9 @@ def llamacpp_rope_factors(cfg: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(src: Path, out: Path) -> None:
+def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
+    """`src` as a llama.cpp GGUF, all float32 but the tensors named in `q8_0` (GGUF names), which
+    gguf-py quantizes to Q8_0 as llama.cpp's converter does."""
     import mlx.core as mx
 
     cfg = json.loads((src / "config.json").read_text())
@@ -109,7 +111,11 @@ def write_gguf(src: Path, out: Path) -> None:
             if arch == "llama" and base in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = cfg["num_attention_heads"] if base.endswith("q_proj") else cfg["num_key_value_heads"]
                 a = llamacpp_permute(a, heads)
-        w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+        if g in q8_0:
+            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
     if cfg.get("rope_scaling", {}).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llamacpp_rope_factors(cfg))
     w.write_header_to_file()
@@ -209,3 +215,53 @@ def test_qwen3moe_gguf_import_quantized_experts(oracle, tmp_path):
     with safe_open(str(out / "model.safetensors"), "numpy") as f:
         assert f.get_slice("model.layers.0.mlp.switch_mlp.gate_proj.scales").get_shape() == [8, 128, 4]
     _check(oracle, out, TEXT, dtype="float32")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # a tied head, an untied one
+def test_q8_0_head_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
+    """A GGUF whose output head is Q8_0 imports to f32 plus the head's own Q8_0 blocks
+    (head_q8_0.safetensors), which the CPU decodes through (MLXRS_CPU_Q8_HEAD, on by default): the
+    same greedy tokens as mlx-lm on the imported directory (it reads model.safetensors only: the
+    dequantized head) and as the f32 head (MLXRS_CPU_Q8_HEAD=0), logits within float32 rounding;
+    the head really is read from that file (scales doubled there double the logits), and a head file
+    of the wrong shape is refused naming the tensor."""
+    import shutil
+
+    import mlx.core as mx
+    from mlxrs.errors import MlxrsError
+
+    src = make_model(f"{arch}-float32", arch)
+    cfg = json.loads((src / "config.json").read_text())
+    head = "token_embd.weight" if cfg["tie_word_embeddings"] else "output.weight"
+    g = tmp_path / f"{arch}.gguf"
+    write_gguf(src, g, q8_0=(head,))
+    out = models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)
+    hf = out / "head_q8_0.safetensors"
+    assert hf.is_file()
+    with mlxrs.Session(out) as s:
+        ids = s.tokenize("The quick brown fox")
+    assert len(ids) <= 8, "a short prompt: its logits() runs through the Q8_0 head too"
+    ref = oracle({"model": str(out), "prompt": ids, "max_tokens": 24})
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", mode)
+        with mlxrs.Session(out) as s:
+            got[mode] = (s.generate(ids, max_tokens=24, ignore_eos=True).tokens, np.array(s.logits(ids), dtype=np.float32))
+        assert got[mode][0] == ref["tokens"], f"MLXRS_CPU_Q8_HEAD={mode}: greedy tokens differ from mlx-lm's"
+        diff = float(np.max(np.abs(got[mode][1] - np.array(ref["logits"], dtype=np.float32))))
+        assert diff < 1e-4, f"MLXRS_CPU_Q8_HEAD={mode}: logits differ from mlx-lm's by {diff}"
+    # the Q8_0 head is the file's: its scales doubled, the logits double (the f32 head is untouched)
+    doubled = tmp_path / "doubled"
+    shutil.copytree(out, doubled)
+    t = mx.load(str(hf))
+    mx.save_safetensors(str(doubled / hf.name), {"head_q8_0.weight": t["head_q8_0.weight"],
+                                                 "head_q8_0.scales": t["head_q8_0.scales"] * 2})
+    monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", "1")
+    with mlxrs.Session(doubled) as s:
+        twice = np.array(s.logits(ids), dtype=np.float32)
+    assert np.allclose(twice, 2 * got["0"][1], atol=2e-4), float(np.max(np.abs(twice - 2 * got["0"][1])))
+    # a head file that does not fit the model
+    mx.save_safetensors(str(doubled / hf.name), {"head_q8_0.weight": t["head_q8_0.weight"][:-1],
+                                                 "head_q8_0.scales": t["head_q8_0.scales"][:-1]})
+    with pytest.raises(MlxrsError, match="head_q8_0.weight"):
+        mlxrs.Session(doubled)

@@ -224,7 +224,8 @@ impl ModelFacts {
     /// Facts from a GGUF file as `serve` and `Session` import it on this backend
     /// (`gguf::import::OutDtype::default_for`: f32 on the CPU, bf16 on GPUs): the config the
     /// importer writes (`gguf::import::hf_config`) and that dtype's bytes per element of every
-    /// tensor it keeps (all but `rope_freqs`). Only the header is read.
+    /// tensor it keeps (all but `rope_freqs`), and the Q8_0 head an f32 import keeps beside them
+    /// (`gguf::import::q8_head`). Only the header is read.
     pub fn from_gguf(path: &Path) -> Result<ModelFacts> {
         Self::from_gguf_as(path, crate::gguf::import::OutDtype::default_for(Backend::detect()))
     }
@@ -236,7 +237,8 @@ impl ModelFacts {
         let cfg = crate::gguf::import::hf_config(&f.header)?;
         let elems: u64 = f.header.tensors.iter().filter(|t| t.name != "rope_freqs.weight").map(|t| t.n_elements()).sum();
         let b = dtype.float_bytes();
-        Self::from_config(&cfg, elems * b, b)
+        // plus the output head kept as the file's Q8_0 blocks too (the CPU's f32 import)
+        Self::from_config(&cfg, elems * b + crate::gguf::import::q8_head_bytes(&f.header, dtype), b)
     }
 
     /// Facts from a model directory or a `.gguf` file (planned as its import here).

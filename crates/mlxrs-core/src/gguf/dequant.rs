@@ -206,6 +206,21 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// `n` values of Q8_0 as they are stored: the int8 values, and each 32-value block's float16 scale
+/// widened to float32 (exact). `q8_0` above dequantizes the same blocks: `d · q`.
+pub fn split_q8_0(raw: &[u8], n: usize) -> Result<(Vec<i8>, Vec<f32>), String> {
+    if !n.is_multiple_of(32) || raw.len() < n / 32 * 34 {
+        return Err(format!("{} bytes cannot hold {n} values of Q8_0 in whole blocks", raw.len()));
+    }
+    let mut q = Vec::with_capacity(n);
+    let mut d = Vec::with_capacity(n / 32);
+    for b in raw[..n / 32 * 34].chunks_exact(34) {
+        d.push(f16_at(b, 0));
+        q.extend(b[2..].iter().map(|&v| v as i8));
+    }
+    Ok((q, d))
+}
+
 /// Dequantize `n` values of type `ty` from `raw` into f32 (in parallel over blocks).
 pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>, String> {
     let (be, bb) = ty.block().ok_or_else(|| format!("cannot dequantize {}", ty.name()))?;

@@ -26,8 +26,8 @@ pub fn metadata_json(h: &GgufHeader) -> Value {
     Value::Object(h.metadata.iter().map(|(k, v)| (k.clone(), meta_to_json(v))).collect())
 }
 
-use super::dequant::dequantize;
-use super::reader::GgufFile;
+use super::dequant::{dequantize, split_q8_0};
+use super::reader::{GgmlType, GgufFile};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, Dtype};
 use std::collections::BTreeMap;
@@ -412,6 +412,20 @@ pub const GEMMA_CHAT_TEMPLATE: &str = r#"{{ bos_token }}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"#;
 
+/// The output head (the embedding when tied) that an import as `dtype` also keeps as its Q8_0
+/// blocks ([`crate::models::layers::Q8_HEAD_FILE`], which the CPU decodes through): in an f32 import
+/// (the CPU default), when the file stores it as Q8_0 with rows in whole blocks.
+pub fn q8_head(h: &GgufHeader, dtype: OutDtype) -> Option<&super::reader::TensorInfo> {
+    let t = h.tensor("output.weight").or_else(|| h.tensor("token_embd.weight"))?;
+    let dims = t.shape();
+    (dtype == OutDtype::F32 && t.ty == GgmlType::Q8_0 && dims.len() == 2 && dims[1].is_multiple_of(32)).then_some(t)
+}
+
+/// Bytes the Q8_0 head of [`q8_head`] takes in memory (int8 values, a float32 scale per 32).
+pub fn q8_head_bytes(h: &GgufHeader, dtype: OutDtype) -> u64 {
+    q8_head(h, dtype).map_or(0, |t| t.n_elements() + t.n_elements() / 32 * 4)
+}
+
 /// Progress: (bytes of tensors done, total bytes, current tensor).
 pub type ImportProgress<'a> = &'a mut dyn FnMut(u64, u64, &str);
 
@@ -439,6 +453,8 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     let total: u64 = h.tensors.iter().filter_map(|t| t.nbytes()).sum();
     let mut done = 0u64;
     let mut tensors: BTreeMap<String, Array> = BTreeMap::new();
+    let mut head_q8: BTreeMap<String, Array> = BTreeMap::new();
+    let head_name = q8_head(h, dtype).map(|t| t.name.clone());
     let group = 64;
     for t in &h.tensors {
         let Some(name) = hf_name(&t.name, gemma) else {
@@ -448,6 +464,14 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         progress(done, total, &t.name);
         let raw = f.read_raw(t)?;
         let n = t.n_elements() as usize;
+        let dims = t.shape();
+        if head_name.as_deref() == Some(t.name.as_str()) {
+            use crate::models::layers::{Q8_HEAD_SCALES, Q8_HEAD_VALUES};
+            let (q, d) = split_q8_0(&raw, n).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
+            let (rows, cols) = (dims[0] as i32, dims[1] as i32);
+            head_q8.insert(Q8_HEAD_VALUES.into(), Array::from_slice(&q, &[rows, cols])?);
+            head_q8.insert(Q8_HEAD_SCALES.into(), Array::from_slice(&d, &[rows, cols / 32])?);
+        }
         let mut v = dequantize(t.ty, &raw, n).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
         drop(raw);
         let shape: Vec<i32> = t.shape().iter().map(|&d| d as i32).collect();
@@ -494,6 +518,10 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     let meta: BTreeMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
     mx::save_safetensors(&out.join("model.safetensors"), &tensors, &meta)?;
     drop(tensors);
+    if !head_q8.is_empty() {
+        // not model*.safetensors: mlx-lm, which reads only those, loads the directory unchanged
+        mx::save_safetensors(&out.join(crate::models::layers::Q8_HEAD_FILE), &head_q8, &meta)?;
+    }
     let (tok, mut tok_cfg) = super::tokenizer::build_tokenizer_json(h)?;
     let write = |name: &str, v: &Value| -> Result<()> {
         let p = out.join(name);

@@ -6,11 +6,13 @@
 mod array;
 mod ops;
 mod kernel;
+mod q8;
 mod runtime;
 
 pub use array::{async_eval, eval, Array, Dtype, Element};
 pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, MetalKernel, TemplateArg};
 pub use ops::*;
+pub use q8::{Q8Matrix, Q8_BLOCK};
 pub use runtime::{
     active_memory, cache_memory, clear_cache, default_device, device_memory_size, init, memory_limit, peak_memory,
     reset_peak_memory, set_memory_limit, synchronize, with_stream, Device, DeviceKind, Stream,

@@ -87,10 +87,77 @@ fn quant_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q:
     mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)
 }
 
+/// The file of a GGUF import (f32, the CPU default) that holds the output head as the GGUF stored it,
+/// Q8_0 (int8 values, one scale per 32): [`Q8_HEAD_VALUES`] `[vocab, hidden]` int8 and
+/// [`Q8_HEAD_SCALES`] `[vocab, hidden / 32]` float32. The f32 head in model.safetensors is its
+/// dequantization, so both give the same logits up to float32 summation order.
+pub const Q8_HEAD_FILE: &str = "head_q8_0.safetensors";
+pub const Q8_HEAD_VALUES: &str = "head_q8_0.weight";
+pub const Q8_HEAD_SCALES: &str = "head_q8_0.scales";
+/// `0` turns the Q8_0 output head off (the f32 head through MLX's matmul then); on by default
+/// on the CPU backend where an import has [`Q8_HEAD_FILE`].
+pub const Q8_HEAD_ENV: &str = "MLXRS_CPU_Q8_HEAD";
+/// Up to how many rows of hidden states (tokens × sequences) the Q8_0 head computes: decode steps.
+/// Longer inputs (a prefill chunk, whose logits the engine never reads, or `logits()` of a prompt)
+/// stay lazy graphs through the f32 head.
+const Q8_HEAD_MAX_ROWS: usize = 8;
+
+/// The output head as Q8_0 blocks, run on the host by [`mx::Q8Matrix`] at memory bandwidth: for
+/// the real Gemma 3 270M's 262144 × 640 tied head 178 MB per token instead of 671 MB of float32.
+pub struct Q8Head {
+    m: mx::Q8Matrix,
+}
+
+impl Q8Head {
+    /// The Q8_0 head of the weights when they have one (both tensors are taken out of `ws` either
+    /// way): None when [`Q8_HEAD_ENV`] is `0` or MLX runs on a GPU. Shapes checked against `rows`
+    /// (the logits' width) and `hidden`.
+    pub fn take(ws: &mut Weights, rows: i32, hidden: i32) -> Result<Option<Q8Head>> {
+        let (Some(q), Some(d)) = (ws.remove(Q8_HEAD_VALUES), ws.remove(Q8_HEAD_SCALES)) else { return Ok(None) };
+        let off = std::env::var(Q8_HEAD_ENV).is_ok_and(|v| v.trim() == "0");
+        if off || crate::plan::Backend::detect() != crate::plan::Backend::Cpu {
+            return Ok(None);
+        }
+        let want_d = [rows, hidden / mx::Q8_BLOCK as i32];
+        if q.dtype() != Dtype::Int8 || q.shape() != [rows, hidden] || hidden % mx::Q8_BLOCK as i32 != 0 {
+            return Err(crate::Error::ModelLoad(format!(
+                "weight {Q8_HEAD_VALUES} ({Q8_HEAD_FILE}) is {} {:?}, not int8 [{rows}, {hidden}] (the output head's shape)",
+                q.dtype().name(),
+                q.shape()
+            )));
+        }
+        if d.dtype() != Dtype::Float32 || d.shape() != want_d {
+            return Err(crate::Error::ModelLoad(format!(
+                "weight {Q8_HEAD_SCALES} ({Q8_HEAD_FILE}) is {} {:?}, not float32 {want_d:?}",
+                d.dtype().name(),
+                d.shape()
+            )));
+        }
+        let m = mx::Q8Matrix::new(q.to_vec::<i8>()?, d.to_vec::<f32>()?, rows as usize, hidden as usize)?;
+        Ok(Some(Q8Head { m }))
+    }
+
+    /// The logits of float32 hidden states `h` `[..., hidden]` (evaluated here), or None where this
+    /// head does not apply (more than [`Q8_HEAD_MAX_ROWS`] rows, another dtype).
+    pub fn logits(&self, h: &Array) -> Result<Option<Array>> {
+        let rows = h.size() / self.m.cols().max(1);
+        if h.dtype() != Dtype::Float32 || h.dim(-1) as usize != self.m.cols() || rows > Q8_HEAD_MAX_ROWS {
+            return Ok(None);
+        }
+        let x = h.to_vec::<f32>()?;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+        let y = self.m.matvec(&x, threads)?;
+        let mut shape = h.shape();
+        *shape.last_mut().expect("h has a last axis") = self.m.rows() as i32;
+        Ok(Some(Array::from_slice(&y, &shape)?))
+    }
+}
+
 /// Token embedding (dense or quantized); `as_linear` is the tied output head.
 pub enum Embedding {
-    /// The table and its transposed view (for the tied output head; no copy).
-    Dense { w: Array, wt: Array },
+    /// The table and its transposed view (for the tied output head; no copy); `q8` the model's
+    /// output head (this table when tied, else the lm_head) as a GGUF's Q8_0 blocks, for the CPU.
+    Dense { w: Array, wt: Array, q8: Option<Q8Head> },
     Quant { w: Array, scales: Array, biases: Option<Array>, q: QuantSpec },
 }
 
@@ -106,7 +173,7 @@ impl Embedding {
         }
         Ok(match ws.take_matrix(prefix, rows, hidden)? {
             Matrix::Quant { w, scales, biases, q } => Embedding::Quant { w, scales, biases, q },
-            Matrix::Dense(w) => Embedding::Dense { wt: mx::transpose(&w)?, w },
+            Matrix::Dense(w) => Embedding::Dense { wt: mx::transpose(&w)?, w, q8: Q8Head::take(ws, rows, hidden)? },
         })
     }
 
@@ -139,6 +206,12 @@ impl Embedding {
     /// The logits of hidden states `h`: through the untied `lm_head` when the model has one, else
     /// through this (tied) embedding as a linear map.
     pub fn logits(&self, lm_head: Option<&Linear>, h: &Array) -> Result<Array> {
+        // (an lm_head with adapters is not the file's head any more)
+        if let (Embedding::Dense { q8: Some(q8), .. }, None | Some(Linear::Dense { b: None, .. })) = (self, lm_head) {
+            if let Some(y) = q8.logits(h)? {
+                return Ok(y);
+            }
+        }
         match lm_head {
             Some(head) => head.forward(h),
             None => self.as_linear(h),
@@ -171,7 +244,49 @@ impl RmsNorm {
         Ok(RmsNorm { weight: mx::add(&one, &w)?, eps })
     }
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        mx::rms_norm(x, Some(&self.weight), self.eps)
+        // compiled for decode-sized inputs only: the compiled function is traced once per input
+        // shape, and prefill chunks come in every length
+        let rows = x.size() / (x.dim(-1).max(1) as usize);
+        if on_gpu() || rows > COMPILED_NORM_MAX_ROWS || std::env::var(COMPILED_NORM_ENV).is_ok_and(|v| v.trim() == "0") {
+            return mx::rms_norm(x, Some(&self.weight), self.eps);
+        }
+        compiled_rms_norm(x, &self.weight, self.eps)
+    }
+}
+
+/// `0`: RMSNorm on the CPU runs as MLX's plain op; otherwise compiled ([`compiled_rms_norm`]) for
+/// inputs of up to [`COMPILED_NORM_MAX_ROWS`] rows.
+pub const COMPILED_NORM_ENV: &str = "MLXRS_CPU_COMPILED_NORM";
+const COMPILED_NORM_MAX_ROWS: usize = 32;
+
+/// `mx::rms_norm` through MLX's compiler, one compiled function per `eps`. On the CPU MLX's
+/// `fast::rms_norm` is its op-by-op fallback (float32 cast, square, mean, add, rsqrt, two
+/// multiplies, cast back: seven ops, each paying MLX's per-op cost); compiled, the elementwise ones
+/// fuse, with bit-identical results (the same float32 operations in the same order; checked against
+/// the plain op in `compiled_rms_norm_is_bit_identical`). On a GPU `fast::rms_norm` is one kernel.
+pub fn compiled_rms_norm(x: &Array, w: &Array, eps: f32) -> Result<Array> {
+    type Shared = std::sync::Arc<std::sync::Mutex<mx::Compiled>>;
+    type Slots = std::sync::Mutex<std::collections::HashMap<u32, Option<Shared>>>;
+    static SLOTS: std::sync::OnceLock<Slots> = std::sync::OnceLock::new();
+    let slot = {
+        let mut m = SLOTS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        m.entry(eps.to_bits())
+            .or_insert_with(|| {
+                mx::Compiled::new(move |a: &[Array]| Ok(vec![mx::rms_norm(&a[0], Some(&a[1]), eps)?]), false)
+                    .ok()
+                    .map(|c| std::sync::Arc::new(std::sync::Mutex::new(c)))
+            })
+            .clone()
+    };
+    match slot {
+        Some(c) => c
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .call(&[x, w])?
+            .into_iter()
+            .next()
+            .ok_or_else(|| crate::Error::Mlx("compiled rms_norm returned nothing".into())),
+        None => mx::rms_norm(x, Some(w), eps),
     }
 }
 
@@ -1233,6 +1348,28 @@ fn route(router: &Linear, routing: Router, e: i32, k: i32, norm_topk_prob: bool,
                 scores = mx::divide(&scores, &sum)?;
             }
             Ok((inds, mx::multiply(&scores, &mx::scalar_as(scaling as f64, Dtype::Float32)?)?))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compiled_rms_norm_is_bit_identical() {
+        for (shape, eps) in [(vec![1, 1, 640], 1e-6f32), (vec![2, 3, 4, 256], 1e-5), (vec![5, 64], 1e-6)] {
+            let n: usize = shape.iter().map(|&d| d as usize).product();
+            let dim = *shape.last().unwrap() as usize;
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1013) as f32 / 97.0 - 5.0) * 1.37).collect();
+            let w: Vec<f32> = (0..dim).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect();
+            let (x, w) = (Array::from_slice(&x, &shape).unwrap(), Array::from_slice(&w, &[dim as i32]).unwrap());
+            let plain = mx::rms_norm(&x, Some(&w), eps).unwrap().to_vec::<f32>().unwrap();
+            // twice: the first call traces, the second reuses the compiled function
+            for _ in 0..2 {
+                let got = compiled_rms_norm(&x, &w, eps).unwrap().to_vec::<f32>().unwrap();
+                assert!(got.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits()), "{shape:?}");
+            }
         }
     }
 }
