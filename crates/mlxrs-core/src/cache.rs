@@ -59,9 +59,9 @@ impl LayerCache {
             LayerCache::Full(c) => c.update_and_fetch(&k, &v).map(|(k, v)| Fetched::Dense(k, v)),
             LayerCache::Rotating(c) => c.update_and_fetch(&k, &v).map(|(k, v)| Fetched::Dense(k, v)),
             LayerCache::Quantized(c) => c.update_and_fetch(&k, &v),
-            LayerCache::Recurrent(_) => {
-                Err(crate::error::Error::Invalid("a recurrent (linear-attention) layer cache holds no keys/values".into()))
-            }
+            LayerCache::Recurrent(_) => Err(crate::error::Error::Invalid(
+                "a recurrent (linear-attention) layer cache holds no keys/values".into(),
+            )),
         }
     }
 
@@ -421,12 +421,20 @@ impl QuantizedKvCache {
         let (qk0, qk1, qk2) = mx::quantize(k, self.q.group_size, self.q.bits)?;
         let (qv0, qv1, qv2) = mx::quantize(v, self.q.group_size, self.q.bits)?;
         let write = |buf: &[Array; 3], new: [&Array; 3]| -> Result<[Array; 3]> {
-            Ok([write_seq(&buf[0], new[0], prev)?, write_seq(&buf[1], new[1], prev)?, write_seq(&buf[2], new[2], prev)?])
+            Ok([
+                write_seq(&buf[0], new[0], prev)?,
+                write_seq(&buf[1], new[1], prev)?,
+                write_seq(&buf[2], new[2], prev)?,
+            ])
         };
         let keys = write(self.keys.as_ref().expect("allocated"), [&qk0, &qk1, &qk2])?;
         let values = write(self.values.as_ref().expect("allocated"), [&qv0, &qv1, &qv2])?;
         let cut = |a: &[Array; 3]| -> Result<[Array; 3]> {
-            Ok([seq_slice(&a[0], 0, self.offset)?, seq_slice(&a[1], 0, self.offset)?, seq_slice(&a[2], 0, self.offset)?])
+            Ok([
+                seq_slice(&a[0], 0, self.offset)?,
+                seq_slice(&a[1], 0, self.offset)?,
+                seq_slice(&a[2], 0, self.offset)?,
+            ])
         };
         let out = Fetched::Quant { k: cut(&keys)?, v: cut(&values)?, q: self.q };
         self.keys = Some(keys);
@@ -633,7 +641,9 @@ impl BatchKv {
         for (layer, c) in self.layers.iter().zip(into.iter_mut()) {
             let (keys, values) = match layer {
                 Some((k, v)) if len > 0 => {
-                    let cut = |a: &Array| -> Result<Array> { mx::copy(&seq_slice(&mx::slice_axis(a, 0, si, si + 1)?, 0, len)?) };
+                    let cut = |a: &Array| -> Result<Array> {
+                        mx::copy(&seq_slice(&mx::slice_axis(a, 0, si, si + 1)?, 0, len)?)
+                    };
                     let (k, v) = (cut(k)?, cut(v)?);
                     out.push(k.clone());
                     out.push(v.clone());
@@ -659,7 +669,11 @@ impl BatchKv {
         let layers = self
             .layers
             .iter()
-            .map(|l| l.as_ref().map(|(k, v)| Ok::<_, crate::error::Error>((mx::take(k, &idx, 0)?, mx::take(v, &idx, 0)?))).transpose())
+            .map(|l| {
+                l.as_ref()
+                    .map(|(k, v)| Ok::<_, crate::error::Error>((mx::take(k, &idx, 0)?, mx::take(v, &idx, 0)?)))
+                    .transpose()
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(BatchKv { layers, lens: keep.iter().map(|&s| self.lens[s]).collect(), cap: self.cap, hi: 0, at: None })
     }
@@ -702,12 +716,16 @@ impl BatchKv {
 
     /// Write the step's keys/values `[hi, H, 1, D]` of layer `l`; the keys and values to attend over.
     pub fn update_and_fetch(&mut self, l: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
-        let at = self.at.clone().ok_or_else(|| crate::error::Error::Invalid("BatchKv: begin_step not called".into()))?;
+        let at =
+            self.at.clone().ok_or_else(|| crate::error::Error::Invalid("BatchKv: begin_step not called".into()))?;
         let (slots, cap, hi) = (self.lens.len() as i32, self.cap, self.hi as i32);
         let layer = &mut self.layers[l];
         if layer.is_none() {
             let (ks, vs) = (k.shape(), v.shape());
-            *layer = Some((mx::zeros(&[slots, ks[1], cap, ks[3]], k.dtype())?, mx::zeros(&[slots, vs[1], cap, vs[3]], v.dtype())?));
+            *layer = Some((
+                mx::zeros(&[slots, ks[1], cap, ks[3]], k.dtype())?,
+                mx::zeros(&[slots, vs[1], cap, vs[3]], v.dtype())?,
+            ));
         }
         let (kb, vb) = layer.as_mut().expect("allocated above");
         let rows = |x: &Array| -> Result<Array> {
@@ -769,7 +787,8 @@ mod tests {
         kv.clear(1);
         let b = lens.len() as i32;
         for step in 0..3 {
-            let (q, k, v) = (randn(100 + step, &[b, H, 1, D]), randn(200 + step, &[b, H, 1, D]), randn(300 + step, &[b, H, 1, D]));
+            let (q, k, v) =
+                (randn(100 + step, &[b, H, 1, D]), randn(200 + step, &[b, H, 1, D]), randn(300 + step, &[b, H, 1, D]));
             kv.begin_step(lens.len()).unwrap();
             let (kk, vv) = kv.update_and_fetch(0, &k, &v).unwrap();
             let mask = kv.mask(None).unwrap();
@@ -780,7 +799,9 @@ mod tests {
                     continue;
                 }
                 let row = |a: &Array| mx::slice_axis(a, 0, r as i32, r as i32 + 1).unwrap();
-                let Fetched::Dense(k1, v1) = cache[0].update_and_fetch(row(&k), row(&v)).unwrap() else { unreachable!() };
+                let Fetched::Dense(k1, v1) = cache[0].update_and_fetch(row(&k), row(&v)).unwrap() else {
+                    unreachable!()
+                };
                 let alone = mx::scaled_dot_product_attention(&row(&q), &k1, &v1, 0.3, AttnMask::None, None).unwrap();
                 assert!(max_abs_diff(&row(&out), &alone) < 1e-5, "row {r}, step {step}");
             }

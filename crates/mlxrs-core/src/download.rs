@@ -286,9 +286,11 @@ fn http_error(req: &Request, status: u16, server_says: Option<String>) -> Downlo
              terms on its page on the Hub with the same account, and make sure the token (`hf auth login` or HF_TOKEN) \
              has read access"
             .to_string(),
-        (403, Advice::HuggingFace) => "this repo is gated or private and no token was sent: accept its terms on its page \
+        (403, Advice::HuggingFace) => {
+            "this repo is gated or private and no token was sent: accept its terms on its page \
              on the Hub, then run `hf auth login` or export HF_TOKEN"
-            .to_string(),
+                .to_string()
+        }
         (401 | 403, Advice::Plain) => "the server refused access to this URL".to_string(),
         (404 | 410, Advice::HuggingFace) => {
             "no such file at this revision: check the repo id, the revision and the file name".to_string()
@@ -344,8 +346,13 @@ impl Partial {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(io_err(dir))?;
         }
-        let mut file =
-            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io_err(&path))?;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io_err(&path))?;
         let mut len = file.metadata().map_err(io_err(&path))?.len();
         if req.size.is_some_and(|s| len > s) {
             len = 0; // longer than the file can be: not a prefix of it
@@ -653,7 +660,8 @@ impl TextProgress {
             self.total = total;
         }
         let now = Instant::now();
-        if self.tty && (self.last.is_none_or(|t| now.duration_since(t) >= Duration::from_millis(100)) || done == total) {
+        if self.tty && (self.last.is_none_or(|t| now.duration_since(t) >= Duration::from_millis(100)) || done == total)
+        {
             self.last = Some(now);
             let frac = if self.total > 0 { (self.done as f64 / self.total as f64).min(1.0) } else { 0.0 };
             let fill = (frac * 24.0) as usize;

@@ -50,9 +50,17 @@ pub struct Timings {
 
 impl Timings {
     pub fn prompt_tps(&self) -> f64 {
-        if self.prompt_seconds > 0.0 { self.prompt_tokens as f64 / self.prompt_seconds } else { 0.0 }
+        if self.prompt_seconds > 0.0 {
+            self.prompt_tokens as f64 / self.prompt_seconds
+        } else {
+            0.0
+        }
     }
     pub fn generation_tps(&self) -> f64 {
-        if self.generation_seconds > 0.0 { self.generated_tokens as f64 / self.generation_seconds } else { 0.0 }
+        if self.generation_seconds > 0.0 {
+            self.generated_tokens as f64 / self.generation_seconds
+        } else {
+            0.0
+        }
     }
 }

@@ -39,7 +39,9 @@ impl Grammar {
     fn top_level(&self) -> TopLevelGrammar {
         match self {
             Grammar::JsonSchema(v) => TopLevelGrammar::from_json_schema(with_compact_json(v.clone())),
-            Grammar::JsonObject => TopLevelGrammar::from_json_schema(with_compact_json(serde_json::json!({"type": "object"}))),
+            Grammar::JsonObject => {
+                TopLevelGrammar::from_json_schema(with_compact_json(serde_json::json!({"type": "object"})))
+            }
             Grammar::Regex(r) => TopLevelGrammar::from_regex(r),
             Grammar::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         }
@@ -87,7 +89,9 @@ impl Guides {
                     .map(Arc::new)
             })
             .clone()
-            .map_err(|e| Error::Invalid(format!("constrained decoding is not available for this model's tokenizer: {e}")))
+            .map_err(|e| {
+                Error::Invalid(format!("constrained decoding is not available for this model's tokenizer: {e}"))
+            })
     }
 
     /// A guide for `g`, or an error naming the parameter when the grammar does not compile.
@@ -117,7 +121,8 @@ fn build_factory(tok: &Tokenizer, vocab: usize) -> std::result::Result<ParserFac
     while bytes.len() < vocab {
         bytes.push(special_name(bytes.len()));
     }
-    let eos: Vec<TokenId> = tok.eos_ids.iter().filter(|&&e| e >= 0 && (e as usize) < vocab).map(|&e| e as TokenId).collect();
+    let eos: Vec<TokenId> =
+        tok.eos_ids.iter().filter(|&&e| e >= 0 && (e as usize) < vocab).map(|&e| e as TokenId).collect();
     let info = TokRxInfo::new(vocab as u32, eos.first().copied().unwrap_or(0));
     let mut trie = TokTrie::from(&info, &bytes);
     if eos.len() > 1 {

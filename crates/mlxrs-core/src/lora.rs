@@ -78,21 +78,30 @@ impl Adapter {
     pub fn load(name: &str, dir: &Path, config: &Value) -> Result<Adapter> {
         let cpath = dir.join("adapter_config.json");
         if !dir.is_dir() {
-            return Err(bad(dir, "no such directory (an adapter is a directory with adapter_config.json and adapters.safetensors)".into()));
+            return Err(bad(
+                dir,
+                "no such directory (an adapter is a directory with adapter_config.json and adapters.safetensors)"
+                    .into(),
+            ));
         }
         let text = std::fs::read_to_string(&cpath).map_err(|e| bad(dir, format!("adapter_config.json: {e}")))?;
-        let c: Value = serde_json::from_str(&text).map_err(|e| bad(dir, format!("adapter_config.json: invalid JSON: {e}")))?;
+        let c: Value =
+            serde_json::from_str(&text).map_err(|e| bad(dir, format!("adapter_config.json: invalid JSON: {e}")))?;
         let kind = match c.get("fine_tune_type").and_then(Value::as_str).unwrap_or("lora") {
             "lora" => Kind::Lora,
             "dora" => Kind::Dora,
             "full" => {
-                return Err(bad(dir, "adapter_config.json: fine_tune_type \"full\" is a fully fine-tuned model, not an adapter: \
+                return Err(bad(
+                    dir,
+                    "adapter_config.json: fine_tune_type \"full\" is a fully fine-tuned model, not an adapter: \
                                       fuse it into a model directory (mlx_lm.fuse) and serve that"
-                    .into()))
+                        .into(),
+                ))
             }
             t => return Err(bad(dir, format!("adapter_config.json: fine_tune_type {t:?} is not one of lora, dora"))),
         };
-        let layers = model_layers(config).ok_or_else(|| bad(dir, "the model's config.json has no num_hidden_layers".into()))?;
+        let layers =
+            model_layers(config).ok_or_else(|| bad(dir, "the model's config.json has no num_hidden_layers".into()))?;
         let num_layers = c
             .get("num_layers")
             .and_then(Value::as_i64)
@@ -101,16 +110,26 @@ impl Adapter {
             .get("lora_parameters")
             .filter(|v| v.is_object())
             .ok_or_else(|| bad(dir, "adapter_config.json: lora_parameters is missing or not an object".into()))?;
-        let rank = p
-            .get("rank")
-            .and_then(Value::as_i64)
-            .filter(|r| (1..=1 << 16).contains(r))
-            .ok_or_else(|| bad(dir, format!("adapter_config.json: lora_parameters.rank = {} is not a positive integer", p.get("rank").unwrap_or(&Value::Null))))?
-            as i32;
+        let rank = p.get("rank").and_then(Value::as_i64).filter(|r| (1..=1 << 16).contains(r)).ok_or_else(|| {
+            bad(
+                dir,
+                format!(
+                    "adapter_config.json: lora_parameters.rank = {} is not a positive integer",
+                    p.get("rank").unwrap_or(&Value::Null)
+                ),
+            )
+        })? as i32;
         let scale = match p.get("scale") {
-            Some(v) => v.as_f64().filter(|s| s.is_finite()).ok_or_else(|| bad(dir, format!("adapter_config.json: lora_parameters.scale = {v} is not a number")))?,
+            Some(v) => v
+                .as_f64()
+                .filter(|s| s.is_finite())
+                .ok_or_else(|| bad(dir, format!("adapter_config.json: lora_parameters.scale = {v} is not a number")))?,
             None => {
-                let hint = if p.get("alpha").is_some() { " (it has alpha: mlx-lm's LoRA config uses scale, not alpha)" } else { "" };
+                let hint = if p.get("alpha").is_some() {
+                    " (it has alpha: mlx-lm's LoRA config uses scale, not alpha)"
+                } else {
+                    ""
+                };
                 return Err(bad(dir, format!("adapter_config.json: lora_parameters.scale is missing{hint}")));
             }
         } as f32;
@@ -118,10 +137,19 @@ impl Adapter {
             None | Some(Value::Null) => None,
             Some(Value::Array(a)) => Some(
                 a.iter()
-                    .map(|k| k.as_str().map(str::to_string).ok_or_else(|| bad(dir, format!("adapter_config.json: lora_parameters.keys entry {k} is not a string"))))
+                    .map(|k| {
+                        k.as_str().map(str::to_string).ok_or_else(|| {
+                            bad(dir, format!("adapter_config.json: lora_parameters.keys entry {k} is not a string"))
+                        })
+                    })
                     .collect::<Result<_>>()?,
             ),
-            Some(v) => return Err(bad(dir, format!("adapter_config.json: lora_parameters.keys = {v} is not a list of module names"))),
+            Some(v) => {
+                return Err(bad(
+                    dir,
+                    format!("adapter_config.json: lora_parameters.keys = {v} is not a list of module names"),
+                ))
+            }
         };
         let first = (layers - num_layers.max(0)).max(0);
         let wpath = dir.join("adapters.safetensors");
@@ -133,12 +161,18 @@ impl Adapter {
         let mut modules: BTreeMap<String, Tensors> = BTreeMap::new();
         let mut nbytes = 0;
         for (tname, arr) in tensors {
-            let not_param = |why: &str| bad(dir, format!("tensor {tname}: not an adapter parameter of this model ({why})"));
+            let not_param =
+                |why: &str| bad(dir, format!("tensor {tname}: not an adapter parameter of this model ({why})"));
             let name = tname.strip_prefix("language_model.").unwrap_or(&tname);
             let Some((module, leaf)) = name.rsplit_once('.') else { return Err(not_param("no module name")) };
             match (leaf, kind) {
                 ("lora_a" | "lora_b", _) | ("m", Kind::Dora) => {}
-                _ => return Err(not_param(&format!("{leaf:?} is not one of lora_a, lora_b{}", if kind == Kind::Dora { ", m" } else { "" }))),
+                _ => {
+                    return Err(not_param(&format!(
+                        "{leaf:?} is not one of lora_a, lora_b{}",
+                        if kind == Kind::Dora { ", m" } else { "" }
+                    )))
+                }
             }
             let Some((layer, key)) = split_layer(module) else {
                 return Err(not_param("mlxrs adapts the linear layers inside the decoder layers only"));
@@ -147,7 +181,10 @@ impl Adapter {
                 return Err(not_param(&format!("the model has {layers} layers")));
             }
             if layer < first {
-                return Err(not_param(&format!("num_layers = {num_layers} adapts layers {first}..{} only", layers - 1)));
+                return Err(not_param(&format!(
+                    "num_layers = {num_layers} adapts layers {first}..{} only",
+                    layers - 1
+                )));
             }
             if let Some(k) = &keys {
                 if !k.contains(key) {
@@ -230,7 +267,10 @@ pub fn with_rows<T>(rows: &[Option<usize>], f: impl FnOnce() -> T) -> T {
 }
 
 fn shape_err(a: &Adapter, module: &str, leaf: &str, got: &[i32], want: &[i32]) -> Error {
-    bad(&a.path, format!("tensor {module}.{leaf} has shape {got:?} but the model's {module} needs {want:?} (rank {})", a.rank))
+    bad(
+        &a.path,
+        format!("tensor {module}.{leaf} has shape {got:?} but the model's {module} needs {want:?} (rank {})", a.rank),
+    )
 }
 
 impl Registry {
@@ -286,7 +326,10 @@ impl Registry {
                         None => row_norm(&mx::astype(&w, Dtype::Float32)?)?,
                     };
                     // mlx-lm: adapted = w + (scale * lora_b.T) @ lora_a.T; m / ‖adapted‖ per row
-                    let adapted = mx::add(&w, &mx::matmul(&mx::multiply(&scale, &mx::transpose(&b_t)?)?, &mx::transpose(&a_t)?)?)?;
+                    let adapted = mx::add(
+                        &w,
+                        &mx::matmul(&mx::multiply(&scale, &mx::transpose(&b_t)?)?, &mx::transpose(&a_t)?)?,
+                    )?;
                     (Some(mx::divide(&m, &row_norm(&adapted)?)?), Some(m))
                 }
             };
@@ -341,7 +384,9 @@ fn row_norm(w: &Array) -> Result<Array> {
 fn base_weight(base: &Linear) -> Result<Array> {
     match base {
         Linear::Dense { w, .. } => Ok(w.clone()),
-        Linear::Quant { w, scales, biases, q, .. } => mx::dequantize(w, scales, biases.as_ref(), q.group_size, q.bits, q.mode),
+        Linear::Quant { w, scales, biases, q, .. } => {
+            mx::dequantize(w, scales, biases.as_ref(), q.group_size, q.bits, q.mode)
+        }
         Linear::Lora(_) => Err(Error::ModelLoad("an adapted linear adapted twice (a bug in mlxrs)".into())),
     }
 }
@@ -410,7 +455,10 @@ impl LoraLinear {
             return self.plus_bias(y);
         }
         // rows with different adapters: each row's own update, gathered from the stack
-        let s = self.stacked.as_ref().ok_or_else(|| Error::Invalid("rows with different adapters on a model with one".into()))?;
+        let s = self
+            .stacked
+            .as_ref()
+            .ok_or_else(|| Error::Invalid("rows with different adapters on a model with one".into()))?;
         if x.ndim() != 3 || x.dim(0) as usize != rows.len() {
             return Err(Error::Invalid(format!(
                 "an adapted linear got input {:?} for a batch of {} rows with different adapters",
@@ -419,7 +467,10 @@ impl LoraLinear {
             )));
         }
         let none = self.deltas.len() as i32;
-        let ids: Vec<i32> = rows.iter().map(|r| r.map_or(none, |i| if self.deltas.get(i).is_some_and(Option::is_some) { i as i32 } else { none })).collect();
+        let ids: Vec<i32> = rows
+            .iter()
+            .map(|r| r.map_or(none, |i| if self.deltas.get(i).is_some_and(Option::is_some) { i as i32 } else { none }))
+            .collect();
         let idx = Array::from_slice(&ids, &[ids.len() as i32])?;
         let a = mx::take(&s.a, &idx, 0)?; // [B, in, r]
         let b = mx::take(&s.b, &idx, 0)?; // [B, r, out]

@@ -140,9 +140,8 @@ pub fn retries_from_env() -> Result<u32, DownloadError> {
     if v.is_empty() {
         return Ok(5);
     }
-    v.parse().map_err(|_| {
-        DownloadError::Invalid(format!("MLXRS_DOWNLOAD_RETRIES must be a whole number >= 0 (got {v:?})"))
-    })
+    v.parse()
+        .map_err(|_| DownloadError::Invalid(format!("MLXRS_DOWNLOAD_RETRIES must be a whole number >= 0 (got {v:?})")))
 }
 
 /// The files of `files` that `dir` lacks.
@@ -244,7 +243,8 @@ fn pack_root(tmp: &Path, first: &str) -> PathBuf {
     if tmp.join(first).exists() {
         return tmp.to_path_buf();
     }
-    let entries: Vec<PathBuf> = std::fs::read_dir(tmp).map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    let entries: Vec<PathBuf> =
+        std::fs::read_dir(tmp).map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
     match entries.as_slice() {
         [one] if one.is_dir() => one.clone(),
         _ => tmp.to_path_buf(),
@@ -279,7 +279,8 @@ fn unpack(archive: &Path, dest: &Path) -> Result<(), String> {
         if kind.is_pax_global_extensions() || kind.is_pax_local_extensions() || kind.is_gnu_longname() {
             continue;
         }
-        let rel = inside(&raw).ok_or_else(|| format!("it holds a path outside its directory: {:?}", raw.display().to_string()))?;
+        let rel = inside(&raw)
+            .ok_or_else(|| format!("it holds a path outside its directory: {:?}", raw.display().to_string()))?;
         if rel.as_os_str().is_empty() {
             continue; // "./"
         }
@@ -423,7 +424,13 @@ mod tests {
 
     #[test]
     fn a_published_line_is_used_and_an_env_url_overrides_it() {
-        let table = [Published { os: os_name(), arch: std::env::consts::ARCH, backend: "cpu", url: "https://r/p.tgz", sha256: SHA }];
+        let table = [Published {
+            os: os_name(),
+            arch: std::env::consts::ARCH,
+            backend: "cpu",
+            url: "https://r/p.tgz",
+            sha256: SHA,
+        }];
         let s = source_from("cpu", None, None, &table).unwrap();
         assert_eq!((s.url.as_str(), s.sha256.as_str(), s.origin), ("https://r/p.tgz", SHA, Origin::Release));
         // a mirror: the baked checksum still applies
@@ -456,7 +463,10 @@ mod tests {
     fn names_follow_the_resolver() {
         let home = PathBuf::from("/h");
         let d = native_pack_dir(&home, "cpu");
-        assert_eq!(d.file_name().unwrap().to_string_lossy(), format!("native-v{NATIVE_PACK_VERSION}-{}", platform("cpu")));
+        assert_eq!(
+            d.file_name().unwrap().to_string_lossy(),
+            format!("native-v{NATIVE_PACK_VERSION}-{}", platform("cpu"))
+        );
         assert!(archive_name("cpu").ends_with(&format!("{}.tar.gz", platform("cpu"))));
     }
 }

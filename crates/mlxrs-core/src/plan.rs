@@ -216,7 +216,8 @@ impl ModelFacts {
         let act = act.or_else(|| text_config(&config).get("torch_dtype").and_then(Value::as_str).and_then(dtype_bytes));
         let mut f = Self::from_config(&config, weights_bytes, act.unwrap_or(2))?;
         if f.moe.iter().any(|m| m.0 > 0) {
-            f.expert_bytes = tensors.iter().filter(|t| crate::models::experts::is_expert_tensor(&t.0)).map(|t| t.2).sum();
+            f.expert_bytes =
+                tensors.iter().filter(|t| crate::models::experts::is_expert_tensor(&t.0)).map(|t| t.2).sum();
         }
         Ok(f)
     }
@@ -235,7 +236,8 @@ impl ModelFacts {
     pub fn from_gguf_as(path: &Path, dtype: crate::gguf::import::OutDtype) -> Result<ModelFacts> {
         let f = crate::gguf::GgufFile::open(path)?;
         let cfg = crate::gguf::import::hf_config(&f.header)?;
-        let elems: u64 = f.header.tensors.iter().filter(|t| t.name != "rope_freqs.weight").map(|t| t.n_elements()).sum();
+        let elems: u64 =
+            f.header.tensors.iter().filter(|t| t.name != "rope_freqs.weight").map(|t| t.n_elements()).sum();
         let b = dtype.float_bytes();
         // plus the output head kept as the file's Q8_0 blocks too (the CPU's f32 import)
         Self::from_config(&cfg, elems * b + crate::gguf::import::q8_head_bytes(&f.header, dtype), b)
@@ -266,7 +268,9 @@ impl ModelFacts {
         let num_layers = need("num_hidden_layers")?;
         let max_layers = crate::models::limits::LAYERS as u64;
         if !(1..=max_layers).contains(&num_layers) {
-            return Err(Error::ModelLoad(format!("config.json: num_hidden_layers = {num_layers} is out of range (1..={max_layers})")));
+            return Err(Error::ModelLoad(format!(
+                "config.json: num_hidden_layers = {num_layers} is out of range (1..={max_layers})"
+            )));
         }
         let hidden = need("hidden_size")?;
         let heads = need("num_attention_heads")?.max(1);
@@ -278,7 +282,8 @@ impl ModelFacts {
         if cfg.get("model_type").is_none() {
             cfg["model_type"] = Value::from(model_type.as_str());
         }
-        let layout = crate::models::arch::layout_of(&cfg).and_then(Result::ok).filter(|l| l.len() == num_layers as usize);
+        let layout =
+            crate::models::arch::layout_of(&cfg).and_then(Result::ok).filter(|l| l.len() == num_layers as usize);
         let sliding: Vec<Option<u64>> = match &layout {
             Some(l) => l
                 .iter()
@@ -293,7 +298,8 @@ impl ModelFacts {
             Some(l) => l.iter().map(|l| l.kv_elems() as u64).collect(),
             None => vec![kv_heads * head_dim * 2; num_layers as usize],
         };
-        let state_bytes = layout.as_ref().map_or(0, |l| l.iter().map(|l| l.state_bytes(act_bytes as usize) as u64).sum());
+        let state_bytes =
+            layout.as_ref().map_or(0, |l| l.iter().map(|l| l.state_bytes(act_bytes as usize) as u64).sum());
         let moe = match &layout {
             Some(l) => l
                 .iter()
@@ -748,9 +754,16 @@ mod tests {
 
     fn opts(usable: u64) -> PlanOptions {
         PlanOptions {
-            context_tokens: None, kv_bits: None, kv_group_size: 64, prefill_step: 2048, fused_attention: false,
+            context_tokens: None,
+            kv_bits: None,
+            kv_group_size: 64,
+            prefill_step: 2048,
+            fused_attention: false,
             dequant_rows: u64::MAX,
-            layers_in_flight: 1, usable_bytes: usable, stream_experts: false, expert_cache_bytes: None,
+            layers_in_flight: 1,
+            usable_bytes: usable,
+            stream_experts: false,
+            expert_cache_bytes: None,
             expert_prefetch: false,
         }
     }
@@ -761,7 +774,7 @@ mod tests {
         // 2 layers × 2 kv heads × 64 × 2 (K, V) × 4 bytes = 2048 bytes per token
         assert_eq!(f.kv_bytes(256, None, 64), 256 * 2048);
         assert_eq!(f.kv_bytes(1, None, 64), 256 * 2048); // one growth step
-        // 8-bit: 1 byte + 2 × 4 / 64 per element
+                                                         // 8-bit: 1 byte + 2 × 4 / 64 per element
         let q8 = f.kv_bytes_per_token_layer(Some(8), 64);
         assert!((q8 - 256.0 * (1.0 + 8.0 / 64.0)).abs() < 1e-9);
     }
@@ -906,7 +919,12 @@ mod tests {
         };
         // the budget of 4096 tokens with no expert cache at all: at 4096 tokens the floor does not
         // fit, the plan says so and keeps the floor; the safe context is shorter and leaves it
-        let zero = f.plan(&PlanOptions { context_tokens: Some(4096), stream_experts: true, expert_cache_bytes: Some(0), ..opts(u64::MAX) });
+        let zero = f.plan(&PlanOptions {
+            context_tokens: Some(4096),
+            stream_experts: true,
+            expert_cache_bytes: Some(0),
+            ..opts(u64::MAX)
+        });
         let budget = zero.total_bytes;
         let p = at(4096, budget);
         assert_eq!(p.expert_cache_bytes, Some(floor));

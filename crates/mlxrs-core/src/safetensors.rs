@@ -15,8 +15,8 @@ pub fn model_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = Vec::new();
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|e| Error::Io { path: index.clone(), source: e })?;
-        let v: Value =
-            serde_json::from_str(&text).map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", index.display())))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", index.display())))?;
         let mut names: Vec<String> = v
             .get("weight_map")
             .and_then(Value::as_object)
@@ -172,7 +172,9 @@ pub fn parse_header(json: &[u8], data_len: u64) -> std::result::Result<Header, S
             return Err(bad(format!("data_offsets [{begin}, {end}] begin after they end")));
         }
         if end > data_len {
-            return Err(bad(format!("data_offsets [{begin}, {end}] run past the data ({data_len} bytes): the file is truncated")));
+            return Err(bad(format!(
+                "data_offsets [{begin}, {end}] run past the data ({data_len} bytes): the file is truncated"
+            )));
         }
         let need = shape.iter().try_fold(size, |a, &d| a.checked_mul(d as u64));
         if need != Some(end - begin) {
@@ -201,7 +203,10 @@ pub fn parse_header(json: &[u8], data_len: u64) -> std::result::Result<Header, S
 pub fn read_header(path: &Path) -> Result<Header> {
     use std::io::Read;
     let bad = |why: String| {
-        Error::ModelLoad(format!("{} {why}: the download is incomplete or corrupt; re-download the model", path.display()))
+        Error::ModelLoad(format!(
+            "{} {why}: the download is incomplete or corrupt; re-download the model",
+            path.display()
+        ))
     };
     let io = |e| Error::Io { path: path.to_path_buf(), source: e };
     let mut f = std::fs::File::open(path).map_err(io)?;
@@ -237,7 +242,10 @@ mod tests {
             "empty": {"dtype": "F16", "shape": [0], "data_offsets": [32, 32]}}));
         let got = parse_header(&h, 32).unwrap();
         assert_eq!(got.tensors.len(), 3);
-        assert_eq!(got.tensors[0], TensorEntry { name: "a".into(), dtype: "F32".into(), shape: vec![2, 3], begin: 0, end: 24 });
+        assert_eq!(
+            got.tensors[0],
+            TensorEntry { name: "a".into(), dtype: "F32".into(), shape: vec![2, 3], begin: 0, end: 24 }
+        );
     }
 
     #[test]
@@ -252,7 +260,8 @@ mod tests {
         assert!(one(json!({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}), 8).contains("shape"));
         assert!(one(json!({"dtype": "F32", "shape": [4294967296u64], "data_offsets": [0, 4]}), 8).contains("shape"));
         assert!(one(json!({"dtype": "F32", "shape": [1], "data_offsets": [0]}), 8).contains("data_offsets"));
-        let huge = one(json!({"dtype": "F64", "shape": [2147483647, 2147483647, 2147483647], "data_offsets": [0, 8]}), 8);
+        let huge =
+            one(json!({"dtype": "F64", "shape": [2147483647, 2147483647, 2147483647], "data_offsets": [0, 8]}), 8);
         assert!(huge.contains("more than 2^64"), "{huge}");
         let overlap = hdr(json!({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
                                  "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}));

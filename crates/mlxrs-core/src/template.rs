@@ -120,13 +120,21 @@ fn tojson(v: JValue, kwargs: Kwargs) -> std::result::Result<JValue, minijinja::E
                 .map(|p| p.as_str().map(str::to_string))
                 .collect::<Option<Vec<_>>>()
                 .filter(|p| p.len() == 2)
-                .ok_or_else(|| minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings"))?;
+                .ok_or_else(|| {
+                    minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings")
+                })?;
             Some((parts[0].clone(), parts[1].clone()))
         }
     };
     kwargs.assert_all_used()?;
-    let style = JsonStyle { indent, ensure_ascii: ensure_ascii.unwrap_or(false), sort_keys: sort_keys.unwrap_or(false), separators };
-    let json = serde_json::to_value(&v).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let style = JsonStyle {
+        indent,
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        sort_keys: sort_keys.unwrap_or(false),
+        separators,
+    };
+    let json =
+        serde_json::to_value(&v).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
     Ok(JValue::from_safe_string(python_json(&json, &style)))
 }
 
@@ -147,7 +155,11 @@ fn py_float(f: f64) -> String {
         return format!("{m}e{}{:02}", if x < 0 { '-' } else { '+' }, x.abs());
     }
     let s = format!("{f}");
-    if s.contains('.') { s } else { format!("{s}.0") }
+    if s.contains('.') {
+        s
+    } else {
+        format!("{s}.0")
+    }
 }
 
 /// A string as Python's `repr` writes it: single quotes unless the string has one and no double one.
@@ -219,7 +231,9 @@ fn py_str(v: &JValue) -> String {
             py_repr(v, &mut s);
             s
         }
-        ValueKind::Number if v.as_i64().is_none() => f64::try_from(v.clone()).map(py_float).unwrap_or_else(|_| v.to_string()),
+        ValueKind::Number if v.as_i64().is_none() => {
+            f64::try_from(v.clone()).map(py_float).unwrap_or_else(|_| v.to_string())
+        }
         _ => v.to_string(),
     }
 }
@@ -230,7 +244,10 @@ fn length(v: JValue) -> std::result::Result<usize, minijinja::Error> {
         return Ok(0);
     }
     v.len().ok_or_else(|| {
-        minijinja::Error::new(ErrorKind::InvalidOperation, format!("cannot calculate length of value of type {}", v.kind()))
+        minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("cannot calculate length of value of type {}", v.kind()),
+        )
     })
 }
 
@@ -300,13 +317,26 @@ fn civil(days: i64) -> (i64, u32, u32) {
 
 /// `strftime_now(fmt)` in UTC for the directives templates use.
 pub fn strftime_now(fmt: &str) -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     strftime(secs, fmt)
 }
 
 pub fn strftime(secs: i64, fmt: &str) -> String {
-    const MONTHS: [&str; 12] =
-        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
     const DAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
     let days = secs.div_euclid(86_400);
     let rem = secs.rem_euclid(86_400);
@@ -413,13 +443,21 @@ mod tests {
 
     fn render(src: &str, messages: Value) -> String {
         let extra = serde_json::Map::new();
-        let input = ChatInput { messages: &messages, tools: None, add_generation_prompt: false, bos_token: None, eos_token: None, extra: &extra };
+        let input = ChatInput {
+            messages: &messages,
+            tools: None,
+            add_generation_prompt: false,
+            bos_token: None,
+            eos_token: None,
+            extra: &extra,
+        };
         ChatTemplate::new(src).unwrap().render(&input).unwrap()
     }
 
     #[test]
     fn values_print_as_python_prints_them() {
-        let m = json!([{"role": "user", "content": "it's", "n": 1.5, "k": 1e-5, "b": true, "z": null, "l": [1, "a\nb"]}]);
+        let m =
+            json!([{"role": "user", "content": "it's", "n": 1.5, "k": 1e-5, "b": true, "z": null, "l": [1, "a\nb"]}]);
         // what Jinja2 prints (Python's str of a dict): checked against `python3 -c "print({...})"`
         assert_eq!(
             render("{{ messages[0] }}|{{ messages[0] | string }}|{{ true }}|{{ none }}", m),
@@ -431,19 +469,37 @@ mod tests {
     fn tojson_options() {
         let m = json!([{"b": "°C", "a": [1, 2]}]);
         assert_eq!(render("{{ messages[0] | tojson }}", m.clone()), r#"{"b": "°C", "a": [1, 2]}"#);
-        assert_eq!(render("{{ messages[0] | tojson(ensure_ascii=True) }}", m.clone()), r#"{"b": "\u00b0C", "a": [1, 2]}"#);
-        assert_eq!(render("{{ messages[0] | tojson(sort_keys=True, separators=(',', ':')) }}", m.clone()), r#"{"a":[1,2],"b":"°C"}"#);
-        assert_eq!(render("{{ messages[0] | tojson(indent=2) }}", m), "{\n  \"b\": \"°C\",\n  \"a\": [\n    1,\n    2\n  ]\n}");
+        assert_eq!(
+            render("{{ messages[0] | tojson(ensure_ascii=True) }}", m.clone()),
+            r#"{"b": "\u00b0C", "a": [1, 2]}"#
+        );
+        assert_eq!(
+            render("{{ messages[0] | tojson(sort_keys=True, separators=(',', ':')) }}", m.clone()),
+            r#"{"a":[1,2],"b":"°C"}"#
+        );
+        assert_eq!(
+            render("{{ messages[0] | tojson(indent=2) }}", m),
+            "{\n  \"b\": \"°C\",\n  \"a\": [\n    1,\n    2\n  ]\n}"
+        );
     }
 
     #[test]
     fn length_iterable_and_generation_blocks() {
         let m = json!([{"role": "assistant"}]);
-        assert_eq!(render("{{ messages[0].content | length }}|{{ none is iterable }}|{{ messages is iterable }}", m.clone()), "0|False|True");
         assert_eq!(
-            render("{%- for m in messages -%}\n{%- generation -%}\n[{{ m.role }}]\n{%- endgeneration -%}\n{%- endfor -%}", m),
+            render("{{ messages[0].content | length }}|{{ none is iterable }}|{{ messages is iterable }}", m.clone()),
+            "0|False|True"
+        );
+        assert_eq!(
+            render(
+                "{%- for m in messages -%}\n{%- generation -%}\n[{{ m.role }}]\n{%- endgeneration -%}\n{%- endfor -%}",
+                m
+            ),
             "[assistant]"
         );
-        assert_eq!(rewrite_generation_blocks("a{% generation %}b{%- endgeneration +%}c{{ x }}"), "a{% if true %}b{%- endif +%}c{{ x }}");
+        assert_eq!(
+            rewrite_generation_blocks("a{% generation %}b{%- endgeneration +%}c{{ x }}"),
+            "a{% if true %}b{%- endif +%}c{{ x }}"
+        );
     }
 }

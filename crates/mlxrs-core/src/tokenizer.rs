@@ -80,8 +80,8 @@ impl Tokenizer {
                 dir.display()
             )));
         }
-        let inner = tokenizers::Tokenizer::from_file(&tj)
-            .map_err(|e| Error::ModelLoad(format!("{}: {e}", tj.display())))?;
+        let inner =
+            tokenizers::Tokenizer::from_file(&tj).map_err(|e| Error::ModelLoad(format!("{}: {e}", tj.display())))?;
         let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let gc = generation_config(dir)?;
         let bos_token = token_str(tc.get("bos_token"));
@@ -192,7 +192,9 @@ impl StopMatcher {
             return (text.to_string(), None);
         }
         self.held.push_str(text);
-        if let Some((pos, s)) = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|p| (p, s))).min_by_key(|x| x.0) {
+        if let Some((pos, s)) =
+            self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|p| (p, s))).min_by_key(|x| x.0)
+        {
             let out = self.held[..pos].to_string();
             let s = s.clone();
             self.held.clear();

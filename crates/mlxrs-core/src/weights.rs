@@ -1,12 +1,12 @@
 //! Model weights: safetensors files (sharded or not), and MLX's quantization config.
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, Dtype, QuantMode};
+use crate::models::experts::{Streaming, TensorLoc};
 use crate::safetensors;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use crate::models::experts::{Streaming, TensorLoc};
 
 /// Quantization parameters of one layer: MLX's group size, bits and mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,16 +29,19 @@ fn parse_spec(v: &Value, field: &str) -> Result<QuantSpec> {
         None | Some(Value::Null) => QuantMode::Affine,
         Some(m) => m.as_str().and_then(QuantMode::parse).ok_or_else(|| {
             let names: Vec<&str> = QuantMode::ALL.iter().map(|m| m.name()).collect();
-            Error::ModelLoad(format!("config.json: {field}.mode = {m} is not a quantization mode MLX supports ({names:?})"))
+            Error::ModelLoad(format!(
+                "config.json: {field}.mode = {m} is not a quantization mode MLX supports ({names:?})"
+            ))
         })?,
     };
     let (dg, db) = mode.defaults();
     let int = |k: &str, d: i32| -> Result<i32> {
         match v.get(k) {
             None | Some(Value::Null) => Ok(d),
-            Some(x) => x.as_i64().and_then(|x| i32::try_from(x).ok()).ok_or_else(|| {
-                Error::ModelLoad(format!("config.json: {field}.{k} = {x} is not an integer"))
-            }),
+            Some(x) => x
+                .as_i64()
+                .and_then(|x| i32::try_from(x).ok())
+                .ok_or_else(|| Error::ModelLoad(format!("config.json: {field}.{k} = {x} is not an integer"))),
         }
     };
     Ok(QuantSpec { group_size: int("group_size", dg)?, bits: int("bits", db)?, mode })
@@ -69,7 +72,10 @@ fn fp8_config(q: &Value) -> Option<&Value> {
 /// as mxfp8, are refused.
 pub fn fp8_block(config: &Value) -> Result<Option<(i32, i32)>> {
     let text = config.get("text_config").filter(|t| t.is_object());
-    let Some(q) = config.get("quantization_config").or_else(|| text.and_then(|t| t.get("quantization_config"))).and_then(fp8_config)
+    let Some(q) = config
+        .get("quantization_config")
+        .or_else(|| text.and_then(|t| t.get("quantization_config")))
+        .and_then(fp8_config)
     else {
         return Ok(None);
     };
@@ -80,8 +86,12 @@ pub fn fp8_block(config: &Value) -> Result<Option<(i32, i32)>> {
     }
     let Some(b) = q.get("weight_block_size").filter(|b| !b.is_null()) else { return Ok(Some((128, 128))) };
     match b.as_array().map(|a| a.iter().map(Value::as_i64).collect::<Vec<_>>()).as_deref() {
-        Some([Some(r), Some(c)]) if (1..=1 << 16).contains(r) && (1..=1 << 16).contains(c) => Ok(Some((*r as i32, *c as i32))),
-        _ => Err(Error::ModelLoad(format!("config.json: quantization_config.weight_block_size = {b} is not [rows, cols] of positive sizes"))),
+        Some([Some(r), Some(c)]) if (1..=1 << 16).contains(r) && (1..=1 << 16).contains(c) => {
+            Ok(Some((*r as i32, *c as i32)))
+        }
+        _ => Err(Error::ModelLoad(format!(
+            "config.json: quantization_config.weight_block_size = {b} is not [rows, cols] of positive sizes"
+        ))),
     }
 }
 
@@ -98,19 +108,28 @@ pub fn dequantize_fp8(config: &Value, w: &mut Weights) -> Result<()> {
     let mut scales: Vec<String> = w.keys().filter(|k| k.ends_with("_scale_inv")).cloned().collect();
     scales.sort();
     if w.streaming().is_some() && !scales.is_empty() {
-        return Err(Error::Unsupported("an FP8 checkpoint with streamed experts (dequantize it with mlx_lm.convert first)".into()));
+        return Err(Error::Unsupported(
+            "an FP8 checkpoint with streamed experts (dequantize it with mlx_lm.convert first)".into(),
+        ));
     }
     for sk in scales {
         let wk = sk.replacen("_scale_inv", "", 1);
-        let codes = w.remove(&wk).ok_or_else(|| Error::ModelLoad(format!("weight {sk} has no {wk} to scale: the checkpoint is incomplete")))?;
+        let codes = w.remove(&wk).ok_or_else(|| {
+            Error::ModelLoad(format!("weight {sk} has no {wk} to scale: the checkpoint is incomplete"))
+        })?;
         let scale = w.take(&sk)?;
         if codes.dtype() != mx::Dtype::Uint8 {
-            return Err(Error::ModelLoad(format!("weight {wk} is {:?}, not FP8 (F8_E4M3), yet has a {sk}", codes.dtype())));
+            return Err(Error::ModelLoad(format!(
+                "weight {wk} is {:?}, not FP8 (F8_E4M3), yet has a {sk}",
+                codes.dtype()
+            )));
         }
         w.insert(wk.clone(), fp8_dequantize(&wk, &codes, &scale, block)?);
     }
     if let Some(k) = w.first_fp8() {
-        return Err(Error::ModelLoad(format!("weight {k} is FP8 (F8_E4M3) but the checkpoint has no {k}_scale_inv for it")));
+        return Err(Error::ModelLoad(format!(
+            "weight {k} is FP8 (F8_E4M3) but the checkpoint has no {k}_scale_inv for it"
+        )));
     }
     Ok(())
 }
@@ -171,18 +190,33 @@ fn load_file(path: &Path, locations: &mut HashMap<String, TensorLoc>) -> Result<
     let len = file.metadata().map_err(|e| Error::Io { path: path.to_path_buf(), source: e })?.len();
     let (file, shared_path) = (Arc::new(file), Arc::new(path.to_path_buf()));
     for t in &header.tensors {
-        let loc = TensorLoc { file: file.clone(), path: shared_path.clone(), data_start: len - header.data_len, entry: t.clone() };
+        let loc = TensorLoc {
+            file: file.clone(),
+            path: shared_path.clone(),
+            data_start: len - header.data_len,
+            entry: t.clone(),
+        };
         locations.insert(t.name.clone(), loc);
     }
-    let (tensors, _meta) = mx::load_safetensors(path).map_err(|e| Error::ModelLoad(format!("{}: {e}", path.display())))?;
-    let disagree = |what: String| Error::ModelLoad(format!("{}: MLX read {what}: the file is corrupt; re-download the model", path.display()));
+    let (tensors, _meta) =
+        mx::load_safetensors(path).map_err(|e| Error::ModelLoad(format!("{}: {e}", path.display())))?;
+    let disagree = |what: String| {
+        Error::ModelLoad(format!("{}: MLX read {what}: the file is corrupt; re-download the model", path.display()))
+    };
     if tensors.len() != header.tensors.len() {
         return Err(disagree(format!("{} tensors where the header lists {}", tensors.len(), header.tensors.len())));
     }
     for t in &header.tensors {
         let a = tensors.get(&t.name).ok_or_else(|| disagree(format!("no tensor {}", t.name)))?;
         if a.shape() != t.shape || a.dtype() != t.mlx_dtype() {
-            return Err(disagree(format!("tensor {} as {:?} {:?} (the header: {} {:?})", t.name, a.dtype(), a.shape(), t.dtype, t.shape)));
+            return Err(disagree(format!(
+                "tensor {} as {:?} {:?} (the header: {} {:?})",
+                t.name,
+                a.dtype(),
+                a.shape(),
+                t.dtype,
+                t.shape
+            )));
         }
     }
     Ok(tensors.into_iter().collect())
@@ -293,14 +327,12 @@ impl Weights {
     }
 
     pub fn take(&mut self, name: &str) -> Result<Array> {
-        self.map
-            .remove(name)
-            .ok_or_else(|| {
-                Error::ModelLoad(format!(
-                    "weight {name} is missing from the checkpoint: the *.safetensors files are incomplete or do not \
+        self.map.remove(name).ok_or_else(|| {
+            Error::ModelLoad(format!(
+                "weight {name} is missing from the checkpoint: the *.safetensors files are incomplete or do not \
                      match config.json; re-download or re-convert the model"
-                ))
-            })
+            ))
+        })
     }
 
     /// Take a float tensor whose shape must be `want`.
@@ -310,7 +342,10 @@ impl Weights {
             return Err(shape_error(name, &a.shape(), &format!("{want:?}")));
         }
         if !a.dtype().is_float() {
-            return Err(Error::ModelLoad(format!("weight {name} is {}, not a float type: re-convert the model", a.dtype().name())));
+            return Err(Error::ModelLoad(format!(
+                "weight {name} is {}, not a float type: re-convert the model",
+                a.dtype().name()
+            )));
         }
         Ok(a)
     }
@@ -459,7 +494,11 @@ mod tests {
         assert!(matches!(w.take_matrix("a", 4, 64).unwrap(), Matrix::Quant { biases: None, .. }));
         assert!(matches!(w.take_matrix("b", 4, 64).unwrap(), Matrix::Quant { biases: Some(_), .. }));
         // Hugging Face's quantization_config (gpt-oss's release)
-        let w = Weights::from_map(quantized("a", QuantMode::Mxfp4), &json!({"quantization_config": {"quant_method": "mxfp4"}})).unwrap();
+        let w = Weights::from_map(
+            quantized("a", QuantMode::Mxfp4),
+            &json!({"quantization_config": {"quant_method": "mxfp4"}}),
+        )
+        .unwrap();
         assert_eq!(w.quant_of("a").map(|q| q.mode), Some(QuantMode::Mxfp4));
     }
 
@@ -503,8 +542,16 @@ mod fp8_tests {
     fn block_and_tensor_scales() {
         let c = cfg(json!([2, 2]));
         let scale = Array::from_slice(&[1.0f32, 2.0, 4.0, 8.0, 16.0, 32.0], &[2, 3]).unwrap();
-        let mut w = weights(vec![("a.weight", codes(&[3, 5])), ("a.weight_scale_inv", scale), ("b.weight", codes(&[2, 2])),
-                                 ("b.weight_scale_inv", Array::scalar(0.25f32).unwrap()), ("b.activation_scale", Array::scalar(1.0f32).unwrap())], &c);
+        let mut w = weights(
+            vec![
+                ("a.weight", codes(&[3, 5])),
+                ("a.weight_scale_inv", scale),
+                ("b.weight", codes(&[2, 2])),
+                ("b.weight_scale_inv", Array::scalar(0.25f32).unwrap()),
+                ("b.activation_scale", Array::scalar(1.0f32).unwrap()),
+            ],
+            &c,
+        );
         assert_eq!(w.default_q, None);
         dequantize_fp8(&c, &mut w).unwrap();
         let a = w.take("a.weight").unwrap();

@@ -36,9 +36,7 @@ impl Params<'_> {
         self.get(k).map(|v| v.as_i64().ok_or_else(|| self.bad(k, "an integer"))).transpose()
     }
     fn i32_opt(&self, k: &str) -> Result<Option<i32>> {
-        self.i64_opt(k)?
-            .map(|v| i32::try_from(v).map_err(|_| self.bad(k, "a 32-bit integer")))
-            .transpose()
+        self.i64_opt(k)?.map(|v| i32::try_from(v).map_err(|_| self.bad(k, "a 32-bit integer"))).transpose()
     }
     fn i32(&self, k: &str, d: i32) -> Result<i32> {
         Ok(self.i32_opt(k)?.unwrap_or(d))
@@ -68,7 +66,9 @@ impl Params<'_> {
         let Some(v) = self.get(k) else { return Ok(None) };
         let arr = v.as_array().ok_or_else(|| self.bad(k, "a list of integers"))?;
         arr.iter()
-            .map(|x| x.as_i64().and_then(|x| i32::try_from(x).ok()).ok_or_else(|| self.bad(k, "a list of 32-bit integers")))
+            .map(|x| {
+                x.as_i64().and_then(|x| i32::try_from(x).ok()).ok_or_else(|| self.bad(k, "a list of 32-bit integers"))
+            })
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }
@@ -211,32 +211,124 @@ fn reduce_fn(name: &str) -> Option<ReduceFn> {
 #[cfg(test)]
 pub const OPS: &[&str] = &[
     // unary
-    "exp", "log", "log1p", "sqrt", "rsqrt", "negative", "abs", "sigmoid", "tanh", "erf", "square", "sin", "cos",
-    "floor", "ceil", "logical_not", "isnan", "isinf", "stop_gradient", "copy",
+    "exp",
+    "log",
+    "log1p",
+    "sqrt",
+    "rsqrt",
+    "negative",
+    "abs",
+    "sigmoid",
+    "tanh",
+    "erf",
+    "square",
+    "sin",
+    "cos",
+    "floor",
+    "ceil",
+    "logical_not",
+    "isnan",
+    "isinf",
+    "stop_gradient",
+    "copy",
     // binary
-    "add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "matmul", "floor_divide", "remainder",
-    "greater", "greater_equal", "less", "less_equal", "equal", "not_equal", "logical_and", "logical_or",
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "maximum",
+    "minimum",
+    "power",
+    "matmul",
+    "floor_divide",
+    "remainder",
+    "greater",
+    "greater_equal",
+    "less",
+    "less_equal",
+    "equal",
+    "not_equal",
+    "logical_and",
+    "logical_or",
     // misc elementwise
-    "scalar_as", "addmm", "where", "clip", "astype", "view", "contiguous",
+    "scalar_as",
+    "addmm",
+    "where",
+    "clip",
+    "astype",
+    "view",
+    "contiguous",
     // creation
-    "zeros", "ones", "full", "arange",
+    "zeros",
+    "ones",
+    "full",
+    "arange",
     // shape
-    "reshape", "transpose", "swapaxes", "expand_dims", "squeeze", "flatten", "broadcast_to", "concatenate", "stack",
-    "split", "repeat", "pad",
+    "reshape",
+    "transpose",
+    "swapaxes",
+    "expand_dims",
+    "squeeze",
+    "flatten",
+    "broadcast_to",
+    "concatenate",
+    "stack",
+    "split",
+    "repeat",
+    "pad",
     // indexing
-    "slice", "slice_axis", "slice_update", "take", "take_along_axis", "put_along_axis", "gather",
+    "slice",
+    "slice_axis",
+    "slice_update",
+    "take",
+    "take_along_axis",
+    "put_along_axis",
+    "gather",
     // reductions and friends
-    "sum", "mean", "max", "min", "logsumexp", "argmax", "argmin", "softmax", "cumsum", "argpartition", "partition",
-    "topk", "sort", "argsort", "tril", "triu",
+    "sum",
+    "mean",
+    "max",
+    "min",
+    "logsumexp",
+    "argmax",
+    "argmin",
+    "softmax",
+    "cumsum",
+    "argpartition",
+    "partition",
+    "topk",
+    "sort",
+    "argsort",
+    "tril",
+    "triu",
     // quantization
-    "quantize", "dequantize", "quantized_matmul", "gather_mm", "gather_qmm",
+    "quantize",
+    "dequantize",
+    "quantized_matmul",
+    "gather_mm",
+    "gather_qmm",
     // fast kernels
-    "rms_norm", "layer_norm", "rope", "scaled_dot_product_attention", "gated_delta_ops", "gated_delta_kernel",
+    "rms_norm",
+    "layer_norm",
+    "rope",
+    "scaled_dot_product_attention",
+    "gated_delta_ops",
+    "gated_delta_kernel",
     // random
-    "random_key", "random_split", "random_uniform", "random_normal", "random_gumbel", "random_categorical",
+    "random_key",
+    "random_split",
+    "random_uniform",
+    "random_normal",
+    "random_gumbel",
+    "random_categorical",
     "random_seed",
     // evaluation, compile, io
-    "eval", "async_eval", "compiled", "save_safetensors", "load_safetensors", "safetensors_roundtrip",
+    "eval",
+    "async_eval",
+    "compiled",
+    "save_safetensors",
+    "load_safetensors",
+    "safetensors_roundtrip",
 ];
 
 type ArrayFn = fn(&[Array]) -> Result<Vec<Array>>;
@@ -440,7 +532,16 @@ fn run(name: &str, x: &Inputs<'_>, p: &Params<'_>) -> Result<Vec<Array>> {
         "quantized_matmul" => {
             let (a, w, s) = (x.req()?, x.req()?, x.req()?);
             let b = x.opt("biases")?;
-            one(quantized_matmul(a, w, s, b, p.bool("transpose", true)?, p.i32("group_size", 64)?, p.i32("bits", 4)?, QuantMode::Affine))
+            one(quantized_matmul(
+                a,
+                w,
+                s,
+                b,
+                p.bool("transpose", true)?,
+                p.i32("group_size", 64)?,
+                p.i32("bits", 4)?,
+                QuantMode::Affine,
+            ))
         }
         "gather_mm" => {
             let (a, b) = (x.req()?, x.req()?);
@@ -562,7 +663,8 @@ fn run(name: &str, x: &Inputs<'_>, p: &Params<'_>) -> Result<Vec<Array>> {
         }
         "compiled" => {
             let expr = p.str_opt("fn")?.unwrap_or("x*y+x");
-            let f = compiled_fn(expr).ok_or_else(|| Error::Invalid(format!("{name}: no compiled function {expr:?}")))?;
+            let f =
+                compiled_fn(expr).ok_or_else(|| Error::Invalid(format!("{name}: no compiled function {expr:?}")))?;
             let c = Compiled::new(f, p.bool("shapeless", false)?)?;
             let args = x.rest();
             // calling more than once reuses the trace
@@ -621,7 +723,9 @@ mod tests {
                 assert!(!msg.starts_with("unknown op"), "{op}: {msg}");
             }
         }
-        assert!(matches!(dispatch("no_such_op", none, &Value::Null), Err(Error::Invalid(m)) if m.contains("unknown op")));
+        assert!(
+            matches!(dispatch("no_such_op", none, &Value::Null), Err(Error::Invalid(m)) if m.contains("unknown op"))
+        );
     }
 
     #[test]

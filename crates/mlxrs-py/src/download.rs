@@ -57,10 +57,15 @@ pub fn download<'py>(
     let expected = match (sha256, git_sha1) {
         (Some(h), None) => Expected::Sha256(h),
         (None, Some(h)) => Expected::GitBlobSha1(h),
-        _ => return Err(download_error(py, DownloadError::Invalid("pass exactly one of sha256= and git_sha1=".into()))),
+        _ => {
+            return Err(download_error(py, DownloadError::Invalid("pass exactly one of sha256= and git_sha1=".into())))
+        }
     };
     if !(backoff.is_finite() && backoff >= 0.0) {
-        return Err(download_error(py, DownloadError::Invalid(format!("backoff must be >= 0 seconds (got {backoff})"))));
+        return Err(download_error(
+            py,
+            DownloadError::Invalid(format!("backoff must be >= 0 seconds (got {backoff})")),
+        ));
     }
     let mut req = dl::Request::new(url, dest, expected);
     req.size = size;
@@ -176,7 +181,12 @@ pub fn native_pack_install<'py>(
         let mut waiting = || {
             call(&on_wait, None);
         };
-        let r = native_pack::install(backend, &src, force, native_pack::Hooks { progress: &mut prog, waiting: &mut waiting });
+        let r = native_pack::install(
+            backend,
+            &src,
+            force,
+            native_pack::Hooks { progress: &mut prog, waiting: &mut waiting },
+        );
         (r, raised.into_inner())
     });
     let out = settle(py, result, raised)?;

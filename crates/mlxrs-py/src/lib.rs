@@ -36,9 +36,12 @@ pub(crate) fn native<T: Send>(py: Python<'_>, f: impl FnOnce() -> mlxrs_core::Re
     match py.allow_threads(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))) {
         Ok(r) => r.py(py),
         Err(p) => {
-            let msg = format!("internal error in mlxrs: {} (a bug: please report it)", mlxrs_core::engine::panic_text(&*p));
+            let msg =
+                format!("internal error in mlxrs: {} (a bug: please report it)", mlxrs_core::engine::panic_text(&*p));
             match py.import("mlxrs.errors").and_then(|m| m.getattr("MlxrsError")) {
-                Ok(c) => Err(PyErr::from_value(c.call1((msg,)).unwrap_or_else(|err| err.into_value(py).into_bound(py).into_any()))),
+                Ok(c) => Err(PyErr::from_value(
+                    c.call1((msg,)).unwrap_or_else(|err| err.into_value(py).into_bound(py).into_any()),
+                )),
                 Err(_) => Err(PyValueError::new_err(msg)),
             }
         }
@@ -70,8 +73,11 @@ fn runtime_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         for (k, v) in m {
             let val: PyObject = match v {
                 serde_json::Value::Null => py.None(),
-                serde_json::Value::Number(n) => n.as_u64().map(|u| u.into_pyobject(py).map(|o| o.into_any().unbind()))
-                    .transpose()?.unwrap_or_else(|| py.None()),
+                serde_json::Value::Number(n) => n
+                    .as_u64()
+                    .map(|u| u.into_pyobject(py).map(|o| o.into_any().unbind()))
+                    .transpose()?
+                    .unwrap_or_else(|| py.None()),
                 serde_json::Value::String(s) => s.into_pyobject(py)?.into_any().unbind(),
                 other => other.to_string().into_pyobject(py)?.into_any().unbind(),
             };
@@ -177,7 +183,9 @@ fn _op(py: Python<'_>, name: &str, inputs: Vec<(Vec<u8>, Vec<i32>, String)>, par
 /// Decode a WAV clip as the audio path does: (mono float32 samples, sample rate).
 #[pyfunction]
 fn _audio_decode(py: Python<'_>, data: Vec<u8>) -> PyResult<(Vec<f32>, u32)> {
-    let w = crate::native(py, move || mlxrs_core::vision::audio::decode(&data, &mlxrs_core::vision::audio::DEFAULT_AUDIO_LIMITS, "audio"))?;
+    let w = crate::native(py, move || {
+        mlxrs_core::vision::audio::decode(&data, &mlxrs_core::vision::audio::DEFAULT_AUDIO_LIMITS, "audio")
+    })?;
     Ok((w.samples, w.rate))
 }
 
@@ -222,10 +230,16 @@ fn _gguf_dequantize<'py>(py: Python<'py>, ty: u32, raw: &[u8], n: usize) -> PyRe
 /// [(name, row-major shape, ggml type id, offset)], data offset).
 #[pyfunction]
 #[allow(clippy::type_complexity)] // the Python tuple it returns, spelled out
-fn _gguf_header(py: Python<'_>, data: Option<&[u8]>, path: Option<std::path::PathBuf>) -> PyResult<(u32, String, Vec<(String, Vec<u64>, u32, u64)>, u64)> {
+fn _gguf_header(
+    py: Python<'_>,
+    data: Option<&[u8]>,
+    path: Option<std::path::PathBuf>,
+) -> PyResult<(u32, String, Vec<(String, Vec<u64>, u32, u64)>, u64)> {
     use mlxrs_core::gguf::{reader, GgmlType};
     let h = match (data, path) {
-        (Some(d), _) => native(py, || reader::parse_header(d, d.len() as u64).map_err(|e| Error::ModelLoad(e.to_string())))?,
+        (Some(d), _) => {
+            native(py, || reader::parse_header(d, d.len() as u64).map_err(|e| Error::ModelLoad(e.to_string())))?
+        }
         (None, Some(p)) => native(py, || mlxrs_core::gguf::GgufFile::open(&p))?.header,
         _ => return Err(PyValueError::new_err("pass data or path")),
     };
@@ -236,9 +250,18 @@ fn _gguf_header(py: Python<'_>, data: Option<&[u8]>, path: Option<std::path::Pat
         .map(|t| {
             let id = match t.ty {
                 GgmlType::Other(i) => i,
-                GgmlType::F32 => 0, GgmlType::F16 => 1, GgmlType::Q4_0 => 2, GgmlType::Q4_1 => 3,
-                GgmlType::Q5_0 => 6, GgmlType::Q5_1 => 7, GgmlType::Q8_0 => 8, GgmlType::Q2K => 10,
-                GgmlType::Q3K => 11, GgmlType::Q4K => 12, GgmlType::Q5K => 13, GgmlType::Q6K => 14,
+                GgmlType::F32 => 0,
+                GgmlType::F16 => 1,
+                GgmlType::Q4_0 => 2,
+                GgmlType::Q4_1 => 3,
+                GgmlType::Q5_0 => 6,
+                GgmlType::Q5_1 => 7,
+                GgmlType::Q8_0 => 8,
+                GgmlType::Q2K => 10,
+                GgmlType::Q3K => 11,
+                GgmlType::Q4K => 12,
+                GgmlType::Q5K => 13,
+                GgmlType::Q6K => 14,
                 GgmlType::BF16 => 30,
             };
             (t.name.clone(), t.shape(), id, t.offset)
@@ -285,7 +308,13 @@ fn _gguf_tokenizer(py: Python<'_>, path: std::path::PathBuf) -> PyResult<(String
 /// called as tensors are converted.
 #[pyfunction]
 #[pyo3(signature = (src, out, dtype="bf16", progress=None))]
-fn gguf_import(py: Python<'_>, src: std::path::PathBuf, out: std::path::PathBuf, dtype: &str, progress: Option<PyObject>) -> PyResult<()> {
+fn gguf_import(
+    py: Python<'_>,
+    src: std::path::PathBuf,
+    out: std::path::PathBuf,
+    dtype: &str,
+    progress: Option<PyObject>,
+) -> PyResult<()> {
     use mlxrs_core::gguf::import;
     let d = import::OutDtype::parse(dtype).py(py)?;
     native(py, || {

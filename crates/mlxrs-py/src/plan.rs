@@ -84,7 +84,12 @@ pub fn device_memory(py: Python<'_>) -> (u64, String) {
 /// fields of `ModelFacts` plus `kv_bytes_per_token_layer` for `kv_bits` (None: unquantized).
 #[pyfunction]
 #[pyo3(signature = (model_dir, kv_bits=None, kv_group_size=64))]
-pub fn model_facts(py: Python<'_>, model_dir: std::path::PathBuf, kv_bits: Option<u32>, kv_group_size: u64) -> PyResult<String> {
+pub fn model_facts(
+    py: Python<'_>,
+    model_dir: std::path::PathBuf,
+    kv_bits: Option<u32>,
+    kv_group_size: u64,
+) -> PyResult<String> {
     let facts = crate::native(py, || ModelFacts::from_path(&model_dir))?;
     let mut v = serde_json::to_value(&facts).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
     v["kv_bytes_per_token_layer"] = serde_json::json!(facts.kv_bytes_per_token_layer(kv_bits, kv_group_size.max(1)));

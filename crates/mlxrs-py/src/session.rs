@@ -13,7 +13,8 @@ use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 
 fn json_arg(s: Option<&str>, what: &str) -> PyResult<Option<Value>> {
-    s.map(|s| serde_json::from_str(s).map_err(|e| PyValueError::new_err(format!("{what}: invalid JSON: {e}")))).transpose()
+    s.map(|s| serde_json::from_str(s).map_err(|e| PyValueError::new_err(format!("{what}: invalid JSON: {e}"))))
+        .transpose()
 }
 
 #[pyclass(module = "mlxrs._native")]
@@ -76,20 +77,41 @@ impl AudioClip {
 
 impl Session {
     /// Decode and featurize audio clips (off the GIL) with the limits in `params`.
-    fn clips(&self, py: Python<'_>, e: &Arc<Engine>, params: &Value, clips: Vec<(Vec<u8>, String)>) -> PyResult<Vec<AudioClip>> {
+    fn clips(
+        &self,
+        py: Python<'_>,
+        e: &Arc<Engine>,
+        params: &Value,
+        clips: Vec<(Vec<u8>, String)>,
+    ) -> PyResult<Vec<AudioClip>> {
         let a = e.audio_processor().py(py)?.clone();
         let limits = audio_limits(params);
         let mels = crate::native(py, move || {
-            clips.iter().map(|(b, what)| a.mel(b, &limits, what).map(|m| (a.tokens_for(m.samples), Arc::new(m)))).collect::<Result<Vec<_>, Error>>()
+            clips
+                .iter()
+                .map(|(b, what)| a.mel(b, &limits, what).map(|m| (a.tokens_for(m.samples), Arc::new(m))))
+                .collect::<Result<Vec<_>, Error>>()
         })?;
         Ok(mels.into_iter().map(|(tokens, mel)| AudioClip { mel, tokens }).collect())
     }
 
     /// Decode and preprocess images (off the GIL) with the limits in `params`.
-    fn pixels(&self, py: Python<'_>, e: &Arc<Engine>, params: &Value, images: Vec<(Vec<u8>, String)>)
-              -> PyResult<Vec<Arc<mlxrs_core::vision::Pixels>>> {
+    fn pixels(
+        &self,
+        py: Python<'_>,
+        e: &Arc<Engine>,
+        params: &Value,
+        images: Vec<(Vec<u8>, String)>,
+    ) -> PyResult<Vec<Arc<mlxrs_core::vision::Pixels>>> {
         let v = e.vision.clone().ok_or_else(|| {
-            to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take image input", e.model_name(), e.shape.model_type)))
+            to_py(
+                py,
+                Error::Invalid(format!(
+                    "model {} ({}) has no vision tower: it cannot take image input",
+                    e.model_name(),
+                    e.shape.model_type
+                )),
+            )
         })?;
         let limits = media_limits(params);
         crate::native(py, move || {
@@ -98,13 +120,28 @@ impl Session {
     }
 
     /// Decode and preprocess a video's frames (off the GIL) with the limits in `params`.
-    fn video(&self, py: Python<'_>, e: &Arc<Engine>, params: &Value, frames: Vec<(Vec<u8>, String)>)
-             -> PyResult<Arc<mlxrs_core::vision::Pixels>> {
+    fn video(
+        &self,
+        py: Python<'_>,
+        e: &Arc<Engine>,
+        params: &Value,
+        frames: Vec<(Vec<u8>, String)>,
+    ) -> PyResult<Arc<mlxrs_core::vision::Pixels>> {
         let v = e.vision.clone().ok_or_else(|| {
-            to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take video input", e.model_name(), e.shape.model_type)))
+            to_py(
+                py,
+                Error::Invalid(format!(
+                    "model {} ({}) has no vision tower: it cannot take video input",
+                    e.model_name(),
+                    e.shape.model_type
+                )),
+            )
         })?;
         if v.video_marker().is_none() {
-            return Err(to_py(py, Error::Invalid(format!("model {} ({}) takes images but not video", e.model_name(), e.shape.model_type))));
+            return Err(to_py(
+                py,
+                Error::Invalid(format!("model {} ({}) takes images but not video", e.model_name(), e.shape.model_type)),
+            ));
         }
         let limits = media_limits(params);
         crate::native(py, move || {
@@ -181,7 +218,10 @@ pub(crate) fn request_from(params: &Value, prompt: Vec<i32>) -> Result<Request, 
     }
     if grammars.len() > 1 {
         let names: Vec<&str> = grammars.iter().map(Grammar::param).collect();
-        return Err(Error::Invalid(format!("at most one of json_schema, json_object, regex, grammar (got {})", names.join(", "))));
+        return Err(Error::Invalid(format!(
+            "at most one of json_schema, json_object, regex, grammar (got {})",
+            names.join(", ")
+        )));
     }
     Ok(Request {
         grammar: grammars.pop(),
@@ -315,9 +355,16 @@ impl Session {
     /// `video`: a video's frames (each (encoded bytes, name)), after the images in prompt order.
     #[pyo3(signature = (prompt, params="{}", hub=None, images=None, audio=None, video=None))]
     #[allow(clippy::too_many_arguments)] // the Python signature: one argument per kind of media
-    fn start(&self, py: Python<'_>, prompt: Vec<i32>, params: &str, hub: Option<&EventHub>,
-             images: Option<Vec<(Vec<u8>, String)>>, audio: Option<Vec<PyRef<'_, AudioClip>>>,
-             video: Option<Vec<(Vec<u8>, String)>>) -> PyResult<TokenStream> {
+    fn start(
+        &self,
+        py: Python<'_>,
+        prompt: Vec<i32>,
+        params: &str,
+        hub: Option<&EventHub>,
+        images: Option<Vec<(Vec<u8>, String)>>,
+        audio: Option<Vec<PyRef<'_, AudioClip>>>,
+        video: Option<Vec<(Vec<u8>, String)>>,
+    ) -> PyResult<TokenStream> {
         let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
         let mut req = request_from(&p, prompt).py(py)?;
         let e = self.engine(py)?.clone();
@@ -383,10 +430,24 @@ impl Session {
 
     /// `text` with its one video marker expanded for a video of `frames` frames of
     /// `height`×`width` (its first frame's size, from `image_sizes`).
-    fn expand_video_marker(&self, py: Python<'_>, text: &str, frames: u32, height: u32, width: u32) -> PyResult<String> {
+    fn expand_video_marker(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        frames: u32,
+        height: u32,
+        width: u32,
+    ) -> PyResult<String> {
         let e = self.engine(py)?;
         let v = e.vision.as_ref().ok_or_else(|| {
-            to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take video input", e.model_name(), e.shape.model_type)))
+            to_py(
+                py,
+                Error::Invalid(format!(
+                    "model {} ({}) has no vision tower: it cannot take video input",
+                    e.model_name(),
+                    e.shape.model_type
+                )),
+            )
         })?;
         v.expand_video(text, frames, height, width).py(py)
     }
@@ -395,10 +456,23 @@ impl Session {
     /// equal the markers' count. `sizes` (each image's (height, width), from `image_sizes`): needed
     /// when the count of image tokens depends on the image (Gemma 4; `info()["vision"]["sized"]`).
     #[pyo3(signature = (text, images, sizes=None))]
-    fn expand_image_markers(&self, py: Python<'_>, text: &str, images: usize, sizes: Option<Vec<(u32, u32)>>) -> PyResult<String> {
+    fn expand_image_markers(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        images: usize,
+        sizes: Option<Vec<(u32, u32)>>,
+    ) -> PyResult<String> {
         let e = self.engine(py)?;
         let v = e.vision.as_ref().ok_or_else(|| {
-            to_py(py, Error::Invalid(format!("model {} ({}) has no vision tower: it cannot take image input", e.model_name(), e.shape.model_type)))
+            to_py(
+                py,
+                Error::Invalid(format!(
+                    "model {} ({}) has no vision tower: it cannot take image input",
+                    e.model_name(),
+                    e.shape.model_type
+                )),
+            )
         })?;
         v.expand(text, images, sizes.as_deref()).py(py)
     }
@@ -452,8 +526,14 @@ impl Session {
     /// `audio`: clips from `audio_clips`, their embeddings at the prompt's audio tokens.
     /// `video`: a video's frames (encoded bytes), after the images.
     #[pyo3(signature = (prompt, images=None, audio=None, video=None))]
-    fn logits(&self, py: Python<'_>, prompt: Vec<i32>, images: Option<Vec<Vec<u8>>>, audio: Option<Vec<PyRef<'_, AudioClip>>>,
-              video: Option<Vec<Vec<u8>>>) -> PyResult<Vec<f32>> {
+    fn logits(
+        &self,
+        py: Python<'_>,
+        prompt: Vec<i32>,
+        images: Option<Vec<Vec<u8>>>,
+        audio: Option<Vec<PyRef<'_, AudioClip>>>,
+        video: Option<Vec<Vec<u8>>>,
+    ) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
         let mels: Vec<_> = audio.unwrap_or_default().iter().map(|c| c.mel.clone()).collect();
         let mut px = match images.filter(|v| !v.is_empty()) {
@@ -481,10 +561,13 @@ impl Session {
         let state = e.state();
         let engine = PyDict::new(py);
         engine.set_item("state", state.name())?;
-        engine.set_item("error", match &state {
-            mlxrs_core::engine::EngineState::Dead(why) => Some(why.clone()),
-            _ => None,
-        })?;
+        engine.set_item(
+            "error",
+            match &state {
+                mlxrs_core::engine::EngineState::Dead(why) => Some(why.clone()),
+                _ => None,
+            },
+        )?;
         d.set_item("engine", engine)?;
         d.set_item("model_type", &e.shape.model_type)?;
         d.set_item("model_dir", e.dir.display().to_string())?;
@@ -561,13 +644,17 @@ impl Session {
         }
         d.set_item("max_concurrency", e.options.max_concurrency)?;
         d.set_item("max_queue", e.options.max_queue)?;
-        d.set_item("experts", match &e.experts {
-            Some(x) => {
-                let r = serde_json::to_string(&x.report()).map_err(|err| to_py(py, Error::Invalid(err.to_string())))?;
-                Some(py.import("json")?.call_method1("loads", (r,))?)
-            }
-            None => None,
-        })?;
+        d.set_item(
+            "experts",
+            match &e.experts {
+                Some(x) => {
+                    let r =
+                        serde_json::to_string(&x.report()).map_err(|err| to_py(py, Error::Invalid(err.to_string())))?;
+                    Some(py.import("json")?.call_method1("loads", (r,))?)
+                }
+                None => None,
+            },
+        )?;
         Ok(d)
     }
 

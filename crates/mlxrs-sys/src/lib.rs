@@ -12,8 +12,9 @@ mod resolve;
 pub mod types;
 
 pub use generated::*;
-pub use resolve::{mlxrs_home, register_mlx_lib_dir, this_module_dir, mlx_version_near, candidate_backends, LIBMLX, LIBMLXC,
-    native_pack_dir, LoadError, Resolver, Runtime, Source, BUILT_FOR_MLX, BUILT_FOR_MLXC, NATIVE_PACK_VERSION,
+pub use resolve::{
+    candidate_backends, mlx_version_near, mlxrs_home, native_pack_dir, register_mlx_lib_dir, this_module_dir,
+    LoadError, Resolver, Runtime, Source, BUILT_FOR_MLX, BUILT_FOR_MLXC, LIBMLX, LIBMLXC, NATIVE_PACK_VERSION,
 };
 pub use types::*;
 

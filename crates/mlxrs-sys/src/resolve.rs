@@ -74,7 +74,6 @@ pub enum LoadError {
     Mismatch { path: PathBuf, detail: String },
 }
 
-
 impl std::error::Error for LoadError {}
 
 impl fmt::Display for LoadError {
@@ -245,8 +244,8 @@ impl Resolver {
         };
         let blas = match blas {
             Some((path, name, local)) => {
-                let global = open_global(Path::new(&name))
-                    .map_err(|detail| LoadError::Open { path: path.clone(), detail })?;
+                let global =
+                    open_global(Path::new(&name)).map_err(|detail| LoadError::Open { path: path.clone(), detail })?;
                 std::mem::forget(global);
                 std::mem::forget(local);
                 Some(path)

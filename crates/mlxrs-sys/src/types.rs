@@ -17,12 +17,32 @@ macro_rules! handles {
 }
 
 handles!(
-    mlx_array, mlx_closure, mlx_closure_kwargs, mlx_closure_value_and_grad, mlx_closure_custom,
-    mlx_closure_custom_jvp, mlx_closure_custom_vmap, mlx_device, mlx_device_info, mlx_distributed_group,
-    mlx_function_exporter, mlx_imported_function, mlx_fast_cuda_kernel_config, mlx_fast_cuda_kernel,
-    mlx_fast_metal_kernel_config, mlx_fast_metal_kernel, mlx_io_reader, mlx_io_writer,
-    mlx_map_string_to_array, mlx_map_string_to_string, mlx_stream, mlx_string, mlx_vector_array, mlx_vector_vector_array,
-    mlx_vector_int, mlx_vector_string,
+    mlx_array,
+    mlx_closure,
+    mlx_closure_kwargs,
+    mlx_closure_value_and_grad,
+    mlx_closure_custom,
+    mlx_closure_custom_jvp,
+    mlx_closure_custom_vmap,
+    mlx_device,
+    mlx_device_info,
+    mlx_distributed_group,
+    mlx_function_exporter,
+    mlx_imported_function,
+    mlx_fast_cuda_kernel_config,
+    mlx_fast_cuda_kernel,
+    mlx_fast_metal_kernel_config,
+    mlx_fast_metal_kernel,
+    mlx_io_reader,
+    mlx_io_writer,
+    mlx_map_string_to_array,
+    mlx_map_string_to_string,
+    mlx_stream,
+    mlx_string,
+    mlx_vector_array,
+    mlx_vector_vector_array,
+    mlx_vector_int,
+    mlx_vector_string,
 );
 
 pub type mlx_dtype = c_int;
@@ -51,13 +71,22 @@ pub type mlx_fft_norm = c_int;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct mlx_optional_int { pub value: c_int, pub has_value: bool }
+pub struct mlx_optional_int {
+    pub value: c_int,
+    pub has_value: bool,
+}
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct mlx_optional_float { pub value: f32, pub has_value: bool }
+pub struct mlx_optional_float {
+    pub value: f32,
+    pub has_value: bool,
+}
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct mlx_optional_dtype { pub value: mlx_dtype, pub has_value: bool }
+pub struct mlx_optional_dtype {
+    pub value: mlx_dtype,
+    pub has_value: bool,
+}
 
 pub type mlx_error_handler_func = unsafe extern "C" fn(msg: *const std::os::raw::c_char, data: *mut c_void);
 pub type mlx_closure_fn_payload =
@@ -67,7 +96,13 @@ pub type mlx_payload_dtor = unsafe extern "C" fn(payload: *mut c_void);
 /// Map iterators carry the map's context beside their own.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct mlx_map_string_to_array_iterator { pub ctx: *mut c_void, pub map_ctx: *mut c_void }
+pub struct mlx_map_string_to_array_iterator {
+    pub ctx: *mut c_void,
+    pub map_ctx: *mut c_void,
+}
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct mlx_map_string_to_string_iterator { pub ctx: *mut c_void, pub map_ctx: *mut c_void }
+pub struct mlx_map_string_to_string_iterator {
+    pub ctx: *mut c_void,
+    pub map_ctx: *mut c_void,
+}

@@ -130,7 +130,12 @@ fn nothing_found_lists_every_place_and_both_escapes() {
     let sidecar = t.dir("sidecar");
     let packs = vec![t.dir("pack-cuda"), t.dir("pack-cpu")];
     let systems = vec![t.dir("opt-homebrew-lib"), t.dir("usr-local-lib")];
-    let r = Resolver { sidecar_dir: Some(sidecar.clone()), pack_dirs: packs.clone(), system_dirs: systems.clone(), ..bare() };
+    let r = Resolver {
+        sidecar_dir: Some(sidecar.clone()),
+        pack_dirs: packs.clone(),
+        system_dirs: systems.clone(),
+        ..bare()
+    };
     let err = r.find().unwrap_err();
     let LoadError::NotFound { tried } = &err else { panic!("expected NotFound, got {err:?}") };
     // one entry for the unset variable, then every directory in search order

@@ -16,7 +16,13 @@ fn identical_table_passes_and_extra_functions_are_fine() {
 #[test]
 fn a_changed_signature_is_named() {
     // MLX 0.32's dequantize without the global scale: what an unpatched v0.5.0 would present
-    let t = table(|n, s| Some(if n == "mlx_dequantize" { s.replace(", mlx_array, mlx_optional_dtype", ", mlx_optional_dtype") } else { s.to_string() }));
+    let t = table(|n, s| {
+        Some(if n == "mlx_dequantize" {
+            s.replace(", mlx_array, mlx_optional_dtype", ", mlx_optional_dtype")
+        } else {
+            s.to_string()
+        })
+    });
     let msg = signature_mismatch(&t).expect("a changed signature must be reported");
     assert!(msg.contains("mlx_dequantize: library (") && msg.contains("1 function(s)"), "{msg}");
     assert!(msg.contains("python native/build.py"), "{msg}");

@@ -179,12 +179,24 @@ impl FinishReason {
 #[derive(Debug)]
 pub enum Event {
     /// Prompt tokens processed so far.
-    Progress { done: usize, total: usize },
+    Progress {
+        done: usize,
+        total: usize,
+    },
     /// One generated token and the text it completes (may be empty while a character or a
     /// possible stop string is incomplete).
-    Token { id: i32, text: String, logprob: Option<f32>, top: Vec<(i32, f32)> },
+    Token {
+        id: i32,
+        text: String,
+        logprob: Option<f32>,
+        top: Vec<(i32, f32)>,
+    },
     /// The end: why, the matched stop string if any, and statistics.
-    Done { reason: FinishReason, stop_string: Option<String>, timings: Timings },
+    Done {
+        reason: FinishReason,
+        stop_string: Option<String>,
+        timings: Timings,
+    },
     Error(Error),
 }
 
@@ -312,7 +324,10 @@ pub fn read_config(dir: &Path) -> Result<Value> {
         return Err(Error::ModelLoad(format!("model directory {} does not exist", dir.display())));
     }
     let text = std::fs::read_to_string(&p).map_err(|e| {
-        Error::ModelLoad(format!("{}: {e} (a model directory needs config.json, *.safetensors and tokenizer.json)", p.display()))
+        Error::ModelLoad(format!(
+            "{}: {e} (a model directory needs config.json, *.safetensors and tokenizer.json)",
+            p.display()
+        ))
     })?;
     serde_json::from_str(&text).map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", p.display())))
 }
@@ -335,46 +350,49 @@ impl Engine {
             s.set_prefetch(options.expert_prefetch.unwrap_or(models::experts::PREFETCH_DEFAULT));
             s
         });
-        let (d, cfg, opts, st, tk) = (dir.to_path_buf(), config.clone(), options.clone(), stats.clone(), tokenizer.clone());
+        let (d, cfg, opts, st, tk) =
+            (dir.to_path_buf(), config.clone(), options.clone(), stats.clone(), tokenizer.clone());
         let ctx = streaming.clone();
         let thread = std::thread::Builder::new()
             .name("mlxrs-engine".into())
             .spawn(move || {
-                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Box<dyn CausalLm>, Option<crate::vision::Tower>, usize)> {
-                    let mut weights = Weights::load_dir(&d, &cfg)?;
-                    if let Some(c) = &ctx {
-                        weights.stream_experts(c.clone());
-                    }
-                    let lora = if opts.adapters.is_empty() {
-                        None
-                    } else {
-                        let reg = Arc::new(crate::lora::Registry::load(&opts.adapters, &cfg)?);
-                        weights.set_lora(reg.clone());
-                        Some(reg)
-                    };
-                    let bytes = weights.nbytes() + lora.as_ref().map_or(0, |r| r.nbytes());
-                    let tower = crate::vision::load(&cfg, &mut weights, vproc).map_err(|e| match e {
-                        Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
-                        e => e,
-                    })?;
-                    // the config's and the weights' checks name the field or tensor; say which model
-                    let model = models::build(&cfg, weights).map_err(|e| match e {
-                        Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
-                        e => e,
-                    })?;
-                    if let Some(reg) = &lora {
-                        reg.check_consumed()?;
-                    }
-                    // the streamed experts' arrays were dropped unread: not in memory
-                    let bytes = match &ctx {
-                        Some(c) => {
-                            c.finish_load();
-                            bytes.saturating_sub(c.streamed_bytes() as usize)
+                let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                    || -> Result<(Box<dyn CausalLm>, Option<crate::vision::Tower>, usize)> {
+                        let mut weights = Weights::load_dir(&d, &cfg)?;
+                        if let Some(c) = &ctx {
+                            weights.stream_experts(c.clone());
                         }
-                        None => bytes,
-                    };
-                    Ok((model, tower, bytes))
-                }))
+                        let lora = if opts.adapters.is_empty() {
+                            None
+                        } else {
+                            let reg = Arc::new(crate::lora::Registry::load(&opts.adapters, &cfg)?);
+                            weights.set_lora(reg.clone());
+                            Some(reg)
+                        };
+                        let bytes = weights.nbytes() + lora.as_ref().map_or(0, |r| r.nbytes());
+                        let tower = crate::vision::load(&cfg, &mut weights, vproc).map_err(|e| match e {
+                            Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
+                            e => e,
+                        })?;
+                        // the config's and the weights' checks name the field or tensor; say which model
+                        let model = models::build(&cfg, weights).map_err(|e| match e {
+                            Error::ModelLoad(m) => Error::ModelLoad(format!("{}: {m}", d.display())),
+                            e => e,
+                        })?;
+                        if let Some(reg) = &lora {
+                            reg.check_consumed()?;
+                        }
+                        // the streamed experts' arrays were dropped unread: not in memory
+                        let bytes = match &ctx {
+                            Some(c) => {
+                                c.finish_load();
+                                bytes.saturating_sub(c.streamed_bytes() as usize)
+                            }
+                            None => bytes,
+                        };
+                        Ok((model, tower, bytes))
+                    },
+                ))
                 .unwrap_or_else(|p| {
                     Err(Error::ModelLoad(format!(
                         "loading {} failed inside mlxrs: {} (a bug in mlxrs: please report it)",
@@ -396,13 +414,15 @@ impl Engine {
                 }
             })
             .map_err(|e| Error::ModelLoad(format!("could not start the engine thread: {e}")))?;
-        let (shape, weights_bytes) = ready_rx
-            .recv()
-            .map_err(|_| Error::ModelLoad("the engine thread stopped while loading".into()))??;
+        let (shape, weights_bytes) =
+            ready_rx.recv().map_err(|_| Error::ModelLoad("the engine thread stopped while loading".into()))??;
         if let Some(b) = options.kv_bits {
             // mlx-lm's multi-head latent attention cannot read a quantized cache either
             if shape.layers.iter().any(|l| matches!(l.attn, crate::models::AttnKind::Latent { .. })) {
-                return Err(Error::Unsupported(format!("kv_bits {b}: a quantized KV cache with multi-head latent attention ({})", shape.model_type)));
+                return Err(Error::Unsupported(format!(
+                    "kv_bits {b}: a quantized KV cache with multi-head latent attention ({})",
+                    shape.model_type
+                )));
             }
             if shape.head_dim % options.kv_group_size != 0 {
                 return Err(Error::Invalid(format!(
@@ -459,7 +479,10 @@ impl Engine {
             let want: usize = req.images.iter().map(|p| v.tokens_of(p)).sum();
             if n != want {
                 let what = if req.images.iter().any(|p| p.video_frames > 0) { "image or video" } else { "image" };
-                return Err(Error::Invalid(format!("the prompt has {n} {what} tokens for {} image(s) of {want} tokens", req.images.len())));
+                return Err(Error::Invalid(format!(
+                    "the prompt has {n} {what} tokens for {} image(s) of {want} tokens",
+                    req.images.len()
+                )));
             }
         }
         if !req.audio.is_empty() {
@@ -511,19 +534,32 @@ impl Engine {
 
     /// [`Engine::last_logits`] of a prompt with images (its image tokens replaced by their
     /// embeddings, as a generation's prefill does).
-    pub fn last_logits_with_images(&self, prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>) -> Result<Vec<f32>> {
+    pub fn last_logits_with_images(
+        &self,
+        prompt: Vec<i32>,
+        images: Vec<Arc<crate::vision::Pixels>>,
+    ) -> Result<Vec<f32>> {
         self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images, audio: Vec::new(), reply })
     }
 
     /// [`Engine::last_logits`] of a prompt with images and audio clips.
-    pub fn last_logits_with_media(&self, prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>, audio: Vec<Arc<crate::vision::audio::Mel>>) -> Result<Vec<f32>> {
+    pub fn last_logits_with_media(
+        &self,
+        prompt: Vec<i32>,
+        images: Vec<Arc<crate::vision::Pixels>>,
+        audio: Vec<Arc<crate::vision::audio::Mel>>,
+    ) -> Result<Vec<f32>> {
         self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images, audio, reply })
     }
 
     /// The audio processor, or the error naming the model and the modality.
     pub fn audio_processor(&self) -> Result<&crate::vision::gemma4_audio::AudioProcessor> {
         self.vision.as_ref().and_then(|v| v.audio()).ok_or_else(|| {
-            Error::Invalid(format!("model {} ({}) has no audio tower: it cannot take audio input", self.model_name(), self.shape.model_type))
+            Error::Invalid(format!(
+                "model {} ({}) has no audio tower: it cannot take audio input",
+                self.model_name(),
+                self.shape.model_type
+            ))
         })
     }
 
@@ -535,7 +571,8 @@ impl Engine {
         {
             let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
             let s = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
-            s.send(Cmd::AudioFeatures { audio, reply: tx }).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
+            s.send(Cmd::AudioFeatures { audio, reply: tx })
+                .map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
         }
         rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
     }
@@ -556,7 +593,8 @@ impl Engine {
         {
             let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
             let s = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
-            s.send(Cmd::ImageFeatures { pixels, reply: tx }).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
+            s.send(Cmd::ImageFeatures { pixels, reply: tx })
+                .map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
         }
         rx.recv().map_err(|_| Error::Engine("the engine thread has stopped".into()))?
     }

@@ -243,8 +243,12 @@ mod tests {
         assert_eq!((l, c[0].offset(), c[1].offset()), (4, 4, 4));
         assert!(p.lookup(&[1, 2, 3, 9, 5]).is_none()); // diverges inside
         assert!(p.lookup(&[1, 2, 3, 4]).is_none()); // would need the last token rewound
-        // a shorter snapshot is kept beside a longer one (it cannot be cut from it)
-        p.insert(vec![1, 2], { let mut s = snap(); s[0] = full(2)[0].clone(); s });
+                                                    // a shorter snapshot is kept beside a longer one (it cannot be cut from it)
+        p.insert(vec![1, 2], {
+            let mut s = snap();
+            s[0] = full(2)[0].clone();
+            s
+        });
         p.insert(vec![1, 2, 3, 4, 5, 6], snap());
         assert_eq!(p.stats().entries, 3);
     }

@@ -9,9 +9,9 @@ use super::{Event, EventSink, FinishReason, LoadOptions, Request, Stats};
 use crate::cache::{BatchKv, CacheOptions, Caches, LayerCache};
 use crate::error::{Error, Result};
 use crate::generate::{prefill_staging, Timings};
+use crate::guide::{apply_mask, Guide};
 use crate::handle::{self as mx, Array, Dtype, Stream};
 use crate::models::{CausalLm, Staging};
-use crate::guide::{apply_mask, Guide};
 use crate::sample::Sampler;
 use crate::tokenizer::{Detokenizer, StopMatcher, Tokenizer};
 use crate::weights::QuantSpec;
@@ -44,13 +44,32 @@ fn stacked_kv_default() -> bool {
 
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
-    Generate { req: Box<Request>, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>> },
-    Logits { prompt: Vec<i32>, images: Vec<Arc<crate::vision::Pixels>>, audio: Vec<Arc<crate::vision::audio::Mel>>, reply: Sender<Result<Vec<f32>>> },
-    Embed { prompt: Vec<i32>, reply: Sender<Result<Vec<f32>>> },
+    Generate {
+        req: Box<Request>,
+        events: EventSink,
+        cancel: Arc<AtomicBool>,
+        guide: Option<Box<Guide>>,
+    },
+    Logits {
+        prompt: Vec<i32>,
+        images: Vec<Arc<crate::vision::Pixels>>,
+        audio: Vec<Arc<crate::vision::audio::Mel>>,
+        reply: Sender<Result<Vec<f32>>>,
+    },
+    Embed {
+        prompt: Vec<i32>,
+        reply: Sender<Result<Vec<f32>>>,
+    },
     /// The vision tower's projected features of images (float32, flattened `[N, tokens, hidden]`).
-    ImageFeatures { pixels: Vec<Arc<crate::vision::Pixels>>, reply: Sender<Result<Vec<f32>>> },
+    ImageFeatures {
+        pixels: Vec<Arc<crate::vision::Pixels>>,
+        reply: Sender<Result<Vec<f32>>>,
+    },
     /// The audio tower's projected features of clips (float32, flattened `[tokens, hidden]`).
-    AudioFeatures { audio: Vec<Arc<crate::vision::audio::Mel>>, reply: Sender<Result<Vec<f32>>> },
+    AudioFeatures {
+        audio: Vec<Arc<crate::vision::audio::Mel>>,
+        reply: Sender<Result<Vec<f32>>>,
+    },
     /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
     Panic,
 }
@@ -204,7 +223,13 @@ pub(crate) struct Scheduler<'a> {
 }
 
 impl<'a> Scheduler<'a> {
-    pub(crate) fn new(model: &'a dyn CausalLm, tok: &'a Tokenizer, opts: LoadOptions, stats: Arc<Stats>, stream: Stream) -> Self {
+    pub(crate) fn new(
+        model: &'a dyn CausalLm,
+        tok: &'a Tokenizer,
+        opts: LoadOptions,
+        stats: Arc<Stats>,
+        stream: Stream,
+    ) -> Self {
         let prefix = PrefixCache::new(opts.prompt_cache_bytes);
         stats.set_prefix(prefix.stats());
         let readback = Stream::default_stream().unwrap_or_else(|_| stream.clone());
@@ -270,7 +295,10 @@ impl<'a> Scheduler<'a> {
                 self.stats.inflight.fetch_sub(1, Ordering::Relaxed);
                 let _ = events.send(Event::Error(Error::Engine(why.to_string())));
             }
-            Cmd::Logits { reply, .. } | Cmd::Embed { reply, .. } | Cmd::ImageFeatures { reply, .. } | Cmd::AudioFeatures { reply, .. } => {
+            Cmd::Logits { reply, .. }
+            | Cmd::Embed { reply, .. }
+            | Cmd::ImageFeatures { reply, .. }
+            | Cmd::AudioFeatures { reply, .. } => {
                 let _ = reply.send(Err(Error::Engine(why.to_string())));
             }
             Cmd::Panic => {}
@@ -341,7 +369,9 @@ impl<'a> Scheduler<'a> {
             Cmd::Embed { prompt, reply } => {
                 let stream = self.stream.clone();
                 let ad = [(self.opts.adapters.len() == 1).then_some(0)];
-                let r = mx::with_stream(&stream, || crate::lora::with_rows(&ad, || embedding(self.model, &prompt, &self.opts)));
+                let r = mx::with_stream(&stream, || {
+                    crate::lora::with_rows(&ad, || embedding(self.model, &prompt, &self.opts))
+                });
                 let _ = reply.send(r);
             }
             Cmd::ImageFeatures { pixels, reply } => {
@@ -378,7 +408,11 @@ impl<'a> Scheduler<'a> {
                 let known: Vec<&str> = names.iter().map(|(m, _)| m.as_str()).collect();
                 Error::Invalid(format!(
                     "adapter {n:?} is not loaded ({})",
-                    if known.is_empty() { "this model has no adapters".to_string() } else { format!("loaded: {}", known.join(", ")) }
+                    if known.is_empty() {
+                        "this model has no adapters".to_string()
+                    } else {
+                        format!("loaded: {}", known.join(", "))
+                    }
                 ))
             }),
         }
@@ -389,10 +423,17 @@ impl<'a> Scheduler<'a> {
         rows.map(|r| r.and_then(|i| self.running[i].adapter)).collect()
     }
 
-    fn make_seq(&mut self, req: Request, events: EventSink, cancel: Arc<AtomicBool>, guide: Option<Box<Guide>>) -> Result<Seq> {
+    fn make_seq(
+        &mut self,
+        req: Request,
+        events: EventSink,
+        cancel: Arc<AtomicBool>,
+        guide: Option<Box<Guide>>,
+    ) -> Result<Seq> {
         let adapter = self.adapter_of(&req)?;
         // one adapter fused into the weights is the model itself: its prefixes are as reusable
-        let no_prefix = !req.images.is_empty() || !req.audio.is_empty() || (adapter.is_some() && self.opts.adapters.len() > 1);
+        let no_prefix =
+            !req.images.is_empty() || !req.audio.is_empty() || (adapter.is_some() && self.opts.adapters.len() > 1);
         let sampler = Sampler::new(req.sampling.clone(), self.model.shape().vocab_size)?;
         let detok = Detokenizer::new(&req.prompt);
         let stops = StopMatcher::new(req.stop.clone());
@@ -585,7 +626,9 @@ impl<'a> Scheduler<'a> {
             }
             let slots = self.plan_stack(&rows)?;
             // the stack's slots are the rows, in order (no holes)
-            let in_order = slots.as_ref().is_none_or(|o| o.len() == rows.len() && o.iter().zip(&rows).all(|(a, b)| *a == Some(*b)));
+            let in_order = slots
+                .as_ref()
+                .is_none_or(|o| o.len() == rows.len() && o.iter().zip(&rows).all(|(a, b)| *a == Some(*b)));
             let tokens = if same_batch && in_order {
                 let Some(Step::Shared(s, _)) = &self.running[rows[0]].pending else { unreachable!("checked") };
                 mx::reshape(&s.y, &[rows.len() as i32, 1])?
@@ -608,20 +651,29 @@ impl<'a> Scheduler<'a> {
                     inputs.push(mx::astype(&input, Dtype::Int32)?);
                 }
                 let refs: Vec<&Array> = inputs.iter().collect();
-                if refs.len() == 1 { refs[0].clone() } else { mx::concatenate(&refs, 0)? }
+                if refs.len() == 1 {
+                    refs[0].clone()
+                } else {
+                    mx::concatenate(&refs, 0)?
+                }
             };
             self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
             let logits = match (&mut self.stack, &slots) {
                 (Some((kv, _)), Some(order)) => {
                     self.stats.stacked_steps.fetch_add(1, Ordering::Relaxed);
                     kv.begin_step(order.len())?;
-                    let ads: Vec<Option<usize>> = order.iter().map(|o| o.and_then(|i| self.running[i].adapter)).collect();
+                    let ads: Vec<Option<usize>> =
+                        order.iter().map(|o| o.and_then(|i| self.running[i].adapter)).collect();
                     let model = self.model;
-                    let logits = crate::lora::with_rows(&ads, || model.forward_caches(&tokens, &mut Caches::stacked(kv), Staging::NONE))?;
+                    let logits = crate::lora::with_rows(&ads, || {
+                        model.forward_caches(&tokens, &mut Caches::stacked(kv), Staging::NONE)
+                    })?;
                     kv.advance();
                     // the decoding rows' logits, in `rows` order
-                    let pick: Vec<i32> =
-                        rows.iter().map(|i| order.iter().position(|o| *o == Some(*i)).expect("every row has a slot") as i32).collect();
+                    let pick: Vec<i32> = rows
+                        .iter()
+                        .map(|i| order.iter().position(|o| *o == Some(*i)).expect("every row has a slot") as i32)
+                        .collect();
                     if pick.iter().enumerate().all(|(k, &p)| k as i32 == p) && pick.len() == order.len() {
                         logits
                     } else {
@@ -641,7 +693,9 @@ impl<'a> Scheduler<'a> {
                         base = i + 1;
                     }
                     let model = self.model;
-                    crate::lora::with_rows(&ads, || model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE))?
+                    crate::lora::with_rows(&ads, || {
+                        model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE)
+                    })?
                 }
             };
             for &i in &rows {
@@ -649,8 +703,8 @@ impl<'a> Scheduler<'a> {
             }
             let l = logits.dim(1);
             let last = mx::squeeze(&mx::slice_axis(&logits, 1, l - 1, l)?, &[1])?; // [B, V]
-            // greedy rows without logit processors or a constraint: sampled together (one argmax,
-            // one read back)
+                                                                                   // greedy rows without logit processors or a constraint: sampled together (one argmax,
+                                                                                   // one read back)
             let simple: Vec<usize> = (0..rows.len())
                 .filter(|&r| self.running[rows[r]].sampler.is_plain_greedy() && self.running[rows[r]].guide.is_none())
                 .collect();
@@ -699,7 +753,8 @@ impl<'a> Scheduler<'a> {
                     }
                     None => None,
                 };
-                let row = if rows.len() == 1 { last.clone() } else { mx::slice_axis(&last, 0, r as i32, r as i32 + 1)? };
+                let row =
+                    if rows.len() == 1 { last.clone() } else { mx::slice_axis(&last, 0, r as i32, r as i32 + 1)? };
                 let mut row = s.sampler.process(&row)?;
                 if let Some(m) = &allowed {
                     row = apply_mask(&row, m)?;
@@ -739,7 +794,8 @@ impl<'a> Scheduler<'a> {
             });
             // a constraint with nothing left to sample (complete, or no token allowed)
             let outcome = outcome.or_else(|| {
-                (s.pending.is_none() && s.guide.as_ref().is_some_and(|g| g.done())).then_some((FinishReason::Stop, None))
+                (s.pending.is_none() && s.guide.as_ref().is_some_and(|g| g.done()))
+                    .then_some((FinishReason::Stop, None))
             });
             match outcome {
                 Some((reason, stop)) => {
@@ -761,7 +817,10 @@ impl<'a> Scheduler<'a> {
     fn plan_stack(&mut self, rows: &[usize]) -> Result<Option<Vec<Option<usize>>>> {
         let uids: Vec<u64> = rows.iter().map(|&i| self.running[i].uid).collect();
         let want = self.stackable && rows.len() >= 2;
-        let Some((mut kv, mut ids)) = self.stack.take().or_else(|| want.then(|| (BatchKv::new(self.model.shape().num_layers as usize), Vec::new())))
+        let Some((mut kv, mut ids)) = self
+            .stack
+            .take()
+            .or_else(|| want.then(|| (BatchKv::new(self.model.shape().num_layers as usize), Vec::new())))
         else {
             return Ok(None);
         };
@@ -957,7 +1016,12 @@ fn maybe_quantize(cache: &mut [LayerCache], opts: &LoadOptions) -> Result<()> {
 /// Last-position logits of `prompt` from a fresh cache on generation's schedule (the parity tests
 /// compare them with mlx-lm's): all but the last token in chunks, then the last token.
 /// With `embeds` (`[1, L, hidden]`, a prompt with images merged in), the chunks run from them.
-pub(crate) fn last_logits(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions, embeds: Option<&Array>) -> Result<Vec<f32>> {
+pub(crate) fn last_logits(
+    model: &dyn CausalLm,
+    prompt: &[i32],
+    opts: &LoadOptions,
+    embeds: Option<&Array>,
+) -> Result<Vec<f32>> {
     let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
     let step = opts.prefill_step_size.max(1) as usize;
     let (head, tail) = prompt.split_at(prompt.len() - 1);

@@ -66,7 +66,8 @@ fn tiny_llama() -> TempDir {
         }
     }
     mx::save_safetensors(&d.join("model.safetensors"), &w, &BTreeMap::new()).unwrap();
-    let vocab: serde_json::Map<String, serde_json::Value> = (0..V).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..V).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
     let tok = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
         "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
@@ -107,14 +108,19 @@ fn collect(p: &Pending) -> (Vec<i32>, FinishReason) {
 }
 
 fn prompts() -> Vec<(Vec<i32>, usize)> {
-    (0..7).map(|i| ((0..3 + 9 * i).map(|t| 2 + (t * 7 + i) % (V - 2)).collect(), [5, 30, 12, 3, 22, 17, 9][i as usize])).collect()
+    (0..7)
+        .map(|i| ((0..3 + 9 * i).map(|t| 2 + (t * 7 + i) % (V - 2)).collect(), [5, 30, 12, 3, 22, 17, 9][i as usize]))
+        .collect()
 }
 
 #[test]
 fn each_row_of_a_changing_batch_gets_its_tokens_alone() {
     let dir = tiny_llama();
-    let e = Engine::load(dir.path(), LoadOptions { prompt_cache_bytes: 0, stacked_kv: Some(true), ..Default::default() }).unwrap();
-    let alone: Vec<Vec<i32>> = prompts().into_iter().map(|(p, n)| collect(&e.submit(request(p, n)).unwrap()).0).collect();
+    let e =
+        Engine::load(dir.path(), LoadOptions { prompt_cache_bytes: 0, stacked_kv: Some(true), ..Default::default() })
+            .unwrap();
+    let alone: Vec<Vec<i32>> =
+        prompts().into_iter().map(|(p, n)| collect(&e.submit(request(p, n)).unwrap()).0).collect();
     assert!(alone.iter().zip(prompts()).all(|(a, (_, n))| a.len() == n));
     // the first four together; the rest join while they run (rows leave at 3, 5, 12, 30 tokens)
     let ps = prompts();
@@ -135,8 +141,17 @@ fn each_row_of_a_changing_batch_gets_its_tokens_alone() {
 #[test]
 fn a_cancelled_row_leaves_the_others_unchanged_and_the_queue_is_bounded() {
     let dir = tiny_llama();
-    let e = Engine::load(dir.path(), LoadOptions { prompt_cache_bytes: 0, max_concurrency: 2, max_queue: 1, stacked_kv: Some(true), ..Default::default() })
-        .unwrap();
+    let e = Engine::load(
+        dir.path(),
+        LoadOptions {
+            prompt_cache_bytes: 0,
+            max_concurrency: 2,
+            max_queue: 1,
+            stacked_kv: Some(true),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let ps = prompts();
     let want = collect(&e.submit(request(ps[1].0.clone(), 30)).unwrap()).0;
     let a = e.submit(request(ps[1].0.clone(), 30)).unwrap();

@@ -170,7 +170,10 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
         .or_else(|| h.tensor("token_embd.weight").map(|t| t.shape()[0] as i64))
         .ok_or_else(|| Error::ModelLoad("cannot tell the vocabulary size (no tokenizer.ggml.tokens)".into()))?;
     if !(1..=limits::VOCAB).contains(&vocab) {
-        return Err(Error::ModelLoad(format!("GGUF vocabulary of {vocab} tokens is out of range (1..={})", limits::VOCAB)));
+        return Err(Error::ModelLoad(format!(
+            "GGUF vocabulary of {vocab} tokens is out of range (1..={})",
+            limits::VOCAB
+        )));
     }
     let tied = h.tensor("output.weight").is_none();
     let mut cfg = json!({
@@ -195,8 +198,11 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
         "torch_dtype": "bfloat16",
     });
     let o = cfg.as_object_mut().expect("object");
-    for (k, id) in [("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-                    ("pad_token_id", "tokenizer.ggml.padding_token_id")] {
+    for (k, id) in [
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ] {
         if let Some(v) = h.get(id).and_then(MetaValue::as_u64) {
             o.insert(k.into(), json!(v));
         }
@@ -209,10 +215,9 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
             o.insert("sliding_window_pattern".into(), json!(6));
             o.insert("query_pre_attn_scalar".into(), json!(head_dim));
             o.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
-            if let (Some(t), Some(f)) = (
-                h.get(&m.key("rope.scaling.type")).and_then(MetaValue::as_str),
-                m.f("rope.scaling.factor"),
-            ) {
+            if let (Some(t), Some(f)) =
+                (h.get(&m.key("rope.scaling.type")).and_then(MetaValue::as_str), m.f("rope.scaling.factor"))
+            {
                 if t == "linear" && f != 1.0 {
                     o.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": f}));
                 }
@@ -228,18 +233,21 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
                 // ffn_gate_inp, the top-k weights renormalised; a block without a router is dense
                 let experts = m.size("expert_count", None, limits::EXPERTS)?;
                 let used = m.size("expert_used_count", None, limits::EXPERTS)?;
-                let dense: Vec<i64> = (0..layers).filter(|l| h.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_none()).collect();
+                let dense: Vec<i64> =
+                    (0..layers).filter(|l| h.tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_none()).collect();
                 o.insert("num_experts".into(), json!(experts));
                 o.insert("num_experts_per_tok".into(), json!(used));
-                o.insert("moe_intermediate_size".into(), json!(m.size("expert_feed_forward_length", None, limits::INTERMEDIATE)?));
+                o.insert(
+                    "moe_intermediate_size".into(),
+                    json!(m.size("expert_feed_forward_length", None, limits::INTERMEDIATE)?),
+                );
                 o.insert("norm_topk_prob".into(), json!(true));
                 o.insert("decoder_sparse_step".into(), json!(1));
                 o.insert("mlp_only_layers".into(), json!(dense));
             }
-            if let (Some(t), Some(f)) = (
-                h.get(&m.key("rope.scaling.type")).and_then(MetaValue::as_str),
-                m.f("rope.scaling.factor"),
-            ) {
+            if let (Some(t), Some(f)) =
+                (h.get(&m.key("rope.scaling.type")).and_then(MetaValue::as_str), m.f("rope.scaling.factor"))
+            {
                 if t == "linear" && f != 1.0 {
                     o.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": f}));
                 }
@@ -439,7 +447,8 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     if let (Some(t), false) = (h.tensor("rope_freqs.weight"), gemma) {
         // Llama 3.x: the rope scaling lives in this tensor, not in the metadata
         let raw = f.read_raw(t)?;
-        let v = dequantize(t.ty, &raw, t.n_elements() as usize).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
+        let v = dequantize(t.ty, &raw, t.n_elements() as usize)
+            .map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
         let base = cfg["rope_theta"].as_f64().unwrap_or(10_000.0);
         let head_dim = cfg["head_dim"].as_u64().unwrap_or(0) as usize;
         if let Some(rs) = llama3_rope_scaling(&v, base, head_dim)? {
@@ -525,7 +534,8 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     let (tok, mut tok_cfg) = super::tokenizer::build_tokenizer_json(h)?;
     let write = |name: &str, v: &Value| -> Result<()> {
         let p = out.join(name);
-        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap_or_default()).map_err(|e| Error::Io { path: p, source: e })
+        std::fs::write(&p, serde_json::to_string_pretty(v).unwrap_or_default())
+            .map_err(|e| Error::Io { path: p, source: e })
     };
     // EOS ids: the file's, plus Gemma's end-of-turn marker when the vocabulary has it
     let mut eos: Vec<u64> = cfg.get("eos_token_id").and_then(Value::as_u64).into_iter().collect();
@@ -542,7 +552,8 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     // the one its tokenizer's special tokens (<start_of_turn>, <end_of_turn>) exist for.
     let fallback = if gemma && eos.len() > 1 { Some(GEMMA_CHAT_TEMPLATE) } else { None };
     if let Some(tpl) = h.get("tokenizer.chat_template").and_then(MetaValue::as_str).or(fallback) {
-        std::fs::write(out.join("chat_template.jinja"), tpl).map_err(|e| Error::Io { path: out.join("chat_template.jinja"), source: e })?;
+        std::fs::write(out.join("chat_template.jinja"), tpl)
+            .map_err(|e| Error::Io { path: out.join("chat_template.jinja"), source: e })?;
         if let Some(o) = tok_cfg.as_object_mut() {
             o.remove("chat_template");
         }

@@ -218,7 +218,10 @@ impl<R: Read> Parser<R> {
 
     fn need(&self, n: u64, what: &str) -> Result<(), GgufError> {
         if n > self.len.saturating_sub(self.pos) {
-            return self.err(format!("{what} needs {n} bytes but only {} remain (truncated file?)", self.len - self.pos.min(self.len)));
+            return self.err(format!(
+                "{what} needs {n} bytes but only {} remain (truncated file?)",
+                self.len - self.pos.min(self.len)
+            ));
         }
         Ok(())
     }
@@ -357,7 +360,10 @@ pub fn parse_header<R: Read>(r: R, len: u64) -> Result<GgufHeader, GgufError> {
 /// Every tensor listed once, its offset aligned, its dimensions MLX-sized (below 2^31), whole blocks
 /// of its type along the first dimension, its bytes inside the file and overlapping no other's.
 fn check_tensors(tensors: &[TensorInfo], alignment: u64, data_offset: u64, len: u64) -> Result<(), GgufError> {
-    let err = |t: &TensorInfo, msg: String| GgufError { offset: data_offset.saturating_add(t.offset), msg: format!("tensor {} {msg}", t.name) };
+    let err = |t: &TensorInfo, msg: String| GgufError {
+        offset: data_offset.saturating_add(t.offset),
+        msg: format!("tensor {} {msg}", t.name),
+    };
     let mut names = std::collections::HashSet::new();
     let mut spans = Vec::with_capacity(tensors.len());
     for t in tensors {
@@ -372,7 +378,10 @@ fn check_tensors(tensors: &[TensorInfo], alignment: u64, data_offset: u64, len: 
         }
         let Some((be, bb)) = t.ty.block() else { continue };
         if t.dims[0] % be != 0 {
-            return Err(err(t, format!("has {} values per row, not whole {}-value blocks of {}", t.dims[0], be, t.ty.name())));
+            return Err(err(
+                t,
+                format!("has {} values per row, not whole {}-value blocks of {}", t.dims[0], be, t.ty.name()),
+            ));
         }
         let nb = t.nbytes();
         let end = nb.and_then(|nb| data_offset.checked_add(t.offset)?.checked_add(nb));
@@ -381,14 +390,23 @@ fn check_tensors(tensors: &[TensorInfo], alignment: u64, data_offset: u64, len: 
                 Some(nb) => format!("{nb} bytes"),
                 None => format!("{} blocks of {bb} bytes", t.n_elements().div_ceil(be)),
             };
-            return Err(err(t, format!("({size} at data offset {}) runs past the end of the file ({len} bytes)", t.offset)));
+            return Err(err(
+                t,
+                format!("({size} at data offset {}) runs past the end of the file ({len} bytes)", t.offset),
+            ));
         }
         spans.push((t.offset, t.offset + nb.unwrap_or(0), t));
     }
     spans.sort_by_key(|s| s.0);
     for w in spans.windows(2) {
         if w[1].0 < w[0].1 {
-            return Err(err(w[1].2, format!("(at data offset {}) overlaps tensor {} (data offsets {}..{})", w[1].0, w[0].2.name, w[0].0, w[0].1)));
+            return Err(err(
+                w[1].2,
+                format!(
+                    "(at data offset {}) overlaps tensor {} (data offsets {}..{})",
+                    w[1].0, w[0].2.name, w[0].0, w[0].1
+                ),
+            ));
         }
     }
     Ok(())
@@ -472,7 +490,9 @@ mod tests {
         let h = parse(&b).unwrap();
         assert_eq!(h.tensors.len(), 3);
         let off_of = |name: &str| {
-            let pos = b.windows(name.len() + 8).position(|w| w[..8] == (name.len() as u64).to_le_bytes() && &w[8..] == name.as_bytes());
+            let pos = b
+                .windows(name.len() + 8)
+                .position(|w| w[..8] == (name.len() as u64).to_le_bytes() && &w[8..] == name.as_bytes());
             let pos = pos.unwrap() + 8 + name.len();
             let nd = u32::from_le_bytes(b[pos..pos + 4].try_into().unwrap()) as usize;
             pos + 4 + 8 * nd + 4

@@ -36,7 +36,8 @@ const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const TEKKEN_SPLIT: &str = concat!(
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
@@ -133,7 +134,11 @@ fn bytes_to_unicode() -> [char; 256] {
 /// tokens of the vocabulary, ordered by the token's score (high first when `reverse`), then the
 /// longer left piece, then the longer right piece; ties keep the order of first appearance, and a
 /// token's own splits are ordered by the ids of their pieces.
-fn generate_merges<'v>(vocab: &HashMap<&'v str, u32>, order: &[(&'v str, f64)], reverse: bool) -> Vec<(&'v str, &'v str)> {
+fn generate_merges<'v>(
+    vocab: &HashMap<&'v str, u32>,
+    order: &[(&'v str, f64)],
+    reverse: bool,
+) -> Vec<(&'v str, &'v str)> {
     struct M<'v> {
         l: &'v str,
         r: &'v str,
@@ -156,11 +161,7 @@ fn generate_merges<'v>(vocab: &HashMap<&'v str, u32>, order: &[(&'v str, f64)], 
         merges.extend(local.drain(..).map(|(_, _, m)| m));
     }
     let key = |a: &M, b: &M| {
-        a.score
-            .partial_cmp(&b.score)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.ll.cmp(&b.ll))
-            .then(a.lr.cmp(&b.lr))
+        a.score.partial_cmp(&b.score).unwrap_or(std::cmp::Ordering::Equal).then(a.ll.cmp(&b.ll)).then(a.lr.cmp(&b.lr))
     };
     // Python's sorted(..., reverse=True) is stable: equal keys keep their order
     if reverse {
@@ -210,7 +211,11 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
     let special_tok = |k: &str| -> Result<Option<&str>> {
         match special_id(k) {
             None => Ok(None),
-            Some(i) => raw.get(i).copied().map(Some).ok_or_else(|| bad(format!("{k} {i} is past the vocabulary ({} tokens)", raw.len()))),
+            Some(i) => raw
+                .get(i)
+                .copied()
+                .map(Some)
+                .ok_or_else(|| bad(format!("{k} {i} is past the vocabulary ({} tokens)", raw.len()))),
         }
     };
     let bos = special_tok("tokenizer.ggml.bos_token_id")?;
@@ -263,14 +268,18 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
                 }
             })
             .collect::<Result<_>>()?,
-        None if kind == Kind::ByteLevel => return Err(bad("a gpt2 (byte-level) vocabulary without tokenizer.ggml.merges")),
+        None if kind == Kind::ByteLevel => {
+            return Err(bad("a gpt2 (byte-level) vocabulary without tokenizer.ggml.merges"))
+        }
         None => {
             // the scores as a Python dict {token: score} holds them: first-appearance order, last value.
             // Gemma's key is the position in the file (`gemma_tokenizer`), the others' the file's score
             let n = match kind {
                 Kind::Gemma => toks.len(),
                 _ => {
-                    let s = scores.as_ref().ok_or_else(|| bad("no tokenizer.ggml.merges and no tokenizer.ggml.scores to derive them from"))?;
+                    let s = scores.as_ref().ok_or_else(|| {
+                        bad("no tokenizer.ggml.merges and no tokenizer.ggml.scores to derive them from")
+                    })?;
                     s.len().min(toks.len())
                 }
             };
@@ -372,7 +381,8 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
             specials.insert(t.to_string(), json!({"id": t, "ids": [id], "tokens": [t]}));
         }
     }
-    let post_processor = json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials});
+    let post_processor =
+        json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials});
 
     let sp_decoder = |strip: bool| {
         let mut d = vec![
@@ -489,19 +499,42 @@ mod tests {
         let by_position: Vec<f64> = (0..toks.len()).map(|i| -(i as f64)).collect();
         assert_eq!(
             merges(&toks, &by_position),
-            [("a", "b"), ("b", "a"), ("ab", "a"), ("a", "ba"), ("aba", "b"), ("ab", "ab"), ("a", "bab"), ("ba", "b"), ("b", "ab")]
+            [
+                ("a", "b"),
+                ("b", "a"),
+                ("ab", "a"),
+                ("a", "ba"),
+                ("aba", "b"),
+                ("ab", "ab"),
+                ("a", "bab"),
+                ("ba", "b"),
+                ("b", "ab")
+            ]
         );
         // tied scores: longer left piece first, then first appearance
         assert_eq!(
             merges(&toks, &[0.0, 0.0, -1.0, -1.0, -2.0, -2.0, -1.0]),
-            [("ba", "b"), ("b", "ab"), ("a", "b"), ("b", "a"), ("aba", "b"), ("ab", "ab"), ("ab", "a"), ("a", "bab"), ("a", "ba")]
+            [
+                ("ba", "b"),
+                ("b", "ab"),
+                ("a", "b"),
+                ("b", "a"),
+                ("aba", "b"),
+                ("ab", "ab"),
+                ("ab", "a"),
+                ("a", "bab"),
+                ("a", "ba")
+            ]
         );
     }
 
     #[test]
     fn byte_alphabet_and_python_whitespace() {
         let a = bytes_to_unicode();
-        assert_eq!((a[b' ' as usize], a[b'\n' as usize], a[b'a' as usize], a[0xAD]), ('\u{120}', '\u{10A}', 'a', '\u{143}'));
+        assert_eq!(
+            (a[b' ' as usize], a[b'\n' as usize], a[b'a' as usize], a[0xAD]),
+            ('\u{120}', '\u{10A}', 'a', '\u{143}')
+        );
         assert_eq!(a.iter().collect::<HashSet<_>>().len(), 256);
         assert!(py_isspace('\u{1c}') && py_isspace('\u{85}') && py_isspace('\u{3000}') && !py_isspace('\u{200b}'));
     }

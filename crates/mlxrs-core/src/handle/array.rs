@@ -157,10 +157,7 @@ impl Array {
     pub fn from_slice<T: Element>(data: &[T], shape: &[i32]) -> Result<Array> {
         let n = shape_len(shape)?;
         if n != data.len() {
-            return Err(Error::Invalid(format!(
-                "data has {} elements but shape {shape:?} needs {n}",
-                data.len()
-            )));
+            return Err(Error::Invalid(format!("data has {} elements but shape {shape:?} needs {n}", data.len())));
         }
         init()?;
         // SAFETY: data holds exactly prod(shape) elements of T, and mlx-c copies them.
@@ -182,7 +179,8 @@ impl Array {
         }
         init()?;
         // SAFETY: bytes holds exactly prod(shape) * itemsize bytes; mlx-c copies them.
-        let a = unsafe { sys::mlx_array_new_data(bytes.as_ptr().cast(), shape.as_ptr(), shape.len() as i32, dtype.raw()) };
+        let a =
+            unsafe { sys::mlx_array_new_data(bytes.as_ptr().cast(), shape.as_ptr(), shape.len() as i32, dtype.raw()) };
         Ok(Array(a))
     }
 
@@ -287,12 +285,18 @@ impl Array {
     /// The single element of a size-1 array, as f32.
     pub fn item_f32(&self) -> Result<f32> {
         let v = self.to_vec::<f32>()?;
-        v.first().copied().filter(|_| v.len() == 1).ok_or_else(|| Error::Invalid(format!("item() of an array of size {}", v.len())))
+        v.first()
+            .copied()
+            .filter(|_| v.len() == 1)
+            .ok_or_else(|| Error::Invalid(format!("item() of an array of size {}", v.len())))
     }
 
     pub fn item_i32(&self) -> Result<i32> {
         let v = self.to_vec::<i32>()?;
-        v.first().copied().filter(|_| v.len() == 1).ok_or_else(|| Error::Invalid(format!("item() of an array of size {}", v.len())))
+        v.first()
+            .copied()
+            .filter(|_| v.len() == 1)
+            .ok_or_else(|| Error::Invalid(format!("item() of an array of size {}", v.len())))
     }
 }
 

@@ -50,7 +50,10 @@ struct Strings(sys::mlx_vector_string);
 
 impl Strings {
     fn new(names: &[&str]) -> Result<Strings> {
-        let owned = names.iter().map(|n| CString::new(*n)).collect::<std::result::Result<Vec<_>, _>>()
+        let owned = names
+            .iter()
+            .map(|n| CString::new(*n))
+            .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|_| Error::Invalid("kernel name contains NUL".into()))?;
         let mut ptrs: Vec<*const std::os::raw::c_char> = owned.iter().map(|c| c.as_ptr()).collect();
         // SAFETY: mlx-c copies the strings before returning.
@@ -76,13 +79,30 @@ impl Drop for Config {
 
 impl CudaKernel {
     /// `ensure_row_contiguous`: inputs copied to row-contiguous first (so the source may index them flat).
-    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str, ensure_row_contiguous: bool) -> Result<CudaKernel> {
+    pub fn new(
+        name: &str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+        ensure_row_contiguous: bool,
+    ) -> Result<CudaKernel> {
         init()?;
         let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
         let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("kernel {name}: text contains NUL")));
         let (n, src, hdr) = (c(name)?, c(source)?, c(header)?);
         // SAFETY: every pointer is valid for the call; mlx-c copies what it keeps.
-        let k = unsafe { sys::mlx_fast_cuda_kernel_new(n.as_ptr(), ins.0, outs.0, src.as_ptr(), hdr.as_ptr(), ensure_row_contiguous, 0) };
+        let k = unsafe {
+            sys::mlx_fast_cuda_kernel_new(
+                n.as_ptr(),
+                ins.0,
+                outs.0,
+                src.as_ptr(),
+                hdr.as_ptr(),
+                ensure_row_contiguous,
+                0,
+            )
+        };
         if k.ctx.is_null() {
             // MLX's message (e.g. "[cuda_kernel] No CUDA back-end." off CUDA), as the handler captured it
             let e = check(1).err().map_or_else(|| "failed".to_string(), |e| e.to_string());
@@ -93,13 +113,21 @@ impl CudaKernel {
 
     /// The kernel over `inputs` on the current stream: outputs of `outputs` (shape, dtype),
     /// `grid` threads in blocks of `block`.
-    pub fn apply(&self, inputs: &[&Array], outputs: &[(&[i32], Dtype)], grid: (i32, i32, i32), block: (i32, i32, i32),
-                 template: &[(&str, TemplateArg)]) -> Result<Vec<Array>> {
+    pub fn apply(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        grid: (i32, i32, i32),
+        block: (i32, i32, i32),
+        template: &[(&str, TemplateArg)],
+    ) -> Result<Vec<Array>> {
         // SAFETY: a fresh config, freed by its guard.
         let cfg = Config(unsafe { sys::mlx_fast_cuda_kernel_config_new() });
         for (shape, dtype) in outputs {
             // SAFETY: the shape slice is valid for the call; mlx-c copies it.
-            check(unsafe { sys::mlx_fast_cuda_kernel_config_add_output_arg(cfg.0, shape.as_ptr(), shape.len(), dtype.raw()) })?;
+            check(unsafe {
+                sys::mlx_fast_cuda_kernel_config_add_output_arg(cfg.0, shape.as_ptr(), shape.len(), dtype.raw())
+            })?;
         }
         // SAFETY: plain values into the config.
         check(unsafe { sys::mlx_fast_cuda_kernel_config_set_grid(cfg.0, grid.0, grid.1, grid.2) })?;
@@ -110,8 +138,12 @@ impl CudaKernel {
             check(unsafe {
                 match arg {
                     TemplateArg::Int(v) => sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg.0, n.as_ptr(), *v),
-                    TemplateArg::Bool(v) => sys::mlx_fast_cuda_kernel_config_add_template_arg_bool(cfg.0, n.as_ptr(), *v),
-                    TemplateArg::Dtype(d) => sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(cfg.0, n.as_ptr(), d.raw()),
+                    TemplateArg::Bool(v) => {
+                        sys::mlx_fast_cuda_kernel_config_add_template_arg_bool(cfg.0, n.as_ptr(), *v)
+                    }
+                    TemplateArg::Dtype(d) => {
+                        sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(cfg.0, n.as_ptr(), d.raw())
+                    }
                 }
             })?;
         }
@@ -150,13 +182,30 @@ impl Drop for MetalConfig {
 
 impl MetalKernel {
     /// `ensure_row_contiguous`: inputs copied to row-contiguous first (so the source may index them flat).
-    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str, header: &str, ensure_row_contiguous: bool) -> Result<MetalKernel> {
+    pub fn new(
+        name: &str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+        ensure_row_contiguous: bool,
+    ) -> Result<MetalKernel> {
         init()?;
         let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
         let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("kernel {name}: text contains NUL")));
         let (n, src, hdr) = (c(name)?, c(source)?, c(header)?);
         // SAFETY: every pointer is valid for the call; mlx-c copies what it keeps.
-        let k = unsafe { sys::mlx_fast_metal_kernel_new(n.as_ptr(), ins.0, outs.0, src.as_ptr(), hdr.as_ptr(), ensure_row_contiguous, false) };
+        let k = unsafe {
+            sys::mlx_fast_metal_kernel_new(
+                n.as_ptr(),
+                ins.0,
+                outs.0,
+                src.as_ptr(),
+                hdr.as_ptr(),
+                ensure_row_contiguous,
+                false,
+            )
+        };
         if k.ctx.is_null() {
             let e = check(1).err().map_or_else(|| "failed".to_string(), |e| e.to_string());
             return Err(Error::Mlx(format!("kernel {name}: {e}")));
@@ -166,13 +215,21 @@ impl MetalKernel {
 
     /// The kernel over `inputs` on the current stream: outputs of `outputs` (shape, dtype),
     /// `grid` threads in threadgroups of `group`.
-    pub fn apply(&self, inputs: &[&Array], outputs: &[(&[i32], Dtype)], grid: (i32, i32, i32), group: (i32, i32, i32),
-                 template: &[(&str, TemplateArg)]) -> Result<Vec<Array>> {
+    pub fn apply(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        grid: (i32, i32, i32),
+        group: (i32, i32, i32),
+        template: &[(&str, TemplateArg)],
+    ) -> Result<Vec<Array>> {
         // SAFETY: a fresh config, freed by its guard.
         let cfg = MetalConfig(unsafe { sys::mlx_fast_metal_kernel_config_new() });
         for (shape, dtype) in outputs {
             // SAFETY: the shape slice is valid for the call; mlx-c copies it.
-            check(unsafe { sys::mlx_fast_metal_kernel_config_add_output_arg(cfg.0, shape.as_ptr(), shape.len(), dtype.raw()) })?;
+            check(unsafe {
+                sys::mlx_fast_metal_kernel_config_add_output_arg(cfg.0, shape.as_ptr(), shape.len(), dtype.raw())
+            })?;
         }
         // SAFETY: plain values into the config.
         check(unsafe { sys::mlx_fast_metal_kernel_config_set_grid(cfg.0, grid.0, grid.1, grid.2) })?;
@@ -182,9 +239,15 @@ impl MetalKernel {
             // SAFETY: the name is valid for the call; mlx-c copies it.
             check(unsafe {
                 match arg {
-                    TemplateArg::Int(v) => sys::mlx_fast_metal_kernel_config_add_template_arg_int(cfg.0, n.as_ptr(), *v),
-                    TemplateArg::Bool(v) => sys::mlx_fast_metal_kernel_config_add_template_arg_bool(cfg.0, n.as_ptr(), *v),
-                    TemplateArg::Dtype(d) => sys::mlx_fast_metal_kernel_config_add_template_arg_dtype(cfg.0, n.as_ptr(), d.raw()),
+                    TemplateArg::Int(v) => {
+                        sys::mlx_fast_metal_kernel_config_add_template_arg_int(cfg.0, n.as_ptr(), *v)
+                    }
+                    TemplateArg::Bool(v) => {
+                        sys::mlx_fast_metal_kernel_config_add_template_arg_bool(cfg.0, n.as_ptr(), *v)
+                    }
+                    TemplateArg::Dtype(d) => {
+                        sys::mlx_fast_metal_kernel_config_add_template_arg_dtype(cfg.0, n.as_ptr(), d.raw())
+                    }
                 }
             })?;
         }

@@ -4,8 +4,8 @@
 //! [`Error::Mlx`](crate::Error::Mlx) carrying MLX's own message (captured by the error handler this
 //! module installs once per process in place of mlx-c's default, which calls `exit()`).
 mod array;
-mod ops;
 mod kernel;
+mod ops;
 mod q8;
 mod runtime;
 

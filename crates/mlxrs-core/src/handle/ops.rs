@@ -48,9 +48,7 @@ impl VecArray {
     }
     pub(crate) fn to_vec(&self) -> Result<Vec<Array>> {
         let n = unsafe { sys::mlx_vector_array_size(self.0) };
-        (0..n)
-            .map(|i| out1(|r| unsafe { sys::mlx_vector_array_get(r, self.0, i) }))
-            .collect()
+        (0..n).map(|i| out1(|r| unsafe { sys::mlx_vector_array_get(r, self.0, i) })).collect()
     }
 }
 
@@ -215,8 +213,19 @@ pub fn repeat(a: &Array, repeats: i32, axis: i32) -> Result<Array> {
 pub fn pad(a: &Array, axes: &[i32], low: &[i32], high: &[i32], value: &Array) -> Result<Array> {
     let mode = c"constant";
     out1(|r| unsafe {
-        sys::mlx_pad(r, a.0, axes.as_ptr(), axes.len(), low.as_ptr(), low.len(), high.as_ptr(), high.len(), value.0,
-                     mode.as_ptr(), s())
+        sys::mlx_pad(
+            r,
+            a.0,
+            axes.as_ptr(),
+            axes.len(),
+            low.as_ptr(),
+            low.len(),
+            high.as_ptr(),
+            high.len(),
+            value.0,
+            mode.as_ptr(),
+            s(),
+        )
     })
 }
 
@@ -225,7 +234,17 @@ pub fn pad(a: &Array, axes: &[i32], low: &[i32], high: &[i32], value: &Array) ->
 /// `a[start:stop:strides]` over every axis.
 pub fn slice(a: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
     out1(|r| unsafe {
-        sys::mlx_slice(r, a.0, start.as_ptr(), start.len(), stop.as_ptr(), stop.len(), strides.as_ptr(), strides.len(), s())
+        sys::mlx_slice(
+            r,
+            a.0,
+            start.as_ptr(),
+            start.len(),
+            stop.as_ptr(),
+            stop.len(),
+            strides.as_ptr(),
+            strides.len(),
+            s(),
+        )
     })
 }
 
@@ -248,8 +267,18 @@ pub fn slice_axis(a: &Array, axis: i32, lo: i32, hi: i32) -> Result<Array> {
 /// `src` with `update` written into `src[start:stop:strides]`.
 pub fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
     out1(|r| unsafe {
-        sys::mlx_slice_update(r, src.0, update.0, start.as_ptr(), start.len(), stop.as_ptr(), stop.len(), strides.as_ptr(),
-                              strides.len(), s())
+        sys::mlx_slice_update(
+            r,
+            src.0,
+            update.0,
+            start.as_ptr(),
+            start.len(),
+            stop.as_ptr(),
+            stop.len(),
+            strides.as_ptr(),
+            strides.len(),
+            s(),
+        )
     })
 }
 
@@ -409,8 +438,17 @@ pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, 
 /// Quantization of `w` along its last axis in `mode`: (packed weights, scales, biases — affine only).
 pub fn quantize_mode(w: &Array, group_size: i32, bits: i32, mode: QuantMode) -> Result<(Array, Array, Option<Array>)> {
     let mut v = VecArray::empty();
-    check(unsafe { sys::mlx_quantize(&mut v.0, w.0, opt_int(Some(group_size)), opt_int(Some(bits)), mode.c_name().as_ptr(),
-                                   raw_or_null(None), s()) })?;
+    check(unsafe {
+        sys::mlx_quantize(
+            &mut v.0,
+            w.0,
+            opt_int(Some(group_size)),
+            opt_int(Some(bits)),
+            mode.c_name().as_ptr(),
+            raw_or_null(None),
+            s(),
+        )
+    })?;
     let mut parts = v.to_vec()?.into_iter();
     match (parts.next(), parts.next(), parts.next()) {
         (Some(q), Some(sc), b) if b.is_some() == mode.has_biases() => Ok((q, sc, b)),
@@ -418,20 +456,55 @@ pub fn quantize_mode(w: &Array, group_size: i32, bits: i32, mode: QuantMode) -> 
     }
 }
 
-pub fn dequantize(w: &Array, scales: &Array, biases: Option<&Array>, group_size: i32, bits: i32, mode: QuantMode) -> Result<Array> {
+pub fn dequantize(
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    group_size: i32,
+    bits: i32,
+    mode: QuantMode,
+) -> Result<Array> {
     let dt = sys::mlx_optional_dtype::default();
     out1(|r| unsafe {
-        sys::mlx_dequantize(r, w.0, scales.0, raw_or_null(biases), opt_int(Some(group_size)), opt_int(Some(bits)),
-                            mode.c_name().as_ptr(), raw_or_null(None), dt, s())
+        sys::mlx_dequantize(
+            r,
+            w.0,
+            scales.0,
+            raw_or_null(biases),
+            opt_int(Some(group_size)),
+            opt_int(Some(bits)),
+            mode.c_name().as_ptr(),
+            raw_or_null(None),
+            dt,
+            s(),
+        )
     })
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, transpose: bool, group_size: i32,
-                        bits: i32, mode: QuantMode) -> Result<Array> {
+pub fn quantized_matmul(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    transpose: bool,
+    group_size: i32,
+    bits: i32,
+    mode: QuantMode,
+) -> Result<Array> {
     out1(|r| unsafe {
-        sys::mlx_quantized_matmul(r, x.0, w.0, scales.0, raw_or_null(biases), transpose, opt_int(Some(group_size)),
-                                  opt_int(Some(bits)), mode.c_name().as_ptr(), s())
+        sys::mlx_quantized_matmul(
+            r,
+            x.0,
+            w.0,
+            scales.0,
+            raw_or_null(biases),
+            transpose,
+            opt_int(Some(group_size)),
+            opt_int(Some(bits)),
+            mode.c_name().as_ptr(),
+            s(),
+        )
     })
 }
 
@@ -441,11 +514,36 @@ pub fn gather_mm(a: &Array, b: &Array, lhs: Option<&Array>, rhs: Option<&Array>,
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn gather_qmm(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, lhs: Option<&Array>, rhs: Option<&Array>,
-                  transpose: bool, group_size: i32, bits: i32, mode: QuantMode, sorted: bool) -> Result<Array> {
+pub fn gather_qmm(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    lhs: Option<&Array>,
+    rhs: Option<&Array>,
+    transpose: bool,
+    group_size: i32,
+    bits: i32,
+    mode: QuantMode,
+    sorted: bool,
+) -> Result<Array> {
     out1(|r| unsafe {
-        sys::mlx_gather_qmm(r, x.0, w.0, scales.0, raw_or_null(biases), raw_or_null(lhs), raw_or_null(rhs), transpose,
-                            opt_int(Some(group_size)), opt_int(Some(bits)), mode.c_name().as_ptr(), raw_or_null(None), sorted, s())
+        sys::mlx_gather_qmm(
+            r,
+            x.0,
+            w.0,
+            scales.0,
+            raw_or_null(biases),
+            raw_or_null(lhs),
+            raw_or_null(rhs),
+            transpose,
+            opt_int(Some(group_size)),
+            opt_int(Some(bits)),
+            mode.c_name().as_ptr(),
+            raw_or_null(None),
+            sorted,
+            s(),
+        )
     })
 }
 
@@ -456,7 +554,17 @@ pub fn conv1d(x: &Array, w: &Array, stride: i32, padding: i32, dilation: i32, gr
 
 /// 2-D convolution of `x` `[B, H, W, C_in]` with `w` `[C_out, kH, kW, C_in / groups]` (channels last).
 #[allow(clippy::too_many_arguments)]
-pub fn conv2d(x: &Array, w: &Array, stride_h: i32, stride_w: i32, pad_h: i32, pad_w: i32, dil_h: i32, dil_w: i32, groups: i32) -> Result<Array> {
+pub fn conv2d(
+    x: &Array,
+    w: &Array,
+    stride_h: i32,
+    stride_w: i32,
+    pad_h: i32,
+    pad_w: i32,
+    dil_h: i32,
+    dil_w: i32,
+    groups: i32,
+) -> Result<Array> {
     out1(|r| unsafe { sys::mlx_conv2d(r, x.0, w.0, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, s()) })
 }
 
@@ -472,17 +580,33 @@ pub fn layer_norm(x: &Array, weight: Option<&Array>, bias: Option<&Array>, eps: 
 
 /// Rotary embedding over the last `dims` features of `x` (shape [..., L, D]) starting at `offset`;
 /// `base` or explicit `freqs`.
-pub fn rope(x: &Array, dims: i32, traditional: bool, base: Option<f32>, scale: f32, offset: i32,
-            freqs: Option<&Array>) -> Result<Array> {
+pub fn rope(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    base: Option<f32>,
+    scale: f32,
+    offset: i32,
+    freqs: Option<&Array>,
+) -> Result<Array> {
     let b = sys::mlx_optional_float { value: base.unwrap_or(0.0), has_value: base.is_some() };
     out1(|r| unsafe { sys::mlx_fast_rope(r, x.0, dims, traditional, b, scale, offset, raw_or_null(freqs), s()) })
 }
 
 /// [`rope`] with one offset per batch row: `offsets` int32 `[B]` for `x` `[B, ..., L, D]`.
-pub fn rope_rows(x: &Array, dims: i32, traditional: bool, base: Option<f32>, scale: f32, offsets: &Array,
-                 freqs: Option<&Array>) -> Result<Array> {
+pub fn rope_rows(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    base: Option<f32>,
+    scale: f32,
+    offsets: &Array,
+    freqs: Option<&Array>,
+) -> Result<Array> {
     let b = sys::mlx_optional_float { value: base.unwrap_or(0.0), has_value: base.is_some() };
-    out1(|r| unsafe { sys::mlx_fast_rope_dynamic(r, x.0, dims, traditional, b, scale, offsets.0, raw_or_null(freqs), s()) })
+    out1(|r| unsafe {
+        sys::mlx_fast_rope_dynamic(r, x.0, dims, traditional, b, scale, offsets.0, raw_or_null(freqs), s())
+    })
 }
 
 /// Attention mask for [`scaled_dot_product_attention`].
@@ -492,8 +616,14 @@ pub enum AttnMask<'a> {
     Array(&'a Array),
 }
 
-pub fn scaled_dot_product_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask: AttnMask<'_>,
-                                    sinks: Option<&Array>) -> Result<Array> {
+pub fn scaled_dot_product_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: AttnMask<'_>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
     let (mode, arr): (&CStr, sys::mlx_array) = match mask {
         AttnMask::None => (c"", null()),
         AttnMask::Causal => (c"causal", null()),
@@ -594,11 +724,14 @@ pub fn load_safetensors(path: &Path) -> Result<(BTreeMap<String, Array>, BTreeMa
 }
 
 /// Save tensors (and string metadata) as a safetensors file.
-pub fn save_safetensors(path: &Path, tensors: &BTreeMap<String, Array>, metadata: &BTreeMap<String, String>) -> Result<()> {
+pub fn save_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, Array>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
     init()?;
     let p = cstr(&path.to_string_lossy())?;
-    let keys: Vec<(CString, &Array)> =
-        tensors.iter().map(|(k, v)| Ok((cstr(k)?, v))).collect::<Result<_>>()?;
+    let keys: Vec<(CString, &Array)> = tensors.iter().map(|(k, v)| Ok((cstr(k)?, v))).collect::<Result<_>>()?;
     let meta: Vec<(CString, CString)> =
         metadata.iter().map(|(k, v)| Ok((cstr(k)?, cstr(v)?))).collect::<Result<_>>()?;
     unsafe {
@@ -675,7 +808,10 @@ unsafe impl Send for Compiled {}
 
 impl Compiled {
     /// Compile `f`; `shapeless` lets one trace serve inputs of any shape.
-    pub fn new(f: impl Fn(&[Array]) -> Result<Vec<Array>> + Send + Sync + 'static, shapeless: bool) -> Result<Compiled> {
+    pub fn new(
+        f: impl Fn(&[Array]) -> Result<Vec<Array>> + Send + Sync + 'static,
+        shapeless: bool,
+    ) -> Result<Compiled> {
         init()?;
         let boxed: Box<BoxedFn> = Box::new(Box::new(f));
         let payload = Box::into_raw(boxed) as *mut std::ffi::c_void;

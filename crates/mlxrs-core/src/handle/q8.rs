@@ -47,7 +47,9 @@ impl Q8Matrix {
     /// `q` holds `rows · cols` values, `d` `rows · cols / 32` scales; `cols` a multiple of 32.
     pub fn new(q: Vec<i8>, d: Vec<f32>, rows: usize, cols: usize) -> Result<Q8Matrix> {
         if cols == 0 || !cols.is_multiple_of(Q8_BLOCK) {
-            return Err(Error::Invalid(format!("a Q8_0 matrix needs columns in whole blocks of {Q8_BLOCK}, not {cols}")));
+            return Err(Error::Invalid(format!(
+                "a Q8_0 matrix needs columns in whole blocks of {Q8_BLOCK}, not {cols}"
+            )));
         }
         if rows.checked_mul(cols) != Some(q.len()) || rows * (cols / Q8_BLOCK) != d.len() {
             return Err(Error::Invalid(format!(
@@ -214,7 +216,8 @@ mod tests {
 
     fn random(rows: usize, cols: usize, n: usize, seed: u64) -> (Q8Matrix, Vec<f32>) {
         let mut s = seed;
-        let q: Vec<i8> = (0..rows * cols).map(|_| (lcg(&mut s) % 255) as i32 as i8).map(|v| v.wrapping_sub(127)).collect();
+        let q: Vec<i8> =
+            (0..rows * cols).map(|_| (lcg(&mut s) % 255) as i32 as i8).map(|v| v.wrapping_sub(127)).collect();
         let d: Vec<f32> = (0..rows * cols / Q8_BLOCK)
             .map(|_| half::f16::from_f32((lcg(&mut s) % 1000) as f32 / 1e5 - 0.004).to_f32())
             .collect();
@@ -229,7 +232,8 @@ mod tests {
         let mut out = vec![0f64; n * m.rows()];
         for i in 0..n {
             for (r, wr) in w.iter().enumerate() {
-                out[i * m.rows() + r] = wr.iter().zip(&x[i * m.cols()..(i + 1) * m.cols()]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                out[i * m.rows() + r] =
+                    wr.iter().zip(&x[i * m.cols()..(i + 1) * m.cols()]).map(|(a, b)| *a as f64 * *b as f64).sum();
             }
         }
         out
@@ -238,7 +242,9 @@ mod tests {
     #[test]
     fn matvec_equals_dequantize_then_matmul() {
         // odd row counts (not a multiple of the 4-row group, nor of the thread split), 1..3 input rows
-        for (rows, cols, n, threads) in [(37, 64, 1, 2), (101, 640, 1, 3), (9, 32, 3, 2), (1, 96, 2, 4), (64, 128, 1, 1)] {
+        for (rows, cols, n, threads) in
+            [(37, 64, 1, 2), (101, 640, 1, 3), (9, 32, 3, 2), (1, 96, 2, 4), (64, 128, 1, 1)]
+        {
             let (m, x) = random(rows, cols, n, (rows * cols + n) as u64);
             let got = m.matvec(&x, threads).unwrap();
             let want = naive(&m, &x);

@@ -36,11 +36,19 @@ pub enum AttnKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FfnKind {
-    Dense { intermediate: i32 },
+    Dense {
+        intermediate: i32,
+    },
     /// `experts` routed experts of width `intermediate`, `top_k` of them per token, plus
     /// `shared` always-on experts; the router's top-k probabilities renormalised when
     /// `norm_topk_prob`.
-    Moe { experts: i32, top_k: i32, intermediate: i32, shared: i32, norm_topk_prob: bool },
+    Moe {
+        experts: i32,
+        top_k: i32,
+        intermediate: i32,
+        shared: i32,
+        norm_topk_prob: bool,
+    },
 }
 
 /// One decoder layer's geometry.
@@ -57,7 +65,9 @@ impl LayerLayout {
     pub fn kv_elems(&self) -> usize {
         match self.attn {
             AttnKind::Full | AttnKind::Sliding { .. } => (self.kv_heads.max(0) * self.head_dim.max(0) * 2) as usize,
-            AttnKind::Latent { rank, rope_dims, index_dims } => (rank.max(0) + rope_dims.max(0) + index_dims.max(0)) as usize,
+            AttnKind::Latent { rank, rope_dims, index_dims } => {
+                (rank.max(0) + rope_dims.max(0) + index_dims.max(0)) as usize
+            }
             AttnKind::SharedKv { .. } | AttnKind::LinearRecurrent { .. } => 0,
         }
     }
@@ -168,7 +178,8 @@ pub fn stack_experts(w: &mut Weights, prefix: &str, n: i32, into: &str, projs: &
             if !w.contains(&format!("{prefix}.experts.0.{from}.{part}")) {
                 continue;
             }
-            let parts = (0..n).map(|e| w.take(&format!("{prefix}.experts.{e}.{from}.{part}"))).collect::<Result<Vec<_>>>()?;
+            let parts =
+                (0..n).map(|e| w.take(&format!("{prefix}.experts.{e}.{from}.{part}"))).collect::<Result<Vec<_>>>()?;
             if parts.windows(2).any(|a| a[0].shape() != a[1].shape()) {
                 return Err(Error::ModelLoad(format!("weights {prefix}.experts.*.{from}.{part} differ in shape")));
             }
@@ -178,7 +189,9 @@ pub fn stack_experts(w: &mut Weights, prefix: &str, n: i32, into: &str, projs: &
     }
     // an expert past n: the config does not match the checkpoint
     let past = format!("{prefix}.experts.");
-    if let Some(k) = w.keys().filter(|k| k.starts_with(&past) && k[past.len()..].starts_with(|c: char| c.is_ascii_digit())).min() {
+    if let Some(k) =
+        w.keys().filter(|k| k.starts_with(&past) && k[past.len()..].starts_with(|c: char| c.is_ascii_digit())).min()
+    {
         return Err(Error::ModelLoad(format!("weight {k} is past config.json's expert count {n}")));
     }
     Ok(())
@@ -194,14 +207,41 @@ mod tests {
         assert_eq!(
             supported(),
             [
-                "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "qwen3_next", "qwen3_5",
-                "qwen3_5_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
-                "mistral4", "mistral3", "ministral3"
+                "llama",
+                "mistral",
+                "qwen2",
+                "qwen3",
+                "qwen3_moe",
+                "gemma3_text",
+                "gemma3",
+                "gemma4_text",
+                "gemma4",
+                "qwen3_next",
+                "qwen3_5",
+                "qwen3_5_moe",
+                "mixtral",
+                "glm4_moe",
+                "gpt_oss",
+                "deepseek_v3",
+                "deepseek_v32",
+                "glm_moe_dsa",
+                "mistral4",
+                "mistral3",
+                "ministral3"
             ]
         );
         let mut g = gguf_architectures();
         g.sort();
-        assert_eq!(g, [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3_moe")]);
+        assert_eq!(
+            g,
+            [
+                ("gemma3", "gemma3_text"),
+                ("llama", "llama"),
+                ("qwen2", "qwen2"),
+                ("qwen3", "qwen3"),
+                ("qwen3moe", "qwen3_moe")
+            ]
+        );
         assert_eq!(find("mistral").map(|a| a.name), Some("llama"));
         assert!(find("qwen9").is_none());
     }
@@ -234,7 +274,11 @@ mod tests {
         assert_eq!(ffn, [moe, FfnKind::Dense { intermediate: 512 }, moe, moe]);
         assert!(l.iter().all(|l| l.attn == AttnKind::Full && l.kv_elems() == 2 * 64 * 2));
         m["num_experts_per_tok"] = json!(9);
-        assert!(layout_of(&m).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 9 exceeds num_experts 8"));
+        assert!(layout_of(&m)
+            .unwrap()
+            .unwrap_err()
+            .to_string()
+            .contains("num_experts_per_tok 9 exceeds num_experts 8"));
 
         // mixtral: a MoE in every layer, intermediate_size the experts' width, mlx-lm's defaults
         // (8 experts, 2 per token) for what the config leaves out; full attention even with a window
@@ -245,19 +289,34 @@ mod tests {
         assert!(l.iter().all(|l| l.ffn == moe && l.attn == AttnKind::Full));
         x["num_local_experts"] = json!(2);
         x["num_experts_per_tok"] = json!(3);
-        assert!(layout_of(&x).unwrap().unwrap_err().to_string().contains("num_experts_per_tok 3 exceeds num_local_experts 2"));
+        assert!(layout_of(&x)
+            .unwrap()
+            .unwrap_err()
+            .to_string()
+            .contains("num_experts_per_tok 3 exceeds num_local_experts 2"));
 
         // glm4_moe: the first first_k_dense_replace layers dense, then routed + shared experts
         let mut g = base("glm4_moe");
-        for (k, v) in [("n_routed_experts", json!(16)), ("num_experts_per_tok", json!(4)), ("moe_intermediate_size", json!(64)),
-                       ("n_shared_experts", json!(1)), ("first_k_dense_replace", json!(1)), ("norm_topk_prob", json!(true))] {
+        for (k, v) in [
+            ("n_routed_experts", json!(16)),
+            ("num_experts_per_tok", json!(4)),
+            ("moe_intermediate_size", json!(64)),
+            ("n_shared_experts", json!(1)),
+            ("first_k_dense_replace", json!(1)),
+            ("norm_topk_prob", json!(true)),
+        ] {
             g[k] = v;
         }
         let moe = FfnKind::Moe { experts: 16, top_k: 4, intermediate: 64, shared: 1, norm_topk_prob: true };
         let ffn: Vec<_> = layout_of(&g).unwrap().unwrap().iter().map(|l| l.ffn).collect();
         assert_eq!(ffn, [FfnKind::Dense { intermediate: 512 }, moe, moe, moe]);
         g["n_shared_experts"] = Value::Null;
-        assert!(layout_of(&g).unwrap().unwrap().iter().skip(1).all(|l| matches!(l.ffn, FfnKind::Moe { shared: 0, .. })));
+        assert!(layout_of(&g)
+            .unwrap()
+            .unwrap()
+            .iter()
+            .skip(1)
+            .all(|l| matches!(l.ffn, FfnKind::Moe { shared: 0, .. })));
 
         // gpt_oss: sliding and full layers alternating (sliding first) without layer_types, the
         // window mlx-lm's default 128 when the config has none; a MoE everywhere
@@ -287,7 +346,9 @@ mod tests {
                            "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
                            "first_k_dense_replace": 1, "moe_layer_freq": 2});
         let l = layout_of(&c).unwrap().unwrap();
-        assert!(l.iter().all(|l| l.attn == AttnKind::Latent { rank: 512, rope_dims: 64, index_dims: 0 } && l.kv_elems() == 576));
+        assert!(l
+            .iter()
+            .all(|l| l.attn == AttnKind::Latent { rank: 512, rope_dims: 64, index_dims: 0 } && l.kv_elems() == 576));
         let moe = FfnKind::Moe { experts: 256, top_k: 8, intermediate: 2048, shared: 1, norm_topk_prob: true };
         let dense = FfnKind::Dense { intermediate: 18432 };
         assert_eq!(l.iter().map(|l| l.ffn).collect::<Vec<_>>(), [dense, dense, moe, dense]);
@@ -304,7 +365,8 @@ mod tests {
 
     #[test]
     fn caches_follow_the_layout() {
-        let full = LayerLayout { attn: AttnKind::Full, kv_heads: 2, head_dim: 64, ffn: FfnKind::Dense { intermediate: 1 } };
+        let full =
+            LayerLayout { attn: AttnKind::Full, kv_heads: 2, head_dim: 64, ffn: FfnKind::Dense { intermediate: 1 } };
         let slide = LayerLayout { attn: AttnKind::Sliding { window: 16 }, ..full };
         let shape = super::super::ModelShape::new("x", vec![slide, full], 256, 512, None, 4);
         assert_eq!(shape.sliding, [Some(16), None]);

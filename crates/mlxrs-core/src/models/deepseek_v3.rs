@@ -49,7 +49,9 @@ impl MlaDims {
         use limits::*;
         let rope = c.size("qk_rope_head_dim", Some(64), HEAD_DIM)?;
         if rope % 2 != 0 {
-            return Err(Error::ModelLoad(format!("config.json: qk_rope_head_dim {rope} is odd (the rotary embedding rotates pairs)")));
+            return Err(Error::ModelLoad(format!(
+                "config.json: qk_rope_head_dim {rope} is odd (the rotary embedding rotates pairs)"
+            )));
         }
         Ok(MlaDims {
             hidden: c.size("hidden_size", Some(4096), HIDDEN)?,
@@ -83,7 +85,11 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
         )));
     }
     w.retain(|k| {
-        let mtp = k.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<i32>().ok()).is_some_and(|i| i >= layers);
+        let mtp = k
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<i32>().ok())
+            .is_some_and(|i| i >= layers);
         !mtp && !k.contains("rotary_emb.inv_freq")
     });
     crate::weights::dequantize_fp8(config, w)?;
@@ -122,7 +128,11 @@ pub(crate) fn split_kv_b(w: &mut Weights, p: &str, d: &MlaDims) -> Result<()> {
         }
         let bits = cols * 32 / d.kv_lora_rank;
         if groups == 0 || d.kv_lora_rank % groups != 0 || !(2..=8).contains(&bits) {
-            return Err(Error::ModelLoad(format!("weight {name}: its shape {:?} does not fit kv_lora_rank {}", v.shape(), d.kv_lora_rank)));
+            return Err(Error::ModelLoad(format!(
+                "weight {name}: its shape {:?} does not fit kv_lora_rank {}",
+                v.shape(),
+                d.kv_lora_rank
+            )));
         }
         let q = QuantSpec::affine(d.kv_lora_rank / groups, bits);
         v = mx::dequantize(&v, &scales, biases.as_ref(), q.group_size, q.bits, q.mode)?;
@@ -336,7 +346,15 @@ impl Mla {
     /// v_head_dim]` (before `o_proj`). `mask` (boolean, broadcast against the scores) hides keys,
     /// as mlx-lm's `where` does; `causal`: no mask array, but a causal prefill (mlx-lm's "causal",
     /// which only [`MlaVariant::concat_prefill`] reads: the others are given the array).
-    fn attend(&self, q_nope: &Array, q_pe: &Array, latent: &Array, k_pe: &Array, mask: Option<&Array>, causal: bool) -> Result<Array> {
+    fn attend(
+        &self,
+        q_nope: &Array,
+        q_pe: &Array,
+        latent: &Array,
+        k_pe: &Array,
+        mask: Option<&Array>,
+        causal: bool,
+    ) -> Result<Array> {
         let (b, l) = (q_nope.dim(0), q_nope.dim(2));
         let out = if l > 1 && self.variant.concat_prefill {
             // mistral4: per-head keys [nope | rope] against queries [nope | rope], one softmax
@@ -398,7 +416,11 @@ impl Mla {
         let (keys, mut k_pe) = match cache.update_and_fetch(keys, k_pe)? {
             Fetched::Dense(k, v) => (k, v),
             // mlx-lm's MLA cannot read a quantized cache either (the engine refuses kv_bits first)
-            Fetched::Quant { .. } => return Err(Error::Unsupported("a quantized KV cache (kv_bits) with multi-head latent attention".into())),
+            Fetched::Quant { .. } => {
+                return Err(Error::Unsupported(
+                    "a quantized KV cache (kv_bits) with multi-head latent attention".into(),
+                ))
+            }
         };
         // mistral4's prefill takes mlx-lm's "causal" as it is
         let causal = matches!(mask, Mask::Causal) && self.variant.concat_prefill && n > 1;
@@ -432,7 +454,9 @@ impl Mla {
         let p = self.project(x)?;
         let out = match (caches, masks) {
             (LayerCaches::Batch(..), _) if self.indexer.is_some() => {
-                return Err(Error::Invalid("deepseek_v32's indexer over the stacked KV (the engine does not stack it)".into()))
+                return Err(Error::Invalid(
+                    "deepseek_v32's indexer over the stacked KV (the engine does not stack it)".into(),
+                ))
             }
             (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
                 let q_pe = self.rope.forward_rows(&p.q_pe, kv.offsets())?;
@@ -441,7 +465,9 @@ impl Mla {
                 let (latent, k_pe) = kv.update_and_fetch(layer, &p.latent, &k_pe)?;
                 self.attend(&q_nope, &q_pe, &latent, &k_pe, Some(mask), false)?
             }
-            (LayerCaches::Rows(mut caches), Masks::Rows(masks)) if caches.len() == 1 => self.attend_row(p, &masks[0], caches[0])?,
+            (LayerCaches::Rows(mut caches), Masks::Rows(masks)) if caches.len() == 1 => {
+                self.attend_row(p, &masks[0], caches[0])?
+            }
             (LayerCaches::Rows(caches), Masks::Rows(masks)) => {
                 let mut outs = Vec::with_capacity(caches.len());
                 for (r, (cache, mask)) in caches.into_iter().zip(masks).enumerate() {
@@ -514,14 +540,26 @@ impl Model {
 
     /// The decoder with the MoE routed by `router` and, when `indexer` is Some(interleaved rope),
     /// deepseek_v32's indexer in every layer.
-    pub fn load_with(config: &Value, w: Weights, router: super::layers::Router, indexer: Option<bool>) -> Result<Model> {
+    pub fn load_with(
+        config: &Value,
+        w: Weights,
+        router: super::layers::Router,
+        indexer: Option<bool>,
+    ) -> Result<Model> {
         Model::load_variant(config, w, router, indexer, MlaVariant::DEEPSEEK, layout(config)?, false)
     }
 
     /// [`Model::load_with`] with the attention of `variant`, the layers of `layout`, and the LM
     /// head the embedding's transpose when `tie`.
-    pub fn load_variant(config: &Value, mut w: Weights, router: super::layers::Router, indexer: Option<bool>, variant: MlaVariant,
-                        layout: Vec<LayerLayout>, tie: bool) -> Result<Model> {
+    pub fn load_variant(
+        config: &Value,
+        mut w: Weights,
+        router: super::layers::Router,
+        indexer: Option<bool>,
+        variant: MlaVariant,
+        layout: Vec<LayerLayout>,
+        tie: bool,
+    ) -> Result<Model> {
         let c = Cfg(config);
         let d = MlaDims::from_config(&c)?;
         let vocab = c.size("vocab_size", Some(102400), limits::VOCAB)?;
@@ -542,14 +580,22 @@ impl Model {
         let lm_head = if tie { None } else { Some(Linear::load(&mut w, "lm_head", false, embed.rows(), d.hidden)?) };
         let dtype_bytes = embed.dtype().size();
         let model_type = config.get("model_type").and_then(Value::as_str).unwrap_or("deepseek_v3");
-        let shape = ModelShape::new(model_type, layout, d.hidden, vocab, c.opt_i("max_position_embeddings"), dtype_bytes);
+        let shape =
+            ModelShape::new(model_type, layout, d.hidden, vocab, c.opt_i("max_position_embeddings"), dtype_bytes);
         Ok(Model { embed, layers, norm, lm_head, shape, indexed: indexer.is_some() })
     }
 
     /// Replace the per-layer layout (deepseek_v32's counts the indexer's keys).
     pub fn set_layout(&mut self, layout: Vec<LayerLayout>) {
         let s = &self.shape;
-        self.shape = ModelShape::new(&s.model_type, layout, s.hidden_size, s.vocab_size, s.max_position_embeddings, s.dtype_bytes);
+        self.shape = ModelShape::new(
+            &s.model_type,
+            layout,
+            s.hidden_size,
+            s.vocab_size,
+            s.max_position_embeddings,
+            s.dtype_bytes,
+        );
     }
 }
 

@@ -47,7 +47,9 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     Ok(deepseek_v3::layout(config)?
         .into_iter()
         .map(|l| match l.attn {
-            AttnKind::Latent { rank, rope_dims, .. } => LayerLayout { attn: AttnKind::Latent { rank, rope_dims, index_dims: hd }, ..l },
+            AttnKind::Latent { rank, rope_dims, .. } => {
+                LayerLayout { attn: AttnKind::Latent { rank, rope_dims, index_dims: hd }, ..l }
+            }
             _ => l,
         })
         .collect())
@@ -70,15 +72,23 @@ pub struct Indexer {
 impl Indexer {
     pub fn load(w: &mut Weights, p: &str, c: &Cfg, d: &MlaDims, interleave: bool) -> Result<Indexer> {
         let (heads, head_dim, topk) = index_dims(c)?;
-        let q_lora = d.q_lora_rank.ok_or_else(|| Error::ModelLoad("config.json: q_lora_rank is null, but the indexer reads the low-rank query".into()))?;
+        let q_lora = d.q_lora_rank.ok_or_else(|| {
+            Error::ModelLoad("config.json: q_lora_rank is null, but the indexer reads the low-rank query".into())
+        })?;
         if d.rope > head_dim {
-            return Err(Error::ModelLoad(format!("config.json: qk_rope_head_dim {} exceeds index_head_dim {head_dim}", d.rope)));
+            return Err(Error::ModelLoad(format!(
+                "config.json: qk_rope_head_dim {} exceeds index_head_dim {head_dim}",
+                d.rope
+            )));
         }
         let p = format!("{p}.indexer");
         Ok(Indexer {
             wq_b: Linear::load(w, &format!("{p}.wq_b"), false, heads * head_dim, q_lora)?,
             wk: Linear::load(w, &format!("{p}.wk"), false, head_dim, d.hidden)?,
-            k_norm: (w.take_shaped(&format!("{p}.k_norm.weight"), &[head_dim])?, w.take_shaped(&format!("{p}.k_norm.bias"), &[head_dim])?),
+            k_norm: (
+                w.take_shaped(&format!("{p}.k_norm.weight"), &[head_dim])?,
+                w.take_shaped(&format!("{p}.k_norm.bias"), &[head_dim])?,
+            ),
             weights_proj: Linear::load(w, &format!("{p}.weights_proj"), false, heads, d.hidden)?,
             heads,
             head_dim,
@@ -184,7 +194,9 @@ pub fn load(config: &Value, w: Weights) -> Result<deepseek_v3::Model> {
 pub fn load_interleave(config: &Value, w: Weights, interleave_default: bool) -> Result<deepseek_v3::Model> {
     let c = Cfg(config);
     if MlaDims::from_config(&c)?.q_lora_rank.is_none() {
-        return Err(Error::ModelLoad("config.json: q_lora_rank is null, but the indexer reads the low-rank query".into()));
+        return Err(Error::ModelLoad(
+            "config.json: q_lora_rank is null, but the indexer reads the low-rank query".into(),
+        ));
     }
     let router = super::glm4_moe::grouped_router(&c, "deepseek_v32")?;
     let interleave = c.b_or("indexer_rope_interleave", interleave_default);

@@ -347,7 +347,11 @@ struct PartSource {
 impl PartSource {
     /// Bytes one expert's read of this part covers in the file.
     fn read_len(&self) -> usize {
-        if self.interleaved.is_some() { 2 * self.bytes } else { self.bytes }
+        if self.interleaved.is_some() {
+            2 * self.bytes
+        } else {
+            self.bytes
+        }
     }
 
     /// This part of one expert from the bytes its read returned.
@@ -357,7 +361,8 @@ impl PartSource {
         };
         let rows = self.shape.first().map_or(1, |&r| r.max(1) as usize);
         let row = self.bytes / rows;
-        let picked: Vec<u8> = (0..rows).flat_map(|r| b[(2 * r + k) * row..(2 * r + k + 1) * row].iter().copied()).collect();
+        let picked: Vec<u8> =
+            (0..rows).flat_map(|r| b[(2 * r + k) * row..(2 * r + k + 1) * row].iter().copied()).collect();
         Array::from_bytes(&picked, &self.shape, self.dtype)
     }
 }
@@ -389,7 +394,13 @@ impl Inflight {
             for (f, &(i, j)) in order.iter().enumerate() {
                 let p = &src[i][j];
                 let (file, _, off) = &p.at[e as usize];
-                pool().send(Job { file: file.clone(), offset: *off, len: p.read_len(), tag: n * order.len() + f, reply: tx.clone() })?;
+                pool().send(Job {
+                    file: file.clone(),
+                    offset: *off,
+                    len: p.read_len(),
+                    tag: n * order.len() + f,
+                    reply: tx.clone(),
+                })?;
             }
         }
         let bufs = (0..experts.len() * order.len()).map(|_| None).collect();
@@ -400,9 +411,12 @@ impl Inflight {
     fn take(&mut self, want: &[usize]) -> Result<Vec<ExpertParts>> {
         let order = part_order(&self.src);
         let per = order.len();
-        let complete = |bufs: &[Option<std::io::Result<Vec<u8>>>]| want.iter().all(|&n| bufs[n * per..(n + 1) * per].iter().all(Option::is_some));
+        let complete = |bufs: &[Option<std::io::Result<Vec<u8>>>]| {
+            want.iter().all(|&n| bufs[n * per..(n + 1) * per].iter().all(Option::is_some))
+        };
         while !complete(&self.bufs) {
-            let (tag, res) = self.rx.recv().map_err(|_| Error::ModelLoad("the expert reader threads stopped".into()))?;
+            let (tag, res) =
+                self.rx.recv().map_err(|_| Error::ModelLoad("the expert reader threads stopped".into()))?;
             self.bufs[tag] = Some(res);
         }
         let mut out = Vec::with_capacity(want.len());
@@ -452,7 +466,14 @@ impl StreamedExperts {
     /// The experts `{prefix}.{gate,up,down}_proj` of `count` experts: their shapes checked as the
     /// resident load checks them (the lazily loaded arrays are dropped unread), then located in the
     /// files: the stacked tensor itself, else `{parent}.experts.{e}.{proj}.*` (Hugging Face layout).
-    pub fn load(ws: &mut Weights, ctx: Arc<Streaming>, prefix: &str, count: i32, hidden: i32, inter: i32) -> Result<StreamedExperts> {
+    pub fn load(
+        ws: &mut Weights,
+        ctx: Arc<Streaming>,
+        prefix: &str,
+        count: i32,
+        hidden: i32,
+        inter: i32,
+    ) -> Result<StreamedExperts> {
         let dims = [(inter, hidden), (inter, hidden), (hidden, inter)];
         let mut q = None;
         let mut src: [Vec<PartSource>; 3] = Default::default();
@@ -593,7 +614,11 @@ fn locate(ws: &Weights, prefix: &str, proj: &str, part: &str, count: i32, stacke
     let name = format!("{prefix}.{proj}.{part}");
     if let Some(l) = ws.location(&name) {
         let e = &l.entry;
-        if e.shape.first() != Some(&count) || e.shape[1..] != shape[..] || e.mlx_dtype() != dtype || e.nbytes() != (bytes * count as usize) as u64 {
+        if e.shape.first() != Some(&count)
+            || e.shape[1..] != shape[..]
+            || e.mlx_dtype() != dtype
+            || e.nbytes() != (bytes * count as usize) as u64
+        {
             return Err(Error::ModelLoad(format!(
                 "weight {name} in {} is {} {:?} but {count} experts of {} {shape:?} were expected: the checkpoint \
                  does not match config.json",
@@ -640,7 +665,9 @@ fn locate(ws: &Weights, prefix: &str, proj: &str, part: &str, count: i32, stacke
             let slab = bytes as u64 * halves;
             return Ok(PartSource {
                 names: (0..count).map(|_| n.clone()).collect(),
-                at: (0..count as u64).map(|i| (l.file.clone(), l.path.clone(), base + i * slab + within * bytes as u64)).collect(),
+                at: (0..count as u64)
+                    .map(|i| (l.file.clone(), l.path.clone(), base + i * slab + within * bytes as u64))
+                    .collect(),
                 shape,
                 dtype,
                 bytes,
@@ -651,19 +678,24 @@ fn locate(ws: &Weights, prefix: &str, proj: &str, part: &str, count: i32, stacke
     // gpt-oss's released MXFP4 experts: `{fused}_blocks` uint8 [experts, rows, groups, 16] and
     // `{fused}_scales` uint8 [experts, rows, groups], gate and up rows interleaved in `gate_up_proj`
     // (the same bytes as the sanitized uint32 weight / scales, `gpt_oss::sanitize`)
-    if let ("weight" | "scales", Some(fused)) = (part, match proj {
-        "gate_proj" | "up_proj" => Some("gate_up_proj"),
-        "down_proj" => Some("down_proj"),
-        _ => None,
-    }) {
+    if let ("weight" | "scales", Some(fused)) = (
+        part,
+        match proj {
+            "gate_proj" | "up_proj" => Some("gate_up_proj"),
+            "down_proj" => Some("down_proj"),
+            _ => None,
+        },
+    ) {
         let suffix = if part == "weight" { "blocks" } else { "scales" };
         for n in [format!("{parent}.{fused}_{suffix}"), format!("{parent}.experts.{fused}_{suffix}")] {
             let Some(l) = ws.location(&n) else { continue };
             let e = &l.entry;
             let halves: u64 = if fused == "gate_up_proj" { 2 } else { 1 };
             let rows = shape.first().copied().unwrap_or(0) as u64;
-            if e.shape.first() != Some(&count) || e.shape.get(1).map(|&r| r as u64) != Some(rows * halves)
-                || e.mlx_dtype() != Dtype::Uint8 || e.nbytes() != bytes as u64 * halves * count as u64
+            if e.shape.first() != Some(&count)
+                || e.shape.get(1).map(|&r| r as u64) != Some(rows * halves)
+                || e.mlx_dtype() != Dtype::Uint8
+                || e.nbytes() != bytes as u64 * halves * count as u64
             {
                 return Err(Error::ModelLoad(format!(
                     "weight {n} in {} is {} {:?} but {count} experts of uint8 {} rows ({} bytes each) were expected: the \
@@ -804,7 +836,10 @@ mod tests {
             for v in vals {
                 data.extend_from_slice(&v.to_le_bytes());
             }
-            header.insert(name.to_string(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [begin, data.len()]}));
+            header.insert(
+                name.to_string(),
+                serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [begin, data.len()]}),
+            );
         }
         let h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
         let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -814,7 +849,9 @@ mod tests {
     }
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
-        (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 1000) as f32 / 1000.0 - 0.5).collect()
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 1000) as f32 / 1000.0 - 0.5)
+            .collect()
     }
 
     /// Four stacked experts (hidden 64, width 32) in one file; a resident and a streamed `Experts`
@@ -825,11 +862,14 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let (e, h, i) = (4, 64, 32);
         let p = "model.layers.0.mlp.switch_mlp";
-        write_safetensors(&dir.join("model.safetensors"), &[
-            (&format!("{p}.gate_proj.weight"), vec![e, i, h], values((e * i * h) as usize, 1)),
-            (&format!("{p}.up_proj.weight"), vec![e, i, h], values((e * i * h) as usize, 2)),
-            (&format!("{p}.down_proj.weight"), vec![e, h, i], values((e * h * i) as usize, 3)),
-        ]);
+        write_safetensors(
+            &dir.join("model.safetensors"),
+            &[
+                (&format!("{p}.gate_proj.weight"), vec![e, i, h], values((e * i * h) as usize, 1)),
+                (&format!("{p}.up_proj.weight"), vec![e, i, h], values((e * i * h) as usize, 2)),
+                (&format!("{p}.down_proj.weight"), vec![e, h, i], values((e * h * i) as usize, 3)),
+            ],
+        );
         let cfg = serde_json::json!({});
         let mut resident_w = Weights::load_dir(&dir, &cfg).unwrap();
         let resident = Experts::load(&mut resident_w, p, e, h, i).unwrap();
@@ -892,23 +932,38 @@ mod tests {
         let p = |l: i32| format!("model.layers.{l}.mlp.switch_mlp");
         let mut tensors = Vec::new();
         for l in 0..2 {
-            tensors.push((format!("{}.gate_proj.weight", p(l)), vec![e, i, h], values((e * i * h) as usize, 1 + 3 * l as u32)));
-            tensors.push((format!("{}.up_proj.weight", p(l)), vec![e, i, h], values((e * i * h) as usize, 2 + 3 * l as u32)));
-            tensors.push((format!("{}.down_proj.weight", p(l)), vec![e, h, i], values((e * h * i) as usize, 3 + 3 * l as u32)));
+            tensors.push((
+                format!("{}.gate_proj.weight", p(l)),
+                vec![e, i, h],
+                values((e * i * h) as usize, 1 + 3 * l as u32),
+            ));
+            tensors.push((
+                format!("{}.up_proj.weight", p(l)),
+                vec![e, i, h],
+                values((e * i * h) as usize, 2 + 3 * l as u32),
+            ));
+            tensors.push((
+                format!("{}.down_proj.weight", p(l)),
+                vec![e, h, i],
+                values((e * h * i) as usize, 3 + 3 * l as u32),
+            ));
         }
-        let refs: Vec<(&str, Vec<i32>, Vec<f32>)> = tensors.iter().map(|(n, s, v)| (n.as_str(), s.clone(), v.clone())).collect();
+        let refs: Vec<(&str, Vec<i32>, Vec<f32>)> =
+            tensors.iter().map(|(n, s, v)| (n.as_str(), s.clone(), v.clone())).collect();
         write_safetensors(&dir.join("model.safetensors"), &refs);
         let cfg = serde_json::json!({});
         let per_expert = (3 * (i * h) as usize * 4) as u64;
         let mut rw = Weights::load_dir(&dir, &cfg).unwrap();
-        let resident = [Experts::load(&mut rw, &p(0), e, h, i).unwrap(), Experts::load(&mut rw, &p(1), e, h, i).unwrap()];
+        let resident =
+            [Experts::load(&mut rw, &p(0), e, h, i).unwrap(), Experts::load(&mut rw, &p(1), e, h, i).unwrap()];
         // run (layer 0 routes `a`, layer 1 routes `b`) with prefetch on or off; the stats after
         let run = |prefetch: bool, steps: &[([u32; 2], [u32; 2])]| -> ExpertReport {
             let ctx = Streaming::new(Some(2 * per_expert as usize));
             ctx.set_prefetch(prefetch);
             let mut sw = Weights::load_dir(&dir, &cfg).unwrap();
             sw.stream_experts(ctx.clone());
-            let streamed = [Experts::load(&mut sw, &p(0), e, h, i).unwrap(), Experts::load(&mut sw, &p(1), e, h, i).unwrap()];
+            let streamed =
+                [Experts::load(&mut sw, &p(0), e, h, i).unwrap(), Experts::load(&mut sw, &p(1), e, h, i).unwrap()];
             ctx.finish_load();
             // layer 1's router, as the layer before sees it: always experts 1 and 2
             let ExpertStore::Streamed(s1) = &streamed[1].store else { panic!("not streamed") };
@@ -921,7 +976,11 @@ mod tests {
                 for (l, ids) in [a, b].into_iter().enumerate() {
                     let idx = Array::from_slice(ids, &[1, 1, 2]).unwrap();
                     let want = resident[l].forward(&x, &idx).unwrap().to_vec::<f32>().unwrap();
-                    let got = streamed[l].forward_ahead(&x, &idx, ExpertAct::Swiglu, None, Some(&x)).unwrap().to_vec::<f32>().unwrap();
+                    let got = streamed[l]
+                        .forward_ahead(&x, &idx, ExpertAct::Swiglu, None, Some(&x))
+                        .unwrap()
+                        .to_vec::<f32>()
+                        .unwrap();
                     assert!(want.iter().zip(&got).all(|(p, q)| (p - q).abs() < 1e-5), "step {n} layer {l}");
                 }
             }
@@ -935,7 +994,10 @@ mod tests {
         let on = run(true, &steps);
         let off = run(false, &steps);
         // the cache is untouched by prefetching: same hits, misses, evictions, contents
-        assert_eq!((on.hits, on.misses, on.evictions, on.cached_experts), (off.hits, off.misses, off.evictions, off.cached_experts));
+        assert_eq!(
+            (on.hits, on.misses, on.evictions, on.cached_experts),
+            (off.hits, off.misses, off.evictions, off.cached_experts)
+        );
         assert_eq!((off.prefetched, off.prefetch_hits, off.prefetch_hit_rate), (0, 0, None));
         assert!(!off.prefetch && on.prefetch);
         assert_eq!(off.bytes_read, off.misses * per_expert);

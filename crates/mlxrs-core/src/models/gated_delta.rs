@@ -136,7 +136,8 @@ pub fn kernel(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: &
     let kern = KERNEL
         .get_or_init(|| {
             let inputs = ["q", "k", "v", "g", "beta", "state_in"];
-            CudaKernel::new("mlxrs_gated_delta_step", &inputs, &["y", "state_out"], SOURCE, "", true).map_err(|e| e.to_string())
+            CudaKernel::new("mlxrs_gated_delta_step", &inputs, &["y", "state_out"], SOURCE, "", true)
+                .map_err(|e| e.to_string())
         })
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
@@ -243,7 +244,8 @@ pub fn metal_kernel(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, st
     let kern = KERNEL
         .get_or_init(|| {
             let inputs = ["q", "k", "v", "g", "beta", "state_in", "T"];
-            MetalKernel::new("gated_delta_step", &inputs, &["y", "state_out"], METAL_SOURCE, "", true).map_err(|e| e.to_string())
+            MetalKernel::new("gated_delta_step", &inputs, &["y", "state_out"], METAL_SOURCE, "", true)
+                .map_err(|e| e.to_string())
         })
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
@@ -274,7 +276,14 @@ pub fn metal_kernel(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, st
 pub type Array2 = (Array, Array);
 
 /// [`kernel`]'s and [`metal_kernel`]'s shape checks: `(B, T, Hk, Dk, Hv, Dv)`.
-fn check_shapes(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: &Array) -> Result<(i32, i32, i32, i32, i32, i32)> {
+fn check_shapes(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(i32, i32, i32, i32, i32, i32)> {
     let [b, t, hk, dk] = dims4(q, "q")?;
     let [vb, vt, hv, dv] = dims4(v, "v")?;
     let bad = |what: String| Err(Error::Invalid(format!("gated delta kernel: {what}")));
@@ -337,7 +346,8 @@ mod tests {
         let z = |shape: &[i32]| mx::zeros(shape, mx::Dtype::Float32).unwrap();
         let (q, v, g, s) = (z(&[1, 3, 2, 32]), z(&[1, 3, 4, 16]), z(&[1, 3, 4]), z(&[1, 4, 16, 32]));
         let err = |r: Result<Array2>| r.err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(err(metal_kernel(&q, &q, &v, &g, &g, &z(&[1, 4, 16, 16]))).contains("state [1, 4, 16, 16] is not [1, 4, 16, 32]"));
+        assert!(err(metal_kernel(&q, &q, &v, &g, &g, &z(&[1, 4, 16, 16])))
+            .contains("state [1, 4, 16, 16] is not [1, 4, 16, 32]"));
         let e = err(metal_kernel(&q, &q, &v, &g, &g, &s).and_then(|(y, st)| {
             mx::eval(&[&y, &st])?;
             Ok((y, st))

@@ -1,7 +1,7 @@
 //! Gemma 3 (text): sliding-window and global layers, qk-norm, scaled embeddings, `1 + w` norms,
 //! sandwich norms around attention and MLP, GELU (tanh) MLP.
-use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope};
 use super::arch::{self, Arch, AttnKind, LayerLayout};
+use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope};
 use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::Caches;
 use crate::error::Result;
@@ -147,8 +147,11 @@ impl Model {
         }
         let embed = Embedding::load(&mut w, "model.embed_tokens", d.vocab, hidden)?;
         let norm = RmsNorm::load_offset(&mut w, "model.norm", eps, hidden)?;
-        let lm_head =
-            if w.contains("lm_head.weight") { Some(Linear::load(&mut w, "lm_head", false, embed.rows(), hidden)?) } else { None };
+        let lm_head = if w.contains("lm_head.weight") {
+            Some(Linear::load(&mut w, "lm_head", false, embed.rows(), hidden)?)
+        } else {
+            None
+        };
         // mlx-lm rounds sqrt(hidden) to bfloat16 before casting to the activation dtype
         let scale = mx::astype(&Array::f32((hidden as f32).sqrt())?, Dtype::Bfloat16)?;
         let embed_scale = mx::astype(&scale, embed.dtype())?;
@@ -165,7 +168,14 @@ impl Model {
             embed_scale,
             window,
             pattern,
-            shape: ModelShape::new("gemma3_text", layout, hidden, d.vocab, c.opt_i("max_position_embeddings"), dtype_bytes),
+            shape: ModelShape::new(
+                "gemma3_text",
+                layout,
+                hidden,
+                d.vocab,
+                c.opt_i("max_position_embeddings"),
+                dtype_bytes,
+            ),
         })
     }
 }

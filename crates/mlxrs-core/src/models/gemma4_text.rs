@@ -181,7 +181,8 @@ impl Params {
             Some(v) if v.is_null() || v.as_i64() == Some(0) => 0,
             Some(_) => c.size("hidden_size_per_layer_input", None, limits::HIDDEN)?,
         };
-        let vocab_per_layer = if per_layer > 0 { c.size("vocab_size_per_layer_input", Some(262144), limits::VOCAB)? } else { 0 };
+        let vocab_per_layer =
+            if per_layer > 0 { c.size("vocab_size_per_layer_input", Some(262144), limits::VOCAB)? } else { 0 };
         if (n as i64) * (per_layer as i64) > limits::HIDDEN * 8 {
             return Err(Error::ModelLoad(format!(
                 "config.json: num_hidden_layers × hidden_size_per_layer_input = {} is too large",
@@ -265,7 +266,8 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
 pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
     let keys: Vec<String> = w.keys().cloned().collect();
     if is_wrapper(config) {
-        const DROP: [&str; 6] = ["vision_tower", "multi_modal_projector", "audio_tower", "embed_audio", "embed_vision", "vision_embedder"];
+        const DROP: [&str; 6] =
+            ["vision_tower", "multi_modal_projector", "audio_tower", "embed_audio", "embed_vision", "vision_embedder"];
         for k in keys {
             let stripped = k.strip_prefix("model.");
             let rest = stripped.unwrap_or(&k);
@@ -290,7 +292,8 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
             continue;
         }
         if [".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.k_norm"].iter().any(|s| k.contains(s)) {
-            let layer = k.split("layers.").nth(1).and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
+            let layer =
+                k.split("layers.").nth(1).and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok());
             if layer.is_some_and(|l| l >= p.first_shared) {
                 w.remove(&k);
                 continue;
@@ -299,7 +302,10 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
         if let Some(base) = k.strip_suffix(".experts.gate_up_proj") {
             let v = w.remove(&k).expect("listed");
             if v.ndim() != 3 || v.dim(1) % 2 != 0 {
-                return Err(Error::ModelLoad(format!("weight {k} has shape {:?}: not [experts, 2 × width, hidden]", v.shape())));
+                return Err(Error::ModelLoad(format!(
+                    "weight {k} has shape {:?}: not [experts, 2 × width, hidden]",
+                    v.shape()
+                )));
             }
             let parts = mx::split(&v, 2, -2)?;
             w.insert(format!("{base}.experts.switch_glu.gate_proj.weight"), mx::contiguous(&parts[0])?);
@@ -344,7 +350,13 @@ impl Attn {
 
     /// Output `[B, L, hidden]` and the keys/values attended over. `shared`: a KV-shared layer's
     /// source; its own cache (a placeholder) only has its offset kept in step.
-    fn forward(&self, x: &Array, masks: &Masks, caches: LayerCaches, shared: Option<&SharedKv>) -> Result<(Array, SharedKv)> {
+    fn forward(
+        &self,
+        x: &Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        shared: Option<&SharedKv>,
+    ) -> Result<(Array, SharedKv)> {
         let (b, l) = (x.dim(0), x.dim(1));
         let perm = [0, 2, 1, 3];
         let q = self.q_norm.forward(&self.heads(&self.q_proj.forward(x)?, b, l, self.n_heads)?)?;
@@ -361,7 +373,9 @@ impl Attn {
                 let v = mx::rms_norm(&v_raw, None, self.eps)?;
                 Some((mx::transpose_axes(&k, &perm)?, mx::transpose_axes(&v, &perm)?))
             }
-            (None, None) => return Err(Error::Invalid("gemma4: a KV-shared layer ran without its source layer".into())),
+            (None, None) => {
+                return Err(Error::Invalid("gemma4: a KV-shared layer ran without its source layer".into()))
+            }
         };
         let (out, kv_out) = match (caches, masks) {
             (LayerCaches::Batch(stack, layer), Masks::Batch(mask)) => {
@@ -379,25 +393,43 @@ impl Attn {
                 let n = rows.len();
                 let offsets: Vec<i32> = match shared {
                     Some(SharedKv::Rows(o, _)) => o.clone(),
-                    Some(SharedKv::Batch(..)) => return Err(Error::Invalid("gemma4: a per-row layer's source was stacked".into())),
+                    Some(SharedKv::Batch(..)) => {
+                        return Err(Error::Invalid("gemma4: a per-row layer's source was stacked".into()))
+                    }
                     None => rows.iter().map(|c| c.offset()).collect(),
                 };
                 if offsets.len() != n || row_masks.len() != n {
                     return Err(Error::Invalid("gemma4: rows, masks and the source layer disagree".into()));
                 }
-                let split = |a: Array| -> Result<Vec<Array>> { if n == 1 { Ok(vec![a]) } else { mx::split(&a, n as i32, 0) } };
+                let split = |a: Array| -> Result<Vec<Array>> {
+                    if n == 1 {
+                        Ok(vec![a])
+                    } else {
+                        mx::split(&a, n as i32, 0)
+                    }
+                };
                 // rotary embedding: one op for a decode step of several rows, else per row
                 let (qs, ks, vs) = if l == 1 && n > 1 {
                     let q = self.rope.forward_rows(&q, &offsets)?;
                     match kv {
-                        Some((k, v)) => (split(q)?, Some(split(self.rope.forward_rows(&k, &offsets)?)?), Some(split(v)?)),
+                        Some((k, v)) => {
+                            (split(q)?, Some(split(self.rope.forward_rows(&k, &offsets)?)?), Some(split(v)?))
+                        }
                         None => (split(q)?, None, None),
                     }
                 } else {
-                    let qs = split(q)?.iter().zip(&offsets).map(|(q, &o)| self.rope.forward(q, o)).collect::<Result<Vec<_>>>()?;
+                    let qs = split(q)?
+                        .iter()
+                        .zip(&offsets)
+                        .map(|(q, &o)| self.rope.forward(q, o))
+                        .collect::<Result<Vec<_>>>()?;
                     match kv {
                         Some((k, v)) => {
-                            let ks = split(k)?.iter().zip(&offsets).map(|(k, &o)| self.rope.forward(k, o)).collect::<Result<Vec<_>>>()?;
+                            let ks = split(k)?
+                                .iter()
+                                .zip(&offsets)
+                                .map(|(k, &o)| self.rope.forward(k, o))
+                                .collect::<Result<Vec<_>>>()?;
                             (qs, Some(ks), Some(split(v)?))
                         }
                         None => (qs, None, None),
@@ -429,7 +461,11 @@ impl Attn {
                     .zip(row_masks.iter())
                     .map(|((q, f), m)| layers::attend_fetched(q, f, 1.0, m, None))
                     .collect::<Result<Vec<_>>>()?;
-                let out = if n == 1 { outs.into_iter().next().expect("one row") } else { mx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)? };
+                let out = if n == 1 {
+                    outs.into_iter().next().expect("one row")
+                } else {
+                    mx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?
+                };
                 (out, SharedKv::Rows(offsets, fetched))
             }
             _ => return Err(Error::Invalid("gemma4 attention: masks and caches of different kinds".into())),
@@ -468,7 +504,8 @@ impl Moe {
         let (scores, inds) = route(&self.proj, &self.norm_weight, self.eps, self.experts.count, self.top_k, h)?;
         let w = mx::softmax(&mx::take_along_axis(&scores, &inds, -1)?, &[-1], false)?;
         let w = mx::multiply(&w, &mx::take(&self.per_expert_scale, &inds, 0)?)?;
-        let y = self.experts.forward_ahead(&self.pre_norm.forward(h)?, &inds, layers::ExpertAct::Geglu, None, Some(h))?;
+        let y =
+            self.experts.forward_ahead(&self.pre_norm.forward(h)?, &inds, layers::ExpertAct::Geglu, None, Some(h))?;
         let y = mx::sum(&mx::multiply(&mx::expand_dims(&w, -1)?, &y)?, &[-2], false)?;
         self.post_norm.forward(&y)
     }
@@ -535,7 +572,8 @@ impl Model {
         let p = Params::new(config)?;
         let text = text_config(config)?;
         let c = Cfg(&text);
-        let (root, head) = if is_wrapper(config) { ("language_model.model", "language_model.lm_head") } else { ("model", "lm_head") };
+        let (root, head) =
+            if is_wrapper(config) { ("language_model.model", "language_model.lm_head") } else { ("model", "lm_head") };
         let (hidden, n_heads, eps) = (p.d.hidden, p.d.heads, p.eps);
         let traditional = c.b_or("rope_traditional", false);
         let default_rope = json!({
@@ -547,25 +585,50 @@ impl Model {
         for (i, &sliding) in p.sliding.iter().enumerate() {
             let pre = format!("{root}.layers.{i}");
             let (n_kv, head_dim) = p.kv_geometry(i);
-            let (hd_field, hd_value) = if sliding { ("head_dim", p.d.head_dim) } else { ("global_head_dim", p.global_head_dim) };
+            let (hd_field, hd_value) =
+                if sliding { ("head_dim", p.d.head_dim) } else { ("global_head_dim", p.global_head_dim) };
             let what = if sliding { "a sliding layer" } else { "a global layer" };
-            check_rows(&w, &format!("{pre}.self_attn.q_proj"), n_heads * head_dim, hd_field, hd_value, &format!("{what}: num_attention_heads × {hd_field}"))?;
+            check_rows(
+                &w,
+                &format!("{pre}.self_attn.q_proj"),
+                n_heads * head_dim,
+                hd_field,
+                hd_value,
+                &format!("{what}: num_attention_heads × {hd_field}"),
+            )?;
             let has_kv = p.shared_from[i].is_none();
             if has_kv {
                 let kv_field = if !sliding && p.k_eq_v { "num_global_key_value_heads" } else { "num_key_value_heads" };
-                check_rows(&w, &format!("{pre}.self_attn.k_proj"), n_kv * head_dim, hd_field, hd_value, &format!("{what}: {kv_field} × {hd_field}"))?;
+                check_rows(
+                    &w,
+                    &format!("{pre}.self_attn.k_proj"),
+                    n_kv * head_dim,
+                    hd_field,
+                    hd_value,
+                    &format!("{what}: {kv_field} × {hd_field}"),
+                )?;
             }
             let key = if sliding { "sliding_attention" } else { "full_attention" };
             let rp = rope_params.get(key).filter(|v| v.is_object());
             let theta = rp.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).unwrap_or(10000.0) as f32;
-            let lin = |w: &mut Weights, name: &str, out: i32, inp: i32| Linear::load(w, &format!("{pre}.{name}"), false, out, inp);
+            let lin = |w: &mut Weights, name: &str, out: i32, inp: i32| {
+                Linear::load(w, &format!("{pre}.{name}"), false, out, inp)
+            };
             let attn = Attn {
                 q_proj: lin(&mut w, "self_attn.q_proj", n_heads * head_dim, hidden)?,
                 k_proj: if has_kv { Some(lin(&mut w, "self_attn.k_proj", n_kv * head_dim, hidden)?) } else { None },
-                v_proj: if has_kv && (sliding || !p.k_eq_v) { Some(lin(&mut w, "self_attn.v_proj", n_kv * head_dim, hidden)?) } else { None },
+                v_proj: if has_kv && (sliding || !p.k_eq_v) {
+                    Some(lin(&mut w, "self_attn.v_proj", n_kv * head_dim, hidden)?)
+                } else {
+                    None
+                },
                 o_proj: lin(&mut w, "self_attn.o_proj", hidden, n_heads * head_dim)?,
                 q_norm: RmsNorm::load(&mut w, &format!("{pre}.self_attn.q_norm"), eps, head_dim)?,
-                k_norm: if has_kv { Some(RmsNorm::load(&mut w, &format!("{pre}.self_attn.k_norm"), eps, head_dim)?) } else { None },
+                k_norm: if has_kv {
+                    Some(RmsNorm::load(&mut w, &format!("{pre}.self_attn.k_norm"), eps, head_dim)?)
+                } else {
+                    None
+                },
                 n_heads,
                 n_kv_heads: n_kv,
                 head_dim,
@@ -582,7 +645,9 @@ impl Model {
                     if let layers::ExpertStore::Streamed(s) = &ex.store {
                         // the layer before applies this router to its own MoE input (its residual)
                         let (r, nw) = (proj.clone(), norm_weight.clone());
-                        s.set_predictor(std::sync::Arc::new(move |h: &Array| Ok(route(&r, &nw, eps, experts, top_k, h)?.1)));
+                        s.set_predictor(std::sync::Arc::new(move |h: &Array| {
+                            Ok(route(&r, &nw, eps, experts, top_k, h)?.1)
+                        }));
                     }
                     Some(Moe {
                         proj,
@@ -637,7 +702,14 @@ impl Model {
         let norm = RmsNorm::load(&mut w, &format!("{root}.norm"), eps, hidden)?;
         let lm_head = if p.tie { None } else { Some(Linear::load(&mut w, head, false, embed.rows(), hidden)?) };
         let dtype_bytes = embed.dtype().size();
-        let shape = ModelShape::new("gemma4_text", p.layout(), hidden, p.d.vocab, c.opt_i("max_position_embeddings"), dtype_bytes);
+        let shape = ModelShape::new(
+            "gemma4_text",
+            p.layout(),
+            hidden,
+            p.d.vocab,
+            c.opt_i("max_position_embeddings"),
+            dtype_bytes,
+        );
         Ok(Model { embed, layers, norm, lm_head, per_layer, window: p.window, softcap: p.softcap, shape })
     }
 
@@ -724,7 +796,13 @@ impl CausalLm for Model {
 
 impl Model {
     /// The decoder over scaled input embeddings `h`, with the per-layer token embeddings `e`.
-    fn hidden_from(&self, mut h: Array, e: Option<&Array>, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+    fn hidden_from(
+        &self,
+        mut h: Array,
+        e: Option<&Array>,
+        caches: &mut Caches,
+        staging: super::Staging,
+    ) -> Result<Array> {
         let pli = match &self.per_layer {
             Some(pl) => Some(self.per_layer_inputs(pl, e, &h)?),
             None => None,
@@ -738,9 +816,12 @@ impl Model {
         let mut kvs: Vec<Option<SharedKv>> = vec![None; n_layers];
         let mut stager = super::Stager::new(staging);
         for (i, layer) in self.layers.iter().enumerate() {
-            let mask = if layer.sliding { sliding_mask.as_ref() } else { full_mask.as_ref() }.expect("a mask for each type present");
+            let mask = if layer.sliding { sliding_mask.as_ref() } else { full_mask.as_ref() }
+                .expect("a mask for each type present");
             let shared = match layer.shared_from {
-                Some(from) => Some(kvs[from].as_ref().ok_or_else(|| Error::Invalid(format!("gemma4: layer {from} kept no keys")))?),
+                Some(from) => Some(
+                    kvs[from].as_ref().ok_or_else(|| Error::Invalid(format!("gemma4: layer {from} kept no keys")))?,
+                ),
                 None => None,
             };
             let (a, kv) = layer.attn.forward(&layer.input_norm.forward(&h)?, mask, caches.layer_mut(i), shared)?;
@@ -784,13 +865,16 @@ mod tests {
         let l = super::super::arch::layout_of(&cfg()).unwrap().unwrap();
         let s = AttnKind::Sliding { window: 16 };
         let attn: Vec<_> = l.iter().map(|l| l.attn).collect();
-        assert_eq!(attn, [s, AttnKind::Full, s, AttnKind::Full, AttnKind::SharedKv { from: 2 }, AttnKind::SharedKv { from: 3 }]);
+        assert_eq!(
+            attn,
+            [s, AttnKind::Full, s, AttnKind::Full, AttnKind::SharedKv { from: 2 }, AttnKind::SharedKv { from: 3 }]
+        );
         let geo: Vec<_> = l.iter().map(|l| (l.kv_heads, l.head_dim, l.kv_elems())).collect();
         assert_eq!(geo, [(2, 64, 256), (2, 128, 512), (2, 64, 256), (2, 128, 512), (2, 64, 0), (2, 128, 0)]);
         let widths: Vec<_> = l.iter().map(|l| l.ffn).collect();
         assert_eq!(widths[3], FfnKind::Dense { intermediate: 256 });
         assert_eq!(widths[4], FfnKind::Dense { intermediate: 512 }); // double-wide on shared layers
-        // the caches: a rotating one, a growing one, and empty placeholders for the shared layers
+                                                                     // the caches: a rotating one, a growing one, and empty placeholders for the shared layers
         let caches = super::super::arch::make_cache(&l, &Default::default());
         assert!(matches!(caches[0], LayerCache::Rotating(_)) && matches!(caches[5], LayerCache::Full(_)));
         // the planner counts no KV for them: 300 tokens → 512 slots × 512 + 16 slots × 256, twice, × 4 bytes
@@ -814,9 +898,16 @@ mod tests {
         assert!(err("layer_types", types).contains("layer_types[2] = \"chunked_attention\""));
         assert!(err("layer_types", json!(["full_attention"])).contains("layer_types has 1 entries"));
         assert!(err("num_kv_shared_layers", json!(6)).contains("num_kv_shared_layers = 6"));
-        let only_full = json!(["full_attention", "full_attention", "full_attention", "full_attention",
-                               "sliding_attention", "full_attention"]);
-        assert!(err("layer_types", only_full).contains("layer 4 shares the keys and values of an earlier sliding_attention"));
+        let only_full = json!([
+            "full_attention",
+            "full_attention",
+            "full_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention"
+        ]);
+        assert!(err("layer_types", only_full)
+            .contains("layer 4 shares the keys and values of an earlier sliding_attention"));
         assert!(err("global_head_dim", json!(33)).contains("global_head_dim 33 is odd"));
         let mut moe = cfg();
         moe["enable_moe_block"] = json!(true);

@@ -50,7 +50,9 @@ pub fn moe(c: &Cfg, norm_default: bool) -> Result<Option<FfnKind>> {
     let experts = c.size("n_routed_experts", None, limits::EXPERTS)?;
     let top_k = c.size("num_experts_per_tok", None, limits::EXPERTS)?;
     if top_k > experts {
-        return Err(Error::ModelLoad(format!("config.json: num_experts_per_tok {top_k} exceeds n_routed_experts {experts}")));
+        return Err(Error::ModelLoad(format!(
+            "config.json: num_experts_per_tok {top_k} exceeds n_routed_experts {experts}"
+        )));
     }
     let shared = match c.get("n_shared_experts") {
         None => 0,
@@ -70,10 +72,15 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     let c = Cfg(config);
     let moe = moe(&c, false)?;
     let first_dense = c.opt_i("first_k_dense_replace").unwrap_or(0);
-    arch::uniform(config, DimDefaults::default(), |_| AttnKind::Full, |i, d| match moe {
-        Some(m) if i >= first_dense => Ok(m),
-        _ => arch::dense(i, d),
-    })
+    arch::uniform(
+        config,
+        DimDefaults::default(),
+        |_| AttnKind::Full,
+        |i, d| match moe {
+            Some(m) if i >= first_dense => Ok(m),
+            _ => arch::dense(i, d),
+        },
+    )
 }
 
 /// The `noaux_tc` grouped sigmoid router of the config (glm4_moe's and deepseek_v3's, `arch` in the
@@ -83,7 +90,9 @@ pub fn grouped_router(c: &Cfg, arch: &str) -> Result<Router> {
     for (k, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
         if let Some(v) = c.get(k) {
             if v.as_str() != Some(want) {
-                return Err(Error::Unsupported(format!("config.json: {k} {v} (mlx-lm's {arch} supports {want:?} only)")));
+                return Err(Error::Unsupported(format!(
+                    "config.json: {k} {v} (mlx-lm's {arch} supports {want:?} only)"
+                )));
             }
         }
     }
@@ -108,6 +117,11 @@ pub fn load(config: &Value, w: Weights) -> Result<Model> {
         tie: Some(false),
         sinks: false,
     };
-    let v = Variant { qkv_bias: c.b_or("attention_bias", false), o_bias: false, qk_norm: c.b_or("use_qk_norm", false), rope_scaling: false };
+    let v = Variant {
+        qkv_bias: c.b_or("attention_bias", false),
+        o_bias: false,
+        qk_norm: c.b_or("use_qk_norm", false),
+        rope_scaling: false,
+    };
     Model::load_extra(config, w, v, false, layout(config)?, &extra)
 }

@@ -20,14 +20,12 @@ pub const ARCH: Arch = Arch {
 /// The config as deepseek_v32 reads it: `rope_theta` and `rope_scaling` from `rope_parameters`
 /// (mlx-lm's `__post_init__`).
 pub fn remap(config: &Value) -> Result<Value> {
-    let params = config
-        .get("rope_parameters")
-        .filter(|p| p.is_object())
-        .ok_or_else(|| Error::ModelLoad("config.json: rope_parameters is missing or not an object (glm_moe_dsa)".into()))?;
-    let theta = params
-        .get("rope_theta")
-        .filter(|t| t.as_f64().is_some_and(|t| t > 0.0))
-        .ok_or_else(|| Error::ModelLoad("config.json: rope_parameters.rope_theta is missing or not a positive number".into()))?;
+    let params = config.get("rope_parameters").filter(|p| p.is_object()).ok_or_else(|| {
+        Error::ModelLoad("config.json: rope_parameters is missing or not an object (glm_moe_dsa)".into())
+    })?;
+    let theta = params.get("rope_theta").filter(|t| t.as_f64().is_some_and(|t| t > 0.0)).ok_or_else(|| {
+        Error::ModelLoad("config.json: rope_parameters.rope_theta is missing or not a positive number".into())
+    })?;
     let mut c = config.clone();
     c["rope_theta"] = theta.clone();
     c["rope_scaling"] = params.clone();

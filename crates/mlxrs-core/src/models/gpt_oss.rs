@@ -125,15 +125,22 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
         None => (0..n).map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" }.to_string()).collect(),
     };
     if types.len() != n as usize {
-        return Err(Error::ModelLoad(format!("config.json: layer_types has {} entries for num_hidden_layers {n}", types.len())));
+        return Err(Error::ModelLoad(format!(
+            "config.json: layer_types has {} entries for num_hidden_layers {n}",
+            types.len()
+        )));
     }
     if let Some(t) = types.iter().find(|t| !matches!(t.as_str(), "sliding_attention" | "full_attention")) {
-        return Err(Error::ModelLoad(format!("config.json: layer_types entry {t:?} is not sliding_attention or full_attention")));
+        return Err(Error::ModelLoad(format!(
+            "config.json: layer_types entry {t:?} is not sliding_attention or full_attention"
+        )));
     }
     // mlx-lm takes the masks from the first layer of each kind: both must be there
     for want in ["sliding_attention", "full_attention"] {
         if !types.iter().any(|t| t == want) {
-            return Err(Error::ModelLoad(format!("config.json: layer_types has no {want} layer (mlx-lm's gpt_oss needs both kinds)")));
+            return Err(Error::ModelLoad(format!(
+                "config.json: layer_types has no {want} layer (mlx-lm's gpt_oss needs both kinds)"
+            )));
         }
     }
     let window = c.size("sliding_window", None, limits::POSITIONS)?;
@@ -146,7 +153,9 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     };
     if let FfnKind::Moe { experts, top_k, .. } = moe {
         if top_k > experts {
-            return Err(Error::ModelLoad(format!("config.json: num_experts_per_tok {top_k} exceeds num_local_experts {experts}")));
+            return Err(Error::ModelLoad(format!(
+                "config.json: num_experts_per_tok {top_k} exceeds num_local_experts {experts}"
+            )));
         }
     }
     arch::uniform(

@@ -1,17 +1,27 @@
 //! Building blocks shared by the architectures: linear (dense or MLX-quantized), embedding,
 //! RMSNorm, rotary embedding, attention over an external KV cache, gated MLPs.
+pub use super::experts::{ExpertStore, StreamedExperts};
 use crate::cache::{Fetched, LayerCache, LayerCaches, Mask, Masks};
 use crate::error::Result;
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
 use crate::weights::{Matrix, QuantSpec, Weights};
-pub use super::experts::{ExpertStore, StreamedExperts};
 
 /// `y = x W^T + b`, W dense or quantized.
 pub enum Linear {
     /// `wt` is `W^T`, a view of W's buffer made once at load (no copy): the matmul sees the same
     /// strides as with a per-call transpose, without one more graph node per call.
-    Dense { w: Array, wt: Array, b: Option<Array> },
-    Quant { w: Array, scales: Array, biases: Option<Array>, b: Option<Array>, q: QuantSpec },
+    Dense {
+        w: Array,
+        wt: Array,
+        b: Option<Array>,
+    },
+    Quant {
+        w: Array,
+        scales: Array,
+        biases: Option<Array>,
+        b: Option<Array>,
+        q: QuantSpec,
+    },
     /// A base with LoRA/DoRA adapters beside it, added at run time (`crate::lora`).
     Lora(Box<crate::lora::LoraLinear>),
 }
@@ -157,8 +167,17 @@ impl Q8Head {
 pub enum Embedding {
     /// The table and its transposed view (for the tied output head; no copy); `q8` the model's
     /// output head (this table when tied, else the lm_head) as a GGUF's Q8_0 blocks, for the CPU.
-    Dense { w: Array, wt: Array, q8: Option<Q8Head> },
-    Quant { w: Array, scales: Array, biases: Option<Array>, q: QuantSpec },
+    Dense {
+        w: Array,
+        wt: Array,
+        q8: Option<Q8Head>,
+    },
+    Quant {
+        w: Array,
+        scales: Array,
+        biases: Option<Array>,
+        q: QuantSpec,
+    },
 }
 
 impl Embedding {
@@ -247,7 +266,8 @@ impl RmsNorm {
         // compiled for decode-sized inputs only: the compiled function is traced once per input
         // shape, and prefill chunks come in every length
         let rows = x.size() / (x.dim(-1).max(1) as usize);
-        if on_gpu() || rows > COMPILED_NORM_MAX_ROWS || std::env::var(COMPILED_NORM_ENV).is_ok_and(|v| v.trim() == "0") {
+        if on_gpu() || rows > COMPILED_NORM_MAX_ROWS || std::env::var(COMPILED_NORM_ENV).is_ok_and(|v| v.trim() == "0")
+        {
             return mx::rms_norm(x, Some(&self.weight), self.eps);
         }
         compiled_rms_norm(x, &self.weight, self.eps)
@@ -337,7 +357,9 @@ impl Rope {
             .unwrap_or("default");
         let f = |k: &str, d: f64| scaling.and_then(|s| s.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
         match ty {
-            "default" => Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None, freq_bits: Vec::new(), mscale: 1.0 }),
+            "default" => {
+                Ok(Rope { dims, traditional, base, scale: 1.0, freqs: None, freq_bits: Vec::new(), mscale: 1.0 })
+            }
             "linear" => Ok(Rope {
                 dims,
                 traditional,
@@ -382,9 +404,16 @@ impl Rope {
                     )));
                 }
                 let factor = f("factor", 1.0) as f32;
-                let freqs: Vec<f32> = (0..dims / 2)
-                    .map(|i| if 2 * i < rotated { factor * base.powf((2 * i) as f32 / dims as f32) } else { f32::INFINITY })
-                    .collect();
+                let freqs: Vec<f32> =
+                    (0..dims / 2)
+                        .map(|i| {
+                            if 2 * i < rotated {
+                                factor * base.powf((2 * i) as f32 / dims as f32)
+                            } else {
+                                f32::INFINITY
+                            }
+                        })
+                        .collect();
                 Rope::from_freqs(dims, traditional, base, &freqs)
             }
             "yarn" | "deepseek_yarn" | "telechat3-yarn" => Rope::yarn(dims, base, traditional, scaling),
@@ -399,13 +428,17 @@ impl Rope {
     /// float32 ops, as mlx-lm does), and the attention scaling `mscale`.
     fn yarn(dims: i32, base: f32, traditional: bool, scaling: Option<&serde_json::Value>) -> Result<Rope> {
         let f = |k: &str, d: f64| scaling.and_then(|s| s.get(k)).and_then(|v| v.as_f64()).unwrap_or(d);
-        let factor = scaling.and_then(|s| s.get("factor")).and_then(|v| v.as_f64()).ok_or_else(|| {
-            crate::Error::ModelLoad("config.json: rope_scaling of type yarn has no factor".into())
-        })?;
-        let (orig, beta_fast, beta_slow) = (f("original_max_position_embeddings", 4096.0), f("beta_fast", 32.0), f("beta_slow", 1.0));
+        let factor = scaling
+            .and_then(|s| s.get("factor"))
+            .and_then(|v| v.as_f64())
+            .ok_or_else(|| crate::Error::ModelLoad("config.json: rope_scaling of type yarn has no factor".into()))?;
+        let (orig, beta_fast, beta_slow) =
+            (f("original_max_position_embeddings", 4096.0), f("beta_fast", 32.0), f("beta_slow", 1.0));
         let (mscale, mscale_all) = (f("mscale", 1.0), f("mscale_all_dim", 0.0));
         if !(factor > 0.0 && orig > 0.0 && beta_fast > 0.0 && beta_slow > 0.0 && base > 1.0) {
-            return Err(crate::Error::ModelLoad(format!("config.json: rope_scaling {scaling:?} (yarn) has a value out of range")));
+            return Err(crate::Error::ModelLoad(format!(
+                "config.json: rope_scaling {scaling:?} (yarn) has a value out of range"
+            )));
         }
         let bf = base as f64;
         let corr = |rot: f64| (dims as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * bf.ln());
@@ -420,7 +453,10 @@ impl Rope {
         let exps = mx::divide(&mx::arange(0.0, dims as f64, 2.0, Dtype::Float32)?, &f32s(dims as f64)?)?;
         let extra = mx::power(&f32s(bf)?, &exps)?;
         let inter = mx::multiply(&f32s(factor)?, &extra)?;
-        let ramp = mx::divide(&mx::subtract(&mx::arange(0.0, (dims / 2) as f64, 1.0, Dtype::Float32)?, &f32s(low)?)?, &f32s(high - low)?)?;
+        let ramp = mx::divide(
+            &mx::subtract(&mx::arange(0.0, (dims / 2) as f64, 1.0, Dtype::Float32)?, &f32s(low)?)?,
+            &f32s(high - low)?,
+        )?;
         let ramp = mx::clip(&ramp, Some(&f32s(0.0)?), Some(&f32s(1.0)?))?;
         let mask = mx::subtract(&f32s(1.0)?, &ramp)?;
         let one_minus = mx::subtract(&f32s(1.0)?, &mask)?;
@@ -563,7 +599,13 @@ impl Attention {
     }
 
     /// [`Attention::forward`] with per-head attention sinks `[heads]` (gpt_oss) when given.
-    pub fn forward_sinks(&self, x: &Array, mask: &Mask, cache: &mut LayerCache, sinks: Option<&Array>) -> Result<Array> {
+    pub fn forward_sinks(
+        &self,
+        x: &Array,
+        mask: &Mask,
+        cache: &mut LayerCache,
+        sinks: Option<&Array>,
+    ) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let (q, k, v) = self.project(x)?;
         let out = self.attend(q, k, v, mask, cache, sinks)?;
@@ -580,7 +622,13 @@ impl Attention {
     }
 
     /// [`Attention::forward_many`] with per-head attention sinks `[heads]` (gpt_oss) when given.
-    pub fn forward_many_sinks(&self, x: &Array, masks: &Masks, caches: LayerCaches, sinks: Option<&Array>) -> Result<Array> {
+    pub fn forward_many_sinks(
+        &self,
+        x: &Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        sinks: Option<&Array>,
+    ) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
         let (q, k, v) = self.project(x)?;
         let out = self.attend_many(q, k, v, masks, caches, sinks)?;
@@ -656,7 +704,9 @@ impl Attention {
         };
         let (qs, ks, vs) = (mx::split(&q, n, 0)?, mx::split(&k, n, 0)?, mx::split(&v, n, 0)?);
         let mut outs = Vec::with_capacity(caches.len());
-        for (i, (((cache, mask), (q, k)), v)) in caches.iter_mut().zip(masks).zip(qs.into_iter().zip(ks)).zip(vs).enumerate() {
+        for (i, (((cache, mask), (q, k)), v)) in
+            caches.iter_mut().zip(masks).zip(qs.into_iter().zip(ks)).zip(vs).enumerate()
+        {
             let (q, k) = if roped {
                 (q, k)
             } else {
@@ -686,7 +736,15 @@ impl Attention {
     }
 
     /// Rotary embedding at the cache's offset, cache update, attention: `[B, heads, L, head_dim]`.
-    fn attend(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache, sinks: Option<&Array>) -> Result<Array> {
+    fn attend(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        mask: &Mask,
+        cache: &mut LayerCache,
+        sinks: Option<&Array>,
+    ) -> Result<Array> {
         let offset = cache.offset();
         let q = self.rope.forward(&q, offset)?;
         let k = self.rope.forward(&k, offset)?;
@@ -694,7 +752,15 @@ impl Attention {
     }
 
     /// Cache update and attention for q, k already rotated.
-    fn attend_roped(&self, q: Array, k: Array, v: Array, mask: &Mask, cache: &mut LayerCache, sinks: Option<&Array>) -> Result<Array> {
+    fn attend_roped(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        mask: &Mask,
+        cache: &mut LayerCache,
+        sinks: Option<&Array>,
+    ) -> Result<Array> {
         attend_fetched(&q, &cache.update_and_fetch(k, v)?, self.scale, mask, sinks)
     }
 
@@ -727,7 +793,14 @@ pub fn attend_fetched(q: &Array, fetched: &Fetched, scale: f32, mask: &Mask, sin
 }
 
 /// mlx-lm's quantized_scaled_dot_product_attention.
-fn quantized_sdpa(q: &Array, k: &[Array; 3], v: &[Array; 3], scale: f32, mask: &Mask, spec: QuantSpec) -> Result<Array> {
+fn quantized_sdpa(
+    q: &Array,
+    k: &[Array; 3],
+    v: &[Array; 3],
+    scale: f32,
+    mask: &Mask,
+    spec: QuantSpec,
+) -> Result<Array> {
     let sh = q.shape();
     let (b, nq, l, d) = (sh[0], sh[1], sh[2], sh[3]);
     let nkv = k[0].dim(-3);
@@ -742,7 +815,8 @@ fn quantized_sdpa(q: &Array, k: &[Array; 3], v: &[Array; 3], scale: f32, mask: &
     } else {
         (k.to_vec(), v.to_vec())
     };
-    let mut scores = mx::quantized_matmul(&q, &kk[0], &kk[1], Some(&kk[2]), true, spec.group_size, spec.bits, spec.mode)?;
+    let mut scores =
+        mx::quantized_matmul(&q, &kk[0], &kk[1], Some(&kk[2]), true, spec.group_size, spec.bits, spec.mode)?;
     match mask {
         Mask::None => {}
         Mask::Causal => {
@@ -890,7 +964,8 @@ pub fn gelu_approx(x: &Array) -> Result<Array> {
     let dt = x.dtype();
     let c = |v: f64| mx::scalar_as(v, dt);
     let x3 = mx::power(x, &c(3.0)?)?;
-    let inner = mx::multiply(&c((2.0 / std::f64::consts::PI).sqrt())?, &mx::add(x, &mx::multiply(&c(0.044715)?, &x3)?)?)?;
+    let inner =
+        mx::multiply(&c((2.0 / std::f64::consts::PI).sqrt())?, &mx::add(x, &mx::multiply(&c(0.044715)?, &x3)?)?)?;
     let t = mx::add(&c(1.0)?, &mx::tanh(&inner)?)?;
     mx::multiply(&mx::multiply(&c(0.5)?, x)?, &t)
 }
@@ -904,12 +979,27 @@ pub enum Ffn {
 impl Ffn {
     /// A SwiGLU MLP of width `inter` (the kind's own width when it gives one), or a sparse MoE
     /// with qwen3_moe's softmax router ([`MoeSpec::QWEN3`]).
-    pub fn load(ws: &mut Weights, prefix: &str, bias: bool, kind: super::FfnKind, hidden: i32, inter: i32) -> Result<Ffn> {
+    pub fn load(
+        ws: &mut Weights,
+        prefix: &str,
+        bias: bool,
+        kind: super::FfnKind,
+        hidden: i32,
+        inter: i32,
+    ) -> Result<Ffn> {
         Ffn::load_with(ws, prefix, bias, kind, hidden, inter, &MoeSpec::QWEN3)
     }
 
     /// [`Ffn::load`] with a MoE of `spec`'s router and names.
-    pub fn load_with(ws: &mut Weights, prefix: &str, bias: bool, kind: super::FfnKind, hidden: i32, inter: i32, spec: &MoeSpec) -> Result<Ffn> {
+    pub fn load_with(
+        ws: &mut Weights,
+        prefix: &str,
+        bias: bool,
+        kind: super::FfnKind,
+        hidden: i32,
+        inter: i32,
+        spec: &MoeSpec,
+    ) -> Result<Ffn> {
         Ok(match kind {
             super::FfnKind::Dense { intermediate } => {
                 let inter = if intermediate > 0 { intermediate } else { inter };
@@ -931,8 +1021,16 @@ impl Ffn {
 /// `SwitchLinear` / `QuantizedSwitchLinear`, without bias).
 pub enum SwitchLinear {
     /// The weight and its `[experts, in, out]` view (no copy).
-    Dense { w: Array, wt: Array },
-    Quant { w: Array, scales: Array, biases: Option<Array>, q: QuantSpec },
+    Dense {
+        w: Array,
+        wt: Array,
+    },
+    Quant {
+        w: Array,
+        scales: Array,
+        biases: Option<Array>,
+        q: QuantSpec,
+    },
 }
 
 impl SwitchLinear {
@@ -947,16 +1045,28 @@ impl SwitchLinear {
     pub fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
         match self {
             SwitchLinear::Dense { wt, .. } => mx::gather_mm(x, wt, None, Some(idx), sorted),
-            SwitchLinear::Quant { w, scales, biases, q } => {
-                mx::gather_qmm(x, w, scales, biases.as_ref(), None, Some(idx), true, q.group_size, q.bits, q.mode, sorted)
-            }
+            SwitchLinear::Quant { w, scales, biases, q } => mx::gather_qmm(
+                x,
+                w,
+                scales,
+                biases.as_ref(),
+                None,
+                Some(idx),
+                true,
+                q.group_size,
+                q.bits,
+                q.mode,
+                sorted,
+            ),
         }
     }
 
     pub fn nbytes(&self) -> usize {
         match self {
             SwitchLinear::Dense { w, .. } => w.nbytes(),
-            SwitchLinear::Quant { w, scales, biases, .. } => w.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes),
+            SwitchLinear::Quant { w, scales, biases, .. } => {
+                w.nbytes() + scales.nbytes() + biases.as_ref().map_or(0, Array::nbytes)
+            }
         }
     }
 }
@@ -1001,7 +1111,14 @@ impl Experts {
     /// router read) goes through the next streamed layer's router (its registered
     /// [`super::experts::Predictor`]), evaluated with this layer's indices, and the experts it
     /// picks are read while this layer computes.
-    pub fn forward_ahead(&self, x: &Array, indices: &Array, act: ExpertAct, bias: Option<&ExpertBias>, probe: Option<&Array>) -> Result<Array> {
+    pub fn forward_ahead(
+        &self,
+        x: &Array,
+        indices: &Array,
+        act: ExpertAct,
+        bias: Option<&ExpertBias>,
+        probe: Option<&Array>,
+    ) -> Result<Array> {
         match &self.store {
             ExpertStore::Resident { gate, up, down } => switch_glu(gate, up, down, x, indices, act, bias),
             ExpertStore::Streamed(s) => {
@@ -1033,7 +1150,11 @@ impl Experts {
                 let compact = match bias {
                     Some(b) => {
                         let sel = Array::from_slice(&uniq, &[uniq.len() as i32])?;
-                        Some(ExpertBias { gate: mx::take(&b.gate, &sel, 0)?, up: mx::take(&b.up, &sel, 0)?, down: mx::take(&b.down, &sel, 0)? })
+                        Some(ExpertBias {
+                            gate: mx::take(&b.gate, &sel, 0)?,
+                            up: mx::take(&b.up, &sel, 0)?,
+                            down: mx::take(&b.down, &sel, 0)?,
+                        })
                     }
                     None => None,
                 };
@@ -1220,14 +1341,27 @@ pub struct SparseMoe {
 impl SparseMoe {
     /// `{prefix}.gate` (the router, `[experts, hidden]`) and `{prefix}.switch_mlp.*`, qwen3_moe's
     /// softmax router.
-    pub fn load(ws: &mut Weights, prefix: &str, experts: i32, top_k: i32, inter: i32, hidden: i32) -> Result<SparseMoe> {
+    pub fn load(
+        ws: &mut Weights,
+        prefix: &str,
+        experts: i32,
+        top_k: i32,
+        inter: i32,
+        hidden: i32,
+    ) -> Result<SparseMoe> {
         let kind = super::FfnKind::Moe { experts, top_k, intermediate: inter, shared: 0, norm_topk_prob: false };
         SparseMoe::load_spec(ws, prefix, kind, hidden, &MoeSpec::QWEN3)
     }
 
     /// The MoE block of `kind` (a [`super::FfnKind::Moe`]) at `prefix`, laid out and routed as
     /// `spec` says; every tensor's shape checked against the kind.
-    pub fn load_spec(ws: &mut Weights, prefix: &str, kind: super::FfnKind, hidden: i32, spec: &MoeSpec) -> Result<SparseMoe> {
+    pub fn load_spec(
+        ws: &mut Weights,
+        prefix: &str,
+        kind: super::FfnKind,
+        hidden: i32,
+        spec: &MoeSpec,
+    ) -> Result<SparseMoe> {
         use crate::Error;
         let super::FfnKind::Moe { experts, top_k, intermediate, shared, norm_topk_prob } = kind else {
             return Err(Error::Invalid(format!("{prefix}: not a MoE layer")));
@@ -1239,10 +1373,14 @@ impl SparseMoe {
         let score_bias = match spec.router {
             Router::GroupedSigmoid { n_group, topk_group, .. } | Router::GroupedSoftmax { n_group, topk_group, .. } => {
                 if n_group < 1 || experts % n_group != 0 {
-                    return Err(Error::ModelLoad(format!("config.json: n_group {n_group} does not divide the {experts} routed experts")));
+                    return Err(Error::ModelLoad(format!(
+                        "config.json: n_group {n_group} does not divide the {experts} routed experts"
+                    )));
                 }
                 if !(1..=n_group).contains(&topk_group) {
-                    return Err(Error::ModelLoad(format!("config.json: topk_group {topk_group} is not in 1..={n_group} (n_group)")));
+                    return Err(Error::ModelLoad(format!(
+                        "config.json: topk_group {topk_group} is not in 1..={n_group} (n_group)"
+                    )));
                 }
                 let per = experts / n_group;
                 if n_group > 1 && per < 2 {
@@ -1257,7 +1395,9 @@ impl SparseMoe {
                     )));
                 }
                 match spec.router {
-                    Router::GroupedSigmoid { .. } => Some(ws.take_shaped(&format!("{rname}.e_score_correction_bias"), &[experts])?),
+                    Router::GroupedSigmoid { .. } => {
+                        Some(ws.take_shaped(&format!("{rname}.e_score_correction_bias"), &[experts])?)
+                    }
                     _ => None,
                 }
             }
@@ -1267,7 +1407,11 @@ impl SparseMoe {
         let ename = format!("{prefix}.{}", spec.experts_name);
         let expert_bias = if spec.expert_bias {
             let b = |ws: &mut Weights, p: &str, out: i32| ws.take_shaped(&format!("{ename}.{p}.bias"), &[experts, out]);
-            Some(ExpertBias { gate: b(ws, "gate_proj", intermediate)?, up: b(ws, "up_proj", intermediate)?, down: b(ws, "down_proj", hidden)? })
+            Some(ExpertBias {
+                gate: b(ws, "gate_proj", intermediate)?,
+                up: b(ws, "up_proj", intermediate)?,
+                down: b(ws, "down_proj", hidden)?,
+            })
         } else {
             None
         };
@@ -1277,19 +1421,46 @@ impl SparseMoe {
             // the layer before applies this router to its own MoE input (the indices do not
             // depend on norm_topk_prob nor the scaling: the scores are never evaluated)
             let (r, sb, routing) = (router.clone(), score_bias.clone(), spec.router);
-            s.set_predictor(std::sync::Arc::new(move |x: &Array| Ok(route(&r, routing, count, top_k, false, sb.as_ref(), x)?.0)));
+            s.set_predictor(std::sync::Arc::new(move |x: &Array| {
+                Ok(route(&r, routing, count, top_k, false, sb.as_ref(), x)?.0)
+            }));
         }
         let shared = if shared > 0 {
-            Some(Mlp::load(ws, &format!("{prefix}.shared_experts"), false, Activation::Silu, hidden, intermediate * shared)?)
+            Some(Mlp::load(
+                ws,
+                &format!("{prefix}.shared_experts"),
+                false,
+                Activation::Silu,
+                hidden,
+                intermediate * shared,
+            )?)
         } else {
             None
         };
-        Ok(SparseMoe { router, experts, top_k, norm_topk_prob, routing: spec.router, score_bias, expert_bias, act: spec.act, shared })
+        Ok(SparseMoe {
+            router,
+            experts,
+            top_k,
+            norm_topk_prob,
+            routing: spec.router,
+            score_bias,
+            expert_bias,
+            act: spec.act,
+            shared,
+        })
     }
 
     /// The experts each token goes to `[..., k]` and their weights `[..., k]`.
     pub fn route(&self, x: &Array) -> Result<(Array, Array)> {
-        route(&self.router, self.routing, self.experts.count, self.top_k, self.norm_topk_prob, self.score_bias.as_ref(), x)
+        route(
+            &self.router,
+            self.routing,
+            self.experts.count,
+            self.top_k,
+            self.norm_topk_prob,
+            self.score_bias.as_ref(),
+            x,
+        )
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -1307,7 +1478,15 @@ impl SparseMoe {
 
 /// A MoE router's choice for `x`: the experts `[..., k]` of `e` and their weights `[..., k]`
 /// ([`Router`]; `score_bias` the grouped router's correction bias).
-fn route(router: &Linear, routing: Router, e: i32, k: i32, norm_topk_prob: bool, score_bias: Option<&Array>, x: &Array) -> Result<(Array, Array)> {
+fn route(
+    router: &Linear,
+    routing: Router,
+    e: i32,
+    k: i32,
+    norm_topk_prob: bool,
+    score_bias: Option<&Array>,
+    x: &Array,
+) -> Result<(Array, Array)> {
     let logits = router.forward(x)?;
     match routing {
         Router::Softmax => {

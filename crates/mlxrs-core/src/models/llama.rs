@@ -37,7 +37,9 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
         .unwrap_or_default();
     let is_sliding = |i: i32| layer_types.get(i as usize).is_some_and(|t| t == "sliding_attention");
     let window = match c.get("sliding_window") {
-        Some(_) if layer_types.iter().any(|t| t == "sliding_attention") => Some(c.size("sliding_window", None, super::limits::POSITIONS)?),
+        Some(_) if layer_types.iter().any(|t| t == "sliding_attention") => {
+            Some(c.size("sliding_window", None, super::limits::POSITIONS)?)
+        }
         _ => None,
     };
     arch::uniform(
@@ -113,16 +115,35 @@ impl Model {
     pub fn load(config: &Value, w: Weights) -> Result<Model> {
         let c = Cfg(config);
         let bias = c.b_or("attention_bias", false);
-        Model::load_variant(config, w, Variant { qkv_bias: bias, o_bias: bias, qk_norm: false, rope_scaling: true }, c.b_or("mlp_bias", false), layout(config)?)
+        Model::load_variant(
+            config,
+            w,
+            Variant { qkv_bias: bias, o_bias: bias, qk_norm: false, rope_scaling: true },
+            c.b_or("mlp_bias", false),
+            layout(config)?,
+        )
     }
 
     /// The decoder of `layout` (its attention kinds and FFNs).
-    pub fn load_variant(config: &Value, w: Weights, v: Variant, mlp_bias: bool, layout: Vec<LayerLayout>) -> Result<Model> {
+    pub fn load_variant(
+        config: &Value,
+        w: Weights,
+        v: Variant,
+        mlp_bias: bool,
+        layout: Vec<LayerLayout>,
+    ) -> Result<Model> {
         Model::load_extra(config, w, v, mlp_bias, layout, &Extra::NONE)
     }
 
     /// [`Model::load_variant`] with what [`Extra`] says differs.
-    pub fn load_extra(config: &Value, mut w: Weights, v: Variant, mlp_bias: bool, layout: Vec<LayerLayout>, x: &Extra) -> Result<Model> {
+    pub fn load_extra(
+        config: &Value,
+        mut w: Weights,
+        v: Variant,
+        mlp_bias: bool,
+        layout: Vec<LayerLayout>,
+        x: &Extra,
+    ) -> Result<Model> {
         let c = Cfg(config);
         let d = Dims::from_config(&c, DimDefaults::default())?;
         let (hidden, n_layers, n_heads, n_kv, head_dim) = (d.hidden, d.layers, d.heads, d.kv_heads, d.head_dim);
@@ -133,13 +154,19 @@ impl Model {
         let traditional = c.b_or("rope_traditional", false);
         let tie = x.tie.unwrap_or_else(|| c.b_or("tie_word_embeddings", default_tie(config)));
         if layout.len() != n_layers as usize {
-            return Err(crate::Error::ModelLoad(format!("config.json: {} layer kinds for num_hidden_layers {n_layers}", layout.len())));
+            return Err(crate::Error::ModelLoad(format!(
+                "config.json: {} layer kinds for num_hidden_layers {n_layers}",
+                layout.len()
+            )));
         }
         let rope_dims = x.rope_dims.unwrap_or(head_dim);
         if rope_dims % 2 != 0 || !(2..=head_dim).contains(&rope_dims) {
-            return Err(crate::Error::ModelLoad(format!("config.json: the rotary embedding's {rope_dims} dims do not fit head_dim {head_dim}")));
+            return Err(crate::Error::ModelLoad(format!(
+                "config.json: the rotary embedding's {rope_dims} dims do not fit head_dim {head_dim}"
+            )));
         }
-        let sliding_window = layout.iter().find_map(|l| if let AttnKind::Sliding { window } = l.attn { Some(window) } else { None });
+        let sliding_window =
+            layout.iter().find_map(|l| if let AttnKind::Sliding { window } = l.attn { Some(window) } else { None });
         let (q_out, kv_out) = (n_heads * head_dim, n_kv * head_dim);
         let mut layers = Vec::with_capacity(n_layers as usize);
         for i in 0..n_layers {
@@ -162,12 +189,25 @@ impl Model {
                 n_kv_heads: n_kv,
                 head_dim,
                 scale: (head_dim as f32).powf(-0.5),
-                rope: Rope::from_config(rope_dims, theta, traditional, if v.rope_scaling { c.get("rope_scaling") } else { None })?,
+                rope: Rope::from_config(
+                    rope_dims,
+                    theta,
+                    traditional,
+                    if v.rope_scaling { c.get("rope_scaling") } else { None },
+                )?,
             };
             let sinks = if x.sinks { Some(w.take_shaped(&format!("{p}.self_attn.sinks"), &[n_heads])?) } else { None };
             layers.push(Block {
                 attn,
-                mlp: Ffn::load_with(&mut w, &format!("{p}.{}", x.ffn_name), mlp_bias, layout[i as usize].ffn, hidden, inter, &x.moe)?,
+                mlp: Ffn::load_with(
+                    &mut w,
+                    &format!("{p}.{}", x.ffn_name),
+                    mlp_bias,
+                    layout[i as usize].ffn,
+                    hidden,
+                    inter,
+                    &x.moe,
+                )?,
                 in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, hidden)?,
                 post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps, hidden)?,
                 sliding: matches!(layout[i as usize].attn, AttnKind::Sliding { .. }),
@@ -182,7 +222,9 @@ impl Model {
         let layout = layout
             .into_iter()
             .map(|l| match l.ffn {
-                super::FfnKind::Dense { intermediate: 0 } => LayerLayout { ffn: super::FfnKind::Dense { intermediate: inter }, ..l },
+                super::FfnKind::Dense { intermediate: 0 } => {
+                    LayerLayout { ffn: super::FfnKind::Dense { intermediate: inter }, ..l }
+                }
                 _ => l,
             })
             .collect();
@@ -194,7 +236,14 @@ impl Model {
             lm_head,
             sliding_window,
             llama4_scale: None,
-            shape: ModelShape::new(model_type, layout, hidden, d.vocab, c.opt_i("max_position_embeddings"), dtype_bytes),
+            shape: ModelShape::new(
+                model_type,
+                layout,
+                hidden,
+                d.vocab,
+                c.opt_i("max_position_embeddings"),
+                dtype_bytes,
+            ),
         })
     }
 }
@@ -234,7 +283,15 @@ impl CausalLm for Model {
             let r = match &q_scale {
                 Some(s) => {
                     let (q, k, v) = layer.attn.project(&x)?;
-                    let out = layer.attn.attend_many_scaled(q, k, v, mask, caches.layer_mut(i), layer.sinks.as_ref(), Some(s))?;
+                    let out = layer.attn.attend_many_scaled(
+                        q,
+                        k,
+                        v,
+                        mask,
+                        caches.layer_mut(i),
+                        layer.sinks.as_ref(),
+                        Some(s),
+                    )?;
                     layer.attn.output(&out, x.dim(0), n)?
                 }
                 None => layer.attn.forward_many_sinks(&x, mask, caches.layer_mut(i), layer.sinks.as_ref())?,

@@ -17,28 +17,21 @@ use crate::error::{Error, Result};
 use crate::weights::Weights;
 use serde_json::Value;
 
-pub const ARCH: Arch = Arch {
-    name: "ministral3",
-    model_types: &["ministral3"],
-    sanitize,
-    load,
-    layout,
-    gguf: None,
-};
+pub const ARCH: Arch = Arch { name: "ministral3", model_types: &["ministral3"], sanitize, load, layout, gguf: None };
 
 /// The config as the llama loader reads it (`rope_theta` and `rope_scaling` from
 /// `rope_parameters`), and the query scale's `(beta, original_max_position_embeddings)`.
 fn remap(config: &Value) -> Result<(Value, (f64, f64))> {
-    let params = config
-        .get("rope_parameters")
-        .filter(|p| p.is_object())
-        .ok_or_else(|| Error::ModelLoad("config.json: rope_parameters is missing or not an object (ministral3)".into()))?;
+    let params = config.get("rope_parameters").filter(|p| p.is_object()).ok_or_else(|| {
+        Error::ModelLoad("config.json: rope_parameters is missing or not an object (ministral3)".into())
+    })?;
     let num = |k: &str, positive: bool| -> Result<f64> {
-        params
-            .get(k)
-            .and_then(Value::as_f64)
-            .filter(|v| v.is_finite() && (!positive || *v > 0.0))
-            .ok_or_else(|| Error::ModelLoad(format!("config.json: rope_parameters.{k} is missing or not a {}number", if positive { "positive " } else { "" })))
+        params.get(k).and_then(Value::as_f64).filter(|v| v.is_finite() && (!positive || *v > 0.0)).ok_or_else(|| {
+            Error::ModelLoad(format!(
+                "config.json: rope_parameters.{k} is missing or not a {}number",
+                if positive { "positive " } else { "" }
+            ))
+        })
     };
     let llama4 = (num("llama_4_scaling_beta", false)?, num("original_max_position_embeddings", true)?);
     let mut c = config.clone();

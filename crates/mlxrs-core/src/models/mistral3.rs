@@ -10,14 +10,7 @@ use crate::error::{Error, Result};
 use crate::weights::Weights;
 use serde_json::Value;
 
-pub const ARCH: Arch = Arch {
-    name: "mistral3",
-    model_types: &["mistral3"],
-    sanitize,
-    load,
-    layout,
-    gguf: None,
-};
+pub const ARCH: Arch = Arch { name: "mistral3", model_types: &["mistral3"], sanitize, load, layout, gguf: None };
 
 /// The text config (tie defaulted to false) and the architecture that loads it.
 fn text(config: &Value) -> Result<(Value, &'static Arch)> {
@@ -72,7 +65,8 @@ mod tests {
         let c = json!({"model_type": "mistral3", "text_config": {"model_type": "mistral4"}});
         let (t, a) = text(&c).unwrap();
         assert_eq!((a.name, t["tie_word_embeddings"].as_bool()), ("mistral4", Some(false)));
-        let c = json!({"model_type": "mistral3", "text_config": {"model_type": "mistral", "tie_word_embeddings": true}});
+        let c =
+            json!({"model_type": "mistral3", "text_config": {"model_type": "mistral", "tie_word_embeddings": true}});
         let (t, a) = text(&c).unwrap();
         assert_eq!((a.name, t["tie_word_embeddings"].as_bool()), ("llama", Some(true)));
         let c = json!({"model_type": "mistral3", "text_config": {"model_type": "ministral3"}});

@@ -41,16 +41,16 @@ pub const ARCH: Arch = Arch {
 /// `mscale_all_dim` dropped for a `default` rope (mlx-lm's `apply_yarn_mscale` ignores it there).
 /// Also the Llama 4 query scale's `(beta, original_max_position_embeddings)`.
 fn remap(config: &Value) -> Result<(Value, (f64, f64))> {
-    let params = config
-        .get("rope_parameters")
-        .filter(|p| p.is_object())
-        .ok_or_else(|| Error::ModelLoad("config.json: rope_parameters is missing or not an object (mistral4)".into()))?;
+    let params = config.get("rope_parameters").filter(|p| p.is_object()).ok_or_else(|| {
+        Error::ModelLoad("config.json: rope_parameters is missing or not an object (mistral4)".into())
+    })?;
     let num = |k: &str, positive: bool| -> Result<f64> {
-        params
-            .get(k)
-            .and_then(Value::as_f64)
-            .filter(|v| v.is_finite() && (!positive || *v > 0.0))
-            .ok_or_else(|| Error::ModelLoad(format!("config.json: rope_parameters.{k} is missing or not a {}number", if positive { "positive " } else { "" })))
+        params.get(k).and_then(Value::as_f64).filter(|v| v.is_finite() && (!positive || *v > 0.0)).ok_or_else(|| {
+            Error::ModelLoad(format!(
+                "config.json: rope_parameters.{k} is missing or not a {}number",
+                if positive { "positive " } else { "" }
+            ))
+        })
     };
     let llama4 = (num("llama_4_scaling_beta", false)?, num("original_max_position_embeddings", true)?);
     let theta = match params.get("rope_theta") {
@@ -91,7 +91,10 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
         if w.contains(&gate_up) {
             let t = w.take(&gate_up)?;
             if t.ndim() != 3 || t.dim(1) % 2 != 0 {
-                return Err(Error::ModelLoad(format!("weight {gate_up} has shape {:?}, not [experts, 2 × width, hidden]", t.shape())));
+                return Err(Error::ModelLoad(format!(
+                    "weight {gate_up} has shape {:?}, not [experts, 2 × width, hidden]",
+                    t.shape()
+                )));
             }
             let mut halves = mx::split(&t, 2, 1)?.into_iter();
             let (Some(gate), Some(up)) = (halves.next(), halves.next()) else {
@@ -134,7 +137,8 @@ fn router(c: &Cfg) -> Result<Router> {
 pub fn load(config: &Value, w: Weights) -> Result<deepseek_v3::Model> {
     let (c, llama4) = remap(config)?;
     let cfg = Cfg(&c);
-    let variant = MlaVariant { interleave: cfg.b_or("rope_interleave", true), llama4_scale: Some(llama4), concat_prefill: true };
+    let variant =
+        MlaVariant { interleave: cfg.b_or("rope_interleave", true), llama4_scale: Some(llama4), concat_prefill: true };
     let tie = cfg.b_or("tie_word_embeddings", false);
     deepseek_v3::Model::load_variant(&c, w, router(&cfg)?, None, variant, layout(&c)?, tie)
 }
@@ -180,7 +184,11 @@ mod tests {
         assert!(remap(&y).unwrap().0["rope_scaling"].get("mscale_all_dim").is_none());
         for (k, v, err) in [
             ("llama_4_scaling_beta", Value::Null, "rope_parameters.llama_4_scaling_beta is missing"),
-            ("original_max_position_embeddings", json!(0), "rope_parameters.original_max_position_embeddings is missing or not a positive"),
+            (
+                "original_max_position_embeddings",
+                json!(0),
+                "rope_parameters.original_max_position_embeddings is missing or not a positive",
+            ),
         ] {
             let mut b = config();
             b["rope_parameters"][k] = v;

@@ -77,7 +77,9 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     };
     if let FfnKind::Moe { experts, top_k, .. } = moe {
         if top_k > experts {
-            return Err(Error::ModelLoad(format!("config.json: num_experts_per_tok {top_k} exceeds num_local_experts {experts}")));
+            return Err(Error::ModelLoad(format!(
+                "config.json: num_experts_per_tok {top_k} exceeds num_local_experts {experts}"
+            )));
         }
     }
     arch::uniform(config, DimDefaults::default(), |_| AttnKind::Full, |_, _| Ok(moe))

@@ -3,14 +3,14 @@
 pub mod arch;
 pub mod deepseek_v3;
 pub mod deepseek_v32;
-pub mod glm_moe_dsa;
+pub mod experts;
+pub mod gated_delta;
 pub mod gemma3_text;
 pub mod gemma4_text;
-pub mod gated_delta;
 pub mod glm4_moe;
+pub mod glm_moe_dsa;
 pub mod gpt_oss;
 pub mod layers;
-pub mod experts;
 pub mod llama;
 pub mod ministral3;
 pub mod mistral3;
@@ -52,8 +52,14 @@ pub struct ModelShape {
 impl ModelShape {
     /// The shape of a model of `layers`: the KV geometry and sliding windows from the layout
     /// (`num_kv_heads`/`head_dim` those of the first layer with a KV cache).
-    pub fn new(model_type: &str, layers: Vec<LayerLayout>, hidden_size: i32, vocab_size: i32, max_position_embeddings: Option<i32>,
-               dtype_bytes: usize) -> ModelShape {
+    pub fn new(
+        model_type: &str,
+        layers: Vec<LayerLayout>,
+        hidden_size: i32,
+        vocab_size: i32,
+        max_position_embeddings: Option<i32>,
+        dtype_bytes: usize,
+    ) -> ModelShape {
         let kv = layers.iter().find(|l| l.kv_elems() > 0).or(layers.first());
         ModelShape {
             model_type: model_type.to_string(),
@@ -62,7 +68,10 @@ impl ModelShape {
             vocab_size,
             num_kv_heads: kv.map_or(0, |l| l.kv_heads),
             head_dim: kv.map_or(0, |l| l.head_dim),
-            sliding: layers.iter().map(|l| if let AttnKind::Sliding { window } = l.attn { Some(window) } else { None }).collect(),
+            sliding: layers
+                .iter()
+                .map(|l| if let AttnKind::Sliding { window } = l.attn { Some(window) } else { None })
+                .collect(),
             max_position_embeddings,
             dtype_bytes,
             layers,
@@ -300,7 +309,9 @@ impl Dims {
             (_, def) => c.size("head_dim", def, HEAD_DIM)?,
         };
         if head_dim % 2 != 0 {
-            return Err(Error::ModelLoad(format!("config.json: head_dim {head_dim} is odd (the rotary embedding rotates pairs)")));
+            return Err(Error::ModelLoad(format!(
+                "config.json: head_dim {head_dim} is odd (the rotary embedding rotates pairs)"
+            )));
         }
         if heads % kv_heads != 0 {
             return Err(Error::ModelLoad(format!(
@@ -330,8 +341,12 @@ impl Cfg<'_> {
     /// A size field: an integer in 1..=max (`default` when absent), else an error naming it.
     pub fn size(&self, k: &str, default: Option<i64>, max: i64) -> Result<i32> {
         let v = match self.get(k) {
-            None => default.ok_or_else(|| Error::ModelLoad(format!("config.json: {k} is missing or not an integer")))?,
-            Some(v) => v.as_i64().ok_or_else(|| Error::ModelLoad(format!("config.json: {k} = {v} is not an integer")))?,
+            None => {
+                default.ok_or_else(|| Error::ModelLoad(format!("config.json: {k} is missing or not an integer")))?
+            }
+            Some(v) => {
+                v.as_i64().ok_or_else(|| Error::ModelLoad(format!("config.json: {k} = {v} is not an integer")))?
+            }
         };
         if !(1..=max).contains(&v) {
             return Err(Error::ModelLoad(format!("config.json: {k} = {v} is out of range (1..={max})")));
@@ -369,7 +384,9 @@ mod tests {
             c[k] = v;
             Dims::from_config(&Cfg(&c), DimDefaults::default()).unwrap_err().to_string()
         };
-        assert!(with("num_hidden_layers", json!(1_000_000_000)).contains("num_hidden_layers = 1000000000 is out of range"));
+        assert!(
+            with("num_hidden_layers", json!(1_000_000_000)).contains("num_hidden_layers = 1000000000 is out of range")
+        );
         assert!(with("num_hidden_layers", json!(0)).contains("out of range"));
         // 2^32 + 2 would wrap to 2 as an i32
         assert!(with("num_hidden_layers", json!(4_294_967_298u64)).contains("out of range"));
@@ -381,13 +398,17 @@ mod tests {
         let mut no_hd = ok.clone();
         no_hd.as_object_mut().unwrap().remove("head_dim");
         no_hd["hidden_size"] = json!(250);
-        assert!(Dims::from_config(&Cfg(&no_hd), DimDefaults::default()).unwrap_err().to_string().contains("not a multiple"));
+        assert!(Dims::from_config(&Cfg(&no_hd), DimDefaults::default())
+            .unwrap_err()
+            .to_string()
+            .contains("not a multiple"));
     }
 
     fn value() -> impl Strategy<Value = Value> {
         prop_oneof![
             (-3i64..70).prop_map(Value::from),
-            prop::sample::select(vec![1i64 << 31, (1 << 31) - 1, 1 << 32, i64::MAX, 1_000_000_000, 262_144]).prop_map(Value::from),
+            prop::sample::select(vec![1i64 << 31, (1 << 31) - 1, 1 << 32, i64::MAX, 1_000_000_000, 262_144])
+                .prop_map(Value::from),
             any::<f64>().prop_map(|f| json!(f)),
             Just(Value::Null),
             Just(json!("64")),

@@ -15,5 +15,11 @@ pub const ARCH: Arch = Arch {
 };
 
 pub fn load(config: &Value, w: Weights) -> Result<Model> {
-    Model::load_variant(config, w, Variant { qkv_bias: true, o_bias: false, qk_norm: false, rope_scaling: true }, false, super::llama::layout(config)?)
+    Model::load_variant(
+        config,
+        w,
+        Variant { qkv_bias: true, o_bias: false, qk_norm: false, rope_scaling: true },
+        false,
+        super::llama::layout(config)?,
+    )
 }

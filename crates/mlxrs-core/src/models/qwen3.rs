@@ -16,5 +16,11 @@ pub const ARCH: Arch = Arch {
 
 pub fn load(config: &Value, w: Weights) -> Result<Model> {
     let bias = super::Cfg(config).b_or("attention_bias", false);
-    Model::load_variant(config, w, Variant { qkv_bias: bias, o_bias: bias, qk_norm: true, rope_scaling: true }, false, super::llama::layout(config)?)
+    Model::load_variant(
+        config,
+        w,
+        Variant { qkv_bias: bias, o_bias: bias, qk_norm: true, rope_scaling: true },
+        false,
+        super::llama::layout(config)?,
+    )
 }

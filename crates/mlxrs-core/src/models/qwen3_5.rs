@@ -51,7 +51,8 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
 }
 
 pub fn text_sanitize(config: &Value, w: &mut Weights) -> Result<()> {
-    let unsanitized = w.keys().any(|k| k.contains("conv1d.weight") && w.shape_of(k).is_some_and(|s| s.last() != Some(&1)));
+    let unsanitized =
+        w.keys().any(|k| k.contains("conv1d.weight") && w.shape_of(k).is_some_and(|s| s.last() != Some(&1)));
     w.retain(|k| !k.contains("mtp."));
     if super::Cfg(Params::text(config)).b_or("tie_word_embeddings", false) {
         w.remove("lm_head.weight");

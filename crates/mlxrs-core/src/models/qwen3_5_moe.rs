@@ -31,7 +31,10 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
         }
         let gu = w.take(&key)?;
         if gu.ndim() != 3 || gu.dim(-2) % 2 != 0 {
-            return Err(Error::ModelLoad(format!("weight {key} has shape {:?}, not [experts, 2 * width, hidden]", gu.shape())));
+            return Err(Error::ModelLoad(format!(
+                "weight {key} has shape {:?}, not [experts, 2 * width, hidden]",
+                gu.shape()
+            )));
         }
         let mid = gu.dim(-2) / 2;
         w.insert(format!("{p}.switch_mlp.gate_proj.weight"), mx::slice_axis(&gu, -2, 0, mid)?);

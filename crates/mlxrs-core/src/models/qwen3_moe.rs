@@ -53,18 +53,34 @@ pub fn layout(config: &Value) -> Result<Vec<LayerLayout>> {
     };
     if let Some(FfnKind::Moe { experts, top_k, .. }) = moe {
         if top_k > experts {
-            return Err(Error::ModelLoad(format!("config.json: num_experts_per_tok {top_k} exceeds num_experts {experts}")));
+            return Err(Error::ModelLoad(format!(
+                "config.json: num_experts_per_tok {top_k} exceeds num_experts {experts}"
+            )));
         }
     }
     let step = c.size("decoder_sparse_step", Some(1), limits::LAYERS)?;
-    let mlp_only: Vec<i64> =
-        c.get("mlp_only_layers").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_i64).collect()).unwrap_or_default();
-    arch::uniform(config, DimDefaults::default(), |_| AttnKind::Full, |i, d| match moe {
-        Some(m) if !mlp_only.contains(&(i as i64)) && (i + 1) % step == 0 => Ok(m),
-        _ => arch::dense(i, d),
-    })
+    let mlp_only: Vec<i64> = c
+        .get("mlp_only_layers")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_i64).collect())
+        .unwrap_or_default();
+    arch::uniform(
+        config,
+        DimDefaults::default(),
+        |_| AttnKind::Full,
+        |i, d| match moe {
+            Some(m) if !mlp_only.contains(&(i as i64)) && (i + 1) % step == 0 => Ok(m),
+            _ => arch::dense(i, d),
+        },
+    )
 }
 
 pub fn load(config: &Value, w: Weights) -> Result<Model> {
-    Model::load_variant(config, w, Variant { qkv_bias: false, o_bias: false, qk_norm: true, rope_scaling: false }, false, layout(config)?)
+    Model::load_variant(
+        config,
+        w,
+        Variant { qkv_bias: false, o_bias: false, qk_norm: true, rope_scaling: false },
+        false,
+        layout(config)?,
+    )
 }

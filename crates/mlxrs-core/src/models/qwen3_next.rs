@@ -52,7 +52,8 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
     for l in moe_layers {
         let p = format!("model.layers.{l}.mlp");
         for proj in ["up_proj", "down_proj", "gate_proj"] {
-            let parts = (0..n).map(|e| w.take(&format!("{p}.experts.{e}.{proj}.weight"))).collect::<Result<Vec<_>>>()?;
+            let parts =
+                (0..n).map(|e| w.take(&format!("{p}.experts.{e}.{proj}.weight"))).collect::<Result<Vec<_>>>()?;
             if parts.windows(2).any(|a| a[0].shape() != a[1].shape()) {
                 return Err(Error::ModelLoad(format!("weights {p}.experts.*.{proj}.weight differ in shape")));
             }
@@ -64,8 +65,13 @@ pub fn sanitize(config: &Value, w: &mut Weights) -> Result<()> {
 }
 
 /// The norms whose stored weight is an offset from one in the Hugging Face layout.
-const OFFSET_NORMS: [&str; 5] =
-    [".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight", ".k_norm.weight"];
+const OFFSET_NORMS: [&str; 5] = [
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+];
 
 /// conv1d weights not yet in MLX's layout (last axis not 1) moved to `[C, K, 1]`; with `norms`,
 /// the offset norms' 1-D weights get `+ 1`.
@@ -168,12 +174,18 @@ impl Params {
             _ => {
                 let need = |k: &str, d: Option<f64>| -> Result<f64> {
                     match c.get(k) {
-                        Some(v) => v.as_f64().ok_or_else(|| Error::ModelLoad(format!("config.json: {k} = {v} is not a number"))),
+                        Some(v) => v
+                            .as_f64()
+                            .ok_or_else(|| Error::ModelLoad(format!("config.json: {k} = {v} is not a number"))),
                         None => d.ok_or_else(|| Error::ModelLoad(format!("config.json: {k} is missing"))),
                     }
                 };
                 let d35 = |v: f64| if q35 { Some(v) } else { None };
-                (need("rope_theta", d35(100000.0))?, need("partial_rotary_factor", d35(0.25))?, c.get("rope_scaling").cloned())
+                (
+                    need("rope_theta", d35(100000.0))?,
+                    need("partial_rotary_factor", d35(0.25))?,
+                    c.get("rope_scaling").cloned(),
+                )
             }
         };
         let rope_dims = (d.head_dim as f64 * partial) as i32;
@@ -189,7 +201,9 @@ impl Params {
             let experts = c.size("num_experts", None, limits::EXPERTS)?;
             let top_k = c.size("num_experts_per_tok", None, limits::EXPERTS)?;
             if top_k > experts {
-                return Err(Error::ModelLoad(format!("config.json: num_experts_per_tok {top_k} exceeds num_experts {experts}")));
+                return Err(Error::ModelLoad(format!(
+                    "config.json: num_experts_per_tok {top_k} exceeds num_experts {experts}"
+                )));
             }
             Some(FfnKind::Moe {
                 experts,
@@ -206,8 +220,11 @@ impl Params {
             None => 0,
         };
         let step = c.size("decoder_sparse_step", Some(1), limits::LAYERS)?;
-        let mlp_only: Vec<i64> =
-            c.get("mlp_only_layers").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_i64).collect()).unwrap_or_default();
+        let mlp_only: Vec<i64> = c
+            .get("mlp_only_layers")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_i64).collect())
+            .unwrap_or_default();
         let ffn = (0..d.layers)
             .map(|i| match moe {
                 // Qwen3.5: every layer; Qwen3-Next: mlx-lm's sparse-step rule
@@ -245,7 +262,10 @@ impl Params {
 
     /// Linear-attention layers hold a recurrent state (no KV); the others a full KV cache.
     pub fn layout(&self) -> Vec<LayerLayout> {
-        let recurrent = AttnKind::LinearRecurrent { conv: (self.conv_kernel - 1) * self.conv_dim(), state: self.lin_v_heads * self.lin_v_dim * self.lin_k_dim };
+        let recurrent = AttnKind::LinearRecurrent {
+            conv: (self.conv_kernel - 1) * self.conv_dim(),
+            state: self.lin_v_heads * self.lin_v_dim * self.lin_k_dim,
+        };
         self.linear
             .iter()
             .zip(&self.ffn)
@@ -337,7 +357,10 @@ impl MRope {
         let d = x.dim(-1);
         let rot = mx::slice_axis(x, -1, 0, self.dims)?;
         let half = self.dims / 2;
-        let rh = mx::concatenate(&[&mx::negative(&mx::slice_axis(&rot, -1, half, self.dims)?)?, &mx::slice_axis(&rot, -1, 0, half)?], -1)?;
+        let rh = mx::concatenate(
+            &[&mx::negative(&mx::slice_axis(&rot, -1, half, self.dims)?)?, &mx::slice_axis(&rot, -1, 0, half)?],
+            -1,
+        )?;
         let e = mx::astype(&mx::add(&mx::multiply(&rot, &cs.0)?, &mx::multiply(&rh, &cs.1)?)?, x.dtype())?;
         if self.dims == d {
             return Ok(e);
@@ -353,13 +376,25 @@ type RowRopes = Vec<Option<(Array, Array)>>;
 impl GatedAttention {
     /// Per row: the M-RoPE rotation where `ropes` gives one, the ordinary one at the cache's offset
     /// otherwise; then the cache update and attention.
-    fn attend_rows(&self, q: Array, k: Array, v: Array, masks: &Masks, caches: LayerCaches, (mrope, ropes): (&MRope, &RowRopes)) -> Result<Array> {
+    fn attend_rows(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        (mrope, ropes): (&MRope, &RowRopes),
+    ) -> Result<Array> {
         let a = &self.attn;
         let (LayerCaches::Rows(mut rows), Masks::Rows(ms)) = (caches, masks) else {
             return Err(Error::Invalid("M-RoPE attention runs over per-row caches".into()));
         };
         let n = rows.len() as i32;
-        let (qs, ks, vs) = if n == 1 { (vec![q], vec![k], vec![v]) } else { (mx::split(&q, n, 0)?, mx::split(&k, n, 0)?, mx::split(&v, n, 0)?) };
+        let (qs, ks, vs) = if n == 1 {
+            (vec![q], vec![k], vec![v])
+        } else {
+            (mx::split(&q, n, 0)?, mx::split(&k, n, 0)?, mx::split(&v, n, 0)?)
+        };
         let mut outs = Vec::with_capacity(rows.len());
         for (r, ((q, k), v)) in qs.into_iter().zip(ks).zip(vs).enumerate() {
             let c = &mut *rows[r];
@@ -377,7 +412,13 @@ impl GatedAttention {
         mx::concatenate(&refs, 0)
     }
 
-    fn forward(&self, x: &Array, masks: &Masks, caches: LayerCaches, mrope: Option<(&MRope, &RowRopes)>) -> Result<Array> {
+    fn forward(
+        &self,
+        x: &Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        mrope: Option<(&MRope, &RowRopes)>,
+    ) -> Result<Array> {
         let a = &self.attn;
         let (b, l) = (x.dim(0), x.dim(1));
         let hd = a.head_dim;
@@ -480,12 +521,9 @@ impl GatedDeltaNet {
                 let qkv = mx::concatenate(&[&flat(&q)?, &flat(&k)?, &flat(&v)?], -1)?;
                 Ok((qkv, mx::reshape(&z, &[bsz, s, -1, dv])?, b, a))
             }
-            DeltaProj::Split { qkv, z, b, a } => Ok((
-                qkv.forward(x)?,
-                mx::reshape(&z.forward(x)?, &[bsz, s, nv, dv])?,
-                b.forward(x)?,
-                a.forward(x)?,
-            )),
+            DeltaProj::Split { qkv, z, b, a } => {
+                Ok((qkv.forward(x)?, mx::reshape(&z.forward(x)?, &[bsz, s, nv, dv])?, b.forward(x)?, a.forward(x)?))
+            }
         }
     }
 
@@ -534,7 +572,13 @@ impl GatedDeltaNet {
         let (q, k) = normalize_qk(&q, &k, (self.dk as f64).powf(-0.5), 1e-6)?;
         let (out, state) = gated_delta_update(&q, &k, &v, &a, &b, &self.a_log, &self.dt_bias, cat(&states)?)?;
         // back into each row's cache
-        let split = |t: &Array| -> Result<Vec<Array>> { if bsz == 1 { Ok(vec![t.clone()]) } else { mx::split(t, bsz, 0) } };
+        let split = |t: &Array| -> Result<Vec<Array>> {
+            if bsz == 1 {
+                Ok(vec![t.clone()])
+            } else {
+                mx::split(t, bsz, 0)
+            }
+        };
         for ((c, conv), st) in rows.iter_mut().zip(split(&new_conv)?).zip(split(&state)?) {
             if let LayerCache::Recurrent(rc) = &mut **c {
                 rc.conv = Some(conv);
@@ -589,11 +633,19 @@ pub fn gated_delta_update(
 /// `[B, T, Hv, Dv]`, g and beta `[B, T, Hv]`, state `[B, Hv, Dv, Dk]`; returns y `[B, T, Hv, Dv]`
 /// (q's dtype) and the new state. Each token is one call of [`delta_step`], compiled as mlx-lm
 /// compiles its `_gated_delta_step_ops` (traced once per shape).
-pub fn gated_delta_ops(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: Array) -> Result<(Array, Array)> {
+pub fn gated_delta_ops(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: Array,
+) -> Result<(Array, Array)> {
     static STEP: std::sync::OnceLock<Option<std::sync::Mutex<mx::Compiled>>> = std::sync::OnceLock::new();
     let compiled = STEP.get_or_init(|| mx::Compiled::new(delta_step, false).ok().map(std::sync::Mutex::new));
     let (hk, hv) = (q.dim(2), v.dim(2));
-    let (q, k) = if hv / hk > 1 { (mx::repeat(q, hv / hk, -2)?, mx::repeat(k, hv / hk, -2)?) } else { (q.clone(), k.clone()) };
+    let (q, k) =
+        if hv / hk > 1 { (mx::repeat(q, hv / hk, -2)?, mx::repeat(k, hv / hk, -2)?) } else { (q.clone(), k.clone()) };
     let t_len = q.dim(1);
     let at = |x: &Array, t: i32| -> Result<Array> { mx::squeeze(&mx::slice_axis(x, 1, t, t + 1)?, &[1]) };
     let mut state = state;
@@ -645,13 +697,22 @@ impl Ffn {
     fn load(w: &mut Weights, p: &str, kind: FfnKind, prm: &Params) -> Result<Ffn> {
         let hidden = prm.d.hidden;
         Ok(match kind {
-            FfnKind::Dense { intermediate } => Ffn::Dense(Mlp::load(w, p, false, Activation::Silu, hidden, intermediate)?),
+            FfnKind::Dense { intermediate } => {
+                Ffn::Dense(Mlp::load(w, p, false, Activation::Silu, hidden, intermediate)?)
+            }
             FfnKind::Moe { experts, top_k, intermediate, norm_topk_prob, .. } => {
                 let mut moe = SparseMoe::load(w, p, experts, top_k, intermediate, hidden)?;
                 moe.norm_topk_prob = norm_topk_prob;
                 Ffn::Moe(Box::new(SharedMoe {
                     moe,
-                    shared: Mlp::load(w, &format!("{p}.shared_expert"), false, Activation::Silu, hidden, prm.shared_intermediate)?,
+                    shared: Mlp::load(
+                        w,
+                        &format!("{p}.shared_expert"),
+                        false,
+                        Activation::Silu,
+                        hidden,
+                        prm.shared_intermediate,
+                    )?,
                     shared_gate: Linear::load(w, &format!("{p}.shared_expert_gate"), false, 1, hidden)?,
                 }))
             }
@@ -741,9 +802,20 @@ impl Model {
         let dtype_bytes = embed.dtype().size();
         let mrope = match prm.rope_scaling.as_ref().and_then(|r| r.get("mrope_section")) {
             Some(sec) if prm.flavor == Flavor::Qwen35 => {
-                let s: Vec<i32> = sec.as_array().map(|a| a.iter().filter_map(Value::as_i64).filter(|&v| (0..=1 << 16).contains(&v)).map(|v| v as i32).collect()).unwrap_or_default();
+                let s: Vec<i32> = sec
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(Value::as_i64)
+                            .filter(|&v| (0..=1 << 16).contains(&v))
+                            .map(|v| v as i32)
+                            .collect()
+                    })
+                    .unwrap_or_default();
                 if s.len() != 3 || sec.as_array().map_or(0, Vec::len) != 3 {
-                    return Err(Error::ModelLoad(format!("config.json: rope_parameters.mrope_section = {sec} is not three sizes (t, h, w)")));
+                    return Err(Error::ModelLoad(format!(
+                        "config.json: rope_parameters.mrope_section = {sec} is not three sizes (t, h, w)"
+                    )));
                 }
                 Some(MRope::new(prm.rope_dims, prm.rope_theta, &s)?)
             }
@@ -753,7 +825,14 @@ impl Model {
             fa_idx: prm.linear.iter().position(|&l| !l),
             lin_idx: prm.linear.iter().position(|&l| l),
             mrope,
-            shape: ModelShape::new(&prm.model_type, prm.layout(), hidden, d.vocab, prm.max_position_embeddings, dtype_bytes),
+            shape: ModelShape::new(
+                &prm.model_type,
+                prm.layout(),
+                hidden,
+                d.vocab,
+                prm.max_position_embeddings,
+                dtype_bytes,
+            ),
             embed,
             layers,
             norm,
@@ -790,13 +869,19 @@ impl CausalLm for Model {
             self.run(embeds.clone(), ropes, caches, staging)?
         } else {
             let Some(m) = self.mrope.as_ref().filter(|_| w == hidden + 4) else {
-                return Err(Error::Invalid(format!("input embeddings of width {w}: this model takes {hidden} (or {} with M-RoPE positions)", hidden + 4)));
+                return Err(Error::Invalid(format!(
+                    "input embeddings of width {w}: this model takes {hidden} (or {} with M-RoPE positions)",
+                    hidden + 4
+                )));
             };
             let x = mx::astype(&mx::slice_axis(embeds, -1, 0, hidden)?, self.embed.dtype())?;
             let cols = mx::slice_axis(embeds, -1, hidden, hidden + 4)?;
             let pos = mx::astype(&mx::transpose_axes(&mx::slice_axis(&cols, -1, 0, 3)?, &[2, 0, 1])?, Dtype::Int32)?;
-            let deltas = mx::astype(&mx::slice_axis(&mx::slice_axis(&cols, 1, 0, 1)?, -1, 3, 4)?, Dtype::Int32)?.to_vec::<i32>()?;
-            let lin = self.lin_idx.ok_or_else(|| Error::Unsupported("M-RoPE positions need a linear-attention layer to keep their delta".into()))?;
+            let deltas = mx::astype(&mx::slice_axis(&mx::slice_axis(&cols, 1, 0, 1)?, -1, 3, 4)?, Dtype::Int32)?
+                .to_vec::<i32>()?;
+            let lin = self.lin_idx.ok_or_else(|| {
+                Error::Unsupported("M-RoPE positions need a linear-attention layer to keep their delta".into())
+            })?;
             let LayerCaches::Rows(mut rows) = caches.layer_mut(lin) else {
                 return Err(Error::Invalid("a linear-attention layer cannot run over the stacked KV".into()));
             };
@@ -850,7 +935,13 @@ impl Model {
     }
 
     /// The decoder over embeddings `h` (M-RoPE rotations per row where `ropes` gives them).
-    fn run(&self, mut h: Array, ropes: Option<RowRopes>, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+    fn run(
+        &self,
+        mut h: Array,
+        ropes: Option<RowRopes>,
+        caches: &mut Caches,
+        staging: super::Staging,
+    ) -> Result<Array> {
         let n = h.dim(1);
         let fa_mask = match self.fa_idx {
             Some(i) => Some(caches.masks(i, n, None)?),
@@ -959,11 +1050,21 @@ mod tests {
         assert!(matches!(layer.attn, AttnKind::LinearRecurrent { .. }));
         for dtype in [Dtype::Float32, Dtype::Bfloat16] {
             let (h, conv_dim, nv, vd) = (256, prm.conv_dim(), 4, 4 * 16);
-            let r = |seed: u64, shape: &[i32]| mx::astype(&mx::multiply(&randn(seed, shape), &Array::scalar(0.1f32).unwrap()).unwrap(), dtype).unwrap();
+            let r = |seed: u64, shape: &[i32]| {
+                mx::astype(&mx::multiply(&randn(seed, shape), &Array::scalar(0.1f32).unwrap()).unwrap(), dtype).unwrap()
+            };
             let mut map = std::collections::HashMap::new();
-            for (n, shape) in [("in_proj_qkv.weight", vec![conv_dim, h]), ("in_proj_z.weight", vec![vd, h]), ("in_proj_b.weight", vec![nv, h]),
-                               ("in_proj_a.weight", vec![nv, h]), ("conv1d.weight", vec![conv_dim, 3, 1]), ("dt_bias", vec![nv]),
-                               ("A_log", vec![nv]), ("norm.weight", vec![16]), ("out_proj.weight", vec![h, vd])] {
+            for (n, shape) in [
+                ("in_proj_qkv.weight", vec![conv_dim, h]),
+                ("in_proj_z.weight", vec![vd, h]),
+                ("in_proj_b.weight", vec![nv, h]),
+                ("in_proj_a.weight", vec![nv, h]),
+                ("conv1d.weight", vec![conv_dim, 3, 1]),
+                ("dt_bias", vec![nv]),
+                ("A_log", vec![nv]),
+                ("norm.weight", vec![16]),
+                ("out_proj.weight", vec![h, vd]),
+            ] {
                 map.insert(format!("l.{n}"), r(map.len() as u64 + 10, &shape));
             }
             let mut w = crate::weights::Weights::from_map(map, &c).unwrap();
@@ -1004,8 +1105,12 @@ mod tests {
         let s0 = mx::zeros(&[b, hv, dv, dk], Dtype::Float32).unwrap();
         let (y, s) = gated_delta_ops(&q, &k, &v, &g, &beta, s0.clone()).unwrap();
         let cut = |x: &Array, lo: i32, hi: i32| mx::slice_axis(x, 1, lo, hi).unwrap();
-        let (y1, s1) = gated_delta_ops(&cut(&q, 0, 3), &cut(&k, 0, 3), &cut(&v, 0, 3), &cut(&g, 0, 3), &cut(&beta, 0, 3), s0).unwrap();
-        let (y2, s2) = gated_delta_ops(&cut(&q, 3, t), &cut(&k, 3, t), &cut(&v, 3, t), &cut(&g, 3, t), &cut(&beta, 3, t), s1).unwrap();
+        let (y1, s1) =
+            gated_delta_ops(&cut(&q, 0, 3), &cut(&k, 0, 3), &cut(&v, 0, 3), &cut(&g, 0, 3), &cut(&beta, 0, 3), s0)
+                .unwrap();
+        let (y2, s2) =
+            gated_delta_ops(&cut(&q, 3, t), &cut(&k, 3, t), &cut(&v, 3, t), &cut(&g, 3, t), &cut(&beta, 3, t), s1)
+                .unwrap();
         assert_eq!(max_abs_diff(&mx::concatenate(&[&y1, &y2], 1).unwrap(), &y), 0.0);
         assert_eq!(max_abs_diff(&s2, &s), 0.0);
         // and the recurrence does something: a zero state and a nonzero one differ

@@ -83,16 +83,23 @@ fn f32_to_s16(x: f32) -> i16 {
 /// Decode WAV `bytes` (`what` names the clip in errors) to mono float32 as mlx-vlm's loader does.
 pub fn decode(bytes: &[u8], limits: &AudioLimits, what: &str) -> Result<Wave> {
     if bytes.len() > limits.max_bytes {
-        return Err(bad(what, format!("{} bytes of audio, more than the limit of {} bytes", bytes.len(), limits.max_bytes)));
+        return Err(bad(
+            what,
+            format!("{} bytes of audio, more than the limit of {} bytes", bytes.len(), limits.max_bytes),
+        ));
     }
     if let Some(fmt) = sniff_container(bytes) {
         return Err(bad(what, format!("{fmt} audio is not supported: send WAV (PCM 8/16/24/32-bit or float32)")));
     }
-    let reader = hound::WavReader::new(Cursor::new(bytes)).map_err(|e| bad(what, format!("not a valid WAV file: {e}")))?;
+    let reader =
+        hound::WavReader::new(Cursor::new(bytes)).map_err(|e| bad(what, format!("not a valid WAV file: {e}")))?;
     let spec = reader.spec();
     let (ch, rate) = (spec.channels as usize, spec.sample_rate);
     if ch == 0 || !(1000..=768_000).contains(&rate) {
-        return Err(bad(what, format!("a WAV file of {ch} channel(s) at {rate} Hz is not supported (1 kHz to 768 kHz)")));
+        return Err(bad(
+            what,
+            format!("a WAV file of {ch} channel(s) at {rate} Hz is not supported (1 kHz to 768 kHz)"),
+        ));
     }
     let frames = reader.duration() as u64;
     let seconds = frames as f64 / rate as f64;
@@ -196,7 +203,9 @@ pub fn resample(x: &[f32], from: u32, to: u32) -> Result<Vec<f32>> {
     let max_rate = up.max(down);
     let taps = 2 * 64 * max_rate + 1;
     if taps > MAX_TAPS {
-        return Err(Error::Invalid(format!("resampling {from} Hz to {to} Hz needs a {taps}-tap filter: the rate is not supported")));
+        return Err(Error::Invalid(format!(
+            "resampling {from} Hz to {to} Hz needs a {taps}-tap filter: the rate is not supported"
+        )));
     }
     let (rolloff, beta) = (0.947_593_716_739_959_6, 14.769_656_459_379_492);
     let mut h = firwin_kaiser(taps, rolloff / max_rate as f64, beta);
@@ -274,7 +283,10 @@ impl FeatureConfig {
         let num = |k: &str, dflt: f64| -> Result<f64> {
             match fe.get(k) {
                 None | Some(Value::Null) => Ok(dflt),
-                Some(v) => v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| Error::ModelLoad(format!("{name}.{k} = {v} is not a number"))),
+                Some(v) => v
+                    .as_f64()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| Error::ModelLoad(format!("{name}.{k} = {v} is not a number"))),
             }
         };
         let boolean = |k: &str, dflt: bool| -> Result<bool> {
@@ -285,7 +297,9 @@ impl FeatureConfig {
         };
         let feature_size = num("feature_size", 128.0)?;
         if feature_size != 128.0 {
-            return Err(Error::ModelLoad(format!("{name}.feature_size = {feature_size}: Gemma 4's audio encoder takes 128 mel bins")));
+            return Err(Error::ModelLoad(format!(
+                "{name}.feature_size = {feature_size}: Gemma 4's audio encoder takes 128 mel bins"
+            )));
         }
         let sr = num("sampling_rate", 16000.0)?;
         if !(1000.0..=192_000.0).contains(&sr) || sr.fract() != 0.0 {
@@ -296,7 +310,9 @@ impl FeatureConfig {
         let frame_length = (sr * frame_ms / 1000.0).round();
         let hop_length = (sr * hop_ms / 1000.0).round();
         if !(2.0..=65536.0).contains(&frame_length) || !(1.0..=65536.0).contains(&hop_length) {
-            return Err(Error::ModelLoad(format!("{name}: frame_length_ms {frame_ms} / hop_length_ms {hop_ms} give no usable frames")));
+            return Err(Error::ModelLoad(format!(
+                "{name}: frame_length_ms {frame_ms} / hop_length_ms {hop_ms} give no usable frames"
+            )));
         }
         let (frame_length, hop_length) = (frame_length as usize, hop_length as usize);
         let mut fft_length = frame_length.next_power_of_two();
@@ -305,7 +321,9 @@ impl FeatureConfig {
         }
         let dither = num("dither", 0.0)?;
         if dither != 0.0 {
-            return Err(Error::Unsupported(format!("{name}.dither = {dither}: dithered (random) features are not supported")));
+            return Err(Error::Unsupported(format!(
+                "{name}.dither = {dither}: dithered (random) features are not supported"
+            )));
         }
         let (min_frequency, max_frequency) = (num("min_frequency", 0.0)?, num("max_frequency", 8000.0)?);
         if !(0.0..max_frequency).contains(&min_frequency) || max_frequency > sr / 2.0 {
@@ -530,7 +548,12 @@ mod tests {
     #[test]
     fn other_containers_are_named() {
         let lim = DEFAULT_AUDIO_LIMITS;
-        for (bytes, name) in [(&b"ID3\x04\0\0\0\0\0\0"[..], "MP3"), (b"fLaC\0\0\0\x22", "FLAC"), (b"OggS\0\x02", "Ogg"), (b"\0\0\0\x20ftypM4A ", "MP4/M4A")] {
+        for (bytes, name) in [
+            (&b"ID3\x04\0\0\0\0\0\0"[..], "MP3"),
+            (b"fLaC\0\0\0\x22", "FLAC"),
+            (b"OggS\0\x02", "Ogg"),
+            (b"\0\0\0\x20ftypM4A ", "MP4/M4A"),
+        ] {
             let e = decode(bytes, &lim, "audio 0").unwrap_err().to_string();
             assert!(e.contains(name) && e.contains("audio 0") && e.contains("WAV"), "{e}");
         }

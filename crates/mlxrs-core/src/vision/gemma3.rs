@@ -63,7 +63,9 @@ fn vision_dims(v: &Value) -> Result<VisionDims> {
     let c = Cfg(v);
     let mt = v.get("model_type").and_then(Value::as_str).unwrap_or("siglip_vision_model");
     if !["siglip_vision_model", "gemma3", "gemma3_vision"].contains(&mt) {
-        return Err(Error::Unsupported(format!("vision_config.model_type {mt:?} is not a SigLIP tower mlxrs implements")));
+        return Err(Error::Unsupported(format!(
+            "vision_config.model_type {mt:?} is not a SigLIP tower mlxrs implements"
+        )));
     }
     let f = |k: &str, d: Option<i64>, max: i64| super::vision_size(v, k, d, max);
     let d = VisionDims {
@@ -77,7 +79,10 @@ fn vision_dims(v: &Value) -> Result<VisionDims> {
         eps: c.f_or("layer_norm_eps", 1e-6) as f32,
     };
     if d.channels != 3 {
-        return Err(Error::ModelLoad(format!("config.json: vision_config.num_channels = {} (only RGB, 3, is supported)", d.channels)));
+        return Err(Error::ModelLoad(format!(
+            "config.json: vision_config.num_channels = {} (only RGB, 3, is supported)",
+            d.channels
+        )));
     }
     if d.hidden % d.heads != 0 {
         return Err(Error::ModelLoad(format!(
@@ -102,7 +107,11 @@ pub(super) struct LayerNorm {
 
 impl LayerNorm {
     pub(super) fn load(ws: &mut Weights, p: &str, dim: i32, eps: f32) -> Result<LayerNorm> {
-        Ok(LayerNorm { w: ws.take_shaped(&format!("{p}.weight"), &[dim])?, b: ws.take_shaped(&format!("{p}.bias"), &[dim])?, eps })
+        Ok(LayerNorm {
+            w: ws.take_shaped(&format!("{p}.weight"), &[dim])?,
+            b: ws.take_shaped(&format!("{p}.bias"), &[dim])?,
+            eps,
+        })
     }
     pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         mx::layer_norm(x, Some(&self.w), Some(&self.b), self.eps)
@@ -141,7 +150,8 @@ pub struct Tower {
 
 /// Whether `config` describes Gemma 3 with a vision tower.
 pub fn is_gemma3_vision(config: &Value) -> bool {
-    config.get("model_type").and_then(Value::as_str) == Some("gemma3") && config.get("vision_config").is_some_and(Value::is_object)
+    config.get("model_type").and_then(Value::as_str) == Some("gemma3")
+        && config.get("vision_config").is_some_and(Value::is_object)
 }
 
 /// mm_tokens_per_image: the text config's (what mlx-vlm's projector reads), else the top level's,
@@ -193,7 +203,11 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
         )));
     }
     let filter = Filter::from_pil(pre.get("resample").and_then(Value::as_i64).unwrap_or(2))?;
-    let rescale = if b("do_rescale") { Some(pre.get("rescale_factor").and_then(Value::as_f64).unwrap_or(1.0 / 255.0)) } else { None };
+    let rescale = if b("do_rescale") {
+        Some(pre.get("rescale_factor").and_then(Value::as_f64).unwrap_or(1.0 / 255.0))
+    } else {
+        None
+    };
     let three = |k: &str, dflt: f32| -> Result<[f32; 3]> {
         match pre.get(k) {
             None => Ok([dflt; 3]),
@@ -210,7 +224,9 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             return Err(Error::ModelLoad(format!("{name}: image_std has a zero")));
         }
     }
-    if let Some(seq) = super::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_seq_length").and_then(Value::as_i64)) {
+    if let Some(seq) =
+        super::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_seq_length").and_then(Value::as_i64))
+    {
         if seq != n as i64 {
             return Err(Error::ModelLoad(format!(
                 "processor_config.json: image_seq_length {seq} differs from config.json's mm_tokens_per_image {n}"
@@ -219,11 +235,16 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     }
     let tc = super::json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
     let special = |k: &str, dflt: &str| -> String {
-        let from = |v: &Value| v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string);
+        let from = |v: &Value| {
+            v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string)
+        };
         from(&tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
     };
-    let (boi, eoi, image_token) =
-        (special("boi_token", "<start_of_image>"), special("eoi_token", "<end_of_image>"), special("image_token", "<image_soft_token>"));
+    let (boi, eoi, image_token) = (
+        special("boi_token", "<start_of_image>"),
+        special("eoi_token", "<end_of_image>"),
+        special("image_token", "<image_soft_token>"),
+    );
     let image_token_id = Cfg(config).opt_i("image_token_index").unwrap_or(262144);
     for t in [&boi, &eoi, &image_token] {
         let id = tokenizer
@@ -235,7 +256,14 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             )));
         }
     }
-    Ok(Processor { preprocess: Preprocess { size, filter, rescale, rescale_f32: false, normalize }, tokens_per_image: n as usize, boi, eoi, image_token, image_token_id })
+    Ok(Processor {
+        preprocess: Preprocess { size, filter, rescale, rescale_f32: false, normalize },
+        tokens_per_image: n as usize,
+        boi,
+        eoi,
+        image_token,
+        image_token_id,
+    })
 }
 
 /// mlx-vlm's `check_array_shape` for a 4-D conv weight: already `[out, kh, kw, in]`?
@@ -249,7 +277,9 @@ impl Tower {
     /// PyTorch's `[out, in, kh, kw]` to MLX's `[out, kh, kw, in]`).
     pub fn load(config: &Value, w: &mut Weights, processor: Processor) -> Result<Tower> {
         let d = vision_dims(config.get("vision_config").unwrap_or(&Value::Null))?;
-        let text = config.get("text_config").ok_or_else(|| Error::ModelLoad("config.json: gemma3 has no text_config".into()))?;
+        let text = config
+            .get("text_config")
+            .ok_or_else(|| Error::ModelLoad("config.json: gemma3 has no text_config".into()))?;
         let text_hidden = Cfg(text).size("hidden_size", Some(1152), crate::models::limits::HIDDEN)?;
         let n = tokens_per_image(config)?;
         let side = (n as f64).sqrt() as i32;
@@ -267,11 +297,15 @@ impl Tower {
         }
         let want = [d.hidden, d.patch, d.patch, 3];
         if conv.shape() != want {
-            return Err(Error::ModelLoad(format!("weight {name} has shape {:?} but config.json implies {want:?}", conv.shape())));
+            return Err(Error::ModelLoad(format!(
+                "weight {name} has shape {:?} but config.json implies {want:?}",
+                conv.shape()
+            )));
         }
         let patch_w = mx::transpose(&mx::reshape(&conv, &[d.hidden, d.patch * d.patch * 3])?)?;
         let patch_b = w.take_shaped(&format!("{p}.embeddings.patch_embedding.bias"), &[d.hidden])?;
-        let pos = w.take_shaped(&format!("{p}.embeddings.position_embedding.weight"), &[patches * patches, d.hidden])?;
+        let pos =
+            w.take_shaped(&format!("{p}.embeddings.position_embedding.weight"), &[patches * patches, d.hidden])?;
         let mut layers = Vec::with_capacity(d.layers as usize);
         for i in 0..d.layers {
             let l = format!("{p}.encoder.layers.{i}");
@@ -316,7 +350,10 @@ impl Tower {
         let mut data = Vec::with_capacity(pixels.len() * (3 * s * s) as usize);
         for p in pixels {
             if (p.height as i32, p.width as i32) != (s, s) || p.data.len() != (3 * s * s) as usize {
-                return Err(Error::Invalid(format!("pixel values of {}x{} for a {s}x{s} vision tower", p.height, p.width)));
+                return Err(Error::Invalid(format!(
+                    "pixel values of {}x{} for a {s}x{s} vision tower",
+                    p.height, p.width
+                )));
             }
             data.extend_from_slice(&p.data);
         }
@@ -335,7 +372,9 @@ impl Tower {
         let l = g * g;
         for layer in &self.layers {
             let y = layer.ln1.forward(&h)?;
-            let heads = |a: Array| -> Result<Array> { mx::transpose_axes(&mx::reshape(&a, &[b, l, d.heads, hd])?, &[0, 2, 1, 3]) };
+            let heads = |a: Array| -> Result<Array> {
+                mx::transpose_axes(&mx::reshape(&a, &[b, l, d.heads, hd])?, &[0, 2, 1, 3])
+            };
             let (q, k, v) = (heads(layer.q.forward(&y)?)?, heads(layer.k.forward(&y)?)?, heads(layer.v.forward(&y)?)?);
             let o = mx::scaled_dot_product_attention(&q, &k, &v, scale, AttnMask::None, None)?;
             let o = mx::reshape(&mx::transpose_axes(&o, &[0, 2, 1, 3])?, &[b, l, d.hidden])?;
@@ -375,7 +414,8 @@ impl Tower {
         let dtype = embeds.dtype();
         let feats = self.features(pixels, dtype)?;
         let hidden = feats.dim(2);
-        let feats = mx::divide(&mx::reshape(&feats, &[1, want as i32, hidden])?, &mx::scalar_as(self.feature_div, dtype)?)?;
+        let feats =
+            mx::divide(&mx::reshape(&feats, &[1, want as i32, hidden])?, &mx::scalar_as(self.feature_div, dtype)?)?;
         let zero = mx::zeros(&[1, 1, hidden], dtype)?;
         let all = mx::concatenate(&[&embeds, &feats, &zero], 1)?;
         // row of `all` each position takes: its own, the next image feature, or the zero row

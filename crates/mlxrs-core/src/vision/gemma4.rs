@@ -23,7 +23,8 @@ use std::path::Path;
 
 /// Whether `config` describes Gemma 4 with a vision tower.
 pub fn is_gemma4_vision(config: &Value) -> bool {
-    config.get("model_type").and_then(Value::as_str) == Some("gemma4") && config.get("vision_config").is_some_and(Value::is_object)
+    config.get("model_type").and_then(Value::as_str) == Some("gemma4")
+        && config.get("vision_config").is_some_and(Value::is_object)
 }
 
 /// The prompt side: how an image is sized, announced and expanded (Gemma 4's processor).
@@ -90,7 +91,13 @@ impl Processor {
         }
         let img = super::image::decode(bytes, limits, what)?;
         let size = self.target_size(img.height, img.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
-        let pre = Preprocess { size: Some(size), filter: Filter::Bicubic, rescale: self.rescale, rescale_f32: true, normalize: self.normalize };
+        let pre = Preprocess {
+            size: Some(size),
+            filter: Filter::Bicubic,
+            rescale: self.rescale,
+            rescale_f32: true,
+            normalize: self.normalize,
+        };
         Ok(pre.run(&img))
     }
 
@@ -147,7 +154,10 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     let pool = uint("pooling_kernel_size", 3)?;
     let max_soft_tokens = uint("max_soft_tokens", 280)?;
     if patch as i32 != d.patch {
-        return Err(Error::ModelLoad(format!("{name}.patch_size {patch} differs from config.json's vision_config.patch_size {}", d.patch)));
+        return Err(Error::ModelLoad(format!(
+            "{name}.patch_size {patch} differs from config.json's vision_config.patch_size {}",
+            d.patch
+        )));
     }
     if pool as i32 != d.pool {
         return Err(Error::ModelLoad(format!(
@@ -166,14 +176,22 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     }
     let b = |k: &str, dflt: bool| ip.get(k).and_then(Value::as_bool).unwrap_or(dflt);
     if !b("do_resize", true) {
-        return Err(Error::Unsupported(format!("{name}.do_resize = false is not supported (Gemma 4 resizes to its patch budget)")));
+        return Err(Error::Unsupported(format!(
+            "{name}.do_resize = false is not supported (Gemma 4 resizes to its patch budget)"
+        )));
     }
-    let rescale = if b("do_rescale", true) { Some(ip.get("rescale_factor").and_then(Value::as_f64).unwrap_or(1.0 / 255.0)) } else { None };
+    let rescale = if b("do_rescale", true) {
+        Some(ip.get("rescale_factor").and_then(Value::as_f64).unwrap_or(1.0 / 255.0))
+    } else {
+        None
+    };
     let three = |k: &str| -> Result<[f32; 3]> {
         match ip.get(k) {
             None | Some(Value::Null) => Ok([0.5; 3]),
             Some(Value::Number(x)) => Ok([x.as_f64().unwrap_or(0.5) as f32; 3]),
-            Some(Value::Array(a)) if a.len() == 3 && a.iter().all(Value::is_number) => Ok([0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.0) as f32)),
+            Some(Value::Array(a)) if a.len() == 3 && a.iter().all(Value::is_number) => {
+                Ok([0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.0) as f32))
+            }
             Some(x) => Err(Error::ModelLoad(format!("{name}.{k} = {x} is not three numbers"))),
         }
     };
@@ -184,10 +202,13 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     let tc = super::json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
     let audio = super::gemma4_audio::processor(config, &proc_cfg, file, &tc, tokenizer)?.map(Box::new);
     let special = |k: &str, dflt: &str| -> String {
-        let from = |v: &Value| v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string);
+        let from = |v: &Value| {
+            v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string)
+        };
         from(&tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
     };
-    let (boi, eoi, image_token) = (special("boi_token", "<|image>"), special("eoi_token", "<image|>"), special("image_token", "<|image|>"));
+    let (boi, eoi, image_token) =
+        (special("boi_token", "<|image>"), special("eoi_token", "<image|>"), special("image_token", "<|image|>"));
     let c = Cfg(config);
     let image_token_id = c.opt_i("image_token_id").unwrap_or(258880);
     for t in [&boi, &eoi, &image_token] {
@@ -211,7 +232,20 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
          tokens) is not implemented: this model cannot take images in mlxrs"
             .to_string()
     });
-    Ok(Processor { patch, pool, max_soft_tokens, rescale, normalize, boi, eoi, image_token, image_token_id, media_token_ids, refuse, audio })
+    Ok(Processor {
+        patch,
+        pool,
+        max_soft_tokens,
+        rescale,
+        normalize,
+        boi,
+        eoi,
+        image_token,
+        image_token_id,
+        media_token_ids,
+        refuse,
+        audio,
+    })
 }
 
 /// Vision sizes from `vision_config`, checked.
@@ -236,7 +270,9 @@ fn vision_dims(v: &Value) -> Result<VisionDims> {
     let c = Cfg(v);
     let mt = v.get("model_type").and_then(Value::as_str).unwrap_or("gemma4_vision");
     if mt != "gemma4_vision" {
-        return Err(Error::Unsupported(format!("vision_config.model_type {mt:?} is not a Gemma 4 vision tower mlxrs implements")));
+        return Err(Error::Unsupported(format!(
+            "vision_config.model_type {mt:?} is not a Gemma 4 vision tower mlxrs implements"
+        )));
     }
     let f = |k: &str, d: Option<i64>, max: i64| super::vision_size(v, k, d, max);
     let heads = f("num_attention_heads", Some(12), HEADS)?;
@@ -244,7 +280,11 @@ fn vision_dims(v: &Value) -> Result<VisionDims> {
         None | Some(Value::Null) => 100.0,
         Some(r) => match r.get("rope_theta") {
             Some(t) if t.as_f64().is_some_and(|t| t > 0.0) => t.as_f64().unwrap_or(100.0) as f32,
-            _ => return Err(Error::ModelLoad(format!("config.json: vision_config.rope_parameters = {r} has no positive rope_theta"))),
+            _ => {
+                return Err(Error::ModelLoad(format!(
+                    "config.json: vision_config.rope_parameters = {r} has no positive rope_theta"
+                )))
+            }
         },
     };
     let d = VisionDims {
@@ -292,7 +332,10 @@ impl ClipLinear {
                 let name = format!("{p}.{k}");
                 let a = w.take(&name)?;
                 if a.size() != 1 {
-                    return Err(Error::ModelLoad(format!("weight {name} has shape {:?} but a clip bound is a scalar", a.shape())));
+                    return Err(Error::ModelLoad(format!(
+                        "weight {name} has shape {:?} but a clip bound is a scalar",
+                        a.shape()
+                    )));
                 }
                 mx::reshape(&a, &[])
             };
@@ -368,7 +411,9 @@ impl Tower {
     /// `[model.]embed_vision.*`) out of `w`.
     pub fn load(config: &Value, w: &mut Weights, processor: Processor) -> Result<Tower> {
         let d = vision_dims(config.get("vision_config").unwrap_or(&Value::Null))?;
-        let text = config.get("text_config").ok_or_else(|| Error::ModelLoad("config.json: gemma4 has no text_config".into()))?;
+        let text = config
+            .get("text_config")
+            .ok_or_else(|| Error::ModelLoad("config.json: gemma4 has no text_config".into()))?;
         let text_hidden = Cfg(text).size("hidden_size", Some(1536), crate::models::limits::HIDDEN)?;
         let root = if w.keys().any(|k| k.starts_with("model.vision_tower.")) { "model." } else { "" };
         let p = format!("{root}vision_tower");
@@ -379,7 +424,9 @@ impl Tower {
         let mut layers = Vec::with_capacity(d.layers as usize);
         for i in 0..d.layers {
             let l = format!("{p}.encoder.layers.{i}");
-            let cl = |w: &mut Weights, n: &str, o: i32, inp: i32| ClipLinear::load(w, &format!("{l}.{n}"), d.clipped, o, inp);
+            let cl = |w: &mut Weights, n: &str, o: i32, inp: i32| {
+                ClipLinear::load(w, &format!("{l}.{n}"), d.clipped, o, inp)
+            };
             let norm = |w: &mut Weights, n: &str| RmsNorm::load(w, &format!("{l}.{n}"), d.eps, h);
             layers.push(Layer {
                 q: cl(w, "self_attn.q_proj", q_out, h)?,
@@ -413,7 +460,10 @@ impl Tower {
     fn rope(&self, rows: i32, cols: i32) -> Result<Rope2d> {
         let cpd = self.d.head_dim / 2; // channels per spatial dimension
         let half = cpd / 2;
-        let exps = mx::multiply(&mx::astype(&mx::arange(0.0, half as f64, 1.0, Dtype::Int32)?, Dtype::Float32)?, &Array::f32((2.0 / cpd as f64) as f32)?)?;
+        let exps = mx::multiply(
+            &mx::astype(&mx::arange(0.0, half as f64, 1.0, Dtype::Int32)?, Dtype::Float32)?,
+            &Array::f32((2.0 / cpd as f64) as f32)?,
+        )?;
         let timescale = mx::power(&Array::f32(self.d.theta)?, &exps)?;
         let l = rows * cols;
         let xs: Vec<f32> = (0..l).map(|i| (i % cols) as f32).collect();
@@ -450,11 +500,16 @@ impl Tower {
         let (p, k) = (d.patch, d.pool);
         let (hh, ww) = (px.height as i32, px.width as i32);
         if hh % (p * k) != 0 || ww % (p * k) != 0 || px.data.len() != (3 * hh * ww) as usize {
-            return Err(Error::Invalid(format!("pixel values of {ww}x{hh}: not a grid of {k}x{k} blocks of {p}x{p} patches")));
+            return Err(Error::Invalid(format!(
+                "pixel values of {ww}x{hh}: not a grid of {k}x{k} blocks of {p}x{p} patches"
+            )));
         }
         let (rows, cols) = (hh / p, ww / p);
         if cols > d.pos_size || rows > d.pos_size {
-            return Err(Error::Invalid(format!("an image of {cols}x{rows} patches is past the position table ({})", d.pos_size)));
+            return Err(Error::Invalid(format!(
+                "an image of {cols}x{rows} patches is past the position table ({})",
+                d.pos_size
+            )));
         }
         let l = rows * cols;
         let x = Array::from_slice(&px.data, &[1, 3, rows, p, cols, p])?;
@@ -466,7 +521,10 @@ impl Tower {
         let ys: Vec<i32> = (0..l).map(|i| i / cols).collect();
         let tx = mx::squeeze(&mx::slice_axis(&self.pos_table, 0, 0, 1)?, &[0])?;
         let ty = mx::squeeze(&mx::slice_axis(&self.pos_table, 0, 1, 2)?, &[0])?;
-        let pos = mx::add(&mx::take(&tx, &Array::from_slice(&xs, &[l])?, 0)?, &mx::take(&ty, &Array::from_slice(&ys, &[l])?, 0)?)?;
+        let pos = mx::add(
+            &mx::take(&tx, &Array::from_slice(&xs, &[l])?, 0)?,
+            &mx::take(&ty, &Array::from_slice(&ys, &[l])?, 0)?,
+        )?;
         h = mx::add(&h, &mx::astype(&pos, h.dtype())?)?;
         let rope = self.rope(rows, cols)?;
         let hd = d.head_dim;
@@ -527,12 +585,21 @@ impl Tower {
 
     /// [`Tower::merged_embeddings`] with audio clips too: their features at the prompt's audio
     /// tokens (mlx-vlm scatters the images', then the audio's, into the same embeddings).
-    pub fn merged_media(&self, model: &dyn CausalLm, prompt: &[i32], pixels: &[&Pixels], mels: &[&super::audio::Mel]) -> Result<Array> {
+    pub fn merged_media(
+        &self,
+        model: &dyn CausalLm,
+        prompt: &[i32],
+        pixels: &[&Pixels],
+        mels: &[&super::audio::Mel],
+    ) -> Result<Array> {
         let image_id = self.processor.image_token_id;
         let found = prompt.iter().filter(|&&t| t == image_id).count();
         let want: usize = pixels.iter().map(|p| self.processor.tokens_for(p.height, p.width)).sum();
         if found != want {
-            return Err(Error::Invalid(format!("the prompt has {found} image tokens for {} image(s) of {want} tokens", pixels.len())));
+            return Err(Error::Invalid(format!(
+                "the prompt has {found} image tokens for {} image(s) of {want} tokens",
+                pixels.len()
+            )));
         }
         let audio = match (&self.audio, mels.is_empty()) {
             (_, true) => None,
@@ -549,9 +616,11 @@ impl Tower {
             merged = scatter(&merged, prompt, image_id, &self.features(pixels, dtype)?)?;
         }
         if let Some(a) = audio {
-            merged = scatter(&merged, prompt, a.processor.audio_token_id, &mx::expand_dims(&a.features(mels, dtype)?, 0)?)?;
+            merged =
+                scatter(&merged, prompt, a.processor.audio_token_id, &mx::expand_dims(&a.features(mels, dtype)?, 0)?)?;
         }
-        let text_only: Vec<i32> = prompt.iter().map(|&t| if self.processor.media_token_ids.contains(&t) { 0 } else { t }).collect();
+        let text_only: Vec<i32> =
+            prompt.iter().map(|&t| if self.processor.media_token_ids.contains(&t) { 0 } else { t }).collect();
         match model.embed_per_layer(&Array::from_slice(&text_only, &[1, l as i32])?)? {
             Some(e) => mx::concatenate(&[&merged, &mx::astype(&e, dtype)?], -1),
             None => Ok(merged),

@@ -24,7 +24,8 @@ use serde_json::Value;
 
 /// Whether `config` describes Gemma 4 with an audio tower.
 pub fn has_audio(config: &Value) -> bool {
-    config.get("model_type").and_then(Value::as_str) == Some("gemma4") && config.get("audio_config").is_some_and(Value::is_object)
+    config.get("model_type").and_then(Value::as_str) == Some("gemma4")
+        && config.get("audio_config").is_some_and(Value::is_object)
 }
 
 /// The prompt side of the audio tower.
@@ -51,9 +52,14 @@ impl AudioProcessor {
     /// Decode, resample and featurize one WAV clip (`what` names it in errors).
     pub fn mel(&self, bytes: &[u8], limits: &super::audio::AudioLimits, what: &str) -> Result<Mel> {
         let w = super::audio::decode(bytes, limits, what)?;
-        let x = super::audio::resample(&w.samples, w.rate, self.features.sampling_rate).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
+        let x = super::audio::resample(&w.samples, w.rate, self.features.sampling_rate)
+            .map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
         if self.tokens_for(x.len()) == 0 || x.len() < self.features.frame_length {
-            return Err(Error::Invalid(format!("{what}: the clip is too short ({} samples at {} Hz)", x.len(), self.features.sampling_rate)));
+            return Err(Error::Invalid(format!(
+                "{what}: the clip is too short ({} samples at {} Hz)",
+                x.len(),
+                self.features.sampling_rate
+            )));
         }
         super::audio::log_mel(&x, &self.features).map_err(|e| Error::Invalid(format!("{what}: {e}")))
     }
@@ -63,7 +69,11 @@ impl AudioProcessor {
     pub fn expand(&self, text: &str, tokens: &[usize]) -> Result<String> {
         let found = text.matches(&self.audio_token).count();
         if found != tokens.len() {
-            return Err(Error::Invalid(format!("the prompt has {found} audio marker(s) ({}) for {} clip(s)", self.audio_token, tokens.len())));
+            return Err(Error::Invalid(format!(
+                "the prompt has {found} audio marker(s) ({}) for {} clip(s)",
+                self.audio_token,
+                tokens.len()
+            )));
         }
         let mut out = String::with_capacity(text.len());
         let mut parts = text.split(&self.audio_token);
@@ -81,7 +91,13 @@ impl AudioProcessor {
 /// The audio processor of a Gemma 4 model with an audio tower: processor_config.json's
 /// `feature_extractor` (defaults where absent), `audio_seq_length`, `audio_ms_per_token`; the
 /// tokenizer's boa/eoa/audio tokens, checked against config.json's `audio_token_id`.
-pub fn processor(config: &Value, proc_cfg: &Value, name: &str, tc: &Value, tokenizer: &Tokenizer) -> Result<Option<AudioProcessor>> {
+pub fn processor(
+    config: &Value,
+    proc_cfg: &Value,
+    name: &str,
+    tc: &Value,
+    tokenizer: &Tokenizer,
+) -> Result<Option<AudioProcessor>> {
     if !has_audio(config) {
         return Ok(None);
     }
@@ -91,23 +107,31 @@ pub fn processor(config: &Value, proc_cfg: &Value, name: &str, tc: &Value, token
     let uint = |k: &str, dflt: u64| -> Result<u64> {
         match proc_cfg.get(k) {
             None | Some(Value::Null) => Ok(dflt),
-            Some(x) => x.as_u64().filter(|n| (1..=1 << 20).contains(n)).ok_or_else(|| Error::ModelLoad(format!("{name}.{k} = {x} is not a positive integer"))),
+            Some(x) => x
+                .as_u64()
+                .filter(|n| (1..=1 << 20).contains(n))
+                .ok_or_else(|| Error::ModelLoad(format!("{name}.{k} = {x} is not a positive integer"))),
         }
     };
     let seq_length = uint("audio_seq_length", 750)? as usize;
     let ms_per_token = uint("audio_ms_per_token", 40)? as f64;
     let special = |k: &str, dflt: &str| -> String {
-        let from = |v: &Value| v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string);
+        let from = |v: &Value| {
+            v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string)
+        };
         from(tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
     };
-    let (boa, eoa, audio_token) = (special("boa_token", "<|audio>"), special("eoa_token", "<audio|>"), special("audio_token", "<|audio|>"));
+    let (boa, eoa, audio_token) =
+        (special("boa_token", "<|audio>"), special("eoa_token", "<audio|>"), special("audio_token", "<|audio|>"));
     let audio_token_id = Cfg(config).opt_i("audio_token_id").unwrap_or(258881);
     for t in [&boa, &eoa, &audio_token] {
         let id = tokenizer
             .token_to_id(t)
             .ok_or_else(|| Error::ModelLoad(format!("the tokenizer has no token {t:?} (Gemma 4's audio markers)")))?;
         if t == &audio_token && id != audio_token_id {
-            return Err(Error::ModelLoad(format!("the tokenizer's {audio_token} is id {id} but config.json's audio_token_id is {audio_token_id}")));
+            return Err(Error::ModelLoad(format!(
+                "the tokenizer's {audio_token} is id {id} but config.json's audio_token_id is {audio_token_id}"
+            )));
         }
     }
     Ok(Some(AudioProcessor { features, boa, eoa, audio_token, audio_token_id, seq_length, ms_per_token }))
@@ -137,24 +161,36 @@ fn audio_dims(config: &Value) -> Result<AudioDims> {
     let a = config.get("audio_config").unwrap_or(&Value::Null);
     let c = Cfg(a);
     let f = |k: &str, d: Option<i64>, max: i64| {
-        c.size(k, d, max).map_err(|e| Error::ModelLoad(e.to_string().replace("config.json: ", "config.json: audio_config.")))
+        c.size(k, d, max)
+            .map_err(|e| Error::ModelLoad(e.to_string().replace("config.json: ", "config.json: audio_config.")))
     };
     let num = |k: &str, d: f64| -> Result<f32> {
         match a.get(k) {
             None | Some(Value::Null) => Ok(d as f32),
-            Some(v) => v.as_f64().map(|x| x as f32).ok_or_else(|| Error::ModelLoad(format!("config.json: audio_config.{k} = {v} is not a number"))),
+            Some(v) => v
+                .as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| Error::ModelLoad(format!("config.json: audio_config.{k} = {v} is not a number"))),
         }
     };
     let act = a.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
     if act != "silu" && act != "swish" {
-        return Err(Error::Unsupported(format!("config.json: audio_config.hidden_act {act:?} is not supported (silu)")));
+        return Err(Error::Unsupported(format!(
+            "config.json: audio_config.hidden_act {act:?} is not supported (silu)"
+        )));
     }
     let channels = match a.get("subsampling_conv_channels") {
         None | Some(Value::Null) => [128, 32],
-        Some(Value::Array(v)) if v.len() == 2 && v.iter().all(|x| x.as_u64().is_some_and(|n| (1..=4096).contains(&n))) => {
+        Some(Value::Array(v))
+            if v.len() == 2 && v.iter().all(|x| x.as_u64().is_some_and(|n| (1..=4096).contains(&n))) =>
+        {
             [v[0].as_u64().unwrap_or(1) as i32, v[1].as_u64().unwrap_or(1) as i32]
         }
-        Some(v) => return Err(Error::ModelLoad(format!("config.json: audio_config.subsampling_conv_channels = {v} is not two positive integers"))),
+        Some(v) => {
+            return Err(Error::ModelLoad(format!(
+                "config.json: audio_config.subsampling_conv_channels = {v} is not two positive integers"
+            )))
+        }
     };
     let out_dims = match a.get("output_proj_dims") {
         Some(Value::Null) => None,
@@ -182,10 +218,16 @@ fn audio_dims(config: &Value) -> Result<AudioDims> {
         out_dims,
     };
     if d.hidden % d.heads != 0 {
-        return Err(Error::ModelLoad(format!("config.json: audio_config.hidden_size {} is not a multiple of num_attention_heads {}", d.hidden, d.heads)));
+        return Err(Error::ModelLoad(format!(
+            "config.json: audio_config.hidden_size {} is not a multiple of num_attention_heads {}",
+            d.hidden, d.heads
+        )));
     }
     if d.logit_cap <= 0.0 {
-        return Err(Error::ModelLoad(format!("config.json: audio_config.attention_logit_cap {} is not positive", d.logit_cap)));
+        return Err(Error::ModelLoad(format!(
+            "config.json: audio_config.attention_logit_cap {} is not positive",
+            d.logit_cap
+        )));
     }
     Ok(d)
 }
@@ -243,7 +285,9 @@ impl AudioTower {
     /// `[model.]embed_audio.*`) out of `w`.
     pub fn load(config: &Value, w: &mut Weights, processor: AudioProcessor) -> Result<AudioTower> {
         let d = audio_dims(config)?;
-        let text = config.get("text_config").ok_or_else(|| Error::ModelLoad("config.json: gemma4 has no text_config".into()))?;
+        let text = config
+            .get("text_config")
+            .ok_or_else(|| Error::ModelLoad("config.json: gemma4 has no text_config".into()))?;
         let text_hidden = Cfg(text).size("hidden_size", Some(1536), crate::models::limits::HIDDEN)?;
         let root = if w.keys().any(|k| k.starts_with("model.audio_tower.")) { "model." } else { "" };
         let p = format!("{root}audio_tower");
@@ -256,7 +300,11 @@ impl AudioTower {
             let a = match a.shape().as_slice() {
                 [o, 3, 3, c] if *o == cout && *c == cin => a,
                 [o, c, 3, 3] if *o == cout && *c == cin => mx::transpose_axes(&a, &[0, 2, 3, 1])?,
-                sh => return Err(Error::ModelLoad(format!("weight {name} has shape {sh:?}, expected [{cout}, {cin}, 3, 3]"))),
+                sh => {
+                    return Err(Error::ModelLoad(format!(
+                        "weight {name} has shape {sh:?}, expected [{cout}, {cin}, 3, 3]"
+                    )))
+                }
             };
             let norm = w.take_shaped(&format!("{s}.layer{i}.norm.weight"), &[cout])?;
             Ok((a, norm))
@@ -273,7 +321,10 @@ impl AudioTower {
         // the sinusoidal relative positions max_back, …, -context_right (float32)
         let nts = h / 2;
         let inc = (10000f64).ln() / ((nts - 1).max(1) as f64);
-        let inv_a = mx::exp(&mx::multiply(&mx::astype(&mx::arange(0.0, nts as f64, 1.0, Dtype::Int32)?, Dtype::Float32)?, &Array::f32(-inc as f32)?)?)?;
+        let inv_a = mx::exp(&mx::multiply(
+            &mx::astype(&mx::arange(0.0, nts as f64, 1.0, Dtype::Int32)?, Dtype::Float32)?,
+            &Array::f32(-inc as f32)?,
+        )?)?;
         let pos: Vec<f32> = (0..span).map(|i| (max_back - i) as f32).collect();
         let scaled = mx::multiply(&Array::from_slice(&pos, &[1, span, 1])?, &mx::reshape(&inv_a, &[1, 1, nts])?)?;
         let timing = mx::concatenate(&[&mx::sin(&scaled)?, &mx::cos(&scaled)?], -1)?;
@@ -292,16 +343,25 @@ impl AudioTower {
             let a = format!("{l}.self_attn");
             let pds = w.take_shaped(&format!("{a}.per_dim_scale"), &[hd])?;
             // q · (q_scale · softplus(per_dim_scale)), as mlx-vlm computes it in the parameter's dtype
-            let q_scale = mx::multiply(&mx::scalar_as((hd as f64).powf(-0.5) / std::f64::consts::LN_2, pds.dtype())?, &mx::logaddexp(&pds, &mx::scalar_as(0.0, pds.dtype())?)?)?;
+            let q_scale = mx::multiply(
+                &mx::scalar_as((hd as f64).powf(-0.5) / std::f64::consts::LN_2, pds.dtype())?,
+                &mx::logaddexp(&pds, &mx::scalar_as(0.0, pds.dtype())?)?,
+            )?;
             let rw = w.take_shaped(&format!("{a}.relative_k_proj.weight"), &[h, h])?;
-            let rel_k = mx::astype(&mx::matmul(&mx::astype(&timing, rw.dtype())?, &mx::transpose(&rw)?)?, Dtype::Float32)?;
+            let rel_k =
+                mx::astype(&mx::matmul(&mx::astype(&timing, rw.dtype())?, &mx::transpose(&rw)?)?, Dtype::Float32)?;
             let rel_k = mx::transpose_axes(&mx::reshape(&rel_k, &[span, d.heads, hd])?, &[1, 2, 0])?;
             let dw_name = format!("{l}.lconv1d.depthwise_conv1d.weight");
             let dw = w.take(&dw_name)?;
             let dw = match dw.shape().as_slice() {
                 [c, k, 1] if *c == h && *k == d.kernel => dw,
                 [c, 1, k] if *c == h && *k == d.kernel => mx::transpose_axes(&dw, &[0, 2, 1])?,
-                sh => return Err(Error::ModelLoad(format!("weight {dw_name} has shape {sh:?}, expected [{h}, 1, {}]", d.kernel))),
+                sh => {
+                    return Err(Error::ModelLoad(format!(
+                        "weight {dw_name} has shape {sh:?}, expected [{h}, 1, {}]",
+                        d.kernel
+                    )))
+                }
             };
             blocks.push(Block {
                 ff1,
@@ -326,7 +386,13 @@ impl AudioTower {
             Some(o) => Some(Linear::load(w, &format!("{p}.output_proj"), true, o, h)?),
             None => None,
         };
-        let proj = Linear::load(w, &format!("{root}embed_audio.embedding_projection"), false, text_hidden, d.out_dims.unwrap_or(h))?;
+        let proj = Linear::load(
+            w,
+            &format!("{root}embed_audio.embedding_projection"),
+            false,
+            text_hidden,
+            d.out_dims.unwrap_or(h),
+        )?;
         let ctx = d.chunk + max_back + d.context_right;
         let mut local = Vec::with_capacity((d.chunk * ctx) as usize);
         for q in 0..d.chunk {
@@ -377,7 +443,10 @@ impl AudioTower {
         let (n, hd, w) = (self.d.heads, self.d.hidden / self.d.heads, self.d.chunk);
         let f32_of = |a: Array| -> Result<Array> { mx::reshape(&mx::astype(&a, Dtype::Float32)?, &[1, t, n, hd]) };
         let q = mx::multiply(&f32_of(b.q.forward(x)?)?, &b.q_scale)?;
-        let k = mx::multiply(&f32_of(b.k.forward(x)?)?, &Array::f32(((1.0 + std::f64::consts::E).ln() / std::f64::consts::LN_2) as f32)?)?;
+        let k = mx::multiply(
+            &f32_of(b.k.forward(x)?)?,
+            &Array::f32(((1.0 + std::f64::consts::E).ln() / std::f64::consts::LN_2) as f32)?,
+        )?;
         let v = f32_of(b.v.forward(x)?)?;
         let u = (t + w - 1) / w;
         let zero = Array::f32(0.0)?;
@@ -481,7 +550,10 @@ pub fn check_tokens(p: &AudioProcessor, prompt: &[i32], mels: &[&Mel]) -> Result
     let found = prompt.iter().filter(|&&t| t == p.audio_token_id).count();
     let want: usize = mels.iter().map(|m| p.tokens_for(m.samples)).sum();
     if found != want {
-        return Err(Error::Invalid(format!("the prompt has {found} audio tokens for {} clip(s) of {want} tokens", mels.len())));
+        return Err(Error::Invalid(format!(
+            "the prompt has {found} audio tokens for {} clip(s) of {want} tokens",
+            mels.len()
+        )));
     }
     Ok(())
 }

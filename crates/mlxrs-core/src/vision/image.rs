@@ -46,20 +46,28 @@ pub fn decode(bytes: &[u8], limits: &ImageLimits, what: &str) -> Result<Rgb> {
         return Err(bad(what, "the image is empty"));
     }
     if bytes.len() > limits.max_bytes {
-        return Err(bad(what, format!("the image is {} bytes, more than the limit of {} bytes", bytes.len(), limits.max_bytes)));
+        return Err(bad(
+            what,
+            format!("the image is {} bytes, more than the limit of {} bytes", bytes.len(), limits.max_bytes),
+        ));
     }
     let reader = || -> Result<ImageReader<Cursor<&[u8]>>> {
         let r = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(what, e))?;
         match r.format() {
             Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP | ImageFormat::Gif) => Ok(r),
-            Some(f) => Err(bad(what, format!("unsupported image format {f:?} (PNG, JPEG, WebP and GIF are supported)"))),
+            Some(f) => {
+                Err(bad(what, format!("unsupported image format {f:?} (PNG, JPEG, WebP and GIF are supported)")))
+            }
             None => Err(bad(what, "not an image mlxrs can read (PNG, JPEG, WebP or GIF)")),
         }
     };
     let (w, h) = reader()?.into_dimensions().map_err(|e| bad(what, format!("cannot read the image header: {e}")))?;
     let pixels = w as u64 * h as u64;
     if pixels == 0 || pixels > limits.max_pixels {
-        return Err(bad(what, format!("the image is {w}x{h} pixels; at most {} pixels are accepted", limits.max_pixels)));
+        return Err(bad(
+            what,
+            format!("the image is {w}x{h} pixels; at most {} pixels are accepted", limits.max_pixels),
+        ));
     }
     let mut r = reader()?;
     let mut l = image::Limits::default();
@@ -84,19 +92,27 @@ pub fn dimensions(bytes: &[u8], limits: &ImageLimits, what: &str) -> Result<(u32
         return Err(bad(what, "the image is empty"));
     }
     if bytes.len() > limits.max_bytes {
-        return Err(bad(what, format!("the image is {} bytes, more than the limit of {} bytes", bytes.len(), limits.max_bytes)));
+        return Err(bad(
+            what,
+            format!("the image is {} bytes, more than the limit of {} bytes", bytes.len(), limits.max_bytes),
+        ));
     }
     let r = ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(what, e))?;
     match r.format() {
         Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP | ImageFormat::Gif) => {}
-        Some(f) => return Err(bad(what, format!("unsupported image format {f:?} (PNG, JPEG, WebP and GIF are supported)"))),
+        Some(f) => {
+            return Err(bad(what, format!("unsupported image format {f:?} (PNG, JPEG, WebP and GIF are supported)")))
+        }
         None => return Err(bad(what, "not an image mlxrs can read (PNG, JPEG, WebP or GIF)")),
     }
     let mut dec = r.into_decoder().map_err(|e| bad(what, format!("cannot read the image header: {e}")))?;
     let (w, h) = dec.dimensions();
     let pixels = w as u64 * h as u64;
     if pixels == 0 || pixels > limits.max_pixels {
-        return Err(bad(what, format!("the image is {w}x{h} pixels; at most {} pixels are accepted", limits.max_pixels)));
+        return Err(bad(
+            what,
+            format!("the image is {w}x{h} pixels; at most {} pixels are accepted", limits.max_pixels),
+        ));
     }
     let orientation = dec.orientation().map_err(|e| bad(what, format!("cannot decode the image: {e}")))?;
     use image::metadata::Orientation as O;
@@ -127,7 +143,11 @@ impl Filter {
             3 => Filter::Bicubic,
             4 => Filter::Box,
             5 => Filter::Hamming,
-            _ => return Err(Error::ModelLoad(format!("preprocessor_config.json: resample = {v} is not a Pillow filter (0-5)"))),
+            _ => {
+                return Err(Error::ModelLoad(format!(
+                    "preprocessor_config.json: resample = {v} is not a Pillow filter (0-5)"
+                )))
+            }
         })
     }
     fn support(self) -> f64 {
@@ -211,7 +231,8 @@ fn coeffs(in_size: usize, out_size: usize, f: Filter) -> Vec<(usize, Vec<i32>)> 
                 k.iter_mut().for_each(|v| *v /= ww);
             }
             let one = (1u32 << PRECISION_BITS) as f64;
-            let fixed = k.iter().map(|&v| if v < 0.0 { (-0.5 + v * one) as i32 } else { (0.5 + v * one) as i32 }).collect();
+            let fixed =
+                k.iter().map(|&v| if v < 0.0 { (-0.5 + v * one) as i32 } else { (0.5 + v * one) as i32 }).collect();
             (xmin, fixed)
         })
         .collect()
@@ -361,7 +382,9 @@ mod tests {
     use super::*;
 
     fn png(w: u32, h: u32) -> Vec<u8> {
-        let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x * 7 % 256) as u8, (y * 13 % 256) as u8, ((x + y) % 256) as u8]));
+        let img = image::RgbImage::from_fn(w, h, |x, y| {
+            image::Rgb([(x * 7 % 256) as u8, (y * 13 % 256) as u8, ((x + y) % 256) as u8])
+        });
         let mut out = Vec::new();
         img.write_to(&mut Cursor::new(&mut out), ImageFormat::Png).unwrap();
         out

@@ -121,7 +121,9 @@ impl Processor {
         match self {
             Processor::Gemma3(p) => p.tokens_per_image,
             Processor::Gemma4(p) => p.max_soft_tokens as usize,
-            Processor::Qwen35(p) => (p.max_pixels / (p.patch as u64 * p.patch as u64 * (p.merge * p.merge) as u64)) as usize,
+            Processor::Qwen35(p) => {
+                (p.max_pixels / (p.patch as u64 * p.patch as u64 * (p.merge * p.merge) as u64)) as usize
+            }
         }
     }
 
@@ -148,14 +150,18 @@ impl Processor {
         match self {
             Processor::Gemma3(p) => p.expand(text, images),
             Processor::Gemma4(p) => {
-                let sizes = sizes.ok_or_else(|| Error::Invalid("Gemma 4's image markers expand by the images' sizes: pass them".into()))?;
+                let sizes = sizes.ok_or_else(|| {
+                    Error::Invalid("Gemma 4's image markers expand by the images' sizes: pass them".into())
+                })?;
                 if sizes.len() != images {
                     return Err(Error::Invalid(format!("{} image size(s) for {images} image(s)", sizes.len())));
                 }
                 p.expand(text, sizes)
             }
             Processor::Qwen35(p) => {
-                let sizes = sizes.ok_or_else(|| Error::Invalid("Qwen3.5's image markers expand by the images' sizes: pass them".into()))?;
+                let sizes = sizes.ok_or_else(|| {
+                    Error::Invalid("Qwen3.5's image markers expand by the images' sizes: pass them".into())
+                })?;
                 if sizes.len() != images {
                     return Err(Error::Invalid(format!("{} image size(s) for {images} image(s)", sizes.len())));
                 }
@@ -245,7 +251,13 @@ impl Tower {
 impl Tower {
     /// [`Tower::merged_embeddings`] with audio clips' features at the prompt's audio tokens too
     /// (a model without an audio tower refuses clips).
-    pub fn merged_media(&self, model: &dyn CausalLm, prompt: &[i32], pixels: &[&Pixels], mels: &[&audio::Mel]) -> Result<Array> {
+    pub fn merged_media(
+        &self,
+        model: &dyn CausalLm,
+        prompt: &[i32],
+        pixels: &[&Pixels],
+        mels: &[&audio::Mel],
+    ) -> Result<Array> {
         match self {
             Tower::Gemma4(t) => t.merged_media(model, prompt, pixels, mels),
             _ if mels.is_empty() => self.merged_embeddings(model, prompt, pixels),

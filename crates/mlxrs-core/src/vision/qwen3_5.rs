@@ -41,10 +41,14 @@ const ROOTS: [&str; 3] = ["model.visual", "vision_tower", "model.language_model.
 /// text-only conversion keeps the vision config but drops the tower's weights: that model takes no
 /// images; a tower with that layer but missing others is refused naming the missing tensor).
 pub fn has_tower(dir: &Path) -> Result<bool> {
-    let want = |k: &str| ROOTS.iter().any(|r| k.strip_prefix(r).is_some_and(|rest| rest.starts_with(".merger.linear_fc2.")));
+    let want =
+        |k: &str| ROOTS.iter().any(|r| k.strip_prefix(r).is_some_and(|rest| rest.starts_with(".merger.linear_fc2.")));
     let index = dir.join("model.safetensors.index.json");
     if let Some(v) = super::json_file(dir, "model.safetensors.index.json")? {
-        let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| Error::ModelLoad(format!("{}: no weight_map", index.display())))?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| Error::ModelLoad(format!("{}: no weight_map", index.display())))?;
         return Ok(map.keys().any(|k| want(k)));
     }
     let rd = std::fs::read_dir(dir).map_err(|e| Error::Io { path: dir.to_path_buf(), source: e })?;
@@ -85,14 +89,24 @@ pub struct Processor {
 
 /// mlx-vlm's `_smart_resize_video`: the (height, width) every frame of a `t`-frame video of
 /// `h`×`w` is resized to, the area of the frames (`t` rounded up to `tf`) within bounds.
-pub fn smart_resize_video(t: u32, h: u32, w: u32, tf: u32, factor: u32, min_px: u64, max_px: u64) -> Result<(u32, u32)> {
+pub fn smart_resize_video(
+    t: u32,
+    h: u32,
+    w: u32,
+    tf: u32,
+    factor: u32,
+    min_px: u64,
+    max_px: u64,
+) -> Result<(u32, u32)> {
     if h < factor || w < factor {
         return Err(Error::Invalid(format!("a {w}x{h} video frame: both sides must be at least {factor} pixels")));
     }
     let (tt, hf, wf, f) = (t as f64, h as f64, w as f64, factor as f64);
     let ratio = hf.max(wf) / hf.min(wf);
     if ratio > 200.0 {
-        return Err(Error::Invalid(format!("a {w}x{h} video frame: absolute aspect ratio must be smaller than 200, got {ratio}")));
+        return Err(Error::Invalid(format!(
+            "a {w}x{h} video frame: absolute aspect ratio must be smaller than 200, got {ratio}"
+        )));
     }
     let mut hb = (hf / f).round_ties_even() * f;
     let mut wb = (wf / f).round_ties_even() * f;
@@ -122,7 +136,9 @@ pub fn smart_resize(h: u32, w: u32, factor: u32, min_px: u64, max_px: u64) -> Re
     }
     let ratio = hf.max(wf) / hf.min(wf);
     if ratio > 200.0 {
-        return Err(Error::Invalid(format!("a {w}x{h} image: absolute aspect ratio must be smaller than 200, got {ratio}")));
+        return Err(Error::Invalid(format!(
+            "a {w}x{h} image: absolute aspect ratio must be smaller than 200, got {ratio}"
+        )));
     }
     let mut hb = (hf / f).round_ties_even() * f;
     let mut wb = (wf / f).round_ties_even() * f;
@@ -162,7 +178,13 @@ impl Processor {
     pub fn pixels(&self, bytes: &[u8], limits: &ImageLimits, what: &str) -> Result<Pixels> {
         let img = super::image::decode(bytes, limits, what)?;
         let size = self.target_size(img.height, img.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
-        let pre = Preprocess { size: Some(size), filter: Filter::Bicubic, rescale: self.rescale, rescale_f32: true, normalize: self.normalize };
+        let pre = Preprocess {
+            size: Some(size),
+            filter: Filter::Bicubic,
+            rescale: self.rescale,
+            rescale_f32: true,
+            normalize: self.normalize,
+        };
         Ok(pre.run(&img))
     }
 
@@ -172,7 +194,11 @@ impl Processor {
     pub fn expand(&self, text: &str, sizes: &[(u32, u32)]) -> Result<String> {
         let found = text.matches(&self.image_token).count();
         if found != sizes.len() {
-            return Err(Error::Invalid(format!("the prompt has {found} image marker(s) ({}) for {} image(s)", self.image_token, sizes.len())));
+            return Err(Error::Invalid(format!(
+                "the prompt has {found} image marker(s) ({}) for {} image(s)",
+                self.image_token,
+                sizes.len()
+            )));
         }
         let mut out = String::with_capacity(text.len());
         let mut parts = text.split(&self.image_token);
@@ -199,7 +225,15 @@ impl Processor {
 
     /// The (height, width) a video of `frames` frames of `h`×`w` is resized to.
     pub fn video_size(&self, frames: u32, h: u32, w: u32) -> Result<(u32, u32)> {
-        smart_resize_video(frames, h, w, self.temporal, self.patch * self.merge, self.video_min_pixels, self.video_max_pixels)
+        smart_resize_video(
+            frames,
+            h,
+            w,
+            self.temporal,
+            self.patch * self.merge,
+            self.video_min_pixels,
+            self.video_max_pixels,
+        )
     }
 
     /// Pixel values `[frames, 3, H, W]` of a video given as its encoded frames (each with the name
@@ -216,8 +250,16 @@ impl Processor {
             }
         }
         let what = frames[0].1;
-        let size = self.video_size(imgs.len() as u32, first.height, first.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
-        let pre = Preprocess { size: Some(size), filter: Filter::Bicubic, rescale: self.rescale, rescale_f32: true, normalize: self.normalize };
+        let size = self
+            .video_size(imgs.len() as u32, first.height, first.width)
+            .map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
+        let pre = Preprocess {
+            size: Some(size),
+            filter: Filter::Bicubic,
+            rescale: self.rescale,
+            rescale_f32: true,
+            normalize: self.normalize,
+        };
         let mut data = Vec::new();
         for img in &imgs {
             data.extend(pre.run(img).data);
@@ -232,7 +274,10 @@ impl Processor {
     pub fn expand_video(&self, text: &str, frames: u32, h: u32, w: u32) -> Result<String> {
         let found = text.matches(&self.video_token).count();
         if found != 1 {
-            return Err(Error::Invalid(format!("the prompt has {found} video marker(s) ({}) for one video", self.video_token)));
+            return Err(Error::Invalid(format!(
+                "the prompt has {found} video marker(s) ({}) for one video",
+                self.video_token
+            )));
         }
         let (th, tw) = self.video_size(frames, h, w)?;
         let per = self.tokens_for(th, tw);
@@ -259,7 +304,9 @@ impl Processor {
 pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
     let d = vision_dims(config)?;
     let mut ip = super::json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null);
-    if let Some(Value::Object(o)) = super::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_processor").cloned()) {
+    if let Some(Value::Object(o)) =
+        super::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_processor").cloned())
+    {
         if !ip.is_object() {
             ip = Value::Object(Default::default());
         }
@@ -280,9 +327,13 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     let patch = uint(ip.get("patch_size"), "patch_size", 16, 1 << 10)? as u32;
     let temporal = uint(ip.get("temporal_patch_size"), "temporal_patch_size", 2, 64)? as u32;
     let merge = uint(ip.get("merge_size"), "merge_size", 2, 64)? as u32;
-    for (k, ours, theirs) in [("patch_size", patch, d.patch), ("temporal_patch_size", temporal, d.temporal), ("merge_size", merge, d.merge)] {
+    for (k, ours, theirs) in
+        [("patch_size", patch, d.patch), ("temporal_patch_size", temporal, d.temporal), ("merge_size", merge, d.merge)]
+    {
         if ours as i32 != theirs {
-            return Err(Error::ModelLoad(format!("{name}: {k} {ours} differs from config.json's vision_config ({theirs})")));
+            return Err(Error::ModelLoad(format!(
+                "{name}: {k} {ours} differs from config.json's vision_config ({theirs})"
+            )));
         }
     }
     let size = ip.get("size").cloned().unwrap_or(Value::Null);
@@ -298,7 +349,9 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     let rescale = if b("do_rescale", true) {
         Some(match ip.get("rescale_factor") {
             None | Some(Value::Null) => 1.0 / 255.0,
-            Some(x) => x.as_f64().ok_or_else(|| Error::ModelLoad(format!("{name}: rescale_factor = {x} is not a number")))?,
+            Some(x) => {
+                x.as_f64().ok_or_else(|| Error::ModelLoad(format!("{name}: rescale_factor = {x} is not a number")))?
+            }
         })
     } else {
         None
@@ -306,7 +359,9 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     let three = |k: &str| -> Result<[f32; 3]> {
         match ip.get(k) {
             None | Some(Value::Null) => Ok([0.5; 3]),
-            Some(Value::Array(a)) if a.len() == 3 && a.iter().all(Value::is_number) => Ok([0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.0) as f32)),
+            Some(Value::Array(a)) if a.len() == 3 && a.iter().all(Value::is_number) => {
+                Ok([0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.0) as f32))
+            }
             Some(x) => Err(Error::ModelLoad(format!("{name}: {k} = {x} is not three numbers"))),
         }
     };
@@ -317,13 +372,19 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     let token = |k: &str, dflt: &str, id_key: &str, id_dflt: i64| -> Result<(String, i32)> {
         let id = match config.get(id_key) {
             None | Some(Value::Null) => id_dflt,
-            Some(v) => v.as_i64().ok_or_else(|| Error::ModelLoad(format!("config.json: {id_key} = {v} is not a token id")))?,
+            Some(v) => {
+                v.as_i64().ok_or_else(|| Error::ModelLoad(format!("config.json: {id_key} = {v} is not a token id")))?
+            }
         };
         let text = dflt.to_string();
         match tokenizer.token_to_id(&text) {
             Some(t) if t as i64 == id => Ok((text, t)),
-            Some(t) => Err(Error::ModelLoad(format!("config.json: {id_key} = {id} but the tokenizer's {k} {text} is token {t}"))),
-            None => Err(Error::ModelLoad(format!("the tokenizer has no {k} token {text} (config.json: {id_key} = {id})"))),
+            Some(t) => Err(Error::ModelLoad(format!(
+                "config.json: {id_key} = {id} but the tokenizer's {k} {text} is token {t}"
+            ))),
+            None => {
+                Err(Error::ModelLoad(format!("the tokenizer has no {k} token {text} (config.json: {id_key} = {id})")))
+            }
         }
     };
     let (image_token, image_token_id) = token("image", "<|image_pad|>", "image_token_id", 248056)?;
@@ -363,11 +424,16 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     video_max_pixels = vuint(vp.get("max_pixels"), "max_pixels", video_max_pixels)?;
     let fps = match vp.get("fps") {
         None | Some(Value::Null) => 2.0,
-        Some(x) => x.as_f64().filter(|f| f.is_finite() && *f > 0.0).ok_or_else(|| Error::ModelLoad(format!("{vname}: fps = {x} is not a positive number")))?,
+        Some(x) => x
+            .as_f64()
+            .filter(|f| f.is_finite() && *f > 0.0)
+            .ok_or_else(|| Error::ModelLoad(format!("{vname}: fps = {x} is not a positive number")))?,
     };
     let same = |k: &str| vp.get(k).filter(|x| !x.is_null()).is_some_and(|x| Some(x) != ip.get(k));
     if ["do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std"].iter().any(|k| same(k)) {
-        return Err(Error::Unsupported(format!("{vname}: a rescale or normalization other than the image processor's is not supported")));
+        return Err(Error::Unsupported(format!(
+            "{vname}: a rescale or normalization other than the image processor's is not supported"
+        )));
     }
     Ok(Processor {
         patch,
@@ -431,7 +497,9 @@ fn vision_dims(config: &Value) -> Result<VisionDims> {
             let n = f("num_position_embeddings", 2304, 1 << 24)?;
             let side = (n as f64).sqrt() as i32;
             if side * side != n {
-                return Err(Error::ModelLoad(format!("config.json: vision_config.num_position_embeddings {n} is not a square (a grid of positions)")));
+                return Err(Error::ModelLoad(format!(
+                    "config.json: vision_config.num_position_embeddings {n} is not a square (a grid of positions)"
+                )));
             }
             side
         },
@@ -512,10 +580,9 @@ impl Tower {
     /// Take the tower's weights (`model.visual.*` or mlx-vlm's `vision_tower.*`) out of `w`.
     pub fn load(config: &Value, w: &mut Weights, processor: Processor) -> Result<Tower> {
         let d = vision_dims(config)?;
-        let root = ROOTS
-            .iter()
-            .find(|r| w.contains(&format!("{r}.patch_embed.proj.weight")))
-            .ok_or_else(|| Error::ModelLoad("the checkpoint has no vision tower weights (model.visual.patch_embed.proj.weight)".into()))?;
+        let root = ROOTS.iter().find(|r| w.contains(&format!("{r}.patch_embed.proj.weight"))).ok_or_else(|| {
+            Error::ModelLoad("the checkpoint has no vision tower weights (model.visual.patch_embed.proj.weight)".into())
+        })?;
         let (h, c, t, p) = (d.hidden, d.channels, d.temporal, d.patch);
         let name = format!("{root}.patch_embed.proj.weight");
         let pw = w.take(&name)?;
@@ -640,7 +707,9 @@ impl Tower {
         let frames = px.video_frames.max(1) as usize;
         let frame = (3 * hh * ww) as usize;
         if hh % (p * m) != 0 || ww % (p * m) != 0 || px.data.len() != frames * frame {
-            return Err(Error::Invalid(format!("pixel values of {ww}x{hh}: not a grid of {m}x{m} blocks of {p}x{p} patches")));
+            return Err(Error::Invalid(format!(
+                "pixel values of {ww}x{hh}: not a grid of {m}x{m} blocks of {p}x{p} patches"
+            )));
         }
         let (gh, gw) = (hh / p, ww / p);
         let nf = (frames as i32 + t - 1) / t * t;
@@ -719,9 +788,12 @@ impl Tower {
                 i += 1;
                 continue;
             }
-            let &(tok, gh, gw, k) = blocks
-                .get(b)
-                .ok_or_else(|| Error::Invalid(format!("the prompt has more image or video tokens than its {} input(s) take", pixels.len())))?;
+            let &(tok, gh, gw, k) = blocks.get(b).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "the prompt has more image or video tokens than its {} input(s) take",
+                    pixels.len()
+                ))
+            })?;
             let n = (gh * gw) as usize;
             if prompt.len() < i + n || prompt[i..i + n].iter().any(|&t| t != tok) {
                 return Err(Error::Invalid(format!(
@@ -739,7 +811,10 @@ impl Tower {
             b += 1;
         }
         if b != blocks.len() {
-            return Err(Error::Invalid(format!("the prompt's image and video tokens take {b} of its inputs' {} blocks", blocks.len())));
+            return Err(Error::Invalid(format!(
+                "the prompt's image and video tokens take {b} of its inputs' {} blocks",
+                blocks.len()
+            )));
         }
         Ok((out, next - prompt.len() as i32))
     }
@@ -754,7 +829,10 @@ impl Tower {
         let want: usize = pixels.iter().map(|p| self.processor.tokens_of(p)).sum();
         if found != want {
             let what = if pixels.iter().any(|p| p.video_frames > 0) { "image or video" } else { "image" };
-            return Err(Error::Invalid(format!("the prompt has {found} {what} tokens for {} input(s) of {want} tokens", pixels.len())));
+            return Err(Error::Invalid(format!(
+                "the prompt has {found} {what} tokens for {} input(s) of {want} tokens",
+                pixels.len()
+            )));
         }
         let (pos, delta) = self.positions(prompt, pixels)?;
         let l = prompt.len();
