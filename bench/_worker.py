@@ -14,6 +14,7 @@ Greedy sampling, EOS ignored, so both produce exactly `max_tokens` tokens.
 Requests: {"prompt": [ids], "max_tokens": n}. Replies: {"tokens": [...], "t_prefill": s, "t_decode": s,
 "internal": {...} (mlxrs only: its own Completion.timings)}. The first line written is a "ready" record.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,10 @@ def mlxrs_engine(model: str) -> Callable[[list[int], int], dict[str, Any]]:
                     t_first = t_last
                 toks.append(ch.token)
             if ch.timings is not None:
-                internal = {"prompt_seconds": ch.timings.prompt_seconds,
-                            "generation_seconds": ch.timings.generation_seconds}
+                internal = {
+                    "prompt_seconds": ch.timings.prompt_seconds,
+                    "generation_seconds": ch.timings.generation_seconds,
+                }
         return {"tokens": toks, "t_prefill": t_first - t0, "t_decode": t_last - t_first, "internal": internal}
 
     return run
@@ -93,6 +96,7 @@ def main() -> None:
     ready = {"ready": True, "load_s": time.perf_counter() - t, "pid": os.getpid(), "blas": loaded_blas()}
     if a.engine == "mlxrs":
         import mlxrs
+
         ready["blas_reported"] = mlxrs.runtime_info().get("blas")
     out.write(json.dumps(ready) + "\n")
     out.flush()

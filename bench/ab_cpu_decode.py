@@ -7,6 +7,7 @@ on), one session each per round, the order rotated each round; a 64-token prompt
 then 33 greedy tokens timed by the engine (`timings.generation_tps`). Prints the medians and whether all
 configurations decoded the same tokens.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ def main() -> None:
     res: dict[str, list[float]] = {n: [] for n in names}
     toks: dict[str, list[int]] = {}
     for r in range(rounds):
-        for n in names[r % 3:] + names[:r % 3]:
+        for n in names[r % 3 :] + names[: r % 3]:
             os.environ.update(CONFS[n])
             with mlxrs.Session(d) as s:
                 s.generate(prompt, max_tokens=4, ignore_eos=True)

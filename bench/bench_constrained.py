@@ -8,6 +8,7 @@ Each round generates `--batch` sequences at once (generate_batch), unconstrained
 single-digit integers: one digit and one comma per item), both greedy and both from the same prompt.
 Decode tok/s = generated tokens / the slowest sequence's generation seconds (the prompt excluded); the
 best of `--rounds` each side. Prints both and the ratio (constrained / unconstrained)."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ import mlxrs  # noqa: E402
 
 def model_dir(name: str) -> Path:
     from tinymodels import FIT_MODELS, make_fit_model, make_model
+
     if name in FIT_MODELS:
         return make_fit_model(name)
     if name == "tiny":
@@ -47,8 +49,12 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     items = a.tokens // 2
-    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-              "minItems": items, "maxItems": items}
+    schema = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minItems": items,
+        "maxItems": items,
+    }
     results = []
     with mlxrs.Session(model_dir(a.model)) as s:
         s.generate("warm up", max_tokens=8)
@@ -61,12 +67,20 @@ def main() -> None:
                 r, n_tied, reasons = decode_rate(s, batch, max_tokens=a.tokens + 8, json_schema=schema)
                 assert all(x == "stop" for x in reasons), reasons
                 tied = max(tied, r)
-            row = {"model": a.model, "batch": batch, "unconstrained_tok_s": round(free, 1),
-                   "constrained_tok_s": round(tied, 1), "ratio": round(tied / free, 3),
-                   "tokens_unconstrained": n_free, "tokens_constrained": n_tied}
+            row = {
+                "model": a.model,
+                "batch": batch,
+                "unconstrained_tok_s": round(free, 1),
+                "constrained_tok_s": round(tied, 1),
+                "ratio": round(tied / free, 3),
+                "tokens_unconstrained": n_free,
+                "tokens_constrained": n_tied,
+            }
             results.append(row)
-            print(f"batch {batch}: unconstrained {free:.1f} tok/s, JSON schema {tied:.1f} tok/s, "
-                  f"ratio {tied / free:.3f}", flush=True)
+            print(
+                f"batch {batch}: unconstrained {free:.1f} tok/s, JSON schema {tied:.1f} tok/s, ratio {tied / free:.3f}",
+                flush=True,
+            )
     if a.out:
         Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "results": results}, indent=1))
 

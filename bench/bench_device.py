@@ -9,6 +9,7 @@ the share of the device copy bound (weight bytes per token / measured device-to-
 and where the two engines' greedy tokens first diverge. --second-session also opens a second
 mlxrs.Session after closing the first on the same model and compares their decode speed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 SHAPES = {
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=32000, head_dim=64),
-    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, head_dim=128),
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        head_dim=64,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        head_dim=128,
+    ),
 }
 BITS = {"bf16": None, "q8": 8, "q4": 4}
 
@@ -42,8 +57,14 @@ def make_model(d: Path, shape: str, bits: int | None) -> tuple[Path, int]:
     from tinymodels import write_tokenizer
 
     d.mkdir(parents=True, exist_ok=True)
-    cfg = dict(model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
-               max_position_embeddings=8192, **SHAPES[shape])
+    cfg = dict(
+        model_type="llama",
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        **SHAPES[shape],
+    )
     mx.random.seed(0)
     m = llama.Model(llama.ModelArgs(**cfg))
     # random weights at a realistic scale (init's uniform(-1/sqrt(fan_in)) keeps activations tame)
@@ -130,11 +151,12 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
     import mlx.core as mx
     from mlx_lm import load
 
-
     ref, ref_tok = load(str(d))
     sess = open_session(d)
     key = mx.random.key(1)
-    prompts = {n: [int(x) for x in mx.random.randint(0, 1000, (n,), key=key).tolist()] for n in {args.prompt, *args.prefill}}
+    prompts = {
+        n: [int(x) for x in mx.random.randint(0, 1000, (n,), key=key).tolist()] for n in {args.prompt, *args.prefill}
+    }
     # warm-up on the same shapes (kernel JIT; quantized kernels compile for ~45 s on the first use)
     for n in sorted(prompts):
         run_mlxlm(ref, prompts[n], 8)
@@ -146,8 +168,12 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
             rows["mlxrs"].append(run_mlxrs(sess, prompts[n], 1)[0])
             rows["mlx-lm"].append(run_mlxlm(ref, prompts[n], 1)[0])
         med = {k: statistics.median(v) for k, v in rows.items()}
-        res["prefill"][str(n)] = {"mlxrs_tps": med["mlxrs"], "mlxlm_tps": med["mlx-lm"],
-                                  "ratio": med["mlxrs"] / med["mlx-lm"], "runs": rows}
+        res["prefill"][str(n)] = {
+            "mlxrs_tps": med["mlxrs"],
+            "mlxlm_tps": med["mlx-lm"],
+            "ratio": med["mlxrs"] / med["mlx-lm"],
+            "runs": rows,
+        }
     rows = {"mlxrs": [], "mlx-lm": []}
     div = []
     res["mlxrs_tokens"] = []
@@ -160,10 +186,16 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
         div.append(first_divergence(a[2], b[2]))
     med = {k: statistics.median(v) for k, v in rows.items()}
     bound = bw / nbytes
-    res["decode"] = {"mlxrs_tps": med["mlxrs"], "mlxlm_tps": med["mlx-lm"], "ratio": med["mlxrs"] / med["mlx-lm"],
-                     "copy_bound_tps": bound, "mlxrs_share_of_bound": med["mlxrs"] / bound,
-                     "mlxlm_share_of_bound": med["mlx-lm"] / bound, "runs": rows,
-                     "first_divergence": div}
+    res["decode"] = {
+        "mlxrs_tps": med["mlxrs"],
+        "mlxlm_tps": med["mlx-lm"],
+        "ratio": med["mlxrs"] / med["mlx-lm"],
+        "copy_bound_tps": bound,
+        "mlxrs_share_of_bound": med["mlxrs"] / bound,
+        "mlxlm_share_of_bound": med["mlx-lm"] / bound,
+        "runs": rows,
+        "first_divergence": div,
+    }
     # the same batches through per-row attention (MLXRS_BATCH_KV=0), to show what the stacked KV buys
     sess_rows = None
     if args.batch:
@@ -172,9 +204,12 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
         del os.environ["MLXRS_BATCH_KV"]
     for bsz in args.batch:
         from mlx_lm.generate import batch_generate
+
         bkey = mx.random.key(7)
-        ps = [[int(x) for x in mx.random.randint(0, 1000, (128,), key=mx.random.split(bkey, bsz)[i]).tolist()]
-              for i in range(bsz)]
+        ps = [
+            [int(x) for x in mx.random.randint(0, 1000, (128,), key=mx.random.split(bkey, bsz)[i]).tolist()]
+            for i in range(bsz)
+        ]
         tok = ref_tok
         batch_generate(ref, tok, ps, max_tokens=8)  # warm-up
         sess.generate_batch(ps, max_tokens=8, ignore_eos=True)
@@ -193,11 +228,16 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
             r = batch_generate(ref, tok, ps, max_tokens=args.gen, return_token_ids=True)
             rows["mlx-lm"].append(sum(len(x) for x in r.token_ids) / (time.perf_counter() - t0))
         med = {k: statistics.median(v) for k, v in rows.items()}
-        res[f"batch_{bsz}"] = {"mlxrs_tps": med["mlxrs"], "mlxrs_per_row_tps": med["mlxrs per-row"],
-                               "mlxlm_tps": med["mlx-lm"], "ratio": med["mlxrs"] / med["mlx-lm"],
-                               "ratio_per_row": med["mlxrs per-row"] / med["mlx-lm"],
-                               "rows_equal_stack_vs_per_row": same,
-                               "runs": rows, "note": "aggregate tokens/s incl. a 128-token prefill per row"}
+        res[f"batch_{bsz}"] = {
+            "mlxrs_tps": med["mlxrs"],
+            "mlxrs_per_row_tps": med["mlxrs per-row"],
+            "mlxlm_tps": med["mlx-lm"],
+            "ratio": med["mlxrs"] / med["mlx-lm"],
+            "ratio_per_row": med["mlxrs per-row"] / med["mlx-lm"],
+            "rows_equal_stack_vs_per_row": same,
+            "runs": rows,
+            "note": "aggregate tokens/s incl. a 128-token prefill per row",
+        }
     if sess_rows is not None:
         sess_rows.close()
         del sess_rows
@@ -221,14 +261,19 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="1b_bf16,1b_q4,8b_bf16,8b_q8,8b_q4",
-                    help="comma-separated SHAPE_TYPE: shape 1b or 8b, type bf16, q8 or q4")
+    ap.add_argument(
+        "--models",
+        default="1b_bf16,1b_q4,8b_bf16,8b_q8,8b_q4",
+        help="comma-separated SHAPE_TYPE: shape 1b or 8b, type bf16, q8 or q4",
+    )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--prefill", default="512,2048")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--second-session", action="store_true")
-    ap.add_argument("--batch", default="", help="comma-separated batch sizes for aggregate decode (mlx-lm: batch_generate)")
+    ap.add_argument(
+        "--batch", default="", help="comma-separated batch sizes for aggregate decode (mlx-lm: batch_generate)"
+    )
     ap.add_argument("--dir", help="where the random-weight models are written (default: a temporary directory)")
     ap.add_argument("--out")
     args = ap.parse_args()

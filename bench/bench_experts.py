@@ -19,6 +19,7 @@ Session.info; the process's peak RSS (VmHWM). Reads come from the page cache whe
 (this machine cannot drop caches): the bytes read are exact, the read throughput is the page
 cache's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,16 @@ def write_model(d: Path, a: argparse.Namespace) -> None:
         return
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    cfg = tm.base_config("qwen3_moe", layers=a.layers, hidden=a.hidden, heads=4, kv_heads=2, head_dim=a.hidden // 4,
-                         inter=a.hidden * 2)
-    cfg.update(num_experts=a.experts, num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_inter,
-               mlp_only_layers=[], norm_topk_prob=True)
+    cfg = tm.base_config(
+        "qwen3_moe", layers=a.layers, hidden=a.hidden, heads=4, kv_heads=2, head_dim=a.hidden // 4, inter=a.hidden * 2
+    )
+    cfg.update(
+        num_experts=a.experts,
+        num_experts_per_tok=a.top_k,
+        moe_intermediate_size=a.moe_inter,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
     cfg["torch_dtype"] = "float32"
     w = tm._weights("qwen3_moe", cfg, 0)
     mx.eval(w)
@@ -101,8 +108,11 @@ def worker(engine: str, model: str, cache: int | None, prompt: list[int], n: int
     if engine.startswith("mlxrs"):
         import mlxrs
 
-        kw = {"stream_experts": True, "expert_cache_bytes": cache,
-              "expert_prefetch": not engine.endswith("no-prefetch")} if cache is not None else {}
+        kw = (
+            {"stream_experts": True, "expert_cache_bytes": cache, "expert_prefetch": not engine.endswith("no-prefetch")}
+            if cache is not None
+            else {}
+        )
         s = mlxrs.Session(model, prompt_cache_bytes=0, **kw)
 
         def run() -> tuple[list[int], float, float]:
@@ -123,8 +133,10 @@ def worker(engine: str, model: str, cache: int | None, prompt: list[int], n: int
         toks, tp, td = measured(run)
         after = s.info["experts"]
         if after:
-            d = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_read", "tokens", "read_seconds",
-                                                            "prefetched", "prefetch_hits")}
+            d = {
+                k: after[k] - before.get(k, 0)
+                for k in ("hits", "misses", "bytes_read", "tokens", "read_seconds", "prefetched", "prefetch_hits")
+            }
             d["prefetch_hit_rate"] = d["prefetch_hits"] / d["prefetched"] if d["prefetched"] else None
             d["read_wait_ms_per_token"] = 1e3 * d["read_seconds"] / max(1, d["tokens"])
             d["hit_rate"] = d["hits"] / max(1, d["hits"] + d["misses"])
@@ -153,8 +165,13 @@ def worker(engine: str, model: str, cache: int | None, prompt: list[int], n: int
 
         run()
         toks, tp, td = measured(run)
-    out.update(tokens=toks, prefill_s=tp, decode_s=td, decode_tps=(len(toks) - 1) / td if td > 0 else None,
-               peak_rss_bytes=peak_rss())
+    out.update(
+        tokens=toks,
+        prefill_s=tp,
+        decode_s=td,
+        decode_tps=(len(toks) - 1) / td if td > 0 else None,
+        peak_rss_bytes=peak_rss(),
+    )
     return out
 
 
@@ -188,18 +205,26 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--dir", default="/tmp/mlxrs-bench-experts")
     ap.add_argument("--keep", action="store_true", help="keep the model directory")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="compare reading ahead on and off (streamed at 0%%, 25%%, 50%%) instead of the default engines")
-    ap.add_argument("--cold", action="store_true",
-                    help="streamed engines: keep dropping the model file from the page cache while measuring "
-                         "(posix_fadvise DONTNEED every 2 ms), so that reads go to the disk")
+    ap.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="compare reading ahead on and off (streamed at 0%%, 25%%, 50%%) instead of the default engines",
+    )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="streamed engines: keep dropping the model file from the page cache while measuring "
+        "(posix_fadvise DONTNEED every 2 ms), so that reads go to the disk",
+    )
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         job = json.loads(a.worker)
         sys.stdout, out = sys.stderr, sys.stdout
-        out.write(json.dumps(worker(job["engine"], job["model"], job["cache"], job["prompt"], job["n"], job["cold"])) + "\n")
+        out.write(
+            json.dumps(worker(job["engine"], job["model"], job["cache"], job["prompt"], job["n"], job["cold"])) + "\n"
+        )
         return
     d = Path(a.dir) / "model"
     try:
@@ -223,8 +248,13 @@ def main() -> None:
             if eng.startswith("mlx-lm") and libs:  # the same BLAS as mlxrs (as the parity oracle runs)
                 e["LD_PRELOAD"] = ":".join(libs)
             job = {"engine": eng, "model": str(d), "cache": cache, "prompt": prompt, "n": a.gen_tokens, "cold": a.cold}
-            p = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
-                               env=e, timeout=1800)
+            p = subprocess.run(
+                [sys.executable, __file__, "--worker", json.dumps(job)],
+                capture_output=True,
+                text=True,
+                env=e,
+                timeout=1800,
+            )
             if p.returncode != 0:
                 raise SystemExit(f"{eng} failed:\n{p.stderr[-3000:]}")
             r = json.loads(p.stdout.strip().splitlines()[-1])
@@ -232,24 +262,36 @@ def main() -> None:
             results.append(r)
             print(f"{eng}: {r['decode_tps']:.1f} tok/s", file=sys.stderr)
         ref = results[-1]["tokens"]
-        print(f"\nrandom qwen3_moe: {a.layers} layers × {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, "
-              f"expert width {a.moe_inter}, float32; weights {total / 1e6:.0f} MB of which experts "
-              f"{experts / 1e6:.0f} MB; prompt {a.prompt_tokens}, {a.gen_tokens} generated tokens\n")
-        print("| engine | decode tok/s | tokens = mlx-lm's | hit rate | MB read / token | read MB/s | peak RSS MB "
-              "| prefetch hit rate | read wait ms / token |")
+        print(
+            f"\nrandom qwen3_moe: {a.layers} layers × {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, "
+            f"expert width {a.moe_inter}, float32; weights {total / 1e6:.0f} MB of which experts "
+            f"{experts / 1e6:.0f} MB; prompt {a.prompt_tokens}, {a.gen_tokens} generated tokens\n"
+        )
+        print(
+            "| engine | decode tok/s | tokens = mlx-lm's | hit rate | MB read / token | read MB/s | peak RSS MB "
+            "| prefetch hit rate | read wait ms / token |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for r in results:
             x = r.get("experts")
-            cells = [r["engine"], f"{r['decode_tps']:.1f}", "yes" if r["tokens"] == ref else "NO",
-                     f"{x['hit_rate']:.2f}" if x else "-", f"{x['bytes_read_per_token'] / 1e6:.2f}" if x else "0",
-                     f"{x['read_bytes_per_second'] / 1e6:.0f}" if x and x["read_bytes_per_second"] else "-",
-                     f"{r['peak_rss_bytes'] / 1e6:.0f}",
-                     f"{x['prefetch_hit_rate']:.2f}" if x and x.get("prefetch_hit_rate") is not None else "-",
-                     f"{x['read_wait_ms_per_token']:.2f}" if x else "-"]
+            cells = [
+                r["engine"],
+                f"{r['decode_tps']:.1f}",
+                "yes" if r["tokens"] == ref else "NO",
+                f"{x['hit_rate']:.2f}" if x else "-",
+                f"{x['bytes_read_per_token'] / 1e6:.2f}" if x else "0",
+                f"{x['read_bytes_per_second'] / 1e6:.0f}" if x and x["read_bytes_per_second"] else "-",
+                f"{r['peak_rss_bytes'] / 1e6:.0f}",
+                f"{x['prefetch_hit_rate']:.2f}" if x and x.get("prefetch_hit_rate") is not None else "-",
+                f"{x['read_wait_ms_per_token']:.2f}" if x else "-",
+            ]
             print("| " + " | ".join(cells) + " |")
         if a.json:
-            Path(a.json).write_text(json.dumps({"args": vars(a), "expert_bytes": experts, "weights_bytes": total,
-                                                "results": results}, indent=1))
+            Path(a.json).write_text(
+                json.dumps(
+                    {"args": vars(a), "expert_bytes": experts, "weights_bytes": total, "results": results}, indent=1
+                )
+            )
     finally:
         if not a.keep:
             shutil.rmtree(a.dir, ignore_errors=True)

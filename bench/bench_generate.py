@@ -19,6 +19,7 @@ _worker.py). Runs alternate: run r goes through the engines in an order rotated 
 Reported: the median over runs of prefill tok/s (prompt tokens / time to first token) and decode tok/s
 ((n - 1) / (time from the first to the last token)), and the ratios mlxrs / mlx-lm.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,22 +104,35 @@ def ensure_model(key: str) -> Path:
 
 def blas_paths() -> tuple[str, str]:
     """The OpenBLAS and the gemv router mlxrs loads ('' where it loads none)."""
-    out = subprocess.run([sys.executable, "-c", "import mlxrs; i = mlxrs.runtime_info(); "
-                          "print(i.get('blas') or ''); print(i.get('blas_gemv') or '')"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import mlxrs; i = mlxrs.runtime_info(); print(i.get('blas') or ''); print(i.get('blas_gemv') or '')",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     blas, gemv = (out.stdout.splitlines() + ["", ""])[:2]
     return blas.strip(), gemv.strip()
 
 
 def mlxrs_build() -> dict[str, Any]:
     """Which mlxrs was measured: the commit, whether crates/ had local edits, the extension's mtime."""
+
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
     import glob
+
     so = sorted(glob.glob(str(REPO / "python" / "mlxrs" / "_native*.so")))
-    return {"commit": git("rev-parse", "--short", "HEAD"), "crates_modified": bool(git("status", "--porcelain", "crates")),
-            "extension": so[0] if so else None,
-            "extension_mtime": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(so[0]))) if so else None}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "crates_modified": bool(git("status", "--porcelain", "crates")),
+        "extension": so[0] if so else None,
+        "extension_mtime": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(so[0]))) if so else None,
+    }
 
 
 class Worker:
@@ -135,8 +149,14 @@ class Worker:
             env["LD_PRELOAD"] = f"{gemv}:{blas}"
         if name == "mlxrs no-gemv":
             env["MLXRS_BLAS_GEMV"] = "off"
-        self.p = subprocess.Popen([sys.executable, str(HERE / "_worker.py"), "--engine", engine, "--model", str(model)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
+        self.p = subprocess.Popen(
+            [sys.executable, str(HERE / "_worker.py"), "--engine", engine, "--model", str(model)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            bufsize=1,
+        )
         self.ready = self._read()
 
     def _read(self) -> dict[str, Any]:
@@ -195,8 +215,17 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def bench_model(key: str, runs: int, p_tokens: int, g_tokens: int, blas: str, engines: list[str],
-                gemv: str, quiet: float | None, quiet_wait: float = 120) -> dict[str, Any]:
+def bench_model(
+    key: str,
+    runs: int,
+    p_tokens: int,
+    g_tokens: int,
+    blas: str,
+    engines: list[str],
+    gemv: str,
+    quiet: float | None,
+    quiet_wait: float = 120,
+) -> dict[str, Any]:
     d = ensure_model(key)
     vocab = json.loads((d / "config.json").read_text())["vocab_size"]
     prompt = prompt_ids(vocab, p_tokens)
@@ -209,7 +238,7 @@ def bench_model(key: str, runs: int, p_tokens: int, g_tokens: int, blas: str, en
         for e, w in workers.items():  # identical warm-up for every engine: one discarded generation
             w.run(prompt, g_tokens)
         for r in range(runs):
-            order = engines[r % len(engines):] + engines[:r % len(engines)]
+            order = engines[r % len(engines) :] + engines[: r % len(engines)]
             for e in order:
                 for attempt in range(4 if quiet is not None else 1):
                     if quiet is not None:
@@ -224,15 +253,20 @@ def bench_model(key: str, runs: int, p_tokens: int, g_tokens: int, blas: str, en
                     res["attempts"] = attempt + 1
                     if quiet is None or res["others_cores"] < quiet:
                         break
-                    print(f"[bench]   run {r + 1}/{runs} {e:16s} disturbed (others used {res['others_cores']:.2f} cores): again",
-                          flush=True)
+                    print(
+                        f"[bench]   run {r + 1}/{runs} {e:16s} disturbed (others used {res['others_cores']:.2f} cores): again",
+                        flush=True,
+                    )
                 n = len(res["tokens"])
                 res["prefill_tps"] = p_tokens / res["t_prefill"]
                 res["decode_tps"] = (n - 1) / res["t_decode"] if n > 1 and res["t_decode"] > 0 else float("nan")
                 samples[e].append(res)
-                print(f"[bench]   run {r + 1}/{runs} {e:16s} prefill {res['prefill_tps']:9.1f} tok/s   "
-                      f"decode {res['decode_tps']:8.1f} tok/s   (cpu {res['cpu_s']:.1f}s for {res['t_prefill'] + res['t_decode']:.1f}s, "
-                      f"others {res['others_cores']:.2f} cores)", flush=True)
+                print(
+                    f"[bench]   run {r + 1}/{runs} {e:16s} prefill {res['prefill_tps']:9.1f} tok/s   "
+                    f"decode {res['decode_tps']:8.1f} tok/s   (cpu {res['cpu_s']:.1f}s for {res['t_prefill'] + res['t_decode']:.1f}s, "
+                    f"others {res['others_cores']:.2f} cores)",
+                    flush=True,
+                )
     finally:
         for w in workers.values():
             w.close()
@@ -242,22 +276,39 @@ def bench_model(key: str, runs: int, p_tokens: int, g_tokens: int, blas: str, en
     for e in engines:
         stable = all(s["tokens"] == samples[e][0]["tokens"] for s in samples[e])
         div = first_divergence(samples[e][0]["tokens"], ref)
-        checks[e] = {"same_as_mlxrs": div is None, "first_divergence": div, "stable_across_runs": stable,
-                     "n": len(samples[e][0]["tokens"])}
-    med = {e: {"prefill_tps": statistics.median(s["prefill_tps"] for s in samples[e]),
-               "decode_tps": statistics.median(s["decode_tps"] for s in samples[e]),
-               "decode_ms_per_token": 1000 * statistics.median(s["t_decode"] / max(len(s["tokens"]) - 1, 1)
-                                                               for s in samples[e])}
-           for e in engines}
+        checks[e] = {
+            "same_as_mlxrs": div is None,
+            "first_divergence": div,
+            "stable_across_runs": stable,
+            "n": len(samples[e][0]["tokens"]),
+        }
+    med = {
+        e: {
+            "prefill_tps": statistics.median(s["prefill_tps"] for s in samples[e]),
+            "decode_tps": statistics.median(s["decode_tps"] for s in samples[e]),
+            "decode_ms_per_token": 1000
+            * statistics.median(s["t_decode"] / max(len(s["tokens"]) - 1, 1) for s in samples[e]),
+        }
+        for e in engines
+    }
     internal = None
     if "mlxrs" in samples:
         internal = {
             "prompt_seconds": statistics.median(s["internal"]["prompt_seconds"] for s in samples["mlxrs"]),
             "generation_seconds": statistics.median(s["internal"]["generation_seconds"] for s in samples["mlxrs"]),
         }
-    return {"model": key, "dir": str(d), "prompt_tokens": p_tokens, "gen_tokens": g_tokens, "runs": runs,
-            "blas": {e: workers[e].ready["blas"] for e in engines}, "median": med, "checks": checks,
-            "mlxrs_internal_median": internal, "samples": samples}
+    return {
+        "model": key,
+        "dir": str(d),
+        "prompt_tokens": p_tokens,
+        "gen_tokens": g_tokens,
+        "runs": runs,
+        "blas": {e: workers[e].ready["blas"] for e in engines},
+        "median": med,
+        "checks": checks,
+        "mlxrs_internal_median": internal,
+        "samples": samples,
+    }
 
 
 def table(results: list[dict[str, Any]], engines: list[str]) -> str:
@@ -286,13 +337,25 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5, help="measured runs per engine (after one warm-up)")
     ap.add_argument("--prompt-tokens", type=int, help="default: 64 (tiny), 512 (100m)")
     ap.add_argument("--gen-tokens", type=int, help="default: 256 (tiny), 128 (100m)")
-    ap.add_argument("--engines", default=",".join(ENGINES),
-                    help=f"comma-separated, of: {', '.join(ENGINES + OPTIONAL)} (default: {', '.join(ENGINES)})")
-    ap.add_argument("--quiet-below", type=float, metavar="CORES",
-                    help="shared machines: before each run wait until other processes use fewer than CORES cores, "
-                         "and repeat a run (up to 3 times) during which they used more")
-    ap.add_argument("--quiet-wait", type=float, default=120, metavar="S",
-                    help="the longest wait for quiet before a run (default 120 s)")
+    ap.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"comma-separated, of: {', '.join(ENGINES + OPTIONAL)} (default: {', '.join(ENGINES)})",
+    )
+    ap.add_argument(
+        "--quiet-below",
+        type=float,
+        metavar="CORES",
+        help="shared machines: before each run wait until other processes use fewer than CORES cores, "
+        "and repeat a run (up to 3 times) during which they used more",
+    )
+    ap.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=120,
+        metavar="S",
+        help="the longest wait for quiet before a run (default 120 s)",
+    )
     ap.add_argument("--json", help="write every sample and the medians here")
     ap.add_argument("--table-from", metavar="JSON", help="print the table of an earlier --json file and exit")
     a = ap.parse_args()
@@ -311,14 +374,31 @@ def main() -> None:
     keys = ["tiny", "100m"] if a.model == "all" else [a.model]
     build = mlxrs_build()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    print(f"[bench] {platform.node()}: {os.cpu_count()} cores, {cpu}; OpenBLAS {blas}; gemv router {gemv or None}; "
-          f"load average {os.getloadavg()}", flush=True)
-    print(f"[bench] mlxrs: commit {build['commit']}{' + local edits in crates/' if build['crates_modified'] else ''}, "
-          f"extension built {build['extension_mtime']}", flush=True)
+    print(
+        f"[bench] {platform.node()}: {os.cpu_count()} cores, {cpu}; OpenBLAS {blas}; gemv router {gemv or None}; "
+        f"load average {os.getloadavg()}",
+        flush=True,
+    )
+    print(
+        f"[bench] mlxrs: commit {build['commit']}{' + local edits in crates/' if build['crates_modified'] else ''}, "
+        f"extension built {build['extension_mtime']}",
+        flush=True,
+    )
     t0 = time.time()
-    results = [bench_model(k, a.runs, a.prompt_tokens or MODELS[k]["prompt_tokens"],
-                           a.gen_tokens or MODELS[k]["gen_tokens"], blas, engines, gemv, a.quiet_below, a.quiet_wait)
-               for k in keys]
+    results = [
+        bench_model(
+            k,
+            a.runs,
+            a.prompt_tokens or MODELS[k]["prompt_tokens"],
+            a.gen_tokens or MODELS[k]["gen_tokens"],
+            blas,
+            engines,
+            gemv,
+            a.quiet_below,
+            a.quiet_wait,
+        )
+        for k in keys
+    ]
     print("\ngreedy check (first measured run of each engine vs mlxrs; every run of an engine identical?):")
     for res in results:
         for e, c in res["checks"].items():
@@ -326,20 +406,45 @@ def main() -> None:
             print(f"  {res['model']:5s} {e:16s} {c['n']} tokens {same}; stable across runs: {c['stable_across_runs']}")
     print("\nother processes' CPU use during the runs (median cores, of %d):" % (os.cpu_count() or 0))
     for res in results:
-        print("  " + res["model"] + ": " + ", ".join(
-            f"{e} {statistics.median(s['others_cores'] for s in res['samples'][e]):.2f}" for e in engines))
+        print(
+            "  "
+            + res["model"]
+            + ": "
+            + ", ".join(f"{e} {statistics.median(s['others_cores'] for s in res['samples'][e]):.2f}" for e in engines)
+        )
     print("\nper-token decode cost (median ms/token, external timing):")
     for res in results:
-        print("  " + res["model"] + ": " + ", ".join(f"{e} {res['median'][e]['decode_ms_per_token']:.2f}" for e in engines))
+        print(
+            "  "
+            + res["model"]
+            + ": "
+            + ", ".join(f"{e} {res['median'][e]['decode_ms_per_token']:.2f}" for e in engines)
+        )
         if res["mlxrs_internal_median"]:
             i = res["mlxrs_internal_median"]
-            print(f"         mlxrs Completion.timings: prompt {i['prompt_seconds'] * 1000:.1f} ms, "
-                  f"generation {i['generation_seconds'] * 1000:.1f} ms")
-    print(f"\nmedians of {a.runs} alternating runs (total {time.time() - t0:.0f}s, load average now {os.getloadavg()}):\n")
+            print(
+                f"         mlxrs Completion.timings: prompt {i['prompt_seconds'] * 1000:.1f} ms, "
+                f"generation {i['generation_seconds'] * 1000:.1f} ms"
+            )
+    print(
+        f"\nmedians of {a.runs} alternating runs (total {time.time() - t0:.0f}s, load average now {os.getloadavg()}):\n"
+    )
     print(table(results, engines))
     if a.json:
-        Path(a.json).write_text(json.dumps({"command": sys.argv, "cpu": cpu, "cores": os.cpu_count(), "openblas": blas, "gemv_router": gemv, "mlxrs_build": build,
-                                            "results": results}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "command": sys.argv,
+                    "cpu": cpu,
+                    "cores": os.cpu_count(),
+                    "openblas": blas,
+                    "gemv_router": gemv,
+                    "mlxrs_build": build,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
         print(f"\n[bench] wrote {a.json}")
 
 

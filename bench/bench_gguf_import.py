@@ -5,6 +5,7 @@ conversion). Alternating runs, each in a fresh process, into fresh directories.
 
     python bench/bench_gguf_import.py --runs 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,10 @@ def main() -> int:
         for i in range(args.runs):
             a, b = Path(tmp) / f"mlxrs-{i}", Path(tmp) / f"ref-{i}"
             ours.append(run([sys.executable, "-m", "mlxrs", "convert", str(gguf), str(a), "--dtype", "bf16", "-q"]))
-            code = ("import sys; sys.path.insert(0, %r); from pathlib import Path; import gguf_reference as g; "
-                    "g.convert_gemma3(Path(%r), Path(%r), dtype='bfloat16')" % (str(ROOT / "tests"), str(gguf), str(b)))
+            code = (
+                "import sys; sys.path.insert(0, %r); from pathlib import Path; import gguf_reference as g; "
+                "g.convert_gemma3(Path(%r), Path(%r), dtype='bfloat16')" % (str(ROOT / "tests"), str(gguf), str(b))
+            )
             theirs.append(run([sys.executable, "-c", code]))
             shutil.rmtree(a, ignore_errors=True)
             shutil.rmtree(b, ignore_errors=True)

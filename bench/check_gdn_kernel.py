@@ -19,6 +19,7 @@ reference recurrence, on a GPU of MLX's CUDA backend (the H200 test machine):
         read from gated_delta.rs, through MLX's Python mx.fast.cuda_kernel — the C++ function mlx-c's
         mlx_fast_cuda_kernel_* wraps — against mlx-lm's gated_delta_ops; what bench/RESULTS-gpu.md records)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,10 @@ def widen(bits: np.ndarray) -> np.ndarray:
 def run_op(name: str, arrays: list[np.ndarray], dtypes: list[str]) -> list[np.ndarray]:
     import arrays_util  # tests/: needs the test build's mlxrs._native._op (the `testing` feature)
 
-    raws = [arrays_util.to_raw(bf16_bits(a), "bfloat16") if d == "bfloat16"
-            else arrays_util.to_raw(a.astype(np.float32)) for a, d in zip(arrays, dtypes)]
+    raws = [
+        arrays_util.to_raw(bf16_bits(a), "bfloat16") if d == "bfloat16" else arrays_util.to_raw(a.astype(np.float32))
+        for a, d in zip(arrays, dtypes)
+    ]
     return [arrays_util.from_raw(o) for o in arrays_util.native_op()(name, raws, "{}")]
 
 
@@ -69,7 +72,7 @@ def inputs(shape: tuple[int, int, int, int, int, int], seed: int, dtype: str):
     def unit(x):  # l2-normalised along the head dim, as normalize_qk leaves q and k (q also * dk^-0.5)
         return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
-    q = (unit(r.standard_normal((b, t, hk, dk))) * dk ** -0.5).astype(np.float32)
+    q = (unit(r.standard_normal((b, t, hk, dk))) * dk**-0.5).astype(np.float32)
     k = unit(r.standard_normal((b, t, hk, dk))).astype(np.float32)
     v = r.standard_normal((b, t, hv, dv)).astype(np.float32)
     g = r.uniform(0.6, 1.0, (b, t, hv)).astype(np.float32)
@@ -97,11 +100,14 @@ def check_op(shape, dtype: str, seed: int) -> dict:
     mq, mk, mv, mg, mb, ms = (mx.array(a).astype(mt if i in (0, 1, 2, 4) else mx.float32) for i, a in enumerate(xs))
     ly, ls = mlxlm_ops(mq, mk, mv, mg, mb, ms)
     ly, ls = np.array(ly.astype(mx.float32)), np.array(ls)
-    row = {"shape": dict(zip("B T Hk Hv Dk Dv".split(), shape)), "dtype": dtype,
-           "kernel_vs_numpy": {"y": err(ky, ny), "state": err(ks, ns)},
-           "reference_vs_numpy": {"y": err(ry, ny), "state": err(rs, ns)},
-           "kernel_vs_reference": {"y": err(ky, ry.astype(np.float64)), "state": err(ks, rs.astype(np.float64))},
-           "reference_vs_mlx_lm": {"y": err(ry, ly.astype(np.float64)), "state": err(rs, ls.astype(np.float64))}}
+    row = {
+        "shape": dict(zip("B T Hk Hv Dk Dv".split(), shape)),
+        "dtype": dtype,
+        "kernel_vs_numpy": {"y": err(ky, ny), "state": err(ks, ns)},
+        "reference_vs_numpy": {"y": err(ry, ny), "state": err(rs, ns)},
+        "kernel_vs_reference": {"y": err(ky, ry.astype(np.float64)), "state": err(ks, rs.astype(np.float64))},
+        "reference_vs_mlx_lm": {"y": err(ry, ly.astype(np.float64)), "state": err(rs, ls.astype(np.float64))},
+    }
     # the same tokens in chunks (the state carried from one kernel call to the next)
     t = shape[1]
     if t > 2:
@@ -111,8 +117,11 @@ def check_op(shape, dtype: str, seed: int) -> dict:
             part = [a[:, lo:hi] for a in xs[:5]] + [state]
             y, state = run_op("gated_delta_kernel", part, dts)
             ys.append(y)
-        row["chunked_vs_one_call"] = {"cuts": cuts, "y": err(np.concatenate(ys, 1), ky.astype(np.float64)),
-                                      "state": err(state, ks.astype(np.float64))}
+        row["chunked_vs_one_call"] = {
+            "cuts": cuts,
+            "y": err(np.concatenate(ys, 1), ky.astype(np.float64)),
+            "state": err(state, ks.astype(np.float64)),
+        }
     if hasattr(mx.fast, "gated_delta_update"):  # MLX's own op, for information
         try:
             fy, fs = mx.fast.gated_delta_update(mq, mk, mv, mg, mb, ms)
@@ -120,10 +129,14 @@ def check_op(shape, dtype: str, seed: int) -> dict:
         except Exception as e:  # noqa: BLE001 - informational
             row["mlx_fast_vs_numpy"] = f"{type(e).__name__}: {str(e)[:200]}"
     tol = TOL[dtype]
-    row["ok"] = all(row[k]["y"] <= tol["y"] and row[k]["state"] <= tol["state"]
-                    for k in ("kernel_vs_numpy", "kernel_vs_reference", "reference_vs_numpy"))
+    row["ok"] = all(
+        row[k]["y"] <= tol["y"] and row[k]["state"] <= tol["state"]
+        for k in ("kernel_vs_numpy", "kernel_vs_reference", "reference_vs_numpy")
+    )
     if "chunked_vs_one_call" in row:
-        row["ok"] = row["ok"] and row["chunked_vs_one_call"]["y"] <= 1e-6 and row["chunked_vs_one_call"]["state"] <= 1e-6
+        row["ok"] = (
+            row["ok"] and row["chunked_vs_one_call"]["y"] <= 1e-6 and row["chunked_vs_one_call"]["state"] <= 1e-6
+        )
     return row
 
 
@@ -146,11 +159,18 @@ def check_model(arch: str, dtype: str) -> dict:
             first, longer = ids[:40], ids[:40] + ids[5:30]
             hits = []
             for p in (first, longer, longer):
-                hits.append(warm.generate(p, max_tokens=24, ignore_eos=True).tokens
-                            == cold.generate(p, max_tokens=24, ignore_eos=True).tokens)
+                hits.append(
+                    warm.generate(p, max_tokens=24, ignore_eos=True).tokens
+                    == cold.generate(p, max_tokens=24, ignore_eos=True).tokens
+                )
             cached = warm.info["prompt_cache"]
-        out[f"switch{switch}"] = {"tokens": gen, "logits": logits, "batch_equals_alone": batch == alone,
-                                  "prefix_hit_equals_cold": all(hits), "prompt_cache": cached}
+        out[f"switch{switch}"] = {
+            "tokens": gen,
+            "logits": logits,
+            "batch_equals_alone": batch == alone,
+            "prefix_hit_equals_cold": all(hits),
+            "prompt_cache": cached,
+        }
     os.environ.pop("MLXRS_GDN_KERNEL", None)
     a, b = out.pop("switch0"), out.pop("switch1")
     out["tokens_equal"] = a["tokens"] == b["tokens"]
@@ -159,8 +179,11 @@ def check_model(arch: str, dtype: str) -> dict:
     out["batch_equals_alone"] = {"reference": a["batch_equals_alone"], "kernel": b["batch_equals_alone"]}
     out["prefix_hit_equals_cold"] = {"reference": a["prefix_hit_equals_cold"], "kernel": b["prefix_hit_equals_cold"]}
     out["prompt_cache_kernel"] = b["prompt_cache"]  # the hits the warm session served
-    out["ok"] = (out["logits_max_diff"] <= (1e-3 if dtype == "float32" else 5e-2) and b["batch_equals_alone"]
-                 and b["prefix_hit_equals_cold"])
+    out["ok"] = (
+        out["logits_max_diff"] <= (1e-3 if dtype == "float32" else 5e-2)
+        and b["batch_equals_alone"]
+        and b["prefix_hit_equals_cold"]
+    )
     return out
 
 
@@ -187,16 +210,24 @@ def mlx_only() -> int:
 
     rs = (ROOT / "crates/mlxrs-core/src/models/gated_delta.rs").read_text()
     source = re.search(r'const SOURCE: &str = r#"(.*?)"#;', rs, re.S).group(1)
-    kern = mx.fast.cuda_kernel(name="mlxrs_gated_delta_step", input_names=["q", "k", "v", "g", "beta", "state_in"],
-                               output_names=["y", "state_out"], source=source)
+    kern = mx.fast.cuda_kernel(
+        name="mlxrs_gated_delta_step",
+        input_names=["q", "k", "v", "g", "beta", "state_in"],
+        output_names=["y", "state_out"],
+        source=source,
+    )
 
     def run(q, k, v, g, b, s):
         bsz, _, hk, dk = q.shape
         hv, dv = v.shape[2:]
-        return kern(inputs=[q, k, v, g, b, s], template=[("InT", q.dtype), ("StT", s.dtype), ("Dk", dk), ("Dv", dv),
-                                                         ("Hk", hk), ("Hv", hv)],
-                    grid=(32, dv, bsz * hv), threadgroup=(32, 4, 1), output_shapes=[v.shape, s.shape],
-                    output_dtypes=[q.dtype, s.dtype])
+        return kern(
+            inputs=[q, k, v, g, b, s],
+            template=[("InT", q.dtype), ("StT", s.dtype), ("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv)],
+            grid=(32, dv, bsz * hv),
+            threadgroup=(32, 4, 1),
+            output_shapes=[v.shape, s.shape],
+            output_dtypes=[q.dtype, s.dtype],
+        )
 
     def ms(f):
         mx.eval(f())
@@ -211,8 +242,16 @@ def mlx_only() -> int:
 
     bad = 0
     for dt in (mx.float32, mx.bfloat16):
-        for i, shape in enumerate([(1, 1, 2, 4, 128, 128), (2, 37, 2, 4, 128, 128), (3, 5, 1, 2, 64, 32),
-                                   (1, 64, 4, 4, 32, 32), (2, 129, 16, 32, 128, 128), (1, 512, 16, 32, 128, 128)]):
+        for i, shape in enumerate(
+            [
+                (1, 1, 2, 4, 128, 128),
+                (2, 37, 2, 4, 128, 128),
+                (3, 5, 1, 2, 64, 32),
+                (1, 64, 4, 4, 32, 32),
+                (2, 129, 16, 32, 128, 128),
+                (1, 512, 16, 32, 128, 128),
+            ]
+        ):
             name = "bfloat16" if dt == mx.bfloat16 else "float32"
             xs = [mx.array(a) for a in inputs(shape, i, name)]
             a = [x.astype(dt) if j in (0, 1, 2, 4) else x for j, x in enumerate(xs)]
@@ -221,10 +260,21 @@ def mlx_only() -> int:
             y1, s1 = run(*[x[:, :c] for x in a[:5]], a[5])
             y2, s2 = run(*[x[:, c:] for x in a[:5]], s1)
             ry, rst = gated_delta_ops(*a)
-            row = {"dtype": name, "shape": shape, "y": rel(y, ry), "state": rel(s, rst),
-                   "chunked_y": rel(mx.concatenate([y1, y2], 1), y), "chunked_state": rel(s2, s),
-                   "kernel_ms": ms(lambda: run(*a)), "ops_ms": ms(lambda: gated_delta_ops(*a)) if shape[1] >= 64 else None}
-            ok = row["y"] <= TOL[name]["y"] and row["state"] <= TOL[name]["state"] and row["chunked_y"] == 0 == row["chunked_state"]
+            row = {
+                "dtype": name,
+                "shape": shape,
+                "y": rel(y, ry),
+                "state": rel(s, rst),
+                "chunked_y": rel(mx.concatenate([y1, y2], 1), y),
+                "chunked_state": rel(s2, s),
+                "kernel_ms": ms(lambda: run(*a)),
+                "ops_ms": ms(lambda: gated_delta_ops(*a)) if shape[1] >= 64 else None,
+            }
+            ok = (
+                row["y"] <= TOL[name]["y"]
+                and row["state"] <= TOL[name]["state"]
+                and row["chunked_y"] == 0 == row["chunked_state"]
+            )
             bad += not ok
             print(json.dumps(row), flush=True)
     return 1 if bad else 0
@@ -243,8 +293,14 @@ def main() -> int:
     cuda = getattr(getattr(mx, "cuda", None), "is_available", lambda: None)()
     print(f"mlx {mx.__version__}, default device {mx.default_device()}, cuda {cuda}", flush=True)
     rows: dict = {"op": [], "models": [], "timing": None}
-    shapes = [(1, 1, 2, 4, 128, 128), (3, 1, 2, 4, 64, 32), (2, 37, 2, 4, 128, 128), (1, 64, 4, 4, 32, 32),
-              (2, 129, 1, 2, 128, 64), (1, 16, 16, 32, 128, 128)]
+    shapes = [
+        (1, 1, 2, 4, 128, 128),
+        (3, 1, 2, 4, 64, 32),
+        (2, 37, 2, 4, 128, 128),
+        (1, 64, 4, 4, 32, 32),
+        (2, 129, 1, 2, 128, 64),
+        (1, 16, 16, 32, 128, 128),
+    ]
     for dtype in ("float32", "bfloat16"):
         for i, shape in enumerate(shapes):
             r = check_op(shape, dtype, seed=i)

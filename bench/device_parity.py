@@ -13,6 +13,7 @@ kernel), which tells a difference in where the two fuse ops from one in what the
 --oracle-batch also decodes the same batch with mlx-lm's BatchGenerator (bench/oracle_batch.py) and
 records where its rows leave mlx-lm's own single-sequence runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,18 +29,57 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France; Berlin of Germany."
 N = 32
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "gemma4_text", "qwen3_next", "qwen3_5", "qwen3_moe", "mixtral",
-         "glm4_moe", "gpt_oss", "gemma4_text_moe", "qwen3_5_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4"]
-MOE = {"qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma4_text_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3",
-       "deepseek_v32", "glm_moe_dsa", "mistral4"}
+ARCHS = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "gemma4_text",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_moe",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "gemma4_text_moe",
+    "qwen3_5_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "mistral4",
+]
+MOE = {
+    "qwen3_moe",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "gemma4_text_moe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "mistral4",
+}
 TOL = {"float32": 1e-3, "bfloat16": 5e-2}
 
 
 def oracle(d: Path, ids: list[int]) -> dict:
-    job = {"model": str(d), "prompt": ids, "max_tokens": N, "kv_bits": None, "max_kv_size": None,
-           "prefill_step_size": 2048}
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "oracle_mlxlm.py")], input=json.dumps(job),
-                       capture_output=True, text=True, timeout=600)
+    job = {
+        "model": str(d),
+        "prompt": ids,
+        "max_tokens": N,
+        "kv_bits": None,
+        "max_kv_size": None,
+        "prefill_step_size": 2048,
+    }
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "oracle_mlxlm.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode:
         raise RuntimeError(r.stderr[-2000:])
     return json.loads(r.stdout)
@@ -48,12 +88,19 @@ def oracle(d: Path, ids: list[int]) -> dict:
 def oracle_batch(d: Path, prompts: list[list[int]]) -> list[int | None]:
     """Where each row of mlx-lm's BatchGenerator first leaves mlx-lm's own run of it alone."""
     job = {"model": str(d), "prompts": prompts, "max_tokens": N}
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "oracle_batch.py")], input=json.dumps(job),
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "oracle_batch.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode:
         raise RuntimeError(r.stderr[-2000:])
     out = json.loads(r.stdout)
-    return [next((i for i, (x, y) in enumerate(zip(b, al)) if x != y), None) for b, al in zip(out["batch"], out["alone"])]
+    return [
+        next((i for i, (x, y) in enumerate(zip(b, al)) if x != y), None) for b, al in zip(out["batch"], out["alone"])
+    ]
 
 
 def one(arch: str, dtype: str, quant: int | None, with_oracle_batch: bool = False, mode: str = "affine") -> dict:
@@ -81,8 +128,9 @@ def one(arch: str, dtype: str, quant: int | None, with_oracle_batch: bool = Fals
         row["logits_ok"] = row["logits_max_diff"] <= TOL[dtype] * (4 if quant else 1)
         row["batch_equals_alone"] = batch == alone
         # where each batched row first leaves its alone run (None: never), of N tokens
-        row["batch_first_diff"] = [next((i for i, (x, y) in enumerate(zip(b, al)) if x != y), None)
-                                   for b, al in zip(batch, alone)]
+        row["batch_first_diff"] = [
+            next((i for i, (x, y) in enumerate(zip(b, al)) if x != y), None) for b, al in zip(batch, alone)
+        ]
         if with_oracle_batch:
             row["oracle_batch_first_diff"] = oracle_batch(d, ps)
         if arch in MOE:
@@ -119,12 +167,23 @@ def main() -> int:
             print(json.dumps(r), flush=True)
             if a.out:  # after every row: a run cut short still leaves what it measured
                 Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
-    ok = [r for r in rows if "error" not in r and r["tokens_equal"] and r["logits_ok"] and r["batch_equals_alone"]
-          and r.get("streamed_equal", True)]
+    ok = [
+        r
+        for r in rows
+        if "error" not in r
+        and r["tokens_equal"]
+        and r["logits_ok"]
+        and r["batch_equals_alone"]
+        and r.get("streamed_equal", True)
+    ]
     print(f"{len(ok)}/{len(rows)} rows agree with mlx-lm ({time.time() - t0:.0f} s)")
     if a.out:
-        Path(a.out).write_text(json.dumps({"rows": rows, "env": {k: os.environ.get(k) for k in ("MLXRS_BATCH_KV", "MLX_DISABLE_COMPILE")}},
-                                          indent=1))
+        Path(a.out).write_text(
+            json.dumps(
+                {"rows": rows, "env": {k: os.environ.get(k) for k in ("MLXRS_BATCH_KV", "MLX_DISABLE_COMPILE")}},
+                indent=1,
+            )
+        )
     return 0
 
 

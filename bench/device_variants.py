@@ -4,6 +4,7 @@ weights, printing the last-position logits' largest difference and where greedy 
 
     python bench/device_variants.py glm_moe_dsa float32 '{}' '{"layers": 1}' '{"config": {"index_topk": 4096}}'
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -56,8 +57,10 @@ def main() -> int:
         ref = oracle(d, ids)
         diff = float(np.max(np.abs(lg - np.array(ref["logits"], dtype=np.float32))))
         first = next((i for i, (a, b) in enumerate(zip(ours, ref["tokens"])) if a != b), None)
-        print(json.dumps({"arch": arch, "dtype": dtype, "over": over, "logits_max_diff": diff, "first_diff": first}),
-              flush=True)
+        print(
+            json.dumps({"arch": arch, "dtype": dtype, "over": over, "logits_max_diff": diff, "first_diff": first}),
+            flush=True,
+        )
     return 0
 
 

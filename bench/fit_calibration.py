@@ -11,6 +11,7 @@ plan.rs's TRANSIENT_SLACK comes from this script on the CPU, its GPU_LAYERS_IN_F
 MLXRS_PREFILL_EVAL_LAYERS=0 measures the prefill evaluated a whole chunk at a time (the GPU default
 before per-layer evaluation); each row records the setting.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,24 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-CASES = ["fit-llama-f32:512", "fit-llama-f32:1000", "fit-llama-f32:2048", "fit-llama-f32:3000", "fit-llama-f32:4000",
-         "fit-llama-f32:3000:8", "fit-llama-f32:3000:4", "fit-llama-bf16:512", "fit-llama-bf16:2048",
-         "fit-llama-bf16:4000", "fit-gemma3-f32:1000", "fit-gemma3-f32:2048", "fit-gemma3-f32:4000",
-         "fit-qwen3-bf16:512", "fit-qwen3-bf16:2048", "fit-qwen3-bf16:4000"]
+CASES = [
+    "fit-llama-f32:512",
+    "fit-llama-f32:1000",
+    "fit-llama-f32:2048",
+    "fit-llama-f32:3000",
+    "fit-llama-f32:4000",
+    "fit-llama-f32:3000:8",
+    "fit-llama-f32:3000:4",
+    "fit-llama-bf16:512",
+    "fit-llama-bf16:2048",
+    "fit-llama-bf16:4000",
+    "fit-gemma3-f32:1000",
+    "fit-gemma3-f32:2048",
+    "fit-gemma3-f32:4000",
+    "fit-qwen3-bf16:512",
+    "fit-qwen3-bf16:2048",
+    "fit-qwen3-bf16:4000",
+]
 
 MEASURE = """
 import json, random, sys
@@ -59,26 +74,41 @@ def main() -> int:
         n, kv = int(n_s), (int(kv_s[0]) if kv_s else None)
         shape = FIT_MODELS[name][2]
         d = make_fit_model(name)
-        r = subprocess.run([sys.executable, "-c", MEASURE, str(d), str(n), str(kv or "none"), str(shape["vocab"])],
-                           capture_output=True, text=True, timeout=1800)
+        r = subprocess.run(
+            [sys.executable, "-c", MEASURE, str(d), str(n), str(kv or "none"), str(shape["vocab"])],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if r.returncode != 0:
             print(f"{case}: failed\n{r.stderr[-2000:]}", flush=True)
             continue
         m = json.loads(r.stdout)
-        row: dict[str, Any] = {"model": name, "n": n, "kv_bits": kv,
-                               "prefill_eval_layers": os.environ.get("MLXRS_PREFILL_EVAL_LAYERS", "auto"), **m}
+        row: dict[str, Any] = {
+            "model": name,
+            "n": n,
+            "kv_bits": kv,
+            "prefill_eval_layers": os.environ.get("MLXRS_PREFILL_EVAL_LAYERS", "auto"),
+            **m,
+        }
         # the planner's default for this machine's backend, then materialized / fused attention with
         # one layer in flight (the CPU's rule, and the GPU's before the staged prefill)
-        for key, kw in (("plan", {}), ("unfused", dict(backend="cpu", fused_attention=False)),
-                        ("fused", dict(backend="cpu", fused_attention=True))):
+        for key, kw in (
+            ("plan", {}),
+            ("unfused", dict(backend="cpu", fused_attention=False)),
+            ("fused", dict(backend="cpu", fused_attention=True)),
+        ):
             p = json.loads(_native.plan(str(d), n + 2, kv, None, device_bytes=1 << 40, **kw))
             est = p["weightsBytes"] + p["kvBytes"] + p["transientBytes"]
             row[key] = {"planned": est, "ratio": est / m["peak"], **p}
         rows.append(row)
-        print(f"{name:16s} n={n:5d} kv={kv}: measured {m['peak'] / 1e6:8.1f} MB; planned {row['plan']['planned'] / 1e6:8.1f} "
-              f"({row['plan']['ratio']:.3f}); one layer: unfused {row['unfused']['planned'] / 1e6:8.1f} "
-              f"({row['unfused']['ratio']:.3f}), fused {row['fused']['planned'] / 1e6:8.1f} ({row['fused']['ratio']:.3f}); "
-              f"prefill {m['prompt_seconds']:.2f}s", flush=True)
+        print(
+            f"{name:16s} n={n:5d} kv={kv}: measured {m['peak'] / 1e6:8.1f} MB; planned {row['plan']['planned'] / 1e6:8.1f} "
+            f"({row['plan']['ratio']:.3f}); one layer: unfused {row['unfused']['planned'] / 1e6:8.1f} "
+            f"({row['unfused']['ratio']:.3f}), fused {row['fused']['planned'] / 1e6:8.1f} ({row['fused']['ratio']:.3f}); "
+            f"prefill {m['prompt_seconds']:.2f}s",
+            flush=True,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"runtime": info, "rows": rows}, indent=2, default=str))
     return 0

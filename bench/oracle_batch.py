@@ -5,6 +5,7 @@ test that tells a GPU's batch-shape numerics from a batching bug (bench/device_p
 Job: {"model": dir, "prompts": [[ids]...], "max_tokens": n}
 Out: {"batch": [[ids]...] (BatchGenerator, greedy, no stop tokens), "alone": [[ids]...] (generate_step)}
 """
+
 from __future__ import annotations
 
 import json

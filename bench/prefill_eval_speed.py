@@ -7,6 +7,7 @@ on this device).
 
     python bench/prefill_eval_speed.py [--shapes 1b 3b] [--prompts 512 4000] [--modes 1 0] [--out results.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,15 @@ sys.path.insert(0, str(HERE))
 ENV = "MLXRS_PREFILL_EVAL_LAYERS"
 SHAPES = {
     "1b": None,  # bench_device.L1B
-    "3b": dict(hidden_size=3072, num_hidden_layers=28, intermediate_size=8192, num_attention_heads=24,
-               num_key_value_heads=8, vocab_size=32000, head_dim=128),
+    "3b": dict(
+        hidden_size=3072,
+        num_hidden_layers=28,
+        intermediate_size=8192,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        head_dim=128,
+    ),
 }
 
 
@@ -41,8 +49,11 @@ def once(sess, prompt: list[int], gen: int, mode: str) -> dict:
             n += 1
     t1 = time.perf_counter()
     c = sess.generate(prompt, max_tokens=2, temperature=0)  # the peak of a prefill + 2 tokens alone
-    return {"prefill_tps": len(prompt) / (first - t0), "decode_tps": (n - 1) / (t1 - first),
-            "peak": c.timings.peak_memory}
+    return {
+        "prefill_tps": len(prompt) / (first - t0),
+        "decode_tps": (n - 1) / (t1 - first),
+        "peak": c.timings.peak_memory,
+    }
 
 
 def main() -> int:
@@ -83,12 +94,17 @@ def main() -> int:
                 row: dict = {"shape": shape, "n": n, "planned": planned, "plans": plans, "modes": {}}
                 line = f"{shape} n={n}: planned {planned / 1e6:.1f} MB"
                 for mode, v in runs.items():
-                    r = {"prefill_tps": statistics.median(x["prefill_tps"] for x in v),
-                         "decode_tps": statistics.median(x["decode_tps"] for x in v),
-                         "peak_max": max(x["peak"] for x in v), "runs": v}
+                    r = {
+                        "prefill_tps": statistics.median(x["prefill_tps"] for x in v),
+                        "decode_tps": statistics.median(x["decode_tps"] for x in v),
+                        "peak_max": max(x["peak"] for x in v),
+                        "runs": v,
+                    }
                     row["modes"][mode] = r
-                    line += (f"; [{mode}] peak {r['peak_max'] / 1e6:.1f} MB ({planned / r['peak_max']:.3f}), "
-                             f"prefill {r['prefill_tps']:.0f} tok/s, decode {r['decode_tps']:.1f}")
+                    line += (
+                        f"; [{mode}] peak {r['peak_max'] / 1e6:.1f} MB ({planned / r['peak_max']:.3f}), "
+                        f"prefill {r['prefill_tps']:.0f} tok/s, decode {r['decode_tps']:.1f}"
+                    )
                 out["rows"].append(row)
                 print(line, flush=True)
             sess.close()

@@ -8,6 +8,7 @@ prompt: the median ms of a whole decode step (body + head + argmax), of the body
 (`model.model(...)`, same cache position), and of the head alone on the body's output, with the bytes
 each reads, and mlxrs's own decode ms/token on the same directory for reference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,16 @@ from pathlib import Path
 def preload() -> None:
     if os.environ.get("_PROFILE_CHILD"):
         return
-    out = subprocess.run([sys.executable, "-c", "import mlxrs; i = mlxrs.runtime_info(); "
-                          "print(i.get('blas_gemv') or ''); print(i.get('blas') or '')"],
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import mlxrs; i = mlxrs.runtime_info(); print(i.get('blas_gemv') or ''); print(i.get('blas') or '')",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     env = dict(os.environ, _PROFILE_CHILD="1", LD_PRELOAD=":".join(out))
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
@@ -80,11 +88,15 @@ def main() -> None:
     emb = model.model.embed_tokens.weight if tied else model.lm_head.weight
     head_bytes = emb.nbytes
     all_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    print(f"{a.model}: {emb.dtype}, parameters {all_bytes / 1e6:.0f} MB, output head {head_bytes / 1e6:.0f} MB; "
-          f"load average {os.getloadavg()[0]:.2f}")
-    print(f"  decode step {res['step']:.1f} ms  = body {res['body']:.1f} ms ({(all_bytes - head_bytes) / 1e6:.0f} MB, "
-          f"{(all_bytes - head_bytes) / res['body'] / 1e6:.1f} GB/s) + head {res['head']:.1f} ms "
-          f"({head_bytes / res['head'] / 1e6:.1f} GB/s); head share {res['head'] / res['step']:.0%}")
+    print(
+        f"{a.model}: {emb.dtype}, parameters {all_bytes / 1e6:.0f} MB, output head {head_bytes / 1e6:.0f} MB; "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"  decode step {res['step']:.1f} ms  = body {res['body']:.1f} ms ({(all_bytes - head_bytes) / 1e6:.0f} MB, "
+        f"{(all_bytes - head_bytes) / res['body'] / 1e6:.1f} GB/s) + head {res['head']:.1f} ms "
+        f"({head_bytes / res['head'] / 1e6:.1f} GB/s); head share {res['head'] / res['step']:.0%}"
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ For each bit width and each 8B-shaped matrix, the kernel's output is compared wi
 layer stack of distinct matrices (so the L2 cache does not serve them) is timed through both, and the
 bytes read per second are printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,8 +88,9 @@ SOURCE = """
     }
 """
 
-KERNEL = mx.fast.cuda_kernel(name="mlxrs_qmv", input_names=["x", "w", "scales", "biases"], output_names=["y"],
-                             source=SOURCE, header=HEADER)
+KERNEL = mx.fast.cuda_kernel(
+    name="mlxrs_qmv", input_names=["x", "w", "scales", "biases"], output_names=["y"], source=SOURCE, header=HEADER
+)
 
 
 ROWS = 2
@@ -98,9 +100,14 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int,
     m, k = x.shape
     n = w.shape[0]
     warps = (n + ROWS - 1) // ROWS
-    return KERNEL(inputs=[x, w, scales, biases],
-                  template=[("T", x.dtype), ("M", m), ("K", k), ("N", n), ("GS", gs), ("BITS", bits), ("R", ROWS)],
-                  grid=(warps * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(m, n)], output_dtypes=[x.dtype])[0]
+    return KERNEL(
+        inputs=[x, w, scales, biases],
+        template=[("T", x.dtype), ("M", m), ("K", k), ("N", n), ("GS", gs), ("BITS", bits), ("R", ROWS)],
+        grid=(warps * 32, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[x.dtype],
+    )[0]
 
 
 DENSE_SOURCE = """
@@ -149,8 +156,14 @@ def gemv(x: mx.array, w: mx.array, rows: int) -> mx.array:
     m, k = x.shape
     n = w.shape[0]
     warps = (n + rows - 1) // rows
-    return DENSE(inputs=[x, w], template=[("T", x.dtype), ("M", m), ("K", k), ("N", n), ("R", rows)],
-                 grid=(warps * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(m, n)], output_dtypes=[x.dtype])[0]
+    return DENSE(
+        inputs=[x, w],
+        template=[("T", x.dtype), ("M", m), ("K", k), ("N", n), ("R", rows)],
+        grid=(warps * 32, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[x.dtype],
+    )[0]
 
 
 def dense_bench(reps: int) -> None:
@@ -161,7 +174,9 @@ def dense_bench(reps: int) -> None:
     sc = mx.abs(exact).max().item()
     for rows in (1, 2, 4):
         d = mx.abs(gemv(x, w, rows).astype(mx.float32) - exact).max().item() / sc
-        print(f"dense check rows={rows}: ours {d:.2e}  mlx {mx.abs((x @ w.T).astype(mx.float32) - exact).max().item() / sc:.2e}")
+        print(
+            f"dense check rows={rows}: ours {d:.2e}  mlx {mx.abs((x @ w.T).astype(mx.float32) - exact).max().item() / sc:.2e}"
+        )
     mats = [mx.random.normal((32768, 8192)).astype(mx.bfloat16) for _ in range(8)]
     mx.eval(mats)
     nbytes = sum(m.nbytes for m in mats)
@@ -222,12 +237,14 @@ def main() -> None:
             mx.eval(ys)
             mx.synchronize()
             dt = time.perf_counter() - t
-            print(f"overhead: {n_ops} independent tiny ops {dt * 1e3:.2f} ms = {dt / n_ops * 1e6:.1f} us/op", flush=True)
+            print(
+                f"overhead: {n_ops} independent tiny ops {dt * 1e3:.2f} ms = {dt / n_ops * 1e6:.1f} us/op", flush=True
+            )
     shapes = [(65536, 8192)] * 4 if a.big else SHAPES_8B
     layers = 1 if a.big else a.layers
-    for bits in (() if a.no_check else (4, 8)):
+    for bits in () if a.no_check else (4, 8):
         for m in (1, 2, 4, 8):
-            for (n, k) in [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]:
+            for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]:
                 w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
                 wq, s, b = mx.quantize(w, group_size=64, bits=bits)
                 x = mx.random.normal((m, k)).astype(mx.bfloat16)
@@ -243,12 +260,12 @@ def main() -> None:
     for bits in (4, 8):
         mats = []
         for _ in range(layers):
-            for (n, k) in shapes:
+            for n, k in shapes:
                 w = mx.random.randint(0, 2**31 - 1, (n, k * bits // 32)).astype(mx.uint32)
                 s = (mx.random.normal((n, k // 64)) * 0.01).astype(mx.bfloat16)
                 b = (mx.random.normal((n, k // 64)) * 0.01).astype(mx.bfloat16)
                 mats.append((w, s, b))
-            mx.eval(mats[-len(shapes):])
+            mx.eval(mats[-len(shapes) :])
         nbytes = sum(w.nbytes + s.nbytes + b.nbytes for w, s, b in mats)
         for m in (1, 4, 8):
             xs = {kk: mx.random.normal((m, kk)).astype(mx.bfloat16) for kk in {k for _, k in shapes}}
@@ -258,8 +275,15 @@ def main() -> None:
                 mx.eval([qmv(xs[w.shape[1] * 32 // bits], w, s, b, bits, 64) for w, s, b in mats])
 
             def run_mlx() -> None:
-                mx.eval([mx.quantized_matmul(xs[w.shape[1] * 32 // bits], w, s, b, transpose=True, group_size=64,
-                                             bits=bits) for w, s, b in mats])
+                mx.eval(
+                    [
+                        mx.quantized_matmul(
+                            xs[w.shape[1] * 32 // bits], w, s, b, transpose=True, group_size=64, bits=bits
+                        )
+                        for w, s, b in mats
+                    ]
+                )
+
             times: dict[str, list[float]] = {"ours": [], "mlx": []}
             for f in (run_ours, run_mlx):
                 f()
@@ -271,11 +295,21 @@ def main() -> None:
                     mx.synchronize()
                     times[name].append(time.perf_counter() - t)
             med = {kk: sorted(v)[len(v) // 2] for kk, v in times.items()}
-            row = dict(bits=bits, m=m, gbytes=nbytes / 1e9, ours_s=med["ours"], mlx_s=med["mlx"],
-                       ours_gbs=nbytes / med["ours"] / 1e9, mlx_gbs=nbytes / med["mlx"] / 1e9)
+            row = dict(
+                bits=bits,
+                m=m,
+                gbytes=nbytes / 1e9,
+                ours_s=med["ours"],
+                mlx_s=med["mlx"],
+                ours_gbs=nbytes / med["ours"] / 1e9,
+                mlx_gbs=nbytes / med["mlx"] / 1e9,
+            )
             res["speed"].append(row)
-            print(f"speed bits={bits} m={m}: {nbytes / 1e9:.2f} GB  ours {row['ours_gbs']:.0f} GB/s  "
-                  f"mlx {row['mlx_gbs']:.0f} GB/s  ratio {med['mlx'] / med['ours']:.2f}x", flush=True)
+            print(
+                f"speed bits={bits} m={m}: {nbytes / 1e9:.2f} GB  ours {row['ours_gbs']:.0f} GB/s  "
+                f"mlx {row['mlx_gbs']:.0f} GB/s  ratio {med['mlx'] / med['ours']:.2f}x",
+                flush=True,
+            )
         mats.clear()
     if a.out:
         with open(a.out, "w") as f:

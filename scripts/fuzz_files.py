@@ -19,6 +19,7 @@ Each case ends as one of:
 Exit status 1 when any case crashed, hung or was accepted inconsistent. docs/fuzzing.md has the
 latest counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,15 +42,61 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 SHAPE = dict(vocab=512, hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, inter=128)
 U64 = [0, 1, 2, 31, 32, 33, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
-INTS: list[Any] = [0, -1, 1, 2, 3, 7, 31, 32, 33, 63, 64, 65, 127, 128, 511, 512, 513, 1024, 2**31 - 1, 2**31,
-                   2**32 + 64, 2**63 - 1, 10**9, 10**6, 1.5, 1e9, "64", None, True, [64]]
+INTS: list[Any] = [
+    0,
+    -1,
+    1,
+    2,
+    3,
+    7,
+    31,
+    32,
+    33,
+    63,
+    64,
+    65,
+    127,
+    128,
+    511,
+    512,
+    513,
+    1024,
+    2**31 - 1,
+    2**31,
+    2**32 + 64,
+    2**63 - 1,
+    10**9,
+    10**6,
+    1.5,
+    1e9,
+    "64",
+    None,
+    True,
+    [64],
+]
 ST_DTYPES = ["F32", "F16", "BF16", "F64", "U32", "I32", "U8", "I8", "BOOL", "I64", "Q4", "", "F8_E4M3"]
-SIZE_KEYS = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "vocab_size", "intermediate_size", "max_position_embeddings", "sliding_window", "rope_theta",
-             "rms_norm_eps", "tie_word_embeddings", "model_type", "layer_types", "rope_scaling", "quantization"]
+SIZE_KEYS = [
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "max_position_embeddings",
+    "sliding_window",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "model_type",
+    "layer_types",
+    "rope_scaling",
+    "quantization",
+]
 
 
 # ---- the base files ------------------------------------------------------------------------------
+
 
 def base_model() -> Path:
     from tinymodels import make_model
@@ -68,13 +115,14 @@ def base_gguf(model: Path, work: Path) -> Path:
 
 # ---- mutations (deterministic from the case's seed) ------------------------------------------------
 
+
 def raw_edit(data: bytes, rnd: random.Random, hot: int) -> bytes:
     """Bit flips, byte sets, 8-byte interesting values or a truncation, mostly within the first
     `hot` bytes (the header)."""
     b = bytearray(data)
     op = rnd.random()
     if op < 0.15:
-        return bytes(b[:rnd.randrange(len(b))])
+        return bytes(b[: rnd.randrange(len(b))])
     for _ in range(rnd.randint(1, 4)):
         i = rnd.randrange(min(hot, len(b))) if rnd.random() < 0.85 else rnd.randrange(len(b))
         if op < 0.55:
@@ -82,7 +130,7 @@ def raw_edit(data: bytes, rnd: random.Random, hot: int) -> bytes:
         elif op < 0.8:
             b[i] = rnd.randrange(256)
         else:
-            b[i:i + 8] = rnd.choice(U64).to_bytes(8, "little")
+            b[i : i + 8] = rnd.choice(U64).to_bytes(8, "little")
     return bytes(b)
 
 
@@ -90,20 +138,28 @@ def mutate_safetensors(data: bytes, rnd: random.Random) -> bytes:
     (n,) = struct.unpack_from("<Q", data)
     if rnd.random() < 0.35:
         return raw_edit(data, rnd, 8 + n)
-    header = json.loads(data[8:8 + n])
-    body = data[8 + n:]
+    header = json.loads(data[8 : 8 + n])
+    body = data[8 + n :]
     for _ in range(rnd.randint(1, 2)):
         names = [k for k in header if k != "__metadata__"]
         t = header[rnd.choice(names)]
         what = rnd.random()
         if what < 0.35:
             i = rnd.randrange(2)
-            t["data_offsets"][i] = rnd.choice([*U64[:12], len(body), len(body) + 1, t["data_offsets"][1 - i],
-                                                t["data_offsets"][i] + rnd.choice([-4, -1, 1, 4, 64])])
+            t["data_offsets"][i] = rnd.choice(
+                [
+                    *U64[:12],
+                    len(body),
+                    len(body) + 1,
+                    t["data_offsets"][1 - i],
+                    t["data_offsets"][i] + rnd.choice([-4, -1, 1, 4, 64]),
+                ]
+            )
         elif what < 0.65 and t["shape"]:
             i = rnd.randrange(len(t["shape"]))
-            t["shape"][i] = rnd.choice([0, 1, 2, t["shape"][i] * 2, t["shape"][i] // 2, t["shape"][i] + 1, 2**31,
-                                        2**32 + t["shape"][i], -1])
+            t["shape"][i] = rnd.choice(
+                [0, 1, 2, t["shape"][i] * 2, t["shape"][i] // 2, t["shape"][i] + 1, 2**31, 2**32 + t["shape"][i], -1]
+            )
         elif what < 0.8:
             t["dtype"] = rnd.choice(ST_DTYPES)
         elif what < 0.9:
@@ -123,8 +179,17 @@ def mutate_config(text: str, rnd: random.Random) -> str:
     cfg = json.loads(text)
     for _ in range(rnd.randint(1, 3)):
         k = rnd.choice(SIZE_KEYS)
-        v = rnd.choice(INTS + ["llama", "gemma3_text", "qwen3", ["sliding_attention"] * 3,
-                               {"type": "llama3", "factor": 0}, {"group_size": 0, "bits": 4}])
+        v = rnd.choice(
+            INTS
+            + [
+                "llama",
+                "gemma3_text",
+                "qwen3",
+                ["sliding_attention"] * 3,
+                {"type": "llama3", "factor": 0},
+                {"group_size": 0, "bits": 4},
+            ]
+        )
         if v is None:
             cfg.pop(k, None)
         else:
@@ -144,7 +209,7 @@ def mutate_gguf(data: bytes, fields: list[tuple[int, int, str]], header_end: int
     b = data
     for _ in range(rnd.randint(1, 2)):
         off, width, what = rnd.choice(fields)
-        orig = int.from_bytes(b[off:off + width], "little")
+        orig = int.from_bytes(b[off : off + width], "little")
         if width == 8:
             v = rnd.choice([*U64, orig + 1, max(orig - 1, 0), orig + 32, orig * 2, len(data)])
         elif width == 4:
@@ -152,14 +217,27 @@ def mutate_gguf(data: bytes, fields: list[tuple[int, int, str]], header_end: int
         else:
             v = rnd.choice([0, 1, 2, 255, orig ^ 1])
         v &= (1 << (8 * width)) - 1
-        b = b[:off] + v.to_bytes(width, "little") + b[off + width:]
+        b = b[:off] + v.to_bytes(width, "little") + b[off + width :]
     return b
 
 
 # ---- independent consistency checks (not mlxrs's code) ----------------------------------------------
 
-ST_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1, "I64": 8,
-            "U64": 8, "I16": 2, "U16": 2}
+ST_SIZES = {
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F64": 8,
+    "U32": 4,
+    "I32": 4,
+    "U8": 1,
+    "I8": 1,
+    "BOOL": 1,
+    "I64": 8,
+    "U64": 8,
+    "I16": 2,
+    "U16": 2,
+}
 
 
 def safetensors_consistent(path: Path, reference: dict[str, Any]) -> str | None:
@@ -167,7 +245,7 @@ def safetensors_consistent(path: Path, reference: dict[str, Any]) -> str | None:
     shapes); else why not."""
     raw = path.read_bytes()
     (n,) = struct.unpack_from("<Q", raw)
-    pairs = json.loads(raw[8:8 + n], object_pairs_hook=lambda kv: kv)
+    pairs = json.loads(raw[8 : 8 + n], object_pairs_hook=lambda kv: kv)
     if len({k for k, _ in pairs}) != len(pairs):
         return "duplicate keys"
     header = dict(pairs)
@@ -196,7 +274,10 @@ def safetensors_consistent(path: Path, reference: dict[str, Any]) -> str | None:
 
 def info_consistent(info: dict[str, Any], tokens: list[int]) -> str | None:
     """A loaded model's shape agrees with the tiny model's weights."""
-    if info["hidden_size"] != SHAPE["hidden"] or info["head_dim"] * info["num_kv_heads"] != SHAPE["head_dim"] * SHAPE["kv_heads"]:
+    if (
+        info["hidden_size"] != SHAPE["hidden"]
+        or info["head_dim"] * info["num_kv_heads"] != SHAPE["head_dim"] * SHAPE["kv_heads"]
+    ):
         return f"shape {info}"
     if not (1 <= info["num_layers"] <= SHAPE["layers"]) or not (1 <= info["vocab_size"] <= SHAPE["vocab"]):
         return f"layers/vocab {info}"
@@ -243,6 +324,7 @@ def gguf_consistent(data: bytes) -> str | None:
 
 # ---- the worker: runs cases kind/start..end, one line per case ----------------------------------------
 
+
 def worker(kind: str, seed: int, start: int, end: int, work: Path) -> None:
     import mlxrs
     from mlxrs import models
@@ -255,7 +337,7 @@ def worker(kind: str, seed: int, start: int, end: int, work: Path) -> None:
     shutil.copytree(model, scratch)
     st_bytes = (model / "model.safetensors").read_bytes()
     (n,) = struct.unpack_from("<Q", st_bytes)
-    reference = {k: v for k, v in json.loads(st_bytes[8:8 + n]).items() if k != "__metadata__"}
+    reference = {k: v for k, v in json.loads(st_bytes[8 : 8 + n]).items() if k != "__metadata__"}
     cfg_text = (model / "config.json").read_text()
     g_bytes = base_gguf(model, work).read_bytes() if kind == "gguf" else b""
     g_fields, g_end = gguf_fields(g_bytes) if kind == "gguf" else ([], 0)
@@ -293,15 +375,33 @@ def worker(kind: str, seed: int, start: int, end: int, work: Path) -> None:
 
 # ---- the supervisor ----------------------------------------------------------------------------------
 
+
 def supervise(kind: str, n: int, seed: int, timeout: float, work: Path) -> dict[str, Any]:
     counts = {k: 0 for k in ("accepted-consistent", "refused", "crashed", "hung", "accepted-inconsistent")}
     examples: dict[str, list[str]] = {}
     i = 0
     while i < n:
         err = open(work / f"{kind}-worker.err", "w+")
-        p = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--seed", str(seed), "--start", str(i),
-                              "--end", str(n), "--work", str(work)], stdout=subprocess.PIPE, stderr=err,
-                             text=True, bufsize=1)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                kind,
+                "--seed",
+                str(seed),
+                "--start",
+                str(i),
+                "--end",
+                str(n),
+                "--work",
+                str(work),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            bufsize=1,
+        )
         assert p.stdout is not None
         current = None
         deadline = time.monotonic() + timeout + 120  # the first case also builds the base files
@@ -363,8 +463,10 @@ def main() -> int:
             t0 = time.monotonic()
             res = supervise(kind, a.n, a.seed, a.timeout, Path(tmp))
             c = res["counts"]
-            print(f"{kind}: {a.n} cases in {time.monotonic() - t0:.0f} s: " + ", ".join(f"{k} {v}" for k, v in c.items()),
-                  flush=True)
+            print(
+                f"{kind}: {a.n} cases in {time.monotonic() - t0:.0f} s: " + ", ".join(f"{k} {v}" for k, v in c.items()),
+                flush=True,
+            )
             for k, ex in res["problems"].items():
                 print(f"  {k}: " + "; ".join(ex[:10]))
             bad += c["crashed"] + c["hung"] + c["accepted-inconsistent"]

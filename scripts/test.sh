@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, ruff with
-# pyproject.toml's rules, mypy --strict on python/mlxrs), then the Rust tests (cargo test --workspace)
+# Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, cargo fmt
+# --check, ruff with pyproject.toml's rules, ruff format --check, mypy --strict on python/mlxrs), then the Rust tests (cargo test --workspace)
 # and the Python tests (pytest tests/). Stops at the first failing stage. Extra arguments go to pytest:
 #   bash scripts/test.sh -k matmul -x
 set -euo pipefail
@@ -45,7 +45,9 @@ export PATH="$VIRTUAL_ENV/bin:$PATH"
 # extension as the wheel builds it (no features) is linted on its own
 stage "lint: cargo clippy (warnings are errors)" cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
 stage "lint: cargo clippy, the wheel's features" cargo clippy -p mlxrs-py --quiet -- -D warnings
+stage "lint: cargo fmt --check (rustfmt.toml)" cargo fmt --all -- --check
 stage "lint: ruff" ruff check python tests bench scripts
+stage "lint: ruff format --check" ruff format --check python tests bench scripts
 stage "lint: mypy --strict (the package)" python -m mypy --strict python/mlxrs
 stage "cargo test --workspace" cargo test --workspace --all-features
 [ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }

@@ -1,6 +1,7 @@
 """numpy <-> native array bridge for the tests (and bench/check_gdn_kernel.py): raw arrays through
 `mlxrs._native._array_roundtrip` and `mlxrs._native._op`, the op dispatch the test build has (the
 `testing` cargo feature of crates/mlxrs-py; the wheel has no `_op`)."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,18 @@ import numpy as np
 from mlxrs import _native
 
 _NP_TO_MLX = {
-    np.dtype("bool"): "bool", np.dtype("uint8"): "uint8", np.dtype("uint16"): "uint16",
-    np.dtype("uint32"): "uint32", np.dtype("uint64"): "uint64", np.dtype("int8"): "int8",
-    np.dtype("int16"): "int16", np.dtype("int32"): "int32", np.dtype("int64"): "int64",
-    np.dtype("float16"): "float16", np.dtype("float32"): "float32", np.dtype("float64"): "float64",
+    np.dtype("bool"): "bool",
+    np.dtype("uint8"): "uint8",
+    np.dtype("uint16"): "uint16",
+    np.dtype("uint32"): "uint32",
+    np.dtype("uint64"): "uint64",
+    np.dtype("int8"): "int8",
+    np.dtype("int16"): "int16",
+    np.dtype("int32"): "int32",
+    np.dtype("int64"): "int64",
+    np.dtype("float16"): "float16",
+    np.dtype("float32"): "float32",
+    np.dtype("float64"): "float64",
 }
 
 
@@ -41,8 +50,10 @@ def native_op() -> Any:
     """`mlxrs._native._op`, or a clear error when the extension was built without it."""
     f = getattr(_native, "_op", None)
     if f is None:
-        raise RuntimeError("mlxrs._native has no _op: build the extension with the testing feature "
-                           "(scripts/setup.sh does: maturin develop --release --features testing)")
+        raise RuntimeError(
+            "mlxrs._native has no _op: build the extension with the testing feature "
+            "(scripts/setup.sh does: maturin develop --release --features testing)"
+        )
     return f
 
 
@@ -51,8 +62,9 @@ def op(name: str, *inputs: np.ndarray, **params: Any) -> list[np.ndarray]:
     return [from_raw(o) for o in outs]
 
 
-def np_gated_delta(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                   state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def np_gated_delta(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule token by token (float64): per value head h (key head h // (Hv / Hk)),
     S = g S; S += beta (v - S k) k^T; y = S q."""
     b, t, hk, _ = q.shape

@@ -7,7 +7,9 @@ import struct
 import numpy as np
 
 
-def wav_bytes(samples: np.ndarray, rate: int, bits: int = 16, fmt: str = "int", claim_frames: int | None = None) -> bytes:
+def wav_bytes(
+    samples: np.ndarray, rate: int, bits: int = 16, fmt: str = "int", claim_frames: int | None = None
+) -> bytes:
     """A WAV file of `samples` (`[frames, channels]` floats in [-1, 1]) as `bits`-bit PCM
     (`fmt="int"`) or float32 (`fmt="float"`); `claim_frames` makes the header lie about the length."""
     x = np.asarray(samples, dtype=np.float64)
@@ -23,12 +25,24 @@ def wav_bytes(samples: np.ndarray, rate: int, bits: int = 16, fmt: str = "int", 
     else:
         top = 2 ** (bits - 1)
         v = np.clip(np.round(x * (top - 1)), -top, top - 1).astype(np.int64).ravel()
-        data = b"".join(int(s).to_bytes(bits // 8, "little", signed=True) for s in v) if bits == 24 else v.astype(f"<i{bits // 8}").tobytes()
+        data = (
+            b"".join(int(s).to_bytes(bits // 8, "little", signed=True) for s in v)
+            if bits == 24
+            else v.astype(f"<i{bits // 8}").tobytes()
+        )
         tag = 1
     align = ch * bits // 8
     n = len(data) if claim_frames is None else claim_frames * align
     fmt_chunk = b"fmt " + struct.pack("<IHHIIHH", 16, tag, ch, rate, rate * align, align, bits)
-    return b"RIFF" + struct.pack("<I", 4 + len(fmt_chunk) + 8 + n) + b"WAVE" + fmt_chunk + b"data" + struct.pack("<I", n) + data
+    return (
+        b"RIFF"
+        + struct.pack("<I", 4 + len(fmt_chunk) + 8 + n)
+        + b"WAVE"
+        + fmt_chunk
+        + b"data"
+        + struct.pack("<I", n)
+        + data
+    )
 
 
 def tone(seconds: float, rate: int, channels: int = 1, seed: int = 0) -> np.ndarray:

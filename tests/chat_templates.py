@@ -1,6 +1,7 @@
 """Realistic chat templates (modelled on the ones real model families ship) and a helper that puts
 one into a copy of a tiny model directory, so mlxrs's rendering can be compared with transformers'.
 """
+
 from __future__ import annotations
 
 import json

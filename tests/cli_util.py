@@ -2,6 +2,7 @@
 tests where no process boundary is under test: the same exit status, stdout and stderr as the
 subprocess, without starting Python and loading MLX again (about a second each on CI's 2 cores).
 Keep a real-process test per command for the entry point itself."""
+
 from __future__ import annotations
 
 import contextlib

@@ -25,6 +25,7 @@ Fault modes, set on the instance while it runs (all keyed by file name):
 
 `served[name]` counts the body bytes sent for each file, `log` records (method, path, Range).
 """
+
 from __future__ import annotations
 
 import collections
@@ -86,8 +87,12 @@ class Repo:
     def sibling(self, name: str, data: bytes) -> dict[str, Any]:
         if name in self.lfs:
             ptr = lfs_pointer(data)
-            return {"rfilename": name, "size": len(data), "blobId": git_blob_sha1(ptr),
-                    "lfs": {"sha256": sha256(data), "size": len(data), "pointerSize": len(ptr)}}
+            return {
+                "rfilename": name,
+                "size": len(data),
+                "blobId": git_blob_sha1(ptr),
+                "lfs": {"sha256": sha256(data), "size": len(data), "pointerSize": len(ptr)},
+            }
         return {"rfilename": name, "size": len(data), "blobId": git_blob_sha1(data)}
 
 
@@ -180,9 +185,9 @@ class FakeHub:
                     hub.log.append((self.command, path, self.headers.get("Range")))
                 try:
                     if path.startswith("/api/models/"):
-                        return self.api(unquote(path[len("/api/models/"):]))
+                        return self.api(unquote(path[len("/api/models/") :]))
                     if path.startswith("/cdn/"):
-                        sha = path[len("/cdn/"):]
+                        sha = path[len("/cdn/") :]
                         for repo in hub.repos.values():
                             for tree in [repo.files, *repo.files_at.values()]:
                                 for name, data in tree.items():
@@ -190,7 +195,7 @@ class FakeHub:
                                         return self.body(name, data, {"ETag": f'"{sha}"'})
                         return self.error(404, None, "no such object")
                     if path.startswith("/files/"):
-                        name = unquote(path[len("/files/"):])
+                        name = unquote(path[len("/files/") :])
                         if name not in hub.extra:
                             return self.error(404, None, "not found")
                         return self.body(name, hub.extra[name], {"ETag": f'"{sha256(hub.extra[name])}"'})
@@ -207,10 +212,18 @@ class FakeHub:
                 if repo.private:
                     return (401 if tok is None else 404, "RepoNotFound", "Repository not found")
                 if tok is None:
-                    return (401, "GatedRepo", f"Access to model {repo.repo_id} is restricted. You must have access "
-                                              "to it and be authenticated to access it. Please log in.")
-                return (403, "GatedRepo", f"Access to model {repo.repo_id} is restricted and you are not in the "
-                                          "authorized list. Visit the repo page to ask for access.")
+                    return (
+                        401,
+                        "GatedRepo",
+                        f"Access to model {repo.repo_id} is restricted. You must have access "
+                        "to it and be authenticated to access it. Please log in.",
+                    )
+                return (
+                    403,
+                    "GatedRepo",
+                    f"Access to model {repo.repo_id} is restricted and you are not in the "
+                    "authorized list. Visit the repo page to ask for access.",
+                )
 
             def api(self, rest: str) -> None:
                 repo_id, _, rev = rest.partition("/revision/")
@@ -224,9 +237,16 @@ class FakeHub:
                 if commit is None:
                     return self.error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
                 info = {
-                    "_id": "0" * 24, "id": repo_id, "modelId": repo_id, "author": repo_id.split("/")[0],
-                    "sha": commit, "lastModified": "2026-01-01T00:00:00.000Z", "private": repo.private,
-                    "gated": "manual" if repo.gated else False, "disabled": False, "tags": [],
+                    "_id": "0" * 24,
+                    "id": repo_id,
+                    "modelId": repo_id,
+                    "author": repo_id.split("/")[0],
+                    "sha": commit,
+                    "lastModified": "2026-01-01T00:00:00.000Z",
+                    "private": repo.private,
+                    "gated": "manual" if repo.gated else False,
+                    "disabled": False,
+                    "tags": [],
                     "siblings": [repo.sibling(n, d) for n, d in repo.tree(commit).items()],
                 }
                 self.reply(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
@@ -255,9 +275,17 @@ class FakeHub:
                 common = {"X-Repo-Commit": commit, "Accept-Ranges": "bytes"}
                 if name in repo.lfs:
                     ptr = lfs_pointer(data)
-                    self.reply(302, b"", {**common, "Location": f"/cdn/{sha256(data)}?X-Amz-Signature=fake",
-                                          "X-Linked-Etag": f'"{sha256(data)}"', "X-Linked-Size": str(len(data)),
-                                          "ETag": f'"{git_blob_sha1(ptr)}"'})
+                    self.reply(
+                        302,
+                        b"",
+                        {
+                            **common,
+                            "Location": f"/cdn/{sha256(data)}?X-Amz-Signature=fake",
+                            "X-Linked-Etag": f'"{sha256(data)}"',
+                            "X-Linked-Size": str(len(data)),
+                            "ETag": f'"{git_blob_sha1(ptr)}"',
+                        },
+                    )
                     return
                 self.body(name, data, {**common, "ETag": f'"{git_blob_sha1(data)}"'})
 
@@ -276,7 +304,7 @@ class FakeHub:
                 forced = hub._take(hub.status, name)
                 if forced:
                     return self.error(forced, None, f"forced {forced}")
-                body = bytearray(data[start:end + 1])
+                body = bytearray(data[start : end + 1])
                 if hub._take(hub.flip, name):
                     mid = size // 2
                     if start <= mid <= end:
@@ -296,7 +324,7 @@ class FakeHub:
                 limit = len(body) if cut is None else min(cut, len(body))
                 pos = 0
                 while pos < limit:
-                    chunk = body[pos:min(limit, pos + 65536)]
+                    chunk = body[pos : min(limit, pos + 65536)]
                     self.wfile.write(chunk)
                     self.wfile.flush()
                     with hub.lock:

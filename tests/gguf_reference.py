@@ -1,6 +1,7 @@
 """An independent GGUF → Hugging Face-layout conversion for the real-model tests, written with
 llama.cpp's own gguf-py (reader and dequantization) and transformers' GGUF tokenizer code, sharing
 nothing with mlxrs's importer. mlx-lm then loads the result as the oracle."""
+
 from __future__ import annotations
 
 import json
@@ -9,11 +10,19 @@ from pathlib import Path
 import numpy as np
 
 NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -54,24 +63,35 @@ def convert_gemma3(gguf_path: Path, out: Path, dtype: str = "float32") -> Path:
         "intermediate_size": int(meta("gemma3.feed_forward_length")),
         "num_attention_heads": int(meta("gemma3.attention.head_count")),
         "num_key_value_heads": int(meta("gemma3.attention.head_count_kv")),
-        "head_dim": hd, "query_pre_attn_scalar": hd,
+        "head_dim": hd,
+        "query_pre_attn_scalar": hd,
         "rms_norm_eps": float(meta("gemma3.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta("gemma3.rope.freq_base")), "rope_local_base_freq": 10000.0,
-        "sliding_window": int(meta("gemma3.attention.sliding_window")), "sliding_window_pattern": 6,
+        "rope_theta": float(meta("gemma3.rope.freq_base")),
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": int(meta("gemma3.attention.sliding_window")),
+        "sliding_window_pattern": 6,
         "max_position_embeddings": int(meta("gemma3.context_length")),
         "vocab_size": len(meta("tokenizer.ggml.tokens")),
         "eos_token_id": [int(meta("tokenizer.ggml.eos_token_id"))],
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    d = {name: meta("tokenizer." + key) for key, name in gtm.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
-         if meta("tokenizer." + key) is not None}
+    d = {
+        name: meta("tokenizer." + key)
+        for key, name in gtm.GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if meta("tokenizer." + key) is not None
+    }
     tok, _ = gtm.convert_gguf_tokenizer("gemma3", d)
     tok.save(str(out / "tokenizer.json"))
     toks = d["tokens"]
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True,
-        "bos_token": toks[int(meta("tokenizer.ggml.bos_token_id"))],
-        "eos_token": toks[int(meta("tokenizer.ggml.eos_token_id"))],
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "add_bos_token": True,
+                "bos_token": toks[int(meta("tokenizer.ggml.bos_token_id"))],
+                "eos_token": toks[int(meta("tokenizer.ggml.eos_token_id"))],
+            }
+        )
+    )
     (out / ".complete").write_text("ok")
     return out

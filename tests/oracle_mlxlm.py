@@ -7,6 +7,7 @@ Job: {"model": dir, "prompt": [ids], "max_tokens": n, "kv_bits": b|null, "max_kv
       "prefill_step_size": n, "adapter_path": dir|null (a LoRA/DoRA adapter, mlx-lm's load_adapters)}
 Out: {"tokens": [ids] (greedy), "logits": [last-position logits, float32]}
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ def run(model: Any, job: dict[str, Any]) -> dict[str, Any]:
     # last-position logits on generate_step's schedule: chunks of all but the last token, then it
     cache = make_prompt_cache(model, max_kv_size=job.get("max_kv_size"))
     head, tail = prompt[:-1], prompt[-1:]
-    chunks = [head[i:i + step] for i in range(0, head.shape[0], step)] + [tail]
+    chunks = [head[i : i + step] for i in range(0, head.shape[0], step)] + [tail]
     logits = None
     for c in chunks:
         logits = model(c[None], cache=cache)
@@ -41,8 +42,15 @@ def run(model: Any, job: dict[str, Any]) -> dict[str, Any]:
         mx.eval([x.state for x in cache])
     last = logits[0, -1].astype(mx.float32)
     tokens = []
-    for tok, _ in generate_step(prompt, model, max_tokens=job["max_tokens"], max_kv_size=job.get("max_kv_size"),
-                                prefill_step_size=step, kv_bits=kv_bits, quantized_kv_start=0):
+    for tok, _ in generate_step(
+        prompt,
+        model,
+        max_tokens=job["max_tokens"],
+        max_kv_size=job.get("max_kv_size"),
+        prefill_step_size=step,
+        kv_bits=kv_bits,
+        quantized_kv_start=0,
+    ):
         tokens.append(int(tok))
     return {"tokens": tokens, "logits": last.tolist()}
 

@@ -15,6 +15,7 @@ Out: {"input_ids": [ids] (the processor's), "pixel_values": [[floats]] per image
       "logits": [last-position logits, float32] (the merged embeddings through the language model, as
       generate's prefill runs them: all but the last position, then the last)}
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,7 @@ def gemma4(job: dict, model, processor) -> dict:
         # each clip's encoder frames through the projector (all of them, the padded ones zero)
         out["audio_features"] = []
         for i in range(feats.shape[0]):
-            enc, _ = model.audio_tower(feats[i:i + 1], ~fmask[i:i + 1])
+            enc, _ = model.audio_tower(feats[i : i + 1], ~fmask[i : i + 1])
             out["audio_features"].append(np.asarray(model.embed_audio(enc)[0].astype(mx.float32)).tolist())
     emb = model.get_input_embeddings(input_ids, pixel_values, **extra)
     h, pli = emb.inputs_embeds, emb.per_layer_inputs
@@ -62,8 +63,12 @@ def gemma4(job: dict, model, processor) -> dict:
     n, i, step = input_ids.shape[1], 0, job.get("prefill_step_size", 2048)
 
     def run(a: int, b: int):
-        return lm(input_ids[:, a:b], inputs_embeds=h[:, a:b], cache=cache,
-                  per_layer_inputs=None if pli is None else pli[:, a:b]).logits
+        return lm(
+            input_ids[:, a:b],
+            inputs_embeds=h[:, a:b],
+            cache=cache,
+            per_layer_inputs=None if pli is None else pli[:, a:b],
+        ).logits
 
     while n - i > 1:
         k = min(step, n - 1 - i)
@@ -73,8 +78,19 @@ def gemma4(job: dict, model, processor) -> dict:
     out["logits"] = np.asarray(run(i, n)[0, -1].astype(mx.float32)).tolist()
     from mlx_vlm.generate.ar import generate_step
 
-    out["tokens"] = [int(t) for t, _ in generate_step(input_ids, model, pixel_values, None, max_tokens=job["max_tokens"],
-                                                      temperature=0.0, prefill_step_size=step, **extra)]
+    out["tokens"] = [
+        int(t)
+        for t, _ in generate_step(
+            input_ids,
+            model,
+            pixel_values,
+            None,
+            max_tokens=job["max_tokens"],
+            temperature=0.0,
+            prefill_step_size=step,
+            **extra,
+        )
+    ]
     return out
 
 
@@ -124,7 +140,7 @@ def qwen3_5(job: dict, model, processor) -> dict:
     kw = {"position_ids": emb.position_ids, "rope_deltas": emb.rope_deltas}
     while n - i > 1:
         k = min(step, n - 1 - i)
-        lm(input_ids[:, i:i + k], inputs_embeds=h[:, i:i + k], cache=cache, **kw)
+        lm(input_ids[:, i : i + k], inputs_embeds=h[:, i : i + k], cache=cache, **kw)
         mx.eval([c.state for c in cache])
         i += k
     last = lm(input_ids[:, i:n], inputs_embeds=h[:, i:n], cache=cache, **kw).logits
@@ -134,8 +150,19 @@ def qwen3_5(job: dict, model, processor) -> dict:
     lm._position_ids = None
     lm._rope_deltas = None
     pv_arg = None if "pixel_values_videos" in inputs else pixel_values
-    out["tokens"] = [int(t) for t, _ in generate_step(input_ids, model, pv_arg, None, max_tokens=job["max_tokens"],
-                                                      temperature=0.0, prefill_step_size=step, **extra)]
+    out["tokens"] = [
+        int(t)
+        for t, _ in generate_step(
+            input_ids,
+            model,
+            pv_arg,
+            None,
+            max_tokens=job["max_tokens"],
+            temperature=0.0,
+            prefill_step_size=step,
+            **extra,
+        )
+    ]
     return out
 
 
@@ -173,12 +200,19 @@ def run(loaded: tuple[Any, Any], job: dict[str, Any]) -> dict[str, Any]:
         emb = model.get_input_embeddings(input_ids, pixel_values, mask=mask).inputs_embeds
         cache = model.language_model.make_cache()
         n = input_ids.shape[1]
-        model.language_model(input_ids[:, :n - 1], inputs_embeds=emb[:, :n - 1], cache=cache)
-        last = model.language_model(input_ids[:, n - 1:], inputs_embeds=emb[:, n - 1:], cache=cache).logits
+        model.language_model(input_ids[:, : n - 1], inputs_embeds=emb[:, : n - 1], cache=cache)
+        last = model.language_model(input_ids[:, n - 1 :], inputs_embeds=emb[:, n - 1 :], cache=cache).logits
         out["logits"] = np.asarray(last[0, -1].astype(mx.float32)).tolist()
     tokens = []
-    for tok, _ in generate_step(input_ids, model, pixel_values, mask, max_tokens=job["max_tokens"], temperature=0.0,
-                                prefill_step_size=job.get("prefill_step_size", 2048)):
+    for tok, _ in generate_step(
+        input_ids,
+        model,
+        pixel_values,
+        mask,
+        max_tokens=job["max_tokens"],
+        temperature=0.0,
+        prefill_step_size=job.get("prefill_step_size", 2048),
+    ):
         tokens.append(int(tok))
     out["tokens"] = tokens
     return out

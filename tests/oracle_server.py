@@ -11,6 +11,7 @@ size and mtime of every file of the model and adapter directories); each job mak
 as a fresh process would. A job that raises fails alone; a crash (or a timeout) fails the job
 that was running, showing its stderr, and the next job starts a new process.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -72,8 +73,14 @@ class Oracle:
         fd, name = tempfile.mkstemp(prefix="mlxrs-oracle-", suffix=".stderr")
         self.errpath = Path(name)
         try:
-            self.proc = subprocess.Popen([sys.executable, str(HERE / "oracle_server.py")], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=fd, text=True, env=blas_env())
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "oracle_server.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=fd,
+                text=True,
+                env=blas_env(),
+            )
         finally:
             os.close(fd)
         self.starts += 1
@@ -99,18 +106,23 @@ class Oracle:
                     proc.stdin.write(json.dumps({"kind": kind, "job": job}) + "\n")
                     proc.stdin.flush()
                 except OSError as e:  # it died between jobs
-                    raise AssertionError(f"{NAMES[kind]} oracle failed: its process is gone ({e}, exit "
-                                         f"{proc.wait()}):\n{self._stderr_since(offset)}") from None
+                    raise AssertionError(
+                        f"{NAMES[kind]} oracle failed: its process is gone ({e}, exit "
+                        f"{proc.wait()}):\n{self._stderr_since(offset)}"
+                    ) from None
                 with selectors.DefaultSelector() as sel:
                     sel.register(proc.stdout, selectors.EVENT_READ)
                     if not sel.select(self.timeout):
-                        raise AssertionError(f"{NAMES[kind]} oracle: no answer in {self.timeout:.0f} s (killed):\n"
-                                             f"{self._stderr_since(offset)}")
+                        raise AssertionError(
+                            f"{NAMES[kind]} oracle: no answer in {self.timeout:.0f} s (killed):\n"
+                            f"{self._stderr_since(offset)}"
+                        )
                 line = proc.stdout.readline()
                 if not line.endswith("\n"):
                     code = proc.wait()
-                    raise AssertionError(f"{NAMES[kind]} oracle failed: its process died (exit {code}):\n"
-                                         f"{self._stderr_since(offset)}")
+                    raise AssertionError(
+                        f"{NAMES[kind]} oracle failed: its process died (exit {code}):\n{self._stderr_since(offset)}"
+                    )
                 reply = json.loads(line)
                 done = True
             finally:
@@ -182,8 +194,13 @@ def main() -> None:
         try:
             req = json.loads(line)
             mod, job = kinds[req["kind"]], req["job"]
-            key = (req["kind"], job["model"], job.get("adapter_path"), _fingerprint(job["model"]),
-                   _fingerprint(job.get("adapter_path")))
+            key = (
+                req["kind"],
+                job["model"],
+                job.get("adapter_path"),
+                _fingerprint(job["model"]),
+                _fingerprint(job.get("adapter_path")),
+            )
             model = loaded.pop(key, None)
             for k in [k for k in loaded if _nbytes(k) > KEEP_BYTES]:  # a large model only while it is asked for
                 del loaded[k]

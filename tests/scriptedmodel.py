@@ -15,6 +15,7 @@ piece. Which script runs therefore depends on how the prompt ends:
 
 All other contexts score every token 0: greedy decoding then emits EOS (token 0) at once.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,12 @@ from typing import Any
 from chat_templates import QWEN3
 from tinymodels import ROOT, write_tokenizer
 
-THINK_SCRIPT = ["<think>", "\nThe user greets me; I should greet them back.\n", "</think>",
-                "\n\nHello! How can I help?"]
+THINK_SCRIPT = [
+    "<think>",
+    "\nThe user greets me; I should greet them back.\n",
+    "</think>",
+    "\n\nHello! How can I help?",
+]
 TOOL_SCRIPT = ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>"]
 # the same call in the other formats the server parses (one model directory per format)
 TOOL_SCRIPTS = {
@@ -35,22 +40,41 @@ TOOL_SCRIPTS = {
     "mistral": ["[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Paris"}'],
     "gemma": ["```tool_code\n", 'get_weather(city="Paris")\n```'],
     "gemma4": ["<|tool_call>", 'call:get_weather{city:<|"|>Paris<|"|>}', "<tool_call|>"],
-    "qwen3_coder": ["<tool_call>", "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
-                    "</tool_call>"],
+    "qwen3_coder": [
+        "<tool_call>",
+        "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
+        "</tool_call>",
+    ],
     "glm": ["<tool_call>", "get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "</tool_call>"],
-    "deepseek": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>", '{"city": "Paris"}',
-                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
-    "kimi": ["<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>",
-             '{"city": "Paris"}', "<|tool_call_end|><|tool_calls_section_end|>"],
-    "minimax": ["<minimax:tool_call>", '\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
-                "</invoke>\n", "</minimax:tool_call>"],
+    "deepseek": [
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>",
+        '{"city": "Paris"}',
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    ],
+    "kimi": [
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>",
+        '{"city": "Paris"}',
+        "<|tool_call_end|><|tool_calls_section_end|>",
+    ],
+    "minimax": [
+        "<minimax:tool_call>",
+        '\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n',
+        "</minimax:tool_call>",
+    ],
 }
 # gpt-oss's harmony format: reasoning in the analysis channel, then a call (tests/test_server_toolformats.py
 # serves it with the real gpt-oss template, whose prompt ends with HARMONY_TRIGGER)
 HARMONY_TRIGGER = "<|start|>assistant"
-HARMONY_SCRIPT = ["<|channel|>analysis<|message|>", "Need the weather.", "<|end|>",
-                  "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>",
-                  '{"city": "Paris"}', "<|call|>"]
+HARMONY_SCRIPT = [
+    "<|channel|>analysis<|message|>",
+    "Need the weather.",
+    "<|end|>",
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>",
+    '{"city": "Paris"}',
+    "<|call|>",
+]
 HARMONY_REASONING = "Need the weather."
 ANSWER_SCRIPT = ["It is sunny in Paris."]
 THINK_TEXT = "The user greets me; I should greet them back."
@@ -69,9 +93,14 @@ WEATHER_TOOL = {
 }
 
 
-def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = TOOL_SCRIPT,
-                        think_script: list[str] = THINK_SCRIPT, loop_to: int | None = None,
-                        template: str | None = None, trigger: str | None = None) -> Path:
+def make_scripted_model(
+    name: str = "scripted-qwen3",
+    tool_script: list[str] = TOOL_SCRIPT,
+    think_script: list[str] = THINK_SCRIPT,
+    loop_to: int | None = None,
+    template: str | None = None,
+    trigger: str | None = None,
+) -> Path:
     """`think_script` replaces THINK_SCRIPT (what a thinking-on prompt gets), e.g. for markup in an answer;
     with `loop_to` its last piece leads back to think_script[loop_to] instead of EOS: it talks until
     max_tokens (a long stream to interrupt). With `template` and `trigger` (the text its generation
@@ -88,8 +117,11 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     d.mkdir(parents=True)
     write_tokenizer(d, 512)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    pieces = sorted({p for s in (think_script, tool_script, ANSWER_SCRIPT) for p in s} | {"\n\n"}
-                    | ({trigger} if trigger else set()))
+    pieces = sorted(
+        {p for s in (think_script, tool_script, ANSWER_SCRIPT) for p in s}
+        | {"\n\n"}
+        | ({trigger} if trigger else set())
+    )
     tok.add_tokens([AddedToken(p, normalized=False) for p in pieces])
     tok.save(str(d / "tokenizer.json"))
     tc = json.loads((d / "tokenizer_config.json").read_text())
@@ -125,15 +157,27 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
     embed[np.arange(vocab), np.arange(vocab)] = 1.0
 
     cfg: dict[str, Any] = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-        "num_hidden_layers": 1, "intermediate_size": 64, "num_attention_heads": heads,
-        "num_key_value_heads": heads, "head_dim": 64, "rms_norm_eps": 1e-6, "vocab_size": vocab,
-        "rope_theta": 10000.0, "max_position_embeddings": 4096, "eos_token_id": 0,
-        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "eos_token_id": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
     }
     z = lambda *s: np.zeros(s, dtype=np.float32)  # noqa: E731
     w = {
-        "model.embed_tokens.weight": embed, "lm_head.weight": lm_head, "model.norm.weight": np.ones(hidden, np.float32),
+        "model.embed_tokens.weight": embed,
+        "lm_head.weight": lm_head,
+        "model.norm.weight": np.ones(hidden, np.float32),
         "model.layers.0.input_layernorm.weight": np.ones(hidden, np.float32),
         "model.layers.0.post_attention_layernorm.weight": np.ones(hidden, np.float32),
         "model.layers.0.self_attn.q_proj.weight": z(hidden, hidden),
@@ -144,8 +188,9 @@ def make_scripted_model(name: str = "scripted-qwen3", tool_script: list[str] = T
         "model.layers.0.mlp.up_proj.weight": z(64, hidden),
         "model.layers.0.mlp.down_proj.weight": z(hidden, 64),
     }
-    mx.save_safetensors(str(d / "model.safetensors"), {k: mx.array(v) for k, v in w.items()},
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(d / "model.safetensors"), {k: mx.array(v) for k, v in w.items()}, metadata={"format": "mlx"}
+    )
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     (d / ".complete").write_text("ok")
     return d

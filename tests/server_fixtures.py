@@ -3,6 +3,7 @@
 Session-scoped servers are one process each for the whole run, shared by every module that asks for
 them: a test may not assume a fresh server (compare /stats against a reading taken before, as the
 tests do). Tests that need their own options start their own `Server`."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

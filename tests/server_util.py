@@ -1,4 +1,5 @@
 """Start a real `python -m mlxrs serve` process on loopback for the server tests."""
+
 from __future__ import annotations
 
 import http.client
@@ -23,15 +24,29 @@ def free_port() -> int:
 class Server:
     """A server subprocess; `url` is its base URL (without /v1)."""
 
-    def __init__(self, model: Path | str | None, *args: str, port: int | None = None, env: dict[str, str] | None = None,
-                 wait: bool = True) -> None:
+    def __init__(
+        self,
+        model: Path | str | None,
+        *args: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.logdir = Path(tempfile.mkdtemp(prefix="mlxrs-serve-"))
         self.out = open(self.logdir / "stdout", "w+")
         self.err = open(self.logdir / "stderr", "w+")
-        cmd = [sys.executable, "-m", "mlxrs", "serve", *([str(model)] if model is not None else []),
-               "--port", str(self.port), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlxrs",
+            "serve",
+            *([str(model)] if model is not None else []),
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, env={**os.environ, **(env or {})})
         if wait:
             self.wait_ready()
@@ -58,8 +73,14 @@ class Server:
         self.err.flush()
         return (self.logdir / "stderr").read_text()
 
-    def request(self, method: str, path: str, body: bytes | str | None = None,
-                headers: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, Any]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> tuple[int, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         if isinstance(body, str):
             body = body.encode()
@@ -157,23 +178,33 @@ class InProcess:
 
         self.session = Session(model_dir)
         plan = json.loads(_native.plan(str(model_dir), None, None, None))
-        self.state = ServerState(self.session, model_id=Path(model_dir).name, aliases=[Path(model_dir).name],
-                                 plan=plan, kv_bits=None, **{"api_key": None, **kw})
+        self.state = ServerState(
+            self.session,
+            model_id=Path(model_dir).name,
+            aliases=[Path(model_dir).name],
+            plan=plan,
+            kv_bits=None,
+            **{"api_key": None, **kw},
+        )
         self.loop = asyncio.new_event_loop()
         self.client = TestClient(TestServer(build_app(self.state), host="127.0.0.1"), loop=self.loop)
         self.loop.run_until_complete(self.client.start_server())
 
-    def request(self, method: str, path: str, body: bytes | str | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    def request(
+        self, method: str, path: str, body: bytes | str | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], Any]:
         """(status, headers, body as JSON where it is JSON, else text)."""
+
         async def go() -> tuple[int, dict[str, str], Any]:
-            async with self.client.request(method, path, data=body, headers={
-                    "Content-Type": "application/json", **(headers or {})}) as r:
+            async with self.client.request(
+                method, path, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+            ) as r:
                 raw = await r.read()
                 try:
                     return r.status, dict(r.headers), json.loads(raw)
                 except ValueError:
                     return r.status, dict(r.headers), raw.decode(errors="replace")
+
         return self.loop.run_until_complete(go())
 
     def post(self, path: str, obj: Any, **kw: Any) -> tuple[int, dict[str, str], Any]:

@@ -38,7 +38,9 @@ def test_decode_matches_miniaudio(bits, fmt, channels):
     np.testing.assert_array_equal(np.asarray(got, dtype=np.float32), want)
 
 
-@pytest.mark.parametrize("src,dst", [(44100, 16000), (48000, 16000), (8000, 16000), (22050, 16000), (11025, 16000), (16000, 24000)])
+@pytest.mark.parametrize(
+    "src,dst", [(44100, 16000), (48000, 16000), (8000, 16000), (22050, 16000), (11025, 16000), (16000, 24000)]
+)
 def test_resample_matches_mlx_audio(src, dst):
     rng = np.random.default_rng(src)
     x = rng.uniform(-1, 1, 3001).astype(np.float32)
@@ -86,7 +88,12 @@ def test_log_mel_matches_gemma4_extractor(seconds, monkeypatch):
 
 def test_log_mel_settings_from_the_config(monkeypatch):
     x = tone(0.5, 16000, 1, seed=3)[:, 0].astype(np.float32)
-    fe = {"preemphasis": 0.97, "mel_floor": 1e-5, "per_bin_mean": list(np.linspace(-1, 1, 128)), "per_bin_stddev": list(np.linspace(0.5, 2, 128))}
+    fe = {
+        "preemphasis": 0.97,
+        "mel_floor": 1e-5,
+        "per_bin_mean": list(np.linspace(-1, 1, 128)),
+        "per_bin_stddev": list(np.linspace(0.5, 2, 128)),
+    }
     import json
 
     feats, frames, _ = _native._audio_log_mel(x.tolist(), json.dumps(fe))

@@ -5,6 +5,7 @@ clip, the prompt's expansion (ceil(ms / 40) audio tokens), the encoder's project
 last-position logits and 32 greedy tokens for a prompt with one clip — a 44.1 kHz stereo one and
 a 16 kHz 24-bit one with one token more than encoder frames (mlx-vlm's scatter wraps round); a
 model without an audio tower and bad WAVs refused naming the part."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,8 +51,10 @@ def session(model_dir):
 
 @pytest.fixture(scope="module")
 def oracle(model_dir, clips):
-    return {k: run_vlm({"model": str(model_dir), "prompt": PROMPT, "images": [], "audio": [str(p)],
-                        "max_tokens": N_TOKENS}) for k, p in clips.items()}
+    return {
+        k: run_vlm({"model": str(model_dir), "prompt": PROMPT, "images": [], "audio": [str(p)], "max_tokens": N_TOKENS})
+        for k, p in clips.items()
+    }
 
 
 def test_audio_info(session):
@@ -115,8 +118,13 @@ def test_two_clips_each_take_their_own_frames(session, clips):
     one = np.array(session._s.audio_features([a]), dtype=np.float32)
     two = np.array(session._s.audio_features([b]), dtype=np.float32)
     np.testing.assert_array_equal(both, np.concatenate([one, two]))
-    out = session.generate("First <|audio|> then <|audio|>.", audio=[clips["stereo44k"], clips["wrap16k"]],
-                           max_tokens=4, ignore_eos=True, temperature=0.0)
+    out = session.generate(
+        "First <|audio|> then <|audio|>.",
+        audio=[clips["stereo44k"], clips["wrap16k"]],
+        max_tokens=4,
+        ignore_eos=True,
+        temperature=0.0,
+    )
     assert out.usage.prompt_tokens > a.tokens + b.tokens
 
 
@@ -126,9 +134,16 @@ def test_chat_content_part(session, clips, oracle):
     import base64
 
     data = base64.b64encode(clips["stereo44k"].read_bytes()).decode()
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "Listen to"},
-                                         {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
-                                         {"type": "text", "text": "and answer."}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Listen to"},
+                {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+                {"type": "text", "text": "and answer."},
+            ],
+        }
+    ]
     out = session.generate(msgs, max_tokens=8, ignore_eos=True, temperature=0.0)
     text = session.apply_chat_template([{"role": "user", "content": "Listen to\n<|audio|>\nand answer."}])
     (clip,) = session.audio_clips([clips["stereo44k"]])
@@ -143,17 +158,22 @@ def test_model_without_audio_tower_refuses(clips):
         assert s.audio is None
         with pytest.raises(mlxrs.errors.InvalidArgumentError, match="no audio tower"):
             s.generate("hi", audio=[clips["stereo44k"]], max_tokens=2)
-        msgs = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]
+        msgs = [
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}
+        ]
         with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"messages\[0\]\.content\[0\].*no audio tower"):
             s.generate(msgs, max_tokens=2)
 
 
-@pytest.mark.parametrize("data,needle", [
-    (lambda: wav_bytes(tone(0.5, 16000), 16000, claim_frames=16000), "shorter than its header"),
-    (lambda: b"ID3\x04\x00\x00\x00\x00\x00\x00" + b"\x00" * 64, "MP3 audio is not supported"),
-    (lambda: b"not audio at all" * 8, "unrecognized"),
-    (lambda: wav_bytes(tone(40.0, 8000), 8000), "longer than the limit"),
-])
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        (lambda: wav_bytes(tone(0.5, 16000), 16000, claim_frames=16000), "shorter than its header"),
+        (lambda: b"ID3\x04\x00\x00\x00\x00\x00\x00" + b"\x00" * 64, "MP3 audio is not supported"),
+        (lambda: b"not audio at all" * 8, "unrecognized"),
+        (lambda: wav_bytes(tone(40.0, 8000), 8000), "longer than the limit"),
+    ],
+)
 def test_bad_wav_refused_naming_the_part(session, data, needle):
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"audio\[0\]") as e:
         session.generate("hi", audio=[data()], max_tokens=2)
@@ -175,8 +195,11 @@ def test_memory_plan_counts_the_audio_tower(model_dir):
 
     from mlxrs import fit
 
-    audio_bytes = sum(a.nbytes for k, a in mx.load(str(model_dir / "model.safetensors")).items()
-                      if k.startswith(("model.audio_tower.", "model.embed_audio.")))
+    audio_bytes = sum(
+        a.nbytes
+        for k, a in mx.load(str(model_dir / "model.safetensors")).items()
+        if k.startswith(("model.audio_tower.", "model.embed_audio."))
+    )
     assert audio_bytes > 0
     with_audio = fit.plan(model_dir)["weightsBytes"]
     without = fit.plan(make_gemma4_vision())["weightsBytes"]
@@ -191,14 +214,21 @@ def _copy(model_dir: Path, tmp_path: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("audio_config.subsampling_conv_channels", [8], "audio_config.subsampling_conv_channels = [8] is not two"),
-    ("audio_config.num_attention_heads", 5, "audio_config.hidden_size 32 is not a multiple of num_attention_heads 5"),
-    ("audio_config.hidden_act", "gelu", "audio_config.hidden_act \"gelu\""),
-    ("audio_config.hidden_size", 64, "model.audio_tower.subsample_conv_projection.input_proj_linear.weight"),
-    ("audio_config.output_proj_dims", 40, "model.audio_tower.output_proj.bias has shape [48]"),
-    ("audio_token_id", 7, "audio_token_id is 7"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("audio_config.subsampling_conv_channels", [8], "audio_config.subsampling_conv_channels = [8] is not two"),
+        (
+            "audio_config.num_attention_heads",
+            5,
+            "audio_config.hidden_size 32 is not a multiple of num_attention_heads 5",
+        ),
+        ("audio_config.hidden_act", "gelu", 'audio_config.hidden_act "gelu"'),
+        ("audio_config.hidden_size", 64, "model.audio_tower.subsample_conv_projection.input_proj_linear.weight"),
+        ("audio_config.output_proj_dims", 40, "model.audio_tower.output_proj.bias has shape [48]"),
+        ("audio_token_id", 7, "audio_token_id is 7"),
+    ],
+)
 def test_a_bad_audio_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
     import json
     import re
@@ -224,7 +254,9 @@ def test_a_missing_audio_tensor_or_bad_extractor_is_refused(model_dir, tmp_path)
     w = dict(mx.load(str(d / "model.safetensors")))
     del w["model.audio_tower.layers.1.lconv1d.depthwise_conv1d.weight"]
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
-    with pytest.raises(mlxrs.errors.MlxrsError, match=r"model\.audio_tower\.layers\.1\.lconv1d\.depthwise_conv1d\.weight"):
+    with pytest.raises(
+        mlxrs.errors.MlxrsError, match=r"model\.audio_tower\.layers\.1\.lconv1d\.depthwise_conv1d\.weight"
+    ):
         mlxrs.Session(d)
     e = tmp_path / "fe"
     e.mkdir()

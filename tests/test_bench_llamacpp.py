@@ -1,5 +1,6 @@
 """bench/bench_llamacpp.py's parser of `llama-bench -o json` (the benchmark itself never runs in the
 suite: it builds llama.cpp)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,9 +23,21 @@ def load() -> object:
 
 def record(n_prompt: int, n_gen: int, ts: float) -> dict[str, object]:
     # the fields llama-bench's JSON printer writes for one test (tools/llama-bench/llama-bench.cpp)
-    return {"build_commit": "unknown", "build_number": 0, "cpu_info": "x", "gpu_info": "", "backends": "CPU",
-            "model_type": "gemma3 270M Q4_K - Medium", "n_threads": 2, "n_prompt": n_prompt, "n_gen": n_gen,
-            "avg_ns": int(1e9 * max(n_prompt, n_gen) / ts), "avg_ts": ts, "stddev_ts": 0.0, "samples_ts": [ts]}
+    return {
+        "build_commit": "unknown",
+        "build_number": 0,
+        "cpu_info": "x",
+        "gpu_info": "",
+        "backends": "CPU",
+        "model_type": "gemma3 270M Q4_K - Medium",
+        "n_threads": 2,
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "avg_ns": int(1e9 * max(n_prompt, n_gen) / ts),
+        "avg_ts": ts,
+        "stddev_ts": 0.0,
+        "samples_ts": [ts],
+    }
 
 
 def test_parse_llama_bench_picks_the_prefill_and_decode_records() -> None:

@@ -1,5 +1,6 @@
 """`python -m mlxrs chat`: the terminal client, driven through a pseudo-terminal (pexpect) against a
 real `python -m mlxrs serve` process, its answers checked against the official `openai` SDK."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def spawn(*args: str, env: dict[str, str] | None = None) -> "pexpect.spawn":
     cmd = chat_cmd(*args)
     # Ctrl-C reaches the child even when this test runs with SIGINT ignored (a background job of a
     # non-interactive shell), which the child would inherit
-    return pexpect.spawn(cmd[0], cmd[1:], env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
-                         preexec_fn=_default_sigint)
+    return pexpect.spawn(
+        cmd[0], cmd[1:], env=env, encoding="utf-8", timeout=120, dimensions=(40, 200), preexec_fn=_default_sigint
+    )
 
 
 def _default_sigint() -> None:
@@ -80,9 +82,14 @@ def wait_for(pred, timeout: float = 20.0) -> bool:
 def test_pipe_prints_exactly_the_api_answer(talker):
     question = "Tell me a story"
     want = client(talker).chat.completions.create(
-        model="x", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=60)
-    r = subprocess.run(chat_cmd("--port", str(talker.port), "--temperature", "0", "--max-tokens", "60"),
-                       input=(question + "\n").encode(), capture_output=True, timeout=120)
+        model="x", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=60
+    )
+    r = subprocess.run(
+        chat_cmd("--port", str(talker.port), "--temperature", "0", "--max-tokens", "60"),
+        input=(question + "\n").encode(),
+        capture_output=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert want.choices[0].message.content
     assert r.stdout.decode() == want.choices[0].message.content + "\n"  # bytes: the text has \r in it
@@ -92,8 +99,13 @@ def test_pipe_prints_exactly_the_api_answer(talker):
 def test_pipe_starts_a_server_when_none_answers():
     """No server on --port: one is started in-process; the reasoning is left out of a piped answer."""
     model = make_scripted_model()
-    r = subprocess.run(chat_cmd(str(model), "--port", str(free_port()), "--temperature", "0"),
-                       input="hi", capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        chat_cmd(str(model), "--port", str(free_port()), "--temperature", "0"),
+        input="hi",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == THINK_ANSWER + "\n"
     assert "loading the model" in r.stderr
@@ -101,11 +113,21 @@ def test_pipe_starts_a_server_when_none_answers():
 
 def test_pipe_respects_the_api_key(talker_dir):
     with Server(talker_dir, "--api-key", "sekrit") as s:
-        ok = subprocess.run(chat_cmd("--port", str(s.port), "--api-key", "sekrit", "--max-tokens", "5"),
-                            input="hi", capture_output=True, text=True, timeout=120)
+        ok = subprocess.run(
+            chat_cmd("--port", str(s.port), "--api-key", "sekrit", "--max-tokens", "5"),
+            input="hi",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr
-        bad = subprocess.run(chat_cmd("--port", str(s.port), "--api-key", "wrong", "--max-tokens", "5"),
-                             input="hi", capture_output=True, text=True, timeout=120)
+        bad = subprocess.run(
+            chat_cmd("--port", str(s.port), "--api-key", "wrong", "--max-tokens", "5"),
+            input="hi",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert bad.returncode == 1 and "incorrect API key" in bad.stderr and bad.stdout == ""
 
 
@@ -134,8 +156,9 @@ def test_terminal_stream_cancel_then_ask_again_and_save(looper, tmp_path):
         # the program is still there: the next question is answered in full
         q2 = "What is two plus two?"
         say(child, q2)
-        child.expect(r"\[(\d+) tokens, [\d.]+ tok/s · context (\d+)/(\d+) · prefix cache (\d+)/(\d+) prompt tokens",
-                     timeout=300)
+        child.expect(
+            r"\[(\d+) tokens, [\d.]+ tok/s · context (\d+)/(\d+) · prefix cache (\d+)/(\d+) prompt tokens", timeout=300
+        )
         n_tokens, used, ceiling = (int(child.match.group(i)) for i in (1, 2, 3))
         assert ceiling == talker.stats()["context_tokens"]
         out = tmp_path / "conv.json"
@@ -150,11 +173,14 @@ def test_terminal_stream_cancel_then_ask_again_and_save(looper, tmp_path):
         child.close(force=True)
     saved = json.loads(out.read_text())
     c = client(talker)
-    want = c.chat.completions.create(model="x", messages=[{"role": "user", "content": q2}], temperature=0,
-                                     max_tokens=2000)
+    want = c.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": q2}], temperature=0, max_tokens=2000
+    )
     # the cancelled question was dropped; the second answer is the API's own
-    assert saved["messages"] == [{"role": "user", "content": q2},
-                                 {"role": "assistant", "content": want.choices[0].message.content}]
+    assert saved["messages"] == [
+        {"role": "user", "content": q2},
+        {"role": "assistant", "content": want.choices[0].message.content},
+    ]
     assert n_tokens == want.usage.completion_tokens and used == want.usage.total_tokens
     # what /save wrote is a request the OpenAI SDK sends back as is
     again = c.chat.completions.create(**saved, max_tokens=3, temperature=0)
@@ -166,9 +192,18 @@ def test_terminal_load_system_reset_and_reasoning(tmp_path):
     """Reasoning shows (dimmed) before the answer; /load and /system shape the next request."""
     model = make_scripted_model()
     conv = tmp_path / "in.json"
-    conv.write_text(json.dumps({"model": "m", "messages": [{"role": "system", "content": "be brief"},
-                                                           {"role": "user", "content": "hello"},
-                                                           {"role": "assistant", "content": "hi there"}]}))
+    conv.write_text(
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hello"},
+                    {"role": "assistant", "content": "hi there"},
+                ],
+            }
+        )
+    )
     with Server(model) as s:
         child = spawn("--port", str(s.port), "--temperature", "0")
         try:
@@ -197,15 +232,15 @@ def test_terminal_load_system_reset_and_reasoning(tmp_path):
     msgs = json.loads(out.read_text())["messages"]
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
     assert msgs[0]["content"] == "short answers" and msgs[4]["content"] == THINK_ANSWER
-    assert json.loads((tmp_path / "empty.json").read_text())["messages"] == [{"role": "system",
-                                                                               "content": "short answers"}]
+    assert json.loads((tmp_path / "empty.json").read_text())["messages"] == [
+        {"role": "system", "content": "short answers"}
+    ]
 
 
 def test_terminal_folds_reasoning_away_and_shows_it_on_request():
     model = make_scripted_model()
     with Server(model) as s:
-        want = client(s).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
-                                                 temperature=0)
+        want = client(s).chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], temperature=0)
         reasoning = want.choices[0].message.model_extra["reasoning_content"]
         child = spawn("--port", str(s.port), "--temperature", "0", env={"NO_COLOR": "1"})
         try:
@@ -268,16 +303,26 @@ def test_terminal_multiline_input(talker, tmp_path, editor):
         child.close(force=True)
     saved = json.loads(out.read_text())
     assert saved["messages"][0] == {"role": "user", "content": want_text}
-    want = client(talker).chat.completions.create(model="x", messages=[{"role": "user", "content": want_text}],
-                                                  temperature=0, max_tokens=16)
+    want = client(talker).chat.completions.create(
+        model="x", messages=[{"role": "user", "content": want_text}], temperature=0, max_tokens=16
+    )
     assert saved["messages"][1]["content"] == want.choices[0].message.content
 
 
 # -- tool calls ---------------------------------------------------------------------------------------
 # thinks, calls get_weather, then counts "One two three two three …" until max_tokens: the call is
 # parsed (and shown) long before the answer ends
-TOOL_LOOP = ["<think>", "\nI need the weather.\n", "</think>", "<tool_call>",
-             '\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>", "One ", "two ", "three "]
+TOOL_LOOP = [
+    "<think>",
+    "\nI need the weather.\n",
+    "</think>",
+    "<tool_call>",
+    '\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "\n</tool_call>",
+    "One ",
+    "two ",
+    "three ",
+]
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +346,17 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
     (call,) = want.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and want.choices[0].message.content
     out1, out2 = tmp_path / "one.json", tmp_path / "two.json"
-    child = spawn("--port", str(s.port), "--temperature", "0", "--max-tokens", "1500", "--tools", str(tools),
-                  env={"NO_COLOR": "1"})
+    child = spawn(
+        "--port",
+        str(s.port),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "1500",
+        "--tools",
+        str(tools),
+        env={"NO_COLOR": "1"},
+    )
     try:
         say(child, "/tool 21 C")
         child.expect("no tool call to answer")
@@ -332,24 +386,36 @@ def test_terminal_shows_tool_calls_as_parsed_and_answers_them(tool_looper, tmp_p
     # the assistant message is the API's own (the call's id is the server's, made per request)
     (got,) = one["messages"][1]["tool_calls"]
     assert (got["function"], one["messages"][1]["content"]) == (
-        {"name": call.function.name, "arguments": call.function.arguments}, want.choices[0].message.content)
+        {"name": call.function.name, "arguments": call.function.arguments},
+        want.choices[0].message.content,
+    )
     user, asked, answer, again = two["messages"]
     assert (user, asked) == (q[0], one["messages"][1])
     assert answer == {"role": "tool", "tool_call_id": got["id"], "content": "21 C and sunny"}
     # the second turn is what the API answers to the same conversation
-    want2 = c.chat.completions.create(model="x", messages=[user, asked, answer], tools=[WEATHER_TOOL], temperature=0,
-                                      max_tokens=1500)
+    want2 = c.chat.completions.create(
+        model="x", messages=[user, asked, answer], tools=[WEATHER_TOOL], temperature=0, max_tokens=1500
+    )
     assert [tc["function"] for tc in again["tool_calls"]] == [
-        {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls]
+        {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls
+    ]
     assert again["content"] == want2.choices[0].message.content
     # what /save wrote (tools included) the SDK sends back as is
     assert c.chat.completions.create(**two, max_tokens=3, temperature=0).choices[0].message.role == "assistant"
 
 
 # two calls in one answer (then EOS)
-TWO_CALLS = ["<think>", "\nTwo cities.\n", "</think>", "<tool_call>",
-             '\n{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>", "\n<tool_call>\n",
-             '{"name": "get_weather", "arguments": {"city": "Rome"}}', "\n</tool_call>\n"]
+TWO_CALLS = [
+    "<think>",
+    "\nTwo cities.\n",
+    "</think>",
+    "<tool_call>",
+    '\n{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "\n</tool_call>",
+    "\n<tool_call>\n",
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}',
+    "\n</tool_call>\n",
+]
 
 
 def test_terminal_answers_each_of_two_tool_calls(tmp_path):
@@ -378,12 +444,16 @@ def test_terminal_answers_each_of_two_tool_calls(tmp_path):
         user, asked, a1, a2, again = json.loads(out.read_text())["messages"]
         ids = [tc["id"] for tc in asked["tool_calls"]]
         assert user == q and len(set(ids)) == 2
-        assert (a1, a2) == ({"role": "tool", "tool_call_id": ids[0], "content": "sunny"},
-                            {"role": "tool", "tool_call_id": ids[1], "content": "rainy"})
-        want2 = c.chat.completions.create(model="x", messages=[user, asked, a1, a2], tools=[WEATHER_TOOL],
-                                          temperature=0)
+        assert (a1, a2) == (
+            {"role": "tool", "tool_call_id": ids[0], "content": "sunny"},
+            {"role": "tool", "tool_call_id": ids[1], "content": "rainy"},
+        )
+        want2 = c.chat.completions.create(
+            model="x", messages=[user, asked, a1, a2], tools=[WEATHER_TOOL], temperature=0
+        )
         assert [tc["function"] for tc in again["tool_calls"]] == [
-            {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls]
+            {"name": t.function.name, "arguments": t.function.arguments} for t in want2.choices[0].message.tool_calls
+        ]
 
 
 def test_pipe_with_tools_prints_the_content_and_the_calls_on_stderr(tool_looper, tmp_path):
@@ -391,9 +461,15 @@ def test_pipe_with_tools_prints_the_content_and_the_calls_on_stderr(tool_looper,
     tools.write_text(json.dumps({"model": "m", "messages": [], "tools": [WEATHER_TOOL]}))  # a /save file
     q = "weather in Paris?"
     want = client(tool_looper).chat.completions.create(
-        model="x", messages=[{"role": "user", "content": q}], tools=[WEATHER_TOOL], temperature=0, max_tokens=20)
-    r = subprocess.run(chat_cmd("--port", str(tool_looper.port), "--tools", str(tools), "--temperature", "0",
-                                "--max-tokens", "20"), input=q, capture_output=True, text=True, timeout=120)
+        model="x", messages=[{"role": "user", "content": q}], tools=[WEATHER_TOOL], temperature=0, max_tokens=20
+    )
+    r = subprocess.run(
+        chat_cmd("--port", str(tool_looper.port), "--tools", str(tools), "--temperature", "0", "--max-tokens", "20"),
+        input=q,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == want.choices[0].message.content + "\n"
     (call,) = want.choices[0].message.tool_calls
@@ -403,8 +479,13 @@ def test_pipe_with_tools_prints_the_content_and_the_calls_on_stderr(tool_looper,
 def test_bad_tools_file_is_refused_naming_the_entry(tmp_path):
     bad = tmp_path / "tools.json"
     bad.write_text(json.dumps([WEATHER_TOOL, {"type": "function", "function": {"parameters": {}}}]))
-    r = subprocess.run(chat_cmd("--tools", str(bad), "--port", str(free_port())), input="hi", capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        chat_cmd("--tools", str(bad), "--port", str(free_port())),
+        input="hi",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and f"--tools {bad}: tools[1]: expected" in r.stderr and r.stdout == ""
     bad.write_text("{not json")
     r = subprocess.run(chat_cmd("--tools", str(bad)), input="hi", capture_output=True, text=True, timeout=60)
@@ -436,8 +517,13 @@ def test_terminal_attaches_an_image(tmp_path):
         finally:
             child.close(force=True)
         saved = json.loads(out.read_text())
-        asked = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(_png(21))}},
-                                             {"type": "text", "text": "What is in this picture?"}]}
+        asked = {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(_png(21))}},
+                {"type": "text", "text": "What is in this picture?"},
+            ],
+        }
         assert saved["messages"][0] == asked
         # the answer is the API's for the same message (the image counted in the prompt)
         want = client(s).chat.completions.create(model="x", messages=[asked], temperature=0, max_tokens=12)

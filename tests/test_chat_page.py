@@ -5,6 +5,7 @@ the /stats panel, the API key prompt, an image attached for a model that takes i
 OpenAI SDK gets for the same messages; regenerate resends it; kept in localStorage, or dropped from it
 with a notice when it does not fit). A screenshot is written to $MLXRS_TEST_ARTIFACTS (default
 tests/.artifacts)."""
+
 from __future__ import annotations
 
 import json
@@ -175,8 +176,9 @@ def test_browser_streams_stops_regenerates_and_shows_stats(page, talker):
     page.click("#regenerate")
     page.wait_for_function("() => document.querySelector('.msg.assistant .meta')?.textContent.startsWith('length')")
     assert page.locator(".msg.user").count() == 1 and page.locator(".msg.assistant").count() == 1
-    status, want = talker.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                         "temperature": 0, "max_tokens": 12})
+    status, want = talker.post(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 12}
+    )
     got = page.evaluate("JSON.parse(localStorage.getItem('mlxrs.chat.conversation'))")
     assert got[1]["content"] == want["choices"][0]["message"]["content"]
     assert got[1]["reasoning"] == want["choices"][0]["message"]["reasoning_content"]
@@ -200,6 +202,7 @@ def test_browser_asks_for_the_api_key_once(page, xss_model):
         def on_dialog(d):
             prompts.append(d.message)
             d.accept("k2")
+
         page.on("dialog", on_dialog)
         page.goto(s.url + "/")
         page.wait_for_function("() => document.querySelector('#model').textContent === 'scripted-xss'")
@@ -232,8 +235,9 @@ def _write_png(path: Path, seed: int) -> str:
 def _chat_requests(page) -> list[dict]:
     """The bodies of the page's chat requests, as they are sent."""
     sent: list[dict] = []
-    page.on("request", lambda r: sent.append(json.loads(r.post_data))
-            if r.url.endswith("/v1/chat/completions") else None)
+    page.on(
+        "request", lambda r: sent.append(json.loads(r.post_data)) if r.url.endswith("/v1/chat/completions") else None
+    )
     return sent
 
 
@@ -261,12 +265,17 @@ def test_browser_attaches_an_image_for_a_model_that_takes_images(page, vision, t
     page.wait_for_selector(".msg.assistant .meta")
     assert page.locator("#attachments").is_hidden()  # sent with the message
     # the request carries the image as an OpenAI image_url data: URL part
-    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": QUESTION}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}],
+        }
+    ]
     assert [b["messages"] for b in sent] == [msgs]
     # the oracle: the API itself, through the OpenAI SDK, for the same messages
     want = openai.OpenAI(base_url=vision.url + "/v1", api_key="x", max_retries=0, timeout=120).chat.completions.create(
-        model=VISION_MODEL, messages=msgs, temperature=0, max_tokens=12)
+        model=VISION_MODEL, messages=msgs, temperature=0, max_tokens=12
+    )
     answer = want.choices[0].message.content
     assert answer and _stored(page)[1]["content"] == answer
     meta = page.locator(".msg.assistant .meta").text_content()
@@ -353,7 +362,9 @@ def test_browser_attaches_a_pasted_or_dropped_image(page, vision, xss):
     page.evaluate(DELIVER, ["dropped", b64])
     page.wait_for_function("() => document.querySelectorAll('#attachments img.thumb').length === 2")
     assert [page.locator("#attachments img.thumb").nth(i).get_attribute("alt") for i in range(2)] == [
-        "pasted.png", "dropped.png"]
+        "pasted.png",
+        "dropped.png",
+    ]
     assert page.locator("#attachments img.thumb").first.get_attribute("src") == data_url(png)
     # a text-only model takes none
     page.goto(xss.url + "/")

@@ -2,6 +2,7 @@
 constrained, so every output here that parses and validates (with `jsonschema`, `re`, an independent
 oracle) was made so by the mask. MLXRS_CONSTRAINED_SAMPLES sets how many samples each schema gets
 (default 20: 200 in all)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,36 +19,92 @@ from tinymodels import make_model
 
 SAMPLES = int(os.environ.get("MLXRS_CONSTRAINED_SAMPLES", "20"))
 
-_P = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
-      "required": ["x"], "additionalProperties": False}
+_P = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x"],
+    "additionalProperties": False,
+}
 
 SCHEMAS = {
-    "nested": {"type": "object", "additionalProperties": False, "required": ["user"], "properties": {
-        "user": {"type": "object", "additionalProperties": False, "required": ["id", "name"], "properties": {
-            "id": {"type": "integer", "minimum": 1, "maximum": 1000},
-            "name": {"type": "string", "minLength": 1, "maxLength": 8}}}}},
+    "nested": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["user"],
+        "properties": {
+            "user": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["id", "name"],
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    "name": {"type": "string", "minLength": 1, "maxLength": 8},
+                },
+            }
+        },
+    },
     "enum_array": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4},
-    "bounded_numbers": {"type": "object", "additionalProperties": False, "required": ["x", "n"], "properties": {
-        "x": {"type": "integer", "minimum": -5, "maximum": 5},  # decimals: a random model never stops its digits
-        "n": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20}}},
-    "optional": {"type": "object", "additionalProperties": False, "required": ["a"], "properties": {
-        "a": {"type": "boolean"}, "b": {"type": "string", "maxLength": 5}, "c": {"type": "null"}}},
-    "any_of": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 4},
-                         {"type": "null"}]},
-    "const_enum": {"type": "object", "additionalProperties": False, "required": ["kind", "level"], "properties": {
-        "kind": {"const": "point"}, "level": {"enum": [1, 2, 3, "max"]}}},
-    "object_array": {"type": "array", "maxItems": 3, "items": {
-        "type": "object", "additionalProperties": False, "required": ["k", "v"],
-        "properties": {"k": {"type": "string", "maxLength": 3}, "v": {"type": "boolean"}}}},
-    "refs": {"$defs": {"P": _P}, "type": "object", "additionalProperties": False, "required": ["a", "b"],
-             "properties": {"a": {"$ref": "#/$defs/P"}, "b": {"type": "array", "items": {"$ref": "#/$defs/P"},
-                                                                "maxItems": 2}}},
+    "bounded_numbers": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["x", "n"],
+        "properties": {
+            "x": {"type": "integer", "minimum": -5, "maximum": 5},  # decimals: a random model never stops its digits
+            "n": {"type": "integer", "exclusiveMinimum": 10, "maximum": 20},
+        },
+    },
+    "optional": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["a"],
+        "properties": {"a": {"type": "boolean"}, "b": {"type": "string", "maxLength": 5}, "c": {"type": "null"}},
+    },
+    "any_of": {
+        "anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 4}, {"type": "null"}]
+    },
+    "const_enum": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["kind", "level"],
+        "properties": {"kind": {"const": "point"}, "level": {"enum": [1, 2, 3, "max"]}},
+    },
+    "object_array": {
+        "type": "array",
+        "maxItems": 3,
+        "items": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["k", "v"],
+            "properties": {"k": {"type": "string", "maxLength": 3}, "v": {"type": "boolean"}},
+        },
+    },
+    "refs": {
+        "$defs": {"P": _P},
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["a", "b"],
+        "properties": {
+            "a": {"$ref": "#/$defs/P"},
+            "b": {"type": "array", "items": {"$ref": "#/$defs/P"}, "maxItems": 2},
+        },
+    },
     "pattern": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-    "one_of": {"oneOf": [
-        {"type": "object", "additionalProperties": False, "required": ["t", "n"],
-         "properties": {"t": {"const": "a"}, "n": {"type": "integer", "minimum": 0, "maximum": 5}}},
-        {"type": "object", "additionalProperties": False, "required": ["t", "s"],
-         "properties": {"t": {"const": "b"}, "s": {"type": "string", "maxLength": 3}}}]},
+    "one_of": {
+        "oneOf": [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["t", "n"],
+                "properties": {"t": {"const": "a"}, "n": {"type": "integer", "minimum": 0, "maximum": 5}},
+            },
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["t", "s"],
+                "properties": {"t": {"const": "b"}, "s": {"type": "string", "maxLength": 3}},
+            },
+        ]
+    },
 }
 
 PROMPTS = ["hello", "the weather", "a b c", "list things", "x", "json please", "one two", "what"]
@@ -119,6 +176,7 @@ def test_every_entry_point_constrains(session):
 
     async def run():
         return "".join([ch.text async for ch in session.astream("hi", json_schema=schema, max_tokens=40)])
+
     assert asyncio.run(run()) == one.text
     jsonschema.validate(json.loads(one.text), schema)
 
@@ -127,35 +185,47 @@ def test_constrained_rows_leave_the_others_alone(session):
     """A batch mixing constrained rows with greedy ones: the greedy rows' text is what they write alone."""
     alone = [session.generate(p, max_tokens=12).text for p in PROMPTS[:3]]
     import concurrent.futures as cf
+
     with cf.ThreadPoolExecutor(8) as ex:
         free = [ex.submit(session.generate, p, max_tokens=12) for p in PROMPTS[:3]]
-        tied = [ex.submit(session.generate, p, json_schema=SCHEMAS["nested"], temperature=1.0, max_tokens=64)
-                for p in PROMPTS[3:7]]
+        tied = [
+            ex.submit(session.generate, p, json_schema=SCHEMAS["nested"], temperature=1.0, max_tokens=64)
+            for p in PROMPTS[3:7]
+        ]
         assert [f.result().text for f in free] == alone
         for f in tied:
             jsonschema.validate(json.loads(f.result().text), SCHEMAS["nested"])
 
 
-@pytest.mark.parametrize("kw, name", [
-    ({"json_schema": {"type": "objectx"}}, "json_schema"),
-    ({"regex": "([a-z"}, "regex"),
-    ({"grammar": "start: ???"}, "grammar"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"json_schema": {"type": "objectx"}}, "json_schema"),
+        ({"regex": "([a-z"}, "regex"),
+        ({"grammar": "start: ???"}, "grammar"),
+    ],
+)
 def test_a_bad_grammar_is_refused_at_submission(session, kw, name):
-    for call in (lambda: session.generate("hi", **kw), lambda: session.generate_batch(["hi"], **kw),
-                 lambda: session.stream("hi", **kw).__next__()):
+    for call in (
+        lambda: session.generate("hi", **kw),
+        lambda: session.generate_batch(["hi"], **kw),
+        lambda: session.stream("hi", **kw).__next__(),
+    ):
         with pytest.raises(InvalidArgumentError, match=f"^{name}: "):
             call()
 
 
-@pytest.mark.parametrize("kw, exc", [
-    ({"json_schema": {"type": "object"}, "regex": "a"}, InvalidArgumentError),
-    ({"json_object": True, "grammar": "start: \"a\""}, InvalidArgumentError),
-    ({"json_schema": "{}"}, TypeError),
-    ({"regex": 3}, TypeError),
-    ({"grammar": ""}, InvalidArgumentError),
-    ({"json_object": "yes"}, TypeError),
-])
+@pytest.mark.parametrize(
+    "kw, exc",
+    [
+        ({"json_schema": {"type": "object"}, "regex": "a"}, InvalidArgumentError),
+        ({"json_object": True, "grammar": 'start: "a"'}, InvalidArgumentError),
+        ({"json_schema": "{}"}, TypeError),
+        ({"regex": 3}, TypeError),
+        ({"grammar": ""}, InvalidArgumentError),
+        ({"json_object": "yes"}, TypeError),
+    ],
+)
 def test_constraint_options_are_checked(session, kw, exc):
     with pytest.raises(exc):
         session.generate("hi", max_tokens=4, **kw)

@@ -1,5 +1,6 @@
 """docs/python-api.md stays true: every ```python block runs (each on its own, with MODEL_DIR set
 to a tiny model), and the tables name exactly the options and fields the code has."""
+
 from __future__ import annotations
 
 import contextlib
@@ -77,15 +78,15 @@ def test_constructor_table_matches_the_signature():
 
     def show(p: inspect.Parameter) -> str:
         return p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+
     keyword = [show(p) for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     positional = [show(p) for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     assert f"Session({', '.join(positional)}, *, {', '.join(keyword)})" in TEXT
 
 
-@pytest.mark.parametrize("cls", [mlxrs.Completion, mlxrs.Usage, mlxrs.Timings, mlxrs.Chunk,
-                                 session_mod.TokenLogprob])
+@pytest.mark.parametrize("cls", [mlxrs.Completion, mlxrs.Usage, mlxrs.Timings, mlxrs.Chunk, session_mod.TokenLogprob])
 def test_result_fields_are_documented(cls):
-    section = TEXT[TEXT.index("## Results"):TEXT.index("## Text, tokens")]
+    section = TEXT[TEXT.index("## Results") : TEXT.index("## Text, tokens")]
     for f in dataclasses.fields(cls):
         assert f"`{f.name}" in section, f"{cls.__name__}.{f.name} is not documented"
 
@@ -97,6 +98,6 @@ def test_methods_are_documented():
 
 
 def test_error_classes_are_documented():
-    section = TEXT[TEXT.index("## Errors"):]
+    section = TEXT[TEXT.index("## Errors") :]
     for name in ("ModelLoadError", "UnsupportedModelError", "InvalidArgumentError", "MlxError", "NativeRuntimeError"):
         assert f"`{name}`" in section

@@ -2,6 +2,7 @@
 L2-normalised. Checked independently of the embedding path: the logits of the ordinary forward pass
 are lm_head · h, so h at each position is recovered from them by least squares with the LM head read
 from the weights file (the tiny model's head is 512×256, full column rank)."""
+
 from __future__ import annotations
 
 import base64
@@ -76,8 +77,12 @@ def test_embeddings_endpoint_with_the_sdk(server, session):
 
 
 def test_embeddings_errors(server):
-    for body, param in [({"input": ""}, "input"), ({"input": []}, "input"), ({"input": [[1, 999999]]}, "input[0]"),
-                        ({"input": "x", "dimensions": 8}, "dimensions"),
-                        ({"input": "x", "encoding_format": "int8"}, "encoding_format")]:
+    for body, param in [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[1, 999999]]}, "input[0]"),
+        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ]:
         status, resp = server.post("/v1/embeddings", body)
         assert status == 400 and resp["error"]["param"] == param, (body, resp)

@@ -6,6 +6,7 @@ same comparison is made on the device, bench/RESULTS-gpu.md):
   last-position logits within float32 rounding, forced on every matmul here with
   MLXRS_DEQUANT_PREFILL_ROWS=1.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,16 +41,17 @@ def _run(model, rows: str | None) -> dict:
 
 # (model, architecture, make_model keywords): affine 4-bit, and gpt-oss in mxfp4 (its attention,
 # embedding and head: uint8 scales, no biases)
-DEQUANT_CASES = [(f"{a}-q4", a, dict(quant_bits=4)) for a in ("llama", "qwen3", "gemma3_text")] + \
-    [("gpt_oss-mxfp4", "gpt_oss", dict(quant_bits=4, quant_mode="mxfp4"))]
+DEQUANT_CASES = [(f"{a}-q4", a, dict(quant_bits=4)) for a in ("llama", "qwen3", "gemma3_text")] + [
+    ("gpt_oss-mxfp4", "gpt_oss", dict(quant_bits=4, quant_mode="mxfp4"))
+]
 
 
 @pytest.mark.parametrize("name,arch,kw", DEQUANT_CASES, ids=[c[0] for c in DEQUANT_CASES])
 def test_dequantized_matmul_matches_the_quantized_kernel(name, arch, kw):
     d = make_model(name, arch, **kw)
-    ref = _run(d, None)        # the packed kernel (the CPU default)
-    fast = _run(d, "1")        # every quantized matmul through a dequantized weight
-    off = _run(d, "0")         # 0 switches the fast path off: the reference again
+    ref = _run(d, None)  # the packed kernel (the CPU default)
+    fast = _run(d, "1")  # every quantized matmul through a dequantized weight
+    off = _run(d, "0")  # 0 switches the fast path off: the reference again
     assert off == ref
     diff = float(np.max(np.abs(np.array(fast["logits"]) - np.array(ref["logits"]))))
     assert diff < 1e-3, diff

@@ -7,6 +7,7 @@ regression fails one test instead of killing pytest.
 
 The engine thread's death (a panic inside its step loop, injected through the test-only hook) is an
 `EngineError` for every caller: the stream in flight, the next request (at once), and `info`."""
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,9 @@ WORKER = textwrap.dedent("""
 
 def load_in_subprocess(cases: list[dict[str, Any]], timeout: float = 300) -> dict[str, dict[str, Any]]:
     """Load each case in one child process; fails naming the case that killed or hung it."""
-    p = subprocess.run([sys.executable, "-c", WORKER], input=json.dumps(cases), capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-c", WORKER], input=json.dumps(cases), capture_output=True, text=True, timeout=timeout
+    )
     results = {}
     last = None
     for line in p.stdout.splitlines():
@@ -87,7 +89,7 @@ def edit_config(d: Path, **changes: Any) -> Path:
 def read_st(path: Path) -> tuple[dict[str, Any], bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack_from("<Q", raw)
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def write_st(path: Path, header: dict[str, Any] | bytes, data: bytes) -> None:
@@ -178,16 +180,20 @@ def test_weights_must_have_the_shapes_the_config_implies(tmp_path, good):
 
 # ---- config.json --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("num_hidden_layers", 10**9, "num_hidden_layers = 1000000000 is out of range"),  # aborted: allocation failed
-    ("num_hidden_layers", 0, "num_hidden_layers = 0 is out of range"),  # panicked the engine thread
-    ("head_dim", 10**6, "head_dim = 1000000 is out of range"),  # 10 GB, then SIGSEGV in MLX
-    ("num_attention_heads", 0, "num_attention_heads = 0 is out of range"),
-    ("num_attention_heads", 3, "not a multiple of num_key_value_heads 2"),
-    ("vocab_size", 2**40, "vocab_size = 1099511627776 is out of range"),
-    ("hidden_size", 1e9, "hidden_size = 1000000000.0 is not an integer"),
-    ("head_dim", 63, "head_dim 63 is odd"),
-])
+
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("num_hidden_layers", 10**9, "num_hidden_layers = 1000000000 is out of range"),  # aborted: allocation failed
+        ("num_hidden_layers", 0, "num_hidden_layers = 0 is out of range"),  # panicked the engine thread
+        ("head_dim", 10**6, "head_dim = 1000000 is out of range"),  # 10 GB, then SIGSEGV in MLX
+        ("num_attention_heads", 0, "num_attention_heads = 0 is out of range"),
+        ("num_attention_heads", 3, "not a multiple of num_key_value_heads 2"),
+        ("vocab_size", 2**40, "vocab_size = 1099511627776 is out of range"),
+        ("hidden_size", 1e9, "hidden_size = 1000000000.0 is not an integer"),
+        ("head_dim", 63, "head_dim 63 is odd"),
+    ],
+)
 def test_config_sizes_are_bounded(tmp_path, good, field, value, needle):
     d = edit_config(copy_model(tmp_path, good, "cfg"), **{field: value})
     r = load_in_subprocess([{"name": "c", "path": str(d)}])["c"]
@@ -208,6 +214,7 @@ def test_gemma_window_pattern_is_bounded(tmp_path):
 
 # ---- options that reach a division ---------------------------------------------------------------
 
+
 def test_kv_group_size_is_validated_in_rust(tmp_path, good):
     """`kv_bits=4, kv_group_size=0` died with SIGFPE; the native Session (no Python-side check)
     must refuse it itself."""
@@ -222,13 +229,15 @@ def test_kv_group_size_is_validated_in_rust(tmp_path, good):
             _native.Session(str(good), kv_bits=4, kv_group_size=g)
     # a group size that does not divide head_dim (32 here): refused, not an MLX failure mid-generation
     with pytest.raises(InvalidArgumentError, match="kv_group_size 64 does not divide the model's head_dim 32"):
-        _native.Session(str(make_model("qwen3-hd32", "qwen3", head_dim=32, heads=8, kv_heads=4)), kv_bits=4,
-                        kv_group_size=64)
+        _native.Session(
+            str(make_model("qwen3-hd32", "qwen3", head_dim=32, heads=8, kv_heads=4)), kv_bits=4, kv_group_size=64
+        )
     with mlxrs.Session(good, kv_bits=4, kv_group_size=32) as s:  # the valid ones still work
         assert len(s.generate([1, 2, 3], max_tokens=3, ignore_eos=True).tokens) == 3
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def good_gguf(tmp_path_factory, good) -> Path:
@@ -247,7 +256,7 @@ def gguf_fields(data: bytes) -> list[tuple[int, int, str]]:
 
 
 def set_field(data: bytes, off: int, width: int, value: int) -> bytes:
-    return data[:off] + value.to_bytes(width, "little") + data[off + width:]
+    return data[:off] + value.to_bytes(width, "little") + data[off + width :]
 
 
 def test_gguf_metadata_sizes_are_bounded(tmp_path, good_gguf):
@@ -279,7 +288,7 @@ def test_gguf_tensor_offsets_are_checked(tmp_path, good_gguf):
 
     data = good_gguf.read_bytes()
     offsets = [(off, width) for off, width, what in gguf_fields(data) if what == "tensor offset"]
-    values = [int.from_bytes(data[o:o + w], "little") for o, w in offsets]
+    values = [int.from_bytes(data[o : o + w], "little") for o, w in offsets]
     assert values[1] > values[0]
     misaligned = set_field(data, *offsets[1], values[1] + 4)
     overlapping = set_field(data, *offsets[1], values[0])
@@ -297,6 +306,7 @@ def test_gguf_tensor_offsets_are_checked(tmp_path, good_gguf):
 
 
 # ---- the engine thread's death ------------------------------------------------------------------
+
 
 def test_engine_panic_is_an_error_every_caller_sees(good):
     with mlxrs.Session(good) as s:
@@ -319,8 +329,11 @@ def test_engine_panic_is_an_error_every_caller_sees(good):
         assert info["engine"]["state"] == "dead"
         assert "injected engine panic (test hook)" in info["engine"]["error"]
         assert info["failed"] == failed_before + 2  # the stream in flight and the generate after it
-        assert info["requests"] == info["served"] + info["cancelled"] + info["rejected"] + info["failed"] \
-            + info["inflight"] and info["inflight"] == 0
+        assert (
+            info["requests"]
+            == info["served"] + info["cancelled"] + info["rejected"] + info["failed"] + info["inflight"]
+            and info["inflight"] == 0
+        )
         assert issubclass(EngineError, MlxrsError)
     assert s.info["engine"] == {"state": "closed", "error": None}
 
@@ -342,8 +355,12 @@ def test_engine_error_is_exported():
 def test_the_fuzz_script_runs_clean():
     """scripts/fuzz_files.py on a few cases of each kind (docs/fuzzing.md has the long run)."""
     pytest.importorskip("gguf")
-    p = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "fuzz_files.py"), "--n", "25", "--seed", "3"],
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(HERE.parent / "scripts" / "fuzz_files.py"), "--n", "25", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout + p.stderr[-2000:]
     for kind in ("safetensors", "gguf", "config"):
         line = next(x for x in p.stdout.splitlines() if x.startswith(kind + ":"))

@@ -12,6 +12,7 @@ tokenizer), which MLX's allocator does not count; the comparison with MLX's peak
 weights + KV + transient. The reserve is checked separately against the resident set size of a
 process that loads and generates.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,21 @@ from server_util import Server
 from tinymodels import FIT_MODELS, make_fit_model, make_model
 
 TOLERANCE = 0.15
-SCHEMA_KEYS = {"schemaVersion", "strategy", "fits", "contextTokens", "maxSafeContext", "weightsBytes", "kvBytes",
-               "transientBytes", "reserveBytes", "totalBytes", "usableBytes", "predictedDecodeTps",
-               "allocatorLimitBytes"}
+SCHEMA_KEYS = {
+    "schemaVersion",
+    "strategy",
+    "fits",
+    "contextTokens",
+    "maxSafeContext",
+    "weightsBytes",
+    "kvBytes",
+    "transientBytes",
+    "reserveBytes",
+    "totalBytes",
+    "usableBytes",
+    "predictedDecodeTps",
+    "allocatorLimitBytes",
+}
 
 MODELS = FIT_MODELS  # tests/tinymodels.py
 
@@ -53,8 +66,9 @@ GENERATED = 2
 model = make_fit_model
 
 
-def plan(d: Path | str, ctx: int | None = None, kv_bits: int | None = None, budget: str | None = None,
-         **kw: Any) -> dict[str, Any]:
+def plan(
+    d: Path | str, ctx: int | None = None, kv_bits: int | None = None, budget: str | None = None, **kw: Any
+) -> dict[str, Any]:
     return dict(json.loads(_native.plan(str(d), ctx, kv_bits, budget, **kw)))
 
 
@@ -82,8 +96,12 @@ def measure(d: Path, n: int, kv_bits: int | None, vocab: int) -> dict[str, int]:
     """MLX's peak memory over one generation of GENERATED tokens after n random prompt tokens, and the
     process's peak resident set, in a fresh process: a session keeps its last KV cache until the next
     generation replaces it, which a second measurement in the same session would count."""
-    r = subprocess.run([sys.executable, "-c", MEASURE, str(d), str(n), str(kv_bits or "none"), str(vocab),
-                        str(GENERATED)], capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(d), str(n), str(kv_bits or "none"), str(vocab), str(GENERATED)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr
     return dict(json.loads(r.stdout))
 
@@ -94,9 +112,11 @@ def test_plan_matches_measured_peak(name: str, n: int, kv_bits: int | None) -> N
     p = plan(model(name), n + GENERATED, kv_bits)
     est = p["weightsBytes"] + p["kvBytes"] + p["transientBytes"]
     ratio = est / peak
-    print(f"{name} n={n} kv={kv_bits}: measured {peak / 1e6:.1f} MB, planned {est / 1e6:.1f} MB "
-          f"(weights {p['weightsBytes'] / 1e6:.1f}, kv {p['kvBytes'] / 1e6:.1f}, "
-          f"transient {p['transientBytes'] / 1e6:.1f}), ratio {ratio:.3f}")
+    print(
+        f"{name} n={n} kv={kv_bits}: measured {peak / 1e6:.1f} MB, planned {est / 1e6:.1f} MB "
+        f"(weights {p['weightsBytes'] / 1e6:.1f}, kv {p['kvBytes'] / 1e6:.1f}, "
+        f"transient {p['transientBytes'] / 1e6:.1f}), ratio {ratio:.3f}"
+    )
     assert abs(ratio - 1) <= TOLERANCE, (peak, est, p)
     # the weights term is exact: the safetensors headers give what the load allocates
     assert p["weightsBytes"] <= peak
@@ -115,6 +135,7 @@ def test_reserve_covers_the_rest_of_the_process() -> None:
 
 
 # ---- the CLI ------------------------------------------------------------------------------------
+
 
 def test_json_is_the_memoryplan_schema() -> None:
     d = model("fit-llama-f32")
@@ -158,8 +179,18 @@ def test_readable_report() -> None:
     assert r.returncode == 0, r.stderr
     out = r.stdout
     p = plan(d, 4096, None, "900M")
-    for label in ("model", "context", "weights", "KV cache", "transient", "reserve", "total", "budget",
-                  "max context", "verdict"):
+    for label in (
+        "model",
+        "context",
+        "weights",
+        "KV cache",
+        "transient",
+        "reserve",
+        "total",
+        "budget",
+        "max context",
+        "verdict",
+    ):
         assert any(line.startswith(label) for line in out.splitlines()), (label, out)
     assert "64.00 KiB/token: 8 layers × 8 KV heads × 128 × K,V × float32" in out
     assert f"does not fit at 4096 tokens — up to {p['maxSafeContext']} tokens do" in out
@@ -170,7 +201,7 @@ def test_readable_report() -> None:
     r = cli("fit", str(d), "--memory-budget", "100M")
     assert "does not fit: the weights and the reserve alone exceed the budget" in r.stdout
     r = cli("fit", str(d), "--memory-budget", "lots")
-    assert r.returncode == 1 and r.stderr.startswith("error: memory budget \"lots\"")
+    assert r.returncode == 1 and r.stderr.startswith('error: memory budget "lots"')
 
 
 def test_skus() -> None:
@@ -179,9 +210,25 @@ def test_skus() -> None:
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     names = [x["sku"] for x in rows]
-    for want in ("M1 8GB", "M1 Max 64GB", "M2 Ultra 192GB", "M3 Pro 18GB", "M3 Ultra 512GB", "M4 16GB",
-                 "M4 Pro 48GB", "M4 Max 128GB", "RTX 3090 24GB", "RTX 4090 24GB", "RTX 5090 32GB", "A100 40GB",
-                 "A100 80GB", "H100 80GB SXM", "H200 141GB", "L4 24GB", "T4 16GB"):
+    for want in (
+        "M1 8GB",
+        "M1 Max 64GB",
+        "M2 Ultra 192GB",
+        "M3 Pro 18GB",
+        "M3 Ultra 512GB",
+        "M4 16GB",
+        "M4 Pro 48GB",
+        "M4 Max 128GB",
+        "RTX 3090 24GB",
+        "RTX 4090 24GB",
+        "RTX 5090 32GB",
+        "A100 40GB",
+        "A100 80GB",
+        "H100 80GB SXM",
+        "H200 141GB",
+        "L4 24GB",
+        "T4 16GB",
+    ):
         assert want in names, want
     for x in rows:
         p = x["plan"]
@@ -202,8 +249,10 @@ def test_skus() -> None:
     assert fused == metal
     # CUDA fuses attention for a 16-bit model
     b = model("fit-qwen3-bf16")
-    assert plan(b, 8192, device_bytes=8 << 30, backend="cuda")["transientBytes"] < \
-        plan(b, 8192, device_bytes=8 << 30, backend="cuda", fused_attention=False)["transientBytes"]
+    assert (
+        plan(b, 8192, device_bytes=8 << 30, backend="cuda")["transientBytes"]
+        < plan(b, 8192, device_bytes=8 << 30, backend="cuda", fused_attention=False)["transientBytes"]
+    )
     # a tiny byte budget: nothing fits anywhere; a fraction: the same share of each
     rows = json.loads(cli("fit", str(d), "--skus", "--json", "--memory-budget", "300M").stdout)
     assert all(x["plan"]["maxSafeContext"] == 0 for x in rows)
@@ -227,8 +276,9 @@ def test_gguf_is_planned_like_its_import(monkeypatch: pytest.MonkeyPatch, gemma_
 
 
 @pytest.mark.parametrize("backend,dtype", [("cpu", "f32"), ("cuda", "bf16"), ("metal", "bf16")])
-def test_gguf_is_planned_as_the_import_of_the_planned_backend(monkeypatch: pytest.MonkeyPatch, gemma_gguf: Path,
-                                                              backend: str, dtype: str) -> None:
+def test_gguf_is_planned_as_the_import_of_the_planned_backend(
+    monkeypatch: pytest.MonkeyPatch, gemma_gguf: Path, backend: str, dtype: str
+) -> None:
     """`fit --skus` plans a .gguf for each machine as that machine's import: f32 on the CPU, bf16 on
     GPUs (the directories themselves, imported here, are the reference)."""
     from mlxrs.models import cached_gguf
@@ -243,6 +293,7 @@ def test_gguf_is_planned_as_the_import_of_the_planned_backend(monkeypatch: pytes
 
 # ---- the server's admission honours maxSafeContext ----------------------------------------------
 
+
 def test_server_admission_honours_max_safe_context() -> None:
     d = make_model("qwen3-float32", "qwen3")
     # a budget that is not constructed from the plan: weights + reserve + 40 MiB
@@ -255,8 +306,9 @@ def test_server_admission_honours_max_safe_context() -> None:
         st = s.stats()
         assert st["context_tokens"] == m and st["memory_plan"] == fit
         # the longest prompt that leaves one generation slot inside the ceiling is admitted...
-        status, body = s.post("/v1/completions", {"model": "qwen3-float32", "prompt": [7] * (m - 1),
-                                                   "max_tokens": 20, "temperature": 0})
+        status, body = s.post(
+            "/v1/completions", {"model": "qwen3-float32", "prompt": [7] * (m - 1), "max_tokens": 20, "temperature": 0}
+        )
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] == m - 1
         assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"

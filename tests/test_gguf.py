@@ -8,6 +8,7 @@ tests/.models/. Its references (transformers' tokenizer.json and gguf-py's tenso
 build with GGUFReader) are built once and cached in tests/.models/gguf-ref-gemma3/. Set
 MLXRS_GGUF_ALL_TENSORS=1 to compare every tensor of the real file, not a subset of each type.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,16 @@ REF_DIR = ROOT / "gguf-ref-gemma3"
 
 # byte offsets of each block's f16 scale fields (d, and dmin/m where the type has one)
 F16_FIELDS = {
-    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q8_0: (0,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
 }
 ALL_TYPES = [T.F32, T.F16, T.BF16, *F16_FIELDS]
 KNOWN_TYPES = {int(t) for t in ALL_TYPES}
@@ -81,7 +90,7 @@ def test_dequantize_random_blocks(qtype: T) -> None:
     if qtype in F16_FIELDS:
         blocks = raw.reshape(nb, ts)
         for off in F16_FIELDS[qtype]:
-            blocks[:, off:off + 2] = finite_f16(rng, nb).view(np.uint8).reshape(nb, 2)
+            blocks[:, off : off + 2] = finite_f16(rng, nb).view(np.uint8).reshape(nb, 2)
     ours = ours_dequantize(int(qtype), raw.tobytes(), nb * bs)
     ref = dequantize(raw, qtype)
     assert_same(ours, ref, qtype.name)
@@ -89,8 +98,8 @@ def test_dequantize_random_blocks(qtype: T) -> None:
         assert np.isfinite(ours).all()
     # block for block: each block alone dequantizes to its slice of the whole
     for b in rng.choice(nb, 8, replace=False):
-        one = ours_dequantize(int(qtype), raw[b * ts:(b + 1) * ts].tobytes(), bs)
-        assert one.view(np.uint32).tolist() == ours[b * bs:(b + 1) * bs].view(np.uint32).tolist()
+        one = ours_dequantize(int(qtype), raw[b * ts : (b + 1) * ts].tobytes(), bs)
+        assert one.view(np.uint32).tolist() == ours[b * bs : (b + 1) * bs].view(np.uint32).tolist()
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
@@ -145,15 +154,28 @@ def reference_tokenizer(path: Path, out: Path | None = None) -> tuple[Tokenizer,
     tok, _ = gtm.convert_gguf_tokenizer(arch, d)
     toks = d["tokens"]
     meta = {"architecture": arch, "tokenizer_type": d.get("tokenizer_type")}
-    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id")):
+    for name, key in (
+        ("bos", "bos_token_id"),
+        ("eos", "eos_token_id"),
+        ("unk", "unknown_token_id"),
+        ("pad", "padding_token_id"),
+    ):
         i = _field(r, f"tokenizer.ggml.{key}")
         meta[f"{name}_id"] = None if i is None else int(i)
         meta[f"{name}_token"] = None if i is None else toks[int(i)]
     add_bos = _field(r, "tokenizer.ggml.add_bos_token")
     meta["add_bos_token"] = bool(add_bos) if add_bos is not None else d.get("tokenizer_type") == "llama"
     meta["chat_template"] = _field(r, "tokenizer.chat_template")
-    tensors = [{"name": t.name, "shape": [int(x) for x in reversed(t.shape.tolist())], "type": int(t.tensor_type),
-                "offset": int(t.data_offset), "n_bytes": int(t.n_bytes)} for t in r.tensors]
+    tensors = [
+        {
+            "name": t.name,
+            "shape": [int(x) for x in reversed(t.shape.tolist())],
+            "type": int(t.tensor_type),
+            "offset": int(t.data_offset),
+            "n_bytes": int(t.n_bytes),
+        }
+        for t in r.tensors
+    ]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         tok.save(str(out / ".tokenizer.json.tmp"))
@@ -195,8 +217,10 @@ def _real_subset(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return tensors
     pick: list[dict[str, Any]] = []
     for ty in sorted({t["type"] for t in tensors}):
-        of = sorted((t for t in tensors if t["type"] == ty and t["name"] != "token_embd.weight"),
-                    key=lambda t: (t["n_bytes"], t["name"]))
+        of = sorted(
+            (t for t in tensors if t["type"] == ty and t["name"] != "token_embd.weight"),
+            key=lambda t: (t["n_bytes"], t["name"]),
+        )
         idx = sorted({0, len(of) // 2, len(of) - 1}) if of else []
         pick += [of[i] for i in idx]
     return pick
@@ -208,7 +232,7 @@ def test_real_tensors_match_gguf_py(gemma_file: Path, gemma_ref: Any) -> None:
     chosen = _real_subset(ref_tensors)
     assert {t["type"] for t in chosen} == {t["type"] for t in ref_tensors}
     for t in chosen:
-        raw = np.asarray(mm[t["offset"]:t["offset"] + t["n_bytes"]])
+        raw = np.asarray(mm[t["offset"] : t["offset"] + t["n_bytes"]])
         ref = dequantize(raw, T(t["type"]))
         ours = np.frombuffer(_native._gguf_tensor(gemma_file, t["name"]), dtype=np.float32)
         assert ours.size == int(np.prod(t["shape"]))
@@ -218,8 +242,12 @@ def test_real_tensors_match_gguf_py(gemma_file: Path, gemma_ref: Any) -> None:
     bs, ts = GGML_QUANT_SIZES[T(emb["type"])]
     rows = 64
     nbytes = rows * emb["shape"][1] // bs * ts
-    raw = np.asarray(mm[emb["offset"]:emb["offset"] + nbytes])
-    assert_same(ours_dequantize(emb["type"], raw.tobytes(), rows * emb["shape"][1]), dequantize(raw, T(emb["type"])), "token_embd[:64]")
+    raw = np.asarray(mm[emb["offset"] : emb["offset"] + nbytes])
+    assert_same(
+        ours_dequantize(emb["type"], raw.tobytes(), rows * emb["shape"][1]),
+        dequantize(raw, T(emb["type"])),
+        "token_embd[:64]",
+    )
 
 
 # ---- tokenizer: the real Gemma 3 vocabulary -----------------------------------------------------
@@ -241,7 +269,7 @@ TEXTS = [
     "<bos>literal bos and eos<eos> in text",
     "<unused0><mask>[multimodal] user tokens",
     "unicode: café naïve Ünïcödé — “quotes” … ½ ∑ ∞ ß",
-    "rare bytes \x00\x01\x7f and \u200b zero width and \U0001F9EA",
+    "rare bytes \x00\x01\x7f and \u200b zero width and \U0001f9ea",
     "",
     "numbers 1234567890 3.14159 1e-10 0x1F",
     "Question: What is the capital of France?\nAnswer:",
@@ -316,8 +344,9 @@ def _trained(pre: Any, vocab: int) -> tuple[list[str], list[str]]:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre
     alphabet = pre_tokenizers.ByteLevel.alphabet() if isinstance(pre, pre_tokenizers.ByteLevel) else []
-    tok.train_from_iterator([CORPUS], trainer=trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=alphabet,
-                                                                   show_progress=False))
+    tok.train_from_iterator(
+        [CORPUS], trainer=trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=alphabet, show_progress=False)
+    )
     j = json.loads(tok.to_str())
     toks = [""] * len(j["model"]["vocab"])
     for t, i in j["model"]["vocab"].items():
@@ -325,10 +354,20 @@ def _trained(pre: Any, vocab: int) -> tuple[list[str], list[str]]:
     return toks, [m if isinstance(m, str) else " ".join(m) for m in j["model"]["merges"]]
 
 
-def write_tokenizer_gguf(path: Path, arch: str, tokens: list[str], types: list[int], *, model: str,
-                         pre: str | None = None, scores: list[float] | None = None, merges: list[str] | None = None,
-                         ids: dict[str, int] | None = None, add_bos: bool | None = None,
-                         chat_template: str | None = None) -> Path:
+def write_tokenizer_gguf(
+    path: Path,
+    arch: str,
+    tokens: list[str],
+    types: list[int],
+    *,
+    model: str,
+    pre: str | None = None,
+    scores: list[float] | None = None,
+    merges: list[str] | None = None,
+    ids: dict[str, int] | None = None,
+    add_bos: bool | None = None,
+    chat_template: str | None = None,
+) -> Path:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_tokenizer_model(model)
     if pre is not None:
@@ -339,8 +378,12 @@ def write_tokenizer_gguf(path: Path, arch: str, tokens: list[str], types: list[i
         w.add_token_scores(scores)
     if merges is not None:
         w.add_token_merges(merges)
-    adders: dict[str, Callable[[int], None]] = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id,
-                                                "unk": w.add_unk_token_id, "pad": w.add_pad_token_id}
+    adders: dict[str, Callable[[int], None]] = {
+        "bos": w.add_bos_token_id,
+        "eos": w.add_eos_token_id,
+        "unk": w.add_unk_token_id,
+        "pad": w.add_pad_token_id,
+    }
     for k, v in (ids or {}).items():
         adders[k](v)
     if add_bos is not None:
@@ -364,9 +407,18 @@ def gpt2_file(path: Path, pre: str) -> Path:
     # transformers leaves out (a llama.cpp mislabel)
     tokens = toks + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "<bad token>"]
     types = [1] * n + [3, 3, 3, 4, 3]
-    return write_tokenizer_gguf(path, "qwen2", tokens, types, model="gpt2", pre=pre, merges=merges,
-                                ids={"bos": n, "eos": n + 2, "pad": n}, add_bos=False,
-                                chat_template="{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    return write_tokenizer_gguf(
+        path,
+        "qwen2",
+        tokens,
+        types,
+        model="gpt2",
+        pre=pre,
+        merges=merges,
+        ids={"bos": n, "eos": n + 2, "pad": n},
+        add_bos=False,
+        chat_template="{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}",
+    )
 
 
 def spm_file(path: Path, arch: str = "llama", add_bos: bool | None = None, whitespace: bool = False) -> Path:
@@ -430,7 +482,10 @@ def test_synthetic_tokenizers_match_transformers(tmp_path: Path, kind: str) -> N
         ids = ours.encode(text).ids
         assert ids == ([bos] if bos is not None else []) + ref_ids, (kind, text)
         assert ours.encode(text, add_special_tokens=False).ids == ref_ids, (kind, text)
-        assert ours.decode(ref_ids, skip_special_tokens=False) == ref.decode(ref_ids, skip_special_tokens=False), (kind, text)
+        assert ours.decode(ref_ids, skip_special_tokens=False) == ref.decode(ref_ids, skip_special_tokens=False), (
+            kind,
+            text,
+        )
     if kind.startswith("gpt2"):
         assert "<bad token>" not in {a["content"] for a in ours_json["added_tokens"]}
         assert ours.decode(ours.encode(SYNTH_TEXTS[-3]).ids) == SYNTH_TEXTS[-3]
@@ -443,12 +498,14 @@ def test_tokenizer_errors(tmp_path: Path) -> None:
     p = write_tokenizer_gguf(tmp_path / "nomerges.gguf", "qwen2", ["a", "b"], [1, 1], model="gpt2")
     with pytest.raises(ModelLoadError, match="merges"):
         _native._gguf_tokenizer(p)
-    p = write_tokenizer_gguf(tmp_path / "badmerge.gguf", "qwen2", ["a", "b", "ab"], [1, 1, 1], model="gpt2",
-                             merges=["a c"])
+    p = write_tokenizer_gguf(
+        tmp_path / "badmerge.gguf", "qwen2", ["a", "b", "ab"], [1, 1, 1], model="gpt2", merges=["a c"]
+    )
     with pytest.raises(ModelLoadError, match="not in the vocabulary"):
         _native._gguf_tokenizer(p)
-    p = write_tokenizer_gguf(tmp_path / "badbos.gguf", "llama", ["a", "b"], [1, 1], model="llama",
-                             scores=[0.0, 0.0], ids={"bos": 7})
+    p = write_tokenizer_gguf(
+        tmp_path / "badbos.gguf", "llama", ["a", "b"], [1, 1], model="llama", scores=[0.0, 0.0], ids={"bos": 7}
+    )
     with pytest.raises(ModelLoadError, match="past the vocabulary"):
         _native._gguf_tokenizer(p)
 
@@ -490,7 +547,7 @@ def header_fields(data: bytes, per_array: int = 4) -> tuple[list[tuple[int, int,
 
     for _ in range(n_kv):
         out.append((pos, 8, "key length"))
-        key = data[pos + 8:pos + 8 + u64(pos)].decode()
+        key = data[pos + 8 : pos + 8 + u64(pos)].decode()
         pos += 8 + u64(pos)
         out.append((pos, 4, f"{key}: value type"))
         ty = u32(pos)
@@ -591,7 +648,9 @@ def test_synthetic_header_parses_like_gguf_py(synth_bytes: bytes, tmp_path: Path
         else:
             assert meta[k] == ref, k
     assert [(n, s, t, data_offset + o) for n, s, t, o in tensors] == [
-        (t.name, [int(x) for x in reversed(t.shape.tolist())], int(t.tensor_type), int(t.data_offset)) for t in r.tensors]
+        (t.name, [int(x) for x in reversed(t.shape.tolist())], int(t.tensor_type), int(t.data_offset))
+        for t in r.tensors
+    ]
     assert data_offset % 64 == 0
     for n, _, _, _ in tensors:
         ref_t = next(t for t in r.tensors if t.name == n)
@@ -602,10 +661,10 @@ def test_synthetic_header_parses_like_gguf_py(synth_bytes: bytes, tmp_path: Path
 def _mutations(data: bytes, fields: list[tuple[int, int, str]]) -> Iterator[tuple[str, bytes]]:
     for off, width, what in fields:
         values = U64_VALUES if width == 8 else U32_VALUES if width == 4 else [0, 1, 2, 0x7F, 0xFF]
-        orig = int.from_bytes(data[off:off + width], "little")
+        orig = int.from_bytes(data[off : off + width], "little")
         for v in {*values, orig + 1, max(orig - 1, 0), len(data)}:
             v &= (1 << (8 * width)) - 1
-            yield f"{what}@{off}={v}", data[:off] + v.to_bytes(width, "little") + data[off + width:]
+            yield f"{what}@{off}={v}", data[:off] + v.to_bytes(width, "little") + data[off + width :]
 
 
 def test_header_fuzz_synthetic(synth_bytes: bytes) -> None:
@@ -628,7 +687,7 @@ def test_header_fuzz_synthetic(synth_bytes: bytes) -> None:
     # random byte mutations, seeded
     rnd = random.Random(20240611)
     for _ in range(3000):
-        b = bytearray(data[:header_end + rnd.choice([0, 64, len(data)])])
+        b = bytearray(data[: header_end + rnd.choice([0, 64, len(data)])])
         for _ in range(rnd.randint(1, 4)):
             i = rnd.randrange(len(b))
             op = rnd.random()
@@ -637,7 +696,7 @@ def test_header_fuzz_synthetic(synth_bytes: bytes) -> None:
             elif op < 0.8:
                 b[i] ^= 1 << rnd.randrange(8)
             else:
-                b[i:i + 8] = rnd.choice(U64_VALUES).to_bytes(8, "little")
+                b[i : i + 8] = rnd.choice(U64_VALUES).to_bytes(8, "little")
         outcomes[parse(bytes(b))] += 1
     assert n_targeted > 500
     assert outcomes["error"] > 1000 and outcomes["ok"] > 10, outcomes
@@ -648,7 +707,7 @@ def test_header_fuzz_real(gemma_file: Path) -> None:
     with open(gemma_file, "rb") as f:
         head = f.read(16 << 20)
     fields, header_end = header_fields(head, per_array=2)
-    data = head[:header_end + 4096]
+    data = head[: header_end + 4096]
     assert header_end > 6_000_000
     # the full header parses up to the check that tensors lie inside the (cut) file
     with pytest.raises(ModelLoadError, match=r"byte \d+: tensor token_embd.weight .* runs past the end"):
@@ -666,8 +725,8 @@ def test_header_fuzz_real(gemma_file: Path) -> None:
     targeted = fields[:24] + toks + rnd.sample([f for f in fields if f[0] > header_end - 20000], 6)
     n = 0
     for off, width, what in targeted:
-        for v in ([2**60, 2**64 - 1] if width == 8 else [2**32 - 1, 13]):
-            mutated = data[:off] + v.to_bytes(width, "little") + data[off + width:]
+        for v in [2**60, 2**64 - 1] if width == 8 else [2**32 - 1, 13]:
+            mutated = data[:off] + v.to_bytes(width, "little") + data[off + width :]
             t0 = time.perf_counter()
             parse(mutated)
             assert time.perf_counter() - t0 < 1.0, f"{what}@{off}={v} was slow"
@@ -675,7 +734,7 @@ def test_header_fuzz_real(gemma_file: Path) -> None:
     for _ in range(10):
         b = bytearray(data)
         i = rnd.randrange(4096) if rnd.random() < 0.7 else rnd.randrange(len(b) - 8)
-        b[i:i + 8] = rnd.choice(U64_VALUES).to_bytes(8, "little")
+        b[i : i + 8] = rnd.choice(U64_VALUES).to_bytes(8, "little")
         parse(bytes(b))
     assert n == 2 * len(targeted) >= 60
     assert peak_rss_mb() - rss0 < 1024

@@ -2,6 +2,7 @@
 GGUF with gguf-py (llama.cpp's names, its q/k row permutation for llama, ggml dimension order, a
 GPT-2 byte-level vocabulary with merges), imported by mlxrs, and must reproduce the original model's
 logits and greedy tokens."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,21 @@ from tinymodels import make_model
 gguf = pytest.importorskip("gguf")
 
 NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
     # qwen3moe: the router and the experts, stacked [experts, out, in] (convert_hf_to_gguf stacks them)
-    "mlp.gate": "ffn_gate_inp", "mlp.switch_mlp.gate_proj": "ffn_gate_exps", "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
     "mlp.switch_mlp.down_proj": "ffn_down_exps",
 }
 GGUF_ARCH = {"qwen3_moe": "qwen3moe"}
@@ -72,7 +82,8 @@ def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 if f"{p}.experts.0.{proj}.weight" in weights:
                     weights[f"{p}.switch_mlp.{proj}.weight"] = np.stack(
-                        [weights.pop(f"{p}.experts.{e}.{proj}.weight") for e in range(cfg["num_experts"])])
+                        [weights.pop(f"{p}.experts.{e}.{proj}.weight") for e in range(cfg["num_experts"])]
+                    )
     w = gguf.GGUFWriter(str(out), GGUF_ARCH.get(arch, arch))
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -112,8 +123,11 @@ def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
                 heads = cfg["num_attention_heads"] if base.endswith("q_proj") else cfg["num_key_value_heads"]
                 a = llamacpp_permute(a, heads)
         if g in q8_0:
-            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(
+                g,
+                gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
     if cfg.get("rope_scaling", {}).get("rope_type") == "llama3":
@@ -138,7 +152,10 @@ def test_llama_family_gguf_import_reproduces_the_model(arch, tmp_path):
         assert b.tokenize(text) == ids, "the GGUF vocabulary and merges rebuild the same tokenizer"
         diff = float(np.max(np.abs(np.array(a.logits(ids)) - np.array(b.logits(ids)))))
         assert diff < 1e-4, diff
-        assert a.generate(ids, max_tokens=24, ignore_eos=True).tokens == b.generate(ids, max_tokens=24, ignore_eos=True).tokens
+        assert (
+            a.generate(ids, max_tokens=24, ignore_eos=True).tokens
+            == b.generate(ids, max_tokens=24, ignore_eos=True).tokens
+        )
 
 
 def test_llama3_rope_scaling_survives_the_gguf_round_trip(oracle, tmp_path):
@@ -151,8 +168,13 @@ def test_llama3_rope_scaling_survives_the_gguf_round_trip(oracle, tmp_path):
     shutil.copytree(base, src)
     cfg = json.loads((src / "config.json").read_text())
     # factor 8 with a short original context: the tiny model's 32 frequencies fall in all three bands
-    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 256}
+    cfg["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
     (src / "config.json").write_text(json.dumps(cfg))
     factors = llamacpp_rope_factors(cfg)
     assert (factors == 1).any() and (factors == 8).any() and ((factors > 1) & (factors < 8)).any()
@@ -183,10 +205,16 @@ def test_rope_factors_that_fit_no_llama3_scaling_are_refused(tmp_path):
     src = make_model("llama-float32", "llama")
     g = tmp_path / "odd.gguf"
     cfg = json.loads((src / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 256}
+    cfg["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }
     odd = tmp_path / "odd-src"
     import shutil
+
     shutil.copytree(src, odd)
     (odd / "config.json").write_text(json.dumps(cfg))
     real = llamacpp_rope_factors
@@ -246,7 +274,10 @@ def test_q8_0_head_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
     for mode in ("1", "0"):
         monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", mode)
         with mlxrs.Session(out) as s:
-            got[mode] = (s.generate(ids, max_tokens=24, ignore_eos=True).tokens, np.array(s.logits(ids), dtype=np.float32))
+            got[mode] = (
+                s.generate(ids, max_tokens=24, ignore_eos=True).tokens,
+                np.array(s.logits(ids), dtype=np.float32),
+            )
         assert got[mode][0] == ref["tokens"], f"MLXRS_CPU_Q8_HEAD={mode}: greedy tokens differ from mlx-lm's"
         diff = float(np.max(np.abs(got[mode][1] - np.array(ref["logits"], dtype=np.float32))))
         assert diff < 1e-4, f"MLXRS_CPU_Q8_HEAD={mode}: logits differ from mlx-lm's by {diff}"
@@ -254,14 +285,18 @@ def test_q8_0_head_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
     doubled = tmp_path / "doubled"
     shutil.copytree(out, doubled)
     t = mx.load(str(hf))
-    mx.save_safetensors(str(doubled / hf.name), {"head_q8_0.weight": t["head_q8_0.weight"],
-                                                 "head_q8_0.scales": t["head_q8_0.scales"] * 2})
+    mx.save_safetensors(
+        str(doubled / hf.name),
+        {"head_q8_0.weight": t["head_q8_0.weight"], "head_q8_0.scales": t["head_q8_0.scales"] * 2},
+    )
     monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", "1")
     with mlxrs.Session(doubled) as s:
         twice = np.array(s.logits(ids), dtype=np.float32)
     assert np.allclose(twice, 2 * got["0"][1], atol=2e-4), float(np.max(np.abs(twice - 2 * got["0"][1])))
     # a head file that does not fit the model
-    mx.save_safetensors(str(doubled / hf.name), {"head_q8_0.weight": t["head_q8_0.weight"][:-1],
-                                                 "head_q8_0.scales": t["head_q8_0.scales"][:-1]})
+    mx.save_safetensors(
+        str(doubled / hf.name),
+        {"head_q8_0.weight": t["head_q8_0.weight"][:-1], "head_q8_0.scales": t["head_q8_0.scales"][:-1]},
+    )
     with pytest.raises(MlxrsError, match="head_q8_0.weight"):
         mlxrs.Session(doubled)

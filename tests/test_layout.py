@@ -1,5 +1,6 @@
 """Repository rules that hold the design together: where `unsafe` may appear, and the shape of the
 workspace (three crates, run-time loading of libmlxc, the `mlxrs._native` module)."""
+
 from __future__ import annotations
 
 import re
@@ -77,7 +78,7 @@ def unsafe_sites(path: Path) -> list[int]:
 
 
 def test_strip_rust_separates_code_from_words() -> None:
-    sample = '''
+    sample = """
         // unsafe { in a line comment }
         /// unsafe fn in a doc comment
         /* unsafe { /* nested */ unsafe impl } */
@@ -87,7 +88,7 @@ def test_strip_rust_separates_code_from_words() -> None:
         let real = unsafe { g() };
         unsafe impl Send for X {}
         pub unsafe extern "C" fn h() {}
-    '''
+    """
     code = strip_rust(sample)
     assert len(code) == len(sample) and code.count("\n") == sample.count("\n")
     hits = [m.group(0) for m in UNSAFE_RE.finditer(code)]
@@ -128,12 +129,15 @@ def test_workspace_layout() -> None:
         assert tomllib.loads((d / "Cargo.toml").read_text())["package"]["name"] == crate
     ws = tomllib.loads((ROOT / "Cargo.toml").read_text())["workspace"]
     assert "crates/*" in ws["members"] or {f"crates/{c}" for c in ("mlxrs-sys", "mlxrs-core", "mlxrs-py")} <= set(
-        ws["members"])
+        ws["members"]
+    )
 
 
 def test_crate_dependencies_point_one_way() -> None:
-    deps = {c: tomllib.loads((CRATES / c / "Cargo.toml").read_text()).get("dependencies", {})
-            for c in ("mlxrs-sys", "mlxrs-core", "mlxrs-py")}
+    deps = {
+        c: tomllib.loads((CRATES / c / "Cargo.toml").read_text()).get("dependencies", {})
+        for c in ("mlxrs-sys", "mlxrs-core", "mlxrs-py")
+    }
     assert not any(d.startswith("mlxrs") for d in deps["mlxrs-sys"])
     assert "mlxrs-sys" in deps["mlxrs-core"] and "mlxrs-py" not in deps["mlxrs-core"]
     assert "mlxrs-core" in deps["mlxrs-py"]

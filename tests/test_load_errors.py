@@ -1,5 +1,6 @@
 """Loading a broken model directory raises the right `mlxrs.errors` class with a message that
 names the problem and what to do, and the process keeps running."""
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ def edit_config(**changes: object) -> Callable[[Path], None]:
             else:
                 cfg[k] = v
         (d / "config.json").write_text(json.dumps(cfg))
+
     return f
 
 
@@ -45,6 +47,7 @@ def edit_weights(fn: Callable[[dict], None]) -> Callable[[Path], None]:
         w = dict(mx.load(str(d / "model.safetensors")))
         fn(w)
         mx.save_safetensors(str(d / "model.safetensors"), w)
+
     return f
 
 
@@ -104,8 +107,12 @@ def test_missing_weights(tmp_path, good):
 def test_missing_shard(tmp_path, good):
     def shard(d: Path) -> None:
         (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
-        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-            "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+        (d / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+            )
+        )
+
     msg = load_error(broken(tmp_path, good, shard))
     assert "model-00002-of-00002.safetensors" in msg and "re-download" in msg
 
@@ -114,6 +121,7 @@ def test_truncated_weights(tmp_path, good):
     def truncate(d: Path) -> None:
         p = d / "model.safetensors"
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
     msg = load_error(broken(tmp_path, good, truncate))
     assert "model.safetensors" in msg and "truncated" in msg and "re-download" in msg
 
@@ -141,8 +149,10 @@ def test_missing_weight_tensor(tmp_path, good, name):
 def test_mistral_is_loaded_as_llama(tmp_path, good):
     d = broken(tmp_path, good, edit_config(model_type="mistral"))
     with mlxrs.Session(d) as s, mlxrs.Session(good) as ref:
-        assert s.generate("Paris is", max_tokens=8, ignore_eos=True).tokens == \
-            ref.generate("Paris is", max_tokens=8, ignore_eos=True).tokens
+        assert (
+            s.generate("Paris is", max_tokens=8, ignore_eos=True).tokens
+            == ref.generate("Paris is", max_tokens=8, ignore_eos=True).tokens
+        )
 
 
 @pytest.mark.parametrize("kw", [dict(kv_bits=5), dict(max_kv_size=2), dict(prefill_step_size=0)])
@@ -152,11 +162,13 @@ def test_invalid_session_options(good, kw):
 
 
 def test_the_process_keeps_running_after_load_errors(tmp_path, good):
-    for i, mutate in enumerate([
-        lambda d: (d / "config.json").unlink(),
-        edit_config(model_type="gpt2"),
-        edit_weights(lambda w: w.pop("model.norm.weight")),
-    ]):
+    for i, mutate in enumerate(
+        [
+            lambda d: (d / "config.json").unlink(),
+            edit_config(model_type="gpt2"),
+            edit_weights(lambda w: w.pop("model.norm.weight")),
+        ]
+    ):
         d = tmp_path / str(i)
         shutil.copytree(good, d)
         mutate(d)

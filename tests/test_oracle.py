@@ -1,6 +1,7 @@
 """The long-lived oracle process (tests/oracle_server.py) answers as a fresh mlx-lm process would:
 the same tokens and logits as tests/oracle_mlxlm.py run alone, a rewritten checkpoint reloaded, and
 a failing or crashing job fails alone with its stderr shown, the next job served."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,14 @@ JOB = {"prompt": list(range(3, 40)), "max_tokens": 24, "prefill_step_size": 16}
 
 def fresh(job: dict) -> dict:
     """tests/oracle_mlxlm.py in a process of its own, as every parity job ran before the shared one."""
-    p = subprocess.run([sys.executable, str(HERE / "oracle_mlxlm.py")], input=json.dumps(job), capture_output=True,
-                       text=True, env=blas_env(), timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(HERE / "oracle_mlxlm.py")],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=blas_env(),
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout)
 

@@ -5,6 +5,7 @@ logits within test_parity's tolerances), in float32 (the Hugging Face per-expert
 (mlx-lm's stacked `switch_mlp` layout, expert rows read by offset), bfloat16 4-bit and MLX's
 microscaling modes mxfp4, mxfp8, nvfp4 (uint8 scales, no biases); the counters
 agree with each other and with the files; a truncated file is refused naming the tensor."""
+
 from __future__ import annotations
 
 import json
@@ -161,10 +162,13 @@ def test_truncated_expert_file_is_refused_naming_the_tensor(tmp_path):
             s.generate(ids + [5], max_tokens=2, ignore_eos=True, temperature=0.0)
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("num_experts", 16, "model.layers.0.mlp.experts.8"),
-    ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("num_experts", 16, "model.layers.0.mlp.experts.8"),
+        ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
+    ],
+)
 def test_streamed_config_disagreeing_with_weights_is_refused(tmp_path, field, value, needle):
     src = make_model("qwen3_moe-float32", "qwen3_moe")
     d = tmp_path / field
@@ -261,8 +265,13 @@ def test_plan_streams_a_moe_model_over_its_budget():
     assert _plan(dense, budget="1000", stream_experts=True)["strategy"] == "generic-kv"
 
 
-@pytest.mark.parametrize("name,kw", [("qwen3_moe-mxfp4", dict(arch="qwen3_moe", quant_bits=4, quant_mode="mxfp4")),
-                                     ("gpt_oss-experts-mxfp4", dict(arch="gpt_oss", quant_bits=4, quant_mix="experts-mxfp4"))])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("qwen3_moe-mxfp4", dict(arch="qwen3_moe", quant_bits=4, quant_mode="mxfp4")),
+        ("gpt_oss-experts-mxfp4", dict(arch="gpt_oss", quant_bits=4, quant_mix="experts-mxfp4")),
+    ],
+)
 def test_plan_counts_mxfp4_expert_bytes(name, kw):
     """mxfp4 experts (4-bit e2m1 packed in uint32, one uint8 e8m0 scale per 32 inputs, no biases):
     the plan's streamed expert bytes are the files' expert tensor bytes (the headers, read here) and
@@ -272,8 +281,11 @@ def test_plan_counts_mxfp4_expert_bytes(name, kw):
     cfg = json.loads((d / "config.json").read_text())
     h, e = cfg["hidden_size"], cfg.get("num_experts") or cfg["num_local_experts"]
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    moe_layers = sum(1 for k in cfg["quantization"] if isinstance(cfg["quantization"][k], dict)) // 3 if "experts-" in name \
+    moe_layers = (
+        sum(1 for k in cfg["quantization"] if isinstance(cfg["quantization"][k], dict)) // 3
+        if "experts-" in name
         else cfg["num_hidden_layers"] - len(cfg.get("mlp_only_layers", []))
+    )
     per_expert = 3 * inter * h // 2 + 3 * inter * h // 32  # gate, up, down: e2m1 nibbles + e8m0 scales
     experts = _expert_bytes(d)
     biases = 0
@@ -351,8 +363,9 @@ def test_served_streamed_when_the_weights_exceed_the_budget():
     d = _deep_moe()
     # the streamed plan at the model's full context, with room for a quarter of the experts: less
     # than the resident plan needs
-    full = json.loads(mlxrs._native.plan(str(d), None, None, "100G", stream_experts=True,
-                                         expert_cache_bytes=_expert_bytes(d) // 4))
+    full = json.loads(
+        mlxrs._native.plan(str(d), None, None, "100G", stream_experts=True, expert_cache_bytes=_expert_bytes(d) // 4)
+    )
     budget = full["totalBytes"]
     assert budget < json.loads(mlxrs._native.plan(str(d), None, None, "100G"))["totalBytes"]
     with mlxrs.Session(d) as s:
@@ -362,8 +375,10 @@ def test_served_streamed_when_the_weights_exceed_the_budget():
         st = srv.stats()
         assert st["memory_plan"]["strategy"] == "streamed-experts"
         assert st["memory_plan"]["expertCacheBytes"] == _expert_bytes(d) // 4
-        status, body = srv.post("/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 12, "temperature": 0,
-                                                    "ignore_eos": True, "logprobs": 1})
+        status, body = srv.post(
+            "/v1/completions",
+            {"model": "m", "prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1},
+        )
         assert status == 200, body
         st = srv.stats()
         x = st["experts"]
@@ -395,8 +410,9 @@ def test_serve_expert_prefetch_off():
 
     d = _deep_moe()
     with Server(d, "--stream-experts", "--expert-prefetch", "off") as srv:
-        status, body = srv.post("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0,
-                                                    "ignore_eos": True})
+        status, body = srv.post(
+            "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        )
         assert status == 200, body
         st = srv.stats()
         x = st["experts"]
@@ -419,19 +435,35 @@ def test_fit_cli_expert_cache_implies_streaming():
 # every MoE architecture, in each of the layouts its checkpoints ship (stacked switch_mlp, per-expert
 # `experts.{e}.{proj}` or Mixtral's w1/w3/w2, the fused `experts.gate_up_proj`), streamed with the
 # default cache (a quarter of the expert bytes) against mlx-lm with every expert resident
-MOE_ARCHS = ["mixtral", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe", "gemma4_text_moe", "deepseek_v3", "deepseek_v32",
-             "glm_moe_dsa", "mistral4", "mistral3"]
+MOE_ARCHS = [
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "gemma4_text_moe",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "mistral4",
+    "mistral3",
+]
 
 
 # (name, make_model keywords): gpt-oss quantized mxfp4 by mlx-lm's convert, and as its mixed checkpoints
 # ship (mxfp4 experts, affine attention, the rest not quantized)
-MX_MODELS = {"mxfp4": ("gpt_oss-mxfp4", dict(quant_bits=4, quant_mode="mxfp4")),
-             "experts-mxfp4": ("gpt_oss-experts-mxfp4", dict(quant_bits=4, quant_mix="experts-mxfp4"))}
+MX_MODELS = {
+    "mxfp4": ("gpt_oss-mxfp4", dict(quant_bits=4, quant_mode="mxfp4")),
+    "experts-mxfp4": ("gpt_oss-experts-mxfp4", dict(quant_bits=4, quant_mix="experts-mxfp4")),
+}
 STREAM_CASES = [(a, q) for a in MOE_ARCHS for q in (None, 4)] + [("gpt_oss", m) for m in MX_MODELS]
 
 
-@pytest.mark.parametrize("arch,quant", STREAM_CASES, ids=[f"{a}-{'float32' if q is None else 'q4' if q == 4 else q}"
-                                                          for a, q in STREAM_CASES])
+@pytest.mark.parametrize(
+    "arch,quant",
+    STREAM_CASES,
+    ids=[f"{a}-{'float32' if q is None else 'q4' if q == 4 else q}" for a, q in STREAM_CASES],
+)
 def test_every_moe_architecture_streams_as_mlx_lm(oracle, arch, quant):
     """Streamed with prefetch on (each MoE layer reads the next one's predicted experts ahead)."""
     if isinstance(quant, str):

@@ -4,6 +4,7 @@ with and without a quantized KV cache, a prompt longer than one prefill chunk, a
 model past its window, and a rotating (max_kv_size) cache. Gemma 4 (dense, and MoE with keys as values
 and an untied head) also in a batch of mixed lengths, on a prompt-prefix cache hit, and with every layer
 global (the stacked KV decode over its KV-shared layers)."""
+
 from __future__ import annotations
 
 import re
@@ -14,12 +15,43 @@ import pytest
 import mlxrs
 from tinymodels import make_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "gemma4_text", "gemma4_text_moe", "qwen3_next",
-         "qwen3_5", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4", "mistral3", "mistral3_llama", "ministral3", "mistral3_ministral3"]
+ARCHS = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "qwen3_moe",
+    "gemma4_text",
+    "gemma4_text_moe",
+    "qwen3_next",
+    "qwen3_5",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "mistral4",
+    "mistral3",
+    "mistral3_llama",
+    "ministral3",
+    "mistral3_ministral3",
+]
 GEMMA4 = ["gemma4_text", "gemma4_text_moe"]
 # gather_mm (MoE experts) in MLX's CPU backend: float32 only
-MOE = {"qwen3_moe", "qwen3_next", "gemma4_text_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32",
-       "glm_moe_dsa", "mistral4", "mistral3"}
+MOE = {
+    "qwen3_moe",
+    "qwen3_next",
+    "gemma4_text_moe",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "mistral4",
+    "mistral3",
+}
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 N_TOKENS = 64
 
@@ -34,14 +66,23 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def _check(oracle, model_dir, prompt_text: str, *, dtype: str, kv_bits=None, max_kv_size=None, step=2048,
-           repeat: int = 1) -> None:
+def _check(
+    oracle, model_dir, prompt_text: str, *, dtype: str, kv_bits=None, max_kv_size=None, step=2048, repeat: int = 1
+) -> None:
     with mlxrs.Session(model_dir, kv_bits=kv_bits, max_kv_size=max_kv_size, prefill_step_size=step) as s:
         ids = s.tokenize(prompt_text) * repeat
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
-    ref = oracle({"model": str(model_dir), "prompt": ids, "max_tokens": N_TOKENS, "kv_bits": kv_bits,
-                  "max_kv_size": max_kv_size, "prefill_step_size": step})
+    ref = oracle(
+        {
+            "model": str(model_dir),
+            "prompt": ids,
+            "max_tokens": N_TOKENS,
+            "kv_bits": kv_bits,
+            "max_kv_size": max_kv_size,
+            "prefill_step_size": step,
+        }
+    )
     ref_logits = np.array(ref["logits"], dtype=np.float32)
     diff = float(np.max(np.abs(logits - ref_logits)))
     assert diff <= _tol(dtype), f"last-token logits differ by {diff}"
@@ -109,63 +150,79 @@ def test_rotating_cache_max_kv_size(oracle, arch):
 
 # (config field, value disagreeing with the tiny model's weights, what the error must name)
 BAD_MOE = {
-    "qwen3_moe": [("num_experts", 16, "model.layers.0.mlp.experts.8"),
-                  ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
-                  ("num_experts_per_tok", 9, "num_experts_per_tok")],
-    "mixtral": [("num_local_experts", 16, "model.layers.0.block_sparse_moe.experts.8.w1.weight"),
-                ("num_local_experts", 4, "model.layers.0.block_sparse_moe.experts.4.w1.weight is past"),
-                ("intermediate_size", 64, "model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight"),
-                ("num_experts_per_tok", 9, "num_experts_per_tok"),
-                ("hidden_size", 128, "model.layers.0.self_attn.q_proj.weight")],
-    "glm4_moe": [("n_routed_experts", 16, "model.layers.1.mlp.experts.8.gate_proj.weight"),
-                 ("n_routed_experts", 4, "model.layers.1.mlp.experts.4.down_proj.weight is past"),
-                 ("moe_intermediate_size", 64, "model.layers.1.mlp.switch_mlp.gate_proj.weight"),
-                 ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
-                 ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds n_routed_experts 8"),
-                 ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
-                 ("n_group", 3, "n_group 3 does not divide"),
-                 ("topk_group", 3, "topk_group 3 is not in 1..=2"),
-                 ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
-                 ("partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
-                 ("topk_method", "greedy", "topk_method")],
-    "deepseek_v3": [("n_routed_experts", 16, "model.layers.1.mlp.experts.8.gate_proj.weight"),
-                    ("n_group", 3, "n_group 3 does not divide"),
-                    ("topk_group", 3, "topk_group 3 is not in 1..=2"),
-                    ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
-                    ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
-                    ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
-                    ("qk_nope_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
-                    ("v_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
-                    ("qk_rope_head_dim", 16, "model.layers.0.self_attn.q_b_proj.weight"),
-                    ("qk_rope_head_dim", 33, "qk_rope_head_dim 33 is odd"),
-                    ("kv_lora_rank", 64, "kv_b_proj.weight has shape [512, 128] but config.json implies [512, 64]"),
-                    ("q_lora_rank", 64, "model.layers.0.self_attn.q_a_proj.weight"),
-                    ("q_lora_rank", None, "model.layers.0.self_attn.q_proj.weight is missing"),
-                    ("num_attention_heads", 8, "kv_b_proj.weight has shape [512, 128] but config.json implies [1024, 128]"),
-                    ("topk_method", "greedy", "topk_method")],
-    "deepseek_v32": [("index_head_dim", 32, "model.layers.0.self_attn.indexer.wq_b.weight"),
-                     ("index_n_heads", 8, "model.layers.0.self_attn.indexer.wq_b.weight"),
-                     ("index_topk", 0, "index_topk = 0 is out of range"),
-                     ("q_lora_rank", None, "q_lora_rank is null, but the indexer"),
-                     ("n_group", 3, "n_group 3 does not divide")],
-    "glm_moe_dsa": [("rope_parameters", None, "rope_parameters is missing"),
-                    ("rope_parameters", {"rope_type": "default"}, "rope_parameters.rope_theta is missing"),
-                    ("topk_group", 3, "topk_group 3 is not in 1..=2")],
-    "mistral4": [("n_routed_experts", 16, "model.layers.1.mlp.gate.weight has shape [8, 256] but config.json implies [16, 256]"),
-                 ("moe_intermediate_size", 64, "model.layers.1.mlp.switch_mlp.gate_proj.weight"),
-                 ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
-                 ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
-                 ("n_group", 3, "n_group 3 does not divide"),
-                 ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.weight is missing"),
-                 ("qk_nope_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
-                 ("rope_parameters", None, "rope_parameters is missing"),
-                 ("rope_parameters", {"rope_type": "default"}, "rope_parameters.llama_4_scaling_beta is missing")],
-    "gpt_oss": [("num_local_experts", 16, "model.layers.0.mlp.router.bias has shape [8] but config.json implies [16]"),
-                ("intermediate_size", 64, "model.layers.0.mlp.experts.gate_proj.bias"),
-                ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds num_local_experts 8"),
-                ("num_attention_heads", 8, "model.layers.0.self_attn"),
-                ("layer_types", ["full_attention"] * 4, "no sliding_attention layer"),
-                ("layer_types", ["sliding_attention"] * 3, "layer_types has 3 entries for num_hidden_layers 4")],
+    "qwen3_moe": [
+        ("num_experts", 16, "model.layers.0.mlp.experts.8"),
+        ("moe_intermediate_size", 64, "model.layers.0.mlp.switch_mlp.gate_proj.weight"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok"),
+    ],
+    "mixtral": [
+        ("num_local_experts", 16, "model.layers.0.block_sparse_moe.experts.8.w1.weight"),
+        ("num_local_experts", 4, "model.layers.0.block_sparse_moe.experts.4.w1.weight is past"),
+        ("intermediate_size", 64, "model.layers.0.block_sparse_moe.switch_mlp.gate_proj.weight"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok"),
+        ("hidden_size", 128, "model.layers.0.self_attn.q_proj.weight"),
+    ],
+    "glm4_moe": [
+        ("n_routed_experts", 16, "model.layers.1.mlp.experts.8.gate_proj.weight"),
+        ("n_routed_experts", 4, "model.layers.1.mlp.experts.4.down_proj.weight is past"),
+        ("moe_intermediate_size", 64, "model.layers.1.mlp.switch_mlp.gate_proj.weight"),
+        ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds n_routed_experts 8"),
+        ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
+        ("n_group", 3, "n_group 3 does not divide"),
+        ("topk_group", 3, "topk_group 3 is not in 1..=2"),
+        ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
+        ("partial_rotary_factor", 1.5, "partial_rotary_factor 1.5"),
+        ("topk_method", "greedy", "topk_method"),
+    ],
+    "deepseek_v3": [
+        ("n_routed_experts", 16, "model.layers.1.mlp.experts.8.gate_proj.weight"),
+        ("n_group", 3, "n_group 3 does not divide"),
+        ("topk_group", 3, "topk_group 3 is not in 1..=2"),
+        ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
+        ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+        ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.e_score_correction_bias"),
+        ("qk_nope_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
+        ("v_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
+        ("qk_rope_head_dim", 16, "model.layers.0.self_attn.q_b_proj.weight"),
+        ("qk_rope_head_dim", 33, "qk_rope_head_dim 33 is odd"),
+        ("kv_lora_rank", 64, "kv_b_proj.weight has shape [512, 128] but config.json implies [512, 64]"),
+        ("q_lora_rank", 64, "model.layers.0.self_attn.q_a_proj.weight"),
+        ("q_lora_rank", None, "model.layers.0.self_attn.q_proj.weight is missing"),
+        ("num_attention_heads", 8, "kv_b_proj.weight has shape [512, 128] but config.json implies [1024, 128]"),
+        ("topk_method", "greedy", "topk_method"),
+    ],
+    "deepseek_v32": [
+        ("index_head_dim", 32, "model.layers.0.self_attn.indexer.wq_b.weight"),
+        ("index_n_heads", 8, "model.layers.0.self_attn.indexer.wq_b.weight"),
+        ("index_topk", 0, "index_topk = 0 is out of range"),
+        ("q_lora_rank", None, "q_lora_rank is null, but the indexer"),
+        ("n_group", 3, "n_group 3 does not divide"),
+    ],
+    "glm_moe_dsa": [
+        ("rope_parameters", None, "rope_parameters is missing"),
+        ("rope_parameters", {"rope_type": "default"}, "rope_parameters.rope_theta is missing"),
+        ("topk_group", 3, "topk_group 3 is not in 1..=2"),
+    ],
+    "mistral4": [
+        ("n_routed_experts", 16, "model.layers.1.mlp.gate.weight has shape [8, 256] but config.json implies [16, 256]"),
+        ("moe_intermediate_size", 64, "model.layers.1.mlp.switch_mlp.gate_proj.weight"),
+        ("n_shared_experts", 2, "model.layers.1.mlp.shared_experts.gate_proj.weight"),
+        ("num_experts_per_tok", 5, "num_experts_per_tok 5 exceeds the 4 experts of topk_group 1 groups"),
+        ("n_group", 3, "n_group 3 does not divide"),
+        ("first_k_dense_replace", 0, "model.layers.0.mlp.gate.weight is missing"),
+        ("qk_nope_head_dim", 32, "kv_b_proj.weight has shape [512, 128] but config.json implies [384, 128]"),
+        ("rope_parameters", None, "rope_parameters is missing"),
+        ("rope_parameters", {"rope_type": "default"}, "rope_parameters.llama_4_scaling_beta is missing"),
+    ],
+    "gpt_oss": [
+        ("num_local_experts", 16, "model.layers.0.mlp.router.bias has shape [8] but config.json implies [16]"),
+        ("intermediate_size", 64, "model.layers.0.mlp.experts.gate_proj.bias"),
+        ("num_experts_per_tok", 9, "num_experts_per_tok 9 exceeds num_local_experts 8"),
+        ("num_attention_heads", 8, "model.layers.0.self_attn"),
+        ("layer_types", ["full_attention"] * 4, "no sliding_attention layer"),
+        ("layer_types", ["sliding_attention"] * 3, "layer_types has 3 entries for num_hidden_layers 4"),
+    ],
 }
 
 
@@ -173,18 +230,25 @@ BAD_MOE = {
 # Qwen3.5 (an unknown layer type, layer types disagreeing with full_attention_interval, linear-attention
 # sizes disagreeing with the weights); a field `name[i]` sets entry i of the config's list `name`
 BAD_CONFIG = {
-    "gemma4_text": [("layer_types[1]", "chunked_attention", 'layer_types[1] = "chunked_attention"'),
-                    ("global_head_dim", 96, "global_head_dim = 96 implies 384 rows of model.layers.1.self_attn.q_proj"),
-                    ("head_dim", 32, "head_dim = 32 implies 128 rows of model.layers.0.self_attn.q_proj"),
-                    ("num_kv_shared_layers", 6, "num_kv_shared_layers = 6")],
+    "gemma4_text": [
+        ("layer_types[1]", "chunked_attention", 'layer_types[1] = "chunked_attention"'),
+        ("global_head_dim", 96, "global_head_dim = 96 implies 384 rows of model.layers.1.self_attn.q_proj"),
+        ("head_dim", 32, "head_dim = 32 implies 128 rows of model.layers.0.self_attn.q_proj"),
+        ("num_kv_shared_layers", 6, "num_kv_shared_layers = 6"),
+    ],
     "gemma4_text_moe": [("num_global_key_value_heads", 2, "num_global_key_value_heads × global_head_dim")],
-    "qwen3_5": [("layer_types", ["linear_attention", "mamba", "linear_attention", "full_attention"],
-                 'layer_types[1] = "mamba"'),
-                ("layer_types", ["full_attention"] * 4, "layer_types[0]"),
-                ("full_attention_interval", 4, "layer_types[1]"),
-                ("linear_key_head_dim", 16, "model.layers.0.linear_attn.in_proj_qkv.weight"),
-                ("linear_num_value_heads", 3, "linear_num_value_heads 3 is not a multiple"),
-                ("linear_conv_kernel_dim", 3, "model.layers.0.linear_attn.conv1d.weight")],
+    "qwen3_5": [
+        (
+            "layer_types",
+            ["linear_attention", "mamba", "linear_attention", "full_attention"],
+            'layer_types[1] = "mamba"',
+        ),
+        ("layer_types", ["full_attention"] * 4, "layer_types[0]"),
+        ("full_attention_interval", 4, "layer_types[1]"),
+        ("linear_key_head_dim", 16, "model.layers.0.linear_attn.in_proj_qkv.weight"),
+        ("linear_num_value_heads", 3, "linear_num_value_heads 3 is not a multiple"),
+        ("linear_conv_kernel_dim", 3, "model.layers.0.linear_attn.conv1d.weight"),
+    ],
 }
 BAD_CASES = [(a, *case) for table in (BAD_MOE, BAD_CONFIG) for a, cases in table.items() for case in cases]
 
@@ -212,8 +276,14 @@ def test_config_disagreeing_with_weights_is_refused(tmp_path, arch, field, value
 # MLX's microscaling modes as mlx-lm's convert writes them (`--q-mode`: group 32 or 16, uint8 scales,
 # no biases; its quant_predicate keeps the routers affine 8-bit), and gpt-oss as its mixed checkpoints
 # ship: mxfp4 experts (per-layer config entries), affine attention, the rest not quantized
-MX_CASES = [("gpt_oss", "mxfp4", None), ("qwen3_moe", "mxfp4", None), ("gpt_oss", "affine", "experts-mxfp4"),
-            ("qwen3_moe", "mxfp8", None), ("qwen3_moe", "nvfp4", None), ("deepseek_v3", "mxfp4", None)]
+MX_CASES = [
+    ("gpt_oss", "mxfp4", None),
+    ("qwen3_moe", "mxfp4", None),
+    ("gpt_oss", "affine", "experts-mxfp4"),
+    ("qwen3_moe", "mxfp8", None),
+    ("qwen3_moe", "nvfp4", None),
+    ("deepseek_v3", "mxfp4", None),
+]
 
 
 def mx_model(arch: str, mode: str, mix: str | None):
@@ -251,12 +321,22 @@ def test_gemma4_past_window_and_shared_kv(oracle, arch):
 
 
 def _oracle_tokens(oracle, d, ids: list[int]) -> list[int]:
-    return oracle({"model": str(d), "prompt": ids, "max_tokens": N_TOKENS, "kv_bits": None, "max_kv_size": None,
-                   "prefill_step_size": 2048})["tokens"]
+    return oracle(
+        {
+            "model": str(d),
+            "prompt": ids,
+            "max_tokens": N_TOKENS,
+            "kv_bits": None,
+            "max_kv_size": None,
+            "prefill_step_size": 2048,
+        }
+    )["tokens"]
 
 
 # the stacked KV (MLXRS_BATCH_KV=1) only where every layer is global
-@pytest.mark.parametrize("arch,stack", [(a, False) for a in GEMMA4 + ["gemma4_text_full"]] + [("gemma4_text_full", True)])
+@pytest.mark.parametrize(
+    "arch,stack", [(a, False) for a in GEMMA4 + ["gemma4_text_full"]] + [("gemma4_text_full", True)]
+)
 def test_gemma4_batch_and_prefix_hit(oracle, arch, stack, monkeypatch):
     """A batch of mixed lengths (3 to ~60 tokens: some inside the window, some past it) decoded
     together, then a prompt extending a cached one (a prefix-cache hit): each row gets mlx-lm's
@@ -266,7 +346,7 @@ def test_gemma4_batch_and_prefix_hit(oracle, arch, stack, monkeypatch):
     d = make_model(f"{arch}-float32", arch)
     with mlxrs.Session(d) as s:
         ids = s.tokenize(TEXT) * 2
-        ps = [ids[i:i + n] for i, n in [(0, 3), (5, 60), (2, 17), (9, 30)]]
+        ps = [ids[i : i + n] for i, n in [(0, 3), (5, 60), (2, 17), (9, 30)]]
         batch = s.generate_batch(ps, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         longer = ps[1] + ids[:12]
         hit = s.generate(longer, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
@@ -300,8 +380,16 @@ def test_recurrent_prefix_hit_matches_mlxlm(oracle, arch, quant):
     step = 16
 
     def ref(ids):
-        return oracle({"model": str(d), "prompt": ids, "max_tokens": 24, "kv_bits": None, "max_kv_size": None,
-                       "prefill_step_size": step})["tokens"]
+        return oracle(
+            {
+                "model": str(d),
+                "prompt": ids,
+                "max_tokens": 24,
+                "kv_bits": None,
+                "max_kv_size": None,
+                "prefill_step_size": step,
+            }
+        )["tokens"]
 
     with mlxrs.Session(d, prefill_step_size=step) as s:
         ids = s.tokenize(TEXT) * 2
@@ -341,7 +429,7 @@ def _gpt_oss_release_layout(d) -> None:
         return x.view(mx.uint8).reshape(*x.shape[:-1], -1, 16)
 
     def interleave(g, u, axis):
-        return mx.stack([g, u], axis=axis + 1).reshape(*g.shape[:axis], -1, *g.shape[axis + 1:])
+        return mx.stack([g, u], axis=axis + 1).reshape(*g.shape[:axis], -1, *g.shape[axis + 1 :])
 
     for l in range(layers):
         p = f"model.layers.{l}.mlp.experts"
@@ -354,9 +442,15 @@ def _gpt_oss_release_layout(d) -> None:
         w[f"{p}.down_proj_bias"] = w.pop(f"{p}.down_proj.bias")
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
     cfg.pop("quantization")
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                                       "model.layers.*.mlp.router",
-                                                                                       "model.embed_tokens", "lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (d / "config.json").write_text(json.dumps(cfg))
 
 
@@ -390,10 +484,15 @@ def test_gpt_oss_released_mxfp4_layout(oracle, tmp_path, stream):
 
     w = mx.load(str(d / "model.safetensors"))
     p = "model.layers.0.mlp.experts"
-    slab = {k: w[f"{p}.{k}"].nbytes // 8 for k in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
-                                                   "down_proj_scales")}
-    per_read = 2 * (slab["gate_up_proj_blocks"] + slab["gate_up_proj_scales"]) + slab["down_proj_blocks"] + \
-        slab["down_proj_scales"]
+    slab = {
+        k: w[f"{p}.{k}"].nbytes // 8
+        for k in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
+    }
+    per_read = (
+        2 * (slab["gate_up_proj_blocks"] + slab["gate_up_proj_scales"])
+        + slab["down_proj_blocks"]
+        + slab["down_proj_scales"]
+    )
     assert x["bytes_read"] == (x["misses"] - x["prefetch_hits"] + x["prefetched"]) * per_read
 
 
@@ -406,13 +505,22 @@ def _rewrite(d, edit) -> None:
 
 
 MX_BAD = {
-    "scales-float": (lambda w, p: w.__setitem__(f"{p}.scales", w[f"{p}.scales"].astype(__import__("mlx.core").core.float32)),
-                     "weight {p}.scales is float32 [8, 128, 8] but mxfp4 quantization of {p}.weight needs uint8 scales"),
-    "scales-shape": (lambda w, p: w.__setitem__(f"{p}.scales", w[f"{p}.scales"][..., :4]),
-                     "weight {p}.scales is uint8 [8, 128, 4] but mxfp4 quantization of {p}.weight needs uint8 scales [8, 128, 8]"),
-    "biases": (lambda w, p: w.__setitem__(f"{p}.biases", w[f"{p}.scales"]), "weight {p}.biases: mxfp4 quantization has no biases"),
-    "global-scale": (lambda w, p: w.__setitem__(f"{p}.global_scale", w[f"{p}.scales"][:, 0, 0]),
-                     "weight {p}.global_scale: mxfp4 with a per-tensor global scale is not supported"),
+    "scales-float": (
+        lambda w, p: w.__setitem__(f"{p}.scales", w[f"{p}.scales"].astype(__import__("mlx.core").core.float32)),
+        "weight {p}.scales is float32 [8, 128, 8] but mxfp4 quantization of {p}.weight needs uint8 scales",
+    ),
+    "scales-shape": (
+        lambda w, p: w.__setitem__(f"{p}.scales", w[f"{p}.scales"][..., :4]),
+        "weight {p}.scales is uint8 [8, 128, 4] but mxfp4 quantization of {p}.weight needs uint8 scales [8, 128, 8]",
+    ),
+    "biases": (
+        lambda w, p: w.__setitem__(f"{p}.biases", w[f"{p}.scales"]),
+        "weight {p}.biases: mxfp4 quantization has no biases",
+    ),
+    "global-scale": (
+        lambda w, p: w.__setitem__(f"{p}.global_scale", w[f"{p}.scales"][:, 0, 0]),
+        "weight {p}.global_scale: mxfp4 with a per-tensor global scale is not supported",
+    ),
 }
 MX_BAD_CONFIG = {
     "mode": ({"mode": "int4"}, 'quantization.mode = "int4" is not a quantization mode MLX supports'),
@@ -461,7 +569,9 @@ def test_gpt_oss_hugging_face_expert_layout(oracle, tmp_path):
     for l in range(4):
         p = f"model.layers.{l}.mlp.experts"
         g, u = w.pop(f"{p}.gate_proj.weight"), w.pop(f"{p}.up_proj.weight")
-        w[f"{p}.gate_up_proj.weight"] = mx.stack([g, u], axis=2).reshape(g.shape[0], -1, g.shape[2])  # rows g0 u0 g1 u1 ...
+        w[f"{p}.gate_up_proj.weight"] = mx.stack([g, u], axis=2).reshape(
+            g.shape[0], -1, g.shape[2]
+        )  # rows g0 u0 g1 u1 ...
         gb, ub = w.pop(f"{p}.gate_proj.bias"), w.pop(f"{p}.up_proj.bias")
         w[f"{p}.gate_up_proj_bias"] = mx.stack([gb, ub], axis=2).reshape(gb.shape[0], -1)
         w[f"{p}.down_proj_bias"] = w.pop(f"{p}.down_proj.bias")
@@ -469,11 +579,21 @@ def test_gpt_oss_hugging_face_expert_layout(oracle, tmp_path):
     _check(oracle, d, TEXT, dtype="float32")
 
 
-@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
-                                     {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
-                                      "mscale": 0.7, "mscale_all_dim": 0.3}],
-                         ids=["gpt-oss", "mscale"])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.7, "mscale_all_dim": 0.3},
+    ],
+    ids=["gpt-oss", "mscale"],
+)
 def test_yarn_rope(oracle, tmp_path, scaling):
     """YaRN rope scaling (gpt-oss's rope_scaling), as mlx-lm's YarnRoPE: blended frequencies and the
     attention scaling of the rotated dims; prompt in chunks so that cached positions are reused."""
@@ -615,7 +735,9 @@ def test_deepseek_v3_without_q_lora(oracle, tmp_path):
         for k in ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"):
             del w[f"{a}.{k}"]
         out = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
-        w[f"{a}.q_proj.weight"] = mx.random.normal((out, cfg["hidden_size"]), key=mx.random.key(l)) * cfg["hidden_size"] ** -0.5
+        w[f"{a}.q_proj.weight"] = (
+            mx.random.normal((out, cfg["hidden_size"]), key=mx.random.key(l)) * cfg["hidden_size"] ** -0.5
+        )
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "mlx"})
     cfg["q_lora_rank"] = None
     (d / "config.json").write_text(json.dumps(cfg))
@@ -651,10 +773,19 @@ def test_mistral4_layouts_and_options(oracle, tmp_path, variant):
             gate, up = mx.split(w.pop(f"{p}.gate_up_proj"), 2, axis=1)
             down = w.pop(f"{p}.down_proj")
             for e in range(cfg["n_routed_experts"]):
-                w.update({f"{p}.{e}.gate_proj.weight": gate[e], f"{p}.{e}.up_proj.weight": up[e],
-                          f"{p}.{e}.down_proj.weight": down[e]})
-        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0, "llama_4_scaling_beta": 0.2,
-                                  "original_max_position_embeddings": 24}
+                w.update(
+                    {
+                        f"{p}.{e}.gate_proj.weight": gate[e],
+                        f"{p}.{e}.up_proj.weight": up[e],
+                        f"{p}.{e}.down_proj.weight": down[e],
+                    }
+                )
+        cfg["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 5000.0,
+            "llama_4_scaling_beta": 0.2,
+            "original_max_position_embeddings": 24,
+        }
     else:
         del w["lm_head.weight"]
         cfg.update(tie_word_embeddings=True, rope_interleave=False)

@@ -5,6 +5,7 @@ generation: greedy tokens, their log-probabilities and the last-position logits 
 for every architecture, over several prefill chunks, with a quantized KV cache, past a sliding
 window and with a rotating cache; evaluating every layer, every 3 layers, and with one stage queued
 ahead (`1a`, `2a`)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -2,6 +2,7 @@
 stream API and a real `python -m mlxrs serve` process give mlx-lm 0.32.2's greedy tokens, for
 concurrent requests of mixed lengths (batched decode over per-row recurrent states) and for a chat
 turn that extends the previous one (served from the prompt-prefix cache)."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -18,16 +19,28 @@ N = 20
 
 def _ref(oracle, d, ids: list[int], *, eos: bool = False) -> list[int]:
     """mlx-lm's greedy tokens (with `eos`: up to its end-of-sequence token, id 0, as a server stops)."""
-    toks = oracle({"model": str(d), "prompt": ids, "max_tokens": N, "kv_bits": None, "max_kv_size": None,
-                   "prefill_step_size": 2048})["tokens"]
-    return toks[:toks.index(0)] if eos and 0 in toks else toks
+    toks = oracle(
+        {
+            "model": str(d),
+            "prompt": ids,
+            "max_tokens": N,
+            "kv_bits": None,
+            "max_kv_size": None,
+            "prefill_step_size": 2048,
+        }
+    )["tokens"]
+    return toks[: toks.index(0)] if eos and 0 in toks else toks
 
 
 def test_stream_gives_mlxlm_tokens(oracle):
     d = make_model("qwen3_5-float32", "qwen3_5")
     with mlxrs.Session(d, prefill_step_size=16) as s:
         ids = s.tokenize(TEXT * 2)
-        got = [c.token for c in s.stream(ids, max_tokens=N, ignore_eos=True, temperature=0.0) if c.token is not None and c.token >= 0]
+        got = [
+            c.token
+            for c in s.stream(ids, max_tokens=N, ignore_eos=True, temperature=0.0)
+            if c.token is not None and c.token >= 0
+        ]
     assert got == _ref(oracle, d, ids)
 
 
@@ -69,6 +82,7 @@ def _plan(d, ctx: int) -> dict:
     import json
 
     from mlxrs import _native
+
     return json.loads(_native.plan(str(d), ctx))
 
 

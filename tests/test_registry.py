@@ -3,6 +3,7 @@ synthetic Hugging Face hub cache (blobs/, snapshots/<rev>/ symlinks, refs/main) 
 models, two revisions of one, a broken one, an unsupported one, one deleted after the scan (stale),
 and MLXRS_MODEL_DIRS holding a plain model directory and a GGUF file. Every path is under a
 temporary directory: HF_HUB_CACHE and MLXRS_HOME never point at the real home."""
+
 from __future__ import annotations
 
 import hashlib
@@ -29,12 +30,13 @@ REV_BETA_OLD = "b0" * 20
 REV_BETA_MAIN = "b1" * 20
 REV_GONE = "c1" * 20
 
-GGUF_TEMPLATE = ("{% if tools %}{{ tools | tojson }}{% endif %}"
-                 "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+GGUF_TEMPLATE = (
+    "{% if tools %}{{ tools | tojson }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+)
 
 
-def hub_model(hub: Path, repo_id: str, rev: str, src: Path, *, main: bool = True,
-              config: str | None = None) -> Path:
+def hub_model(hub: Path, repo_id: str, rev: str, src: Path, *, main: bool = True, config: str | None = None) -> Path:
     """Put the files of `src` into the hub layout: blobs/<sha256>, snapshots/<rev>/<file> -> blob."""
     repo = hub / ("models--" + repo_id.replace("/", "--"))
     blobs, snap = repo / "blobs", repo / "snapshots" / rev
@@ -67,9 +69,11 @@ def write_gguf(path: Path) -> int:
     w.add_token_list([f"t{i}" for i in range(32)])
     w.add_token_types([1] * 32)
     w.add_chat_template(GGUF_TEMPLATE)
-    tensors = {"token_embd.weight": np.zeros((32, 64), np.float16),
-               "blk.0.attn_q.weight": np.zeros((64, 64), np.float16),
-               "output_norm.weight": np.ones(64, np.float32)}
+    tensors = {
+        "token_embd.weight": np.zeros((32, 64), np.float16),
+        "blk.0.attn_q.weight": np.zeros((64, 64), np.float16),
+        "output_norm.weight": np.ones(64, np.float32),
+    }
     for k, v in tensors.items():
         w.add_tensor(k, v)
     w.write_header_to_file()
@@ -109,9 +113,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "beta": hub_model(hub, "Org/Beta-Llama", REV_BETA_MAIN, llama),
         "gemma": hub_model(hub, "Other/Gemma-Tiny", "d1" * 20, gemma),
         "broken": hub_model(hub, "Org/Broken-Model", "e1" * 20, qwen3, config="{not json"),
-        "unsupported": hub_model(hub, "Org/Mamba-Thing", "f1" * 20, qwen3,
-                                 config=json.dumps({**json.loads((qwen3 / "config.json").read_text()),
-                                                    "model_type": "mamba"})),
+        "unsupported": hub_model(
+            hub,
+            "Org/Mamba-Thing",
+            "f1" * 20,
+            qwen3,
+            config=json.dumps({**json.loads((qwen3 / "config.json").read_text()), "model_type": "mamba"}),
+        ),
         "gone": hub_model(hub, "Org/Gone-Qwen3", REV_GONE, qwen3),
     }
     extra.mkdir()
@@ -126,8 +134,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert scan.returncode == 0, scan.stderr
     # the stale one: its snapshot is deleted after the scan
     shutil.rmtree(paths["gone"])
-    return {"root": root, "hub": hub, "home": home, "extra": extra, "env": env, "paths": paths,
-            "scan": json.loads(scan.stdout), "gguf_params": gguf_params, "src": {"qwen3": qwen3, "qwen2": qwen2}}
+    return {
+        "root": root,
+        "hub": hub,
+        "home": home,
+        "extra": extra,
+        "env": env,
+        "paths": paths,
+        "scan": json.loads(scan.stdout),
+        "gguf_params": gguf_params,
+        "src": {"qwen3": qwen3, "qwen2": qwen2},
+    }
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -136,8 +153,7 @@ def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def cli_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mlxrs", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "mlxrs", *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture
@@ -156,17 +172,39 @@ def by_name(scan: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 # ---- scan ---------------------------------------------------------------------------------------
 
+
 def test_scan_records_every_loadable_model(world: dict[str, Any]) -> None:
     models = by_name(world["scan"])
-    assert set(models) == {"Org/Alpha-Qwen3", "Org/Beta-Llama", "Other/Gemma-Tiny", "Org/Mamba-Thing",
-                           "Org/Gone-Qwen3", "local-qwen2", "tiny-llama.gguf"}
+    assert set(models) == {
+        "Org/Alpha-Qwen3",
+        "Org/Beta-Llama",
+        "Other/Gemma-Tiny",
+        "Org/Mamba-Thing",
+        "Org/Gone-Qwen3",
+        "local-qwen2",
+        "tiny-llama.gguf",
+    }
     assert (world["home"] / "registry.sqlite").is_file()
     a = models["Org/Alpha-Qwen3"][0]
     params, nbytes = st_facts(world["src"]["qwen3"])
-    assert a == {**a, "repo_id": "Org/Alpha-Qwen3", "revision": REV_ALPHA, "is_main": True, "source": "hf-cache",
-                 "format": "safetensors", "model_type": "qwen3", "supported": True, "params": params,
-                 "weight_bytes": nbytes, "dtype": "float32", "quantization": None, "context_length": 4096,
-                 "chat_template": True, "tools": False, "path": str(world["paths"]["alpha"])}
+    assert a == {
+        **a,
+        "repo_id": "Org/Alpha-Qwen3",
+        "revision": REV_ALPHA,
+        "is_main": True,
+        "source": "hf-cache",
+        "format": "safetensors",
+        "model_type": "qwen3",
+        "supported": True,
+        "params": params,
+        "weight_bytes": nbytes,
+        "dtype": "float32",
+        "quantization": None,
+        "context_length": 4096,
+        "chat_template": True,
+        "tools": False,
+        "path": str(world["paths"]["alpha"]),
+    }
     revs = {m["revision"]: m["is_main"] for m in models["Org/Beta-Llama"]}
     assert revs == {REV_BETA_OLD: False, REV_BETA_MAIN: True}
     assert models["Other/Gemma-Tiny"][0]["model_type"] == "gemma3_text"
@@ -175,9 +213,18 @@ def test_scan_records_every_loadable_model(world: dict[str, Any]) -> None:
     local = models["local-qwen2"][0]
     assert local["source"] == "model-dirs" and local["model_type"] == "qwen2" and local["supported"]
     g = models["tiny-llama.gguf"][0]
-    assert g == {**g, "format": "gguf", "model_type": "llama", "supported": True, "params": world["gguf_params"],
-                 "quantization": "F16", "context_length": 2048, "chat_template": True, "tools": True,
-                 "path": str(world["paths"]["gguf"])}
+    assert g == {
+        **g,
+        "format": "gguf",
+        "model_type": "llama",
+        "supported": True,
+        "params": world["gguf_params"],
+        "quantization": "F16",
+        "context_length": 2048,
+        "chat_template": True,
+        "tools": True,
+        "path": str(world["paths"]["gguf"]),
+    }
     # the broken one is reported, not recorded
     skipped = {s["path"]: s["why"] for s in world["scan"]["skipped"]}
     assert "config.json is not valid JSON" in skipped[str(world["paths"]["broken"])]
@@ -199,8 +246,20 @@ def test_registry_is_sqlite_with_the_recorded_columns(world: dict[str, Any]) -> 
     cols = {r[1] for r in con.execute("PRAGMA table_info(models)")}
     n = con.execute("SELECT count(*) FROM models").fetchone()[0]
     con.close()
-    assert {"name", "repo_id", "revision", "path", "model_type", "supported", "params", "weight_bytes",
-            "quantization", "context_length", "chat_template", "tools"} <= cols
+    assert {
+        "name",
+        "repo_id",
+        "revision",
+        "path",
+        "model_type",
+        "supported",
+        "params",
+        "weight_bytes",
+        "quantization",
+        "context_length",
+        "chat_template",
+        "tools",
+    } <= cols
     assert n == 8
 
 
@@ -231,6 +290,7 @@ def test_huggingface_hub_agrees_on_the_cache_layout(world: dict[str, Any]) -> No
 
 
 # ---- ls -----------------------------------------------------------------------------------------
+
 
 def test_ls_lists_everything_and_reports_the_stale_entry(world: dict[str, Any]) -> None:
     r = cli(world["env"], "ls")
@@ -267,6 +327,7 @@ def test_ls_on_an_empty_registry(world: dict[str, Any], tmp_path: Path) -> None:
 
 
 # ---- name resolution ----------------------------------------------------------------------------
+
 
 def test_resolution(in_world: dict[str, Any]) -> None:
     from mlxrs.registry import resolve_name
@@ -329,6 +390,7 @@ def test_paths_still_win_over_names(in_world: dict[str, Any], tmp_path: Path) ->
 
 
 # ---- fit and serve take names -------------------------------------------------------------------
+
 
 def test_fit_accepts_names(world: dict[str, Any]) -> None:
     r = cli(world["env"], "fit", "alpha", "--ctx", "1000", "--json")
@@ -397,8 +459,10 @@ def small_world(tmp_path: Path) -> dict[str, Any]:
     once into a registry whose writes sqlite audits from then on."""
     hub, extra, db = tmp_path / "hub", tmp_path / "extra", tmp_path / "home" / "registry.sqlite"
     qwen3 = make_model("qwen3-float32", "qwen3")
-    paths = {"alpha": hub_model(hub, "Org/Alpha-Qwen3", REV_ALPHA, qwen3),
-             "broken": hub_model(hub, "Org/Broken-Model", "e1" * 20, qwen3, config="{not json")}
+    paths = {
+        "alpha": hub_model(hub, "Org/Alpha-Qwen3", REV_ALPHA, qwen3),
+        "broken": hub_model(hub, "Org/Broken-Model", "e1" * 20, qwen3, config="{not json"),
+    }
     extra.mkdir()
     shutil.copytree(make_model("qwen2-float32", "qwen2"), extra / "local-qwen2", ignore=shutil.ignore_patterns(".*"))
     paths["local"] = extra / "local-qwen2"
@@ -413,8 +477,9 @@ def small_world(tmp_path: Path) -> dict[str, Any]:
     return {"hub": hub, "extra": extra, "db": db, "paths": paths, "first": first, "src": qwen3}
 
 
-def test_a_second_scan_of_an_unchanged_cache_reads_and_writes_nothing(small_world: dict[str, Any],
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_scan_of_an_unchanged_cache_reads_and_writes_nothing(
+    small_world: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from mlxrs import registry
 
     w = small_world
@@ -463,14 +528,17 @@ def test_names_are_looked_up_through_indexes(small_world: dict[str, Any]) -> Non
     from mlxrs import registry
 
     con = sqlite3.connect(small_world["db"])
-    plan = " ".join(str(r[-1]) for r in con.execute(
-        f"EXPLAIN QUERY PLAN SELECT path FROM models {registry.EXACT_WHERE}", ("org/alpha-qwen3",)))
+    plan = " ".join(
+        str(r[-1])
+        for r in con.execute(f"EXPLAIN QUERY PLAN SELECT path FROM models {registry.EXACT_WHERE}", ("org/alpha-qwen3",))
+    )
     con.close()
     assert "models_name" in plan and "models_repo_id" in plan, plan
     assert registry.resolve_name("ORG/ALPHA-QWEN3", db=small_world["db"]) == small_world["paths"]["alpha"]
 
 
 # ---- rescan drops the stale entry (last: it changes the registry) -------------------------------
+
 
 def test_rescan_drops_the_stale_entry(world: dict[str, Any]) -> None:
     r = cli(world["env"], "scan", "--json")

@@ -1,6 +1,7 @@
 """Native runtime resolution seen from Python: a wrong MLXRS_LIBMLXC is explained, not a crash;
 MLXRS_BLAS selects the BLAS preloaded for MLX's CPU backend. Each case runs in a fresh interpreter
 (the runtime loads once per process)."""
+
 from __future__ import annotations
 
 import ctypes.util

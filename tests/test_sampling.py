@@ -4,6 +4,7 @@ order, draw frequencies against the reference distribution (chi-square), seeding
 logit_bias, parameter validation; and the logits processors (repetition, presence and frequency
 penalties, logit_bias) through a Session on a tiny model, against numpy applied to
 `Session.logits`."""
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,15 @@ def ref_top_k(lp: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def ref_filter(lp: np.ndarray, *, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0,
-               min_tokens_to_keep: int = 1, order: str = "pmk") -> np.ndarray:
+def ref_filter(
+    lp: np.ndarray,
+    *,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    min_tokens_to_keep: int = 1,
+    order: str = "pmk",
+) -> np.ndarray:
     """mlx-lm's make_sampler chain: top_p, then min_p, then top_k (`order` reorders, for controls)."""
     steps = {
         "p": lambda x: ref_top_p(x, top_p) if 0.0 < top_p < 1.0 else x,
@@ -283,7 +291,9 @@ DIST_CASES = [
     dict(temperature=1.2, top_p=0.97, min_p=0.01, top_k=12),
 ]
 N_DRAWS = 4000
-P_MIN = 1e-4  # seeded, so deterministic here; still safe where MLX draws differently. A wrong distribution gives p < 1e-10
+P_MIN = (
+    1e-4  # seeded, so deterministic here; still safe where MLX draws differently. A wrong distribution gives p < 1e-10
+)
 
 
 def _reference_probs(case: dict[str, Any]) -> np.ndarray:
@@ -370,9 +380,17 @@ def session():
 PROMPT = "The quick brown fox jumps over"
 
 
-def _simulate(s: mlxrs.Session, prompt: list[int], n: int, *, bias: dict[int, float] | None = None,
-              rep: float | None = None, rep_ctx: int = 20, presence: float = 0.0,
-              frequency: float = 0.0) -> tuple[list[int], list[float]]:
+def _simulate(
+    s: mlxrs.Session,
+    prompt: list[int],
+    n: int,
+    *,
+    bias: dict[int, float] | None = None,
+    rep: float | None = None,
+    rep_ctx: int = 20,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+) -> tuple[list[int], list[float]]:
     """Greedy decoding in numpy on top of Session.logits: bias, then the repetition penalty
     (mlx-lm: negative logits multiplied, positive divided, over the last `rep_ctx` generated
     tokens), then presence/frequency (OpenAI: minus presence once, minus frequency per
@@ -418,8 +436,13 @@ def test_greedy_matches_the_plain_simulation(session):
 @pytest.mark.parametrize("penalty,ctx", [(1.5, 20), (3.0, 9), (0.5, 6)])
 def test_repetition_penalty(session, penalty, ctx):
     ids = session.tokenize(PROMPT)
-    c = _check_against_simulation(session, ids, N_PEN, dict(repetition_penalty=penalty, repetition_context_size=ctx),
-                                  dict(rep=penalty, rep_ctx=ctx))
+    c = _check_against_simulation(
+        session,
+        ids,
+        N_PEN,
+        dict(repetition_penalty=penalty, repetition_context_size=ctx),
+        dict(rep=penalty, rep_ctx=ctx),
+    )
     plain = session.generate(ids, max_tokens=N_PEN, ignore_eos=True)
     assert c.tokens != plain.tokens  # the penalty changed the outcome
 
@@ -427,8 +450,13 @@ def test_repetition_penalty(session, penalty, ctx):
 @pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 0.8), (0.7, 0.5), (-0.5, 0.0)])
 def test_presence_and_frequency_penalties(session, presence, frequency):
     ids = session.tokenize(PROMPT)
-    c = _check_against_simulation(session, ids, N_PEN, dict(presence_penalty=presence, frequency_penalty=frequency),
-                                  dict(presence=presence, frequency=frequency))
+    c = _check_against_simulation(
+        session,
+        ids,
+        N_PEN,
+        dict(presence_penalty=presence, frequency_penalty=frequency),
+        dict(presence=presence, frequency=frequency),
+    )
     plain = session.generate(ids, max_tokens=N_PEN, ignore_eos=True)
     assert c.tokens != plain.tokens
 
@@ -438,10 +466,18 @@ def test_bias_and_penalties_together(session):
     first = session.generate(ids, max_tokens=1, ignore_eos=True).tokens[0]
     bias = {first: -3.0, 7: 4.0, 100: 2.0}
     _check_against_simulation(
-        session, ids, N_PEN,
-        dict(logit_bias=bias, repetition_penalty=1.3, repetition_context_size=8, presence_penalty=0.4,
-             frequency_penalty=0.3),
-        dict(bias=bias, rep=1.3, rep_ctx=8, presence=0.4, frequency=0.3))
+        session,
+        ids,
+        N_PEN,
+        dict(
+            logit_bias=bias,
+            repetition_penalty=1.3,
+            repetition_context_size=8,
+            presence_penalty=0.4,
+            frequency_penalty=0.3,
+        ),
+        dict(bias=bias, rep=1.3, rep_ctx=8, presence=0.4, frequency=0.3),
+    )
 
 
 def test_logit_bias_through_a_session(session):
@@ -450,11 +486,21 @@ def test_logit_bias_through_a_session(session):
     assert c.tokens == [200] * 6
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=-1.0), dict(top_p=2.0), dict(top_k=-3), dict(min_p=1.5), dict(logit_bias={10_000: 1.0}),
-    dict(max_tokens=-1), dict(frequency_penalty=float("inf")), dict(temperature=float("nan")),
-    dict(no_such_option=1),
-], ids=lambda p: next(iter(p)))
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=-1.0),
+        dict(top_p=2.0),
+        dict(top_k=-3),
+        dict(min_p=1.5),
+        dict(logit_bias={10_000: 1.0}),
+        dict(max_tokens=-1),
+        dict(frequency_penalty=float("inf")),
+        dict(temperature=float("nan")),
+        dict(no_such_option=1),
+    ],
+    ids=lambda p: next(iter(p)),
+)
 def test_invalid_parameters_raise_through_a_session(session, params):
     with pytest.raises(InvalidArgumentError):
         session.generate(PROMPT, **params)

@@ -3,6 +3,7 @@ mlx-lm): batched decoding gives each sequence exactly the greedy tokens it gets 
 architecture and cache kind; a prompt-prefix cache hit gives exactly the cold run's tokens; a
 cancelled sequence leaves the others untouched; a cancel during a long prefill ends within a chunk;
 close() cancels promptly; the queue refuses past its bound."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,10 @@ import mlxrs
 from mlxrs.errors import BusyError
 from tinymodels import make_model
 
-TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
-        "Rust and Python meet in the middle, one token at a time.")
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "Rust and Python meet in the middle, one token at a time."
+)
 N = 40
 
 
@@ -26,7 +29,7 @@ def prompts(s: mlxrs.Session) -> list[list[int]]:
     """8 prompts of mixed lengths (3 to ~70 tokens): every row of a batch at its own offset."""
     ids = s.tokenize(TEXT)
     lengths = [3, 70, 11, 25, 5, 48, 17, 33]
-    return [(ids * 3)[i:i + n] for i, n in enumerate(lengths)]
+    return [(ids * 3)[i : i + n] for i, n in enumerate(lengths)]
 
 
 CASES = [
@@ -64,8 +67,9 @@ CASES = [
 RECURRENT = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 
-@pytest.mark.parametrize("arch,opts", CASES, ids=[f"{a}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'plain'}"
-                                                   for a, o in CASES])
+@pytest.mark.parametrize(
+    "arch,opts", CASES, ids=[f"{a}-{'-'.join(f'{k}{v}' for k, v in o.items()) or 'plain'}" for a, o in CASES]
+)
 def test_batch_equals_alone(arch, opts, monkeypatch):
     opts = dict(opts)
     if "stack" in opts:
@@ -82,8 +86,9 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
     # which attention ran: the stacked KV exactly where asked for and every layer keeps a full cache
     sliding = arch in ("gemma3_text", "gemma4_text", "gemma4_text_moe", "gpt_oss")
     unstackable = ("deepseek_v32", "glm_moe_dsa")  # the indexer's choice depends on a row's own length
-    stacked = not sliding and arch not in RECURRENT + unstackable and not opts \
-        and os.environ.get("MLXRS_BATCH_KV") == "1"
+    stacked = (
+        not sliding and arch not in RECURRENT + unstackable and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
+    )
     assert info["decode_steps"] > 0
     assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)
 
@@ -119,10 +124,15 @@ def test_rows_join_and_leave_a_running_batch(arch, monkeypatch):
 def test_batch_with_mixed_lengths_and_sampling(tmp_path):
     """Rows with their own max_tokens, stop strings and (seeded) sampling: each as alone."""
     d = make_model("qwen3-float32", "qwen3")
-    kinds = [dict(max_tokens=5), dict(max_tokens=31, temperature=0.8, seed=7), dict(max_tokens=17, top_k=5,
-             temperature=1.0, seed=3), dict(max_tokens=0), dict(max_tokens=23, repetition_penalty=1.3)]
+    kinds = [
+        dict(max_tokens=5),
+        dict(max_tokens=31, temperature=0.8, seed=7),
+        dict(max_tokens=17, top_k=5, temperature=1.0, seed=3),
+        dict(max_tokens=0),
+        dict(max_tokens=23, repetition_penalty=1.3),
+    ]
     with mlxrs.Session(d, prompt_cache_bytes=0) as s:
-        ps = prompts(s)[:len(kinds)]
+        ps = prompts(s)[: len(kinds)]
         alone = [s.generate(p, ignore_eos=True, **k) for p, k in zip(ps, kinds)]
         streams = [s._s.start(p, mlxrs.session._params(dict(ignore_eos=True, **k))) for p, k in zip(ps, kinds)]
         together = [mlxrs.session._collect(iter(st), False) for st in streams]
@@ -138,8 +148,8 @@ def test_prefix_cache_hit_gives_the_cold_tokens(arch):
     with mlxrs.Session(d, prompt_cache_bytes=0) as cold, mlxrs.Session(d) as warm:
         ids = cold.tokenize(TEXT)
         first = ids[:40]
-        longer = ids[:40] + ids[5:30]       # extends the first prompt
-        diverging = ids[:25] + ids[50:60]   # shares 25 tokens with it
+        longer = ids[:40] + ids[5:30]  # extends the first prompt
+        diverging = ids[:25] + ids[50:60]  # shares 25 tokens with it
         for p in (first, longer, diverging, longer):
             want = cold.generate(p, max_tokens=N, ignore_eos=True)
             got = warm.generate(p, max_tokens=N, ignore_eos=True)
@@ -185,7 +195,7 @@ def test_cancel_one_leaves_the_others_unchanged():
                 elif ev["type"] == "done":
                     ends[i] = ev["finish_reason"]
                     live.discard(i)
-    assert ends[1] == "cancelled" and 5 <= len(got[1]) < N and got[1] == alone[1][:len(got[1])]
+    assert ends[1] == "cancelled" and 5 <= len(got[1]) < N and got[1] == alone[1][: len(got[1])]
     for i in (0, 2, 3):
         assert ends[i] == "length" and got[i] == alone[i]
     assert s.closed

@@ -1,4 +1,5 @@
 """Memory admission with a small --memory-budget, client disconnects, and the port probe."""
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,9 @@ def test_ceiling_at_stats(server, budget, model_dir):
 
 def test_prompt_that_cannot_fit_is_400_in_both_envelopes(server):
     with pytest.raises(openai.BadRequestError) as e:
-        oa(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words(200)}],
-                                           max_tokens=5)
+        oa(server).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": words(200)}], max_tokens=5
+        )
     err = e.value.body
     assert e.value.status_code == 400
     assert err["type"] == "memory_admission" and err["code"] == "context_over_budget"
@@ -75,21 +77,29 @@ def test_prompt_that_cannot_fit_is_400_in_both_envelopes(server):
     status, body = server.post("/v1/completions", {"model": MODEL, "prompt": list(range(5, 5 + CEILING))})
     assert status == 400 and body["error"]["code"] == "context_over_budget"
     # one token short of the ceiling leaves exactly one token of room
-    status, body = server.post("/v1/completions", {"model": MODEL, "prompt": list(range(5, 4 + CEILING)),
-                                                    "max_tokens": 50, "temperature": 0})
+    status, body = server.post(
+        "/v1/completions", {"model": MODEL, "prompt": list(range(5, 4 + CEILING)), "max_tokens": 50, "temperature": 0}
+    )
     assert status == 200 and body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
     assert server.stats()["requests"]["rejected_memory_admission"] >= 3
 
 
 def test_max_tokens_clamped_to_the_room_openai(server):
-    r = oa(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words(10)}],
-                                           max_tokens=100000, temperature=0)
+    r = oa(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": words(10)}], max_tokens=100000, temperature=0
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == CEILING - r.usage.prompt_tokens
     # streamed, and without max_tokens (the room is the default)
-    chunks = list(oa(server).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": words(20)}], temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        oa(server).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": words(20)}],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     u = chunks[-1].usage
     assert u.completion_tokens == CEILING - u.prompt_tokens
@@ -97,12 +107,14 @@ def test_max_tokens_clamped_to_the_room_openai(server):
 
 
 def test_max_tokens_clamped_to_the_room_anthropic(server):
-    m = an(server).messages.create(model=MODEL, max_tokens=5000, extra_body={"temperature": 0},
-                                   messages=[{"role": "user", "content": words(7)}])
+    m = an(server).messages.create(
+        model=MODEL, max_tokens=5000, extra_body={"temperature": 0}, messages=[{"role": "user", "content": words(7)}]
+    )
     assert m.stop_reason == "max_tokens"
     assert m.usage.output_tokens == CEILING - m.usage.input_tokens
-    with an(server).messages.stream(model=MODEL, max_tokens=5000, extra_body={"temperature": 0},
-                                    messages=[{"role": "user", "content": words(3)}]) as s:
+    with an(server).messages.stream(
+        model=MODEL, max_tokens=5000, extra_body={"temperature": 0}, messages=[{"role": "user", "content": words(3)}]
+    ) as s:
         final = s.get_final_message()
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == CEILING - final.usage.input_tokens
 
@@ -111,15 +123,20 @@ def test_budget_too_small_warns_and_serves(model_dir):
     with Server(model_dir, "--memory-budget", "1000") as s:
         assert s.stats()["context_tokens"] == 0
         assert "does not hold the weights" in s.stderr()
-        status, body = s.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
-                                                        "messages": [{"role": "user", "content": "hi"}]})
+        status, body = s.post(
+            "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        )
         assert status == 400 and body["error"]["code"] == "context_over_budget"
 
 
 def test_bad_budget_is_refused_before_loading(model_dir):
-    p = subprocess.run([sys.executable, "-m", "mlxrs", "serve", str(model_dir), "--port", str(free_port()),
-                        "--memory-budget", "lots"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "memory budget \"lots\"" in p.stderr
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxrs", "serve", str(model_dir), "--port", str(free_port()), "--memory-budget", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 1 and 'memory budget "lots"' in p.stderr
 
 
 # -- client disconnects ------------------------------------------------------------------------------
@@ -133,16 +150,24 @@ def talker_dir():
 def _start_stream(port: int, path: str, body: dict) -> socket.socket:
     raw = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
-                 + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
+        + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
     return sock
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"stream": True, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/messages", {"stream": True, "temperature": 0, "max_tokens": 100000,
-                      "messages": [{"role": "user", "content": "hi"}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"stream": True, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}),
+        (
+            "/v1/messages",
+            {"stream": True, "temperature": 0, "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]},
+        ),
+    ],
+)
 def test_disconnect_frees_the_engine(talker_dir, path, body):
     with Server(talker_dir) as s:
         base = s.stats()
@@ -152,8 +177,9 @@ def test_disconnect_frees_the_engine(talker_dir, path, body):
             got += sock.recv(4096)
         sock.close()
         t0 = time.monotonic()
-        status, r = s.post("/v1/chat/completions", {"max_tokens": 3, "temperature": 0,
-                                                    "messages": [{"role": "user", "content": "hi"}]})
+        status, r = s.post(
+            "/v1/chat/completions", {"max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+        )
         elapsed = time.monotonic() - t0
         assert status == 200 and r["usage"]["completion_tokens"] == 3
         deadline = time.monotonic() + 10
@@ -168,8 +194,9 @@ def test_disconnect_frees_the_engine(talker_dir, path, body):
 
 def test_non_streaming_disconnect_cancels(talker_dir):
     with Server(talker_dir) as s:
-        sock = _start_stream(s.port, "/v1/chat/completions", {"temperature": 0,
-                                                              "messages": [{"role": "user", "content": "hi"}]})
+        sock = _start_stream(
+            s.port, "/v1/chat/completions", {"temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+        )
         deadline = time.monotonic() + 10
         while s.stats()["requests"]["active"] < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -185,11 +212,16 @@ def test_non_streaming_disconnect_cancels(talker_dir):
 # -- the port probe ----------------------------------------------------------------------------------
 def test_second_serve_on_the_same_port(server, model_dir):
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "mlxrs", "serve", str(model_dir), "--port", str(server.port)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxrs", "serve", str(model_dir), "--port", str(server.port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1
-    assert p.stderr.strip() == (f"port {server.port} is already serving {MODEL} — reuse it, stop it, "
-                                "or pass --port <other>")
+    assert p.stderr.strip() == (
+        f"port {server.port} is already serving {MODEL} — reuse it, stop it, or pass --port <other>"
+    )
     assert p.stdout.splitlines()[0].startswith(f"mlxrs serve: {MODEL}")
     assert time.monotonic() - t0 < 60
 
@@ -199,8 +231,12 @@ def test_port_held_by_something_else(model_dir):
         holder.bind(("127.0.0.1", 0))
         holder.listen(1)
         port = holder.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "mlxrs", "serve", str(model_dir), "--port", str(port)],
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "mlxrs", "serve", str(model_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert p.returncode == 1
     assert p.stderr.strip().startswith(f"port {port} is held by another program")
     assert "--port <other>" in p.stderr
@@ -208,8 +244,11 @@ def test_port_held_by_something_else(model_dir):
 
 def test_stats_events_are_sse(server):
     # a streamed completion through the ceiling still ends with [DONE]
-    status, raw = server.request("POST", "/v1/completions", json.dumps(
-        {"model": MODEL, "prompt": "fox", "max_tokens": 3, "temperature": 0, "stream": True}))
+    status, raw = server.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": "fox", "max_tokens": 3, "temperature": 0, "stream": True}),
+    )
     events = sse_events(raw)
     assert events[-1] == (None, "[DONE]") and events[-2][1]["choices"][0]["finish_reason"] == "length"
 
@@ -220,6 +259,7 @@ def test_kv_quant_is_planned_and_served(model_dir):
         assert st["kv_bits"] == 8
         assert st["memory_plan"] == json.loads(_native.plan(str(model_dir), None, 8))
         assert st["memory_plan"]["kvBytes"] < json.loads(_native.plan(str(model_dir)))["kvBytes"] / 3
-        r = oa(s).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0)
+        r = oa(s).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+        )
         assert r.usage.completion_tokens == 4

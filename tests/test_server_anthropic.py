@@ -4,6 +4,7 @@
 The scripted model (tests/scriptedmodel.py) answers with a <think> block and a greeting when
 thinking is on (the template's default), and with a Qwen-style <tool_call> when thinking is off
 (`thinking: {"type": "disabled"}` → the template's enable_thinking=False)."""
+
 from __future__ import annotations
 
 import anthropic
@@ -15,8 +16,11 @@ from server_util import Server, sse_events
 
 MODEL = "scripted-qwen3"
 HI = [{"role": "user", "content": "hi"}]
-TOOL = {"name": "get_weather", "description": "Current weather in a city",
-        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 OFF = {"type": "disabled"}
 
 
@@ -51,17 +55,28 @@ def test_stream_event_sequence_raw(server):
     import json
 
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/messages", json.dumps({"model": MODEL, "max_tokens": 100, "stream": True,
-                                                     "messages": HI}),
-                 {"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+    conn.request(
+        "POST",
+        "/v1/messages",
+        json.dumps({"model": MODEL, "max_tokens": 100, "stream": True, "messages": HI}),
+        {"Content-Type": "application/json", "anthropic-version": "2023-06-01"},
+    )
     r = conn.getresponse()
     assert r.status == 200 and r.getheader("Content-Type").startswith("text/event-stream")
     events = sse_events(r.read().decode())
     names = [e for e, _ in events]
-    assert names == ["message_start", "ping",
-                     "content_block_start", "content_block_delta", "content_block_stop",
-                     "content_block_start", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]
+    assert names == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert all(d["type"] == e for e, d in events)
     data = [d for _, d in events]
     assert data[0]["message"]["content"] == [] and data[0]["message"]["usage"]["input_tokens"] > 0
@@ -108,16 +123,37 @@ def test_tool_round_trip(server, local):
     call = first.content[0]
     history = HI + [
         {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                      "content": [{"type": "text", "text": "21 degrees, sunny"}]}]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": call.id,
+                    "content": [{"type": "text", "text": "21 degrees, sunny"}],
+                }
+            ],
+        },
     ]
     m = c.messages.create(model=MODEL, max_tokens=100, messages=history, tools=[TOOL])
     assert [b.type for b in m.content] == ["thinking", "text"] and m.stop_reason == "end_turn"
     rendered = local.apply_chat_template(
-        [HI[0], {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-         {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "21 degrees, sunny"}],
-        tools=[WEATHER_TOOL])
+        [
+            HI[0],
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "21 degrees, sunny"},
+        ],
+        tools=[WEATHER_TOOL],
+    )
     assert "<tool_response>\n21 degrees, sunny\n</tool_response>" in rendered
     n_prompt = m.usage.input_tokens + m.usage.cache_read_input_tokens  # the earlier turn came from the cache
     assert n_prompt == len(local._s.encode_rendered(rendered)) and m.usage.cache_read_input_tokens > 0
@@ -128,8 +164,10 @@ def test_system_string_and_blocks(server, local):
     c = client(server)
     expected = len(local.encode_prompt([{"role": "system", "content": "Be brief."}] + HI))
     assert c.messages.count_tokens(model=MODEL, system="Be brief.", messages=HI).input_tokens == expected
-    assert c.messages.count_tokens(model=MODEL, system=[{"type": "text", "text": "Be brief."}],
-                                   messages=HI).input_tokens == expected
+    assert (
+        c.messages.count_tokens(model=MODEL, system=[{"type": "text", "text": "Be brief."}], messages=HI).input_tokens
+        == expected
+    )
     m = c.messages.create(model=MODEL, max_tokens=50, system=[{"type": "text", "text": "Be brief."}], messages=HI)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == expected
 
@@ -144,18 +182,26 @@ def test_stop_reasons(server):
     assert [b.type for b in m.content] == ["thinking"]
 
 
-@pytest.mark.parametrize("block, named", [
-    ({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}, "'image'"),
-    ({"type": "document", "source": {"type": "file", "file_id": "file_123"}}, "'file' source"),
-    ({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}},
-     "'base64' source"),
-    ({"type": "video", "source": {"type": "url", "url": "https://example.com/v.mp4"}}, "'video'"),
-    ({"type": "audio", "source": {"type": "base64", "media_type": "audio/wav", "data": "UklGRg=="}}, "'audio'"),
-])
+@pytest.mark.parametrize(
+    "block, named",
+    [
+        ({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}, "'image'"),
+        ({"type": "document", "source": {"type": "file", "file_id": "file_123"}}, "'file' source"),
+        (
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}},
+            "'base64' source",
+        ),
+        ({"type": "video", "source": {"type": "url", "url": "https://example.com/v.mp4"}}, "'video'"),
+        ({"type": "audio", "source": {"type": "base64", "media_type": "audio/wav", "data": "UklGRg=="}}, "'audio'"),
+    ],
+)
 def test_unsupported_content_is_a_400_naming_the_block(server, block, named):
     with pytest.raises(anthropic.BadRequestError) as e:
-        client(server).messages.create(model=MODEL, max_tokens=10, messages=[
-            {"role": "user", "content": [{"type": "text", "text": "look"}, block]}])
+        client(server).messages.create(
+            model=MODEL,
+            max_tokens=10,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "look"}, block]}],
+        )
     assert e.value.status_code == 400
     assert e.value.body["error"]["type"] == "invalid_request_error"
     msg = e.value.body["error"]["message"]
@@ -164,19 +210,49 @@ def test_unsupported_content_is_a_400_naming_the_block(server, block, named):
 
 def test_image_inside_tool_result_is_not_dropped(server):
     with pytest.raises(anthropic.BadRequestError) as e:
-        client(server).messages.create(model=MODEL, max_tokens=10, tools=[TOOL], messages=HI + [
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                               "input": {"city": "Paris"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
-                {"type": "text", "text": "a screenshot:"},
-                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
-        ])
+        client(server).messages.create(
+            model=MODEL,
+            max_tokens=10,
+            tools=[TOOL],
+            messages=HI
+            + [
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [
+                                {"type": "text", "text": "a screenshot:"},
+                                {
+                                    "type": "image",
+                                    "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                                },
+                            ],
+                        }
+                    ],
+                },
+            ],
+        )
     assert "messages[2].content[0].content[1]" in e.value.body["error"]["message"]
 
 
 def test_plain_text_document_is_read(server, local):
-    m = client(server).messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [
-        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "hi"}}]}])
+    m = client(server).messages.count_tokens(
+        model=MODEL,
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "hi"}}],
+            }
+        ],
+    )
     assert m.input_tokens == len(local.encode_prompt(HI))
 
 
@@ -188,10 +264,13 @@ def test_errors_in_anthropic_envelope(server):
         c.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "system", "content": "x"}])
     assert "messages[0].role" in e.value.body["error"]["message"]
     status, body = server.post("/v1/messages", {"model": MODEL, "messages": HI})
-    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "max_tokens" in body["error"]["message"]
+    assert (
+        status == 400 and body["error"]["type"] == "invalid_request_error" and "max_tokens" in body["error"]["message"]
+    )
     with pytest.raises(anthropic.BadRequestError):
-        c.messages.create(model=MODEL, max_tokens=10, messages=HI,
-                          tools=[{"type": "web_search_20250305", "name": "web_search"}])
+        c.messages.create(
+            model=MODEL, max_tokens=10, messages=HI, tools=[{"type": "web_search_20250305", "name": "web_search"}]
+        )
 
 
 def test_models_list_in_anthropic_shape(server):

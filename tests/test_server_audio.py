@@ -4,6 +4,7 @@ OpenAI `input_audio` part on /v1/chat/completions and on /v1/responses reaches t
 prompt token count includes the audio tokens; the tokens equal mlx-vlm 0.7.10's for the same clip
 and prompt); /v1/models lists "audio"; bad WAVs, other formats and Anthropic audio blocks are 400s
 naming the part, and the server keeps serving; a model without an audio tower refuses audio."""
+
 from __future__ import annotations
 
 import base64
@@ -49,9 +50,16 @@ def oa(server: Server) -> openai.OpenAI:
 
 
 def _msgs(data: bytes, fmt: str = "wav") -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": "Listen to"},
-                                         {"type": "input_audio", "input_audio": {"data": b64(data), "format": fmt}},
-                                         {"type": "text", "text": "and answer."}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Listen to"},
+                {"type": "input_audio", "input_audio": {"data": b64(data), "format": fmt}},
+                {"type": "text", "text": "and answer."},
+            ],
+        }
+    ]
 
 
 def test_models_list_audio(server):
@@ -63,11 +71,13 @@ def test_openai_input_audio_matches_mlx_vlm(server, model_dir, clip):
     """The clip in an OpenAI message: the prompt as the template renders it, the tokens mlx-vlm's for
     that prompt (its processor expanding the same audio marker) and the usage counting the audio."""
     with mlxrs.Session(model_dir) as s:
-        text = s.apply_chat_template([{"role": "user", "content": "Listen to\n<|audio|>\nand answer."}],
-                                     add_generation_prompt=True)
+        text = s.apply_chat_template(
+            [{"role": "user", "content": "Listen to\n<|audio|>\nand answer."}], add_generation_prompt=True
+        )
     ref = run_vlm({"model": str(model_dir), "prompt": text, "images": [], "audio": [str(clip)], "max_tokens": N})
-    r = oa(server).chat.completions.create(model=MODEL, messages=_msgs(clip.read_bytes()), max_tokens=N,
-                                           temperature=0, extra_body={"ignore_eos": True})
+    r = oa(server).chat.completions.create(
+        model=MODEL, messages=_msgs(clip.read_bytes()), max_tokens=N, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.prompt_tokens == len(ref["input_ids"])
     assert r.usage.prompt_tokens > 33  # the clip's 33 audio tokens are counted
     with mlxrs.Session(model_dir) as s:
@@ -77,20 +87,30 @@ def test_openai_input_audio_matches_mlx_vlm(server, model_dir, clip):
 
 
 def test_responses_input_audio(server, clip):
-    inp = [{"role": "user", "content": [{"type": "input_text", "text": "Listen to"},
-                                        {"type": "input_audio", "input_audio": {"data": b64(clip.read_bytes()), "format": "wav"}},
-                                        {"type": "input_text", "text": "and answer."}]}]
+    inp = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "Listen to"},
+                {"type": "input_audio", "input_audio": {"data": b64(clip.read_bytes()), "format": "wav"}},
+                {"type": "input_text", "text": "and answer."},
+            ],
+        }
+    ]
     r = oa(server).responses.create(model=MODEL, input=inp, max_output_tokens=8, temperature=0)
     c = oa(server).chat.completions.create(model=MODEL, messages=_msgs(clip.read_bytes()), max_tokens=8, temperature=0)
     assert r.usage.input_tokens == c.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("data,fmt,needle", [
-    (lambda: wav_bytes(tone(0.5, 16000), 16000, claim_frames=16000), "wav", "shorter than its header"),
-    (lambda: b"ID3\x04\x00\x00\x00\x00\x00\x00" + b"\x00" * 64, "wav", "MP3 audio is not supported"),
-    (lambda: b"\x00" * 64, "mp3", "mp3 audio is not supported"),
-    (lambda: b"RIFF\x10\x00\x00\x00WAVEfmt ", "wav", "not a valid WAV"),
-])
+@pytest.mark.parametrize(
+    "data,fmt,needle",
+    [
+        (lambda: wav_bytes(tone(0.5, 16000), 16000, claim_frames=16000), "wav", "shorter than its header"),
+        (lambda: b"ID3\x04\x00\x00\x00\x00\x00\x00" + b"\x00" * 64, "wav", "MP3 audio is not supported"),
+        (lambda: b"\x00" * 64, "mp3", "mp3 audio is not supported"),
+        (lambda: b"RIFF\x10\x00\x00\x00WAVEfmt ", "wav", "not a valid WAV"),
+    ],
+)
 def test_bad_audio_is_a_400_naming_the_part(server, data, fmt, needle):
     with pytest.raises(openai.BadRequestError) as e:
         oa(server).chat.completions.create(model=MODEL, messages=_msgs(data(), fmt), max_tokens=2)
@@ -102,8 +122,13 @@ def test_bad_audio_is_a_400_naming_the_part(server, data, fmt, needle):
 def test_anthropic_audio_block_names_the_openai_endpoint(server):
     c = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(anthropic.BadRequestError) as e:
-        c.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
-            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}])
+        c.messages.create(
+            model=MODEL,
+            max_tokens=2,
+            messages=[
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}
+            ],
+        )
     assert "/v1/chat/completions" in str(e.value) and "input_audio" in str(e.value)
 
 

@@ -1,6 +1,7 @@
 """Clients work unmodified (issue #14): their own default model names, no max_tokens, tool loops
 on chat templates without tool support (the real Gemma 3 270M), --chat-template; driven by the
 official `openai` and `anthropic` SDKs against a real `python -m mlxrs serve` process."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,11 +24,19 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 HI = [{"role": "user", "content": "hi"}]
 TINY = "qwen3-float32"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-WEATHER_ANTHROPIC = {"name": "get_weather", "description": "The current weather in a city.",
-                     "input_schema": WEATHER["function"]["parameters"]}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+WEATHER_ANTHROPIC = {
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "input_schema": WEATHER["function"]["parameters"],
+}
 
 
 def oai(server: Server) -> openai.OpenAI:
@@ -121,15 +130,22 @@ def test_server_max_tokens_default(tiny):
     r = c.chat.completions.create(model=TINY, messages=HI, temperature=0, max_tokens=8)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
     # streamed: the same default
-    chunks = list(c.chat.completions.create(model=TINY, messages=HI, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model=TINY, messages=HI, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[-1].usage.completion_tokens == 5
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
 def test_max_tokens_flag_must_be_positive(tiny_dir):
-    p = subprocess.run([sys.executable, "-m", "mlxrs", "serve", str(tiny_dir), "--max-tokens", "0"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxrs", "serve", str(tiny_dir), "--max-tokens", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "--max-tokens" in p.stderr
 
 
@@ -137,8 +153,9 @@ def test_max_tokens_flag_must_be_positive(tiny_dir):
 def test_generic_tool_format_is_parsed():
     [c] = parse_all('{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}', tools=["get_weather"])
     assert isinstance(c, ToolCall) and c.name == "get_weather" and c.arguments == '{"city": "Paris"}'
-    calls = parse_all('{"tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]}',
-                      tools=["a", "b"])
+    calls = parse_all(
+        '{"tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]}', tools=["a", "b"]
+    )
     assert [(c.name, c.arguments) for c in calls] == [("a", "{}"), ("b", '{"x": 1}')]
     # a name that is not offered stays text; without tools, JSON is text
     text = '{"tool_call": {"name": "other", "arguments": {}}}'
@@ -172,18 +189,35 @@ def test_gemma_template_is_adapted(gemma_dir):
     with mlxrs.Session(gemma_dir) as s:
         caps = adapt.probe(lambda m, t: s.apply_chat_template(m, tools=t))
         assert not caps.tools and not caps.tool_role and not caps.multi_system and not caps.system_only
-        msgs = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "DEVELOPER NOTE"},
-                {"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-                {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny, 21 C"}]
+        msgs = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "system", "content": "DEVELOPER NOTE"},
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny, 21 C"},
+        ]
         with pytest.raises(MlxrsError):
             s.apply_chat_template(msgs, tools=[WEATHER])  # as is, the template refuses it
         m, t = adapt.adapt(caps, msgs, [WEATHER])
         out = s.apply_chat_template(m, tools=t)
-        for part in ("Be brief.", "DEVELOPER NOTE", '"name": "get_weather"', "The current weather in a city.",
-                     '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
-                     "[tool result for get_weather, c1]\nsunny, 21 C"):
+        for part in (
+            "Be brief.",
+            "DEVELOPER NOTE",
+            '"name": "get_weather"',
+            "The current weather in a city.",
+            '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
+            "[tool result for get_weather, c1]\nsunny, 21 C",
+        ):
             assert part in out, part
         assert out.endswith("<start_of_turn>model\n")
         m, t = adapt.adapt(caps, [{"role": "system", "content": "SYSTEM ONLY TEXT"}], None)
@@ -207,9 +241,13 @@ def test_gemma_tool_loop_openai(gemma):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
     def loop(result: str, extra: list) -> list:
-        return [{"role": "system", "content": "Be brief."}, *extra, {"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": result}]
+        return [
+            {"role": "system", "content": "Be brief."},
+            *extra,
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": result},
+        ]
 
     base = _prompt_tokens(c, loop("sunny", []), tools=[WEATHER])
     assert _prompt_tokens(c, loop("sunny and warm, 21 degrees, light wind", []), tools=[WEATHER]) > base
@@ -218,8 +256,9 @@ def test_gemma_tool_loop_openai(gemma):
     second = [{"role": "system", "content": "A second system message with more words."}]
     assert _prompt_tokens(c, loop("sunny", second), tools=[WEATHER]) > base
     # a system-only conversation keeps its text
-    assert _prompt_tokens(c, [{"role": "system", "content": "You are a pirate. Say arr, matey, and more."}]) > \
-        _prompt_tokens(c, [{"role": "system", "content": "Hi"}])
+    assert _prompt_tokens(
+        c, [{"role": "system", "content": "You are a pirate. Say arr, matey, and more."}]
+    ) > _prompt_tokens(c, [{"role": "system", "content": "Hi"}])
     r = c.chat.completions.create(model="gpt-4o-mini", messages=loop("sunny", dev), tools=[WEATHER], max_tokens=4)
     assert r.model == gemma_model_id(gemma)
 
@@ -232,21 +271,33 @@ def test_gemma_tool_loop_anthropic(gemma):
     c = anth(gemma)
 
     def msgs(result: str) -> list:
-        return [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                                   "input": {"city": "Paris"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result},
-                                             {"type": "text", "text": "Thanks."}]}]
+        return [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": result},
+                    {"type": "text", "text": "Thanks."},
+                ],
+            },
+        ]
 
     def count(**kw) -> int:
         return c.messages.count_tokens(model="claude-sonnet-4-5", **kw).input_tokens
 
     assert count(messages=HI, tools=[WEATHER_ANTHROPIC]) > count(messages=HI)
     base = count(messages=msgs("sunny"), tools=[WEATHER_ANTHROPIC], system="Be brief.")
-    assert count(messages=msgs("sunny and warm, 21 degrees, light wind"), tools=[WEATHER_ANTHROPIC],
-                 system="Be brief.") > base
-    m = c.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=msgs("sunny"),
-                          tools=[WEATHER_ANTHROPIC], system="Be brief.")
+    assert (
+        count(messages=msgs("sunny and warm, 21 degrees, light wind"), tools=[WEATHER_ANTHROPIC], system="Be brief.")
+        > base
+    )
+    m = c.messages.create(
+        model="claude-sonnet-4-5", max_tokens=4, messages=msgs("sunny"), tools=[WEATHER_ANTHROPIC], system="Be brief."
+    )
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == base
     assert m.model == gemma_model_id(gemma)
 
@@ -259,10 +310,17 @@ def test_probe_leaves_capable_templates_alone(tiny_dir):
     for name, source in TEMPLATES.items():
         with mlxrs.Session(tiny_dir, chat_template=source) as s:
             caps = adapt.probe(lambda m, t: s.apply_chat_template(m, tools=t))
-        want = ["multi_system", "system_only", "tool_role", "tool_calls", "tools", "alternation"] \
-            if name == "gemma" else []
+        want = (
+            ["multi_system", "system_only", "tool_role", "tool_calls", "tools", "alternation"]
+            if name == "gemma"
+            else []
+        )
         assert caps.adapted() == want, name
     plain = adapt.Caps()
-    msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}, {"role": "system", "content": "c"},
-            {"role": "tool", "tool_call_id": "x", "content": "d"}]
+    msgs = [
+        {"role": "system", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "system", "content": "c"},
+        {"role": "tool", "tool_call_id": "x", "content": "d"},
+    ]
     assert adapt.adapt(plain, msgs, [WEATHER]) == (msgs, [WEATHER])

@@ -1,5 +1,6 @@
 """Bad input over raw HTTP: every case gets the right status and its protocol's envelope, and the
 server keeps serving. Also: API keys, body limits, methods, routes and a full queue."""
+
 from __future__ import annotations
 
 import http.client
@@ -54,8 +55,11 @@ CHAT_BAD = [
     ("temperature a string", chat(temperature="hot"), "temperature"),
     ("temperature negative", chat(temperature=-1), "temperature"),
     ("temperature huge", chat(temperature=1e308), "temperature"),
-    ("temperature overflow", b'{"model": "qwen3-float32", "messages": [{"role": "user", "content": "hi"}], '
-                             b'"temperature": 1e400}', "temperature"),
+    (
+        "temperature overflow",
+        b'{"model": "qwen3-float32", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}',
+        "temperature",
+    ),
     ("top_p above 1", chat(top_p=5), "top_p"),
     ("top_k huge", chat(top_k=10**12), "top_k"),
     ("max_tokens a string", chat(max_tokens="10"), "max_tokens"),
@@ -75,8 +79,11 @@ CHAT_BAD = [
     ("tools not a list", chat(tools={"x": 1}), "tools"),
     ("tool without name", chat(tools=[{"type": "function", "function": {}}]), "tools[0]"),
     ("response_format xml", chat(response_format={"type": "xml"}), "response_format.type"),
-    ("response_format schema not an object", chat(response_format={"type": "json_schema", "json_schema": {"schema": 3}}),
-     "response_format.json_schema.schema"),
+    (
+        "response_format schema not an object",
+        chat(response_format={"type": "json_schema", "json_schema": {"schema": 3}}),
+        "response_format.json_schema.schema",
+    ),
 ]
 
 
@@ -102,8 +109,10 @@ MSG_BAD = [
     ("temperature above 1", msg(temperature=1.5)),
     ("stop_sequences a string list of ints", msg(stop_sequences=[1, 2])),
     ("block without type", msg(messages=[{"role": "user", "content": [{"text": "x"}]}])),
-    ("tool_use in a user message", msg(messages=[{"role": "user", "content": [
-        {"type": "tool_use", "id": "t", "name": "x", "input": {}}]}])),
+    (
+        "tool_use in a user message",
+        msg(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": {}}]}]),
+    ),
     ("thinking malformed", msg(thinking={"type": "sometimes"})),
 ]
 
@@ -119,10 +128,15 @@ def test_bad_messages_requests(server, name, body):
 
 
 def test_bad_completions_requests(server):
-    for body in [{"model": MODEL, "prompt": 5}, {"model": MODEL, "prompt": ["a", "b"]},
-                 {"model": MODEL, "prompt": [1, -3]}, {"model": MODEL, "prompt": ""},
-                 {"model": MODEL, "prompt": "x", "best_of": 3}, {"model": MODEL, "prompt": "x", "suffix": "y"},
-                 {"model": MODEL, "prompt": "x", "logprobs": 99}]:
+    for body in [
+        {"model": MODEL, "prompt": 5},
+        {"model": MODEL, "prompt": ["a", "b"]},
+        {"model": MODEL, "prompt": [1, -3]},
+        {"model": MODEL, "prompt": ""},
+        {"model": MODEL, "prompt": "x", "best_of": 3},
+        {"model": MODEL, "prompt": "x", "suffix": "y"},
+        {"model": MODEL, "prompt": "x", "logprobs": 99},
+    ]:
         status, resp = server.post("/v1/completions", body)
         openai_error(status, resp)
     still_serving(server)
@@ -163,7 +177,7 @@ def test_body_too_large(server):
     conn.endheaders()
     data = big.encode()
     for i in range(0, len(data), 4096):
-        part = data[i:i + 4096]
+        part = data[i : i + 4096]
         conn.send(f"{len(part):x}\r\n".encode() + part + b"\r\n")
     conn.send(b"0\r\n\r\n")
     r = conn.getresponse()
@@ -192,10 +206,15 @@ def test_api_key(qwen3_dir):
 
 def _long_stream(port: int, max_tokens: int = 100000) -> socket.socket:
     """Start a streaming chat that would run for a long time; returns the open socket."""
-    body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "messages": HI, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     return sock
 
 

@@ -2,6 +2,7 @@
 (Host, Origin, Content-Type, API key rules), the engine's state on /health, malformed HTTP, and
 the bounded graceful shutdown. Requests go over real HTTP, to the app in this process (fast) or
 to a `python -m mlxrs serve` subprocess; the official SDKs are clients too."""
+
 from __future__ import annotations
 
 import gzip
@@ -45,63 +46,170 @@ CHAT = {"model": MODEL, "messages": HI, "max_tokens": 2}
 MSG = {"model": MODEL, "messages": HI, "max_tokens": 2}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": "P"}}}}
 ATOOL = {"name": "f", "input_schema": {"type": "object", "properties": {"x": "P"}}}
-CALL = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "A"}}]}
+CALL = {
+    "role": "assistant",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "A"}}],
+}
 USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"x": "P"}}]}
 
 # (name, path, body, the parameter the message must name): each answered 500 before
 CASES = [
-    ("surrogate in content", "/v1/chat/completions",
-     _raw({**CHAT, "messages": [{"role": "user", "content": "S"}]}, S=SUR), "messages[0].content"),
+    (
+        "surrogate in content",
+        "/v1/chat/completions",
+        _raw({**CHAT, "messages": [{"role": "user", "content": "S"}]}, S=SUR),
+        "messages[0].content",
+    ),
     ("surrogate in model", "/v1/chat/completions", _raw({**CHAT, "model": "S"}, S=SUR), "model"),
     ("surrogate in prompt", "/v1/completions", _raw({"model": MODEL, "prompt": "S", "max_tokens": 2}, S=SUR), "prompt"),
     ("surrogate in stop", "/v1/chat/completions", _raw({**CHAT, "stop": ["S"]}, S=SUR), "stop[0]"),
-    ("surrogate in a tool name", "/v1/chat/completions",
-     _raw({**CHAT, "tools": [{"type": "function", "function": {"name": "S"}}]}, S=SUR), "tools[0].function.name"),
-    ("surrogate in a key", "/v1/chat/completions", _raw({**CHAT, "tools": [TOOL]}, P="{" + SUR + ": 1}"),
-     "tools[0].function.parameters.properties.x"),
+    (
+        "surrogate in a tool name",
+        "/v1/chat/completions",
+        _raw({**CHAT, "tools": [{"type": "function", "function": {"name": "S"}}]}, S=SUR),
+        "tools[0].function.name",
+    ),
+    (
+        "surrogate in a key",
+        "/v1/chat/completions",
+        _raw({**CHAT, "tools": [TOOL]}, P="{" + SUR + ": 1}"),
+        "tools[0].function.parameters.properties.x",
+    ),
     ("surrogate in system", "/v1/messages", _raw({**MSG, "system": "S"}, S=SUR), "system"),
     ("surrogate in model (anthropic)", "/v1/messages", _raw({**MSG, "model": "S"}, S=SUR), "model"),
-    ("content part type an array", "/v1/chat/completions",
-     json.dumps({**CHAT, "messages": [{"role": "user", "content": [{"type": []}]}]}).encode(), "messages[0].content[0]"),
-    ("content block type an array", "/v1/messages",
-     json.dumps({**MSG, "messages": [{"role": "user", "content": [{"type": []}]}]}).encode(), "messages[0].content[0]"),
-    ("system block type an object", "/v1/messages", json.dumps({**MSG, "system": [{"type": {}}]}).encode(), "system[0]"),
-    ("NaN in tool parameters", "/v1/chat/completions", _raw({**CHAT, "tools": [TOOL]}, P="NaN"),
-     "tools[0].function.parameters.properties.x"),
-    ("Infinity in input_schema", "/v1/messages", _raw({**MSG, "tools": [ATOOL]}, P="-Infinity"),
-     "tools[0].input_schema.properties.x"),
-    ("huge int in input_schema", "/v1/messages", _raw({**MSG, "tools": [ATOOL]}, P=BIG),
-     "tools[0].input_schema.properties.x"),
-    ("1e999 in tool_use.input", "/v1/messages", _raw({**MSG, "messages": [*HI, USE, *HI]}, P="1e999"),
-     "messages[1].content[0].input.x"),
-    ("deep nesting in parameters", "/v1/chat/completions", _raw({**CHAT, "tools": [TOOL]}, P=DEEP),
-     "tools[0].function.parameters.properties.x[0]"),
-    ("NaN in tool-call arguments", "/v1/chat/completions",
-     json.dumps({**CHAT, "messages": [*HI, {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "function": {
-         "name": "f", "arguments": '{"x": NaN}'}}]}]}).encode(), "messages[1].tool_calls[0].function.arguments.x"),
-    ("deep tool-call arguments", "/v1/chat/completions",
-     json.dumps({**CHAT, "messages": [*HI, {**CALL, "tool_calls": [{**CALL["tool_calls"][0], "function": {
-         "name": "f", "arguments": json.dumps({"x": json.loads(DEEP)})}}]}]}).encode(),
-     "messages[1].tool_calls[0].function.arguments.x"),
-    ("Infinity in chat_template_kwargs", "/v1/chat/completions",
-     _raw({**CHAT, "chat_template_kwargs": {"k": "P"}}, P="Infinity"), "chat_template_kwargs.k"),
-    ("chat_template_kwargs.tools", "/v1/chat/completions",
-     json.dumps({**CHAT, "chat_template_kwargs": {"tools": []}}).encode(), "chat_template_kwargs"),
-    ("chat_template_kwargs.messages", "/v1/chat/completions",
-     json.dumps({**CHAT, "chat_template_kwargs": {"messages": []}}).encode(), "chat_template_kwargs"),
-    ("add_generation_prompt not a bool", "/v1/chat/completions",
-     json.dumps({**CHAT, "chat_template_kwargs": {"add_generation_prompt": "yes"}}).encode(),
-     "chat_template_kwargs.add_generation_prompt"),
+    (
+        "content part type an array",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "messages": [{"role": "user", "content": [{"type": []}]}]}).encode(),
+        "messages[0].content[0]",
+    ),
+    (
+        "content block type an array",
+        "/v1/messages",
+        json.dumps({**MSG, "messages": [{"role": "user", "content": [{"type": []}]}]}).encode(),
+        "messages[0].content[0]",
+    ),
+    (
+        "system block type an object",
+        "/v1/messages",
+        json.dumps({**MSG, "system": [{"type": {}}]}).encode(),
+        "system[0]",
+    ),
+    (
+        "NaN in tool parameters",
+        "/v1/chat/completions",
+        _raw({**CHAT, "tools": [TOOL]}, P="NaN"),
+        "tools[0].function.parameters.properties.x",
+    ),
+    (
+        "Infinity in input_schema",
+        "/v1/messages",
+        _raw({**MSG, "tools": [ATOOL]}, P="-Infinity"),
+        "tools[0].input_schema.properties.x",
+    ),
+    (
+        "huge int in input_schema",
+        "/v1/messages",
+        _raw({**MSG, "tools": [ATOOL]}, P=BIG),
+        "tools[0].input_schema.properties.x",
+    ),
+    (
+        "1e999 in tool_use.input",
+        "/v1/messages",
+        _raw({**MSG, "messages": [*HI, USE, *HI]}, P="1e999"),
+        "messages[1].content[0].input.x",
+    ),
+    (
+        "deep nesting in parameters",
+        "/v1/chat/completions",
+        _raw({**CHAT, "tools": [TOOL]}, P=DEEP),
+        "tools[0].function.parameters.properties.x[0]",
+    ),
+    (
+        "NaN in tool-call arguments",
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                **CHAT,
+                "messages": [
+                    *HI,
+                    {
+                        **CALL,
+                        "tool_calls": [{**CALL["tool_calls"][0], "function": {"name": "f", "arguments": '{"x": NaN}'}}],
+                    },
+                ],
+            }
+        ).encode(),
+        "messages[1].tool_calls[0].function.arguments.x",
+    ),
+    (
+        "deep tool-call arguments",
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                **CHAT,
+                "messages": [
+                    *HI,
+                    {
+                        **CALL,
+                        "tool_calls": [
+                            {
+                                **CALL["tool_calls"][0],
+                                "function": {"name": "f", "arguments": json.dumps({"x": json.loads(DEEP)})},
+                            }
+                        ],
+                    },
+                ],
+            }
+        ).encode(),
+        "messages[1].tool_calls[0].function.arguments.x",
+    ),
+    (
+        "Infinity in chat_template_kwargs",
+        "/v1/chat/completions",
+        _raw({**CHAT, "chat_template_kwargs": {"k": "P"}}, P="Infinity"),
+        "chat_template_kwargs.k",
+    ),
+    (
+        "chat_template_kwargs.tools",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "chat_template_kwargs": {"tools": []}}).encode(),
+        "chat_template_kwargs",
+    ),
+    (
+        "chat_template_kwargs.messages",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "chat_template_kwargs": {"messages": []}}).encode(),
+        "chat_template_kwargs",
+    ),
+    (
+        "add_generation_prompt not a bool",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "chat_template_kwargs": {"add_generation_prompt": "yes"}}).encode(),
+        "chat_template_kwargs.add_generation_prompt",
+    ),
     ("10**400 temperature", "/v1/chat/completions", _raw({**CHAT, "temperature": "T"}, T=BIG), "temperature"),
     ("10**400 temperature (anthropic)", "/v1/messages", _raw({**MSG, "temperature": "T"}, T=BIG), "temperature"),
     ("10**400 logit_bias", "/v1/chat/completions", _raw({**CHAT, "logit_bias": {"5": "B"}}, B=BIG), "logit_bias.5"),
     ("max_tokens null (anthropic)", "/v1/messages", json.dumps({**MSG, "max_tokens": None}).encode(), "max_tokens"),
-    ("tool_choice without tools (anthropic)", "/v1/messages",
-     json.dumps({**MSG, "tool_choice": {"type": "tool", "name": "f"}}).encode(), "tool_choice"),
-    ("tool_choice malformed without tools (anthropic)", "/v1/messages",
-     json.dumps({**MSG, "tool_choice": "auto"}).encode(), "tool_choice"),
-    ("tool_choice without tools (openai)", "/v1/chat/completions",
-     json.dumps({**CHAT, "tool_choice": "required"}).encode(), "tool_choice"),
+    (
+        "tool_choice without tools (anthropic)",
+        "/v1/messages",
+        json.dumps({**MSG, "tool_choice": {"type": "tool", "name": "f"}}).encode(),
+        "tool_choice",
+    ),
+    (
+        "tool_choice malformed without tools (anthropic)",
+        "/v1/messages",
+        json.dumps({**MSG, "tool_choice": "auto"}).encode(),
+        "tool_choice",
+    ),
+    (
+        "tool_choice without tools (openai)",
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "tool_choice": "required"}).encode(),
+        "tool_choice",
+    ),
 ]
 
 
@@ -119,20 +227,25 @@ def test_request_content_is_a_400_naming_the_parameter(app, name, path, raw, par
 
 
 def test_bad_gzip_body_is_an_envelope(app):
-    status, _, body = app.request("POST", "/v1/chat/completions", json.dumps(CHAT),
-                                  headers={"Content-Encoding": "gzip"})
+    status, _, body = app.request(
+        "POST", "/v1/chat/completions", json.dumps(CHAT), headers={"Content-Encoding": "gzip"}
+    )
     assert "cannot be read" in openai_error(status, body)["message"]
     status, _, body = app.request("POST", "/v1/messages", b"\x1f\x8bnot gzip", headers={"Content-Encoding": "gzip"})
     anthropic_error(status, body)
-    status, _, body = app.request("POST", "/v1/chat/completions", gzip.compress(json.dumps(CHAT).encode()),
-                                  headers={"Content-Encoding": "gzip"})
+    status, _, body = app.request(
+        "POST", "/v1/chat/completions", gzip.compress(json.dumps(CHAT).encode()), headers={"Content-Encoding": "gzip"}
+    )
     assert status == 200 and body["usage"]["completion_tokens"] == 2  # real gzip still works
 
 
 def test_malformed_http_is_a_json_envelope(qwen3_server):
     s = qwen3_server
-    for raw in (b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
-                b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n"):
+    for raw in (
+        b"GARBAGE\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n",
+        b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n",
+    ):
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
             sock.sendall(raw)
             data = b""
@@ -172,8 +285,9 @@ def test_allowed_hosts_extends_the_names(qwen3_dir):
         s.close()
 
 
-@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                                   None])
+@pytest.mark.parametrize(
+    "ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None]
+)
 def test_browser_simple_posts_are_refused(app, ctype):
     """What a page elsewhere can POST without a CORS preflight never runs a generation."""
     raw = json.dumps(CHAT).encode()
@@ -188,9 +302,11 @@ def test_browser_simple_posts_are_refused(app, ctype):
 
 def _no_content_type(app, path, raw):
     async def go():
-        async with app.client.session.post(app.client.make_url(path), data=raw,
-                                           skip_auto_headers=["Content-Type"]) as r:
+        async with app.client.session.post(
+            app.client.make_url(path), data=raw, skip_auto_headers=["Content-Type"]
+        ) as r:
             return r.status, dict(r.headers), await r.json()
+
     return app.loop.run_until_complete(go())
 
 
@@ -204,16 +320,22 @@ def test_foreign_origin_is_refused_same_origin_allowed(app):
     status, headers, body = app.post("/v1/chat/completions", CHAT, headers={"Origin": f"http://127.0.0.1:{port}"})
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
     # no CORS preflight is answered by default
-    status, _, body = app.request("OPTIONS", "/v1/chat/completions", headers={
-        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    status, _, body = app.request(
+        "OPTIONS",
+        "/v1/chat/completions",
+        headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
+    )
     openai_error(status, body, 403)
 
 
 def test_cors_origin_allows_a_page(qwen3_dir):
     s = InProcess(qwen3_dir, cors_origins=["http://localhost:3000"])
     try:
-        pre = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
-               "Access-Control-Request-Headers": "authorization, content-type"}
+        pre = {
+            "Origin": "http://localhost:3000",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
         status, headers, _ = s.request("OPTIONS", "/v1/chat/completions", headers=pre)
         assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://localhost:3000"
         assert "POST" in headers["Access-Control-Allow-Methods"]
@@ -237,8 +359,9 @@ def test_sdks_work_through_the_guards(qwen3_dir):
             assert an.messages.create(model=MODEL, messages=HI, max_tokens=2).stop_reason == "max_tokens"
             with an.messages.stream(model=MODEL, messages=HI, max_tokens=2) as st:
                 assert st.get_final_message().usage.output_tokens == 2
-        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0,
-                            default_headers={"Host": "attacker.example"})
+        bad = openai.OpenAI(
+            base_url=s.url + "/v1", api_key="x", max_retries=0, default_headers={"Host": "attacker.example"}
+        )
         with pytest.raises(openai.PermissionDeniedError):
             bad.models.list()
 
@@ -280,8 +403,7 @@ class _DeadEngine:
         sess = type(self.app.session)
         self.prop = sess.__dict__["info"]
         base = self.prop
-        setattr(sess, "info", property(lambda s: {**base.fget(s), "engine": {"state": "dead",
-                                                                         "error": "panic: boom"}}))
+        setattr(sess, "info", property(lambda s: {**base.fget(s), "engine": {"state": "dead", "error": "panic: boom"}}))
         return self
 
     def __exit__(self, *exc):
@@ -315,8 +437,10 @@ def test_engine_error_from_the_engine_is_a_503(qwen3_dir, monkeypatch):
 
     app = InProcess(qwen3_dir)
     try:
+
         def start(*a, **k):
             raise EngineError("the engine thread panicked")
+
         monkeypatch.setattr(app.state.session, "_s", _Proxy(app.state.session._s, start=start))
         status, _, body = app.post("/v1/messages", MSG)
         err = anthropic_error(status, body, 503)
@@ -335,8 +459,10 @@ class _Proxy:
         return self._over.get(name) or getattr(self._inner, name)
 
 
-@pytest.mark.skipif(not hasattr(__import__("mlxrs").Session, "_inject_engine_panic"),
-                    reason="needs the engine-death contract (Session._inject_engine_panic)")
+@pytest.mark.skipif(
+    not hasattr(__import__("mlxrs").Session, "_inject_engine_panic"),
+    reason="needs the engine-death contract (Session._inject_engine_panic)",
+)
 def test_engine_panic_end_to_end(qwen3_dir):
     app = InProcess(qwen3_dir)
     try:
@@ -355,8 +481,11 @@ def test_engine_panic_end_to_end(qwen3_dir):
 def _open_stream(port: int, path: str, body: dict) -> socket.socket:
     raw = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
     return sock
 
 
@@ -376,7 +505,7 @@ def _dechunk(raw: str) -> str:
         if n == 0:
             break
         out.append(rest[:n])
-        rest = rest[n + 2:]
+        rest = rest[n + 2 :]
     return head + "\n\n" + "".join(out)
 
 
@@ -443,9 +572,11 @@ def test_huge_prompt_is_refused_without_tokenizing_it_all(app):
     tokenizing all of it left the process ~600 MB larger."""
     big = "hello world " * (5_000_000 // 12)
     before = _rss_mb()
-    for path, body in [("/v1/completions", {"prompt": big, "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 2}),
-                       ("/v1/messages", {"messages": [{"role": "user", "content": big}], "max_tokens": 2})]:
+    for path, body in [
+        ("/v1/completions", {"prompt": big, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 2}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": big}], "max_tokens": 2}),
+    ]:
         status, _, body = app.post(path, body)
         assert status == 400, body
         err = body["error"]

@@ -3,6 +3,7 @@ streaming clients over both protocols through a real HTTP client (aiohttp), 30% 
 mid-stream. Every completed stream is well formed and equals its non-streamed answer; the server's
 RSS comes back near its baseline; /stats is consistent: received = served + cancelled + rejected +
 failed, nothing left running."""
+
 from __future__ import annotations
 
 import asyncio
@@ -97,6 +98,7 @@ async def streamed(session: aiohttp.ClientSession, url: str, proto: str, q: str,
 def test_32_concurrent_streams_with_disconnects():
     d = make_model("qwen3-float32", "qwen3")
     with Server(d, "--prompt-cache-bytes", "64M") as s:
+
         async def main() -> tuple[dict, list]:
             timeout = aiohttp.ClientTimeout(total=240)
             async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -128,7 +130,11 @@ def test_32_concurrent_streams_with_disconnects():
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             st = s.stats()["requests"]
-            if st["active"] == 0 and st["queued"] == 0 and st["served"] + st["cancelled"] >= 2 * len(QUESTIONS) + N_CLIENTS:
+            if (
+                st["active"] == 0
+                and st["queued"] == 0
+                and st["served"] + st["cancelled"] >= 2 * len(QUESTIONS) + N_CLIENTS
+            ):
                 break
             time.sleep(0.1)
         st = s.stats()

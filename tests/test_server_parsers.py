@@ -1,5 +1,6 @@
 """Units of the server that need no server: the reasoning/tool-call parser (every supported format,
 fed whole and piece by piece), request-side conversions, and the memory planner (`_native.plan`)."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ def run(text: str, step: int, **kw):
     p = OutputParser(**kw)
     out = []
     for i in range(0, len(text), step):
-        out += p.feed(text[i:i + step])
+        out += p.feed(text[i : i + step])
     out += p.finish()
     merged: list = []
     for e in out:  # the same kind of adjacent pieces, joined (streaming splits them arbitrarily)
@@ -24,8 +25,10 @@ def run(text: str, step: int, **kw):
             merged[-1] = type(e)(merged[-1].text + e.text)
         else:
             merged.append(e)
-    return [("call", e.name, json.loads(e.arguments)) if isinstance(e, ToolCall)
-            else (type(e).__name__.lower(), e.text) for e in merged]
+    return [
+        ("call", e.name, json.loads(e.arguments)) if isinstance(e, ToolCall) else (type(e).__name__.lower(), e.text)
+        for e in merged
+    ]
 
 
 def check(text: str, expected: list, **kw) -> None:
@@ -43,8 +46,11 @@ def test_think_block_is_reasoning():
 
 
 def test_reasoning_opened_by_the_prompt():
-    check("Still thinking\n</think>\n\nanswer", [("reasoning", "Still thinking"), ("content", "answer")],
-          in_reasoning=True)
+    check(
+        "Still thinking\n</think>\n\nanswer",
+        [("reasoning", "Still thinking"), ("content", "answer")],
+        in_reasoning=True,
+    )
 
 
 def test_unterminated_reasoning_stays_reasoning():
@@ -75,7 +81,12 @@ def test_hermes_call():
 
 
 def test_hermes_two_calls_with_text_before():
-    two = "Let me check.\n" + HERMES + "\n" + '<tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}\n</tool_call>'
+    two = (
+        "Let me check.\n"
+        + HERMES
+        + "\n"
+        + '<tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}\n</tool_call>'
+    )
     check(two, [("content", "Let me check.\n"), call(*CALL), call("search", {"q": "x"})], tools=TOOLS)
 
 
@@ -112,7 +123,9 @@ def test_llama_json_call():
 
 
 def test_llama_python_tag_and_several_calls():
-    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "parameters": {}}'
+    text = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "parameters": {}}'
+    )
     check(text, [call(*CALL), call("search", {})], tools=TOOLS)
 
 
@@ -122,8 +135,11 @@ def test_llama_json_list():
 
 def test_json_that_is_not_a_call_is_content():
     check('{"answer": 42}', [("content", '{"answer": 42}')], tools=TOOLS)
-    check('{"name": "unknown_tool", "parameters": {}}', [("content", '{"name": "unknown_tool", "parameters": {}}')],
-          tools=TOOLS)
+    check(
+        '{"name": "unknown_tool", "parameters": {}}',
+        [("content", '{"name": "unknown_tool", "parameters": {}}')],
+        tools=TOOLS,
+    )
     check("[1, 2, 3] is a list", [("content", "[1, 2, 3] is a list")], tools=TOOLS)
 
 
@@ -134,13 +150,19 @@ def test_llama_json_only_at_the_start():
 
 # -- Mistral ---------------------------------------------------------------------------------------
 def test_mistral_v3_list():
-    check('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "search", "arguments": {}}]',
-          [call(*CALL), call("search", {})], tools=TOOLS)
+    check(
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "search", "arguments": {}}]',
+        [call(*CALL), call("search", {})],
+        tools=TOOLS,
+    )
 
 
 def test_mistral_v11_name_args():
-    check('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]{}',
-          [call(*CALL), call("search", {})], tools=TOOLS)
+    check(
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]{}',
+        [call(*CALL), call("search", {})],
+        tools=TOOLS,
+    )
     check('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', [call(*CALL)], tools=TOOLS)
 
 
@@ -151,8 +173,11 @@ def test_mistral_garbage_stays_content():
 
 # -- Gemma -----------------------------------------------------------------------------------------
 def test_gemma_tool_code():
-    check('I will look it up.\n```tool_code\nget_weather(city="Paris")\n```',
-          [("content", "I will look it up.\n"), call(*CALL)], tools=TOOLS)
+    check(
+        'I will look it up.\n```tool_code\nget_weather(city="Paris")\n```',
+        [("content", "I will look it up.\n"), call(*CALL)],
+        tools=TOOLS,
+    )
 
 
 def test_gemma_tool_code_that_is_not_a_call_stays_content():
@@ -192,9 +217,21 @@ def plan(d, *a, **kw):
 
 def test_plan_schema(model_dir):
     p = plan(model_dir, 1000)
-    assert list(p) == ["schemaVersion", "strategy", "fits", "contextTokens", "maxSafeContext", "weightsBytes",
-                       "kvBytes", "transientBytes", "reserveBytes", "totalBytes", "usableBytes",
-                       "predictedDecodeTps", "allocatorLimitBytes"]
+    assert list(p) == [
+        "schemaVersion",
+        "strategy",
+        "fits",
+        "contextTokens",
+        "maxSafeContext",
+        "weightsBytes",
+        "kvBytes",
+        "transientBytes",
+        "reserveBytes",
+        "totalBytes",
+        "usableBytes",
+        "predictedDecodeTps",
+        "allocatorLimitBytes",
+    ]
     assert p["schemaVersion"] == 1 and p["strategy"] == "generic-kv" and p["fits"] is True
     assert p["contextTokens"] == 1000 and p["maxSafeContext"] == 4096  # the model's own limit
     assert p["weightsBytes"] == sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) - _headers(model_dir)
@@ -267,8 +304,9 @@ def test_plan_against_measured_peak(model_dir, n):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(model_dir), str(n)], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(model_dir), str(n)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     peak = int(r.stdout.split()[-1])
     p = plan(model_dir, n + 2, None, None, 64, 2048, 10**12, False)
@@ -282,7 +320,7 @@ GEMMA4_BODIES = [
     'call:get_weather{city:<|"|>Paris<|"|>}',
     'call:search{query:<|"|>a {braced}, "quoted" text<|"|>,limit:5,exact:false,tags:[<|"|>x<|"|>,2.5]}',
     'call:get_weather{city:<|"|>Paris<|"|>,opts:{units:<|"|>metric<|"|>,days:[1,2]}}',
-    'call:search{}',
+    "call:search{}",
 ]
 
 
@@ -306,7 +344,7 @@ def test_gemma4_two_calls_then_the_response_marker():
 
 
 def test_gemma4_malformed_call_stays_content():
-    for body in ('call:get_weather{city:<|"|>Paris}', "get_weather(city='Paris')", 'call:x{a:1} trailing'):
+    for body in ('call:get_weather{city:<|"|>Paris}', "get_weather(city='Paris')", "call:x{a:1} trailing"):
         text = f"<|tool_call>{body}<tool_call|>"
         check(text, [("content", text)], tools=TOOLS)
     text = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
@@ -314,10 +352,17 @@ def test_gemma4_malformed_call_stays_content():
 
 
 def test_gemma4_thinking_channel():
-    check("<|channel>thought\nFirst, the weather.\n<channel|>It is sunny.",
-          [("reasoning", "First, the weather."), ("content", "It is sunny.")], think=GEMMA4_THINK)
-    check("<|channel>thought\nhmm\n<channel|><|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>}<tool_call|>",
-          [("reasoning", "hmm"), call(*CALL)], think=GEMMA4_THINK, tools=TOOLS)
+    check(
+        "<|channel>thought\nFirst, the weather.\n<channel|>It is sunny.",
+        [("reasoning", "First, the weather."), ("content", "It is sunny.")],
+        think=GEMMA4_THINK,
+    )
+    check(
+        '<|channel>thought\nhmm\n<channel|><|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+        [("reasoning", "hmm"), call(*CALL)],
+        think=GEMMA4_THINK,
+        tools=TOOLS,
+    )
 
 
 def test_gemma4_markers_come_from_its_chat_template():

@@ -1,6 +1,7 @@
 """POST /v1/responses (the OpenAI Responses API) of a real `python -m mlxrs serve` process, driven by
 the official `openai` SDK; the scripted model (tests/scriptedmodel.py) thinks then answers with
 thinking on, and calls get_weather with thinking off."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,12 @@ from scriptedmodel import THINK_ANSWER, THINK_TEXT
 from server_util import openai_client, sse_events
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -73,26 +78,38 @@ def test_function_call_round_trip(server):
     assert json.loads(calls[0].arguments) == {"city": "Paris"} and calls[0].call_id
     out = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}
     # continued from the stored response …
-    follow = c.responses.create(model="gpt-4o-mini", previous_response_id=r.id, input=[out], tools=[WEATHER],
-                                extra_body=NO_THINK, max_output_tokens=1)
+    follow = c.responses.create(
+        model="gpt-4o-mini",
+        previous_response_id=r.id,
+        input=[out],
+        tools=[WEATHER],
+        extra_body=NO_THINK,
+        max_output_tokens=1,
+    )
     # … or with the whole conversation sent again: the same prompt
-    items = [{"role": "user", "content": q},
-             {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
-              "arguments": calls[0].arguments}, out]
-    again = c.responses.create(model="gpt-4o-mini", input=items, tools=[WEATHER], extra_body=NO_THINK,
-                               max_output_tokens=1)
+    items = [
+        {"role": "user", "content": q},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        out,
+    ]
+    again = c.responses.create(
+        model="gpt-4o-mini", input=items, tools=[WEATHER], extra_body=NO_THINK, max_output_tokens=1
+    )
     assert follow.usage.input_tokens == again.usage.input_tokens > r.usage.input_tokens
     assert follow.previous_response_id == r.id
 
 
 def test_function_call_streamed(server):
-    raw = server.request("POST", "/v1/responses", json.dumps({
-        "model": "x", "input": "weather?", "tools": [WEATHER], "stream": True, **NO_THINK}))[1]
+    raw = server.request(
+        "POST",
+        "/v1/responses",
+        json.dumps({"model": "x", "input": "weather?", "tools": [WEATHER], "stream": True, **NO_THINK}),
+    )[1]
     evs = [d for _, d in sse_events(raw)]
     types = [e["type"] for e in evs]
     i = types.index("response.function_call_arguments.delta")
     assert types[i - 1] == "response.output_item.added" and evs[i - 1]["item"]["type"] == "function_call"
-    assert types[i + 1:i + 3] == ["response.function_call_arguments.done", "response.output_item.done"]
+    assert types[i + 1 : i + 3] == ["response.function_call_arguments.done", "response.output_item.done"]
     done = evs[i + 2]["item"]
     assert done["name"] == "get_weather" and json.loads(done["arguments"]) == {"city": "Paris"}
     assert types[-1] == "response.completed"
@@ -115,8 +132,10 @@ def test_unknown_previous_response_and_unsupported_tools(server):
 def test_text_format_becomes_response_format():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     body = {"text": {"format": {"type": "json_schema", "name": "A", "schema": schema, "strict": True}}}
-    assert response_format(body) == {"type": "json_schema", "json_schema": {"name": "A", "schema": schema,
-                                                                            "strict": True}}
+    assert response_format(body) == {
+        "type": "json_schema",
+        "json_schema": {"name": "A", "schema": schema, "strict": True},
+    }
     assert response_format({"text": {"format": {"type": "json_object"}}}) == {"type": "json_object"}
     assert response_format({"text": {"format": {"type": "text"}}}) is None and response_format({}) is None
 
@@ -154,7 +173,8 @@ def test_responses_parse_with_a_pydantic_model(server):
         label: Literal["yes", "no", "maybe"]
         sure: bool
 
-    r = client(server).responses.parse(model="gpt-4o-mini", input="is it raining?", text_format=Verdict,
-                                       max_output_tokens=48, extra_body=NO_THINK)
+    r = client(server).responses.parse(
+        model="gpt-4o-mini", input="is it raining?", text_format=Verdict, max_output_tokens=48, extra_body=NO_THINK
+    )
     assert isinstance(r.output_parsed, Verdict)
     assert Verdict.model_validate_json(r.output_text) == r.output_parsed

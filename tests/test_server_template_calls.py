@@ -5,6 +5,7 @@ model would have generated, and mlxrs's output parser (whole and streamed one ch
 must give back the same reasoning, names and arguments (the round trip). Where mlx-lm 0.32.2 has a
 parser for the format (`mlx_lm/tool_parsers/`) it is a second oracle, and its template-based choice
 of parser is checked against the format the template is listed under here."""
+
 from __future__ import annotations
 
 import json
@@ -14,26 +15,62 @@ from types import SimpleNamespace
 import pytest
 
 import llama_templates
-from mlxrs.server.events import Content, OutputParser, Reasoning, ToolCall, output_format_for, schemas_of, \
-    think_markers_for
+from mlxrs.server.events import (
+    Content,
+    OutputParser,
+    Reasoning,
+    ToolCall,
+    output_format_for,
+    schemas_of,
+    think_markers_for,
+)
 
 REASONING = "I need the weather first."
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string"}, "zip": {"type": "string"}, "days": {"type": "integer"},
-            "ratio": {"type": "number"}, "metric": {"type": "boolean"}, "opts": {"type": "object"},
-            "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "search", "description": "Web search",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "zip": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "ratio": {"type": "number"},
+                    "metric": {"type": "boolean"},
+                    "opts": {"type": "object"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Web search",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}},
+        },
+    },
 ]
 NAMES = [t["function"]["name"] for t in TOOLS]
 CALLS = [
-    ("get_weather", {"city": "Paris", "zip": "75001", "days": 3, "ratio": 0.5, "metric": True,
-                     "opts": {"units": "metric"}, "tags": ["a", "b"]}),
-    ("search", {"query": "Paris <weather> & \"news\"", "limit": 2}),
+    (
+        "get_weather",
+        {
+            "city": "Paris",
+            "zip": "75001",
+            "days": 3,
+            "ratio": 0.5,
+            "metric": True,
+            "opts": {"units": "metric"},
+            "tags": ["a", "b"],
+        },
+    ),
+    ("search", {"query": 'Paris <weather> & "news"', "limit": 2}),
 ]
 
 # template → (the end-of-turn marker generation stops at, mlx-lm's parser module or None)
@@ -49,9 +86,12 @@ FAMILIES = {
     "MiniMax-M2": ("[e~[", "minimax_m2"),
 }
 # mlx-lm's markers around one parser input
-MLXLM_BLOCKS = {"qwen3_coder": ("<tool_call>", "</tool_call>"), "glm47": ("<tool_call>", "</tool_call>"),
-                "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
-                "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>")}
+MLXLM_BLOCKS = {
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+    "glm47": ("<tool_call>", "</tool_call>"),
+    "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+}
 
 
 def _render(name: str, reasoning: str = REASONING, **kw) -> tuple[str, str]:
@@ -60,29 +100,42 @@ def _render(name: str, reasoning: str = REASONING, **kw) -> tuple[str, str]:
 
     t = llama_templates.template(name)
     user = [{"role": "user", "content": "What is the weather in Paris?"}]
-    calls = [{"id": f"functions.{n}:{i}", "type": "function", "function": {"name": n, "arguments": a}}
-             for i, (n, a) in enumerate(CALLS)]
-    turn = {"role": "assistant", "content": "", "reasoning_content": reasoning, "thinking": reasoning,
-            "tool_calls": calls}
-    (prompt,), _ = render_jinja_template(conversations=[user], tools=TOOLS, chat_template=t,
-                                         add_generation_prompt=True, **kw)
+    calls = [
+        {"id": f"functions.{n}:{i}", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(CALLS)
+    ]
+    turn = {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": reasoning,
+        "thinking": reasoning,
+        "tool_calls": calls,
+    }
+    (prompt,), _ = render_jinja_template(
+        conversations=[user], tools=TOOLS, chat_template=t, add_generation_prompt=True, **kw
+    )
     (full,), _ = render_jinja_template(conversations=[user + [turn]], tools=TOOLS, chat_template=t, **kw)
     assert full.startswith(prompt), name
-    return prompt, full[len(prompt):]
+    return prompt, full[len(prompt) :]
 
 
 def _parser(name: str, prompt: str) -> OutputParser:
     """As the server makes it (ServerState.parser): markers and format from the chat template."""
     t = llama_templates.template(name)
     think = think_markers_for(t)
-    return OutputParser(tools=NAMES, think=think, in_reasoning=prompt.rstrip().endswith(think[0]),
-                        schemas=schemas_of(TOOLS), harmony=output_format_for(t) == "harmony")
+    return OutputParser(
+        tools=NAMES,
+        think=think,
+        in_reasoning=prompt.rstrip().endswith(think[0]),
+        schemas=schemas_of(TOOLS),
+        harmony=output_format_for(t) == "harmony",
+    )
 
 
 def _events(p: OutputParser, text: str, step: int) -> list:
     out = []
     for i in range(0, len(text), step):
-        out += p.feed(text[i:i + step])
+        out += p.feed(text[i : i + step])
     out += p.finish()
     merged: list = []
     for e in out:
@@ -90,14 +143,16 @@ def _events(p: OutputParser, text: str, step: int) -> list:
             merged[-1] = type(e)(merged[-1].text + e.text)
         else:
             merged.append(e)
-    return [("call", e.name, json.loads(e.arguments)) if isinstance(e, ToolCall)
-            else (type(e).__name__.lower(), e.text) for e in merged]
+    return [
+        ("call", e.name, json.loads(e.arguments)) if isinstance(e, ToolCall) else (type(e).__name__.lower(), e.text)
+        for e in merged
+    ]
 
 
 def _model_text(name: str, turn: str) -> str:
     """What the model generates: the turn up to the marker generation stops at."""
     end = FAMILIES[name][0]
-    return turn[:turn.index(end)] if end in turn else turn
+    return turn[: turn.index(end)] if end in turn else turn
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -107,7 +162,7 @@ def test_real_template_round_trip(name):
     # gpt-oss's template writes one call per assistant message (the first)
     calls = CALLS[:1] if name == "openai-gpt-oss-120b" else CALLS
     expected = ([("reasoning", REASONING)] if REASONING in turn else []) + [("call", n, a) for n, a in calls]
-    texts = [text, turn[:turn.index("<|call|>") + len("<|call|>")]] if name == "openai-gpt-oss-120b" else [text]
+    texts = [text, turn[: turn.index("<|call|>") + len("<|call|>")]] if name == "openai-gpt-oss-120b" else [text]
     for t in texts:
         for step in (1, 2, 3, 7, len(t)):
             assert _events(_parser(name, prompt), t, step) == expected, (name, step)
@@ -152,7 +207,7 @@ def test_real_template_cut_anywhere_never_crashes(name):
         whole = _events(_parser(name, prompt), text[:k], k or 1)
         assert whole == _events(_parser(name, prompt), text[:k], 1), (name, k)
         calls = [(e[1], e[2]) for e in whole if e[0] == "call"]
-        assert calls == CALLS[:len(calls)], (name, k, calls)
+        assert calls == CALLS[: len(calls)], (name, k, calls)
 
 
 def test_kimi_k2_thinking_writes_the_same_format():
@@ -190,12 +245,21 @@ def test_harmony_final_answer_and_constrain_header():
     """gpt-oss writes the recipient after the channel too (`commentary to=functions.f <|constrain|>json`),
     and answers in the final channel."""
     h = {"harmony": True}
-    _same("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>",
-          [("reasoning", "Think."), ("content", "Sunny.")], **h)
-    _same("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.",
-          [("reasoning", "Think."), ("content", "Sunny.")], **h)
-    _same('<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "x"}<|call|>',
-          [("call", "search", {"query": "x"})], **h)
+    _same(
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>",
+        [("reasoning", "Think."), ("content", "Sunny.")],
+        **h,
+    )
+    _same(
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.",
+        [("reasoning", "Think."), ("content", "Sunny.")],
+        **h,
+    )
+    _same(
+        '<|channel|>commentary to=functions.search <|constrain|>json<|message|>{"query": "x"}<|call|>',
+        [("call", "search", {"query": "x"})],
+        **h,
+    )
     _same("Plain text, no channels.", [("content", "Plain text, no channels.")], **h)
 
 
@@ -208,7 +272,7 @@ def test_harmony_malformed_call_stays_content():
     _same(head, [("content", head)], **h)
     # no tools offered: a call is text as written
     call = '<|channel|>commentary to=functions.search json<|message|>{"query": "x"}<|call|>'
-    _same(call, [("content", call[:-len("<|call|>")])], harmony=True, tools=None)
+    _same(call, [("content", call[: -len("<|call|>")])], harmony=True, tools=None)
     # a built-in tool's recipient (not functions.*) is no call of an offered function
     builtin = '<|channel|>commentary to=browser.search json<|message|>{"query": "x"}'
     _same(builtin, [("content", builtin)], harmony=True)
@@ -222,8 +286,8 @@ def test_xml_formats_malformed_stay_content():
         "<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>x</arg_value>",  # GLM, cut off
         "<tool_call>Sure, I will search.</tool_call>",
         "<tool_call>hello</tool_call>",  # a bare word that names no offered tool
-        "<minimax:tool_call>\n<invoke name=\"search\">\n<parameter name=\"query\">x</parameter>\n</minimax:tool_call>",
-        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"query\": <｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        '<minimax:tool_call>\n<invoke name="search">\n<parameter name="query">x</parameter>\n</minimax:tool_call>',
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": <｜tool▁call▁end｜><｜tool▁calls▁end｜>',
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>[1]"
         "<|tool_call_end|><|tool_calls_section_end|>",
     ):
@@ -231,8 +295,10 @@ def test_xml_formats_malformed_stay_content():
 
 
 def test_deepseek_v3_fenced_form():
-    text = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n"
-            '{"query": "x"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    text = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n"
+        '{"query": "x"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
     _same(text, [("call", "search", {"query": "x"})])
 
 
@@ -241,13 +307,18 @@ def test_values_typed_by_schema():
     is JSON. mlx-lm's qwen3_coder parser is the oracle where the schema types the value."""
     from mlx_lm.tool_parsers import qwen3_coder
 
-    body = ("<function=get_weather>\n<parameter=zip>\n75001\n</parameter>\n<parameter=days>\n4\n</parameter>\n"
-            "<parameter=metric>\nfalse\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n</function>")
+    body = (
+        "<function=get_weather>\n<parameter=zip>\n75001\n</parameter>\n<parameter=days>\n4\n</parameter>\n"
+        '<parameter=metric>\nfalse\n</parameter>\n<parameter=tags>\n["x"]\n</parameter>\n</function>'
+    )
     ref = qwen3_coder.parse_tool_call(body, TOOLS)
     _same(f"<tool_call>\n{body}\n</tool_call>", [("call", ref["name"], ref["arguments"])])
     assert ref["arguments"]["zip"] == "75001" and ref["arguments"]["days"] == 4
-    _same(f"<tool_call>\n{body}\n</tool_call>",
-          [("call", "get_weather", {"zip": 75001, "days": 4, "metric": False, "tags": ["x"]})], schemas={})
+    _same(
+        f"<tool_call>\n{body}\n</tool_call>",
+        [("call", "get_weather", {"zip": 75001, "days": 4, "metric": False, "tags": ["x"]})],
+        schemas={},
+    )
 
 
 def test_typed_value_edges():
@@ -270,7 +341,9 @@ def test_typed_value_edges():
 
 def test_events_are_typed():
     evs = OutputParser(tools=NAMES, harmony=True)
-    out = evs.feed("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b") + evs.finish()
+    out = (
+        evs.feed("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>b") + evs.finish()
+    )
     assert [type(e) for e in out] == [Reasoning, Content]
 
 
@@ -305,7 +378,7 @@ def test_real_template_mutated_never_crashes(name):
             elif op == 1:
                 t.insert(i, t[i])
             else:
-                t[i] = rng.choice("<>|{}\"\n:=x")
+                t[i] = rng.choice('<>|{}"\n:=x')
         s = "".join(t)
         whole = _events(_parser(name, prompt), s, len(s) or 1)
         assert whole == _events(_parser(name, prompt), s, 1), (name, s)

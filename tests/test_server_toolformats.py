@@ -3,6 +3,7 @@ writes the same call in the Hermes, Llama 3, Mistral, Gemma, Gemma 4, Qwen3-Code
 Kimi-K2 or MiniMax-M2 format, and both SDKs get it back as a structured call; without tools, the same
 output is plain content, unchanged. gpt-oss's harmony format is served with the real gpt-oss chat
 template (the server picks the format from it), through the OpenAI chat, Responses and Anthropic APIs."""
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,23 @@ import anthropic
 import openai
 import pytest
 
-from scriptedmodel import HARMONY_REASONING, HARMONY_SCRIPT, HARMONY_TRIGGER, TOOL_SCRIPTS, WEATHER_TOOL, \
-    make_scripted_model
+from scriptedmodel import (
+    HARMONY_REASONING,
+    HARMONY_SCRIPT,
+    HARMONY_TRIGGER,
+    TOOL_SCRIPTS,
+    WEATHER_TOOL,
+    make_scripted_model,
+)
 from server_util import Server
 
 HI = [{"role": "user", "content": "hi"}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
-TOOL = {"name": "get_weather", "description": "Current weather in a city",
-        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+TOOL = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 
 
 @pytest.fixture(scope="module", params=sorted(TOOL_SCRIPTS))
@@ -37,8 +47,9 @@ def test_openai_tool_calls(fmt_server):
     (tc,) = r.choices[0].message.tool_calls
     assert (tc.function.name, json.loads(tc.function.arguments)) == ("get_weather", {"city": "Paris"}), fmt
     assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
-    parts = list(c.chat.completions.create(model=name, messages=HI, tools=[WEATHER_TOOL], extra_body=NO_THINK,
-                                           stream=True))
+    parts = list(
+        c.chat.completions.create(model=name, messages=HI, tools=[WEATHER_TOOL], extra_body=NO_THINK, stream=True)
+    )
     calls = [t for p in parts if p.choices for t in (p.choices[0].delta.tool_calls or [])]
     assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_weather", {"city": "Paris"})]
     assert not any(p.choices[0].delta.content for p in parts if p.choices)
@@ -49,17 +60,23 @@ def test_openai_tool_calls(fmt_server):
 def test_anthropic_tool_use(fmt_server):
     fmt, name, s = fmt_server
     m = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60).messages.create(
-        model=name, max_tokens=50, messages=HI, tools=[TOOL], thinking={"type": "disabled"})
+        model=name, max_tokens=50, messages=HI, tools=[TOOL], thinking={"type": "disabled"}
+    )
     assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "get_weather", {"city": "Paris"})], fmt
     assert m.stop_reason == "tool_use"
 
 
 # -- values typed by the tool's schema (Qwen3-Coder XML) --------------------------------------------
-TYPED_SCRIPT = ["<tool_call>", "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-                "<parameter=zip>\n75001\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n",
-                "</tool_call>"]
-TYPED_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"},
-                                                 "days": {"type": "integer"}}}
+TYPED_SCRIPT = [
+    "<tool_call>",
+    "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=zip>\n75001\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n",
+    "</tool_call>",
+]
+TYPED_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "zip": {"type": "string"}, "days": {"type": "integer"}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +98,12 @@ def test_xml_values_typed_by_the_schema(typed_server):
     r = c.chat.completions.create(model="m", messages=HI, tools=[tool], extra_body=NO_THINK)
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == ref
     m = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60).messages.create(
-        model="m", max_tokens=80, messages=HI, thinking={"type": "disabled"},
-        tools=[{"name": "get_weather", "input_schema": TYPED_PARAMS}])
+        model="m",
+        max_tokens=80,
+        messages=HI,
+        thinking={"type": "disabled"},
+        tools=[{"name": "get_weather", "input_schema": TYPED_PARAMS}],
+    )
     assert [(b.type, b.input) for b in m.content] == [("tool_use", ref)]
 
 
@@ -91,8 +112,9 @@ def test_xml_values_typed_by_the_schema(typed_server):
 def harmony_server():
     from chat_templates import llama_cpp_template
 
-    d = make_scripted_model("scripted-harmony", HARMONY_SCRIPT, template=llama_cpp_template("openai-gpt-oss-120b"),
-                            trigger=HARMONY_TRIGGER)
+    d = make_scripted_model(
+        "scripted-harmony", HARMONY_SCRIPT, template=llama_cpp_template("openai-gpt-oss-120b"), trigger=HARMONY_TRIGGER
+    )
     with Server(d) as s:
         yield s
 
@@ -102,8 +124,9 @@ def test_harmony_openai(harmony_server):
     c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
     r = c.chat.completions.create(model="m", messages=HI, tools=[WEATHER_TOOL])
     msg = r.choices[0].message
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == \
-        [("get_weather", {"city": "Paris"})]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
     assert msg.model_extra["reasoning_content"] == HARMONY_REASONING and not msg.content
     assert r.choices[0].finish_reason == "tool_calls"
     parts = list(c.chat.completions.create(model="m", messages=HI, tools=[WEATHER_TOOL], stream=True))
@@ -119,8 +142,12 @@ def test_harmony_openai(harmony_server):
 
 def test_harmony_responses(harmony_server):
     c = openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    tool = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-            "parameters": WEATHER_TOOL["function"]["parameters"]}  # the gpt-oss template needs a description
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": WEATHER_TOOL["function"]["parameters"],
+    }  # the gpt-oss template needs a description
     r = c.responses.create(model="m", input="hi", tools=[tool])
     calls = [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
     assert calls == [("get_weather", {"city": "Paris"})]
@@ -135,5 +162,7 @@ def test_harmony_anthropic(harmony_server):
     assert (m.content[1].name, m.content[1].input) == ("get_weather", {"city": "Paris"}) and m.stop_reason == "tool_use"
     with cl.messages.stream(model="m", max_tokens=80, messages=HI, tools=[TOOL]) as st:
         final = st.get_final_message()
-    assert [(b.type, getattr(b, "input", None)) for b in final.content] == \
-        [("thinking", None), ("tool_use", {"city": "Paris"})]
+    assert [(b.type, getattr(b, "input", None)) for b in final.content] == [
+        ("thinking", None),
+        ("tool_use", {"city": "Paris"}),
+    ]

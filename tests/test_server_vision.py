@@ -3,6 +3,7 @@ official `openai` and `anthropic` SDKs: an image in an OpenAI message, in an Ant
 inside an Anthropic tool_result reaches the model (the prompt token count includes the image tokens;
 the answer equals the library's for the same input, and changes with the image); bad media is a 400
 naming the part and the server keeps serving; local paths and remote URLs are refused unless allowed."""
+
 from __future__ import annotations
 
 import base64
@@ -19,8 +20,11 @@ from test_vision import huge_png_header
 from tinymodels import make_gemma3_vision
 
 MODEL = "gemma3-vision-f32"
-TOOL = {"name": "get_weather", "description": "Current weather in a city",
-        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 
 
 def _png(seed: int) -> bytes:
@@ -70,38 +74,69 @@ def an(server: Server) -> anthropic.Anthropic:
 
 def test_openai_image_reaches_the_model(server, local):
     img = _png(1)
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
-                                         {"type": "image_url", "image_url": {"url": data_url(img)}}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": data_url(img)}},
+            ],
+        }
+    ]
     r = oa(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
     ref = local.chat(msgs, max_tokens=12, temperature=0.0)
     assert r.usage.prompt_tokens == ref.usage.prompt_tokens
     assert r.usage.prompt_tokens > 16  # the image's 16 tokens and its markers are counted
     assert r.choices[0].message.content == ref.text
     assert r.usage.completion_tokens == len(ref.tokens)
-    other = oa(server).chat.completions.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
-                                     {"type": "image_url", "image_url": {"url": data_url(_png(2))}}]}])
+    other = oa(server).chat.completions.create(
+        model=MODEL,
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": data_url(_png(2))}},
+                ],
+            }
+        ],
+    )
     assert other.choices[0].message.content != r.choices[0].message.content
 
 
 def test_anthropic_image_block_reaches_the_model(server, local):
     img = _png(4)
-    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": base64.b64encode(img).decode()}}
-    m = an(server).messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "Describe it."}, block]}])
-    ref = local.chat([{"role": "user", "content": [{"type": "text", "text": "Describe it."},
-                                                   {"type": "image", "image": img}]}], max_tokens=12, temperature=0.0)
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(img).decode()},
+    }
+    m = an(server).messages.create(
+        model=MODEL,
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Describe it."}, block]}],
+    )
+    ref = local.chat(
+        [{"role": "user", "content": [{"type": "text", "text": "Describe it."}, {"type": "image", "image": img}]}],
+        max_tokens=12,
+        temperature=0.0,
+    )
     assert m.usage.input_tokens == ref.usage.prompt_tokens
     assert "".join(b.text for b in m.content if b.type == "text") == ref.text
     assert m.usage.output_tokens == len(ref.tokens)
 
 
 def _tool_turn(inner: list[dict]) -> list[dict]:
-    return [{"role": "user", "content": "weather in Paris?"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                               "input": {"city": "Paris"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": inner}]}]
+    return [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": inner}]},
+    ]
 
 
 def test_image_inside_anthropic_tool_result_reaches_the_model(server, local):
@@ -109,14 +144,32 @@ def test_image_inside_anthropic_tool_result_reaches_the_model(server, local):
     text = {"type": "text", "text": "a screenshot:"}
 
     def image(b: bytes) -> dict:
-        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                            "data": base64.b64encode(b).decode()}}
-    with_img = c.messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, tools=[TOOL],
-                                 messages=_tool_turn([text, image(_png(5))]))
-    other = c.messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, tools=[TOOL],
-                              messages=_tool_turn([text, image(_png(6))]))
-    plain = c.messages.create(model=MODEL, max_tokens=12, extra_body={"temperature": 0}, tools=[TOOL],
-                              messages=_tool_turn([text, {"type": "text", "text": "x"}]))
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(b).decode()},
+        }
+
+    with_img = c.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        tools=[TOOL],
+        messages=_tool_turn([text, image(_png(5))]),
+    )
+    other = c.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        tools=[TOOL],
+        messages=_tool_turn([text, image(_png(6))]),
+    )
+    plain = c.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        tools=[TOOL],
+        messages=_tool_turn([text, {"type": "text", "text": "x"}]),
+    )
     # the image's tokens are in the prompt: exactly what replacing "x" by its expanded marker adds
     expanded = local._s.expand_image_markers("a screenshot:\n<start_of_image>", 1)
     delta = len(local.tokenize(expanded)) - len(local.tokenize("a screenshot:\nx"))
@@ -126,13 +179,32 @@ def test_image_inside_anthropic_tool_result_reaches_the_model(server, local):
     # tool turn, adapted to this template, rendered, the marker expanded): same prompt, same tokens
     from mlxrs.server import adapt
 
-    msgs = [{"role": "user", "content": "weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-            {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather",
-             "content": "a screenshot:\n<start_of_image>"}]
-    tools = [{"type": "function", "function": {"name": TOOL["name"], "parameters": TOOL["input_schema"],
-                                               "description": TOOL["description"]}}]
+    msgs = [
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "toolu_1",
+            "name": "get_weather",
+            "content": "a screenshot:\n<start_of_image>",
+        },
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": TOOL["name"], "parameters": TOOL["input_schema"], "description": TOOL["description"]},
+        }
+    ]
     caps = adapt.probe(lambda m, t: local.apply_chat_template(m, tools=t))
     msgs, tools = adapt.adapt(caps, msgs, tools)
     text = local._s.expand_image_markers(local.apply_chat_template(msgs, tools=tools), 1)
@@ -154,14 +226,27 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_media_is_a_400_naming_the_part(server, case):
     with pytest.raises(openai.BadRequestError) as e:
-        oa(server).chat.completions.create(model=MODEL, max_tokens=4, messages=[
-            {"role": "user", "content": [{"type": "text", "text": "look"},
-                                         {"type": "image_url", "image_url": {"url": BAD[case]()}}]}])
+        oa(server).chat.completions.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "look"},
+                        {"type": "image_url", "image_url": {"url": BAD[case]()}},
+                    ],
+                }
+            ],
+        )
     assert e.value.status_code == 400
     assert "messages[0].content[1]" in e.value.message
     with pytest.raises(anthropic.BadRequestError) as e2:
-        an(server).messages.create(model=MODEL, max_tokens=4, messages=_tool_turn([
-            {"type": "image", "source": {"type": "url", "url": BAD[case]()}}]))
+        an(server).messages.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=_tool_turn([{"type": "image", "source": {"type": "url", "url": BAD[case]()}}]),
+        )
     assert "messages[2].content[0].content[0]" in e2.value.body["error"]["message"]
     # still serving
     r = oa(server).chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
@@ -174,19 +259,30 @@ def test_a_header_over_the_pixel_limit_is_refused_before_decoding(server):
     buf = io.BytesIO()
     Image.new("RGB", (2000, 2100)).save(buf, "PNG")  # 4.2 megapixels, --max-image-pixels 4000000
     with pytest.raises(openai.BadRequestError) as e:
-        oa(server).chat.completions.create(model=MODEL, max_tokens=4, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(buf.getvalue())}}]}])
+        oa(server).chat.completions.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(buf.getvalue())}}]}
+            ],
+        )
     assert "2000x2100 pixels; at most 4000000" in e.value.message
 
 
 def test_paths_and_remote_urls_need_their_flags(server, tmp_path):
     p = tmp_path / "x.png"
     p.write_bytes(_png(1))
-    for url, flag in [(str(p), "--allow-local-media"), ("file://" + str(p), "--allow-local-media"),
-                      ("http://127.0.0.1:9/x.png", "--allow-remote-media")]:
+    for url, flag in [
+        (str(p), "--allow-local-media"),
+        ("file://" + str(p), "--allow-local-media"),
+        ("http://127.0.0.1:9/x.png", "--allow-remote-media"),
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
-            oa(server).chat.completions.create(model=MODEL, max_tokens=4, messages=[
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+            oa(server).chat.completions.create(
+                model=MODEL,
+                max_tokens=4,
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+            )
         assert flag in e.value.message and "messages[0].content[0]" in e.value.message
 
 
@@ -195,16 +291,28 @@ def test_local_paths_with_the_flag(model_dir, local, tmp_path):
     img = _png(8)
     p.write_bytes(img)
     with Server(model_dir, "--allow-local-media") as s:
-        r = oa(s).chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(p)}}]}])
+        r = oa(s).chat.completions.create(
+            model=MODEL,
+            max_tokens=8,
+            temperature=0,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(p)}}]}],
+        )
     ref = local.chat([{"role": "user", "content": [{"type": "image", "image": img}]}], max_tokens=8, temperature=0.0)
     assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == ref.usage.prompt_tokens
 
 
 def test_audio_is_refused_naming_the_modality(server):
     with pytest.raises(openai.BadRequestError) as e:
-        oa(server).chat.completions.create(model=MODEL, max_tokens=4, messages=[
-            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}])
+        oa(server).chat.completions.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}],
+                }
+            ],
+        )
     assert "messages[0].content[0]" in e.value.message and "audio" in e.value.message
 
 
@@ -221,12 +329,34 @@ def test_responses_input_image_reaches_the_model(server, local):
     chat completion's for the same image and question (the oracle: the chat endpoint, itself checked
     against the library above)."""
     img = data_url(_png(3))
-    r = oa(server).responses.create(model=MODEL, max_output_tokens=12, temperature=0, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
-                                     {"type": "input_image", "image_url": img}]}])
-    c = oa(server).chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
-                                     {"type": "image_url", "image_url": {"url": img}}]}])
+    r = oa(server).responses.create(
+        model=MODEL,
+        max_output_tokens=12,
+        temperature=0,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is in this picture?"},
+                    {"type": "input_image", "image_url": img},
+                ],
+            }
+        ],
+    )
+    c = oa(server).chat.completions.create(
+        model=MODEL,
+        max_tokens=12,
+        temperature=0,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": img}},
+                ],
+            }
+        ],
+    )
     assert r.usage.input_tokens == c.usage.prompt_tokens > 16
     assert r.output_text == c.choices[0].message.content
 
@@ -234,21 +364,43 @@ def test_responses_input_image_reaches_the_model(server, local):
 def test_responses_errors_name_the_input_item(server):
     """What the chat path refuses inside an input item is named as the Responses request names it."""
     with pytest.raises(openai.BadRequestError) as e:
-        oa(server).responses.create(model=MODEL, max_output_tokens=4, instructions="be brief", input=[
-            {"role": "user", "content": "first"},
-            {"role": "user", "content": [{"type": "input_text", "text": "look"},
-                                         {"type": "input_image", "image_url": BAD["truncated PNG"]()}]}])
+        oa(server).responses.create(
+            model=MODEL,
+            max_output_tokens=4,
+            instructions="be brief",
+            input=[
+                {"role": "user", "content": "first"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "look"},
+                        {"type": "input_image", "image_url": BAD["truncated PNG"]()},
+                    ],
+                },
+            ],
+        )
     assert e.value.body["param"] == "input[1].content[1]", e.value.body
     assert "messages[" not in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
-        oa(server).responses.create(model=MODEL, max_output_tokens=4, input=[
-            {"role": "user", "content": [{"type": "input_image", "file_id": "file-123"}]}])
+        oa(server).responses.create(
+            model=MODEL,
+            max_output_tokens=4,
+            input=[{"role": "user", "content": [{"type": "input_image", "file_id": "file-123"}]}],
+        )
     assert e.value.body["param"] == "input[0].content[0].image_url"
     with pytest.raises(openai.BadRequestError) as e:
-        oa(server).responses.create(model=MODEL, max_output_tokens=4, input=[
-            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "c1",
-             "output": [{"type": "input_image", "image_url": "data:image/png;base64,@@@"}]}])
+        oa(server).responses.create(
+            model=MODEL,
+            max_output_tokens=4,
+            input=[
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c1",
+                    "output": [{"type": "input_image", "image_url": "data:image/png;base64,@@@"}],
+                },
+            ],
+        )
     assert e.value.body["param"].startswith("input[1].output"), e.value.body
 
 
@@ -270,41 +422,70 @@ def test_gemma4_images_through_both_protocols(gemma4_dir):
         buf = io.BytesIO()
         Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
         return buf.getvalue()
+
     square, wide = png(60, 60, 1), png(30, 150, 2)
     name = "gemma4-vision-f32"
     with Server(gemma4_dir) as s, mlxrs.Session(gemma4_dir) as lib:
+
         def chat(img: bytes) -> tuple[openai.types.chat.ChatCompletion, mlxrs.GenerationResult]:
-            parts = [{"type": "text", "text": "What is in this picture?"},
-                     {"type": "image_url", "image_url": {"url": data_url(img)}}]
-            r = oa(s).chat.completions.create(model=name, messages=[{"role": "user", "content": parts}],
-                                              max_tokens=10, temperature=0)
+            parts = [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": data_url(img)}},
+            ]
+            r = oa(s).chat.completions.create(
+                model=name, messages=[{"role": "user", "content": parts}], max_tokens=10, temperature=0
+            )
             return r, lib.chat([{"role": "user", "content": parts}], max_tokens=10, temperature=0.0)
+
         (r1, ref1), (r2, ref2) = chat(square), chat(wide)
         for r, ref in ((r1, ref1), (r2, ref2)):
             assert r.usage.prompt_tokens == ref.usage.prompt_tokens
             assert r.choices[0].message.content == ref.text
+
         def count(img: bytes) -> int:
             return lib._s.expand_image_markers("<|image|>", 1, lib._s.image_sizes([(img, "x")])).count("<|image|>")
+
         assert count(square) != count(wide)
         assert r1.usage.prompt_tokens - r2.usage.prompt_tokens == count(square) - count(wide)
-        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                             "data": base64.b64encode(wide).decode()}}
-        m = an(s).messages.create(model=name, max_tokens=10, extra_body={"temperature": 0}, messages=[
-            {"role": "user", "content": [{"type": "text", "text": "Describe it."}, block]}])
-        ref = lib.chat([{"role": "user", "content": [{"type": "text", "text": "Describe it."},
-                                                     {"type": "image", "image": wide}]}], max_tokens=10, temperature=0.0)
+        block = {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(wide).decode()},
+        }
+        m = an(s).messages.create(
+            model=name,
+            max_tokens=10,
+            extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Describe it."}, block]}],
+        )
+        ref = lib.chat(
+            [{"role": "user", "content": [{"type": "text", "text": "Describe it."}, {"type": "image", "image": wide}]}],
+            max_tokens=10,
+            temperature=0.0,
+        )
         assert m.usage.input_tokens == ref.usage.prompt_tokens
         assert "".join(b.text for b in m.content if b.type == "text") == ref.text
         in_tool = an(s).messages.create(model=name, max_tokens=4, tools=[TOOL], messages=_tool_turn([block]))
-        plain = an(s).messages.create(model=name, max_tokens=4, tools=[TOOL],
-                                      messages=_tool_turn([{"type": "text", "text": "x"}]))
+        plain = an(s).messages.create(
+            model=name, max_tokens=4, tools=[TOOL], messages=_tool_turn([{"type": "text", "text": "x"}])
+        )
         expanded = lib._s.expand_image_markers("<|image|>", 1, lib._s.image_sizes([(wide, "x")]))
-        assert in_tool.usage.input_tokens - plain.usage.input_tokens == \
-            len(lib.tokenize(expanded)) - len(lib.tokenize("x"))
+        assert in_tool.usage.input_tokens - plain.usage.input_tokens == len(lib.tokenize(expanded)) - len(
+            lib.tokenize("x")
+        )
         with pytest.raises(openai.BadRequestError) as e:
-            oa(s).chat.completions.create(model=name, max_tokens=4, messages=[
-                {"role": "user", "content": [{"type": "text", "text": "look"},
-                                             {"type": "image_url", "image_url": {"url": data_url(b"\x89PNG\r\n")}}]}])
+            oa(s).chat.completions.create(
+                model=name,
+                max_tokens=4,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "look"},
+                            {"type": "image_url", "image_url": {"url": data_url(b"\x89PNG\r\n")}},
+                        ],
+                    }
+                ],
+            )
         assert "messages[0].content[1]" in e.value.message
         r = oa(s).chat.completions.create(model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert r.usage.completion_tokens >= 1
@@ -327,39 +508,59 @@ def test_qwen35_images_and_video_frames_through_the_openai_sdk(tmp_path):
         buf = io.BytesIO()
         Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
         return buf.getvalue()
+
     img = png(70, 90, 1)
     frames = [png(48, 64, 10 + i) for i in range(3)]
     with Server(d) as s, mlxrs.Session(d) as lib:
         card = oa(s).models.retrieve(name)
         assert card.model_extra["input_modalities"] == ["text", "image", "video"]
-        parts = [{"type": "text", "text": "What is in this picture?"},
-                 {"type": "image_url", "image_url": {"url": data_url(img)}}]
-        r = oa(s).chat.completions.create(model=name, messages=[{"role": "user", "content": parts}], max_tokens=10,
-                                          temperature=0)
+        parts = [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": data_url(img)}},
+        ]
+        r = oa(s).chat.completions.create(
+            model=name, messages=[{"role": "user", "content": parts}], max_tokens=10, temperature=0
+        )
         ref = lib.chat([{"role": "user", "content": parts}], max_tokens=10, temperature=0.0)
         assert r.usage.prompt_tokens == ref.usage.prompt_tokens > 24
         assert r.choices[0].message.content == ref.text
-        vparts = [{"type": "text", "text": "What happens?"},
-                  {"type": "video_url", "video_url": {"url": [data_url(f) for f in frames]}}]
-        r = oa(s).chat.completions.create(model=name, messages=[{"role": "user", "content": vparts}], max_tokens=10,
-                                          temperature=0)
-        ref = lib.generate([{"role": "user", "content": [vparts[0], {"type": "video"}]}], video=frames,
-                           max_tokens=10, temperature=0.0)
+        vparts = [
+            {"type": "text", "text": "What happens?"},
+            {"type": "video_url", "video_url": {"url": [data_url(f) for f in frames]}},
+        ]
+        r = oa(s).chat.completions.create(
+            model=name, messages=[{"role": "user", "content": vparts}], max_tokens=10, temperature=0
+        )
+        ref = lib.generate(
+            [{"role": "user", "content": [vparts[0], {"type": "video"}]}], video=frames, max_tokens=10, temperature=0.0
+        )
         assert r.usage.prompt_tokens == ref.usage.prompt_tokens
         assert r.choices[0].message.content == ref.text
         with pytest.raises(openai.BadRequestError) as e:
-            oa(s).chat.completions.create(model=name, max_tokens=4, messages=[{"role": "user", "content": [
-                {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}]}])
+            oa(s).chat.completions.create(
+                model=name,
+                max_tokens=4,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}],
+                    }
+                ],
+            )
         assert "messages[0].content[0]" in e.value.message and "list of its frames" in e.value.message
         with pytest.raises(openai.BadRequestError) as e:
-            oa(s).chat.completions.create(model=name, max_tokens=4, messages=[{"role": "user", "content": [
-                parts[1], vparts[1]]}])
+            oa(s).chat.completions.create(
+                model=name, max_tokens=4, messages=[{"role": "user", "content": [parts[1], vparts[1]]}]
+            )
         assert "images or one video" in e.value.message
 
 
 def test_video_to_a_model_without_video_names_model_and_modality(server):
     with pytest.raises(openai.BadRequestError) as e:
-        oa(server).chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
-            {"type": "video_url", "video_url": {"url": [data_url(_png(1))]}}]}])
+        oa(server).chat.completions.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": [data_url(_png(1))]}}]}],
+        )
     assert e.value.status_code == 400
     assert "messages[0].content[0]" in e.value.message and "video" in e.value.message and MODEL in e.value.message

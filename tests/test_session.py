@@ -3,6 +3,7 @@ library (encode/decode straight from tokenizer.json), transformers (chat templat
 (log-probabilities from `Session.logits`). Covers generate/stream/chat agreement, stop strings,
 stop tokens, max_tokens, EOS, multibyte UTF-8 streaming, seeding, concurrency and the GIL, close(),
 and logprobs."""
+
 from __future__ import annotations
 
 import json
@@ -149,8 +150,9 @@ def test_chat_agrees_with_generate_and_with_transformers_prompt(session, model_d
     from transformers import AutoTokenizer
 
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-    ref_ids = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(msgs, add_generation_prompt=True,
-                                                                                tokenize=True)
+    ref_ids = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=True
+    )
     ref_ids = list(ref_ids["input_ids"] if hasattr(ref_ids, "keys") else ref_ids)
     chat = session.chat(msgs, max_tokens=12)
     gen = session.generate(msgs, max_tokens=12)
@@ -329,8 +331,9 @@ def test_random_byte_soup_streams_like_a_full_decode(session, hf, seed):
     # sampled uniformly among the bytes of several multibyte characters: valid and invalid
     # sequences mixed; the stream must equal a one-shot decode of the same ids
     ids = _byte_ids(hf, "東🙂é")
-    chunks, _ = _stream(session, PROMPT, max_tokens=60, temperature=1.0, seed=seed, ignore_eos=True,
-                        logit_bias={t: 200.0 for t in ids})
+    chunks, _ = _stream(
+        session, PROMPT, max_tokens=60, temperature=1.0, seed=seed, ignore_eos=True, logit_bias={t: 200.0 for t in ids}
+    )
     toks = [c.token for c in chunks if c.token is not None]
     assert set(toks) <= set(ids) and len(toks) == 60
     assert "".join(c.text for c in chunks) == decode(hf, toks)
@@ -340,7 +343,7 @@ def test_stop_string_made_of_multibyte_characters(session, hf):
     ids = _byte_ids(hf, "東🙂")
     c = session.generate(PROMPT, max_tokens=21, stop="🙂東", **_forced_cycle(ids))
     assert c.finish_reason == "stop" and c.text == "東"
-    assert c.tokens == (ids * 2)[:len(ids) + 3]
+    assert c.tokens == (ids * 2)[: len(ids) + 3]
 
 
 # -- seeds ----------------------------------------------------------------------------------------------
@@ -371,8 +374,11 @@ def test_concurrent_generate_from_four_threads(session):
             barrier.wait()
             for r in range(3):
                 if r == 1:
-                    toks = [c.token for c in session.stream(prompts[i], max_tokens=24, ignore_eos=True)
-                            if c.token is not None]
+                    toks = [
+                        c.token
+                        for c in session.stream(prompts[i], max_tokens=24, ignore_eos=True)
+                        if c.token is not None
+                    ]
                 else:
                     toks = session.generate(prompts[i], max_tokens=24, ignore_eos=True).tokens
                 results[(i, r)] = toks
@@ -441,10 +447,15 @@ def test_close_and_context_manager(model_dir):
         assert not s.closed
         assert len(s.generate(PROMPT, max_tokens=2, ignore_eos=True).tokens) == 2
     assert s.closed
-    for call in (lambda: s.generate(PROMPT, max_tokens=2), lambda: list(s.stream(PROMPT, max_tokens=2)),
-                 lambda: s.tokenize("x"), lambda: s.detokenize([1]), lambda: s.logits([1, 2]),
-                 lambda: s.apply_chat_template([{"role": "user", "content": "x"}]),
-                 lambda: s.chat([{"role": "user", "content": "x"}])):
+    for call in (
+        lambda: s.generate(PROMPT, max_tokens=2),
+        lambda: list(s.stream(PROMPT, max_tokens=2)),
+        lambda: s.tokenize("x"),
+        lambda: s.detokenize([1]),
+        lambda: s.logits([1, 2]),
+        lambda: s.apply_chat_template([{"role": "user", "content": "x"}]),
+        lambda: s.chat([{"role": "user", "content": "x"}]),
+    ):
         with pytest.raises(InvalidArgumentError, match="closed"):
             call()
     assert s.info["engine"] == {"state": "closed", "error": None}  # info still answers, and says so
@@ -514,30 +525,36 @@ def test_logprobs_are_float32_for_a_bfloat16_model():
         ref = _log_softmax(_bf16(x + np.array([bias.get(i, 0.0) for i in range(len(x))], dtype=np.float32)))
         assert np.abs(_bf16(ref[[t1, t2]]) - ref[[t1, t2]]).max() > 1e-4  # the test can tell
         for kw in ({}, {"temperature": 1.0, "seed": 5}):
-            lp = s.generate(ids, max_tokens=1, ignore_eos=True, logprobs=True, top_logprobs=2, logit_bias=bias,
-                            **kw).logprobs[0]
+            lp = s.generate(
+                ids, max_tokens=1, ignore_eos=True, logprobs=True, top_logprobs=2, logit_bias=bias, **kw
+            ).logprobs[0]
             assert lp.logprob == pytest.approx(ref[lp.id], abs=2e-5)
             assert [t for t, _ in lp.top] == [t2, t1]
             np.testing.assert_allclose([v for _, v in lp.top], ref[[t2, t1]], atol=2e-5)
 
 
 # -- chat templates against transformers ----------------------------------------------------------------------
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather — in °C or °F",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": "City name, e.g. 東京"},
-                           "unit": {"type": "string", "enum": ["c", "f"]}},
-            "required": ["city"],
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather — in °C or °F",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name, e.g. 東京"},
+                    "unit": {"type": "string", "enum": ["c", "f"]},
+                },
+                "required": ["city"],
+            },
         },
     },
-}, {
-    "type": "function",
-    "function": {"name": "now", "description": "The time", "parameters": {"type": "object", "properties": {}}},
-}]
+    {
+        "type": "function",
+        "function": {"name": "now", "description": "The time", "parameters": {"type": "object", "properties": {}}},
+    },
+]
 
 CONVERSATIONS = {
     "single": [{"role": "user", "content": "Hello there!"}],
@@ -549,9 +566,14 @@ CONVERSATIONS = {
     ],
     "tool_round": [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}]},
-        {"role": "tool", "content": "{\"temp\": 21}"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}
+            ],
+        },
+        {"role": "tool", "content": '{"temp": 21}'},
     ],
     "thinking": [
         {"role": "user", "content": "2+2?"},
@@ -580,8 +602,9 @@ def template_models(tmp_path_factory, model_dir, bos_dir):
     out = {}
     for name, tmpl in ALL_TEMPLATES.items():
         for bos in (False, True):
-            d = chat_model(bos_dir if bos else model_dir, root / f"{name}-{bos}", tmpl, bos=bos,
-                           as_jinja_file=(name == "qwen3"))
+            d = chat_model(
+                bos_dir if bos else model_dir, root / f"{name}-{bos}", tmpl, bos=bos, as_jinja_file=(name == "qwen3")
+            )
             out[(name, bos)] = (mlxrs.Session(d), AutoTokenizer.from_pretrained(str(d)))
     yield out
     for s, _ in out.values():
@@ -604,14 +627,15 @@ def test_apply_chat_template_matches_transformers(template_models, name, bos):
         for agp in (True, False):
             for tools in (None, TOOLS):
                 for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True, "custom": "X"}):
-                    ref = _render(tok.apply_chat_template, conv, tools=tools, add_generation_prompt=agp,
-                                  tokenize=False, **kwargs)
+                    ref = _render(
+                        tok.apply_chat_template, conv, tools=tools, add_generation_prompt=agp, tokenize=False, **kwargs
+                    )
                     ours = _render(s.apply_chat_template, conv, tools=tools, add_generation_prompt=agp, **kwargs)
                     where = f"{name} {conv_name} agp={agp} tools={tools is not None} {kwargs}"
                     if ref.startswith("ERROR"):
                         # transformers raised (raise_exception): so must we, with the template's message
                         assert ours.startswith("ERROR"), where
-                        assert ref[len("ERROR "):] in ours, (where, ref, ours)
+                        assert ref[len("ERROR ") :] in ours, (where, ref, ours)
                         with pytest.raises(InvalidArgumentError):
                             s.apply_chat_template(conv, tools=tools, add_generation_prompt=agp, **kwargs)
                         errors += 1
@@ -620,8 +644,9 @@ def test_apply_chat_template_matches_transformers(template_models, name, bos):
                     compared += 1
                     if agp:
                         # and the prompt ids equal transformers' tokenized chat (no doubled BOS)
-                        ids = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                      **kwargs)
+                        ids = tok.apply_chat_template(
+                            conv, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs
+                        )
                         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
                         assert s.encode_prompt(conv, tools=tools, template_kwargs=kwargs) == ids, where
     assert compared >= 20

@@ -1,5 +1,6 @@
 """Session's generation options are checked, in one validator, by every entry point: a clear
 TypeError or ValueError (InvalidArgumentError) instead of a silent default or a wrapped value."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,9 @@ def session(tmp_path_factory):
         if f.is_file():
             (d / f.name).symlink_to(f)
     (d / "config.json").unlink()
-    (d / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
-                                               "max_position_embeddings": 64}))
+    (d / "config.json").write_text(
+        json.dumps({**json.loads((src / "config.json").read_text()), "max_position_embeddings": 64})
+    )
     with mlxrs.Session(d) as s:
         yield s
 
@@ -82,7 +84,9 @@ BAD = [
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda f: f.__name__[1:])
-@pytest.mark.parametrize("kw, exc, name", BAD, ids=[f"{next(iter(k))}={next(iter(k.values()))!r}"[:40] for k, _, _ in BAD])
+@pytest.mark.parametrize(
+    "kw, exc, name", BAD, ids=[f"{next(iter(k))}={next(iter(k.values()))!r}"[:40] for k, _, _ in BAD]
+)
 def test_bad_option_is_refused(session, entry, kw, exc, name):
     before = session.info["requests"]
     with pytest.raises(exc, match=name):
@@ -91,23 +95,38 @@ def test_bad_option_is_refused(session, entry, kw, exc, name):
 
 
 def test_valid_options_still_work(session):
-    c = session.generate("hi", max_tokens=3, temperature=0.7, top_p=0.9, top_k=10**6, min_p=0.0, seed=2**64 - 1,
-                         stop=("zz", "yy"), repetition_penalty=1.1, repetition_context_size=0, logit_bias={"5": 1},
-                         ignore_eos=True, logprobs=True, top_logprobs=2)
+    c = session.generate(
+        "hi",
+        max_tokens=3,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=10**6,
+        min_p=0.0,
+        seed=2**64 - 1,
+        stop=("zz", "yy"),
+        repetition_penalty=1.1,
+        repetition_context_size=0,
+        logit_bias={"5": 1},
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert len(c.tokens) == 3 and len(c.logprobs[0].top) == 2
     assert session.generate("hi", max_tokens=0).tokens == []  # prefill only
 
 
 def test_max_tokens_is_clamped_to_the_context(session):
     n_prompt = len(session.tokenize("hi"))
-    for run in (lambda: session.generate("hi", max_tokens=10**6, ignore_eos=True).tokens,
-                lambda: [c.token for c in session.stream("hi", max_tokens=10**6, ignore_eos=True)
-                         if c.token is not None],
-                lambda: session.generate_batch(["hi"], max_tokens=2**62, ignore_eos=True)[0].tokens):
+    for run in (
+        lambda: session.generate("hi", max_tokens=10**6, ignore_eos=True).tokens,
+        lambda: [c.token for c in session.stream("hi", max_tokens=10**6, ignore_eos=True) if c.token is not None],
+        lambda: session.generate_batch(["hi"], max_tokens=2**62, ignore_eos=True)[0].tokens,
+    ):
         assert len(run()) == 64 - n_prompt
 
     async def astream():
         return [c.token async for c in session.astream("hi", max_tokens=10**6, ignore_eos=True) if c.token is not None]
+
     assert len(asyncio.run(astream())) == 64 - n_prompt
 
 

@@ -1,6 +1,7 @@
 """python/mlxrs/_native.pyi matches the built extension (mypy's stubtest), and is precise enough
 for mypy to catch misuse. The test build's `_op` (the `testing` feature) is neither in the wheel nor
 in the stub, nor in the module's `__all__`: stubtest passes over a private name not listed there."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,9 @@ import mlxrs
 STUB = Path(mlxrs.__file__).with_name("_native.pyi")
 
 
-def run(args: list[str], env_over: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    args: list[str], env_over: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "MYPYPATH"}
     env.update(env_over or {})
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
@@ -46,7 +49,8 @@ def test_stubtest_would_catch_a_wrong_stub(tmp_path: Path) -> None:
 
 def test_mypy_uses_the_stub_precisely(tmp_path: Path) -> None:
     good = tmp_path / "good.py"
-    good.write_text(textwrap.dedent("""
+    good.write_text(
+        textwrap.dedent("""
         from mlxrs import _native
 
         info = _native.runtime_info()
@@ -59,9 +63,11 @@ def test_mypy_uses_the_stub_precisely(tmp_path: Path) -> None:
         raw: bytes = data
         version: str = _native.__version__ + _native.BUILT_FOR_MLX + _native.BUILT_FOR_MLXC
         order: list[str] = _native._resolution_order()
-    """))
+    """)
+    )
     bad = tmp_path / "bad.py"
-    bad.write_text(textwrap.dedent("""
+    bad.write_text(
+        textwrap.dedent("""
         from mlxrs import _native
 
         info = _native.runtime_info()
@@ -70,16 +76,17 @@ def test_mypy_uses_the_stub_precisely(tmp_path: Path) -> None:
         _native._op("add", [(b"", [1], "float32")])
         _native._array_roundtrip(b"", [1])
         _native._sample("not a list of floats")
-    """))
+    """)
+    )
     cache = tmp_path / ".mypy_cache"
     r = run(["-m", "mypy", "--strict", "--follow-imports=silent", "--cache-dir", str(cache), str(good)])
     assert r.returncode == 0, r.stdout + r.stderr
     r = run(["-m", "mypy", "--strict", "--follow-imports=silent", "--cache-dir", str(cache), str(bad)])
     assert r.returncode == 1, r.stdout
     out = r.stdout
-    assert 'bad.py:5: error' in out and "int" in out, out  # str | None is not int
-    assert 'bad.py:6: error' in out and "no_such_key" in out, out
-    assert 'bad.py:7: error' in out and "_op" in out, out  # the wheel has no _op: nor does the stub
-    assert 'bad.py:8: error' in out, out
-    assert 'bad.py:9: error' in out, out
+    assert "bad.py:5: error" in out and "int" in out, out  # str | None is not int
+    assert "bad.py:6: error" in out and "no_such_key" in out, out
+    assert "bad.py:7: error" in out and "_op" in out, out  # the wheel has no _op: nor does the stub
+    assert "bad.py:8: error" in out, out
+    assert "bad.py:9: error" in out, out
     shutil.rmtree(cache, ignore_errors=True)

@@ -7,6 +7,7 @@ transformers renders one, and the prompt ids equal transformers' tokenized chat.
 Where transformers raises and mlxrs renders, mlxrs is deliberately more lenient (iterating a `None`
 `tools`, `tojson` of an undefined value): such cases are counted, and only for the templates listed in
 `LENIENT`; anywhere else a transformers error must be an mlxrs error too."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,12 @@ LENIENT = {
 DIFFERENT = {"meetkai-functionary-medium-v3.1": "Markup + str HTML-escapes the str in Jinja2"}
 
 # variables a template needs that transformers does not define (passed to both as template kwargs)
-EXTRA_KWARGS = {"fireworks-ai-llama-3-firefunction-v2": {"functions": json.dumps([t["function"] for t in TOOLS]),
-                                                         "datetime": "2024-07-01 12:00"}}
+EXTRA_KWARGS = {
+    "fireworks-ai-llama-3-firefunction-v2": {
+        "functions": json.dumps([t["function"] for t in TOOLS]),
+        "datetime": "2024-07-01 12:00",
+    }
+}
 
 NAMES = llama_templates.names()
 
@@ -54,13 +59,21 @@ def render_pair(tmp_path_factory, bos_dir):
     def make(name: str):
         d = chat_model(bos_dir.resolve(), root / name, llama_templates.template(name), bos=True)
         return mlxrs.Session(d), AutoTokenizer.from_pretrained(str(d))
+
     return make
 
 
 def test_the_sweep_has_the_families():
     assert len(NAMES) >= 60
-    for family in ("Qwen3.5-4B", "google-gemma-4-31B-it", "openai-gpt-oss-120b", "GLM-4.7-Flash",
-                   "meta-llama-Llama-3.3-70B-Instruct", "deepseek-ai-DeepSeek-V3.2", "Kimi-K2-Thinking"):
+    for family in (
+        "Qwen3.5-4B",
+        "google-gemma-4-31B-it",
+        "openai-gpt-oss-120b",
+        "GLM-4.7-Flash",
+        "meta-llama-Llama-3.3-70B-Instruct",
+        "deepseek-ai-DeepSeek-V3.2",
+        "Kimi-K2-Thinking",
+    ):
         assert family in NAMES
 
 
@@ -77,8 +90,14 @@ def test_real_template_renders_as_transformers(render_pair, name):
                     for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
                         kwargs = {**EXTRA_KWARGS.get(name, {}), **kwargs}
                         where = f"{name} {conv_name} agp={agp} tools={tools is not None} {kwargs}"
-                        ref = _render(tok.apply_chat_template, conv, tools=tools, add_generation_prompt=agp,
-                                      tokenize=False, **kwargs)
+                        ref = _render(
+                            tok.apply_chat_template,
+                            conv,
+                            tools=tools,
+                            add_generation_prompt=agp,
+                            tokenize=False,
+                            **kwargs,
+                        )
                         ours = _render(s.apply_chat_template, conv, tools=tools, add_generation_prompt=agp, **kwargs)
                         if ref.startswith("ERROR"):
                             if not ours.startswith("ERROR"):
@@ -88,8 +107,9 @@ def test_real_template_renders_as_transformers(render_pair, name):
                         assert ours == ref, where
                         compared += 1
                         if agp and "enable_thinking" not in kwargs and conv_name in ("system_multi", "tool_round"):
-                            ids = tok.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                          **kwargs)
+                            ids = tok.apply_chat_template(
+                                conv, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs
+                            )
                             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
                             assert s.encode_prompt(conv, tools=tools, template_kwargs=kwargs) == ids, where
     finally:
@@ -100,30 +120,65 @@ def test_real_template_renders_as_transformers(render_pair, name):
 
 
 # -- adaptation (server/adapt.py) on every real template ------------------------------------------------------
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "WEATHER_DESC",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "WEATHER_DESC",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city"}},
+            "required": ["city"],
+        },
+    },
+}
 CALL = {"id": "call1abcd", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "PARIS_ARG"}}}
 # what the protocol layers hand to adapt (openai.py: developer → system, a tool-calling turn's content None)
 HARD = {
-    "system_and_developer": ([{"role": "system", "content": "SYS_ONE"}, {"role": "system", "content": "DEV_TWO"},
-                              {"role": "user", "content": "USER_Q"}], None, ["SYS_ONE", "DEV_TWO", "USER_Q"]),
-    "late_system": ([{"role": "user", "content": "USER_Q"}, {"role": "assistant", "content": "ANS_A"},
-                     {"role": "system", "content": "SYS_LATE"}, {"role": "user", "content": "USER_R"}], None,
-                    ["USER_Q", "ANS_A", "SYS_LATE", "USER_R"]),
-    "two_user_turns": ([{"role": "user", "content": "USER_Q"}, {"role": "user", "content": "USER_R"}], None,
-                       ["USER_Q", "USER_R"]),
+    "system_and_developer": (
+        [
+            {"role": "system", "content": "SYS_ONE"},
+            {"role": "system", "content": "DEV_TWO"},
+            {"role": "user", "content": "USER_Q"},
+        ],
+        None,
+        ["SYS_ONE", "DEV_TWO", "USER_Q"],
+    ),
+    "late_system": (
+        [
+            {"role": "user", "content": "USER_Q"},
+            {"role": "assistant", "content": "ANS_A"},
+            {"role": "system", "content": "SYS_LATE"},
+            {"role": "user", "content": "USER_R"},
+        ],
+        None,
+        ["USER_Q", "ANS_A", "SYS_LATE", "USER_R"],
+    ),
+    "two_user_turns": (
+        [{"role": "user", "content": "USER_Q"}, {"role": "user", "content": "USER_R"}],
+        None,
+        ["USER_Q", "USER_R"],
+    ),
     "system_only": ([{"role": "system", "content": "SYS_ONLY"}], None, ["SYS_ONLY"]),
-    "tool_loop": ([{"role": "system", "content": "SYS_ONE"}, {"role": "user", "content": "USER_Q"},
-                   {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                   {"role": "tool", "tool_call_id": "call1abcd", "name": "get_weather", "content": "RESULT_SUNNY"}],
-                  [WEATHER], ["SYS_ONE", "USER_Q", "get_weather", "PARIS_ARG", "RESULT_SUNNY", "WEATHER_DESC"]),
+    "tool_loop": (
+        [
+            {"role": "system", "content": "SYS_ONE"},
+            {"role": "user", "content": "USER_Q"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call1abcd", "name": "get_weather", "content": "RESULT_SUNNY"},
+        ],
+        [WEATHER],
+        ["SYS_ONE", "USER_Q", "get_weather", "PARIS_ARG", "RESULT_SUNNY", "WEATHER_DESC"],
+    ),
     "tools_first_turn": ([{"role": "user", "content": "USER_Q"}], [WEATHER], ["USER_Q", "WEATHER_DESC"]),
 }
 # what a template itself drops even after adaptation
-TEMPLATE_LOSES = {("mistralai-Mistral-Nemo-Instruct-2407", "tool_loop"):
-                  "puts the system prompt only before the last user turn (here the last turn is a tool result)"}
+TEMPLATE_LOSES = {
+    (
+        "mistralai-Mistral-Nemo-Instruct-2407",
+        "tool_loop",
+    ): "puts the system prompt only before the last user turn (here the last turn is a tool result)"
+}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -153,7 +208,7 @@ def test_adapted_conversations_render_on_every_real_template(render_pair, name):
 NAMED_ORACLES = {
     # name -> (the family's real template, conversations where the two must agree)
     "chatml": ("Qwen-Qwen2.5-7B-Instruct", ["system_multi"]),  # Qwen2.5 with a system prompt, no tools
-    "gemma": ("google-gemma-2-2b-it", ["single", "thinking"]),   # Gemma 2 (it refuses a system prompt)
+    "gemma": ("google-gemma-2-2b-it", ["single", "thinking"]),  # Gemma 2 (it refuses a system prompt)
 }
 
 
@@ -169,8 +224,9 @@ def test_named_templates_render_as_their_family(render_pair, bos_dir, name):
         for conv_name in convs:
             for agp in (True, False):
                 conv = CONVERSATIONS[conv_name]
-                assert s.apply_chat_template(conv, add_generation_prompt=agp) == \
-                    tok.apply_chat_template(conv, add_generation_prompt=agp, tokenize=False), (name, conv_name)
+                assert s.apply_chat_template(conv, add_generation_prompt=agp) == tok.apply_chat_template(
+                    conv, add_generation_prompt=agp, tokenize=False
+                ), (name, conv_name)
 
 
 def test_gemma_named_template_puts_the_system_prompt_in_the_first_turn(bos_dir):

@@ -3,6 +3,7 @@
 values, the tower's projected embeddings, the prompt's image-token expansion and 32 greedy tokens
 with one and with two images; bad media refused naming the part; a model without a vision tower
 refuses images."""
+
 from __future__ import annotations
 
 import io
@@ -45,8 +46,14 @@ def images(tmp_path_factory) -> dict[str, Path]:
     a = np.stack([(xx * 2.8) % 256, (yy * 3.6) % 256, rng.integers(0, 256, (70, 90))], -1).astype(np.uint8)
     b = rng.integers(0, 256, (230, 170, 3), dtype=np.uint8)
     rgba = np.concatenate([a, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], -1)
-    out = {"a": d / "a.png", "b": d / "b.png", "jpg": d / "c.jpg", "rgba": d / "d.png", "wide": d / "e.png",
-           "tallish": d / "f.png"}
+    out = {
+        "a": d / "a.png",
+        "b": d / "b.png",
+        "jpg": d / "c.jpg",
+        "rgba": d / "d.png",
+        "wide": d / "e.png",
+        "tallish": d / "f.png",
+    }
     Image.fromarray(a).save(out["a"])
     Image.fromarray(b).save(out["b"])
     # Pillow 13's pass order: b (230x170, height shrinking 118 > 2 x 58) vertical first; these two
@@ -71,16 +78,24 @@ def oracle_one(model_dir, images):
 
 @pytest.fixture(scope="module")
 def oracle_two(model_dir, images):
-    return run_vlm({"model": str(model_dir), "prompt": TWO, "images": [str(images["b"]), str(images["a"])],
-                    "max_tokens": N_TOKENS, "prefill_step_size": 16})
+    return run_vlm(
+        {
+            "model": str(model_dir),
+            "prompt": TWO,
+            "images": [str(images["b"]), str(images["a"])],
+            "max_tokens": N_TOKENS,
+            "prefill_step_size": 16,
+        }
+    )
 
 
 @pytest.mark.parametrize("name", ["a", "b", "rgba", "wide", "tallish"])
 def test_pixel_values_match_the_processor(session, model_dir, images, name):
     """PNG (lossless): Pillow's resampling reproduced bit for bit, so the pixel values are equal
     up to float32 rounding (the tolerance asked: 1e-5)."""
-    ref = run_vlm({"model": str(model_dir), "prompt": "<start_of_image>", "images": [str(images[name])],
-                   "max_tokens": 1})
+    ref = run_vlm(
+        {"model": str(model_dir), "prompt": "<start_of_image>", "images": [str(images[name])], "max_tokens": 1}
+    )
     ours = np.array(session.pixel_values(images[name]), dtype=np.float32)
     theirs = np.array(ref["pixel_values"][0], dtype=np.float32)
     assert ours.shape == theirs.shape == (3 * 112 * 112,)
@@ -92,8 +107,9 @@ def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
     the chroma upsampling differently (a few levels of 255 on this noise image, the worst case for a
     JPEG decoder; each level is 2/255 ≈ 0.0078 after normalisation). Measured: at most 5 levels,
     under half a level on average; the bounds below leave a little room."""
-    ref = run_vlm({"model": str(model_dir), "prompt": "<start_of_image>", "images": [str(images["jpg"])],
-                   "max_tokens": 1})
+    ref = run_vlm(
+        {"model": str(model_dir), "prompt": "<start_of_image>", "images": [str(images["jpg"])], "max_tokens": 1}
+    )
     ours = np.array(session.pixel_values(images["jpg"]), dtype=np.float32)
     theirs = np.array(ref["pixel_values"][0], dtype=np.float32)
     diff = np.abs(ours - theirs)
@@ -137,13 +153,14 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
     # prefill in chunks of 16 tokens: the image-token runs straddle chunk boundaries
     with mlxrs.Session(model_dir, prefill_step_size=16) as s:
         assert _ids(s, TWO, 2) == oracle_two["input_ids"]
-        out = s.generate(TWO, images=[images["b"], images["a"]], max_tokens=N_TOKENS, ignore_eos=True,
-                         temperature=0.0)
+        out = s.generate(TWO, images=[images["b"], images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         # twice: the second must not reuse the first's cached prefix (its image tokens are the same ids)
-        swapped = s.generate(TWO, images=[images["a"], images["b"]], max_tokens=N_TOKENS, ignore_eos=True,
-                             temperature=0.0)
-        again = s.generate(TWO, images=[images["b"], images["a"]], max_tokens=N_TOKENS, ignore_eos=True,
-                           temperature=0.0)
+        swapped = s.generate(
+            TWO, images=[images["a"], images["b"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
+        )
+        again = s.generate(
+            TWO, images=[images["b"], images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
+        )
         assert s.info["prompt_cache"]["hits"] == 0
         ids = _ids(s, TWO, 2)
         ours = _logits(s, ids, [images["b"], images["a"]])
@@ -164,8 +181,12 @@ def test_chat_content_parts_and_images_first(session, images):
     import base64
 
     url = "data:image/png;base64," + base64.b64encode(data).decode()
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
     out = session.chat(msgs, max_tokens=8, temperature=0.0)
     text = session.apply_chat_template([{"role": "user", "content": "What is this?\n<start_of_image>"}])
     ids = session.tokenize(session._s.expand_image_markers(text, 1))
@@ -198,10 +219,10 @@ def huge_png_header() -> bytes:
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
     ihdr = struct.pack(">IIBBBBB", 50_000, 50_000, 8, 2, 0, 0, 0)
     # a few bytes of pixel data: decoding all of it would take 7.5 GB
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(64)))
-            + chunk(b"IEND", b""))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(64))) + chunk(b"IEND", b"")
 
 
 BAD_MEDIA = {
@@ -234,8 +255,10 @@ def test_a_text_model_refuses_images():
 
 
 def test_audio_and_video_parts_are_refused(session):
-    for part, kind in [({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "audio"),
-                       ({"type": "video_url", "video_url": {"url": "x"}}, "video")]:
+    for part, kind in [
+        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "audio"),
+        ({"type": "video_url", "video_url": {"url": "x"}}, "video"),
+    ]:
         with pytest.raises(mlxrs.errors.InvalidArgumentError, match=rf"messages\[0\].content\[0\]: {kind} input"):
             session.chat([{"role": "user", "content": [part]}], max_tokens=2)
 
@@ -243,25 +266,33 @@ def test_audio_and_video_parts_are_refused(session):
 def test_batch_and_async_take_images_and_encode_prompt_refuses_them(session, images):
     import asyncio
 
-    msgs = [{"role": "user", "content": [{"type": "image", "image": images["a"].read_bytes()},
-                                         {"type": "text", "text": "and?"}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": images["a"].read_bytes()}, {"type": "text", "text": "and?"}],
+        }
+    ]
     one = session.chat(msgs, max_tokens=6, temperature=0.0)
     batch = session.generate_batch([msgs, "plain text"], max_tokens=6, temperature=0.0)
     assert batch[0].tokens == one.tokens and batch[0].usage.prompt_tokens == one.usage.prompt_tokens
 
     async def run() -> list[int]:
         return [c.token async for c in session.astream(msgs, max_tokens=6, temperature=0.0) if c.token is not None]
+
     assert asyncio.run(run()) == one.tokens
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"messages\[0\].content\[0\]"):
         session.encode_prompt(msgs)
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("mm_tokens_per_image", 15, "image_seq_length 16 differs from config.json's mm_tokens_per_image 15"),
-    ("vision_config.patch_size", 15, "image_size 112 is not a multiple of patch_size 15"),
-    ("vision_config.hidden_size", 96, "vision_tower.vision_model.embeddings.patch_embedding.weight"),
-    ("image_token_index", 7, "image_token_index is 7"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("mm_tokens_per_image", 15, "image_seq_length 16 differs from config.json's mm_tokens_per_image 15"),
+        ("vision_config.patch_size", 15, "image_size 112 is not a multiple of patch_size 15"),
+        ("vision_config.hidden_size", 96, "vision_tower.vision_model.embeddings.patch_embedding.weight"),
+        ("image_token_index", 7, "image_token_index is 7"),
+    ],
+)
 def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
     import shutil
 

@@ -5,6 +5,7 @@ aspect-ratio-preserving pixel values (each image at its own size), the tower's p
 embeddings, the prompt's expansion (a count of image tokens per image), the last-position logits
 and 32 greedy tokens with one and with two images of different sizes; bad media and configs refused
 naming the part or the field."""
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,9 @@ def images(tmp_path_factory) -> dict[str, Path]:
     Image.fromarray(rng.integers(0, 256, (230, 170, 3), dtype=np.uint8)).save(out["tall"])
     Image.fromarray(rng.integers(0, 256, (40, 200, 3), dtype=np.uint8)).save(out["wide"])
     Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(out["square"])
-    Image.fromarray(np.concatenate([a, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], -1), "RGBA").save(out["rgba"])
+    Image.fromarray(np.concatenate([a, rng.integers(0, 256, (70, 90, 1), dtype=np.uint8)], -1), "RGBA").save(
+        out["rgba"]
+    )
     Image.fromarray(rng.integers(0, 256, (70, 90, 3), dtype=np.uint8)).save(out["other"])
     # so thin that the budget's height rounds to 0 blocks: one block high, capped in width
     Image.fromarray(rng.integers(0, 256, (6, 300, 3), dtype=np.uint8)).save(out["strip"])
@@ -72,8 +75,15 @@ def oracle_one(model_dir, images):
 
 @pytest.fixture(scope="module")
 def oracle_two(model_dir, images):
-    return run_vlm({"model": str(model_dir), "prompt": TWO, "images": [str(images["tall"]), str(images["wide"])],
-                    "max_tokens": N_TOKENS, "prefill_step_size": 16})
+    return run_vlm(
+        {
+            "model": str(model_dir),
+            "prompt": TWO,
+            "images": [str(images["tall"]), str(images["wide"])],
+            "max_tokens": N_TOKENS,
+            "prefill_step_size": 16,
+        }
+    )
 
 
 def _ids(session, prompt: str, imgs: list[Path]) -> list[int]:
@@ -110,7 +120,9 @@ def test_image_token_counts_match_the_processor_over_sizes(session):
     degenerate thin cases included) is mlx-vlm's processor's, over a sweep of sizes."""
     from mlx_vlm.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
 
-    sizes = [(h, w) for h in (1, 3, 7, 16, 17, 31, 64, 65, 100, 333, 1000, 4000) for w in (1, 5, 16, 63, 64, 90, 257, 2048)]
+    sizes = [
+        (h, w) for h in (1, 3, 7, 16, 17, 31, 64, 65, 100, 333, 1000, 4000) for w in (1, 5, 16, 63, 64, 90, 257, 2048)
+    ]
     ours = [session._s.expand_image_markers("<|image|>", 1, [hw]).count("<|image|>") for hw in sizes]
     theirs = []
     for h, w in sizes:
@@ -120,8 +132,7 @@ def test_image_token_counts_match_the_processor_over_sizes(session):
 
 
 def test_exif_orientation_counts_in_the_size(session, model_dir, images):
-    ref = run_vlm({"model": str(model_dir), "prompt": "<|image|>", "images": [str(images["rotated"])],
-                   "max_tokens": 1})
+    ref = run_vlm({"model": str(model_dir), "prompt": "<|image|>", "images": [str(images["rotated"])], "max_tokens": 1})
     assert session._s.image_sizes([(images["rotated"].read_bytes(), "r")]) == [(110, 40)]
     assert _ids(session, "<|image|>", [images["rotated"]]) == ref["input_ids"]
     assert len(session.pixel_values(images["rotated"])) == int(np.prod(ref["pixel_shapes"][0]))
@@ -170,14 +181,17 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
     with mlxrs.Session(model_dir, prefill_step_size=16) as s:
         ids = _ids(s, TWO, [images["tall"], images["wide"]])
         assert ids == oracle_two["input_ids"]
-        out = s.generate(TWO, images=[images["tall"], images["wide"]], max_tokens=N_TOKENS, ignore_eos=True,
-                         temperature=0.0)
-        again = s.generate(TWO, images=[images["tall"], images["wide"]], max_tokens=N_TOKENS, ignore_eos=True,
-                           temperature=0.0)
+        out = s.generate(
+            TWO, images=[images["tall"], images["wide"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
+        )
+        again = s.generate(
+            TWO, images=[images["tall"], images["wide"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
+        )
         ours = _logits(s, ids, [images["tall"], images["wide"]])
         # swapped images: other sizes, so other prompt ids
-        swapped = s.generate(TWO, images=[images["wide"], images["tall"]], max_tokens=4, ignore_eos=True,
-                             temperature=0.0)
+        swapped = s.generate(
+            TWO, images=[images["wide"], images["tall"]], max_tokens=4, ignore_eos=True, temperature=0.0
+        )
     assert out.tokens == oracle_two["tokens"]
     assert again.tokens == out.tokens
     ref = np.array(oracle_two["logits"], dtype=np.float32)
@@ -192,13 +206,20 @@ def test_chat_content_parts(session, images):
 
     data = images["tall"].read_bytes()
     url = "data:image/png;base64," + base64.b64encode(data).decode()
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
     out = session.chat(msgs, max_tokens=8, temperature=0.0)
     text = session.apply_chat_template([{"role": "user", "content": "What is this?\n<|image|>"}])
     ids = session.tokenize(session._s.expand_image_markers(text, 1, session._s.image_sizes([(data, "x")])))
     # as many image tokens as the tower makes features of the image
-    assert ids.count(session.vision["image_token_id"]) == len(session.image_features([data])) // session.info["hidden_size"]
+    assert (
+        ids.count(session.vision["image_token_id"])
+        == len(session.image_features([data])) // session.info["hidden_size"]
+    )
     ref = session.generate(ids, images=[data], max_tokens=8, temperature=0.0)
     assert out.tokens == ref.tokens and out.usage.prompt_tokens == len(ids)
     first = session.generate("hello", images=[data], max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -234,14 +255,17 @@ def _copy(model_dir: Path, tmp_path: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("vision_config.head_dim", 18, "vision_config.head_dim 18 is not a multiple of 4"),
-    ("vision_config.patch_size", 16, "patch_size 8 differs from config.json's vision_config.patch_size 16"),
-    ("vision_config.position_embedding_size", 16, "allows images 32 patches wide"),
-    ("vision_config.hidden_size", 96, "model.vision_tower.patch_embedder.input_proj.weight"),
-    ("vision_config.model_type", "siglip_vision_model", "not a Gemma 4 vision tower"),
-    ("image_token_id", 7, "image_token_id is 7"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("vision_config.head_dim", 18, "vision_config.head_dim 18 is not a multiple of 4"),
+        ("vision_config.patch_size", 16, "patch_size 8 differs from config.json's vision_config.patch_size 16"),
+        ("vision_config.position_embedding_size", 16, "allows images 32 patches wide"),
+        ("vision_config.hidden_size", 96, "model.vision_tower.patch_embedder.input_proj.weight"),
+        ("vision_config.model_type", "siglip_vision_model", "not a Gemma 4 vision tower"),
+        ("image_token_id", 7, "image_token_id is 7"),
+    ],
+)
 def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
     d = _copy(model_dir, tmp_path)
     cfg = json.loads((d / "config.json").read_text())
@@ -271,16 +295,24 @@ def test_bidirectional_vision_attention_is_refused_for_images(model_dir, tmp_pat
 def test_batch_and_async_take_images(session, images):
     import asyncio
 
-    msgs = [{"role": "user", "content": [{"type": "image", "image": images["wide"].read_bytes()},
-                                         {"type": "text", "text": "and?"}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": images["wide"].read_bytes()}, {"type": "text", "text": "and?"}],
+        }
+    ]
     one = session.chat(msgs, max_tokens=6, temperature=0.0, ignore_eos=True)
     batch = session.generate_batch([msgs, "plain text", msgs], max_tokens=6, temperature=0.0, ignore_eos=True)
     assert batch[0].tokens == batch[2].tokens == one.tokens
     assert batch[0].usage.prompt_tokens == one.usage.prompt_tokens
 
     async def run() -> list[int]:
-        return [c.token async for c in session.astream(msgs, max_tokens=6, temperature=0.0, ignore_eos=True)
-                if c.token is not None]
+        return [
+            c.token
+            async for c in session.astream(msgs, max_tokens=6, temperature=0.0, ignore_eos=True)
+            if c.token is not None
+        ]
+
     assert asyncio.run(run()) == one.tokens
 
 
@@ -290,13 +322,20 @@ def test_bfloat16_two_images(images):
     tolerance (2e-2), 32 identical greedy tokens, prefill in chunks of 16."""
     d = make_gemma4_vision("gemma4-vision-bf16", dtype="bfloat16")
     imgs = [images["tall"], images["a"]]
-    ref = run_vlm({"model": str(d), "prompt": TWO, "images": [str(p) for p in imgs], "max_tokens": N_TOKENS,
-                   "prefill_step_size": 16})
+    ref = run_vlm(
+        {
+            "model": str(d),
+            "prompt": TWO,
+            "images": [str(p) for p in imgs],
+            "max_tokens": N_TOKENS,
+            "prefill_step_size": 16,
+        }
+    )
     with mlxrs.Session(d, prefill_step_size=16) as s:
         feats = np.array(s.image_features(imgs), dtype=np.float32)
         theirs = np.array(ref["features"], dtype=np.float32)
         assert feats.shape == theirs.shape
-        assert float(np.max(np.abs(feats - theirs))) <= 2 ** -7 * float(np.max(np.abs(theirs)))
+        assert float(np.max(np.abs(feats - theirs))) <= 2**-7 * float(np.max(np.abs(theirs)))
         ids = _ids(s, TWO, imgs)
         assert ids == ref["input_ids"]
         logits = _logits(s, ids, imgs)
@@ -327,7 +366,9 @@ def test_mlx_vlm_4bit_checkpoint(images):
 def test_audio_and_video_parts_are_refused(session):
     """This model has no audio tower (tests/test_audio_gemma4.py has one): audio (and video) parts
     are refused naming the part, as for every model without the tower."""
-    for part, kind in [({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "audio"),
-                       ({"type": "video_url", "video_url": {"url": "x"}}, "video")]:
+    for part, kind in [
+        ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "audio"),
+        ({"type": "video_url", "video_url": {"url": "x"}}, "video"),
+    ]:
         with pytest.raises(mlxrs.errors.InvalidArgumentError, match=rf"messages\[0\].content\[0\]: {kind} input"):
             session.chat([{"role": "user", "content": [part]}], max_tokens=2)

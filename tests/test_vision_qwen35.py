@@ -5,6 +5,7 @@ DeltaNet layers and interleaved M-RoPE): the processor's pixel values (smart res
 rescale and normalize; the patches in the tower's order), the tower's merged features, the prompt's
 expansion, the M-RoPE positions (logits, and 32 greedy tokens whose positions run behind their
 indices) with one and with two images; bad configs refused naming the field."""
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,15 @@ def oracle_one(model_dir, images):
 
 @pytest.fixture(scope="module")
 def oracle_two(model_dir, images):
-    return run_vlm({"model": str(model_dir), "prompt": TWO, "images": [str(images["tall"]), str(images["large"])],
-                    "max_tokens": N_TOKENS, "prefill_step_size": 16})
+    return run_vlm(
+        {
+            "model": str(model_dir),
+            "prompt": TWO,
+            "images": [str(images["tall"]), str(images["large"])],
+            "max_tokens": N_TOKENS,
+            "prefill_step_size": 16,
+        }
+    )
 
 
 def _ids(session, prompt: str, imgs: list[Path]) -> list[int]:
@@ -97,7 +105,7 @@ def test_pixel_values_match_the_processor(session, model_dir, images, name):
     Pillow's bicubic resampling, the float32 rescale and normalization reproduced: the patches in
     the processor's order within 1e-5."""
     ref = run_vlm({"model": str(model_dir), "prompt": IMG, "images": [str(images[name])], "max_tokens": 1})
-    (_, gh, gw), = ref["grid_thw"]
+    ((_, gh, gw),) = ref["grid_thw"]
     ours = np.array(session.pixel_values(images[name]), dtype=np.float32)
     assert ours.size == 3 * gh * 8 * gw * 8
     theirs = np.array(ref["patches"], dtype=np.float32)
@@ -127,7 +135,7 @@ def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
     2/255; bicubic resampling amplifies the differences. Measured on this noise image (the worst
     case): at most 16 levels, 0.4 of a level on average; the bounds leave a little room."""
     ref = run_vlm({"model": str(model_dir), "prompt": IMG, "images": [str(images["jpg"])], "max_tokens": 1})
-    (_, gh, gw), = ref["grid_thw"]
+    ((_, gh, gw),) = ref["grid_thw"]
     ours = _patches(np.array(session.pixel_values(images["jpg"]), dtype=np.float32), gh * 8, gw * 8)
     diff = np.abs(ours - np.array(ref["patches"], dtype=np.float32))
     assert float(diff.max()) <= 2 * 18 / 255 + 1e-6, float(diff.max())
@@ -163,10 +171,12 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
     with mlxrs.Session(model_dir, prefill_step_size=16) as s:
         ids = _ids(s, TWO, [images["tall"], images["large"]])
         assert ids == oracle_two["input_ids"]
-        out = s.generate(TWO, images=[images["tall"], images["large"]], max_tokens=N_TOKENS, ignore_eos=True,
-                         temperature=0.0)
-        again = s.generate(TWO, images=[images["tall"], images["large"]], max_tokens=N_TOKENS, ignore_eos=True,
-                           temperature=0.0)
+        out = s.generate(
+            TWO, images=[images["tall"], images["large"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
+        )
+        again = s.generate(
+            TWO, images=[images["tall"], images["large"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
+        )
         ours = _logits(s, ids, [images["tall"], images["large"]])
         text = s.generate("plain text after images", max_tokens=8, ignore_eos=True, temperature=0.0)
     assert out.tokens == oracle_two["tokens"]
@@ -175,8 +185,10 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
     assert float(np.max(np.abs(ours - ref))) <= 1e-4
     # a text-only request after them: the ordinary rotary positions again (mlx-lm's tokens)
     with mlxrs.Session(model_dir) as fresh:
-        assert fresh.generate("plain text after images", max_tokens=8, ignore_eos=True, temperature=0.0).tokens \
+        assert (
+            fresh.generate("plain text after images", max_tokens=8, ignore_eos=True, temperature=0.0).tokens
             == text.tokens
+        )
 
 
 def test_chat_content_parts_and_batch(session, images):
@@ -186,8 +198,12 @@ def test_chat_content_parts_and_batch(session, images):
 
     data = images["tall"].read_bytes()
     url = "data:image/png;base64," + base64.b64encode(data).decode()
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
     out = session.chat(msgs, max_tokens=8, temperature=0.0, ignore_eos=True)
     text = session.apply_chat_template([{"role": "user", "content": f"What is this?\n{IMG}"}])
     ids = session.tokenize(session._s.expand_image_markers(text, 1, session._s.image_sizes([(data, "x")])))
@@ -219,17 +235,24 @@ def _copy(model_dir: Path, tmp_path: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("vision_config.patch_size", 16, "patch_size 8 differs from config.json's vision_config (16)"),
-    ("vision_config.num_heads", 3, "vision_config.hidden_size 64 over num_heads 3"),
-    ("vision_config.out_hidden_size", 128, "vision_config.out_hidden_size 128 differs from the text model's hidden_size 256"),
-    ("vision_config.num_position_embeddings", 60, "vision_config.num_position_embeddings 60 is not a square"),
-    ("vision_config.deepstack_visual_indexes", [1], "deepstack_visual_indexes"),
-    ("vision_config.hidden_size", 96, "model.visual.patch_embed.proj.weight"),
-    ("vision_config.depth", "two", "vision_config.depth = \"two\" is not an integer"),
-    ("image_token_id", 7, "config.json: image_token_id = 7 but the tokenizer's image <|image_pad|>"),
-    ("text_config.rope_parameters.mrope_section", [2, 3], "rope_parameters.mrope_section"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("vision_config.patch_size", 16, "patch_size 8 differs from config.json's vision_config (16)"),
+        ("vision_config.num_heads", 3, "vision_config.hidden_size 64 over num_heads 3"),
+        (
+            "vision_config.out_hidden_size",
+            128,
+            "vision_config.out_hidden_size 128 differs from the text model's hidden_size 256",
+        ),
+        ("vision_config.num_position_embeddings", 60, "vision_config.num_position_embeddings 60 is not a square"),
+        ("vision_config.deepstack_visual_indexes", [1], "deepstack_visual_indexes"),
+        ("vision_config.hidden_size", 96, "model.visual.patch_embed.proj.weight"),
+        ("vision_config.depth", "two", 'vision_config.depth = "two" is not an integer'),
+        ("image_token_id", 7, "config.json: image_token_id = 7 but the tokenizer's image <|image_pad|>"),
+        ("text_config.rope_parameters.mrope_section", [2, 3], "rope_parameters.mrope_section"),
+    ],
+)
 def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
     d = _copy(model_dir, tmp_path)
     cfg = json.loads((d / "config.json").read_text())
@@ -264,8 +287,10 @@ def test_a_text_only_conversion_takes_no_images(model_dir, tmp_path, images):
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
     with mlxrs.Session(d) as s, mlxrs.Session(model_dir) as full:
         assert s.vision is None
-        assert s.generate("hello", max_tokens=6, ignore_eos=True, temperature=0.0).tokens == \
-            full.generate("hello", max_tokens=6, ignore_eos=True, temperature=0.0).tokens
+        assert (
+            s.generate("hello", max_tokens=6, ignore_eos=True, temperature=0.0).tokens
+            == full.generate("hello", max_tokens=6, ignore_eos=True, temperature=0.0).tokens
+        )
         with pytest.raises(mlxrs.errors.InvalidArgumentError, match="has no vision tower"):
             s.generate("look", images=[images["a"]], max_tokens=2)
 
@@ -297,9 +322,17 @@ def test_video_frames_match_mlx_vlm(model_dir, frames):
     vision block per group), the logits and 32 greedy tokens (each group's M-RoPE grid), prefill in
     chunks of 16."""
     prompt = f"<|im_start|>user\nWhat happens in {VID}?<|im_end|>\n<|im_start|>assistant\n"
-    ref = run_vlm({"model": str(model_dir), "prompt": prompt, "images": [], "video": [str(f) for f in frames],
-                   "max_tokens": N_TOKENS, "prefill_step_size": 16})
-    (gt, gh, gw), = ref["grid_thw"]
+    ref = run_vlm(
+        {
+            "model": str(model_dir),
+            "prompt": prompt,
+            "images": [],
+            "video": [str(f) for f in frames],
+            "max_tokens": N_TOKENS,
+            "prefill_step_size": 16,
+        }
+    )
+    ((gt, gh, gw),) = ref["grid_thw"]
     assert (gt, gh, gw) == (3, 8, 12)
     with mlxrs.Session(model_dir, prefill_step_size=16) as s:
         px, n, h, w = s.video_pixel_values(frames)
@@ -333,7 +366,9 @@ def test_video_is_refused_where_it_cannot_go(session, frames, images, tmp_path):
         session.generate("x", video=str(frames[0]), max_tokens=2)
     odd = tmp_path / "odd.png"
     Image.fromarray(np.zeros((40, 40, 3), dtype=np.uint8)).save(odd)
-    with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"video\[2\]: a 40x40 frame in a video of 90x60 frames"):
+    with pytest.raises(
+        mlxrs.errors.InvalidArgumentError, match=r"video\[2\]: a 40x40 frame in a video of 90x60 frames"
+    ):
         session.generate("x", video=[frames[0], frames[1], odd], max_tokens=2)
     small = tmp_path / "small.png"
     Image.fromarray(np.zeros((8, 40, 3), dtype=np.uint8)).save(small)
@@ -371,13 +406,20 @@ def test_bfloat16_two_images(images):
     and 0.039 on the logits; the bounds, 2^-6 relative and 5e-2, leave a little room."""
     d = make_qwen3_5_vision("qwen3_5-vision-bf16", dtype="bfloat16")
     imgs = [images["tall"], images["a"]]
-    ref = run_vlm({"model": str(d), "prompt": TWO, "images": [str(p) for p in imgs], "max_tokens": N_TOKENS,
-                   "prefill_step_size": 16})
+    ref = run_vlm(
+        {
+            "model": str(d),
+            "prompt": TWO,
+            "images": [str(p) for p in imgs],
+            "max_tokens": N_TOKENS,
+            "prefill_step_size": 16,
+        }
+    )
     with mlxrs.Session(d, prefill_step_size=16) as s:
         feats = np.array(s.image_features(imgs), dtype=np.float32)
         theirs = np.array(ref["features"], dtype=np.float32)
         assert feats.shape == theirs.shape
-        assert float(np.max(np.abs(feats - theirs))) <= 2 ** -6 * float(np.max(np.abs(theirs)))
+        assert float(np.max(np.abs(feats - theirs))) <= 2**-6 * float(np.max(np.abs(theirs)))
         ids = _ids(s, TWO, imgs)
         assert ids == ref["input_ids"]
         logits = _logits(s, ids, imgs)

@@ -15,6 +15,7 @@ directory outside the checkout with nothing of the source tree on the path.
 MLXRS_WHEEL=/path/to/mlxrs-*.whl tests that wheel instead of building one (the wheels workflow);
 MLXRS_TEST_WHEEL=0 skips this module (a quicker local run).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,15 +42,19 @@ MLX_VERSION = "0.32.4"
 
 _LOG: list[str] = []  # timings, printed by the first test that runs the installed wheel
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(os.environ.get("MLXRS_TEST_WHEEL") == "0", reason="MLXRS_TEST_WHEEL=0")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("MLXRS_TEST_WHEEL") == "0", reason="MLXRS_TEST_WHEEL=0"),
+]
 
 
 def _run(cmd: Sequence[object], what: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kw)
     if p.returncode != 0:
-        raise AssertionError(f"{what} failed (exit {p.returncode}): {' '.join(map(str, cmd))}\n"
-                             f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}")
+        raise AssertionError(
+            f"{what} failed (exit {p.returncode}): {' '.join(map(str, cmd))}\n"
+            f"--- stdout\n{p.stdout[-6000:]}\n--- stderr\n{p.stderr[-6000:]}"
+        )
     return p
 
 
@@ -85,14 +90,31 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("wheel")
     log = []
     t0 = time.monotonic()
-    _run([_tool("maturin"), "build", "--release", "--interpreter", sys.executable, "--auditwheel", "skip",
-          "--out", out / "raw"], "maturin build", cwd=ROOT)
+    _run(
+        [
+            _tool("maturin"),
+            "build",
+            "--release",
+            "--interpreter",
+            sys.executable,
+            "--auditwheel",
+            "skip",
+            "--out",
+            out / "raw",
+        ],
+        "maturin build",
+        cwd=ROOT,
+    )
     wheel = _only((out / "raw").glob("*.whl"))
     log.append(f"maturin build --release: {time.monotonic() - t0:.0f}s -> {wheel.name}")
     if LINUX:
         t0 = time.monotonic()
-        _run([_tool("auditwheel"), "repair", "--exclude", "libmlx.so", "--wheel-dir", out, wheel],
-             "auditwheel repair", cwd=ROOT, env=_dev_env())  # it runs patchelf from PATH
+        _run(
+            [_tool("auditwheel"), "repair", "--exclude", "libmlx.so", "--wheel-dir", out, wheel],
+            "auditwheel repair",
+            cwd=ROOT,
+            env=_dev_env(),
+        )  # it runs patchelf from PATH
         wheel = _only(out.glob("*.whl"))
         log.append(f"auditwheel repair --exclude libmlx.so: {time.monotonic() - t0:.0f}s -> {wheel.name}")
     return {"wheel": wheel, "log": log}
@@ -109,8 +131,21 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     _run([sys.executable, "-m", "venv", d], "python -m venv")
     extras = "[cpu,server]" if LINUX else "[server]"
     t0 = time.monotonic()
-    _run([d / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "-q",
-          f"{wheel}{extras}"], "pip install of the wheel", cwd=d, env=_clean_env(d))
+    _run(
+        [
+            d / "bin" / "python",
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-input",
+            "-q",
+            f"{wheel}{extras}",
+        ],
+        "pip install of the wheel",
+        cwd=d,
+        env=_clean_env(d),
+    )
     _LOG.append(f"[wheel] pip install '{wheel.name}{extras}' into a fresh venv: {time.monotonic() - t0:.0f}s")
     return d
 
@@ -125,8 +160,16 @@ def model() -> Path:
 def _clean_env(venv: Path, home: Path | None = None) -> dict[str, str]:
     """The environment of a user who only pip-installed the wheel: no MLXRS_* overrides, no
     development venv, no PYTHONPATH, and an empty mlxrs home (no native packs)."""
-    drop = {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "LD_PRELOAD",
-            "DYLD_LIBRARY_PATH", "DYLD_INSERT_LIBRARIES"}
+    drop = {
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONSTARTUP",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+        "LD_PRELOAD",
+        "DYLD_LIBRARY_PATH",
+        "DYLD_INSERT_LIBRARIES",
+    }
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("MLXRS_")}
     dev_bin = str(Path(sys.executable).parent)
     path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != dev_bin and not p.startswith(str(ROOT))]
@@ -137,11 +180,13 @@ def _clean_env(venv: Path, home: Path | None = None) -> dict[str, str]:
     return env
 
 
-def _py(venv: Path, args: Sequence[object], what: str, cwd: Path, env: dict[str, str] | None = None,
-        timeout: float = 300) -> str:
+def _py(
+    venv: Path, args: Sequence[object], what: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> str:
     """Run the fresh venv's Python isolated (-I: no cwd, no PYTHON* variables, no user site)."""
-    return _run([venv / "bin" / "python", "-I", *args], what, cwd=cwd, env=env or _clean_env(venv),
-                timeout=timeout).stdout
+    return _run(
+        [venv / "bin" / "python", "-I", *args], what, cwd=cwd, env=env or _clean_env(venv), timeout=timeout
+    ).stdout
 
 
 def _site(venv: Path) -> Path:
@@ -164,8 +209,9 @@ def _elf_dynamic(path: Path) -> dict[str, list[str]]:
     return out
 
 
-def test_wheel_contents_and_metadata(built: dict[str, Any], wheel: Path, tmp_path: Path,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_wheel_contents_and_metadata(
+    built: dict[str, Any], wheel: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with zipfile.ZipFile(wheel) as z:
         infos = z.infolist()
         names = {i.filename for i in infos}
@@ -182,10 +228,21 @@ def test_wheel_contents_and_metadata(built: dict[str, Any], wheel: Path, tmp_pat
             print(f"[wheel]   {i.file_size:>10}  {i.compress_size:>10}  {i.filename}")
     ext = [n for n in names if re.fullmatch(r"mlxrs/_native\.abi3\.so", n)]
     assert ext, f"no abi3 extension module in {sorted(names)}"
-    for needed in (f"mlxrs/{LIBMLXC}", "mlxrs/_native.pyi", "mlxrs/py.typed", "mlxrs/__init__.py",
-                   "mlxrs/__main__.py", "mlxrs/cli.py", "mlxrs/chat.py", "mlxrs/server/app.py",
-                   "mlxrs/server/static/index.html", "mlxrs/server/static/chat.js", "mlxrs/server/static/chat.css",
-                   "mlxrs/templates/chatml.jinja", "mlxrs/templates/gemma.jinja"):
+    for needed in (
+        f"mlxrs/{LIBMLXC}",
+        "mlxrs/_native.pyi",
+        "mlxrs/py.typed",
+        "mlxrs/__init__.py",
+        "mlxrs/__main__.py",
+        "mlxrs/cli.py",
+        "mlxrs/chat.py",
+        "mlxrs/server/app.py",
+        "mlxrs/server/static/index.html",
+        "mlxrs/server/static/chat.js",
+        "mlxrs/server/static/chat.css",
+        "mlxrs/templates/chatml.jinja",
+        "mlxrs/templates/gemma.jinja",
+    ):
         assert needed in names, f"{needed} is not in the wheel"
     if LINUX:  # the gemv router for MLX's CPU backend (native/blas_gemv.c)
         assert "mlxrs/libmlxrs_blas.so" in names, sorted(names)
@@ -197,8 +254,9 @@ def test_wheel_contents_and_metadata(built: dict[str, Any], wheel: Path, tmp_pat
     tag_lines = [ln.split(": ", 1)[1] for ln in tags.splitlines() if ln.startswith("Tag: ")]
     assert tag_lines and all(t.startswith("cp310-abi3-") for t in tag_lines), tag_lines
     if LINUX:
-        assert all(re.fullmatch(r"cp310-abi3-manylinux_2_\d+_x86_64|cp310-abi3-manylinux_2_\d+_aarch64", t)
-                   for t in tag_lines), tag_lines
+        assert all(
+            re.fullmatch(r"cp310-abi3-manylinux_2_\d+_x86_64|cp310-abi3-manylinux_2_\d+_aarch64", t) for t in tag_lines
+        ), tag_lines
     # dependencies and extras
     from packaging.requirements import Requirement
 
@@ -209,8 +267,12 @@ def test_wheel_contents_and_metadata(built: dict[str, Any], wheel: Path, tmp_pat
         for r in reqs:
             env_extra = {"extra": extra or ""}
             in_extra = r.marker is not None and "extra" in str(r.marker)
-            if r.name == name and r.extras == mlx_extras and (in_extra == (extra is not None)) and (
-                    r.marker is None or r.marker.evaluate({**env_extra, "sys_platform": "linux"})):
+            if (
+                r.name == name
+                and r.extras == mlx_extras
+                and (in_extra == (extra is not None))
+                and (r.marker is None or r.marker.evaluate({**env_extra, "sys_platform": "linux"}))
+            ):
                 return r
         raise AssertionError(f"no requirement {name}{sorted(mlx_extras)} for extra {extra}: {[str(r) for r in reqs]}")
 
@@ -220,8 +282,11 @@ def test_wheel_contents_and_metadata(built: dict[str, Any], wheel: Path, tmp_pat
     assert find("aiohttp", "server")
     for r in reqs:  # the cpu/cuda extras are Linux-only (macOS gets mlx-metal through mlx)
         if r.extras & {"cpu", "cuda13"}:
-            assert r.marker is not None and not r.marker.evaluate({"extra": "cpu", "sys_platform": "darwin"}) \
-                and not r.marker.evaluate({"extra": "cuda", "sys_platform": "darwin"}), str(r)
+            assert (
+                r.marker is not None
+                and not r.marker.evaluate({"extra": "cpu", "sys_platform": "darwin"})
+                and not r.marker.evaluate({"extra": "cuda", "sys_platform": "darwin"})
+            ), str(r)
     # libmlxc finds libmlx through its run path in the pip layout (site-packages/mlx/lib)
     if LINUX:
         dyn = _elf_dynamic(tmp_path / "mlxrs" / LIBMLXC)
@@ -257,8 +322,12 @@ def _dispatch_only_strings() -> list[bytes]:
     dispatch = ROOT / "crates" / "mlxrs-py" / "src" / "dispatch.rs"
     src = dispatch.read_text().split("#[cfg(test)]\nmod tests")[0]
     others = "\n".join(p.read_text() for p in (ROOT / "crates").rglob("*.rs") if p != dispatch)
-    pieces = {piece for lit in re.findall(r'"((?:[^"\\]|\\.)*)"', src)
-              for piece in re.split(r"\{[^}]*\}", lit.replace('\\"', '"')) if len(piece) >= 16}
+    pieces = {
+        piece
+        for lit in re.findall(r'"((?:[^"\\]|\\.)*)"', src)
+        for piece in re.split(r"\{[^}]*\}", lit.replace('\\"', '"'))
+        if len(piece) >= 16
+    }
     return sorted(p.encode() for p in pieces if p not in others)
 
 
@@ -277,8 +346,12 @@ def test_wheel_has_no_test_dispatch(wheel: Path, venv: Path, tmp_path: Path) -> 
     if hasattr(_native, "_op"):  # the test build (absent where only a wheel was built: MLXRS_WHEEL)
         dev = Path(_native.__file__).read_bytes()
         assert len([m for m in marks if m in dev]) >= len(marks) // 2, [m for m in marks if m not in dev]
-    out = _py(venv, ["-c", "import json, mlxrs._native as n; print(json.dumps([hasattr(n, '_op'), '_op' in n.__all__]))"],
-              "mlxrs._native without _op", cwd=tmp_path)
+    out = _py(
+        venv,
+        ["-c", "import json, mlxrs._native as n; print(json.dumps([hasattr(n, '_op'), '_op' in n.__all__]))"],
+        "mlxrs._native without _op",
+        cwd=tmp_path,
+    )
     assert json.loads(out.strip().splitlines()[-1]) == [False, False], out
 
 
@@ -334,8 +407,13 @@ def test_installed_wheel_serves(venv: Path, model: Path, tmp_path: Path) -> None
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen([str(venv / "bin" / "python"), "-I", "-m", "mlxrs", "serve", str(model),
-                                 "--port", str(port)], cwd=tmp_path, env=_clean_env(venv), stdout=fh, stderr=fh)
+        proc = subprocess.Popen(
+            [str(venv / "bin" / "python"), "-I", "-m", "mlxrs", "serve", str(model), "--port", str(port)],
+            cwd=tmp_path,
+            env=_clean_env(venv),
+            stdout=fh,
+            stderr=fh,
+        )
     try:
         t0 = time.monotonic()
         while True:
@@ -347,15 +425,19 @@ def test_installed_wheel_serves(venv: Path, model: Path, tmp_path: Path) -> None
             except OSError:
                 pass
             time.sleep(0.2)
-        status, body = _http(f"{base}/v1/chat/completions", {
-            "model": model.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0})
+        status, body = _http(
+            f"{base}/v1/chat/completions",
+            {"model": model.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0},
+        )
         assert status == 200, body
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant", body
         assert isinstance(body["choices"][0]["message"]["content"], str), body
         assert 1 <= body["usage"]["completion_tokens"] <= 8, body
-        status, body = _http(f"{base}/v1/messages", {
-            "model": model.name, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
-            headers={"anthropic-version": "2023-06-01", "x-api-key": "unused"})
+        status, body = _http(
+            f"{base}/v1/messages",
+            {"model": model.name, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
+            headers={"anthropic-version": "2023-06-01", "x-api-key": "unused"},
+        )
         assert status == 200, body
         assert body["type"] == "message" and body["role"] == "assistant", body
         assert body["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence"), body
@@ -370,14 +452,19 @@ def test_installed_wheel_serves(venv: Path, model: Path, tmp_path: Path) -> None
                 proc.wait()
 
 
-def test_native_pack_serves_the_installed_wheel(venv: Path, model: Path, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_native_pack_serves_the_installed_wheel(
+    venv: Path, model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """native/pack.py's tarball, unpacked into MLXRS_HOME, is found by the resolver's native-pack
     rung when the wheel's sidecar is gone, and supplies libmlx (and its companions) itself."""
     if LINUX:
         _tool("patchelf")
-    _run([sys.executable, ROOT / "native" / "pack.py", "--out", tmp_path / "packs"], "native/pack.py", cwd=ROOT,
-         env=_dev_env())
+    _run(
+        [sys.executable, ROOT / "native" / "pack.py", "--out", tmp_path / "packs"],
+        "native/pack.py",
+        cwd=ROOT,
+        env=_dev_env(),
+    )
     tarball = _only((tmp_path / "packs").glob("mlxrs-native-v*.tar.gz"))
     import hashlib
 
@@ -402,8 +489,17 @@ def test_native_pack_serves_the_installed_wheel(venv: Path, model: Path, tmp_pat
     sidecar.rename(hidden)
     try:
         env = _clean_env(venv, home)
-        info = json.loads(_py(venv, ["-c", "import json, mlxrs; print(json.dumps(mlxrs.runtime_info()))"],
-                              "runtime_info from the native pack", cwd=tmp_path, env=env).strip().splitlines()[-1])
+        info = json.loads(
+            _py(
+                venv,
+                ["-c", "import json, mlxrs; print(json.dumps(mlxrs.runtime_info()))"],
+                "runtime_info from the native pack",
+                cwd=tmp_path,
+                env=env,
+            )
+            .strip()
+            .splitlines()[-1]
+        )
         assert info["source"] == "native-pack cache", info
         assert Path(info["libmlxc"]).parent == packdir and Path(info["libmlx"]).parent == packdir, info
         out = _py(venv, ["-c", SESSION, str(model)], "Session on the native pack", cwd=tmp_path, env=env)

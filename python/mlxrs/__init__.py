@@ -5,6 +5,7 @@
 >>> info["backend"] in ("cpu", "cuda", "metal")
 True
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ this thread waits on it without the GIL and posts each batch to the event loop t
 stream with a single `call_soon_threadsafe`. The server and `Session.astream` use it: no thread
 per stream, and a stream's consumer never blocks the loop.
 """
+
 from __future__ import annotations
 
 import asyncio

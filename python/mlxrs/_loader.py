@@ -1,4 +1,5 @@
 """Tell the Rust resolver where the pip `mlx` package keeps libmlx before anything loads."""
+
 from __future__ import annotations
 
 import importlib.util

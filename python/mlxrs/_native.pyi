@@ -311,16 +311,25 @@ class Session:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
     def apply_chat_template(
-        self, messages: str, tools: str | None = None, add_generation_prompt: bool = True, kwargs: str | None = None,
+        self,
+        messages: str,
+        tools: str | None = None,
+        add_generation_prompt: bool = True,
+        kwargs: str | None = None,
         template: str | None = None,
     ) -> str:
         """`messages`, `tools` and `kwargs` are JSON; `template`: a Jinja source used instead of the
         model's own."""
     def encode_rendered(self, text: str) -> list[int]: ...
-    def start(self, prompt: Sequence[int], params: str = "{}", hub: EventHub | None = None,
-              images: Sequence[tuple[bytes, str]] | None = None,
-              audio: Sequence[AudioClip] | None = None,
-              video: Sequence[tuple[bytes, str]] | None = None) -> TokenStream:
+    def start(
+        self,
+        prompt: Sequence[int],
+        params: str = "{}",
+        hub: EventHub | None = None,
+        images: Sequence[tuple[bytes, str]] | None = None,
+        audio: Sequence[AudioClip] | None = None,
+        video: Sequence[tuple[bytes, str]] | None = None,
+    ) -> TokenStream:
         """Queue a generation; `params` is a JSON object of sampling options (and
         `max_image_bytes`, `max_image_pixels`). With `hub`, its events go to the hub, tagged with
         the stream's `id`. `images`: (encoded bytes, the name errors give it) each, in the order
@@ -357,9 +366,13 @@ class Session:
         headers; each (bytes, the name errors give it); `params` the media limits as JSON."""
     def embed(self, prompt: Sequence[int]) -> list[float]:
         """Final normed hidden states of `prompt`, mean-pooled, L2-normalised."""
-    def logits(self, prompt: Sequence[int], images: Sequence[bytes] | None = None,
-               audio: Sequence[AudioClip] | None = None,
-               video: Sequence[bytes] | None = None) -> list[float]:
+    def logits(
+        self,
+        prompt: Sequence[int],
+        images: Sequence[bytes] | None = None,
+        audio: Sequence[AudioClip] | None = None,
+        video: Sequence[bytes] | None = None,
+    ) -> list[float]:
         """Last-position logits (float32) from a fresh cache; with `images` (`audio`), their
         embeddings at the prompt's image (audio) tokens; `video`: one video's frames, after the
         images."""
@@ -405,4 +418,3 @@ class EventHub:
 
     def __new__(cls) -> EventHub: ...
     def wait(self, timeout: float) -> list[tuple[int, dict[str, Any] | BaseException]]: ...
-

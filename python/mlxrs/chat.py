@@ -6,6 +6,7 @@ over http.client: no client SDK needed). Ctrl-C while an answer streams closes t
 which cancels the generation on the server; Ctrl-C at the prompt clears the line, Ctrl-D leaves.
 Over a pipe (stdin not a terminal) it reads stdin as one question and prints the answer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,9 @@ class Client:
         conn = self._connect(None)
         self.conn = conn
         try:
-            conn.request("POST", self.base + "/v1/chat/completions", body=json.dumps(body).encode(),
-                         headers=self._headers())
+            conn.request(
+                "POST", self.base + "/v1/chat/completions", body=json.dumps(body).encode(), headers=self._headers()
+            )
             r = conn.getresponse()
             if r.status != 200:
                 _decode(r.status, r.read())
@@ -118,18 +120,29 @@ def load_tools(path: str, flag: str = "--tools") -> list[dict[str, Any]]:
         raise ValueError(f"{flag} {path}: {e}") from None
     tools = data.get("tools") if isinstance(data, dict) else data
     if not isinstance(tools, list):
-        raise ValueError(f"{flag} {path}: expected a JSON array of tools (or an object with \"tools\")")
+        raise ValueError(f'{flag} {path}: expected a JSON array of tools (or an object with "tools")')
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(fn, dict)
-                and isinstance(fn.get("name"), str) and fn["name"]):
-            raise ValueError(f'{flag} {path}: tools[{i}]: expected {{"type": "function", "function": '
-                             f'{{"name": ..., "parameters": {{...}}}}}}')
+        if not (
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and fn["name"]
+        ):
+            raise ValueError(
+                f'{flag} {path}: tools[{i}]: expected {{"type": "function", "function": '
+                f'{{"name": ..., "parameters": {{...}}}}}}'
+            )
     return tools
 
 
-IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
-               (b"GIF89a", "image/gif"))
+IMAGE_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
 
 
 def image_data_url(path: str) -> str:
@@ -200,6 +213,7 @@ def _in_process_server(args: argparse.Namespace, api_key: str | None) -> tuple[s
         loop.call_soon_threadsafe(loop.stop)
         state.executor.shutdown(wait=False, cancel_futures=True)
         state.session.close()
+
     return f"http://127.0.0.1:{port}", stop
 
 
@@ -247,8 +261,12 @@ class Chat:
 
     def request(self) -> dict[str, Any]:
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
-        body: dict[str, Any] = {"model": self.model, "messages": msgs, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": msgs,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.args.temperature is not None:
             body["temperature"] = self.args.temperature
         if self.args.max_tokens is not None:
@@ -273,7 +291,7 @@ class Chat:
         for i in range(len(self.messages) - 1, -1, -1):
             m = self.messages[i]
             if m["role"] == "assistant":
-                done = {t.get("tool_call_id") for t in self.messages[i + 1:] if t["role"] == "tool"}
+                done = {t.get("tool_call_id") for t in self.messages[i + 1 :] if t["role"] == "tool"}
                 return [c for c in m.get("tool_calls") or [] if c.get("id") not in done]
             if m["role"] != "tool":
                 return []
@@ -327,8 +345,9 @@ class Chat:
             if kind == "reasoning" and not self.show_reasoning:
                 return
             if text:
-                out.write(self._c(MAGENTA, text) if kind == "call" else self._c(DIM, text) if kind == "reasoning"
-                          else text)
+                out.write(
+                    self._c(MAGENTA, text) if kind == "call" else self._c(DIM, text) if kind == "reasoning" else text
+                )
 
         mark = len(self.messages) - 1  # the message that asked: dropped when this turn fails
         stream = self.client.stream_chat(self.request())
@@ -349,7 +368,11 @@ class Chat:
                     for tc in d.get("tool_calls") or []:
                         i = tc.get("index", 0)
                         if i not in calls:  # a new call: its own line
-                            calls[i] = {"id": tc.get("id"), "type": "function", "function": {"name": "", "arguments": ""}}
+                            calls[i] = {
+                                "id": tc.get("id"),
+                                "type": "function",
+                                "function": {"name": "", "arguments": ""},
+                            }
                             show(None)
                             show("call")
                         slot, fn = calls[i], tc.get("function") or {}
@@ -477,8 +500,11 @@ class Chat:
             self.tools = tools or self.tools
             out.write(f"loaded {len(self.messages)} messages" + (f" and {len(tools)} tools" if tools else "") + "\n")
         elif cmd == "/model":
-            out.write(f"{self.model} at {self.client.url}" + (f", context ceiling {self.ceiling} tokens"
-                                                              if self.ceiling else "") + "\n")
+            out.write(
+                f"{self.model} at {self.client.url}"
+                + (f", context ceiling {self.ceiling} tokens" if self.ceiling else "")
+                + "\n"
+            )
         elif cmd == "/stats":
             try:
                 out.write(format_stats(self.client.get("/stats")) + "\n")
@@ -494,17 +520,19 @@ def format_stats(s: dict[str, Any]) -> str:
     rq, rec, pc = s.get("requests") or {}, s.get("recent") or {}, s.get("prompt_cache") or {}
     plan = s.get("memory_plan") or {}
     gib = 1 << 30
-    return "\n".join([
-        f"model {s.get('model')}, context ceiling {s.get('context_tokens')} tokens",
-        f"generation {rec.get('generation_tokens_per_second')} tok/s, prompt {rec.get('prompt_tokens_per_second')} "
-        f"tok/s (last {rec.get('window')} requests)",
-        f"memory: weights {plan.get('weightsBytes', 0) / gib:.2f} GiB of a {plan.get('usableBytes', 0) / gib:.2f} GiB "
-        f"budget",
-        f"requests: {rq.get('active')} active, {rq.get('queued')} queued, {rq.get('served')} served, "
-        f"{rq.get('cancelled')} cancelled",
-        f"prefix cache: {pc.get('hits', 0)} hits, {pc.get('misses', 0)} misses, {pc.get('entries', 0)} entries, "
-        f"{(s.get('tokens') or {}).get('cached', 0)} cached prompt tokens",
-    ])
+    return "\n".join(
+        [
+            f"model {s.get('model')}, context ceiling {s.get('context_tokens')} tokens",
+            f"generation {rec.get('generation_tokens_per_second')} tok/s, prompt {rec.get('prompt_tokens_per_second')} "
+            f"tok/s (last {rec.get('window')} requests)",
+            f"memory: weights {plan.get('weightsBytes', 0) / gib:.2f} GiB of a {plan.get('usableBytes', 0) / gib:.2f} GiB "
+            f"budget",
+            f"requests: {rq.get('active')} active, {rq.get('queued')} queued, {rq.get('served')} served, "
+            f"{rq.get('cancelled')} cancelled",
+            f"prefix cache: {pc.get('hits', 0)} hits, {pc.get('misses', 0)} misses, {pc.get('entries', 0)} entries, "
+            f"{(s.get('tokens') or {}).get('cached', 0)} cached prompt tokens",
+        ]
+    )
 
 
 def _read_lines(read: Any) -> str:
@@ -549,8 +577,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
     def say(m: str) -> None:
         print(m, file=sys.stdout if interactive else sys.stderr, flush=True)
+
     try:
         url, stop = connect(args, api_key, say)
     except Exception as e:  # a model that cannot load: one line
@@ -561,8 +591,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         raise
     try:
-        chat = Chat(Client(url, api_key), args, color=interactive and sys.stdout.isatty()
-                    and not os.environ.get("NO_COLOR"))
+        chat = Chat(
+            Client(url, api_key), args, color=interactive and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        )
         chat.tools = tools
         if not interactive:
             text = sys.stdin.read()
@@ -593,19 +624,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    cp = sub.add_parser("chat", help="talk to a model in the terminal (attaches to a running server or starts one)",
-                        description="Chat with MODEL in the terminal. Attaches to the server answering on --port "
-                                    "(or --url); when none does, loads MODEL and serves it in this process on a free "
-                                    "port. Over a pipe: reads stdin as one question, prints the answer. "
-                                    "See docs/cli.md.")
-    cp.add_argument("model", nargs="?", default=None,
-                    help="model to load when no server answers (as for `serve`; default: the embedded Gemma 3 270M)")
+    cp = sub.add_parser(
+        "chat",
+        help="talk to a model in the terminal (attaches to a running server or starts one)",
+        description="Chat with MODEL in the terminal. Attaches to the server answering on --port "
+        "(or --url); when none does, loads MODEL and serves it in this process on a free "
+        "port. Over a pipe: reads stdin as one question, prints the answer. "
+        "See docs/cli.md.",
+    )
+    cp.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model to load when no server answers (as for `serve`; default: the embedded Gemma 3 270M)",
+    )
     cp.add_argument("--url", default=None, help="an OpenAI-compatible server to talk to, e.g. http://127.0.0.1:8080")
     cp.add_argument("--port", type=int, default=8080, help="the local port to look for a server on (default 8080)")
     cp.add_argument("--api-key", default=None, help="the server's API key (default: MLXRS_API_KEY)")
     cp.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     cp.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
     cp.add_argument("--max-tokens", type=int, default=None, help="max_tokens per answer (default: the server's)")
-    cp.add_argument("--tools", default=None, metavar="FILE",
-                    help="offer the tools in FILE (a JSON array of OpenAI tools, or a /save file with tools)")
+    cp.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="offer the tools in FILE (a JSON array of OpenAI tools, or a /save file with tools)",
+    )
     cp.set_defaults(func=run)

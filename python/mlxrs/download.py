@@ -9,6 +9,7 @@ Environment (see docs/configuration.md):
 - ``MLXRS_FREE_SPACE_BYTES``: pretend the disk has this many bytes free. It exists so the tests
   can exercise the free-space refusal; do not set it otherwise.
 """
+
 from __future__ import annotations
 
 import collections
@@ -130,8 +131,15 @@ class Progress:
     terminal; plain lines (one per finished file) otherwise. `update` is the callback the
     transfer calls with (done, total) for the current file."""
 
-    def __init__(self, total_bytes: int, n_files: int, *, stream: IO[str] | None = None,
-                 quiet: bool = False, tty: bool | None = None) -> None:
+    def __init__(
+        self,
+        total_bytes: int,
+        n_files: int,
+        *,
+        stream: IO[str] | None = None,
+        quiet: bool = False,
+        tty: bool | None = None,
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.quiet = quiet
         self.tty = self.stream.isatty() if tty is None else tty
@@ -191,16 +199,24 @@ class Progress:
         frac = min(1.0, done / total) if total else 0.0
         fill = int(frac * width)
         eta = _duration((total - done) / rate) if rate > 0 and total > done else "--:--"
-        return (f"{label} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% "
-                f"{human(done)}/{human(total)} {human(rate)}/s ETA {eta}")
+        return (
+            f"{label} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% "
+            f"{human(done)}/{human(total)} {human(rate)}/s ETA {eta}"
+        )
 
     def _draw(self) -> None:
         cols = shutil.get_terminal_size((100, 20)).columns
         name = self.name if len(self.name) <= 28 else "…" + self.name[-27:]
         rate_f, rate_t = self.rate_file, self.rate_total
-        lines = [self._bar(f"  {name:<28}", self.file_done, self.file_size, rate_f),
-                 self._bar(f"  total {self.index}/{self.n_files}".ljust(30), self.finished_bytes + self.file_done,
-                           self.total_bytes, rate_t)]
+        lines = [
+            self._bar(f"  {name:<28}", self.file_done, self.file_size, rate_f),
+            self._bar(
+                f"  total {self.index}/{self.n_files}".ljust(30),
+                self.finished_bytes + self.file_done,
+                self.total_bytes,
+                rate_t,
+            ),
+        ]
         out = ("\x1b[1A" * (self.lines - 1) if self.lines > 1 else "") + "\r"
         out += "\n".join("\x1b[2K" + ln[: cols - 1] for ln in lines)
         self.stream.write(out)
@@ -214,15 +230,33 @@ class Progress:
             self.lines = 0
 
 
-def transfer(url: str, dest: Path, *, name: str, sha256: str | None = None, git_sha1: str | None = None,
-             size: int | None = None, token: str | None = None, hub: bool = False,
-             progress: Progress | None = None) -> dict[str, Any]:
+def transfer(
+    url: str,
+    dest: Path,
+    *,
+    name: str,
+    sha256: str | None = None,
+    git_sha1: str | None = None,
+    size: int | None = None,
+    token: str | None = None,
+    hub: bool = False,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """One verified, resumable file transfer (see `mlxrs._native.download`)."""
-    return dict(_native.download(
-        url, dest, sha256=sha256, git_sha1=git_sha1, size=size, name=name, token=token, hub=hub,
-        retries=retries(), progress=progress.update if progress is not None else None,
-    ))
+    return dict(
+        _native.download(
+            url,
+            dest,
+            sha256=sha256,
+            git_sha1=git_sha1,
+            size=size,
+            name=name,
+            token=token,
+            hub=hub,
+            retries=retries(),
+            progress=progress.update if progress is not None else None,
+        )
+    )
 
 
-__all__ = ["GiB", "RESERVE_BYTES", "human", "retries", "free_bytes", "check_space", "file_lock", "Progress",
-           "transfer"]
+__all__ = ["GiB", "RESERVE_BYTES", "human", "retries", "free_bytes", "check_space", "file_lock", "Progress", "transfer"]

@@ -1,4 +1,5 @@
 """mlxrs's exceptions. The server maps each class to an HTTP status in one place."""
+
 from __future__ import annotations
 
 
@@ -49,6 +50,15 @@ class GenerationCancelled(MlxrsError):
 
 
 __all__ = [
-    "MlxrsError", "MlxError", "NativeRuntimeError", "InvalidArgumentError", "ModelLoadError",
-    "UnsupportedModelError", "BusyError", "EngineError", "ContextLengthError", "DownloadError", "GenerationCancelled",
+    "MlxrsError",
+    "MlxError",
+    "NativeRuntimeError",
+    "InvalidArgumentError",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "BusyError",
+    "EngineError",
+    "ContextLengthError",
+    "DownloadError",
+    "GenerationCancelled",
 ]

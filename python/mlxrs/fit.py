@@ -5,6 +5,7 @@ The numbers come from the memory planner in the Rust core (crates/mlxrs-core/src
 bytes from the safetensors headers (no tensor is loaded), KV bytes from the config, the calibrated
 prefill transient, a fixed reserve, and the budget.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,11 +60,13 @@ APPLE_SKUS: tuple[Sku, ...] = tuple(
     + _apple("M2 Ultra", (64, 128, 192), 800)
     + _apple("M3", (8, 16, 24), 100)
     + _apple("M3 Pro", (18, 36), 150)
-    + _apple("M3 Max", (36, 96), 300) + _apple("M3 Max", (48, 64, 128), 400)
+    + _apple("M3 Max", (36, 96), 300)
+    + _apple("M3 Max", (48, 64, 128), 400)
     + _apple("M3 Ultra", (96, 256, 512), 819)
     + _apple("M4", (16, 24, 32), 120)
     + _apple("M4 Pro", (24, 48, 64), 273)
-    + _apple("M4 Max", (36,), 410) + _apple("M4 Max", (48, 64, 128), 546)
+    + _apple("M4 Max", (36,), 410)
+    + _apple("M4 Max", (48, 64, 128), 546)
 )
 
 # NVIDIA GPUs common for local and hosted inference: memory (GiB, as the vendor sells it; the driver
@@ -107,19 +110,39 @@ def _budget_is_bytes(budget: str | None) -> bool:
     return not 0 < f <= 1
 
 
-def plan(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
-         budget: str | None = None, device_bytes: int | None = None,
-         fused_attention: bool | None = None, backend: str | None = None, stream_experts: bool = False,
-         expert_cache_bytes: int | None = None, expert_prefetch: bool | None = None,
-         adapters: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+def plan(
+    model: str | os.PathLike[str],
+    ctx: int | None = None,
+    kv_bits: int | None = None,
+    budget: str | None = None,
+    device_bytes: int | None = None,
+    fused_attention: bool | None = None,
+    backend: str | None = None,
+    stream_experts: bool = False,
+    expert_cache_bytes: int | None = None,
+    expert_prefetch: bool | None = None,
+    adapters: Sequence[str | os.PathLike[str]] = (),
+) -> dict[str, Any]:
     """The MemoryPlan (schemaVersion 1) for a model directory or .gguf file. A mixture-of-experts
     model that does not fit, or `stream_experts`, gets the `streamed-experts` strategy. `adapters`:
     LoRA adapter directories served with it; their tensors count as weights."""
-    return dict(json.loads(_native.plan(str(model), ctx, kv_bits, budget, device_bytes=device_bytes,
-                                        fused_attention=fused_attention, backend=backend,
-                                        stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes,
-                                        expert_prefetch=expert_prefetch,
-                                        adapter_bytes=adapter_bytes(adapters))))
+    return dict(
+        json.loads(
+            _native.plan(
+                str(model),
+                ctx,
+                kv_bits,
+                budget,
+                device_bytes=device_bytes,
+                fused_attention=fused_attention,
+                backend=backend,
+                stream_experts=stream_experts,
+                expert_cache_bytes=expert_cache_bytes,
+                expert_prefetch=expert_prefetch,
+                adapter_bytes=adapter_bytes(adapters),
+            )
+        )
+    )
 
 
 def adapter_bytes(adapters: Sequence[str | os.PathLike[str]]) -> int:
@@ -136,8 +159,9 @@ def adapter_bytes(adapters: Sequence[str | os.PathLike[str]]) -> int:
     return total
 
 
-def sku_plans(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None,
-              budget: str | None = None) -> list[dict[str, Any]]:
+def sku_plans(
+    model: str | os.PathLike[str], ctx: int | None = None, kv_bits: int | None = None, budget: str | None = None
+) -> list[dict[str, Any]]:
     """One plan per SKU. A fraction budget applies to each SKU's memory; a byte budget is capped
     at it. Each is planned for its backend (Metal on Macs, CUDA on NVIDIA GPUs): attention as MLX
     0.30.6 runs it there (fused on Metal; on CUDA fused for 16-bit models, materialized scores for
@@ -153,8 +177,16 @@ def sku_plans(model: str | os.PathLike[str], ctx: int | None = None, kv_bits: in
         # the bandwidth roofline: each decoded token reads the weights and the KV cache once
         read = p["weightsBytes"] + p["kvBytes"]
         ceiling = s.bandwidth_gbs * 1e9 / read if read else None
-        out.append({"sku": s.name, "kind": s.kind, "memoryBytes": s.memory_bytes, "bandwidthGBs": s.bandwidth_gbs,
-                    "decodeTpsCeiling": ceiling, "plan": p})
+        out.append(
+            {
+                "sku": s.name,
+                "kind": s.kind,
+                "memoryBytes": s.memory_bytes,
+                "bandwidthGBs": s.bandwidth_gbs,
+                "decodeTpsCeiling": ceiling,
+                "plan": p,
+            }
+        )
     return out
 
 
@@ -173,8 +205,10 @@ def _kv_line(f: dict[str, Any], kv_bits: int | None) -> str:
     if elems and elems != f["num_kv_heads"] * f["head_dim"] * 2:  # latent attention: latent + rope key
         s = f"{human_bytes(int(per_layer * full))}/token: {full} layers × {elems} cached elements × {dtype}"
     else:
-        s = (f"{human_bytes(int(per_layer * full))}/token: {full} layers × {f['num_kv_heads']} KV heads × "
-             f"{f['head_dim']} × K,V × {dtype}")
+        s = (
+            f"{human_bytes(int(per_layer * full))}/token: {full} layers × {f['num_kv_heads']} KV heads × "
+            f"{f['head_dim']} × K,V × {dtype}"
+        )
     if sliding:
         s += f"; {len(sliding)} sliding-window layers capped at {max(sliding)} tokens"
     if f.get("state_bytes"):
@@ -196,38 +230,68 @@ def describe(model_path: Path, label: str, p: dict[str, Any], kv_bits: int | Non
     rows = [
         ["model", f"{label} ({f['model_type']}, {f['num_layers']} layers)"],
         ["context", f"{p['contextTokens']} tokens" + (f" (model maximum {model_ctx})" if model_ctx else "")],
-        ["weights", f"{human_bytes(p['weightsBytes'])}  ("
-                    + (f"GGUF header, as its {_native.default_import_dtype()} import" if model_path.suffix.lower() == ".gguf"
-                       else "safetensors headers") + ")"],
+        [
+            "weights",
+            f"{human_bytes(p['weightsBytes'])}  ("
+            + (
+                f"GGUF header, as its {_native.default_import_dtype()} import"
+                if model_path.suffix.lower() == ".gguf"
+                else "safetensors headers"
+            )
+            + ")",
+        ],
         ["KV cache", f"{human_bytes(p['kvBytes'])}  ({_kv_line(f, kv_bits)})"],
         ["transient", f"{human_bytes(p['transientBytes'])}  (prefill activations, calibrated)"],
         ["reserve", f"{human_bytes(p['reserveBytes'])}  (runtime, tokenizer, allocator slack)"],
-        *([["experts", f"streamed from the files ({human_bytes(p['streamedExpertBytes'])}); expert cache "
-                        f"{human_bytes(p['expertCacheBytes'])} ({100 * p['expertCacheFraction']:.0f}% of the experts, "
-                        "counted in weights"
-                        + (f"; at least {human_bytes(p['expertCacheFloorBytes'])}, one token's routed experts: "
-                           "the context gives way" if p.get("expertCacheFloorBytes") else "")
-                        + f"); predicted {human_bytes(int(p['predictedExpertBytesPerToken']))} read per token "
-                        "(uniform routing)"]]
-          if p["strategy"] == "streamed-experts" else []),
+        *(
+            [
+                [
+                    "experts",
+                    f"streamed from the files ({human_bytes(p['streamedExpertBytes'])}); expert cache "
+                    f"{human_bytes(p['expertCacheBytes'])} ({100 * p['expertCacheFraction']:.0f}% of the experts, "
+                    "counted in weights"
+                    + (
+                        f"; at least {human_bytes(p['expertCacheFloorBytes'])}, one token's routed experts: "
+                        "the context gives way"
+                        if p.get("expertCacheFloorBytes")
+                        else ""
+                    )
+                    + f"); predicted {human_bytes(int(p['predictedExpertBytesPerToken']))} read per token "
+                    "(uniform routing)",
+                ]
+            ]
+            if p["strategy"] == "streamed-experts"
+            else []
+        ),
         ["total", human_bytes(p["totalBytes"])],
         ["budget", f"{human_bytes(p['usableBytes'])}  ({bsrc})"],
         ["max context", f"{p['maxSafeContext']} tokens fit the budget"],
     ]
     if p["fits"] and p["strategy"] == "streamed-experts":
-        verdict = (f"fits with the experts streamed from disk: {p['contextTokens']} tokens need "
-                   f"{human_bytes(p['totalBytes'])} of {human_bytes(p['usableBytes'])} (all weights: "
-                   f"{human_bytes(p['weightsBytes'] - p['expertCacheBytes'] + p['streamedExpertBytes'])})")
+        verdict = (
+            f"fits with the experts streamed from disk: {p['contextTokens']} tokens need "
+            f"{human_bytes(p['totalBytes'])} of {human_bytes(p['usableBytes'])} (all weights: "
+            f"{human_bytes(p['weightsBytes'] - p['expertCacheBytes'] + p['streamedExpertBytes'])})"
+        )
     elif p["fits"]:
-        verdict = f"fits: {p['contextTokens']} tokens need {human_bytes(p['totalBytes'])} of {human_bytes(p['usableBytes'])}"
+        verdict = (
+            f"fits: {p['contextTokens']} tokens need {human_bytes(p['totalBytes'])} of {human_bytes(p['usableBytes'])}"
+        )
     elif p["maxSafeContext"] > 0:
-        verdict = (f"does not fit at {p['contextTokens']} tokens — up to {p['maxSafeContext']} tokens do"
-                   + (f" beside the expert cache's floor of {human_bytes(p['expertCacheFloorBytes'])}"
-                      if p.get("expertCacheFloorBytes") else "")
-                   + ("" if kv_bits == 4 else "; --kv-quant 4|8 gives a longer context in the same memory"))
+        verdict = (
+            f"does not fit at {p['contextTokens']} tokens — up to {p['maxSafeContext']} tokens do"
+            + (
+                f" beside the expert cache's floor of {human_bytes(p['expertCacheFloorBytes'])}"
+                if p.get("expertCacheFloorBytes")
+                else ""
+            )
+            + ("" if kv_bits == 4 else "; --kv-quant 4|8 gives a longer context in the same memory")
+        )
     else:
-        verdict = ("does not fit: the weights and the reserve alone exceed the budget — pick a smaller "
-                   "or quantized model, or raise --memory-budget")
+        verdict = (
+            "does not fit: the weights and the reserve alone exceed the budget — pick a smaller "
+            "or quantized model, or raise --memory-budget"
+        )
     rows.append(["verdict", verdict])
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
@@ -237,13 +301,21 @@ def describe_skus(label: str, plans: list[dict[str, Any]]) -> str:
     rows = []
     for r in plans:
         p = r["plan"]
-        rows.append([
-            r["sku"], f"{r['memoryBytes'] / GIB:.0f} GiB", human_bytes(p["usableBytes"]),
-            "yes" if p["fits"] else "no", str(p["maxSafeContext"]),
-            f"{r['decodeTpsCeiling']:.0f}" if r["decodeTpsCeiling"] else "-",
-        ])
+        rows.append(
+            [
+                r["sku"],
+                f"{r['memoryBytes'] / GIB:.0f} GiB",
+                human_bytes(p["usableBytes"]),
+                "yes" if p["fits"] else "no",
+                str(p["maxSafeContext"]),
+                f"{r['decodeTpsCeiling']:.0f}" if r["decodeTpsCeiling"] else "-",
+            ]
+        )
     ctx = plans[0]["plan"]["contextTokens"] if plans else 0
-    head = (f"{label}: weights {human_bytes(plans[0]['plan']['weightsBytes']) if plans else '-'}, "
-            f"context {ctx} tokens")
-    return head + "\n" + table(rows, ["SKU", "MEMORY", "BUDGET", f"FITS@{ctx}", "MAX CONTEXT", "TOK/S≤"]) + \
-        "\nTOK/S≤: memory bandwidth ÷ (weights + KV), an upper bound on decode speed, not a measurement"
+    head = f"{label}: weights {human_bytes(plans[0]['plan']['weightsBytes']) if plans else '-'}, context {ctx} tokens"
+    return (
+        head
+        + "\n"
+        + table(rows, ["SKU", "MEMORY", "BUDGET", f"FITS@{ctx}", "MAX CONTEXT", "TOK/S≤"])
+        + "\nTOK/S≤: memory bandwidth ÷ (weights + KV), an upper bound on decode speed, not a measurement"
+    )

@@ -14,6 +14,7 @@ verifies them; this module lays them out as `huggingface_hub` does:
 so `huggingface_hub` (`scan_cache_dir`, `snapshot_download(local_files_only=True)`), mlx-lm and
 `mlxrs scan` find the result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,26 +70,37 @@ def _api_error(e: Exception, repo_id: str, revision: str | None, endpoint: str, 
         return DownloadError(f"HF_HUB_OFFLINE is set, and `get` needs the network: unset it to download {repo_id}")
     if isinstance(e, hf.GatedRepoError):
         if token:
-            return DownloadError(f"{repo_id} is gated and your token has no access to it ({status}): accept its terms "
-                                 f"on {endpoint}/{repo_id} with the same account, and check that the token "
-                                 f"(`hf auth login` or HF_TOKEN) can read it")
+            return DownloadError(
+                f"{repo_id} is gated and your token has no access to it ({status}): accept its terms "
+                f"on {endpoint}/{repo_id} with the same account, and check that the token "
+                f"(`hf auth login` or HF_TOKEN) can read it"
+            )
         return DownloadError(f"{repo_id} is gated ({status}): accept its terms on {endpoint}/{repo_id}, then {login}")
     if isinstance(e, hf.RevisionNotFoundError):
         return DownloadError(f"{repo_id} has no revision {revision!r} (a branch, tag or commit) on {endpoint}")
     if isinstance(e, hf.RepositoryNotFoundError):
         if token:
-            return DownloadError(f"{repo_id} was not found on {endpoint} ({status}), or your token has no access to it: "
-                                 f"check the repo id, and for a private repo that the token (`hf auth login` or "
-                                 f"HF_TOKEN) belongs to an account that can read it")
-        return DownloadError(f"{repo_id} was not found on {endpoint} ({status}): check the repo id; if it is private "
-                             f"or gated it needs a token: {login}")
+            return DownloadError(
+                f"{repo_id} was not found on {endpoint} ({status}), or your token has no access to it: "
+                f"check the repo id, and for a private repo that the token (`hf auth login` or "
+                f"HF_TOKEN) belongs to an account that can read it"
+            )
+        return DownloadError(
+            f"{repo_id} was not found on {endpoint} ({status}): check the repo id; if it is private "
+            f"or gated it needs a token: {login}"
+        )
     if status == 401:
-        what = "your token was refused (expired or revoked?): run `hf auth login` again" if token else \
-            f"it needs a Hugging Face token: {login}"
+        what = (
+            "your token was refused (expired or revoked?): run `hf auth login` again"
+            if token
+            else f"it needs a Hugging Face token: {login}"
+        )
         return DownloadError(f"{endpoint} answered 401 Unauthorized for {repo_id}: {what}")
     if status == 403:
-        return DownloadError(f"{endpoint} answered 403 Forbidden for {repo_id}: your token has no access to it; "
-                             f"if it is gated, accept its terms on {endpoint}/{repo_id}, then {login}")
+        return DownloadError(
+            f"{endpoint} answered 403 Forbidden for {repo_id}: your token has no access to it; "
+            f"if it is gated, accept its terms on {endpoint}/{repo_id}, then {login}"
+        )
     if status is not None:
         return DownloadError(f"{endpoint} answered {status} for {repo_id}: {str(e).strip().splitlines()[0]}")
     return DownloadError(f"could not reach {endpoint} for {repo_id}: {e}")
@@ -103,8 +115,12 @@ def list_files(repo_id: str, revision: str | None, endpoint: str, token: str | N
     try:
         info = api.model_info(repo_id, revision=revision, files_metadata=True)
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear DownloadError
-        if isinstance(e, (hf.HfHubHTTPError, hf.OfflineModeIsEnabled, OSError)) or \
-                type(e).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests"):
+        if isinstance(e, (hf.HfHubHTTPError, hf.OfflineModeIsEnabled, OSError)) or type(e).__module__.split(".")[0] in (
+            "httpx",
+            "httpx2",
+            "httpcore",
+            "requests",
+        ):
             raise _api_error(e, repo_id, revision, endpoint, token) from None
         raise
     if not info.sha:
@@ -159,10 +175,18 @@ def _write_ref(repo_dir: Path, revision: str, commit: str) -> None:
         os.replace(tmp, ref)
 
 
-def get(repo_id: str, revision: str | None = None, include: Sequence[str] | None = None, *,
-        cache_dir: str | os.PathLike[str] | None = None, endpoint: str | None = None, token: str | None = None,
-        quiet: bool = False, stream: IO[str] | None = None,
-        free_space: Callable[[Path], int] | None = None) -> GetResult:
+def get(
+    repo_id: str,
+    revision: str | None = None,
+    include: Sequence[str] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    quiet: bool = False,
+    stream: IO[str] | None = None,
+    free_space: Callable[[Path], int] | None = None,
+) -> GetResult:
     """Download `repo_id` at `revision` (default: main) into the hub cache; only the files matching
     an `include` glob when any is given. Resumes partial files, verifies every file, refuses to
     start without room for the rest plus 1 GiB, and holds a lock on the repo while it writes.
@@ -182,8 +206,10 @@ def get(repo_id: str, revision: str | None = None, include: Sequence[str] | None
     files = select(all_files, include)
     if not files:
         names = ", ".join(f.path for f in all_files[:12]) + (", …" if len(all_files) > 12 else "")
-        raise DownloadError(f"no file of {repo_id}@{revision or 'main'} matches --include {' '.join(include or [])} "
-                            f"(its files: {names or 'none'})")
+        raise DownloadError(
+            f"no file of {repo_id}@{revision or 'main'} matches --include {' '.join(include or [])} "
+            f"(its files: {names or 'none'})"
+        )
     from huggingface_hub.file_download import repo_folder_name
 
     folder = repo_folder_name(repo_id=repo_id, repo_type="model")
@@ -219,13 +245,16 @@ def get(repo_id: str, revision: str | None = None, include: Sequence[str] | None
         result.present = [f.path for f in files if f.blob not in fetch_blobs]
         if todo:
             free = (free_space or free_bytes)(repo_dir)
-            check_space(cache, remaining, free,
-                        hint="free some space, or point HF_HUB_CACHE at a larger volume before starting")
+            check_space(
+                cache, remaining, free, hint="free some space, or point HF_HUB_CACHE at a larger volume before starting"
+            )
         total = sum(f.size for f in todo)
         if not quiet:
-            out.write(f"{repo_id} @ {commit[:12]}: {len(files)} file(s), {human(sum(f.size for f in files))}; "
-                      + (f"{len(todo)} to fetch ({human(remaining)} left to download)" if todo else
-                         "all present") + "\n")
+            out.write(
+                f"{repo_id} @ {commit[:12]}: {len(files)} file(s), {human(sum(f.size for f in files))}; "
+                + (f"{len(todo)} to fetch ({human(remaining)} left to download)" if todo else "all present")
+                + "\n"
+            )
             out.flush()
         t0 = time.monotonic()
         bars = Progress(total, len(todo), stream=out, quiet=quiet)
@@ -235,8 +264,17 @@ def get(repo_id: str, revision: str | None = None, include: Sequence[str] | None
                 url = hub.hf_hub_url(repo_id, f.path, revision=commit, endpoint=endpoint)
                 # the per-blob lock huggingface_hub takes, so an `hf download` of the same repo waits too
                 with file_lock(locks / f"{f.blob}.lock"):
-                    r = transfer(url, blobs / f.blob, name=f.path, sha256=f.sha256, git_sha1=f.git_sha1,
-                                 size=f.size, token=token, hub=True, progress=bars)
+                    r = transfer(
+                        url,
+                        blobs / f.blob,
+                        name=f.path,
+                        sha256=f.sha256,
+                        git_sha1=f.git_sha1,
+                        size=f.size,
+                        token=token,
+                        hub=True,
+                        progress=bars,
+                    )
                 result.transferred += int(r["transferred"])
                 note = ""
                 if r["resumed_from"]:
@@ -270,16 +308,23 @@ def _cmd_get(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """`get` for the CLI (python/mlxrs/cli.py)."""
     sp = sub.add_parser(
-        "get", help="download a Hugging Face model into the hub cache (resumable, verified)",
+        "get",
+        help="download a Hugging Face model into the hub cache (resumable, verified)",
         description="Download ORG/REPO into the Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub, else "
-                    "~/.cache/huggingface/hub) over plain HTTPS: partial files resume, every file is verified "
-                    "(sha256 for LFS files, git blob sha1 for the others), and the download refuses to start "
-                    f"without room for the rest plus {GiB >> 30} GiB. Prints the snapshot directory. "
-                    "Token: HF_TOKEN, else `hf auth login`'s; endpoint: HF_ENDPOINT.")
+        "~/.cache/huggingface/hub) over plain HTTPS: partial files resume, every file is verified "
+        "(sha256 for LFS files, git blob sha1 for the others), and the download refuses to start "
+        f"without room for the rest plus {GiB >> 30} GiB. Prints the snapshot directory. "
+        "Token: HF_TOKEN, else `hf auth login`'s; endpoint: HF_ENDPOINT.",
+    )
     sp.add_argument("repo", metavar="ORG/REPO", help="the model repo id, e.g. mlx-community/Qwen3-0.6B-4bit")
     sp.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
-    sp.add_argument("--include", action="append", default=None, metavar="GLOB",
-                    help="only files matching GLOB (repeatable; a GLOB without '/' also matches base names)")
+    sp.add_argument(
+        "--include",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help="only files matching GLOB (repeatable; a GLOB without '/' also matches base names)",
+    )
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress output (still prints the snapshot path)")
     sp.set_defaults(func=_cmd_get)
 

@@ -7,6 +7,7 @@ Audio (WAV) is taken by models with an audio tower (Gemma 4). Video (Qwen3.5, as
 taken through `Session.generate(video=...)` and the server's video parts; `parts_text` refuses video
 parts naming the part.
 """
+
 from __future__ import annotations
 
 import base64
@@ -113,7 +114,7 @@ def _data_url(url: str, where: str, policy: MediaPolicy) -> bytes:
 def _local(path: str, where: str, policy: MediaPolicy) -> bytes:
     if not policy.allow_local:
         raise _err(where, "local file paths are not allowed (start the server with --allow-local-media)")
-    p = path[len("file://"):] if path.startswith("file://") else path
+    p = path[len("file://") :] if path.startswith("file://") else path
     try:
         size = os.path.getsize(p)
         if size > policy.max_bytes:
@@ -137,8 +138,11 @@ def load_sync(ref: ImageRef, policy: MediaPolicy) -> bytes:
         return _data_url(src, ref.where, policy)
     if is_remote(src):
         if not policy.allow_remote:
-            raise _err(ref.where, "http(s) image URLs are not fetched (start the server with --allow-remote-media, "
-                                  "or send the image as a base64 data URL)")
+            raise _err(
+                ref.where,
+                "http(s) image URLs are not fetched (start the server with --allow-remote-media, "
+                "or send the image as a base64 data URL)",
+            )
         import urllib.request
 
         try:
@@ -190,7 +194,7 @@ def audio_source(part: Mapping[str, Any], where: str) -> bytes | str:
             raise _err(where, "an input_audio part needs input_audio.data (base64) and input_audio.format")
         fmt = str(v.get("format") or "wav").lower()
         if fmt != "wav":
-            raise _err(where, f"{fmt} audio is not supported: send WAV (input_audio.format \"wav\")")
+            raise _err(where, f'{fmt} audio is not supported: send WAV (input_audio.format "wav")')
         return "data:audio/wav;base64," + str(v["data"])
     if t == "audio_url":
         v = part.get("audio_url")
@@ -210,23 +214,40 @@ def audio_source(part: Mapping[str, Any], where: str) -> bytes | str:
 
 def no_audio(where: str, model: str, part: str = "input_audio") -> InvalidArgumentError:
     """The error for audio sent to a model without an audio tower."""
-    return _err(where, f"audio input ({part!r} part) is not supported: model {model} has no audio tower and "
-                       "cannot take audio — send text only")
+    return _err(
+        where,
+        f"audio input ({part!r} part) is not supported: model {model} has no audio tower and "
+        "cannot take audio — send text only",
+    )
 
 
 def refuse_av(t: str, where: str, model: str) -> InvalidArgumentError:
     """The error for an audio or video part where it is not taken."""
     kind = AV_PARTS.get(t, t)
     if kind == "video":
-        return _err(where, f"video input ({t!r} part) is not supported here: a model whose vision tower takes "
-                           "video (Qwen3.5) takes one video as its frames, through `video=` or the server's "
-                           "`video_url` part")
-    return _err(where, f"{kind} input ({t!r} part) is not supported: {model} cannot take {kind} (mlxrs takes "
-                       "text and, for models with a vision tower, images)")
+        return _err(
+            where,
+            f"video input ({t!r} part) is not supported here: a model whose vision tower takes "
+            "video (Qwen3.5) takes one video as its frames, through `video=` or the server's "
+            "`video_url` part",
+        )
+    return _err(
+        where,
+        f"{kind} input ({t!r} part) is not supported: {model} cannot take {kind} (mlxrs takes "
+        "text and, for models with a vision tower, images)",
+    )
 
 
-def parts_text(content: Any, marker: str | None, images: list[ImageRef], where: str, model: str, *,
-               audio_marker: str | None = None, audio: list[ImageRef] | None = None) -> str:
+def parts_text(
+    content: Any,
+    marker: str | None,
+    images: list[ImageRef],
+    where: str,
+    model: str,
+    *,
+    audio_marker: str | None = None,
+    audio: list[ImageRef] | None = None,
+) -> str:
     """A message's content as prompt text: a string as is; content parts joined by newlines, each
     image part replaced by `marker` (the model's image marker) and its source appended to `images`.
     `marker` None: the model has no vision tower, and an image part is refused naming it. With
@@ -266,5 +287,8 @@ def parts_text(content: Any, marker: str | None, images: list[ImageRef], where: 
 
 def no_vision(where: str, model: str, part: str = "image") -> InvalidArgumentError:
     """The error for an image sent to a model without a vision tower."""
-    return _err(where, f"image input ({part!r} part) is not supported: model {model} has no vision tower and "
-                       "cannot take images — send text only")
+    return _err(
+        where,
+        f"image input ({part!r} part) is not supported: model {model} has no vision tower and "
+        "cannot take images — send text only",
+    )

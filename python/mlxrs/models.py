@@ -1,5 +1,6 @@
 """Model resolution: directories, GGUF files (imported once into a cache keyed by the file's
 sha256) and the embedded default (Gemma 3 270M, from the `mlxrs[demo]` extra)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -81,14 +82,21 @@ class _Bar:
         width = 30
         fill = int(frac * width)
         rate = done / max(now - self.t0, 1e-9) / 1e6
-        sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {rate:6.1f} MB/s {what[:40]:<40}")
+        sys.stderr.write(
+            f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {rate:6.1f} MB/s {what[:40]:<40}"
+        )
         if done >= total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
 
-def convert_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str = DEFAULT_DTYPE,
-                 progress: Callable[[int, int, str], None] | bool | None = None) -> Path:
+def convert_gguf(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: str = DEFAULT_DTYPE,
+    progress: Callable[[int, int, str], None] | bool | None = None,
+) -> Path:
     """Import a GGUF file into a model directory (`out` must not exist yet)."""
     src_p, out_p = Path(src), Path(out)
     if not src_p.is_file():
@@ -97,7 +105,11 @@ def convert_gguf(src: str | os.PathLike[str], out: str | os.PathLike[str], *, dt
         raise ModelLoadError(f"{out_p} already exists and is not empty: choose another output directory")
     if dtype == "q4":
         _warn("re-quantizing an already k-quantized model to 4-bit costs accuracy; prefer bf16 or q8")
-    cb = progress if callable(progress) else _Bar(f"converting {src_p.name}", enabled=bool(progress) if progress is not None else None)
+    cb = (
+        progress
+        if callable(progress)
+        else _Bar(f"converting {src_p.name}", enabled=bool(progress) if progress is not None else None)
+    )
     tmp = out_p.with_name(out_p.name + f".partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -9,6 +9,7 @@ against `MLXRS_NATIVE_PACK_SHA256`. The transfer is the same resumable, verified
 The runtime fetches the pack itself on first need (when nothing is found before the pack cache and
 a source is known); `--fetch` does it ahead of time, through the same Rust code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ def missing_files(pack_dir: Path, files: list[str]) -> list[str]:
     return [f for f in files if not (pack_dir / f).is_file()]
 
 
-def fetch(backend: str | None = None, *, force: bool = False, quiet: bool = False,
-          stream: IO[str] | None = None) -> Path:
+def fetch(
+    backend: str | None = None, *, force: bool = False, quiet: bool = False, stream: IO[str] | None = None
+) -> Path:
     """Download, verify and unpack the native pack; returns its directory. Nothing is fetched when
     it is already complete (unless `force`). The work is `mlxrs._native.native_pack_install`, the
     same code the runtime runs when it fetches the pack on first need; this adds the messages and
@@ -79,11 +81,16 @@ def describe(backend: str | None = None, load: bool = True) -> str:
     found = order[0] if len(order) == 1 and ": " in order[0] and "\n" not in order[0] else None
     # nothing before Homebrew and a source known: the runtime fetches the pack on first need
     mine = info(None)
-    first_need = ((found is None or found.startswith("homebrew:")) and not mine["problem"] and bool(mine["dir"])
-                  and bool(missing_files(Path(mine["dir"]), list(mine["files"]))))
+    first_need = (
+        (found is None or found.startswith("homebrew:"))
+        and not mine["problem"]
+        and bool(mine["dir"])
+        and bool(missing_files(Path(mine["dir"]), list(mine["files"])))
+    )
     if first_need:
-        lines.append(f"libmlxc that would load: the native pack's, fetched on first need from {mine['url']} "
-                     f"into {mine['dir']}")
+        lines.append(
+            f"libmlxc that would load: the native pack's, fetched on first need from {mine['url']} into {mine['dir']}"
+        )
         if found is not None:
             lines.append(f"  (before {found})")
     elif found is not None:
@@ -92,16 +99,19 @@ def describe(backend: str | None = None, load: bool = True) -> str:
         lines.append("libmlxc that would load: none")
         lines.extend("  " + ln for ln in "\n".join(order).splitlines())
     if load and first_need:
-        lines.append("loaded: no (not loaded here, which would fetch the pack: `python -m mlxrs native --fetch` "
-                     "fetches it now)")
+        lines.append(
+            "loaded: no (not loaded here, which would fetch the pack: `python -m mlxrs native --fetch` fetches it now)"
+        )
     elif load:
         try:
             rt = _native.runtime_info()
         except MlxrsError as e:
             lines.append(f"loaded: no ({str(e).splitlines()[0]})")
         else:
-            lines.append(f"loaded: libmlxc {rt['libmlxc']} (from {rt['source']}), mlx-c {rt['mlxc_version']}, "
-                         f"MLX {rt['mlx_version']}, backend {rt['backend']}")
+            lines.append(
+                f"loaded: libmlxc {rt['libmlxc']} (from {rt['source']}), mlx-c {rt['mlxc_version']}, "
+                f"MLX {rt['mlx_version']}, backend {rt['backend']}"
+            )
             lines.append(f"  libmlx: {rt['libmlx'] or 'resolved by the dynamic linker'}")
             if rt["backend"] == "cpu":
                 lines.append(f"  BLAS: {rt['blas'] or 'reference (as linked by MLX)'}")
@@ -110,15 +120,21 @@ def describe(backend: str | None = None, load: bool = True) -> str:
     if i["dir"]:
         d = Path(i["dir"])
         lacking = missing_files(d, list(i["files"]))
-        state = "present" if not lacking else ("not fetched" if not d.exists() else f"incomplete, lacks {', '.join(lacking)}")
+        state = (
+            "present"
+            if not lacking
+            else ("not fetched" if not d.exists() else f"incomplete, lacks {', '.join(lacking)}")
+        )
         lines.append(f"  directory: {d} ({state})")
     else:
         lines.append("  directory: none (set MLXRS_HOME)")
     if i["problem"]:
         lines.append(f"  source: {i['problem']}")
     else:
-        lines.append(f"  source: {i['url']} ({'MLXRS_NATIVE_PACK_URL' if i['origin'] != 'release' else 'release'}), "
-                     f"sha256 {i['sha256']}")
+        lines.append(
+            f"  source: {i['url']} ({'MLXRS_NATIVE_PACK_URL' if i['origin'] != 'release' else 'release'}), "
+            f"sha256 {i['sha256']}"
+        )
     return "\n".join(lines)
 
 
@@ -127,8 +143,11 @@ def _cmd_native(args: argparse.Namespace) -> int:
         d = fetch(args.backend, force=args.force, quiet=args.quiet)
         order = _native._resolution_order()
         if order and not order[0].startswith("native-pack cache:") and len(order) == 1:
-            print(f"note: {order[0]} is found before the pack; the pack is used where that is absent "
-                  f"(or with MLXRS_LIBMLXC={d / Path(info(args.backend)['files'][0])})", file=sys.stderr)
+            print(
+                f"note: {order[0]} is found before the pack; the pack is used where that is absent "
+                f"(or with MLXRS_LIBMLXC={d / Path(info(args.backend)['files'][0])})",
+                file=sys.stderr,
+            )
         print(d)
         return 0
     print(describe(args.backend))
@@ -138,15 +157,20 @@ def _cmd_native(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     """`native` for the CLI (python/mlxrs/cli.py)."""
     sp = sub.add_parser(
-        "native", help="show which native runtime would load and from where; --fetch the native pack",
+        "native",
+        help="show which native runtime would load and from where; --fetch the native pack",
         description="Show which libmlxc the resolver would load (MLXRS_LIBMLXC, sidecar, native-pack cache, "
-                    "Homebrew) and what the loaded runtime is, and the native pack for this machine: its directory "
-                    "and where it comes from. --fetch downloads it (resumable, sha256-verified) from "
-                    "MLXRS_NATIVE_PACK_URL or the release URL and unpacks it.")
+        "Homebrew) and what the loaded runtime is, and the native pack for this machine: its directory "
+        "and where it comes from. --fetch downloads it (resumable, sha256-verified) from "
+        "MLXRS_NATIVE_PACK_URL or the release URL and unpacks it.",
+    )
     sp.add_argument("--fetch", action="store_true", help="download, verify and unpack the native pack")
-    sp.add_argument("--backend", choices=["cpu", "cuda", "metal"], default=None,
-                    help="which pack (default: metal on macOS; on Linux MLXRS_BACKEND, else cuda with an NVIDIA "
-                         "driver, else cpu)")
+    sp.add_argument(
+        "--backend",
+        choices=["cpu", "cuda", "metal"],
+        default=None,
+        help="which pack (default: metal on macOS; on Linux MLXRS_BACKEND, else cuda with an NVIDIA driver, else cpu)",
+    )
     sp.add_argument("--force", action="store_true", help="with --fetch: fetch again even when the pack is present")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     sp.set_defaults(func=_cmd_native)

@@ -10,6 +10,7 @@ The registry is a sqlite database at `$MLXRS_HOME/registry.sqlite` (default
 last scan (its fingerprint: the hub's blob names and sizes, or the files' sizes and mtimes) is neither
 read again nor rewritten; names are looked up through indexes.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -34,15 +35,57 @@ MODEL_DIRS_DEPTH = 3
 
 #: llama.cpp's `general.file_type` (enum llama_ftype in llama.h).
 GGUF_FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
-    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
-    19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
-    26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
-    36: "TQ1_0", 37: "TQ2_0",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+    36: "TQ1_0",
+    37: "TQ2_0",
 }
 
-_ST_DTYPE_BITS = {"F64": 64, "I64": 64, "U64": 64, "F32": 32, "I32": 32, "U32": 32, "F16": 16, "BF16": 16,
-                  "I16": 16, "U16": 16, "I8": 8, "U8": 8, "BOOL": 8, "F8_E4M3": 8, "F8_E5M2": 8}
+_ST_DTYPE_BITS = {
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+    "F32": 32,
+    "I32": 32,
+    "U32": 32,
+    "F16": 16,
+    "BF16": 16,
+    "I16": 16,
+    "U16": 16,
+    "I8": 8,
+    "U8": 8,
+    "BOOL": 8,
+    "F8_E4M3": 8,
+    "F8_E5M2": 8,
+}
 _ST_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
@@ -88,6 +131,7 @@ class Entry:
 
 # ---- locations --------------------------------------------------------------------------------
 
+
 def hub_cache() -> Path:
     """The Hugging Face hub cache, resolved as huggingface_hub does: HF_HUB_CACHE, else
     HF_HOME/hub, else ~/.cache/huggingface/hub (XDG_CACHE_HOME honoured like huggingface_hub)."""
@@ -114,6 +158,7 @@ def db_path() -> Path:
 
 
 # ---- metadata readers -------------------------------------------------------------------------
+
 
 def safetensors_header(path: Path) -> dict[str, Any]:
     """The validated header of a safetensors file, {name: {"dtype", "shape", "data_offsets"}}: the
@@ -149,8 +194,11 @@ def _quantization(cfg: dict[str, Any]) -> str | None:
     q = cfg.get("quantization")
     if isinstance(q, dict) and q.get("bits"):
         mode = q.get("mode", "affine")
-        return f"{q['bits']}-bit" + (f" g{q['group_size']}" if q.get("group_size") else "") + \
-            ("" if mode == "affine" else f" {mode}")
+        return (
+            f"{q['bits']}-bit"
+            + (f" g{q['group_size']}" if q.get("group_size") else "")
+            + ("" if mode == "affine" else f" {mode}")
+        )
     qc = cfg.get("quantization_config")
     if isinstance(qc, dict):
         method = qc.get("quant_method") or qc.get("quant_type") or "quantized"
@@ -247,11 +295,21 @@ def inspect_dir(d: Path, supported: Sequence[str]) -> Entry:
             ctx = v
             break
     return Entry(
-        path=str(d), name=d.name, source="model-dirs", format="safetensors",
-        model_type=model_type if isinstance(model_type, str) else None, supported=ok,
-        note="; ".join(notes) or None, params=params, weight_bytes=sum(t[2] for t in tensors.values()),
-        dtype=dtype, quantization=_quantization(cfg), context_length=ctx,
-        chat_template=template is not None, tools=bool(template and "tools" in template), files=tuple(files),
+        path=str(d),
+        name=d.name,
+        source="model-dirs",
+        format="safetensors",
+        model_type=model_type if isinstance(model_type, str) else None,
+        supported=ok,
+        note="; ".join(notes) or None,
+        params=params,
+        weight_bytes=sum(t[2] for t in tensors.values()),
+        dtype=dtype,
+        quantization=_quantization(cfg),
+        context_length=ctx,
+        chat_template=template is not None,
+        tools=bool(template and "tools" in template),
+        files=tuple(files),
     )
 
 
@@ -278,16 +336,26 @@ def inspect_gguf(p: Path) -> Entry:
     if "tokenizer.ggml.tokens" not in meta:
         notes.append("no tokenizer in the GGUF")
     return Entry(
-        path=str(p), name=p.name, source="model-dirs", format="gguf", model_type=model_type or arch,
-        supported=not notes, note="; ".join(notes) or None, params=params,
-        weight_bytes=max(p.stat().st_size - int(data_offset), 0), dtype=None, quantization=quant,
+        path=str(p),
+        name=p.name,
+        source="model-dirs",
+        format="gguf",
+        model_type=model_type or arch,
+        supported=not notes,
+        note="; ".join(notes) or None,
+        params=params,
+        weight_bytes=max(p.stat().st_size - int(data_offset), 0),
+        dtype=None,
+        quantization=quant,
         context_length=ctx if isinstance(ctx, int) else None,
         chat_template=isinstance(template, str) and bool(template),
-        tools=isinstance(template, str) and "tools" in template, files=(p.name,),
+        tools=isinstance(template, str) and "tools" in template,
+        files=(p.name,),
     )
 
 
 # ---- scanning ---------------------------------------------------------------------------------
+
 
 @dataclass
 class ScanResult:
@@ -351,12 +419,20 @@ def _hub_found(hub: Path, out: ScanResult) -> Iterator[_Found]:
             is_main = "main" in rev.refs
             listing = [(rel, f.blob_path.name, f.size_on_disk) for rel, f in sorted(files.items())]
             if "config.json" in files or any(r.endswith(".safetensors") and "/" not in r for r in files):
-                yield _Found(snap, "dir", _digest([listing, is_main]), repo.repo_id, repo.repo_id,
-                             rev.commit_hash, is_main)
+                yield _Found(
+                    snap, "dir", _digest([listing, is_main]), repo.repo_id, repo.repo_id, rev.commit_hash, is_main
+                )
             for rel in sorted(r for r in files if r.endswith(".gguf")):
                 f = files[rel]
-                yield _Found(f.file_path, "gguf", _digest([rel, f.blob_path.name, f.size_on_disk, is_main]),
-                             f"{repo.repo_id}/{rel}", repo.repo_id, rev.commit_hash, is_main)
+                yield _Found(
+                    f.file_path,
+                    "gguf",
+                    _digest([rel, f.blob_path.name, f.size_on_disk, is_main]),
+                    f"{repo.repo_id}/{rel}",
+                    repo.repo_id,
+                    rev.commit_hash,
+                    is_main,
+                )
 
 
 def _dir_found(root: Path, out: ScanResult) -> Iterator[_Found]:
@@ -398,8 +474,13 @@ def _read(f: _Found, supported: Sequence[str]) -> Entry:
     """The entry for what a walk found (raises ValueError or OSError saying why it is not one)."""
     e = inspect_gguf(f.path) if f.kind == "gguf" else inspect_dir(f.path, supported)
     if f.repo_id:
-        e.name, e.repo_id, e.revision, e.is_main, e.source = (f.name or f.repo_id, f.repo_id, f.revision,
-                                                               f.is_main, "hf-cache")
+        e.name, e.repo_id, e.revision, e.is_main, e.source = (
+            f.name or f.repo_id,
+            f.repo_id,
+            f.revision,
+            f.is_main,
+            "hf-cache",
+        )
     return e
 
 
@@ -444,16 +525,19 @@ def scan(*, hub: Path | None = None, extra: Sequence[Path] | None = None, db: Pa
                 except (OSError, ValueError) as why:
                     out.skipped.append((key, _why_skipped(f, why)))
                     con.execute("DELETE FROM models WHERE path = ?", (key,))
-                    con.execute("INSERT OR REPLACE INTO skipped VALUES (?, ?, ?)",
-                                (key, f.fingerprint, out.skipped[-1][1]))
+                    con.execute(
+                        "INSERT OR REPLACE INTO skipped VALUES (?, ?, ?)", (key, f.fingerprint, out.skipped[-1][1])
+                    )
                     continue
                 e.scanned_at = time.time()
                 row = e.to_json()
                 row["files"] = json.dumps(row["files"])
                 row["fingerprint"] = f.fingerprint
                 cols = (*_COLUMNS, "fingerprint")
-                con.execute(f"INSERT OR REPLACE INTO models ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                            [row[c] for c in cols])
+                con.execute(
+                    f"INSERT OR REPLACE INTO models ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                    [row[c] for c in cols],
+                )
                 con.execute("DELETE FROM skipped WHERE path = ?", (key,))
             for path in set(known) - keep:
                 con.execute("DELETE FROM models WHERE path = ?", (path,))
@@ -464,8 +548,14 @@ def scan(*, hub: Path | None = None, extra: Sequence[Path] | None = None, db: Pa
             # corrupted hub repo) are not rows of the skipped table
             for k, v in (("scanned_at", str(time.time())), ("roots", json.dumps(out.roots))):
                 con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, v))
-            rows = con.execute(f"SELECT {', '.join(_COLUMNS)} FROM models WHERE path IN "
-                               f"({', '.join('?' * len(keep))})", sorted(keep)).fetchall() if keep else []
+            rows = (
+                con.execute(
+                    f"SELECT {', '.join(_COLUMNS)} FROM models WHERE path IN ({', '.join('?' * len(keep))})",
+                    sorted(keep),
+                ).fetchall()
+                if keep
+                else []
+            )
     finally:
         con.close()
     order = {str(f.path): i for i, f in enumerate(found.values())}
@@ -475,9 +565,27 @@ def scan(*, hub: Path | None = None, extra: Sequence[Path] | None = None, db: Pa
 
 # ---- the database -----------------------------------------------------------------------------
 
-_COLUMNS = ("path", "name", "source", "format", "repo_id", "revision", "is_main", "model_type", "supported",
-            "note", "params", "weight_bytes", "dtype", "quantization", "context_length", "chat_template",
-            "tools", "files", "scanned_at")
+_COLUMNS = (
+    "path",
+    "name",
+    "source",
+    "format",
+    "repo_id",
+    "revision",
+    "is_main",
+    "model_type",
+    "supported",
+    "note",
+    "params",
+    "weight_bytes",
+    "dtype",
+    "quantization",
+    "context_length",
+    "chat_template",
+    "tools",
+    "files",
+    "scanned_at",
+)
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -496,7 +604,8 @@ def _connect(path: Path) -> sqlite3.Connection:
             "supported INTEGER NOT NULL, note TEXT, params INTEGER, weight_bytes INTEGER, dtype TEXT, "
             "quantization TEXT, context_length INTEGER, chat_template INTEGER NOT NULL DEFAULT 0, "
             "tools INTEGER NOT NULL DEFAULT 0, files TEXT NOT NULL DEFAULT '[]', scanned_at REAL, "
-            "fingerprint TEXT NOT NULL DEFAULT '')")
+            "fingerprint TEXT NOT NULL DEFAULT '')"
+        )
         con.execute("CREATE INDEX IF NOT EXISTS models_name ON models (name COLLATE NOCASE)")
         con.execute("CREATE INDEX IF NOT EXISTS models_repo_id ON models (repo_id COLLATE NOCASE)")
         con.execute("CREATE TABLE IF NOT EXISTS skipped (path TEXT PRIMARY KEY, fingerprint TEXT, why TEXT)")
@@ -537,6 +646,7 @@ def entries(db: Path | None = None) -> list[Entry]:
 
 # ---- name resolution --------------------------------------------------------------------------
 
+
 def looks_like_name(model: str) -> bool:
     """Whether an argument that is not an existing path may be a registry name (not an absolute
     path, nor one starting with `.` or `~`)."""
@@ -549,10 +659,12 @@ def match(pattern: str, pool: Sequence[Entry]) -> list[Entry]:
     pat = pattern.strip()
     low = pat.lower()
     repo, _, rev = low.partition("@")
-    exact = [e for e in pool
-             if low in (e.name.lower(), (e.repo_id or "").lower(), e.path.lower())
-             or (rev and repo in (e.name.lower(), (e.repo_id or "").lower())
-                 and (e.revision or "").lower().startswith(rev))]
+    exact = [
+        e
+        for e in pool
+        if low in (e.name.lower(), (e.repo_id or "").lower(), e.path.lower())
+        or (rev and repo in (e.name.lower(), (e.repo_id or "").lower()) and (e.revision or "").lower().startswith(rev))
+    ]
     if exact:
         return exact
     if any(c in pat for c in "*?["):
@@ -584,25 +696,31 @@ def resolve_name(name: str, db: Path | None = None) -> Path:
     cands = cands or match(name, pool)
     if not cands:
         if not pool:
-            raise ModelLoadError(f"{name!r} is not a model directory or file, and the registry is empty: "
-                                 f"no models match {SCAN_HINT}")
+            raise ModelLoadError(
+                f"{name!r} is not a model directory or file, and the registry is empty: no models match {SCAN_HINT}"
+            )
         raise ModelLoadError(f"{name!r} is not a model directory or file, and no models match {SCAN_HINT}")
     live = [e for e in cands if not e.stale]
     if not live:
         e = cands[0]
         gone = ", ".join(cands[0].gone()[:3])
-        raise ModelLoadError(f"{name!r} matches {_label(e)}, a stale registry entry whose files are gone "
-                             f"({gone}) — download it again or run `mlxrs scan` to drop it")
+        raise ModelLoadError(
+            f"{name!r} matches {_label(e)}, a stale registry entry whose files are gone "
+            f"({gone}) — download it again or run `mlxrs scan` to drop it"
+        )
     live = _one_revision(live)
     if len(live) > 1:
         shown = "\n  ".join(_label(e) for e in live[:20])
         more = f"\n  … and {len(live) - 20} more" if len(live) > 20 else ""
-        raise ModelLoadError(f"{name!r} is ambiguous: it matches {len(live)} models:\n  {shown}{more}\n"
-                             f"use a longer name, ORG/REPO@REVISION, or a path")
+        raise ModelLoadError(
+            f"{name!r} is ambiguous: it matches {len(live)} models:\n  {shown}{more}\n"
+            f"use a longer name, ORG/REPO@REVISION, or a path"
+        )
     return Path(live[0].path)
 
 
 # ---- output -----------------------------------------------------------------------------------
+
 
 def human_count(n: int | None) -> str:
     if n is None:
@@ -632,9 +750,18 @@ def format_entries(es: Sequence[Entry]) -> str:
     rows = []
     for e in es:
         chat = ("tools" if e.tools else "yes") if e.chat_template else "-"
-        rows.append([
-            e.name, (e.revision or "-")[:7], e.model_type or "-", "yes" if e.supported else "no",
-            human_count(e.params), e.quantization or e.dtype or "-", human_bytes(e.weight_bytes),
-            str(e.context_length or "-"), chat, "stale" if e.stale else "ok",
-        ])
+        rows.append(
+            [
+                e.name,
+                (e.revision or "-")[:7],
+                e.model_type or "-",
+                "yes" if e.supported else "no",
+                human_count(e.params),
+                e.quantization or e.dtype or "-",
+                human_bytes(e.weight_bytes),
+                str(e.context_length or "-"),
+                chat,
+                "stale" if e.stale else "ok",
+            ]
+        )
     return table(rows, ["NAME", "REV", "TYPE", "MLXRS", "PARAMS", "QUANT", "SIZE", "CTX", "CHAT", "STATUS"])

@@ -4,6 +4,7 @@
 >>> with Session("path/to/model") as s:                # doctest: +SKIP
 ...     print(s.generate("Hello", max_tokens=8).text)
 """
+
 from __future__ import annotations
 
 import json
@@ -20,12 +21,29 @@ from .errors import ContextLengthError, InvalidArgumentError
 Message = Mapping[str, Any]
 
 _SAMPLING_KEYS = {
-    "temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep", "repetition_penalty", "repetition_context_size",
-    "presence_penalty", "frequency_penalty", "logit_bias", "seed", "max_tokens", "stop",
-    "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens_to_keep",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "max_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
     # constrained decoding (at most one): the output follows a JSON schema, is any JSON object,
     # matches a regex, or a Lark grammar (llguidance's syntax)
-    "json_schema", "json_object", "regex", "grammar",
+    "json_schema",
+    "json_object",
+    "regex",
+    "grammar",
     # the LoRA adapter (its name) of a Session loaded with adapters
     "adapter",
 }
@@ -214,12 +232,15 @@ def _validate(kwargs: Mapping[str, Any], vocab: int | None = None) -> dict[str, 
         out[k] = v
     constraints = [k for k in ("json_schema", "json_object", "regex", "grammar") if k in out]
     if len(constraints) > 1:
-        raise InvalidArgumentError(f"at most one of json_schema, json_object, regex, grammar (got {', '.join(constraints)})")
+        raise InvalidArgumentError(
+            f"at most one of json_schema, json_object, regex, grammar (got {', '.join(constraints)})"
+        )
     return out
 
 
-def _adapter_specs(adapter: str | os.PathLike[str] | None,
-                   adapters: Mapping[str, str | os.PathLike[str]] | None) -> dict[str, str]:
+def _adapter_specs(
+    adapter: str | os.PathLike[str] | None, adapters: Mapping[str, str | os.PathLike[str]] | None
+) -> dict[str, str]:
     """`{name: directory}` of Session's `adapter` (named after its directory) or `adapters`."""
     if adapter is not None and adapters is not None:
         raise InvalidArgumentError("pass adapter=PATH or adapters={name: PATH}, not both")
@@ -300,7 +321,11 @@ class Session:
         if not isinstance(stream_experts, bool):
             raise ValueError(f"stream_experts must be True or False (got {stream_experts!r})")
         if expert_cache_bytes is not None:
-            if isinstance(expert_cache_bytes, bool) or not isinstance(expert_cache_bytes, int) or expert_cache_bytes < 0:
+            if (
+                isinstance(expert_cache_bytes, bool)
+                or not isinstance(expert_cache_bytes, int)
+                or expert_cache_bytes < 0
+            ):
                 raise ValueError(f"expert_cache_bytes must be a non-negative integer (got {expert_cache_bytes!r})")
             if not stream_experts:
                 raise ValueError("expert_cache_bytes is the streamed experts' cache: pass stream_experts=True with it")
@@ -316,11 +341,19 @@ class Session:
             print(f"mlxrs: no model given; using the embedded default, {DEFAULT_MODEL_NAME}", file=sys.stderr)
         self.model_path = os.fspath(resolve_model(model))
         self._s = _native.Session(
-            self.model_path, kv_bits=kv_bits, max_kv_size=max_kv_size,
-            prefill_step_size=prefill_step_size, kv_group_size=kv_group_size,
-            max_concurrency=max_concurrency, max_queue=max_queue, prompt_cache_bytes=prompt_cache_bytes,
-            kv_budget_bytes=kv_budget_bytes, stream_experts=stream_experts, expert_cache_bytes=expert_cache_bytes,
-            adapters=list(self.adapters.items()), expert_prefetch=expert_prefetch,
+            self.model_path,
+            kv_bits=kv_bits,
+            max_kv_size=max_kv_size,
+            prefill_step_size=prefill_step_size,
+            kv_group_size=kv_group_size,
+            max_concurrency=max_concurrency,
+            max_queue=max_queue,
+            prompt_cache_bytes=prompt_cache_bytes,
+            kv_budget_bytes=kv_budget_bytes,
+            stream_experts=stream_experts,
+            expert_cache_bytes=expert_cache_bytes,
+            adapters=list(self.adapters.items()),
+            expert_prefetch=expert_prefetch,
         )
         info = self._s.info()
         self._vocab = int(info["vocab_size"])
@@ -333,8 +366,10 @@ class Session:
         if self._context:
             room = self._context - len(ids)
             if room < 1:
-                raise ContextLengthError(f"the prompt ({len(ids)} tokens) leaves no room to generate within the "
-                                         f"model's context of {self._context} tokens")
+                raise ContextLengthError(
+                    f"the prompt ({len(ids)} tokens) leaves no room to generate within the "
+                    f"model's context of {self._context} tokens"
+                )
             if opts.get("max_tokens", 256) > room:
                 opts["max_tokens"] = room
         return json.dumps(opts)
@@ -357,10 +392,15 @@ class Session:
         # as transformers does: keys whose value is None are dropped from each message (OpenAI
         # clients send content=None next to tool_calls), and tools=None reaches the template as none
         msgs = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
-        return str(self._s.apply_chat_template(
-            json.dumps(msgs), json.dumps(list(tools)) if tools is not None else None,
-            add_generation_prompt, json.dumps(template_kwargs), self.chat_template,
-        ))
+        return str(
+            self._s.apply_chat_template(
+                json.dumps(msgs),
+                json.dumps(list(tools)) if tools is not None else None,
+                add_generation_prompt,
+                json.dumps(template_kwargs),
+                self.chat_template,
+            )
+        )
 
     def encode_prompt(
         self,
@@ -384,8 +424,10 @@ class Session:
             content = m.get("content")
             for j, part in enumerate(content if isinstance(content, list) else []):
                 if isinstance(part, Mapping) and (part.get("type") in IMAGE_PARTS or part.get("type") in AV_PARTS):
-                    raise InvalidArgumentError(f"messages[{i}].content[{j}]: a {part.get('type')!r} part has no token "
-                                               "ids alone: pass the messages to generate, stream or chat")
+                    raise InvalidArgumentError(
+                        f"messages[{i}].content[{j}]: a {part.get('type')!r} part has no token "
+                        "ids alone: pass the messages to generate, stream or chat"
+                    )
         text = self.apply_chat_template(items, tools=tools, **dict(template_kwargs or {}))
         return list(self._s.encode_rendered(text))
 
@@ -407,15 +449,19 @@ class Session:
         a = self._s.info().get("audio")
         return dict(a) if a else None
 
-    def audio_clips(self, audio: Sequence[bytes | str | os.PathLike[str]], names: Sequence[str] | None = None) -> list[Any]:
+    def audio_clips(
+        self, audio: Sequence[bytes | str | os.PathLike[str]], names: Sequence[str] | None = None
+    ) -> list[Any]:
         """Decode and featurize WAV clips (bytes, local paths or base64 data URLs): native
         `AudioClip`s (`tokens`: the audio tokens each stands for; `features()`: its log-mel)."""
         from . import media
 
         pol = media.MediaPolicy(allow_local=True, max_bytes=media.DEFAULT_MAX_AUDIO_BYTES)
         names = list(names) if names is not None else [f"audio[{i}]" for i in range(len(audio))]
-        data = [(media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, w), pol), w)
-                for x, w in zip(audio, names)]
+        data = [
+            (media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, w), pol), w)
+            for x, w in zip(audio, names)
+        ]
         return list(self._s.audio_clips(data)) if data else []
 
     def audio_features(self, audio: Sequence[bytes | str | os.PathLike[str]]) -> list[float]:
@@ -423,11 +469,14 @@ class Session:
         tokens in order, each `hidden` wide): what replaces their audio tokens in the prompt."""
         return list(self._s.audio_features(self.audio_clips(audio)))
 
-    def _prepare(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
-                 template_kwargs: Mapping[str, Any] | None,
-                 images: Sequence[bytes | str | os.PathLike[str]] | None,
-                 audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
-                 ) -> tuple[list[int], list[tuple[bytes, str]], list[Any]]:
+    def _prepare(
+        self,
+        prompt: str | Sequence[Message] | Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        images: Sequence[bytes | str | os.PathLike[str]] | None,
+        audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
+    ) -> tuple[list[int], list[tuple[bytes, str]], list[Any]]:
         """Token ids, the images' bytes (each with its name for errors) and the audio clips of a
         prompt: a string with one image (audio) marker per image (clip) where it goes (none: the
         media first), messages whose content parts hold images (OpenAI `image_url`, Anthropic
@@ -438,23 +487,31 @@ class Session:
         items: list[Any] | None = None if isinstance(prompt, str) else list(prompt)
         # messages whose content parts carry media (text-only parts go to the template as they are)
         has_parts = items is not None and any(
-            isinstance(m, Mapping) and isinstance(m.get("content"), list)
-            and any(isinstance(p, Mapping) and (p.get("type") in media.IMAGE_PARTS or p.get("type") in media.AV_PARTS)
-                    for p in m["content"])
-            for m in items)
+            isinstance(m, Mapping)
+            and isinstance(m.get("content"), list)
+            and any(
+                isinstance(p, Mapping) and (p.get("type") in media.IMAGE_PARTS or p.get("type") in media.AV_PARTS)
+                for p in m["content"]
+            )
+            for m in items
+        )
         if not images and not audio and not has_parts:
             return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), [], []
         vision = self.vision
         model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
         marker: str | None = str(vision["marker"]) if vision else None
-        refs = [media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"images[{i}]")
-                for i, x in enumerate(images or [])]
+        refs = [
+            media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"images[{i}]")
+            for i, x in enumerate(images or [])
+        ]
         if refs and marker is None:
             raise media.no_vision("images", model)
         ainfo = self.audio
         amarker: str | None = str(ainfo["marker"]) if ainfo else None
-        arefs = [media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"audio[{i}]")
-                 for i, x in enumerate(audio or [])]
+        arefs = [
+            media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"audio[{i}]")
+            for i, x in enumerate(audio or [])
+        ]
         if arefs and amarker is None:
             raise media.no_audio("audio", model, "audio")
         policy = media.MediaPolicy(allow_local=True)
@@ -505,8 +562,9 @@ class Session:
                     raise InvalidArgumentError("prompt must be a string, a list of token ids or a list of messages")
                 m = dict(m)
                 if isinstance(m.get("content"), list):
-                    m["content"] = media.parts_text(m["content"], marker, refs, f"messages[{i}].content", model,
-                                                    audio_marker=amarker, audio=arefs)
+                    m["content"] = media.parts_text(
+                        m["content"], marker, refs, f"messages[{i}].content", model, audio_marker=amarker, audio=arefs
+                    )
                 msgs.append(m)
             text = self.apply_chat_template(msgs, tools=tools, **dict(template_kwargs or {}))
             if refs:
@@ -514,9 +572,13 @@ class Session:
             ids = list(self._s.encode_rendered(expand_audio(text)))
         return ids, load(), clips
 
-    def _prepare_video(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
-                       template_kwargs: Mapping[str, Any] | None,
-                       video: Sequence[bytes | str | os.PathLike[str]]) -> tuple[list[int], list[tuple[bytes, str]]]:
+    def _prepare_video(
+        self,
+        prompt: str | Sequence[Message] | Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        video: Sequence[bytes | str | os.PathLike[str]],
+    ) -> tuple[list[int], list[tuple[bytes, str]]]:
         """Token ids and the frames' bytes (each with its name for errors) of a prompt with one
         video given as its frames (`video`): a string with the video marker where the video goes
         (none: the video first), messages whose content holds a `{"type": "video"}` part where it
@@ -527,16 +589,24 @@ class Session:
         model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
         marker = vision.get("video_marker") if vision else None
         if not marker:
-            raise InvalidArgumentError(f"video: model {model} cannot take video input (its vision tower, if any, "
-                                       "takes images only)")
+            raise InvalidArgumentError(
+                f"video: model {model} cannot take video input (its vision tower, if any, takes images only)"
+            )
         if isinstance(video, (str, bytes, os.PathLike)) or not video:
             raise InvalidArgumentError("video: pass a video as a non-empty list of its frames (images)")
         policy = media.MediaPolicy(allow_local=True)
-        frames = [(media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"),
-                                   policy), f"video[{i}]") for i, x in enumerate(video)]
+        frames = [
+            (
+                media.load_sync(
+                    media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), policy
+                ),
+                f"video[{i}]",
+            )
+            for i, x in enumerate(video)
+        ]
 
         def expand(text: str) -> str:
-            (h, w), = self._s.image_sizes(frames[:1])  # the first frame's size: the video's
+            ((h, w),) = self._s.image_sizes(frames[:1])  # the first frame's size: the video's
             return str(self._s.expand_video_marker(text, len(frames), h, w))
 
         if isinstance(prompt, str):
@@ -559,8 +629,10 @@ class Session:
                     elif t in ("text", "input_text") and isinstance(part.get("text"), str):
                         texts.append(part["text"])
                     else:
-                        raise InvalidArgumentError(f"messages[{i}].content[{j}]: with a video, content parts are "
-                                                   "text and one {\"type\": \"video\"} part")
+                        raise InvalidArgumentError(
+                            f"messages[{i}].content[{j}]: with a video, content parts are "
+                            'text and one {"type": "video"} part'
+                        )
                 m["content"] = "\n".join(texts)
             msgs.append(m)
         text = self.apply_chat_template(msgs, tools=tools, **dict(template_kwargs or {}))
@@ -572,8 +644,10 @@ class Session:
         from . import media
 
         pol = media.MediaPolicy(allow_local=True)
-        data = [media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), pol)
-                for i, x in enumerate(frames)]
+        data = [
+            media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), pol)
+            for i, x in enumerate(frames)
+        ]
         px, n, h, w = self._s.video_pixel_values(data)
         return list(px), int(n), int(h), int(w)
 
@@ -582,8 +656,10 @@ class Session:
         from . import media
 
         pol = media.MediaPolicy(allow_local=True)
-        data = [media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), pol)
-                for i, x in enumerate(frames)]
+        data = [
+            media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), pol)
+            for i, x in enumerate(frames)
+        ]
         return list(self._s.video_features(data))
 
     def pixel_values(self, image: bytes | str | os.PathLike[str]) -> list[float]:
@@ -601,16 +677,22 @@ class Session:
         from . import media
 
         pol = media.MediaPolicy(allow_local=True)
-        data = [media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"images[{i}]"),
-                                pol) for i, x in enumerate(images)]
+        data = [
+            media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"images[{i}]"), pol)
+            for i, x in enumerate(images)
+        ]
         return list(self._s.image_features(data))
 
     # -- generation --------------------------------------------------------------------------------
-    def _events(self, ids: list[int], kwargs: dict[str, Any],
-                images: list[tuple[bytes, str]] | None = None, audio: list[Any] | None = None,
-                video: list[tuple[bytes, str]] | None = None) -> Iterator[dict[str, Any]]:
-        stream = self._s.start(ids, self._start_params(ids, kwargs), None, images or None, audio or None,
-                               video or None)
+    def _events(
+        self,
+        ids: list[int],
+        kwargs: dict[str, Any],
+        images: list[tuple[bytes, str]] | None = None,
+        audio: list[Any] | None = None,
+        video: list[tuple[bytes, str]] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        stream = self._s.start(ids, self._start_params(ids, kwargs), None, images or None, audio or None, video or None)
         try:
             yield from stream
         finally:
@@ -633,11 +715,15 @@ class Session:
         _validate(sampling, self._vocab)
         return self._stream(prompt, tools, template_kwargs, sampling, images, audio, video)
 
-    def _media(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
-               template_kwargs: Mapping[str, Any] | None, images: Sequence[bytes | str | os.PathLike[str]] | None,
-               audio: Sequence[bytes | str | os.PathLike[str]] | None,
-               video: Sequence[bytes | str | os.PathLike[str]] | None,
-               ) -> tuple[list[int], list[tuple[bytes, str]], list[Any], list[tuple[bytes, str]]]:
+    def _media(
+        self,
+        prompt: str | Sequence[Message] | Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        images: Sequence[bytes | str | os.PathLike[str]] | None,
+        audio: Sequence[bytes | str | os.PathLike[str]] | None,
+        video: Sequence[bytes | str | os.PathLike[str]] | None,
+    ) -> tuple[list[int], list[tuple[bytes, str]], list[Any], list[tuple[bytes, str]]]:
         """(ids, images, audio clips, video frames) of a prompt: images and audio, or one video
         (mlx-vlm takes a video alone)."""
         if video is None:
@@ -650,11 +736,16 @@ class Session:
         ids, frames = self._prepare_video(prompt, tools, template_kwargs, video)
         return ids, [], [], frames
 
-    def _stream(self, prompt: str | Sequence[Message] | Sequence[int], tools: Sequence[Mapping[str, Any]] | None,
-                template_kwargs: Mapping[str, Any] | None, sampling: dict[str, Any],
-                images: Sequence[bytes | str | os.PathLike[str]] | None = None,
-                audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
-                video: Sequence[bytes | str | os.PathLike[str]] | None = None) -> Iterator[Chunk]:
+    def _stream(
+        self,
+        prompt: str | Sequence[Message] | Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        sampling: dict[str, Any],
+        images: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        video: Sequence[bytes | str | os.PathLike[str]] | None = None,
+    ) -> Iterator[Chunk]:
         ids, media, clips, frames = self._media(prompt, tools, template_kwargs, images, audio, video)
         for ev in self._events(ids, sampling, media, clips, frames):
             ch = _chunk(ev)
@@ -697,7 +788,9 @@ class Session:
         try:
             for p in prompts:
                 ids, media, clips = self._prepare(p, None, None, None)
-                streams.append(self._s.start(ids, self._start_params(ids, sampling), None, media or None, clips or None))
+                streams.append(
+                    self._s.start(ids, self._start_params(ids, sampling), None, media or None, clips or None)
+                )
         except BaseException:
             for st in streams:
                 st.cancel()
@@ -723,15 +816,21 @@ class Session:
         _validate(sampling, self._vocab)
         return self._astream(prompt, tools, template_kwargs, sampling)
 
-    async def _astream(self, prompt: str | Sequence[Message] | Sequence[int],
-                       tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any] | None,
-                       sampling: dict[str, Any]) -> AsyncIterator[Chunk]:
+    async def _astream(
+        self,
+        prompt: str | Sequence[Message] | Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        sampling: dict[str, Any],
+    ) -> AsyncIterator[Chunk]:
         import asyncio
 
         from . import _dispatch
 
         loop = asyncio.get_running_loop()
-        ids, media, clips = await loop.run_in_executor(None, lambda: self._prepare(prompt, tools, template_kwargs, None))
+        ids, media, clips = await loop.run_in_executor(
+            None, lambda: self._prepare(prompt, tools, template_kwargs, None)
+        )
         d = _dispatch.default()
         st = self._s.start(ids, self._start_params(ids, sampling), d.hub, media or None, clips or None)
         q = d.register(st.id)
@@ -766,8 +865,9 @@ class Session:
         enable_thinking pass through). Content parts may hold images (OpenAI `image_url`,
         Anthropic `image`, `{"type": "image", "image": bytes | path}`) and, for a model with an
         audio tower, WAV clips (OpenAI `input_audio`, `{"type": "audio", "audio": bytes | path}`)."""
-        return self.generate(list(messages), tools=tools, template_kwargs=template_kwargs,
-                             max_tokens=max_tokens, temperature=temperature)
+        return self.generate(
+            list(messages), tools=tools, template_kwargs=template_kwargs, max_tokens=max_tokens, temperature=temperature
+        )
 
     def logits(self, prompt: str | Sequence[int]) -> list[float]:
         """Last-position logits (float32) for a prompt, from a fresh cache, on the same prefill
@@ -811,8 +911,12 @@ def _chunk(ev: Mapping[str, Any]) -> Chunk | None:
     if ev["type"] == "token":
         if ev["id"] < 0 and not ev["text"]:
             return None
-        return Chunk(text=ev["text"], token=ev["id"] if ev["id"] >= 0 else None,
-                     logprob=ev["logprob"], top_logprobs=list(ev["top"]))
+        return Chunk(
+            text=ev["text"],
+            token=ev["id"] if ev["id"] >= 0 else None,
+            logprob=ev["logprob"],
+            top_logprobs=list(ev["top"]),
+        )
     if ev["type"] == "done":
         return Chunk(text="", token=None, finish_reason=ev["finish_reason"], usage=_usage(ev), timings=_timings(ev))
     return None
@@ -835,12 +939,18 @@ def _collect(events: Iterator[dict[str, Any]], want_lp: bool) -> Completion:
                     lps.append(TokenLogprob(ev["id"], ev["logprob"], list(ev["top"])))
         elif ev["type"] == "done":
             return Completion(
-                text="".join(text), tokens=tokens, finish_reason=ev["finish_reason"], usage=_usage(ev),
-                timings=_timings(ev), stop_string=ev["stop_string"], logprobs=lps if want_lp else None,
+                text="".join(text),
+                tokens=tokens,
+                finish_reason=ev["finish_reason"],
+                usage=_usage(ev),
+                timings=_timings(ev),
+                stop_string=ev["stop_string"],
+                logprobs=lps if want_lp else None,
             )
     raise RuntimeError("the engine ended the stream without a final event")
 
 
 def _timings(ev: Mapping[str, Any]) -> Timings:
-    return Timings(ev["prompt_seconds"], ev["generation_seconds"], ev["prompt_tps"], ev["generation_tps"],
-                   ev["peak_memory"])
+    return Timings(
+        ev["prompt_seconds"], ev["generation_seconds"], ev["prompt_tps"], ev["generation_tps"], ev["peak_memory"]
+    )

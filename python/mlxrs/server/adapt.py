@@ -16,6 +16,7 @@ strings (`probe`); `adapt` then rewrites each request's messages:
   tool format), which the output parser (events.py) reads back into tool calls:
   ``{"tool_call": {"name": …, "arguments": {…}}}`` or ``{"tool_calls": [{…}, …]}``.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ class Caps:
         return [k for k, v in vars(self).items() if not v]
 
 
-def _renders(render: Render, msgs: list[dict[str, Any]], *markers: str,
-             tools: list[dict[str, Any]] | None = None) -> bool:
+def _renders(
+    render: Render, msgs: list[dict[str, Any]], *markers: str, tools: list[dict[str, Any]] | None = None
+) -> bool:
     try:
         out = render(msgs, tools)
     except Exception:
@@ -61,32 +63,51 @@ def _renders(render: Render, msgs: list[dict[str, Any]], *markers: str,
 
 
 # a call id of 9 alphanumerics: Mistral's templates refuse any other
-_CALL = {"id": "a1b2c3d4e", "type": "function",
-         "function": {"name": "probe_fn_q7", "arguments": {"k": "ARGS_Q7"}}}
-_TOOL = {"type": "function", "function": {"name": "probe_tool_q7", "description": "DESC_Q7",
-                                          "parameters": {"type": "object", "properties": {}}}}
+_CALL = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "probe_fn_q7", "arguments": {"k": "ARGS_Q7"}}}
+_TOOL = {
+    "type": "function",
+    "function": {"name": "probe_tool_q7", "description": "DESC_Q7", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 def probe(render: Render) -> Caps:
     """The capabilities of the template behind `render(messages, tools)`."""
     u = {"role": "user", "content": "USER_Q7"}
     system = _renders(render, [{"role": "system", "content": "SYS_Q7"}, u], "SYS_Q7")
-    multi = _renders(render, [{"role": "system", "content": "SYS1_Q7"}, {"role": "system", "content": "SYS2_Q7"}, u,
-                              {"role": "assistant", "content": "A_Q7"}, {"role": "system", "content": "SYS3_Q7"},
-                              {"role": "user", "content": "U2_Q7"}], "SYS1_Q7", "SYS2_Q7", "SYS3_Q7")
+    multi = _renders(
+        render,
+        [
+            {"role": "system", "content": "SYS1_Q7"},
+            {"role": "system", "content": "SYS2_Q7"},
+            u,
+            {"role": "assistant", "content": "A_Q7"},
+            {"role": "system", "content": "SYS3_Q7"},
+            {"role": "user", "content": "U2_Q7"},
+        ],
+        "SYS1_Q7",
+        "SYS2_Q7",
+        "SYS3_Q7",
+    )
     only = _renders(render, [{"role": "system", "content": "ONLY_Q7"}], "ONLY_Q7")
     calls = _renders(render, [u, {"role": "assistant", "content": "", "tool_calls": [_CALL]}], "probe_fn_q7")
     result = {"role": "tool", "tool_call_id": "a1b2c3d4e", "name": "probe_fn_q7", "content": "RESULT_Q7"}
-    tool_role = (_renders(render, [u, {"role": "assistant", "content": "", "tool_calls": [_CALL]}, result],
-                          "RESULT_Q7")
-                 or _renders(render, [u, {"role": "assistant", "content": "A_Q7"}, result], "RESULT_Q7"))
+    tool_role = _renders(
+        render, [u, {"role": "assistant", "content": "", "tool_calls": [_CALL]}, result], "RESULT_Q7"
+    ) or _renders(render, [u, {"role": "assistant", "content": "A_Q7"}, result], "RESULT_Q7")
     alternation = _renders(render, [u, {"role": "user", "content": "U2_Q7"}], "USER_Q7", "U2_Q7")
     try:
         tools = render([u], [_TOOL]) != render([u], None)
     except Exception:
         tools = False
-    return Caps(system=system, multi_system=multi, system_only=only, tool_role=tool_role, tool_calls=calls,
-                tools=tools, alternation=alternation)
+    return Caps(
+        system=system,
+        multi_system=multi,
+        system_only=only,
+        tool_role=tool_role,
+        tool_calls=calls,
+        tools=tools,
+        alternation=alternation,
+    )
 
 
 def generic_call_text(calls: Sequence[dict[str, Any]]) -> str:
@@ -119,16 +140,22 @@ def _merge_runs(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in msgs:
         prev = out[-1] if out else None
-        if prev is not None and m["role"] == prev["role"] and m["role"] in ("user", "assistant") \
-                and not m.get("tool_calls") and not prev.get("tool_calls"):
+        if (
+            prev is not None
+            and m["role"] == prev["role"]
+            and m["role"] in ("user", "assistant")
+            and not m.get("tool_calls")
+            and not prev.get("tool_calls")
+        ):
             out[-1] = {**prev, "content": _joined(prev.get("content") or "", m.get("content") or "")}
         else:
             out.append(m)
     return out
 
 
-def adapt(caps: Caps, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def adapt(
+    caps: Caps, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) the template can render without losing anything."""
     msgs = [dict(m) for m in messages]
     for m in msgs:  # a tool-calling turn's null content as the empty text templates expect (Qwen's split it)

@@ -1,5 +1,6 @@
 """Anthropic protocol: /v1/messages (streamed with the Messages event sequence) and
 /v1/messages/count_tokens, translated from the engine's events (never from OpenAI frames)."""
+
 from __future__ import annotations
 
 import json
@@ -16,23 +17,40 @@ from ..errors import InvalidArgumentError
 from .errors import ApiError
 from .events import Content, Reasoning, ToolCall
 
-MEDIA_BLOCKS = {"image": "image", "video": "video", "video_url": "video", "audio": "audio",
-                "input_audio": "audio", "audio_url": "audio"}
+MEDIA_BLOCKS = {
+    "image": "image",
+    "video": "video",
+    "video_url": "video",
+    "audio": "audio",
+    "input_audio": "audio",
+    "audio_url": "audio",
+}
 
 
 def _no_media(state: ServerState, where: str, block_type: str) -> ApiError:
     kind = MEDIA_BLOCKS.get(block_type, block_type)
     if kind == "audio" and getattr(state, "audio", None):
-        return ApiError(400, f"{where}: {block_type!r} content blocks are not supported: the Messages API has no audio "
-                             f"blocks — send audio to model {state.model_id} through POST /v1/chat/completions as an "
-                             "OpenAI input_audio part", param=where)
+        return ApiError(
+            400,
+            f"{where}: {block_type!r} content blocks are not supported: the Messages API has no audio "
+            f"blocks — send audio to model {state.model_id} through POST /v1/chat/completions as an "
+            "OpenAI input_audio part",
+            param=where,
+        )
     if state.vision and kind != "image":
-        return ApiError(400, f"{where}: {block_type!r} content blocks are not supported: model {state.model_id} "
-                             f"cannot take {kind} input (the Messages API has no {kind} blocks; mlxrs takes text and "
-                             "images) — send text and image blocks only", param=where)
-    return ApiError(400, f"{where}: {block_type!r} content blocks are not supported: {state.model_id} is a "
-                         f"text-only model (no vision tower) and cannot take {kind} input — send text blocks only",
-                    param=where)
+        return ApiError(
+            400,
+            f"{where}: {block_type!r} content blocks are not supported: model {state.model_id} "
+            f"cannot take {kind} input (the Messages API has no {kind} blocks; mlxrs takes text and "
+            "images) — send text and image blocks only",
+            param=where,
+        )
+    return ApiError(
+        400,
+        f"{where}: {block_type!r} content blocks are not supported: {state.model_id} is a "
+        f"text-only model (no vision tower) and cannot take {kind} input — send text blocks only",
+        param=where,
+    )
 
 
 def _image(state: ServerState, b: dict[str, Any], where: str, images: list[media.ImageRef] | None) -> str:
@@ -54,9 +72,12 @@ def _document_text(state: ServerState, block: dict[str, Any], where: str) -> str
         return str(src["data"])  # type: ignore[index]
     if st == "content":
         return _blocks_text(state, src.get("content"), f"{where}.source.content")  # type: ignore[union-attr]
-    raise ApiError(400, f"{where}: document blocks with a {st!r} source are not supported (only plain-text "
-                        "documents: source {\"type\": \"text\"}); file, base64 and URL sources cannot be read",
-                   param=where)
+    raise ApiError(
+        400,
+        f"{where}: document blocks with a {st!r} source are not supported (only plain-text "
+        'documents: source {"type": "text"}); file, base64 and URL sources cannot be read',
+        param=where,
+    )
 
 
 def _blocks_text(state: ServerState, content: Any, where: str, images: list[media.ImageRef] | None = None) -> str:
@@ -85,8 +106,9 @@ def _blocks_text(state: ServerState, content: Any, where: str, images: list[medi
     return "\n".join(parts)
 
 
-def convert_messages(state: ServerState, body: dict[str, Any],
-                     images: list[media.ImageRef] | None = None) -> list[dict[str, Any]]:
+def convert_messages(
+    state: ServerState, body: dict[str, Any], images: list[media.ImageRef] | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
@@ -107,8 +129,11 @@ def convert_messages(state: ServerState, body: dict[str, Any],
             raise bad(w, f"expected a message object, got {type_name(m)}")
         role = m.get("role")
         if role not in ("user", "assistant"):
-            raise bad(f"{w}.role", f"unknown role {role!r}: expected \"user\" or \"assistant\" "
-                                   "(the system prompt goes in the top-level `system`)")
+            raise bad(
+                f"{w}.role",
+                f'unknown role {role!r}: expected "user" or "assistant" '
+                "(the system prompt goes in the top-level `system`)",
+            )
         content = m.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
@@ -136,8 +161,9 @@ def convert_messages(state: ServerState, body: dict[str, Any],
                     raise bad(bw, "a tool_use block needs a string `name` and an object `input`")
                 cid = str(b["id"]) if isinstance(b.get("id"), str) else f"toolu_{i}_{j}"
                 names[cid] = b["name"]
-                calls.append({"id": cid, "type": "function",
-                              "function": {"name": b["name"], "arguments": b.get("input") or {}}})
+                calls.append(
+                    {"id": cid, "type": "function", "function": {"name": b["name"], "arguments": b.get("input") or {}}}
+                )
             elif t == "tool_result":
                 if role != "user":
                     raise bad(bw, "tool_result blocks belong to user messages")
@@ -174,7 +200,7 @@ def convert_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, li
     choice = body.get("tool_choice")
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
-            raise bad("tool_choice", "expected {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}")
+            raise bad("tool_choice", 'expected {"type": "auto" | "any" | "tool" | "none"}')
         if choice["type"] in ("any", "tool") and tools is None:
             raise bad("tool_choice", f"{choice['type']!r} requires `tools`")
     if tools is None:
@@ -187,8 +213,11 @@ def convert_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, li
         if not isinstance(t, dict):
             raise bad(w, f"expected a tool object, got {type_name(t)}")
         if t.get("type") not in (None, "custom") and "input_schema" not in t:
-            raise bad(w, f"server tool type {t.get('type')!r} is not supported: declare client tools with "
-                         "`name`, `description` and `input_schema`")
+            raise bad(
+                w,
+                f"server tool type {t.get('type')!r} is not supported: declare client tools with "
+                "`name`, `description` and `input_schema`",
+            )
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise bad(f"{w}.name", "is required")
         schema = t.get("input_schema")
@@ -214,15 +243,15 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     if th is None:
         return {}
     if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled", "adaptive"):
-        raise bad("thinking", "expected {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": \"disabled\"}")
+        raise bad("thinking", 'expected {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
     if th["type"] == "enabled":
         opt_int(th, "budget_tokens", 1, param="thinking.budget_tokens")
     return {"enable_thinking": th["type"] != "disabled"}
 
 
-async def _prepare(state: ServerState, body: dict[str, Any],
-                   images: list[media.ImageRef] | None = None
-                   ) -> tuple[str, list[int], list[str] | None, list[tuple[bytes, str]]]:
+async def _prepare(
+    state: ServerState, body: dict[str, Any], images: list[media.ImageRef] | None = None
+) -> tuple[str, list[int], list[str] | None, list[tuple[bytes, str]]]:
     """(rendered prompt, its ids, the tools' names, the images' bytes each with its place)."""
     state.check_model(body.get("model"))
     refs: list[media.ImageRef] = [] if images is None else images
@@ -268,8 +297,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         tools, _ = convert_tools(body)
         assert tools is not None
         forced = {"json_schema": tool_call_schema(tools, choice.get("name") if choice["type"] == "tool" else None)}
-    constraint, cparam = combine(output_config=anthropic_output_config(body), tool_choice=forced,
-                                 mlxrs=extension(body))
+    constraint, cparam = combine(output_config=anthropic_output_config(body), tool_choice=forced, mlxrs=extension(body))
     for k, v in constraint.items():
         s.set(k, v)
     s.set("stop", stop_list(body.get("stop_sequences"), "stop_sequences") or None)
@@ -314,23 +342,35 @@ async def _collect(state: ServerState, gen: Generation, parser: Any, mid: str) -
         if step.done:
             done = step.done
     reason, seq = stop_reason(done, calls)
-    return web.json_response({
-        "id": mid, "type": "message", "role": "assistant", "model": state.model_id, "content": blocks,
-        "stop_reason": reason, "stop_sequence": seq,
-        "usage": usage(done),
-    })
+    return web.json_response(
+        {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": state.model_id,
+            "content": blocks,
+            "stop_reason": reason,
+            "stop_sequence": seq,
+            "usage": usage(done),
+        }
+    )
 
 
 def usage(done: dict[str, Any]) -> dict[str, int]:
     """Anthropic's usage: input_tokens are the prompt tokens that were processed, cache_read the
     ones taken from the prompt-prefix cache (their sum is the prompt)."""
     cached = int(done.get("cached_tokens", 0))
-    return {"input_tokens": int(done["prompt_tokens"]) - cached, "output_tokens": int(done["completion_tokens"]),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    return {
+        "input_tokens": int(done["prompt_tokens"]) - cached,
+        "output_tokens": int(done["completion_tokens"]),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
 
 
-async def _stream(request: web.Request, state: ServerState, gen: Generation, parser: Any, mid: str,
-                  n_prompt: int) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, state: ServerState, gen: Generation, parser: Any, mid: str, n_prompt: int
+) -> web.StreamResponse:
     resp = await start_sse(request)
     index = -1
     open_type: str | None = None
@@ -353,10 +393,21 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, par
         await send("content_block_start", {"index": index, "content_block": block})
 
     try:
-        await send("message_start", {"message": {
-            "id": mid, "type": "message", "role": "assistant", "model": state.model_id, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
+        await send(
+            "message_start",
+            {
+                "message": {
+                    "id": mid,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": state.model_id,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": n_prompt, "output_tokens": 0},
+                }
+            },
+        )
         await send("ping", {})
         async for step in steps(gen, parser, KEEPALIVE_SECONDS):
             if step is None:
@@ -370,19 +421,23 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation, par
                 elif isinstance(e, Reasoning):
                     if open_type != "thinking":
                         await open_block({"type": "thinking", "thinking": "", "signature": ""})
-                    await send("content_block_delta",
-                               {"index": index, "delta": {"type": "thinking_delta", "thinking": e.text}})
+                    await send(
+                        "content_block_delta", {"index": index, "delta": {"type": "thinking_delta", "thinking": e.text}}
+                    )
                 else:
                     calls = True
                     await open_block({"type": "tool_use", "id": _tool_id(e), "name": e.name, "input": {}})
-                    await send("content_block_delta",
-                               {"index": index, "delta": {"type": "input_json_delta", "partial_json": e.arguments}})
+                    await send(
+                        "content_block_delta",
+                        {"index": index, "delta": {"type": "input_json_delta", "partial_json": e.arguments}},
+                    )
                     await close_block()
             if step.done:
                 await close_block()
                 reason, seq = stop_reason(step.done, calls)
-                await send("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                             "usage": usage(step.done)})
+                await send(
+                    "message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage(step.done)}
+                )
                 await send("message_stop", {})
     except ApiError as e:
         try:

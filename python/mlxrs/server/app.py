@@ -7,6 +7,7 @@ prompt that shares a prefix with an earlier one reuses its KV cache. Events come
 dispatcher thread (mlxrs._dispatch) to the loop. A client that disconnects cancels its generation
 (honoured by the engine at its next prefill chunk or decode step).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,18 +59,33 @@ class Stats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     recent: collections.deque[tuple[int, float, int, float]] = field(
-        default_factory=lambda: collections.deque(maxlen=20))  # (gen tokens, gen s, prompt tokens, prompt s)
+        default_factory=lambda: collections.deque(maxlen=20)
+    )  # (gen tokens, gen s, prompt tokens, prompt s)
 
 
 class ServerState:
     """What the handlers share: the session, the model's names, the plan and the queue."""
 
-    def __init__(self, session: Session, *, model_id: str, aliases: Sequence[str], plan: Mapping[str, Any],
-                 kv_bits: int | None, api_key: str | None,
-                 max_body: int = DEFAULT_MAX_BODY, budget_source: str = "", host: str = "127.0.0.1",
-                 allowed_hosts: Sequence[str] = (), cors_origins: Sequence[str] = (),
-                 shutdown_timeout: float = 10.0, listed_aliases: Sequence[str] = (), strict_names: bool = False,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS, media_policy: MediaPolicy | None = None) -> None:
+    def __init__(
+        self,
+        session: Session,
+        *,
+        model_id: str,
+        aliases: Sequence[str],
+        plan: Mapping[str, Any],
+        kv_bits: int | None,
+        api_key: str | None,
+        max_body: int = DEFAULT_MAX_BODY,
+        budget_source: str = "",
+        host: str = "127.0.0.1",
+        allowed_hosts: Sequence[str] = (),
+        cors_origins: Sequence[str] = (),
+        shutdown_timeout: float = 10.0,
+        listed_aliases: Sequence[str] = (),
+        strict_names: bool = False,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        media_policy: MediaPolicy | None = None,
+    ) -> None:
         self.session = session
         # where images may come from (--allow-local-media, --allow-remote-media) and their limits
         self.media = media_policy or MediaPolicy()
@@ -107,11 +123,16 @@ class ServerState:
         model_dir = Path(session.model_path)
         self.template = session.chat_template or session.info.get("chat_template")
         # what the chat template cannot render is adapted (server/adapt.py)
-        self.caps = adapt.probe(lambda m, t: session.apply_chat_template(m, tools=t)) \
-            if self.template is not None else adapt.Caps()
+        self.caps = (
+            adapt.probe(lambda m, t: session.apply_chat_template(m, tools=t))
+            if self.template is not None
+            else adapt.Caps()
+        )
         if self.caps.adapted():
-            log.info("the chat template lacks %s: such requests are adapted (docs/server-api.md)",
-                     ", ".join(self.caps.adapted()))
+            log.info(
+                "the chat template lacks %s: such requests are adapted (docs/server-api.md)",
+                ", ".join(self.caps.adapted()),
+            )
         self.think = think_markers_for(self.template)
         self.output_format = output_format_for(self.template)
         self.gen_defaults = _generation_defaults(model_dir)
@@ -124,8 +145,9 @@ class ServerState:
         # with an API key (which a rebinding page cannot know)
         names = {h.strip().lower().strip("[]") for h in allowed_hosts if h.strip()}
         self.any_host = "*" in names or (host in WILDCARD_HOSTS and bool(api_key))
-        self.allowed_hosts = names | LOOPBACK_NAMES | ({host.lower().strip("[]")} if host not in WILDCARD_HOSTS
-                                                        else set())
+        self.allowed_hosts = (
+            names | LOOPBACK_NAMES | ({host.lower().strip("[]")} if host not in WILDCARD_HOSTS else set())
+        )
         self.cors_origins = {o.strip().rstrip("/").lower() for o in cors_origins if o.strip()}
 
     # -- names -------------------------------------------------------------------------------
@@ -135,10 +157,17 @@ class ServerState:
         if not isinstance(name, str):
             raise ApiError(400, f"{param}: expected a string", param=param)
         if self.strict_names and name.lower() not in self.aliases:
-            with_adapters = f" (with its adapters {', '.join(self.adapters)}: " \
-                f"{', '.join(f'`{i}`' for i in self.adapter_ids)})" if self.adapters else ""
-            raise ApiError(404, f"The model `{name}` does not exist: this server serves `{self.model_id}`{with_adapters}",
-                           param=param, code="model_not_found")
+            with_adapters = (
+                f" (with its adapters {', '.join(self.adapters)}: {', '.join(f'`{i}`' for i in self.adapter_ids)})"
+                if self.adapters
+                else ""
+            )
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist: this server serves `{self.model_id}`{with_adapters}",
+                param=param,
+                code="model_not_found",
+            )
 
     def adapter_of(self, name: Any) -> str | None:
         """The adapter a request's model name picks: `MODEL:NAME` or `NAME`; None (the base model,
@@ -151,15 +180,26 @@ class ServerState:
         if sep and ad in self.adapters:
             return ad
         if sep and base and self.strict_names:
-            raise ApiError(404, f"The adapter `{ad}` is not loaded: this server has {', '.join(self.adapters)}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The adapter `{ad}` is not loaded: this server has {', '.join(self.adapters)}",
+                param="model",
+                code="model_not_found",
+            )
         return None
 
     # -- prompts ------------------------------------------------------------------------------
-    async def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template_kwargs: Mapping[str, Any], param: str = "messages", *,
-                     images: Sequence[tuple[bytes, str]] = (), audio: Sequence[Any] = (),
-                     video: Sequence[tuple[bytes, str]] = ()) -> tuple[str, list[int]]:
+    async def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: Mapping[str, Any],
+        param: str = "messages",
+        *,
+        images: Sequence[tuple[bytes, str]] = (),
+        audio: Sequence[Any] = (),
+        video: Sequence[tuple[bytes, str]] = (),
+    ) -> tuple[str, list[int]]:
         """Chat template → (rendered text, token ids), off the event loop; what the template
         cannot render is adapted first (server/adapt.py). With `images` (each image's bytes and its
         place in the request), the rendered text's image markers are expanded to the model's image
@@ -181,8 +221,9 @@ class ServerState:
                 try:
                     text = self.session._s.expand_image_markers(text, len(images), sizes)
                 except InvalidArgumentError as e:
-                    raise ApiError(400, f"{param}: {e} (does the chat template render image parts?)",
-                                   param=param) from None
+                    raise ApiError(
+                        400, f"{param}: {e} (does the chat template render image parts?)", param=param
+                    ) from None
             if audio:
                 try:
                     text = self.session._s.expand_audio_markers(text, [c.tokens for c in audio])
@@ -190,11 +231,12 @@ class ServerState:
                     raise ApiError(400, f"{param}: {e}", param=param) from None
             if video:  # one video, its frames: the marker expanded by the frame count and size
                 try:
-                    (h, w), = self.session._s.image_sizes(list(video[:1]), json.dumps(self.media.params()))
+                    ((h, w),) = self.session._s.image_sizes(list(video[:1]), json.dumps(self.media.params()))
                     text = self.session._s.expand_video_marker(text, len(video), h, w)
                 except InvalidArgumentError as e:
                     raise ApiError(400, f"{param}: {e}", param=param) from None
             return text, self._encode(text, lambda t: list(self.session._s.encode_rendered(t)), param)
+
         return await self._blocking(work)
 
     async def load_images(self, refs: Sequence[MediaRef]) -> list[tuple[bytes, str]]:
@@ -249,14 +291,20 @@ class ServerState:
         except Exception as e:  # template errors (raise_exception), bad ids, …
             raise from_exception(e) from None
 
-    def parser(self, rendered: str | None, tool_names: Sequence[str] | None,
-               tools: Sequence[dict[str, Any]] | None = None) -> OutputParser:
+    def parser(
+        self, rendered: str | None, tool_names: Sequence[str] | None, tools: Sequence[dict[str, Any]] | None = None
+    ) -> OutputParser:
         """The output parser of one request; `tools` (OpenAI-style) type the values of the
         XML-style call formats by their schemas. `rendered` is None under a constraint: the output
         is then the constrained text itself (a forced call is bare JSON), never harmony's channels."""
         in_reasoning = bool(rendered) and rendered.rstrip().endswith(self.think[0])  # type: ignore[union-attr]
-        return OutputParser(tools=tool_names, think=self.think, in_reasoning=in_reasoning,
-                            schemas=schemas_of(tools), harmony=self.output_format == "harmony" and rendered is not None)
+        return OutputParser(
+            tools=tool_names,
+            think=self.think,
+            in_reasoning=in_reasoning,
+            schemas=schemas_of(tools),
+            harmony=self.output_format == "harmony" and rendered is not None,
+        )
 
     # -- admission ----------------------------------------------------------------------------
     def admit(self, n_prompt: int, max_tokens: int | None, param: str = "messages") -> int:
@@ -270,8 +318,13 @@ class ServerState:
             return min(self.default_max_tokens, room)
         if max_tokens > room:
             self.stats.clamped += 1
-            log.info("max_tokens %d clamped to %d (context ceiling %d, prompt %d tokens)",
-                     max_tokens, room, ceiling, n_prompt)
+            log.info(
+                "max_tokens %d clamped to %d (context ceiling %d, prompt %d tokens)",
+                max_tokens,
+                room,
+                ceiling,
+                n_prompt,
+            )
             return room
         return max_tokens
 
@@ -303,12 +356,19 @@ class ServerState:
         return admission_error(
             f"the prompt ({n_prompt} tokens) leaves no room to generate within the context ceiling of "
             f"{self.context_tokens} tokens (memory budget {self.plan['usableBytes']} bytes; see /stats) — shorten "
-            "the prompt, raise --memory-budget, or serve with --kv-quant 4|8", param=param)
+            "the prompt, raise --memory-budget, or serve with --kv-quant 4|8",
+            param=param,
+        )
 
     # -- generation ---------------------------------------------------------------------------
-    async def generate(self, ids: list[int], opts: dict[str, Any],
-                       images: list[tuple[bytes, str]] | None = None, audio: list[Any] | None = None,
-                       video: list[tuple[bytes, str]] | None = None) -> "Generation":
+    async def generate(
+        self,
+        ids: list[int],
+        opts: dict[str, Any],
+        images: list[tuple[bytes, str]] | None = None,
+        audio: list[Any] | None = None,
+        video: list[tuple[bytes, str]] | None = None,
+    ) -> "Generation":
         """Hand the request to the engine (it queues and batches); 429 when its queue is full,
         503 while shutting down or when the engine cannot generate."""
         if self.closing:
@@ -319,8 +379,9 @@ class ServerState:
             params = _params(opts, self.vocab)
             if images or video:
                 params = json.dumps({**json.loads(params), **self.media.params()})
-            stream = self.session._s.start(ids, params, self.dispatcher.hub, images or None, audio or None,
-                                           video or None)
+            stream = self.session._s.start(
+                ids, params, self.dispatcher.hub, images or None, audio or None, video or None
+            )
         except EngineError as e:
             raise self.engine_unavailable(e) from None
         except Exception as e:
@@ -343,8 +404,14 @@ class ServerState:
         self.stats.prompt_tokens += int(done["prompt_tokens"])
         self.stats.cached_tokens += int(done.get("cached_tokens", 0))
         self.stats.completion_tokens += int(done["completion_tokens"])
-        self.stats.recent.append((int(done["completion_tokens"]), float(done["generation_seconds"]),
-                                  int(done["prompt_tokens"]), float(done["prompt_seconds"])))
+        self.stats.recent.append(
+            (
+                int(done["completion_tokens"]),
+                float(done["generation_seconds"]),
+                int(done["prompt_tokens"]),
+                float(done["prompt_seconds"]),
+            )
+        )
 
     def stats_body(self) -> dict[str, Any]:
         st = self.stats
@@ -390,16 +457,24 @@ class ServerState:
                 "generation_tokens_per_second": round(gen_t / gen_s, 2) if gen_s > 0 else None,
                 "prompt_tokens_per_second": round(pr_t / pr_s, 2) if pr_s > 0 else None,
             },
-            "engine": {**{k: engine.get(k) for k in ("prompt_tokens_total", "generated_tokens_total", "decode_steps",
-                                                     "stacked_decode_steps")},
-                       **self.engine()},
+            "engine": {
+                **{
+                    k: engine.get(k)
+                    for k in ("prompt_tokens_total", "generated_tokens_total", "decode_steps", "stacked_decode_steps")
+                },
+                **self.engine(),
+            },
             "uptime_seconds": round(time.time() - st.started, 1),
         }
 
 
 def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down: retry on another instance or after it restarts",
-                    code="shutting_down", headers={"Retry-After": "5"})
+    return ApiError(
+        503,
+        "the server is shutting down: retry on another instance or after it restarts",
+        code="shutting_down",
+        headers={"Retry-After": "5"},
+    )
 
 
 SHUTDOWN = object()  # queued into a Generation by ServerState.end_generations
@@ -441,8 +516,15 @@ class Generation:
         self.cancel()
         if not self.started:
             raise shutting_down()
-        return {"type": "done", "finish_reason": "length", "stop_string": None, "shutdown": True,
-                "prompt_tokens": self.n_prompt, "completion_tokens": self.n_generated, "cached_tokens": 0}
+        return {
+            "type": "done",
+            "finish_reason": "length",
+            "stop_string": None,
+            "shutdown": True,
+            "prompt_tokens": self.n_prompt,
+            "completion_tokens": self.n_generated,
+            "cached_tokens": 0,
+        }
 
     async def events(self, keepalive: float | None = None) -> AsyncIterator[dict[str, Any] | None]:
         """Engine events (progress/token/done); None after `keepalive` seconds of silence."""
@@ -490,15 +572,23 @@ PAGE_PATHS = {"/", "/index.html", *(f"/static/{n}" for n in PAGE_FILES)}
 # the page runs only its own script and style and talks only to this server: model output that
 # slipped into the DOM as markup still could not run or load anything (images: its own, and the
 # data: URLs of the images the user attaches, shown as thumbnails — nothing from elsewhere)
-PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
-            "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-PAGE_HEADERS = {"Content-Security-Policy": PAGE_CSP, "X-Content-Type-Options": "nosniff",
-                "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
+PAGE_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+PAGE_HEADERS = {
+    "Content-Security-Policy": PAGE_CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-cache",
+}
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                           ) -> web.StreamResponse:
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     proto = protocol_of(request)
     try:
         return await handler(request)
@@ -524,7 +614,7 @@ def _host_name(host: str) -> str:
     """The name in a Host header, without its port ("[::1]:8080" → "::1")."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
+        return host[1 : host.find("]")] if "]" in host else host
     return (host.rsplit(":", 1)[0] if host.count(":") == 1 else host).rstrip(".")
 
 
@@ -545,24 +635,37 @@ def check_origin(request: web.Request) -> None:
     if host is not None and not state.any_host and request.path not in OPEN_PATHS:
         name = _host_name(host)
         if name not in state.allowed_hosts and not name.endswith(".localhost"):
-            raise ApiError(403, f"Host {host!r} is not one this server answers to (a DNS-rebinding guard): "
-                                f"pass --allowed-hosts {name} to allow it", code="host_not_allowed")
+            raise ApiError(
+                403,
+                f"Host {host!r} is not one this server answers to (a DNS-rebinding guard): "
+                f"pass --allowed-hosts {name} to allow it",
+                code="host_not_allowed",
+            )
     origin = request.headers.get("Origin")
     if origin is None or cors_origin(request):
         return
     same = host is not None and origin.lower().split("://", 1)[-1].rstrip("/") == host.lower()
     if not same:
-        raise ApiError(403, f"cross-origin request from {origin!r} refused: pass --cors-origin {origin} to allow "
-                            "a web page there to call this server", code="origin_not_allowed")
+        raise ApiError(
+            403,
+            f"cross-origin request from {origin!r} refused: pass --cors-origin {origin} to allow "
+            "a web page there to call this server",
+            code="origin_not_allowed",
+        )
 
 
 def _preflight(request: web.Request) -> web.Response:
     """A CORS preflight from an allowed origin (check_origin has refused any other)."""
-    return web.Response(status=204, headers={
-        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-        "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
-                                                            "authorization, content-type, x-api-key"),
-        "Access-Control-Max-Age": "600"})
+    return web.Response(
+        status=204,
+        headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": request.headers.get(
+                "Access-Control-Request-Headers", "authorization, content-type, x-api-key"
+            ),
+            "Access-Control-Max-Age": "600",
+        },
+    )
 
 
 async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -573,29 +676,46 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
 
 
 @web.middleware
-async def guard_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                           ) -> web.StreamResponse:
+async def guard_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     state = request.app[STATE]
     check_origin(request)
-    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers \
-            and request.headers.get("Origin"):
+    if (
+        request.method == "OPTIONS"
+        and "Access-Control-Request-Method" in request.headers
+        and request.headers.get("Origin")
+    ):
         if not cors_origin(request):
-            raise ApiError(403, "CORS preflight refused: this server allows no cross-origin callers "
-                                "(--cors-origin)", code="origin_not_allowed")
+            raise ApiError(
+                403,
+                "CORS preflight refused: this server allows no cross-origin callers (--cors-origin)",
+                code="origin_not_allowed",
+            )
         return _preflight(request)
-    if state.api_key and request.path not in OPEN_PATHS and not (request.method == "GET"
-                                                                   and request.path in PAGE_PATHS):
+    if (
+        state.api_key
+        and request.path not in OPEN_PATHS
+        and not (request.method == "GET" and request.path in PAGE_PATHS)
+    ):
         given = None
         auth = request.headers.get("Authorization", "")
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
         given = given or request.headers.get("x-api-key")
         if given != state.api_key:
-            raise ApiError(401, "missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
-                           if not given else "incorrect API key provided")
+            raise ApiError(
+                401,
+                "missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
+                if not given
+                else "incorrect API key provided",
+            )
     if request.content_length is not None and request.content_length > state.max_body:
-        raise ApiError(413, f"request body of {request.content_length} bytes is larger than the limit of "
-                            f"{state.max_body} bytes (--max-body-bytes)")
+        raise ApiError(
+            413,
+            f"request body of {request.content_length} bytes is larger than the limit of "
+            f"{state.max_body} bytes (--max-body-bytes)",
+        )
     return await handler(request)
 
 
@@ -605,20 +725,29 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     ctype = request.content_type
     if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
         shown = request.headers.get("Content-Type")
-        raise ApiError(415, f"Content-Type must be application/json, got {shown!r}" if shown
-                       else "Content-Type must be application/json (the header is missing)")
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, got {shown!r}"
+            if shown
+            else "Content-Type must be application/json (the header is missing)",
+        )
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         state = request.app[STATE]
-        raise ApiError(413, f"request body is larger than the limit of {state.max_body} bytes (--max-body-bytes)") \
-            from None
+        raise ApiError(
+            413, f"request body is larger than the limit of {state.max_body} bytes (--max-body-bytes)"
+        ) from None
     except web.HTTPException as e:
-        raise ApiError(e.status if 400 <= e.status < 500 else 400, f"request body cannot be read: {e.text or e.reason}") \
-            from None
+        raise ApiError(
+            e.status if 400 <= e.status < 500 else 400, f"request body cannot be read: {e.text or e.reason}"
+        ) from None
     except Exception as e:  # a Content-Encoding the body does not have (bad gzip, …)
-        raise ApiError(400, f"request body cannot be read ({request.headers.get('Content-Encoding') or 'identity'} "
-                            f"encoding): {type(e).__name__}: {e}") from None
+        raise ApiError(
+            400,
+            f"request body cannot be read ({request.headers.get('Content-Encoding') or 'identity'} "
+            f"encoding): {type(e).__name__}: {e}",
+        ) from None
     if not raw.strip():
         raise ApiError(400, "request body is empty: expected a JSON object")
     body = loads_strict(raw)
@@ -633,8 +762,10 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.engine()
     status = "shutting_down" if state.closing else "ok" if engine["state"] == "running" else "unavailable"
-    return web.json_response({"status": status, "model": state.model_id, "context_tokens": state.context_tokens,
-                              "engine": engine}, status=200 if status == "ok" else 503)
+    return web.json_response(
+        {"status": status, "model": state.model_id, "context_tokens": state.context_tokens, "engine": engine},
+        status=200 if status == "ok" else 503,
+    )
 
 
 async def page(request: web.Request) -> web.Response:
@@ -643,8 +774,9 @@ async def page(request: web.Request) -> web.Response:
     ctype = "text/html" if name == "index.html" else PAGE_FILES.get(name)
     if ctype is None:
         raise web.HTTPNotFound()
-    return web.Response(body=(STATIC_DIR / name).read_bytes(), content_type=ctype, charset="utf-8",
-                        headers=PAGE_HEADERS)
+    return web.Response(
+        body=(STATIC_DIR / name).read_bytes(), content_type=ctype, charset="utf-8", headers=PAGE_HEADERS
+    )
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -655,13 +787,23 @@ def _model_card(state: ServerState, anthropic: bool, name: str | None = None) ->
     """The card of the served model, under `name` (one of its --alias names) or its own id."""
     mid = name or state.model_id
     if anthropic:
-        return {"type": "model", "id": mid, "display_name": mid,
-                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))}
-    return {"id": mid, "object": "model", "created": state.created, "owned_by": "mlxrs",
-            "context_length": state.context_tokens,
-            "input_modalities": ["text"] + (["image"] if state.vision else [])
-            + (["video"] if state.vision and state.vision.get("video_marker") else [])
-            + (["audio"] if state.audio else [])}
+        return {
+            "type": "model",
+            "id": mid,
+            "display_name": mid,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created)),
+        }
+    return {
+        "id": mid,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "mlxrs",
+        "context_length": state.context_tokens,
+        "input_modalities": ["text"]
+        + (["image"] if state.vision else [])
+        + (["video"] if state.vision and state.vision.get("video_marker") else [])
+        + (["audio"] if state.audio else []),
+    }
 
 
 async def models(request: web.Request) -> web.Response:
@@ -707,8 +849,9 @@ class _JsonErrorHandler(web_protocol.RequestHandler):
     """aiohttp answers what it cannot parse as HTTP (and a few other protocol errors) itself, in
     plain text: here those answers carry the OpenAI error envelope."""
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         super().handle_error(request, status, exc, message)  # logs; raises once a response has started
         text = " ".join((message or "").split()) or "error"
         err = ApiError(status, f"malformed HTTP request: {text}" if status == 400 else text)
@@ -757,8 +900,13 @@ def sse(data: Any, event: str | None = None) -> bytes:
 
 
 async def start_sse(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
     await resp.prepare(request)
     return resp
 
@@ -774,8 +922,9 @@ class Step:
     done: dict[str, Any] | None = None
 
 
-async def steps(gen: Generation, parser: OutputParser | None, keepalive: float | None = None
-                ) -> AsyncIterator[Step | None]:
+async def steps(
+    gen: Generation, parser: OutputParser | None, keepalive: float | None = None
+) -> AsyncIterator[Step | None]:
     """Engine events → Steps (None on keepalive ticks). Without a parser, text is content as is."""
     from .events import Content
 

@@ -1,4 +1,5 @@
 """Request-side helpers both protocols share: strict JSON, typed field checks, sampling options."""
+
 from __future__ import annotations
 
 import json
@@ -72,16 +73,20 @@ def check_json(value: Any, where: str = "", *, surrogates: bool = True, depth: i
             if isinstance(v, dict):
                 for k, x in v.items():
                     if surrogates and _SURROGATE.search(k):
-                        raise _at(shown, f"the key {ascii(k)} contains a lone UTF-16 surrogate: text must be "
-                                         "valid Unicode")
+                        raise _at(
+                            shown, f"the key {ascii(k)} contains a lone UTF-16 surrogate: text must be valid Unicode"
+                        )
                     stack.append((path if deeper else f"{path}.{k}" if path else k, x, depth + 1))
             else:
                 stack.extend((path if deeper else f"{path}[{i}]", x, depth + 1) for i, x in enumerate(v))
         elif isinstance(v, _Bad):
             raise _at(shown, v.why)
         elif surrogates and isinstance(v, str) and _SURROGATE.search(v):
-            raise _at(shown, "contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
-                             "text must be valid Unicode")
+            raise _at(
+                shown,
+                "contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): "
+                "text must be valid Unicode",
+            )
 
 
 def _at(path: str, msg: str) -> ApiError:
@@ -137,8 +142,9 @@ def content_parts(content: list[Any], where: str, noun: str) -> Iterator[tuple[s
         yield t, part, pw
 
 
-def opt_number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: float | None = None,
-               *, param: str | None = None) -> float | None:
+def opt_number(
+    body: Mapping[str, Any], key: str, lo: float | None = None, hi: float | None = None, *, param: str | None = None
+) -> float | None:
     v = body.get(key)
     p = param or key
     if v is None:
@@ -149,13 +155,20 @@ def opt_number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: f
     if not math.isfinite(f):
         raise bad(p, "must be a finite number")
     if lo is not None and f < lo or hi is not None and f > hi:
-        raise bad(p, f"must be in [{lo}, {hi}], got {v}" if lo is not None and hi is not None
-                  else f"must be >= {lo}, got {v}" if lo is not None else f"must be <= {hi}, got {v}")
+        raise bad(
+            p,
+            f"must be in [{lo}, {hi}], got {v}"
+            if lo is not None and hi is not None
+            else f"must be >= {lo}, got {v}"
+            if lo is not None
+            else f"must be <= {hi}, got {v}",
+        )
     return f
 
 
-def opt_int(body: Mapping[str, Any], key: str, lo: int | None = None, hi: int | None = None,
-            *, param: str | None = None) -> int | None:
+def opt_int(
+    body: Mapping[str, Any], key: str, lo: int | None = None, hi: int | None = None, *, param: str | None = None
+) -> int | None:
     v = body.get(key)
     p = param or key
     if v is None:
@@ -223,8 +236,9 @@ class Sampling:
             self.opts[key] = value
 
 
-def common_sampling(body: Mapping[str, Any], *, temperature_max: float, defaults: Mapping[str, Any],
-                    vocab: int) -> Sampling:
+def common_sampling(
+    body: Mapping[str, Any], *, temperature_max: float, defaults: Mapping[str, Any], vocab: int
+) -> Sampling:
     """temperature, top_p, top_k, min_p, seed (both protocols); defaults from generation_config."""
     s = Sampling()
     t = opt_number(body, "temperature", 0.0, temperature_max)

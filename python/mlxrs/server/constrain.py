@@ -3,6 +3,7 @@ forced tool calls (`tool_choice` required / named, Anthropic any / tool) and the
 field (`{"mlxrs": {"grammar": …}}` or `{"mlxrs": {"regex": …}}`). Each returns the engine options
 (`json_schema`, `json_object`, `regex` or `grammar`, see `Session.generate`); a grammar that does
 not compile is refused by the engine at submission (a 400 naming the option)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,11 +33,11 @@ def openai_response_format(body: dict[str, Any]) -> dict[str, Any]:
     if t == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
-            raise bad("response_format.json_schema", "expected {\"name\": …, \"schema\": {…}, \"strict\": true}")
+            raise bad("response_format.json_schema", 'expected {"name": …, "schema": {…}, "strict": true}')
         if "schema" not in js:  # OpenAI: no schema means any JSON object
             return {"json_object": True}
         return {"json_schema": _schema(js["schema"], "response_format.json_schema.schema")}
-    raise bad("response_format.type", f"expected \"text\", \"json_object\" or \"json_schema\", got {t!r}")
+    raise bad("response_format.type", f'expected "text", "json_object" or "json_schema", got {t!r}')
 
 
 def anthropic_output_config(body: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +51,7 @@ def anthropic_output_config(body: dict[str, Any]) -> dict[str, Any]:
     if fmt is None:
         return {}
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        raise bad("output_config.format", "expected {\"type\": \"json_schema\", \"schema\": {…}}")
+        raise bad("output_config.format", 'expected {"type": "json_schema", "schema": {…}}')
     return {"json_schema": _schema(fmt.get("schema"), "output_config.format.schema")}
 
 
@@ -64,7 +65,7 @@ def extension(body: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in ext.items():
         if k not in ("grammar", "regex"):
-            raise bad(f"mlxrs.{k}", "unknown option (expected \"grammar\" or \"regex\")")
+            raise bad(f"mlxrs.{k}", 'unknown option (expected "grammar" or "regex")')
         if v is None:
             continue
         if not isinstance(v, str) or not v:
@@ -83,8 +84,14 @@ def tool_call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str,
         if name is not None and fn["name"] != name:
             continue
         params = fn.get("parameters") or {"type": "object"}
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                        "required": ["name", "arguments"], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 

@@ -4,6 +4,7 @@ An embedding is the model's final normed hidden states (what its LM head reads) 
 input's tokens and L2-normalised (Session.embed): usable for similarity between texts, but a
 generative model is no trained embedding model — expect weaker retrieval than a dedicated one.
 """
+
 from __future__ import annotations
 
 import base64
@@ -45,10 +46,12 @@ async def embeddings(request: web.Request) -> web.Response:
     state.check_model(body.get("model"))
     fmt = opt_str(body, "encoding_format") or "float"
     if fmt not in ("float", "base64"):
-        raise bad("encoding_format", f"expected \"float\" or \"base64\", got {fmt!r}")
+        raise bad("encoding_format", f'expected "float" or "base64", got {fmt!r}')
     if body.get("dimensions") is not None:
-        raise bad("dimensions", f"is not supported: the embeddings have the model's hidden size "
-                                f"({state.info.get('hidden_size', '?')})")
+        raise bad(
+            "dimensions",
+            f"is not supported: the embeddings have the model's hidden size ({state.info.get('hidden_size', '?')})",
+        )
     inp = body.get("input")
     one = isinstance(inp, str) or (isinstance(inp, list) and bool(inp) and all(isinstance(t, int) for t in inp))
     items = [inp] if one else inp
@@ -65,8 +68,14 @@ async def embeddings(request: web.Request) -> web.Response:
         n_tokens += len(ids)
         vec = await state._blocking(functools.partial(_embed, state, ids))
         data.append({"object": "embedding", "index": i, "embedding": _b64(vec) if fmt == "base64" else vec})
-    return web.json_response({"object": "list", "data": data, "model": state.model_id,
-                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "model": state.model_id,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+    )
 
 
 def setup(r: web.UrlDispatcher) -> None:

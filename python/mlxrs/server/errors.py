@@ -3,6 +3,7 @@
 OpenAI:    {"error": {"message", "type", "param", "code"}}
 Anthropic: {"type": "error", "error": {"type", "message"[, "code"]}}
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,17 @@ _KIND = {
 class ApiError(Exception):
     """An error response. `type`/`code` override the status's defaults (memory admission)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None,
-                 anthropic_type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        anthropic_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.anthropic_type = anthropic_type
         self.status = status
@@ -49,12 +58,17 @@ class ApiError(Exception):
             if self.code and self.type:  # memory admission's code rides along in its own type
                 err["code"] = self.code
             return {"type": "error", "error": err}
-        return {"error": {"message": self.message, "type": self.type or oa_type, "param": self.param,
-                          "code": self.code or oa_code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type or oa_type,
+                "param": self.param,
+                "code": self.code or oa_code,
+            }
+        }
 
     def response(self, protocol: str) -> web.Response:
-        return web.json_response(self.body(protocol), status=self.status, headers=self.headers,
-                                 dumps=_dumps)
+        return web.json_response(self.body(protocol), status=self.status, headers=self.headers, dumps=_dumps)
 
 
 def _dumps(obj: Any) -> str:
@@ -67,8 +81,12 @@ def admission_error(message: str, param: str | None = "messages") -> ApiError:
 
 def engine_error(state: str, why: str | None) -> ApiError:
     """503 for a server whose engine cannot generate (its thread died, or it was closed)."""
-    return ApiError(503, f"the engine cannot generate ({state}{': ' + why if why else ''}): restart the server",
-                    code="engine_unavailable", anthropic_type="api_error")
+    return ApiError(
+        503,
+        f"the engine cannot generate ({state}{': ' + why if why else ''}): restart the server",
+        code="engine_unavailable",
+        anthropic_type="api_error",
+    )
 
 
 def from_exception(e: BaseException) -> ApiError:
@@ -87,8 +105,7 @@ def from_exception(e: BaseException) -> ApiError:
         return ApiError(413, "request body too large: " + e.text if e.text else "request body too large")
     if isinstance(e, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(e.allowed_methods))
-        return ApiError(405, f"method {e.method} is not allowed here (allowed: {allowed})",
-                        headers={"Allow": allowed})
+        return ApiError(405, f"method {e.method} is not allowed here (allowed: {allowed})", headers={"Allow": allowed})
     if isinstance(e, web.HTTPNotFound):
         return ApiError(404, "no such endpoint")
     if isinstance(e, web.HTTPException):

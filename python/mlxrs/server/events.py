@@ -35,6 +35,7 @@ or with ``to=`` in the header before the channel) is a tool call; its message fr
 Bare JSON must name one of the offered tools to count as a call. Text that does not parse as a
 call comes back as content, unchanged: nothing the model wrote is dropped.
 """
+
 from __future__ import annotations
 
 import ast
@@ -73,8 +74,11 @@ PYTHON_TAG = "<|python_tag|>"
 GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_STR = "<|tool_call>", "<tool_call|>", '<|"|>'
 GEMMA4_RESPONSE = "<|tool_response>"
 
-THINK_MARKERS = {"<think>": ("<think>", "</think>"), "[THINK]": ("[THINK]", "[/THINK]"),
-                 "<|channel>": ("<|channel>thought", "<channel|>")}
+THINK_MARKERS = {
+    "<think>": ("<think>", "</think>"),
+    "[THINK]": ("[THINK]", "[/THINK]"),
+    "<|channel>": ("<|channel>thought", "<channel|>"),
+}
 
 
 def think_markers_for(template: str | None) -> tuple[str, str]:
@@ -188,13 +192,25 @@ def _schema_types(schema: Any) -> set[str]:
         return set()
     types: set[str] = set()
     t = schema.get("type")
-    for x in (t if isinstance(t, list) else [t]):
+    for x in t if isinstance(t, list) else [t]:
         if isinstance(x, str):
             types.add(x.strip().lower())
     for v in schema.get("enum") or () if isinstance(schema.get("enum"), list) else ():
-        types.add("null" if v is None else "boolean" if isinstance(v, bool) else "integer" if isinstance(v, int)
-                  else "number" if isinstance(v, float) else "string" if isinstance(v, str)
-                  else "array" if isinstance(v, list) else "object")
+        types.add(
+            "null"
+            if v is None
+            else "boolean"
+            if isinstance(v, bool)
+            else "integer"
+            if isinstance(v, int)
+            else "number"
+            if isinstance(v, float)
+            else "string"
+            if isinstance(v, str)
+            else "array"
+            if isinstance(v, list)
+            else "object"
+        )
     for k in ("anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(k), list):
             for c in schema[k]:
@@ -278,13 +294,13 @@ def _qwen_xml_calls(b: str, schemas: Schemas) -> list[ToolCall] | None:
     calls = []
     pos = 0
     for m in _FUNC_RE.finditer(b):
-        if b[pos:m.start()].strip():
+        if b[pos : m.start()].strip():
             return None
         props = schemas.get(m.group(1), {})
         args: dict[str, Any] = {}
         inner = 0
         for p in _PARAM_RE.finditer(m.group(2)):
-            if m.group(2)[inner:p.start()].strip():
+            if m.group(2)[inner : p.start()].strip():
                 return None
             args[p.group(1)] = typed_value(_strip_one_newline(p.group(2)), props.get(p.group(1)))
             inner = p.end()
@@ -355,8 +371,11 @@ def parse_deepseek_calls(body: str) -> list[ToolCall] | None:
 
 
 KIMI_OPEN, KIMI_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-_KIMI_CALL = re.compile(r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?([^\s<]+?)(?::\d+)?\s*"
-                        r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>\s*", re.S)
+_KIMI_CALL = re.compile(
+    r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?([^\s<]+?)(?::\d+)?\s*"
+    r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>\s*",
+    re.S,
+)
 
 
 def parse_kimi_calls(body: str) -> list[ToolCall] | None:
@@ -511,12 +530,12 @@ _NAME_PART = re.compile(r"\s*[A-Za-z0-9_.\-]*\s*")
 
 def _mistral_name_pending(s: str) -> bool:
     """True while `s` may still become ``name[ARGS]`` / ``name[CALL_ID]id[ARGS]``."""
-    tail = s[_NAME_PART.match(s).end():]  # type: ignore[union-attr]
+    tail = s[_NAME_PART.match(s).end() :]  # type: ignore[union-attr]
     if not tail or "[ARGS]".startswith(tail) or "[CALL_ID]".startswith(tail):
         return True
     if tail.startswith("[CALL_ID]"):
-        rest = tail[len("[CALL_ID]"):]
-        rest = rest[_NAME_PART.match(rest).end():]  # type: ignore[union-attr]
+        rest = tail[len("[CALL_ID]") :]
+        rest = rest[_NAME_PART.match(rest).end() :]  # type: ignore[union-attr]
         return not rest or "[ARGS]".startswith(rest)
     return False
 
@@ -546,8 +565,10 @@ BLOCKS: dict[str, tuple[str, Any]] = {
 H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 H_ENDS = ("<|end|>", "<|call|>", "<|return|>")  # a message's end (consumed)
 H_NEXT = (H_START, H_CHANNEL)  # the next message's header, its end unwritten
-_H_HEADER = re.compile(r"\s*(?:<\|start\|>)?\s*(?:assistant)?\s*(?:to=([^\s<]+)\s*)?"
-                       r"(?:<\|channel\|>\s*(\w+))?\s*(?:to=([^\s<]+)\s*)?(?:<\|constrain\|>\s*[\w/.-]+|json)?\s*")
+_H_HEADER = re.compile(
+    r"\s*(?:<\|start\|>)?\s*(?:assistant)?\s*(?:to=([^\s<]+)\s*)?"
+    r"(?:<\|channel\|>\s*(\w+))?\s*(?:to=([^\s<]+)\s*)?(?:<\|constrain\|>\s*[\w/.-]+|json)?\s*"
+)
 _H_PREFIXES = (H_START, H_CHANNEL, "assistant", "to=")
 H_HEADER_MAX = 256  # a header's length at most (role, recipient, channel, constraint)
 
@@ -637,7 +658,7 @@ class OutputParser:
                 s = s.lstrip("; \t\r\n")
             if self.after_gemma4:  # Gemma 4 ends its calls by waiting for the response
                 if s.startswith(GEMMA4_RESPONSE):
-                    s = s[len(GEMMA4_RESPONSE):].lstrip()
+                    s = s[len(GEMMA4_RESPONSE) :].lstrip()
                 elif s and GEMMA4_RESPONSE.startswith(s) and not final:
                     self.buf = s
                     return False
@@ -675,7 +696,7 @@ class OutputParser:
         if self.think and not self.reasoning_started:
             op = self.think[0]
             if s.startswith(op):
-                self.buf = s[len(op):]
+                self.buf = s[len(op) :]
                 self.state = "reasoning"
                 self.reasoning_started = True
                 self.strip_lead = True
@@ -688,7 +709,7 @@ class OutputParser:
             if not final and JSON_FENCE.startswith(s) and len(s) < len(JSON_FENCE):
                 return False
             if s.startswith(JSON_FENCE):
-                self.buf = s[len(JSON_FENCE):]
+                self.buf = s[len(JSON_FENCE) :]
                 self.state = "fenced"
                 return True
             json_start = s.startswith(PYTHON_TAG) or s[0] == "{"
@@ -698,7 +719,7 @@ class OutputParser:
                     return False
                 json_start = rest.startswith("{")
             if json_start:
-                self.buf = s[len(PYTHON_TAG):].lstrip() if s.startswith(PYTHON_TAG) else s
+                self.buf = s[len(PYTHON_TAG) :].lstrip() if s.startswith(PYTHON_TAG) else s
                 self.state = "json"
                 return True
         # plain text: after reasoning, the separating whitespace is dropped
@@ -718,7 +739,7 @@ class OutputParser:
             i, m = best
             if i:
                 out.append(Content(buf[:i]))
-            self.buf = buf[i + len(m):]
+            self.buf = buf[i + len(m) :]
             self.state = "mistral" if m == MISTRAL else "block"
             self.block = m
             return True
@@ -726,7 +747,7 @@ class OutputParser:
         emit = buf[: len(buf) - keep]
         if emit:
             out.append(Content(emit))
-            self.buf = buf[len(emit):]
+            self.buf = buf[len(emit) :]
         return False
 
     def _reasoning(self, out: list[Event], final: bool) -> bool:
@@ -743,7 +764,7 @@ class OutputParser:
             text = self.buf[:i].rstrip("\n")
             if text:
                 out.append(Reasoning(text))
-            self.buf = self.buf[i + len(close):]
+            self.buf = self.buf[i + len(close) :]
             self.state = "start"
             self.reasoning_done = True
             return True
@@ -758,7 +779,7 @@ class OutputParser:
         emit = body[: len(body) - held]
         if emit:
             out.append(Reasoning(emit))
-            self.buf = self.buf[len(emit):]
+            self.buf = self.buf[len(emit) :]
         return False
 
     def _block(self, out: list[Event], final: bool) -> bool:
@@ -779,7 +800,7 @@ class OutputParser:
             self._emit_call(out, calls)
         else:
             out.append(Content(opener + body + (close if i >= 0 else "")))
-        self.buf = self.buf[i + len(close):] if i >= 0 else ""
+        self.buf = self.buf[i + len(close) :] if i >= 0 else ""
         self.state = "after" if calls else "text"
         self.after_gemma4 = bool(calls) and opener == GEMMA4_OPEN
         return True
@@ -818,7 +839,7 @@ class OutputParser:
             out.append(Content(MISTRAL))
             self.state = "text"
             return True
-        rest = s[m.end():].lstrip()
+        rest = s[m.end() :].lstrip()
         end = _json_end(rest)
         if (end is None or not rest) and not final:
             return False
@@ -852,7 +873,7 @@ class OutputParser:
             self._emit_call(out, calls)
         else:
             out.append(Content(JSON_FENCE + body + (FENCE if i >= 0 else "")))
-        self.buf = self.buf[i + len(FENCE):] if i >= 0 else ""
+        self.buf = self.buf[i + len(FENCE) :] if i >= 0 else ""
         self.state = "after" if calls else "text"
         return True
 
@@ -880,7 +901,6 @@ class OutputParser:
         self.state = "after"
         return True
 
-
     # -- harmony (gpt-oss) ----------------------------------------------------------------------
     def _h_header(self, out: list[Event], final: bool) -> bool:
         """A message's header up to ``<|message|>``: its channel and recipient decide what the
@@ -891,8 +911,11 @@ class OutputParser:
         header_like = any(p.startswith(t) or t.startswith(p) for p in _H_PREFIXES)
         found = [(j, mk) for mk in (H_MESSAGE, *H_ENDS) if 0 <= (j := self.buf.find(mk)) < H_HEADER_MAX]
         i, first = min(found) if found else (-1, "")
-        if not header_like or (found and first != H_MESSAGE) or (
-                not found and len(self.buf) >= H_HEADER_MAX + len(H_MESSAGE)):
+        if (
+            not header_like
+            or (found and first != H_MESSAGE)
+            or (not found and len(self.buf) >= H_HEADER_MAX + len(H_MESSAGE))
+        ):
             self._h_not_header(out)
             return True
         if not found:
@@ -904,11 +927,11 @@ class OutputParser:
         head = self.buf[:i]
         m = _H_HEADER.fullmatch(head)
         raw = head + H_MESSAGE
-        self.buf = self.buf[i + len(H_MESSAGE):]
+        self.buf = self.buf[i + len(H_MESSAGE) :]
         self.state = "h_body"
         self.h_raw = ""
         recipient = m and (m.group(1) or m.group(3))
-        fn = recipient[len("functions."):] if recipient and recipient.startswith("functions.") else ""
+        fn = recipient[len("functions.") :] if recipient and recipient.startswith("functions.") else ""
         if not m or (recipient and not (self.tools and fn)):  # no header, or no offered function's
             out.append(Content(raw))
             self.h_kind = "content"
@@ -927,7 +950,7 @@ class OutputParser:
         lead = next((m for m in H_NEXT if self.buf.startswith(m)), None)
         if lead:
             out.append(Content(lead))
-            self.buf = self.buf[len(lead):]
+            self.buf = self.buf[len(lead) :]
 
     def _h_body(self, out: list[Event], final: bool) -> bool:
         ends = [(j, t) for t in (*H_ENDS, *H_NEXT) if (j := self.buf.find(t)) >= 0]
@@ -939,11 +962,11 @@ class OutputParser:
             emit = self.buf[: len(self.buf) - keep]
             if emit:
                 out.append(Reasoning(emit) if kind == "reasoning" else Content(emit))
-                self.buf = self.buf[len(emit):]
+                self.buf = self.buf[len(emit) :]
             return False
         j, term = min(ends) if ends else (len(self.buf), "")
         body = self.buf[:j]
-        self.buf = self.buf[j + len(term):] if term in H_ENDS else self.buf[j:]
+        self.buf = self.buf[j + len(term) :] if term in H_ENDS else self.buf[j:]
         self.state = "h_header"
         if kind.startswith("call:"):
             args = _args_text(body.strip()) if body.strip() else None

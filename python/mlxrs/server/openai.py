@@ -1,4 +1,5 @@
 """OpenAI protocol: /v1/chat/completions and /v1/completions, translated from the engine's events."""
+
 from __future__ import annotations
 
 import secrets
@@ -9,10 +10,22 @@ from typing import Any
 from aiohttp import web
 
 from .. import __version__
-from .app import (KEEPALIVE_SECONDS, STATE, Generation, ServerState, Step, TokenText, read_json, sse, start_sse,
-                  steps)
-from .common import (Sampling, bad, check_json, common_sampling, content_parts, logit_bias, opt_bool, opt_int, opt_number,
-                     opt_object, parse_json, stop_list, type_name)
+from .app import KEEPALIVE_SECONDS, STATE, Generation, ServerState, Step, TokenText, read_json, sse, start_sse, steps
+from .common import (
+    Sampling,
+    bad,
+    check_json,
+    common_sampling,
+    content_parts,
+    logit_bias,
+    opt_bool,
+    opt_int,
+    opt_number,
+    opt_object,
+    parse_json,
+    stop_list,
+    type_name,
+)
 from .constrain import combine, extension, naming, openai_response_format, tool_call_schema
 from .. import media
 from ..errors import InvalidArgumentError
@@ -34,18 +47,37 @@ UNSUPPORTED_PARTS = {
 
 def _unsupported(state: ServerState, where: str, kind: str, what: str) -> ApiError:
     if kind == "audio input" and not state.audio:
-        return ApiError(400, f"{where}: {kind} ({what!r} part) is not supported: model {state.model_id} has no audio "
-                             "tower and cannot take audio — send text only", param=where)
+        return ApiError(
+            400,
+            f"{where}: {kind} ({what!r} part) is not supported: model {state.model_id} has no audio "
+            "tower and cannot take audio — send text only",
+            param=where,
+        )
     if state.vision and kind != "image input":
-        return ApiError(400, f"{where}: {kind} content ({what!r} part) is not supported: model {state.model_id} takes "
-                             "text and images only", param=where)
-    return ApiError(400, f"{where}: {kind} content ({what!r} part) is not supported: {state.model_id} is a "
-                         "text-only model (no vision tower) — send text parts only", param=where)
+        return ApiError(
+            400,
+            f"{where}: {kind} content ({what!r} part) is not supported: model {state.model_id} takes "
+            "text and images only",
+            param=where,
+        )
+    return ApiError(
+        400,
+        f"{where}: {kind} content ({what!r} part) is not supported: {state.model_id} is a "
+        "text-only model (no vision tower) — send text parts only",
+        param=where,
+    )
 
 
-def _text_of(state: ServerState, content: Any, where: str, *, allow_none: bool = False,
-             images: list[media.ImageRef] | None = None, audio: list[media.ImageRef] | None = None,
-             videos: list[list[media.ImageRef]] | None = None) -> str | None:
+def _text_of(
+    state: ServerState,
+    content: Any,
+    where: str,
+    *,
+    allow_none: bool = False,
+    images: list[media.ImageRef] | None = None,
+    audio: list[media.ImageRef] | None = None,
+    videos: list[list[media.ImageRef]] | None = None,
+) -> str | None:
     """A message's content as text: a string, or an array of text parts (joined by newlines); with
     `images` (a model with a vision tower), an image part becomes the model's image marker and its
     source goes to `images`; with `videos` (a model whose tower takes video), a video part (its
@@ -90,11 +122,19 @@ def _video_frames(part: dict[str, Any], where: str, again: bool) -> list[media.I
     path, as the media policy allows). A video file is not decoded (mlxrs has no video decoder)."""
     if again:
         raise bad(where, "a request takes one video")
-    frames = part.get("video") if part.get("type") == "video" else (part.get("video_url") or {}).get("url") \
-        if isinstance(part.get("video_url"), dict) else None
+    frames = (
+        part.get("video")
+        if part.get("type") == "video"
+        else (part.get("video_url") or {}).get("url")
+        if isinstance(part.get("video_url"), dict)
+        else None
+    )
     if isinstance(frames, str):
-        raise bad(where, "a video file is not decoded (mlxrs has no video decoder): send the video as a list of "
-                         "its frames (image URLs or data URLs)")
+        raise bad(
+            where,
+            "a video file is not decoded (mlxrs has no video decoder): send the video as a list of "
+            "its frames (image URLs or data URLs)",
+        )
     if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
         raise bad(where, "a video part needs a non-empty list of frames (image URLs or data URLs)")
     return [media.ImageRef(f, f"{where}.frames[{k}]") for k, f in enumerate(frames)]
@@ -107,9 +147,13 @@ def _image_source(part: dict[str, Any], where: str) -> bytes | str:
         raise ApiError(400, str(e), param=where) from None
 
 
-def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef] | None = None,
-                     audio: list[media.ImageRef] | None = None,
-                     videos: list[list[media.ImageRef]] | None = None) -> list[dict[str, Any]]:
+def convert_messages(
+    state: ServerState,
+    msgs: Any,
+    images: list[media.ImageRef] | None = None,
+    audio: list[media.ImageRef] | None = None,
+    videos: list[list[media.ImageRef]] | None = None,
+) -> list[dict[str, Any]]:
     """OpenAI messages → the Hugging Face chat-template form (arguments as objects); image parts
     (a model with a vision tower) become image markers, their sources appended to `images`; a video
     part (a model whose tower takes video) the video marker, its frames appended to `videos`."""
@@ -143,7 +187,7 @@ def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef]
                     cw = f"{w}.tool_calls[{k}]"
                     fn = c.get("function") if isinstance(c, dict) else None
                     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                        raise bad(cw, "expected {\"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
+                        raise bad(cw, 'expected {"type": "function", "function": {"name", "arguments"}}')
                     args = fn.get("arguments", "{}")
                     if isinstance(args, str):
                         try:
@@ -171,8 +215,9 @@ def convert_messages(state: ServerState, msgs: Any, images: list[media.ImageRef]
                 if tid in names:
                     msg["name"] = names[tid]
         else:
-            msg["content"] = _text_of(state, m.get("content"), f"{w}.content", images=images, audio=audio,
-                                      videos=videos)
+            msg["content"] = _text_of(
+                state, m.get("content"), f"{w}.content", images=images, audio=audio, videos=videos
+            )
         if isinstance(m.get("name"), str) and role != "tool":
             msg["name"] = m["name"]
         out.append(msg)
@@ -191,19 +236,27 @@ def convert_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, li
     names = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad(f"tools[{i}]", "expected {\"type\": \"function\", \"function\": {\"name\": …, \"parameters\": …}}")
+        if (
+            not isinstance(t, dict)
+            or t.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise bad(f"tools[{i}]", 'expected {"type": "function", "function": {"name": …, "parameters": …}}')
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad(f"tools[{i}].function.parameters", "expected a JSON Schema object")
         names.append(fn["name"])
     if choice is not None:
         ok = choice in ("none", "auto", "required") or (
-            isinstance(choice, dict) and isinstance(choice.get("function"), dict)
-            and isinstance(choice["function"].get("name"), str))
+            isinstance(choice, dict)
+            and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)
+        )
         if not ok:
-            raise bad("tool_choice", "expected \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
-                                     "\"function\": {\"name\": …}}")
+            raise bad(
+                "tool_choice", 'expected "none", "auto", "required" or {"type": "function", "function": {"name": …}}'
+            )
         if isinstance(choice, dict) and choice["function"]["name"] not in names:
             raise bad("tool_choice", f"names {choice['function']['name']!r}, which is not in tools")
     if choice == "none" or not tools:
@@ -254,8 +307,12 @@ class Logprobs:
 
 def _lp_entry(tt: TokenText, tid: int, lp: float | None, top: list[tuple[int, float]], n: int) -> dict[str, Any]:
     tok = tt(tid)
-    return {"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-            "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": list(tt(t).encode())} for t, v in top[:n]]}
+    return {
+        "token": tok,
+        "logprob": lp,
+        "bytes": list(tok.encode()),
+        "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": list(tt(t).encode())} for t, v in top[:n]],
+    }
 
 
 def finish_reason(done: dict[str, Any], calls: bool) -> str:
@@ -266,8 +323,12 @@ def finish_reason(done: dict[str, Any], calls: bool) -> str:
 
 def usage(done: dict[str, Any]) -> dict[str, Any]:
     p, c = int(done["prompt_tokens"]), int(done["completion_tokens"])
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))}}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))},
+    }
 
 
 def _tool_call_json(c: ToolCall, index: int | None = None) -> dict[str, Any]:
@@ -313,9 +374,12 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     choice = body.get("tool_choice")
     forced = {}
     if tools and (choice == "required" or isinstance(choice, dict)):
-        forced = {"json_schema": tool_call_schema(tools, choice["function"]["name"] if isinstance(choice, dict) else None)}
-    constraint, cparam = combine(response_format=openai_response_format(body), tool_choice=forced,
-                                 mlxrs=extension(body))
+        forced = {
+            "json_schema": tool_call_schema(tools, choice["function"]["name"] if isinstance(choice, dict) else None)
+        }
+    constraint, cparam = combine(
+        response_format=openai_response_format(body), tool_choice=forced, mlxrs=extension(body)
+    )
     for k, v in constraint.items():
         s.set(k, v)
     kwargs = template_kwargs(body)
@@ -359,28 +423,43 @@ async def _collect_chat(state: ServerState, gen: Generation, parser: Any, lp: Lo
         msg["reasoning_content"] = "".join(reasoning)
     if calls:
         msg["tool_calls"] = [_tool_call_json(c) for c in calls]
-    return web.json_response({
+    return web.json_response(
+        {
+            "id": "chatcmpl-" + secrets.token_hex(12),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": state.model_id,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": msg,
+                    "logprobs": {"content": lp.entries} if lp.want else None,
+                    "finish_reason": finish_reason(done, bool(calls)),
+                }
+            ],
+            "usage": usage(done),
+        }
+    )
+
+
+async def _stream_chat(
+    request: web.Request, state: ServerState, gen: Generation, parser: Any, lp: Logprobs, include_usage: bool
+) -> web.StreamResponse:
+    tt = TokenText(state)
+    resp = await start_sse(request)
+    base = {
         "id": "chatcmpl-" + secrets.token_hex(12),
-        "object": "chat.completion",
+        "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": state.model_id,
         "system_fingerprint": FINGERPRINT,
-        "choices": [{"index": 0, "message": msg, "logprobs": {"content": lp.entries} if lp.want else None,
-                     "finish_reason": finish_reason(done, bool(calls))}],
-        "usage": usage(done),
-    })
-
-
-async def _stream_chat(request: web.Request, state: ServerState, gen: Generation, parser: Any, lp: Logprobs,
-                       include_usage: bool) -> web.StreamResponse:
-    tt = TokenText(state)
-    resp = await start_sse(request)
-    base = {"id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": state.model_id, "system_fingerprint": FINGERPRINT}
+    }
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        d: dict[str, Any] = dict(base, choices=[{"index": 0, "delta": delta, "logprobs": logprobs,
-                                                 "finish_reason": finish}])
+        d: dict[str, Any] = dict(
+            base, choices=[{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        )
         if include_usage:
             d["usage"] = None
         return sse(d)
@@ -475,8 +554,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
         gen.cancel()
 
 
-async def _completion(request: web.Request, state: ServerState, gen: Generation, stream: bool,
-                      include_usage: bool, echo: bool, prompt_text: str, nlp: int | None) -> web.StreamResponse:
+async def _completion(
+    request: web.Request,
+    state: ServerState,
+    gen: Generation,
+    stream: bool,
+    include_usage: bool,
+    echo: bool,
+    prompt_text: str,
+    nlp: int | None,
+) -> web.StreamResponse:
     tt = TokenText(state)
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
     offset = [len(prompt_text) if echo else 0]
@@ -495,9 +582,14 @@ async def _completion(request: web.Request, state: ServerState, gen: Generation,
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def obj(text: str, finish: str | None, logprobs: Any, with_usage: Any = False) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": state.model_id,
-                             "system_fingerprint": FINGERPRINT,
-                             "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
+        d: dict[str, Any] = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_id,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
+        }
         if with_usage is not False:
             d["usage"] = with_usage
         return d
@@ -532,8 +624,18 @@ async def _completion(request: web.Request, state: ServerState, gen: Generation,
                 reason = "length" if step.done["finish_reason"] == "length" else "stop"
                 await resp.write(sse(obj(text, reason, block, None if include_usage else False)))
                 if include_usage:
-                    await resp.write(sse({"id": cid, "object": "text_completion", "created": created,
-                                          "model": state.model_id, "choices": [], "usage": usage(step.done)}))
+                    await resp.write(
+                        sse(
+                            {
+                                "id": cid,
+                                "object": "text_completion",
+                                "created": created,
+                                "model": state.model_id,
+                                "choices": [],
+                                "usage": usage(step.done),
+                            }
+                        )
+                    )
             elif text or block:
                 await resp.write(sse(obj(text, None, block, None if include_usage else False)))
         await resp.write(b"data: [DONE]\n\n")

@@ -4,6 +4,7 @@ and the engine's events translated back into a response object or the Responses 
 Responses are kept in memory (the last MAX_STORED, least recently used dropped first) so that a
 request may continue one with `previous_response_id`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -65,9 +66,12 @@ def _parts(content: Any, where: str) -> Any:
         elif isinstance(p, dict) and p.get("type") == "input_image":
             url = p.get("image_url")
             if not isinstance(url, str):
-                raise bad(f"{where}[{j}].image_url", "an input_image needs `image_url` (a data: URL, or an "
-                                                     "http(s) URL or file path where the server allows them); "
-                                                     "file_id is not supported")
+                raise bad(
+                    f"{where}[{j}].image_url",
+                    "an input_image needs `image_url` (a data: URL, or an "
+                    "http(s) URL or file path where the server allows them); "
+                    "file_id is not supported",
+                )
             out.append({"type": "image_url", "image_url": {"url": url}})
         else:
             out.append(p)  # chat's own checks name what is not supported
@@ -90,14 +94,17 @@ def input_items(value: Any) -> tuple[list[dict[str, Any]], list[tuple[str, str]]
         t = item.get("type", "message")
         if t == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
-                raise bad(f"{w}.role", "expected \"user\", \"assistant\", \"system\" or \"developer\"")
+                raise bad(f"{w}.role", 'expected "user", "assistant", "system" or "developer"')
             msgs.append({"role": item["role"], "content": _parts(item.get("content"), f"{w}.content")})
             origins.append((w, ".content"))
         elif t == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise bad(w, "a function_call item needs a string `name` and `call_id`")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
+            }
             last = msgs[-1] if msgs else None
             if last is not None and last["role"] == "assistant":  # the message and calls of one turn
                 last.setdefault("tool_calls", []).append(call)
@@ -108,14 +115,21 @@ def input_items(value: Any) -> tuple[list[dict[str, Any]], list[tuple[str, str]]
             if not isinstance(item.get("call_id"), str):
                 raise bad(w, "a function_call_output item needs a string `call_id`")
             out = item.get("output")
-            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
-                         "content": _parts(out if out is not None else "", f"{w}.output")})
+            msgs.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": _parts(out if out is not None else "", f"{w}.output"),
+                }
+            )
             origins.append((w, ".output"))
         elif t == "reasoning":
             continue  # earlier reasoning is not fed back
         else:
-            raise bad(f"{w}.type", f"input items of type {t!r} are not supported (message, function_call, "
-                                   "function_call_output)")
+            raise bad(
+                f"{w}.type",
+                f"input items of type {t!r} are not supported (message, function_call, function_call_output)",
+            )
     return msgs, origins
 
 
@@ -130,8 +144,11 @@ def chat_tools(body: dict[str, Any]) -> tuple[Any, Any]:
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") != "function":
                 kind = t.get("type") if isinstance(t, dict) else type_name(t)
-                raise bad(f"tools[{i}]", f"tool type {kind!r} is not supported: only function tools "
-                                         "({\"type\": \"function\", \"name\": …, \"parameters\": …})")
+                raise bad(
+                    f"tools[{i}]",
+                    f"tool type {kind!r} is not supported: only function tools "
+                    '({"type": "function", "name": …, "parameters": …})',
+                )
             fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
             out.append({"type": "function", "function": fn})
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -151,8 +168,9 @@ def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     return {k: v for k, v in fmt.items()}
 
 
-def chat_body(state: ServerState, body: dict[str, Any]) \
-        -> tuple[dict[str, Any], list[dict[str, Any]], list[tuple[str, str]]]:
+def chat_body(
+    state: ServerState, body: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[tuple[str, str]]]:
     """(the chat request, the conversation to store: earlier turns + this input, no instructions,
     and where each chat message came from: its input item and what its content is called there)."""
     history: list[dict[str, Any]] = []
@@ -160,9 +178,13 @@ def chat_body(state: ServerState, body: dict[str, Any]) \
     if prev is not None:
         found = _store(state).get(prev)
         if found is None:
-            raise ApiError(404, f"previous_response_id: no response {prev!r} is kept here (the server keeps the "
-                                f"last {MAX_STORED} responses in memory, and none across restarts)",
-                           param="previous_response_id", code="response_not_found")
+            raise ApiError(
+                404,
+                f"previous_response_id: no response {prev!r} is kept here (the server keeps the "
+                f"last {MAX_STORED} responses in memory, and none across restarts)",
+                param="previous_response_id",
+                code="response_not_found",
+            )
         history = list(found)
     if body.get("input") is None:
         raise bad("input", "is required")
@@ -170,14 +192,21 @@ def chat_body(state: ServerState, body: dict[str, Any]) \
     conversation = history + items
     instructions = opt_str(body, "instructions")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    origins = ([("instructions", "")] if instructions else []) + [("previous_response_id", "")] * len(history) \
-        + item_origins
+    origins = (
+        ([("instructions", "")] if instructions else []) + [("previous_response_id", "")] * len(history) + item_origins
+    )
     tools, choice = chat_tools(body)
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "tools": tools,
-                            "tool_choice": choice, "temperature": body.get("temperature"),
-                            "top_p": body.get("top_p"), "response_format": response_format(body),
-                            "max_tokens": opt_int(body, "max_output_tokens", 1),
-                            "chat_template_kwargs": body.get("chat_template_kwargs")}
+    chat: dict[str, Any] = {
+        "model": body.get("model"),
+        "messages": messages,
+        "tools": tools,
+        "tool_choice": choice,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "response_format": response_format(body),
+        "max_tokens": opt_int(body, "max_output_tokens", 1),
+        "chat_template_kwargs": body.get("chat_template_kwargs"),
+    }
     return {k: v for k, v in chat.items() if v is not None}, conversation, origins
 
 
@@ -193,7 +222,7 @@ def _renamed(e: ApiError, origins: list[tuple[str, str]] | None = None) -> ApiEr
 
     for chat, ours in RENAMED:
         if e.param and e.param.startswith(chat):
-            rename(ours + e.param[len(chat):])
+            rename(ours + e.param[len(chat) :])
             return e
     if e.param is None:  # errors from the engine name the part at the start of their message
         found = re.match(r"messages\[\d+\][\w.\[\]]*", e.message)
@@ -207,8 +236,13 @@ def _renamed(e: ApiError, origins: list[tuple[str, str]] | None = None) -> ApiEr
 
 def _usage(done: dict[str, Any]) -> dict[str, Any]:
     p, c = int(done["prompt_tokens"]), int(done["completion_tokens"])
-    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))},
-            "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+    return {
+        "input_tokens": p,
+        "input_tokens_details": {"cached_tokens": int(done.get("cached_tokens", 0))},
+        "output_tokens": c,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": p + c,
+    }
 
 
 class Builder:
@@ -224,17 +258,29 @@ class Builder:
     def response(self, status: str, done: dict[str, Any] | None = None) -> dict[str, Any]:
         b = self.body
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": incomplete, "model": self.state.model_id,
-                "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
-                "temperature": b.get("temperature"), "top_p": b.get("top_p"),
-                "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice", "auto"),
-                "parallel_tool_calls": b.get("parallel_tool_calls", True),
-                "previous_response_id": b.get("previous_response_id"),
-                "text": b.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
-                "metadata": b.get("metadata") or {}, "store": b.get("store", True),
-                "output": self.output if status != "in_progress" else [],
-                "usage": _usage(done) if done else None}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": self.state.model_id,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "temperature": b.get("temperature"),
+            "top_p": b.get("top_p"),
+            "tools": b.get("tools") or [],
+            "tool_choice": b.get("tool_choice", "auto"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": b.get("previous_response_id"),
+            "text": b.get("text") or {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "metadata": b.get("metadata") or {},
+            "store": b.get("store", True),
+            "output": self.output if status != "in_progress" else [],
+            "usage": _usage(done) if done else None,
+        }
 
     def new_item(self, kind: str, **fields: Any) -> dict[str, Any]:
         prefix = {"message": "msg_", "function_call": "fc_", "reasoning": "rs_"}[kind]
@@ -245,8 +291,11 @@ class Builder:
     def as_messages(self) -> list[dict[str, Any]]:
         """The output as chat messages (for the store)."""
         text = "".join(p["text"] for it in self.output if it["type"] == "message" for p in it["content"])
-        calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-                 for it in self.output if it["type"] == "function_call"]
+        calls = [
+            {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+            for it in self.output
+            if it["type"] == "function_call"
+        ]
         msg: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
         if calls:
             msg["tool_calls"] = calls
@@ -326,13 +375,25 @@ async def _stream(request: web.Request, b: Builder, gen: Generation, parser: Any
         _finish(it)
         if it["type"] == "message":
             part = it["content"][0]
-            await send("response.output_text.done", {"item_id": it["id"], "output_index": index(it),
-                                                     "content_index": 0, "text": part["text"], "logprobs": []})
-            await send("response.content_part.done", {"item_id": it["id"], "output_index": index(it),
-                                                      "content_index": 0, "part": part})
+            await send(
+                "response.output_text.done",
+                {
+                    "item_id": it["id"],
+                    "output_index": index(it),
+                    "content_index": 0,
+                    "text": part["text"],
+                    "logprobs": [],
+                },
+            )
+            await send(
+                "response.content_part.done",
+                {"item_id": it["id"], "output_index": index(it), "content_index": 0, "part": part},
+            )
         elif it["type"] == "reasoning":
-            await send("response.reasoning_text.done", {"item_id": it["id"], "output_index": index(it),
-                                                        "content_index": 0, "text": it["content"][0]["text"]})
+            await send(
+                "response.reasoning_text.done",
+                {"item_id": it["id"], "output_index": index(it), "content_index": 0, "text": it["content"][0]["text"]},
+            )
         await send("response.output_item.done", {"output_index": index(it), "item": it})
 
     async def open_(kind: str, **fields: Any) -> dict[str, Any]:
@@ -356,27 +417,42 @@ async def _stream(request: web.Request, b: Builder, gen: Generation, parser: Any
                     if it is None or it["type"] != "message":
                         it = await open_("message", role="assistant", content=[])
                         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                        await send("response.content_part.added", {"item_id": it["id"], "output_index": index(it),
-                                                                   "content_index": 0, "part": dict(part)})
+                        await send(
+                            "response.content_part.added",
+                            {"item_id": it["id"], "output_index": index(it), "content_index": 0, "part": dict(part)},
+                        )
                         it["content"].append(part)
                     it["content"][0]["text"] += e.text
-                    await send("response.output_text.delta", {"item_id": it["id"], "output_index": index(it),
-                                                              "content_index": 0, "delta": e.text, "logprobs": []})
+                    await send(
+                        "response.output_text.delta",
+                        {
+                            "item_id": it["id"],
+                            "output_index": index(it),
+                            "content_index": 0,
+                            "delta": e.text,
+                            "logprobs": [],
+                        },
+                    )
                 elif isinstance(e, Reasoning):
                     it = open_item
                     if it is None or it["type"] != "reasoning":
                         it = await open_("reasoning", summary=[], content=[{"type": "reasoning_text", "text": ""}])
                     it["content"][0]["text"] += e.text
-                    await send("response.reasoning_text.delta", {"item_id": it["id"], "output_index": index(it),
-                                                                 "content_index": 0, "delta": e.text})
+                    await send(
+                        "response.reasoning_text.delta",
+                        {"item_id": it["id"], "output_index": index(it), "content_index": 0, "delta": e.text},
+                    )
                 else:
                     it = await open_("function_call", call_id=e.id, name=e.name, arguments="")
                     it["arguments"] = e.arguments
-                    await send("response.function_call_arguments.delta",
-                               {"item_id": it["id"], "output_index": index(it), "delta": e.arguments})
-                    await send("response.function_call_arguments.done",
-                               {"item_id": it["id"], "output_index": index(it), "name": e.name,
-                                "arguments": e.arguments})
+                    await send(
+                        "response.function_call_arguments.delta",
+                        {"item_id": it["id"], "output_index": index(it), "delta": e.arguments},
+                    )
+                    await send(
+                        "response.function_call_arguments.done",
+                        {"item_id": it["id"], "output_index": index(it), "name": e.name, "arguments": e.arguments},
+                    )
                     await close()
             if step.done:
                 await close()
