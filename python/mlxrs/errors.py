@@ -45,10 +45,6 @@ class DownloadError(MlxrsError):
     """A download failed or did not verify."""
 
 
-class GenerationCancelled(MlxrsError):
-    """A generation was cancelled before it finished."""
-
-
 __all__ = [
     "MlxrsError",
     "MlxError",
@@ -60,5 +56,4 @@ __all__ = [
     "EngineError",
     "ContextLengthError",
     "DownloadError",
-    "GenerationCancelled",
 ]
