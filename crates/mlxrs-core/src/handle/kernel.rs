@@ -36,16 +36,6 @@ pub enum TemplateArg {
     Dtype(Dtype),
 }
 
-/// A CUDA kernel body compiled by MLX at first use (NVRTC), per set of template arguments: inputs
-/// are `const T* name` (with `name_shape` / `_strides` / `_ndim` when the source names them),
-/// outputs `T* name`; `grid` counts threads, as Metal's does.
-pub struct CudaKernel(sys::mlx_fast_cuda_kernel);
-
-// SAFETY: the handle owns an immutable MLX kernel function object (a std::function over its source
-// and names); applying it only builds graph nodes, which MLX does under its own locks.
-unsafe impl Send for CudaKernel {}
-unsafe impl Sync for CudaKernel {}
-
 struct Strings(sys::mlx_vector_string);
 
 impl Strings {
@@ -68,200 +58,126 @@ impl Drop for Strings {
     }
 }
 
-struct Config(sys::mlx_fast_cuda_kernel_config);
+/// One user-kernel type over mlx-c's `mlx_fast_{cuda,metal}_kernel_*` (the two APIs are the same
+/// shape; only the names and the last argument of `_new` differ).
+macro_rules! user_kernel {
+    ($(#[$doc:meta])* $name:ident, $config:ident, $handle:ty, $config_handle:ty, $last_new_arg:expr,
+     $new:path, $free:path, $apply:path, $cfg_new:path, $cfg_free:path, $add_output:path, $set_grid:path,
+     $set_group:path, $arg_int:path, $arg_bool:path, $arg_dtype:path) => {
+        $(#[$doc])*
+        pub struct $name($handle);
 
-impl Drop for Config {
-    fn drop(&mut self) {
-        // SAFETY: created by mlx_fast_cuda_kernel_config_new, freed once.
-        unsafe { sys::mlx_fast_cuda_kernel_config_free(self.0) };
-    }
-}
+        // SAFETY: the handle owns an immutable MLX kernel function object (a std::function over its
+        // source and names); applying it only builds graph nodes, which MLX does under its own locks.
+        unsafe impl Send for $name {}
+        unsafe impl Sync for $name {}
 
-impl CudaKernel {
-    /// `ensure_row_contiguous`: inputs copied to row-contiguous first (so the source may index them flat).
-    pub fn new(
-        name: &str,
-        inputs: &[&str],
-        outputs: &[&str],
-        source: &str,
-        header: &str,
-        ensure_row_contiguous: bool,
-    ) -> Result<CudaKernel> {
-        init()?;
-        let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
-        let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("kernel {name}: text contains NUL")));
-        let (n, src, hdr) = (c(name)?, c(source)?, c(header)?);
-        // SAFETY: every pointer is valid for the call; mlx-c copies what it keeps.
-        let k = unsafe {
-            sys::mlx_fast_cuda_kernel_new(
-                n.as_ptr(),
-                ins.0,
-                outs.0,
-                src.as_ptr(),
-                hdr.as_ptr(),
-                ensure_row_contiguous,
-                0,
-            )
-        };
-        if k.ctx.is_null() {
-            // MLX's message (e.g. "[cuda_kernel] No CUDA back-end." off CUDA), as the handler captured it
-            let e = check(1).err().map_or_else(|| "failed".to_string(), |e| e.to_string());
-            return Err(Error::Mlx(format!("kernel {name}: {e}")));
+        struct $config($config_handle);
+
+        impl Drop for $config {
+            fn drop(&mut self) {
+                // SAFETY: created by the config's `_new`, freed once.
+                unsafe { $cfg_free(self.0) };
+            }
         }
-        Ok(CudaKernel(k))
-    }
 
-    /// The kernel over `inputs` on the current stream: outputs of `outputs` (shape, dtype),
-    /// `grid` threads in blocks of `block`.
-    pub fn apply(
-        &self,
-        inputs: &[&Array],
-        outputs: &[(&[i32], Dtype)],
-        grid: (i32, i32, i32),
-        block: (i32, i32, i32),
-        template: &[(&str, TemplateArg)],
-    ) -> Result<Vec<Array>> {
-        // SAFETY: a fresh config, freed by its guard.
-        let cfg = Config(unsafe { sys::mlx_fast_cuda_kernel_config_new() });
-        for (shape, dtype) in outputs {
-            // SAFETY: the shape slice is valid for the call; mlx-c copies it.
-            check(unsafe {
-                sys::mlx_fast_cuda_kernel_config_add_output_arg(cfg.0, shape.as_ptr(), shape.len(), dtype.raw())
-            })?;
-        }
-        // SAFETY: plain values into the config.
-        check(unsafe { sys::mlx_fast_cuda_kernel_config_set_grid(cfg.0, grid.0, grid.1, grid.2) })?;
-        check(unsafe { sys::mlx_fast_cuda_kernel_config_set_thread_group(cfg.0, block.0, block.1, block.2) })?;
-        for (name, arg) in template {
-            let n = CString::new(*name).map_err(|_| Error::Invalid("template name contains NUL".into()))?;
-            // SAFETY: the name is valid for the call; mlx-c copies it.
-            check(unsafe {
-                match arg {
-                    TemplateArg::Int(v) => sys::mlx_fast_cuda_kernel_config_add_template_arg_int(cfg.0, n.as_ptr(), *v),
-                    TemplateArg::Bool(v) => {
-                        sys::mlx_fast_cuda_kernel_config_add_template_arg_bool(cfg.0, n.as_ptr(), *v)
-                    }
-                    TemplateArg::Dtype(d) => {
-                        sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(cfg.0, n.as_ptr(), d.raw())
-                    }
+        impl $name {
+            /// `ensure_row_contiguous`: inputs copied to row-contiguous first (so the source may index
+            /// them flat).
+            pub fn new(
+                name: &str,
+                inputs: &[&str],
+                outputs: &[&str],
+                source: &str,
+                header: &str,
+                ensure_row_contiguous: bool,
+            ) -> Result<$name> {
+                init()?;
+                let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
+                let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("kernel {name}: text contains NUL")));
+                let (n, src, hdr) = (c(name)?, c(source)?, c(header)?);
+                // SAFETY: every pointer is valid for the call; mlx-c copies what it keeps.
+                let k = unsafe {
+                    $new(n.as_ptr(), ins.0, outs.0, src.as_ptr(), hdr.as_ptr(), ensure_row_contiguous, $last_new_arg)
+                };
+                if k.ctx.is_null() {
+                    // MLX's message (e.g. "[cuda_kernel] No CUDA back-end." off CUDA), as the handler
+                    // captured it
+                    let e = check(1).err().map_or_else(|| "failed".to_string(), |e| e.to_string());
+                    return Err(Error::Mlx(format!("kernel {name}: {e}")));
                 }
-            })?;
-        }
-        let ins = VecArray::new(inputs);
-        let mut out = VecArray::new(&[]);
-        // SAFETY: every handle is live for the call; the result vector is owned by `out`.
-        check(unsafe { sys::mlx_fast_cuda_kernel_apply(&mut out.0, self.0, ins.0, cfg.0, current_stream()) })?;
-        out.to_vec()
-    }
-}
+                Ok($name(k))
+            }
 
-impl Drop for CudaKernel {
-    fn drop(&mut self) {
-        // SAFETY: created by mlx_fast_cuda_kernel_new, freed once.
-        unsafe { sys::mlx_fast_cuda_kernel_free(self.0) };
-    }
-}
-
-/// A Metal kernel body compiled by MLX at first use (`mx.fast.metal_kernel`), per set of template
-/// arguments: inputs `const device T* name` (scalars as `const constant T&`), outputs
-/// `device T* name`; `grid` counts threads. MLX refuses it without its Metal backend.
-pub struct MetalKernel(sys::mlx_fast_metal_kernel);
-
-// SAFETY: as CudaKernel's: an immutable MLX kernel function object; applying it builds graph nodes.
-unsafe impl Send for MetalKernel {}
-unsafe impl Sync for MetalKernel {}
-
-struct MetalConfig(sys::mlx_fast_metal_kernel_config);
-
-impl Drop for MetalConfig {
-    fn drop(&mut self) {
-        // SAFETY: created by mlx_fast_metal_kernel_config_new, freed once.
-        unsafe { sys::mlx_fast_metal_kernel_config_free(self.0) };
-    }
-}
-
-impl MetalKernel {
-    /// `ensure_row_contiguous`: inputs copied to row-contiguous first (so the source may index them flat).
-    pub fn new(
-        name: &str,
-        inputs: &[&str],
-        outputs: &[&str],
-        source: &str,
-        header: &str,
-        ensure_row_contiguous: bool,
-    ) -> Result<MetalKernel> {
-        init()?;
-        let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
-        let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("kernel {name}: text contains NUL")));
-        let (n, src, hdr) = (c(name)?, c(source)?, c(header)?);
-        // SAFETY: every pointer is valid for the call; mlx-c copies what it keeps.
-        let k = unsafe {
-            sys::mlx_fast_metal_kernel_new(
-                n.as_ptr(),
-                ins.0,
-                outs.0,
-                src.as_ptr(),
-                hdr.as_ptr(),
-                ensure_row_contiguous,
-                false,
-            )
-        };
-        if k.ctx.is_null() {
-            let e = check(1).err().map_or_else(|| "failed".to_string(), |e| e.to_string());
-            return Err(Error::Mlx(format!("kernel {name}: {e}")));
-        }
-        Ok(MetalKernel(k))
-    }
-
-    /// The kernel over `inputs` on the current stream: outputs of `outputs` (shape, dtype),
-    /// `grid` threads in threadgroups of `group`.
-    pub fn apply(
-        &self,
-        inputs: &[&Array],
-        outputs: &[(&[i32], Dtype)],
-        grid: (i32, i32, i32),
-        group: (i32, i32, i32),
-        template: &[(&str, TemplateArg)],
-    ) -> Result<Vec<Array>> {
-        // SAFETY: a fresh config, freed by its guard.
-        let cfg = MetalConfig(unsafe { sys::mlx_fast_metal_kernel_config_new() });
-        for (shape, dtype) in outputs {
-            // SAFETY: the shape slice is valid for the call; mlx-c copies it.
-            check(unsafe {
-                sys::mlx_fast_metal_kernel_config_add_output_arg(cfg.0, shape.as_ptr(), shape.len(), dtype.raw())
-            })?;
-        }
-        // SAFETY: plain values into the config.
-        check(unsafe { sys::mlx_fast_metal_kernel_config_set_grid(cfg.0, grid.0, grid.1, grid.2) })?;
-        check(unsafe { sys::mlx_fast_metal_kernel_config_set_thread_group(cfg.0, group.0, group.1, group.2) })?;
-        for (name, arg) in template {
-            let n = CString::new(*name).map_err(|_| Error::Invalid("template name contains NUL".into()))?;
-            // SAFETY: the name is valid for the call; mlx-c copies it.
-            check(unsafe {
-                match arg {
-                    TemplateArg::Int(v) => {
-                        sys::mlx_fast_metal_kernel_config_add_template_arg_int(cfg.0, n.as_ptr(), *v)
-                    }
-                    TemplateArg::Bool(v) => {
-                        sys::mlx_fast_metal_kernel_config_add_template_arg_bool(cfg.0, n.as_ptr(), *v)
-                    }
-                    TemplateArg::Dtype(d) => {
-                        sys::mlx_fast_metal_kernel_config_add_template_arg_dtype(cfg.0, n.as_ptr(), d.raw())
-                    }
+            /// The kernel over `inputs` on the current stream: outputs of `outputs` (shape, dtype),
+            /// `grid` threads in blocks (threadgroups) of `block`.
+            pub fn apply(
+                &self,
+                inputs: &[&Array],
+                outputs: &[(&[i32], Dtype)],
+                grid: (i32, i32, i32),
+                block: (i32, i32, i32),
+                template: &[(&str, TemplateArg)],
+            ) -> Result<Vec<Array>> {
+                // SAFETY: a fresh config, freed by its guard.
+                let cfg = $config(unsafe { $cfg_new() });
+                for (shape, dtype) in outputs {
+                    // SAFETY: the shape slice is valid for the call; mlx-c copies it.
+                    check(unsafe { $add_output(cfg.0, shape.as_ptr(), shape.len(), dtype.raw()) })?;
                 }
-            })?;
+                // SAFETY: plain values into the config.
+                check(unsafe { $set_grid(cfg.0, grid.0, grid.1, grid.2) })?;
+                check(unsafe { $set_group(cfg.0, block.0, block.1, block.2) })?;
+                for (name, arg) in template {
+                    let n = CString::new(*name).map_err(|_| Error::Invalid("template name contains NUL".into()))?;
+                    // SAFETY: the name is valid for the call; mlx-c copies it.
+                    check(unsafe {
+                        match arg {
+                            TemplateArg::Int(v) => $arg_int(cfg.0, n.as_ptr(), *v),
+                            TemplateArg::Bool(v) => $arg_bool(cfg.0, n.as_ptr(), *v),
+                            TemplateArg::Dtype(d) => $arg_dtype(cfg.0, n.as_ptr(), d.raw()),
+                        }
+                    })?;
+                }
+                let ins = VecArray::new(inputs);
+                let mut out = VecArray::new(&[]);
+                // SAFETY: every handle is live for the call; the result vector is owned by `out`.
+                check(unsafe { $apply(&mut out.0, self.0, ins.0, cfg.0, current_stream()) })?;
+                out.to_vec()
+            }
         }
-        let ins = VecArray::new(inputs);
-        let mut out = VecArray::new(&[]);
-        // SAFETY: every handle is live for the call; the result vector is owned by `out`.
-        check(unsafe { sys::mlx_fast_metal_kernel_apply(&mut out.0, self.0, ins.0, cfg.0, current_stream()) })?;
-        out.to_vec()
-    }
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                // SAFETY: created by `_new`, freed once.
+                unsafe { $free(self.0) };
+            }
+        }
+    };
 }
 
-impl Drop for MetalKernel {
-    fn drop(&mut self) {
-        // SAFETY: created by mlx_fast_metal_kernel_new, freed once.
-        unsafe { sys::mlx_fast_metal_kernel_free(self.0) };
-    }
-}
+user_kernel!(
+    /// A CUDA kernel body compiled by MLX at first use (NVRTC), per set of template arguments: inputs
+    /// are `const T* name` (with `name_shape` / `_strides` / `_ndim` when the source names them),
+    /// outputs `T* name`; `grid` counts threads, as Metal's does.
+    CudaKernel, CudaConfig, sys::mlx_fast_cuda_kernel, sys::mlx_fast_cuda_kernel_config,
+    0, // shared memory
+    sys::mlx_fast_cuda_kernel_new, sys::mlx_fast_cuda_kernel_free, sys::mlx_fast_cuda_kernel_apply,
+    sys::mlx_fast_cuda_kernel_config_new, sys::mlx_fast_cuda_kernel_config_free,
+    sys::mlx_fast_cuda_kernel_config_add_output_arg, sys::mlx_fast_cuda_kernel_config_set_grid,
+    sys::mlx_fast_cuda_kernel_config_set_thread_group, sys::mlx_fast_cuda_kernel_config_add_template_arg_int,
+    sys::mlx_fast_cuda_kernel_config_add_template_arg_bool, sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype
+);
+
+user_kernel!(
+    /// A Metal kernel body compiled by MLX at first use (`mx.fast.metal_kernel`), per set of template
+    /// arguments: inputs `const device T* name` (scalars as `const constant T&`), outputs
+    /// `device T* name`; `grid` counts threads. MLX refuses it without its Metal backend.
+    MetalKernel, MetalConfig, sys::mlx_fast_metal_kernel, sys::mlx_fast_metal_kernel_config,
+    false, // atomic outputs
+    sys::mlx_fast_metal_kernel_new, sys::mlx_fast_metal_kernel_free, sys::mlx_fast_metal_kernel_apply,
+    sys::mlx_fast_metal_kernel_config_new, sys::mlx_fast_metal_kernel_config_free,
+    sys::mlx_fast_metal_kernel_config_add_output_arg, sys::mlx_fast_metal_kernel_config_set_grid,
+    sys::mlx_fast_metal_kernel_config_set_thread_group, sys::mlx_fast_metal_kernel_config_add_template_arg_int,
+    sys::mlx_fast_metal_kernel_config_add_template_arg_bool, sys::mlx_fast_metal_kernel_config_add_template_arg_dtype
+);
