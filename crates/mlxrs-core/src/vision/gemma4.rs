@@ -104,25 +104,10 @@ impl Processor {
     /// Gemma 4's expansion: the `i`-th image token of `text` becomes
     /// `boi + image_token × n_i + eoi`, `n_i` from the `i`-th image's (height, width) in `sizes`.
     pub fn expand(&self, text: &str, sizes: &[(u32, u32)]) -> Result<String> {
-        let found = text.matches(&self.image_token).count();
-        if found != sizes.len() {
-            return Err(Error::Invalid(format!(
-                "the prompt has {found} image marker(s) ({}) for {} image(s)",
-                self.image_token,
-                sizes.len()
-            )));
-        }
-        let mut out = String::with_capacity(text.len());
-        let mut parts = text.split(&self.image_token);
-        out.push_str(parts.next().unwrap_or(""));
-        for (part, &(h, w)) in parts.zip(sizes) {
-            let n = self.tokens_of_size(h, w)?;
-            out.push_str(&self.boi);
-            out.push_str(&self.image_token.repeat(n));
-            out.push_str(&self.eoi);
-            out.push_str(part);
-        }
-        Ok(out)
+        super::expand_markers(text, &self.image_token, ("image", "image(s)"), sizes.len(), |i| {
+            let (h, w) = sizes[i];
+            Ok(format!("{}{}{}", self.boi, self.image_token.repeat(self.tokens_of_size(h, w)?), self.eoi))
+        })
     }
 }
 

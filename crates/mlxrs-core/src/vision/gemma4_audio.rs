@@ -67,24 +67,9 @@ impl AudioProcessor {
     /// `text` with each audio marker expanded to `boa + audio_token × n_i + eoa`, `n_i` the `i`-th
     /// clip's token count.
     pub fn expand(&self, text: &str, tokens: &[usize]) -> Result<String> {
-        let found = text.matches(&self.audio_token).count();
-        if found != tokens.len() {
-            return Err(Error::Invalid(format!(
-                "the prompt has {found} audio marker(s) ({}) for {} clip(s)",
-                self.audio_token,
-                tokens.len()
-            )));
-        }
-        let mut out = String::with_capacity(text.len());
-        let mut parts = text.split(&self.audio_token);
-        out.push_str(parts.next().unwrap_or(""));
-        for (part, &n) in parts.zip(tokens) {
-            out.push_str(&self.boa);
-            out.push_str(&self.audio_token.repeat(n));
-            out.push_str(&self.eoa);
-            out.push_str(part);
-        }
-        Ok(out)
+        super::expand_markers(text, &self.audio_token, ("audio", "clip(s)"), tokens.len(), |i| {
+            Ok(format!("{}{}{}", self.boa, self.audio_token.repeat(tokens[i]), self.eoa))
+        })
     }
 }
 

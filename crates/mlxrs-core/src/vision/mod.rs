@@ -38,6 +38,30 @@ pub(crate) fn vision_size(v: &Value, k: &str, default: Option<i64>, max: i64) ->
         .map_err(|e| Error::ModelLoad(e.to_string().replace("config.json: ", "config.json: vision_config.")))
 }
 
+/// `text` with its `i`-th `marker` replaced by `with(i)`, for `n` media items (`kind` and `items` name
+/// them when the prompt's marker count is not `n`: "image" / "image(s)", "audio" / "clip(s)"). The
+/// processors' marker expansions.
+pub(crate) fn expand_markers(
+    text: &str,
+    marker: &str,
+    (kind, items): (&str, &str),
+    n: usize,
+    mut with: impl FnMut(usize) -> Result<String>,
+) -> Result<String> {
+    let found = text.matches(marker).count();
+    if found != n {
+        return Err(Error::Invalid(format!("the prompt has {found} {kind} marker(s) ({marker}) for {n} {items}")));
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut parts = text.split(marker);
+    out.push_str(parts.next().unwrap_or(""));
+    for (i, part) in parts.enumerate() {
+        out.push_str(&with(i)?);
+        out.push_str(part);
+    }
+    Ok(out)
+}
+
 /// The rows of `[embeds; features]` (concatenated along the sequence) each prompt position takes:
 /// the next image feature at an `image_id` token, `other(i, token)` elsewhere (its own row `i`, or
 /// a row past the features). How both towers scatter image features into the token embeddings.

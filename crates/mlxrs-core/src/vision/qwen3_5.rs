@@ -192,22 +192,10 @@ impl Processor {
     /// `n_i` from the `i`-th image's (height, width) in `sizes` (the vision start/end tokens around
     /// it stay as they are, as mlx-vlm's processor leaves them).
     pub fn expand(&self, text: &str, sizes: &[(u32, u32)]) -> Result<String> {
-        let found = text.matches(&self.image_token).count();
-        if found != sizes.len() {
-            return Err(Error::Invalid(format!(
-                "the prompt has {found} image marker(s) ({}) for {} image(s)",
-                self.image_token,
-                sizes.len()
-            )));
-        }
-        let mut out = String::with_capacity(text.len());
-        let mut parts = text.split(&self.image_token);
-        out.push_str(parts.next().unwrap_or(""));
-        for (part, &(h, w)) in parts.zip(sizes) {
-            out.push_str(&self.image_token.repeat(self.tokens_of_size(h, w)?));
-            out.push_str(part);
-        }
-        Ok(out)
+        super::expand_markers(text, &self.image_token, ("image", "image(s)"), sizes.len(), |i| {
+            let (h, w) = sizes[i];
+            Ok(self.image_token.repeat(self.tokens_of_size(h, w)?))
+        })
     }
 
     /// Merged rows and columns of an image or video frame of `px`'s size, and its temporal groups
