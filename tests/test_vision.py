@@ -130,8 +130,15 @@ def _ids(session, prompt: str, n: int) -> list[int]:
     return session.tokenize(session._s.expand_image_markers(prompt, n))
 
 
-def _logits(session, ids: list[int], imgs: list[Path]) -> np.ndarray:
+def image_logits(session, ids: list[int], imgs: list[Path]) -> np.ndarray:
+    """Last-position logits of `ids` with the images' embeddings (the towers' tests share it)."""
     return np.array(session._s.logits(ids, [p.read_bytes() for p in imgs]), dtype=np.float32)
+
+
+def sized_image_ids(session, prompt: str, imgs: list[Path]) -> list[int]:
+    """`prompt`'s ids with its image markers expanded for the images' sizes (variable-resolution towers)."""
+    sizes = session._s.image_sizes([(p.read_bytes(), str(p)) for p in imgs])
+    return session.tokenize(session._s.expand_image_markers(prompt, len(imgs), sizes))
 
 
 def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
@@ -142,10 +149,10 @@ def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
     assert out.usage.prompt_tokens == len(oracle_one["input_ids"])
     # the whole last-position distribution, which the image moves (greedy tokens of a random tiny
     # model say little alone)
-    ours = _logits(session, ids, [images["a"]])
+    ours = image_logits(session, ids, [images["a"]])
     ref = np.array(oracle_one["logits"], dtype=np.float32)
     assert float(np.max(np.abs(ours - ref))) <= 1e-4
-    other = _logits(session, ids, [images["b"]])
+    other = image_logits(session, ids, [images["b"]])
     assert float(np.max(np.abs(other - ours))) > 100 * 1e-4
 
 
@@ -163,8 +170,8 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
         )
         assert s.info["prompt_cache"]["hits"] == 0
         ids = _ids(s, TWO, 2)
-        ours = _logits(s, ids, [images["b"], images["a"]])
-        swapped_logits = _logits(s, ids, [images["a"], images["b"]])
+        ours = image_logits(s, ids, [images["b"], images["a"]])
+        swapped_logits = image_logits(s, ids, [images["a"], images["b"]])
     assert out.tokens == oracle_two["tokens"]
     assert again.tokens == out.tokens
     ref = np.array(oracle_two["logits"], dtype=np.float32)

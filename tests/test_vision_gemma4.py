@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mlxrs
-from test_vision import BAD_MEDIA, run_vlm
+from test_vision import BAD_MEDIA, image_logits, run_vlm, sized_image_ids
 from tinymodels import make_gemma4_vision
 
 N_TOKENS = 32
@@ -86,15 +86,6 @@ def oracle_two(model_dir, images):
     )
 
 
-def _ids(session, prompt: str, imgs: list[Path]) -> list[int]:
-    sizes = session._s.image_sizes([(p.read_bytes(), str(p)) for p in imgs])
-    return session.tokenize(session._s.expand_image_markers(prompt, len(imgs), sizes))
-
-
-def _logits(session, ids: list[int], imgs: list[Path]) -> np.ndarray:
-    return np.array(session._s.logits(ids, [p.read_bytes() for p in imgs]), dtype=np.float32)
-
-
 def test_vision_info(session):
     v = session.vision
     assert v["marker"] == "<|image|>" and v["sized"] is True and v["tokens_per_image"] is None
@@ -112,7 +103,7 @@ def test_pixel_values_match_the_processor(session, model_dir, images, name):
     assert ours.shape == theirs.shape == (c * h * w,)
     assert float(np.max(np.abs(ours - theirs))) <= 1e-5
     # the prompt: boi, one image token per pooled block, eoi
-    assert _ids(session, "<|image|>", [images[name]]) == ref["input_ids"]
+    assert sized_image_ids(session, "<|image|>", [images[name]]) == ref["input_ids"]
 
 
 def test_image_token_counts_match_the_processor_over_sizes(session):
@@ -134,7 +125,7 @@ def test_image_token_counts_match_the_processor_over_sizes(session):
 def test_exif_orientation_counts_in_the_size(session, model_dir, images):
     ref = run_vlm({"model": str(model_dir), "prompt": "<|image|>", "images": [str(images["rotated"])], "max_tokens": 1})
     assert session._s.image_sizes([(images["rotated"].read_bytes(), "r")]) == [(110, 40)]
-    assert _ids(session, "<|image|>", [images["rotated"]]) == ref["input_ids"]
+    assert sized_image_ids(session, "<|image|>", [images["rotated"]]) == ref["input_ids"]
     assert len(session.pixel_values(images["rotated"])) == int(np.prod(ref["pixel_shapes"][0]))
 
 
@@ -162,16 +153,16 @@ def test_tower_embeddings_match(session, images, oracle_two):
 
 
 def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
-    ids = _ids(session, ONE, [images["a"]])
+    ids = sized_image_ids(session, ONE, [images["a"]])
     assert ids == oracle_one["input_ids"]
     out = session.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert out.tokens == oracle_one["tokens"]
     assert out.usage.prompt_tokens == len(oracle_one["input_ids"])
-    ours = _logits(session, ids, [images["a"]])
+    ours = image_logits(session, ids, [images["a"]])
     ref = np.array(oracle_one["logits"], dtype=np.float32)
     assert float(np.max(np.abs(ours - ref))) <= 1e-4
     # the image moves the distribution (another image of the same size: the same prompt ids)
-    other = _logits(session, ids, [images["other"]])
+    other = image_logits(session, ids, [images["other"]])
     assert float(np.max(np.abs(other - ours))) > 100 * 1e-4
 
 
@@ -179,7 +170,7 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
     # chunks of 16 tokens: the image-token runs straddle chunk boundaries, and so do the per-layer
     # inputs carried beside the merged embeddings
     with mlxrs.Session(model_dir, prefill_step_size=16) as s:
-        ids = _ids(s, TWO, [images["tall"], images["wide"]])
+        ids = sized_image_ids(s, TWO, [images["tall"], images["wide"]])
         assert ids == oracle_two["input_ids"]
         out = s.generate(
             TWO, images=[images["tall"], images["wide"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
@@ -187,7 +178,7 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
         again = s.generate(
             TWO, images=[images["tall"], images["wide"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
         )
-        ours = _logits(s, ids, [images["tall"], images["wide"]])
+        ours = image_logits(s, ids, [images["tall"], images["wide"]])
         # swapped images: other sizes, so other prompt ids
         swapped = s.generate(
             TWO, images=[images["wide"], images["tall"]], max_tokens=4, ignore_eos=True, temperature=0.0
@@ -223,7 +214,7 @@ def test_chat_content_parts(session, images):
     ref = session.generate(ids, images=[data], max_tokens=8, temperature=0.0)
     assert out.tokens == ref.tokens and out.usage.prompt_tokens == len(ids)
     first = session.generate("hello", images=[data], max_tokens=4, temperature=0.0, ignore_eos=True)
-    assert first.usage.prompt_tokens == len(_ids(session, "<|image|>hello", [images["tall"]]))
+    assert first.usage.prompt_tokens == len(sized_image_ids(session, "<|image|>hello", [images["tall"]]))
 
 
 def test_expansion_needs_the_sizes_and_the_right_count(session, images):
@@ -232,7 +223,7 @@ def test_expansion_needs_the_sizes_and_the_right_count(session, images):
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match=re.escape("1 image marker(s) (<|image|>) for 2")):
         session._s.expand_image_markers("<|image|>", 2, [(10, 10), (10, 10)])
     # ids whose image tokens do not match the images' sizes are refused before anything runs
-    ids = _ids(session, ONE, [images["a"]])
+    ids = sized_image_ids(session, ONE, [images["a"]])
     n = ids.count(session.vision["image_token_id"])
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match=f"the prompt has {n} image tokens for 1 image"):
         session.generate(ids, images=[images["wide"]], max_tokens=2)
@@ -336,9 +327,9 @@ def test_bfloat16_two_images(images):
         theirs = np.array(ref["features"], dtype=np.float32)
         assert feats.shape == theirs.shape
         assert float(np.max(np.abs(feats - theirs))) <= 2**-7 * float(np.max(np.abs(theirs)))
-        ids = _ids(s, TWO, imgs)
+        ids = sized_image_ids(s, TWO, imgs)
         assert ids == ref["input_ids"]
-        logits = _logits(s, ids, imgs)
+        logits = image_logits(s, ids, imgs)
         out = s.generate(TWO, images=imgs, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 2e-2
     assert out.tokens == ref["tokens"]
@@ -355,9 +346,9 @@ def test_mlx_vlm_4bit_checkpoint(images):
         feats = np.array(s.image_features([images["a"]]), dtype=np.float32)
         theirs = np.array(ref["features"], dtype=np.float32)
         assert float(np.max(np.abs(feats - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
-        ids = _ids(s, ONE, [images["a"]])
+        ids = sized_image_ids(s, ONE, [images["a"]])
         assert ids == ref["input_ids"]
-        logits = _logits(s, ids, [images["a"]])
+        logits = image_logits(s, ids, [images["a"]])
         out = s.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 1e-4
     assert out.tokens == ref["tokens"]

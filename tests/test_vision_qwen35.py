@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mlxrs
-from test_vision import run_vlm
+from test_vision import image_logits, run_vlm, sized_image_ids
 from tinymodels import make_qwen3_5_vision
 
 N_TOKENS = 32
@@ -77,15 +77,6 @@ def oracle_two(model_dir, images):
     )
 
 
-def _ids(session, prompt: str, imgs: list[Path]) -> list[int]:
-    sizes = session._s.image_sizes([(p.read_bytes(), str(p)) for p in imgs])
-    return session.tokenize(session._s.expand_image_markers(prompt, len(imgs), sizes))
-
-
-def _logits(session, ids: list[int], imgs: list[Path]) -> np.ndarray:
-    return np.array(session._s.logits(ids, [p.read_bytes() for p in imgs]), dtype=np.float32)
-
-
 def _patches(pixels: np.ndarray, h: int, w: int, p: int = 8, t: int = 2, m: int = 2) -> np.ndarray:
     """mlx-vlm's patch flattening of one image `[3, H, W]` (processing_qwen3_vl.py `_process_one`)."""
     x = np.repeat(pixels.reshape(3, h, w)[None, None], t, axis=1)
@@ -110,7 +101,7 @@ def test_pixel_values_match_the_processor(session, model_dir, images, name):
     assert ours.size == 3 * gh * 8 * gw * 8
     theirs = np.array(ref["patches"], dtype=np.float32)
     assert float(np.max(np.abs(_patches(ours, gh * 8, gw * 8) - theirs))) <= 1e-5
-    assert _ids(session, IMG, [images[name]]) == ref["input_ids"]
+    assert sized_image_ids(session, IMG, [images[name]]) == ref["input_ids"]
 
 
 def test_image_token_counts_match_the_processor_over_sizes(session):
@@ -152,16 +143,16 @@ def test_tower_features_match(session, images, oracle_two):
 
 
 def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
-    ids = _ids(session, ONE, [images["a"]])
+    ids = sized_image_ids(session, ONE, [images["a"]])
     assert ids == oracle_one["input_ids"]
     out = session.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert out.tokens == oracle_one["tokens"]
     assert out.usage.prompt_tokens == len(oracle_one["input_ids"])
-    ours = _logits(session, ids, [images["a"]])
+    ours = image_logits(session, ids, [images["a"]])
     ref = np.array(oracle_one["logits"], dtype=np.float32)
     assert float(np.max(np.abs(ours - ref))) <= 1e-4
     # the image moves the distribution (another image of the same size: the same prompt ids)
-    other = _logits(session, ids, [images["other"]])
+    other = image_logits(session, ids, [images["other"]])
     assert float(np.max(np.abs(other - ours))) > 100 * 1e-4
 
 
@@ -169,7 +160,7 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
     # chunks of 16 tokens: the image-token runs (and their M-RoPE positions) straddle chunk
     # boundaries; the decode positions run (24 + 24) - (16 + 12) behind the token indices
     with mlxrs.Session(model_dir, prefill_step_size=16) as s:
-        ids = _ids(s, TWO, [images["tall"], images["large"]])
+        ids = sized_image_ids(s, TWO, [images["tall"], images["large"]])
         assert ids == oracle_two["input_ids"]
         out = s.generate(
             TWO, images=[images["tall"], images["large"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
@@ -177,7 +168,7 @@ def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two)
         again = s.generate(
             TWO, images=[images["tall"], images["large"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0
         )
-        ours = _logits(s, ids, [images["tall"], images["large"]])
+        ours = image_logits(s, ids, [images["tall"], images["large"]])
         text = s.generate("plain text after images", max_tokens=8, ignore_eos=True, temperature=0.0)
     assert out.tokens == oracle_two["tokens"]
     assert again.tokens == out.tokens
@@ -221,7 +212,7 @@ def test_expansion_needs_the_sizes_and_the_right_count(session, images):
         session._s.expand_image_markers(IMG, 1)
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match=re.escape("1 image marker(s) (<|image_pad|>) for 2")):
         session._s.expand_image_markers(IMG, 2, [(10, 10), (10, 10)])
-    ids = _ids(session, ONE, [images["a"]])
+    ids = sized_image_ids(session, ONE, [images["a"]])
     n = ids.count(session.vision["image_token_id"])
     with pytest.raises(mlxrs.errors.InvalidArgumentError, match=f"the prompt has {n} image tokens for 1 image"):
         session.generate(ids, images=[images["tiny"]], max_tokens=2)
@@ -388,9 +379,9 @@ def test_mlx_vlm_4bit_checkpoint(images):
         feats = np.array(s.image_features([images["a"]]), dtype=np.float32)
         theirs = np.array(ref["features"], dtype=np.float32)
         assert float(np.max(np.abs(feats - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
-        ids = _ids(s, ONE, [images["a"]])
+        ids = sized_image_ids(s, ONE, [images["a"]])
         assert ids == ref["input_ids"]
-        logits = _logits(s, ids, [images["a"]])
+        logits = image_logits(s, ids, [images["a"]])
         out = s.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 1e-4
     assert out.tokens == ref["tokens"]
@@ -420,9 +411,9 @@ def test_bfloat16_two_images(images):
         theirs = np.array(ref["features"], dtype=np.float32)
         assert feats.shape == theirs.shape
         assert float(np.max(np.abs(feats - theirs))) <= 2**-6 * float(np.max(np.abs(theirs)))
-        ids = _ids(s, TWO, imgs)
+        ids = sized_image_ids(s, TWO, imgs)
         assert ids == ref["input_ids"]
-        logits = _logits(s, ids, imgs)
+        logits = image_logits(s, ids, imgs)
         out = s.generate(TWO, images=imgs, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 5e-2
     assert out.tokens == ref["tokens"]
