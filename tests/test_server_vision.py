@@ -106,23 +106,33 @@ def test_openai_image_reaches_the_model(server, local):
     assert other.choices[0].message.content != r.choices[0].message.content
 
 
-def test_anthropic_image_block_reaches_the_model(server, local):
-    img = _png(4)
-    block = {
+def _png_block(img: bytes) -> dict:
+    """An Anthropic base64 image block of PNG bytes."""
+    return {
         "type": "image",
         "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(img).decode()},
     }
-    m = an(server).messages.create(
-        model=MODEL,
-        max_tokens=12,
+
+
+def _anthropic_image_and_library(client, model: str, lib, img: bytes, max_tokens: int):
+    """A "Describe it." message with one base64 PNG image block through the Anthropic SDK, and the
+    same message through `Session.chat` (greedy): (the SDK's message, the library's completion)."""
+    m = client.messages.create(
+        model=model,
+        max_tokens=max_tokens,
         extra_body={"temperature": 0},
-        messages=[{"role": "user", "content": [{"type": "text", "text": "Describe it."}, block]}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Describe it."}, _png_block(img)]}],
     )
-    ref = local.chat(
+    ref = lib.chat(
         [{"role": "user", "content": [{"type": "text", "text": "Describe it."}, {"type": "image", "image": img}]}],
-        max_tokens=12,
+        max_tokens=max_tokens,
         temperature=0.0,
     )
+    return m, ref
+
+
+def test_anthropic_image_block_reaches_the_model(server, local):
+    m, ref = _anthropic_image_and_library(an(server), MODEL, local, _png(4), 12)
     assert m.usage.input_tokens == ref.usage.prompt_tokens
     assert "".join(b.text for b in m.content if b.type == "text") == ref.text
     assert m.usage.output_tokens == len(ref.tokens)
@@ -143,25 +153,19 @@ def test_image_inside_anthropic_tool_result_reaches_the_model(server, local):
     c = an(server)
     text = {"type": "text", "text": "a screenshot:"}
 
-    def image(b: bytes) -> dict:
-        return {
-            "type": "image",
-            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(b).decode()},
-        }
-
     with_img = c.messages.create(
         model=MODEL,
         max_tokens=12,
         extra_body={"temperature": 0},
         tools=[TOOL],
-        messages=_tool_turn([text, image(_png(5))]),
+        messages=_tool_turn([text, _png_block(_png(5))]),
     )
     other = c.messages.create(
         model=MODEL,
         max_tokens=12,
         extra_body={"temperature": 0},
         tools=[TOOL],
-        messages=_tool_turn([text, image(_png(6))]),
+        messages=_tool_turn([text, _png_block(_png(6))]),
     )
     plain = c.messages.create(
         model=MODEL,
@@ -447,21 +451,8 @@ def test_gemma4_images_through_both_protocols(gemma4_dir):
 
         assert count(square) != count(wide)
         assert r1.usage.prompt_tokens - r2.usage.prompt_tokens == count(square) - count(wide)
-        block = {
-            "type": "image",
-            "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(wide).decode()},
-        }
-        m = an(s).messages.create(
-            model=name,
-            max_tokens=10,
-            extra_body={"temperature": 0},
-            messages=[{"role": "user", "content": [{"type": "text", "text": "Describe it."}, block]}],
-        )
-        ref = lib.chat(
-            [{"role": "user", "content": [{"type": "text", "text": "Describe it."}, {"type": "image", "image": wide}]}],
-            max_tokens=10,
-            temperature=0.0,
-        )
+        m, ref = _anthropic_image_and_library(an(s), name, lib, wide, 10)
+        block = _png_block(wide)
         assert m.usage.input_tokens == ref.usage.prompt_tokens
         assert "".join(b.text for b in m.content if b.type == "text") == ref.text
         in_tool = an(s).messages.create(model=name, max_tokens=4, tools=[TOOL], messages=_tool_turn([block]))
