@@ -137,6 +137,9 @@ def write_gemma4_tokenizer(d: Path, vocab: int, chat_template: str) -> None:
         "unk_token": "<unk>",
         "pad_token": "<pad>",
         "mask_token": "<mask>",
+        # the turn, channel, tool and media markers: special (llama.cpp's converter marks them control,
+        # the ones its chat parser reads user-defined)
+        "extra_special_tokens": GEMMA4_SPECIALS[5:],
         "add_bos_token": False,
         "add_eos_token": False,
         "chat_template": chat_template,
