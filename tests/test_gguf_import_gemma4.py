@@ -292,3 +292,23 @@ def test_bad_gemma4_gguf_is_refused_naming_the_tensor(arch, edit, named, tmp_pat
     assert not (tmp_path / "imported").exists()
     ok = rewrite(gguf_of(arch, "f32"), tmp_path / "ok.gguf")
     models.convert_gguf(ok, tmp_path / "imported", dtype="f32", progress=False)
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma4_text_moe"])
+def test_gemma4_gguf_is_planned_like_its_import(arch, tmp_path):
+    """`fit` plans a Gemma 4 .gguf from its header (and rope_freqs) as the directory it imports into:
+    the same KV bytes (sliding layers capped at the window, KV-shared layers none) and weights."""
+    from mlxrs import _native
+
+    def plan(d: Path) -> dict:
+        return dict(json.loads(_native.plan(str(d), 4096, None, None, backend="cpu")))
+
+    g = gguf_of(arch, "f32")
+    out = models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)
+    a, b = plan(g), plan(out)
+    assert a["kvBytes"] == b["kvBytes"] and a["transientBytes"] == b["transientBytes"], (a, b)
+    assert abs(a["weightsBytes"] - b["weightsBytes"]) <= 0.001 * b["weightsBytes"], (a, b)
+    # the planner sees the shared-KV and sliding layers: less than every layer caching 4096 positions
+    src = json.loads((hf_source(arch) / "config.json").read_text())
+    full = 4096 * src["num_hidden_layers"] * 2 * src["num_key_value_heads"] * src["global_head_dim"] * 4
+    assert 0 < a["kvBytes"] < full

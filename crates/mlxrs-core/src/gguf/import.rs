@@ -979,6 +979,46 @@ mod tests {
         }
     }
 
+    /// convert_hf_to_gguf's Gemma 4 rope_freqs: 1 for the rotated pairs, 1e30 for the others.
+    #[test]
+    fn gemma4_rope_freqs_give_the_partial_rotary_factor() {
+        let factors = |rot: usize, n: usize| -> Vec<f32> { (0..n).map(|i| if i < rot { 1.0 } else { 1e30 }).collect() };
+        assert_eq!(gemma4_partial_rotary(&factors(64, 256), 512).unwrap(), 0.25);
+        assert_eq!(gemma4_partial_rotary(&factors(32, 32), 64).unwrap(), 1.0);
+        // the wrong length, nothing rotated, a factor that is neither
+        assert!(gemma4_partial_rotary(&factors(64, 256), 256).is_err());
+        assert!(gemma4_partial_rotary(&factors(0, 32), 64).is_err());
+        let mut odd = factors(8, 32);
+        odd[20] = 2.0;
+        assert!(gemma4_partial_rotary(&odd, 64).unwrap_err().to_string().contains("rope_freqs.weight"));
+    }
+
+    #[test]
+    fn gemma4_names_round_trip() {
+        for (g, hf) in [
+            ("per_layer_token_embd.weight", "model.embed_tokens_per_layer.weight"),
+            ("blk.3.layer_output_scale.weight", "model.layers.3.layer_scalar"),
+            ("blk.0.ffn_gate_inp.scale", "model.layers.0.router.scale"),
+            ("blk.0.ffn_down_exps.scale", "model.layers.0.router.per_expert_scale"),
+            ("blk.1.inp_gate.weight", "model.layers.1.per_layer_input_gate.weight"),
+            ("blk.1.ffn_norm.weight", "model.layers.1.pre_feedforward_layernorm.weight"),
+        ] {
+            assert_eq!(hf_name(g, "gemma4_text").as_deref(), Some(hf));
+            assert_eq!(gguf_name_of(hf, "gemma4_text").as_deref(), Some(g));
+        }
+        // the split experts name their fused tensor
+        assert_eq!(
+            gguf_name_of("model.layers.2.experts.switch_glu.up_proj.weight", "gemma4_text").as_deref(),
+            Some("blk.2.ffn_gate_up_exps.weight")
+        );
+        // Gemma 4's names are not another architecture's
+        assert_eq!(hf_name("blk.1.inp_gate.weight", "llama"), None);
+        assert_eq!(
+            hf_name("blk.1.ffn_norm.weight", "llama").as_deref(),
+            Some("model.layers.1.post_attention_layernorm.weight")
+        );
+    }
+
     #[test]
     fn unusual_bands_are_solved_and_unit_factors_mean_none() {
         let f = factors(10_000.0, 64, 8.0, 1.0, 4.0, 256.0);
