@@ -22,6 +22,8 @@ from mlxrs.errors import MlxrsError
 from tinymodels import ROOT, make_model
 
 pytest.importorskip("gguf")
+# the converter needs torch, installed into the test cache on first use (a few GB): not the fast layer
+pytestmark = pytest.mark.slow
 
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France. def add(a, b):"
 N_TOKENS = 48
