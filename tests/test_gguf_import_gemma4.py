@@ -145,6 +145,18 @@ GEMMA4_NAMES = {
     "per_layer_model_proj": "model.per_layer_model_projection",
     "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
+# the MoE block's, whole HF names (no `.weight` suffix added)
+GEMMA4_MOE = {
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "layer_output_scale.weight": "layer_scalar",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+}
 GEMMA4_BLOCK = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -184,11 +196,8 @@ def dequantized_original(g: Path, src: Path, dst: Path) -> Path:
             name = f"{GEMMA4_NAMES[base]}.{kind}"
         else:
             _, idx, b = base.split(".")
-            name = (
-                f"model.layers.{idx}.layer_scalar"
-                if b == "layer_output_scale"
-                else f"model.layers.{idx}.{GEMMA4_BLOCK[b]}.{kind}"
-            )
+            whole = GEMMA4_MOE.get(f"{b}.{kind}")
+            name = f"model.layers.{idx}.{whole}" if whole else f"model.layers.{idx}.{GEMMA4_BLOCK[b]}.{kind}"
         want = np.array(orig[name].astype(mx.float32))
         assert a.shape == want.shape, (t.name, a.shape, want.shape)
         # Q8_0: each value within half a step (1/127 of its block's largest) of the original
@@ -198,15 +207,17 @@ def dequantized_original(g: Path, src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_gemma4_gguf_q8_0(oracle, tmp_path):
+@pytest.mark.parametrize("arch", ["gemma4_text", "gemma4_text_moe"])
+def test_gemma4_gguf_q8_0(oracle, arch, tmp_path):
     """llama.cpp's Q8_0 conversion (its matrices Q8_0, the norms and scalars f32), imported as f32:
     it runs as mlx-lm runs the original with the same rounding (gguf-py's dequantization of the file),
     the same greedy tokens, logits within 1e-4."""
-    arch = "gemma4_text"
     g = gguf_of(arch, "q8_0")
     types = gguf_tensor_types(g)
     assert types["blk.0.attn_q.weight"] == "Q8_0" and types["per_layer_token_embd.weight"] == "Q8_0", types
     assert types["blk.0.attn_norm.weight"] == "F32"
+    if arch.endswith("moe"):
+        assert types["blk.0.ffn_gate_up_exps.weight"] == types["output.weight"] == "Q8_0", types
     out = models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)
     compare(oracle, dequantized_original(g, hf_source(arch), tmp_path / "rounded"), out, 1e-4)
 
