@@ -773,7 +773,6 @@ const GGUF_BLOCK_TENSORS: [&str; 25] = [
 /// Progress: (bytes of tensors done, total bytes, current tensor).
 pub type ImportProgress<'a> = &'a mut dyn FnMut(u64, u64, &str);
 
-/// Convert `gguf` into an mlxrs model directory at `out` (created; must not exist or be empty).
 /// The config an import of `f` writes: [`hf_config`] with what the file's `rope_freqs.weight` says
 /// (Llama 3.x's rope scaling, Gemma 4's partial rotation); of the tensors only that one is read.
 pub fn file_config(f: &GgufFile) -> Result<Value> {
@@ -801,6 +800,7 @@ pub fn file_config(f: &GgufFile) -> Result<Value> {
     Ok(cfg)
 }
 
+/// Convert `gguf` into an mlxrs model directory at `out` (created; must not exist or be empty).
 pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress<'_>) -> Result<()> {
     let f = GgufFile::open(gguf)?;
     let h = &f.header;
