@@ -134,6 +134,9 @@ def test_gemma4_gguf_from_llamacpp_f32(oracle, arch, tmp_path):
         assert text.startswith("<bos><|turn>system\n")
         assert s.tokenize(text) == hf(text, add_special_tokens=True)["input_ids"], "no second BOS, specials whole"
         assert s.detokenize(s.tokenize(TEXT)) == TEXT
+    # a chat ends at Gemma 4's end of turn, as at <eos>
+    eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    assert eos == [hf.convert_tokens_to_ids("<eos>"), hf.convert_tokens_to_ids("<turn|>")], eos
 
 
 # llama.cpp's Gemma 4 tensor names → the HF ones (gguf-py's tensor_mapping, transcribed for the test)

@@ -913,15 +913,23 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         std::fs::write(&p, serde_json::to_string_pretty(v).unwrap_or_default())
             .map_err(|e| Error::Io { path: p, source: e })
     };
-    // EOS ids: the file's, plus Gemma's end-of-turn marker when the vocabulary has it
+    // EOS ids: the file's, plus Gemma's end-of-turn marker when the vocabulary has it (Gemma 3's
+    // <end_of_turn>, Gemma 4's <turn|>: llama.cpp ends a generation on them too)
     let mut eos: Vec<u64> = cfg.get("eos_token_id").and_then(Value::as_u64).into_iter().collect();
-    if gemma {
+    let end_of_turn = match model_type.as_str() {
+        "gemma3_text" => Some("<end_of_turn>"),
+        "gemma4_text" => Some("<turn|>"),
+        _ => None,
+    };
+    if let Some(marker) = end_of_turn {
         if let Some(id) = h
             .get("tokenizer.ggml.tokens")
             .and_then(MetaValue::as_array)
-            .and_then(|a| a.iter().position(|t| t.as_str() == Some("<end_of_turn>")))
+            .and_then(|a| a.iter().position(|t| t.as_str() == Some(marker)))
         {
-            eos.push(id as u64);
+            if !eos.contains(&(id as u64)) {
+                eos.push(id as u64);
+            }
         }
     }
     // Gemma GGUFs converted from base checkpoints often carry no template; Gemma's turn format is
