@@ -68,7 +68,6 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
         pytest.skip("MLXRS_TEST_NO_TORCH=1: llama.cpp's converter needs torch")
     src = source_dir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(src), str(torch)])}
-    env["NO_LOCAL_GGUF"] = ""
     r = subprocess.run(
         [sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
         env=env,
