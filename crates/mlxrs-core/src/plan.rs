@@ -224,9 +224,9 @@ impl ModelFacts {
 
     /// Facts from a GGUF file as `serve` and `Session` import it on this backend
     /// (`gguf::import::OutDtype::default_for`: f32 on the CPU, bf16 on GPUs): the config the
-    /// importer writes (`gguf::import::hf_config`) and that dtype's bytes per element of every
+    /// importer writes (`gguf::import::file_config`) and that dtype's bytes per element of every
     /// tensor it keeps (all but `rope_freqs`), and the Q8_0 head an f32 import keeps beside them
-    /// (`gguf::import::q8_head`). Only the header is read.
+    /// (`gguf::import::q8_head`). Only the header and `rope_freqs.weight` are read.
     pub fn from_gguf(path: &Path) -> Result<ModelFacts> {
         Self::from_gguf_as(path, crate::gguf::import::OutDtype::default_for(Backend::detect()))
     }
@@ -235,7 +235,7 @@ impl ModelFacts {
     /// planned from their directory).
     pub fn from_gguf_as(path: &Path, dtype: crate::gguf::import::OutDtype) -> Result<ModelFacts> {
         let f = crate::gguf::GgufFile::open(path)?;
-        let cfg = crate::gguf::import::hf_config(&f.header)?;
+        let cfg = crate::gguf::import::file_config(&f)?;
         let elems: u64 =
             f.header.tensors.iter().filter(|t| t.name != "rope_freqs.weight").map(|t| t.n_elements()).sum();
         let b = dtype.float_bytes();

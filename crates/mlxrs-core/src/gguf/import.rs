@@ -130,11 +130,247 @@ impl Meta<'_> {
         }
         Ok(v)
     }
+    /// A per-layer size: an array of `layers` entries, or one number for every layer.
+    fn per_layer(&self, k: &str, layers: usize, default: Option<i64>, max: i64) -> Result<Vec<i64>> {
+        let key = self.key(k);
+        let Some(a) = self.h.get(&key).and_then(MetaValue::as_array) else {
+            return Ok(vec![self.size(k, default, max)?; layers]);
+        };
+        if a.len() != layers {
+            return Err(Error::ModelLoad(format!(
+                "GGUF metadata {key} has {} entries but {} is {layers}",
+                a.len(),
+                self.key("block_count")
+            )));
+        }
+        a.iter()
+            .enumerate()
+            .map(|(i, v)| match v.as_u64().and_then(|v| i64::try_from(v).ok()) {
+                Some(v) if (1..=max).contains(&v) => Ok(v),
+                _ => Err(Error::ModelLoad(format!("GGUF metadata {key}[{i}] = {v:?} is out of range (1..={max})"))),
+            })
+            .collect()
+    }
+}
+
+/// The vocabulary size: the token list's length, else the embedding's rows.
+fn vocab_size(h: &GgufHeader) -> Result<i64> {
+    use crate::models::limits;
+    let vocab = h
+        .get("tokenizer.ggml.tokens")
+        .and_then(MetaValue::as_array)
+        .map(|a| a.len() as i64)
+        .or_else(|| h.tensor("token_embd.weight").map(|t| t.shape()[0] as i64))
+        .ok_or_else(|| Error::ModelLoad("cannot tell the vocabulary size (no tokenizer.ggml.tokens)".into()))?;
+    if !(1..=limits::VOCAB).contains(&vocab) {
+        return Err(Error::ModelLoad(format!(
+            "GGUF vocabulary of {vocab} tokens is out of range (1..={})",
+            limits::VOCAB
+        )));
+    }
+    Ok(vocab)
+}
+
+/// The file's BOS, EOS and padding ids as config.json's `*_token_id`.
+fn special_ids(h: &GgufHeader, o: &mut serde_json::Map<String, Value>) {
+    for (k, id) in [
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ] {
+        if let Some(v) = h.get(id).and_then(MetaValue::as_u64) {
+            o.insert(k.into(), json!(v));
+        }
+    }
+}
+
+/// Gemma 4 (`gemma4`, llama.cpp's `Gemma4Model` converter) as a `gemma4_text` config. The converter
+/// writes per-layer arrays where the layers differ: `attention.sliding_window_pattern` (true for a
+/// sliding layer) is `layer_types`, `feed_forward_length` (doubled on the KV-shared layers:
+/// `use_double_wide_mlp`) and `attention.head_count_kv` (the global layers' count differing:
+/// `num_global_key_value_heads`, with keys as values). `attention.key_length` is the global layers'
+/// head dim, `key_length_swa` the sliding ones'; `rope.freq_base(_swa)` their rope bases; the
+/// global layers' partial rotation is in `rope_freqs.weight` (1 for a rotated pair, 1e30 for an
+/// unrotated one: [`gemma4_partial_rotary`]), the sliding ones' in `rope.dimension_count_swa`.
+fn gemma4_config(m: &Meta, h: &GgufHeader, rope_freqs: Option<&[f32]>) -> Result<Value> {
+    use crate::models::limits;
+    let hidden = m.size("embedding_length", None, limits::HIDDEN)?;
+    let layers = m.size("block_count", None, limits::LAYERS)?;
+    let n = layers as usize;
+    let heads = m.size("attention.head_count", None, limits::HEADS)?;
+    let head_dim = m.size("attention.key_length_swa", None, limits::HEAD_DIM)?;
+    let global_head_dim = m.size("attention.key_length", None, limits::HEAD_DIM)?;
+    let key = |k: &str| m.key(k);
+    let pattern_key = key("attention.sliding_window_pattern");
+    let sliding: Vec<bool> = match h.get(&pattern_key).and_then(MetaValue::as_array) {
+        None => return Err(Error::ModelLoad(format!("GGUF metadata {pattern_key} is missing or not a list"))),
+        Some(a) if a.len() != n => {
+            return Err(Error::ModelLoad(format!(
+                "GGUF metadata {pattern_key} has {} entries but {} is {n}",
+                a.len(),
+                key("block_count")
+            )))
+        }
+        Some(a) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_bool()
+                    .ok_or_else(|| Error::ModelLoad(format!("GGUF metadata {pattern_key}[{i}] = {v:?} is not a bool")))
+            })
+            .collect::<Result<_>>()?,
+    };
+    let shared = match h.get(&key("attention.shared_kv_layers")) {
+        None => 0,
+        Some(v) => v.as_u64().filter(|&s| s < layers as u64).ok_or_else(|| {
+            Error::ModelLoad(format!(
+                "GGUF metadata {} = {v:?} is out of range (0..{n})",
+                key("attention.shared_kv_layers")
+            ))
+        })? as usize,
+    };
+    let first_shared = n - shared;
+    // the feed-forward widths: one width, or doubled on the KV-shared layers
+    let ff = m.per_layer("feed_forward_length", n, None, limits::INTERMEDIATE)?;
+    let intermediate = ff[0];
+    let double_wide = shared > 0 && ff[first_shared] == 2 * intermediate;
+    if let Some(l) =
+        (0..n).find(|&l| ff[l] != if l >= first_shared && double_wide { 2 * intermediate } else { intermediate })
+    {
+        return Err(Error::ModelLoad(format!(
+            "GGUF metadata {}[{l}] = {}: Gemma 4's layers are {intermediate} wide, the KV-shared ones {intermediate} or \
+             twice that",
+            key("feed_forward_length"),
+            ff[l]
+        )));
+    }
+    // KV heads: the sliding layers' count, and the global ones' when they differ (keys as values)
+    let kv = m.per_layer("attention.head_count_kv", n, None, limits::HEADS)?;
+    let first_sliding = sliding.iter().position(|&s| s).unwrap_or(0);
+    let first_global = sliding.iter().position(|&s| !s);
+    let kv_heads = kv[first_sliding];
+    let global_kv = first_global.map_or(kv_heads, |g| kv[g]);
+    if let Some(l) = (0..n).find(|&l| kv[l] != if sliding[l] { kv_heads } else { global_kv }) {
+        return Err(Error::ModelLoad(format!(
+            "GGUF metadata {}[{l}] = {} differs from the other {} layers' {}",
+            key("attention.head_count_kv"),
+            kv[l],
+            if sliding[l] { "sliding" } else { "global" },
+            if sliding[l] { kv_heads } else { global_kv }
+        )));
+    }
+    // keys as values: a global layer that computes keys has no value projection
+    let k_eq_v = first_global
+        .filter(|&g| g < first_shared)
+        .is_some_and(|g| h.tensor(&format!("blk.{g}.attn_v.weight")).is_none());
+    if global_kv != kv_heads && !k_eq_v {
+        return Err(Error::ModelLoad(format!(
+            "GGUF metadata {} gives the global layers {global_kv} KV heads and the sliding ones {kv_heads}, \
+             which Gemma 4 has only with keys as values (no blk.*.attn_v.weight on the global layers)",
+            key("attention.head_count_kv")
+        )));
+    }
+    let swa_rot = m.size("rope.dimension_count_swa", Some(head_dim), limits::HEAD_DIM)?;
+    let global_partial =
+        match rope_freqs {
+            Some(f) => gemma4_partial_rotary(f, global_head_dim as usize)?,
+            None if first_global.is_none() => 1.0,
+            None => return Err(Error::ModelLoad(
+                "the Gemma 4 GGUF has no rope_freqs.weight, which says how much of the global layers' heads rotates"
+                    .into(),
+            )),
+        };
+    let per_layer = match h.get(&key("embedding_length_per_layer_input")) {
+        None => 0,
+        Some(_) if m.f("embedding_length_per_layer_input") == Some(0.0) => 0,
+        Some(_) => m.size("embedding_length_per_layer_input", None, limits::HIDDEN)?,
+    };
+    let vocab = vocab_size(h)?;
+    let mut cfg = json!({
+        "model_type": "gemma4_text",
+        "architectures": ["Gemma4ForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "global_head_dim": global_head_dim,
+        "layer_types": sliding.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect::<Vec<_>>(),
+        "sliding_window": m.size("attention.sliding_window", Some(512), limits::POSITIONS)?,
+        "num_kv_shared_layers": shared,
+        "use_double_wide_mlp": double_wide,
+        "attention_k_eq_v": k_eq_v,
+        "hidden_size_per_layer_input": per_layer,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": global_partial,
+                "rope_theta": m.f("rope.freq_base").unwrap_or(1_000_000.0),
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {
+                "partial_rotary_factor": swa_rot as f64 / head_dim as f64,
+                "rope_theta": m.f("rope.freq_base_swa").unwrap_or(10_000.0),
+                "rope_type": "default",
+            },
+        },
+        "final_logit_softcapping": m.f("final_logit_softcapping"),
+        "rms_norm_eps": m.f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
+        "vocab_size": vocab,
+        "max_position_embeddings": m.size("context_length", Some(131072), limits::POSITIONS)?,
+        "tie_word_embeddings": h.tensor("output.weight").is_none(),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "torch_dtype": "bfloat16",
+    });
+    let o = cfg.as_object_mut().expect("object");
+    if k_eq_v {
+        o.insert("num_global_key_value_heads".into(), json!(global_kv));
+    }
+    if per_layer > 0 {
+        // the per-layer embedding's rows (the converter writes no size for it)
+        let name = "per_layer_token_embd.weight";
+        let t = h.tensor(name).ok_or_else(|| {
+            Error::ModelLoad(format!(
+                "GGUF tensor {name} is missing: {} = {per_layer} asks for per-layer input embeddings",
+                key("embedding_length_per_layer_input")
+            ))
+        })?;
+        o.insert("vocab_size_per_layer_input".into(), json!(t.shape()[0]));
+    }
+    if h.get(&key("expert_count")).is_some() {
+        let experts = m.size("expert_count", None, limits::EXPERTS)?;
+        o.insert("enable_moe_block".into(), json!(true));
+        o.insert("num_experts".into(), json!(experts));
+        o.insert("top_k_experts".into(), json!(m.size("expert_used_count", None, limits::EXPERTS)?));
+        o.insert(
+            "moe_intermediate_size".into(),
+            json!(m.size("expert_feed_forward_length", None, limits::INTERMEDIATE)?),
+        );
+    }
+    special_ids(h, o);
+    Ok(cfg)
+}
+
+/// The global layers' `partial_rotary_factor` from llama.cpp's Gemma 4 `rope_freqs.weight`: one
+/// factor per rotary pair of the global head, 1 for the rotated pairs first, then 1e30 (a frequency
+/// of ~0: unrotated) for the rest.
+pub fn gemma4_partial_rotary(factors: &[f32], global_head_dim: usize) -> Result<f64> {
+    let rotated = factors.iter().take_while(|&&f| f == 1.0).count();
+    if factors.len() != global_head_dim / 2 || rotated == 0 || factors[rotated..].iter().any(|&f| f < 1e29) {
+        return Err(Error::ModelLoad(format!(
+            "rope_freqs.weight ({} values) is not Gemma 4's: global_head_dim / 2 = {} factors, 1 for the rotated \
+             pairs then 1e30 for the unrotated ones",
+            factors.len(),
+            global_head_dim / 2
+        )));
+    }
+    Ok(2.0 * rotated as f64 / global_head_dim as f64)
 }
 
 /// HF config.json for the file's architecture; fields the GGUF does not store come from the
-/// architecture's known defaults.
-pub fn hf_config(h: &GgufHeader) -> Result<Value> {
+/// architecture's known defaults. `rope_freqs`: the file's `rope_freqs.weight`, read (Gemma 4 keeps
+/// its global layers' partial rotation there).
+pub fn hf_config(h: &GgufHeader, rope_freqs: Option<&[f32]>) -> Result<Value> {
     let arch = h
         .get("general.architecture")
         .and_then(MetaValue::as_str)
@@ -148,6 +384,9 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
         ))
     })?;
     let m = Meta { h, arch: arch.clone() };
+    if model_type == "gemma4_text" {
+        return gemma4_config(&m, h, rope_freqs);
+    }
     use crate::models::limits;
     let hidden = m.size("embedding_length", None, limits::HIDDEN)?;
     let heads = m.size("attention.head_count", None, limits::HEADS)?;
@@ -163,18 +402,7 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
     let layers = m.size("block_count", None, limits::LAYERS)?;
     let intermediate = m.size("feed_forward_length", None, limits::INTERMEDIATE)?;
     let context = m.size("context_length", Some(4096), limits::POSITIONS)?;
-    let vocab = h
-        .get("tokenizer.ggml.tokens")
-        .and_then(MetaValue::as_array)
-        .map(|a| a.len() as i64)
-        .or_else(|| h.tensor("token_embd.weight").map(|t| t.shape()[0] as i64))
-        .ok_or_else(|| Error::ModelLoad("cannot tell the vocabulary size (no tokenizer.ggml.tokens)".into()))?;
-    if !(1..=limits::VOCAB).contains(&vocab) {
-        return Err(Error::ModelLoad(format!(
-            "GGUF vocabulary of {vocab} tokens is out of range (1..={})",
-            limits::VOCAB
-        )));
-    }
+    let vocab = vocab_size(h)?;
     let tied = h.tensor("output.weight").is_none();
     let mut cfg = json!({
         "model_type": model_type,
@@ -198,15 +426,7 @@ pub fn hf_config(h: &GgufHeader) -> Result<Value> {
         "torch_dtype": "bfloat16",
     });
     let o = cfg.as_object_mut().expect("object");
-    for (k, id) in [
-        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
-        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
-    ] {
-        if let Some(v) = h.get(id).and_then(MetaValue::as_u64) {
-            o.insert(k.into(), json!(v));
-        }
-    }
+    special_ids(h, o);
     match model_type {
         "gemma3_text" => {
             o.insert("rope_theta".into(), json!(m.f("rope.freq_base").unwrap_or(1_000_000.0)));
@@ -345,13 +565,21 @@ pub fn llama3_rope_scaling(factors: &[f32], base: f64, head_dim: usize) -> Resul
     Err(bad("do not fit the llama3 formula"))
 }
 
-/// llama.cpp tensor name → HF name (None: not a model weight, e.g. rope_freqs).
-fn hf_name(name: &str, gemma: bool) -> Option<String> {
+/// llama.cpp tensor name → HF name (None: not a model weight, e.g. rope_freqs) for `model_type`.
+/// Gemma 4's fused experts `ffn_gate_up_exps` map to `experts.gate_up_proj`, which the import splits
+/// as mlx-lm's sanitize does.
+fn hf_name(name: &str, model_type: &str) -> Option<String> {
+    let gemma = matches!(model_type, "gemma3_text" | "gemma4_text");
+    let gemma4 = model_type == "gemma4_text";
     let top = match name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
         "output.weight" => Some("lm_head.weight"),
         "rope_freqs.weight" => return None,
+        // Gemma 4's per-layer inputs
+        "per_layer_token_embd.weight" if gemma4 => Some("model.embed_tokens_per_layer.weight"),
+        "per_layer_model_proj.weight" if gemma4 => Some("model.per_layer_model_projection.weight"),
+        "per_layer_proj_norm.weight" if gemma4 => Some("model.per_layer_projection_norm.weight"),
         _ => None,
     };
     if let Some(t) = top {
@@ -360,6 +588,21 @@ fn hf_name(name: &str, gemma: bool) -> Option<String> {
     let rest = name.strip_prefix("blk.")?;
     let (idx, tail) = rest.split_once('.')?;
     let (base, kind) = tail.rsplit_once('.')?;
+    if gemma4 {
+        // Gemma 4's tensors without a `.weight` in the HF layout, and its router's scales
+        let whole = match (base, kind) {
+            ("layer_output_scale", "weight") => Some("layer_scalar"),
+            ("ffn_gate_inp", "scale") => Some("router.scale"),
+            ("ffn_down_exps", "scale") => Some("router.per_expert_scale"),
+            ("ffn_gate_up_exps", "weight") => Some("experts.gate_up_proj"),
+            ("ffn_down_exps", "weight") => Some("experts.switch_glu.down_proj.weight"),
+            ("ffn_gate_inp", "weight") => Some("router.proj.weight"),
+            _ => None,
+        };
+        if let Some(w) = whole {
+            return Some(format!("model.layers.{idx}.{w}"));
+        }
+    }
     let hf = match base {
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
@@ -372,6 +615,13 @@ fn hf_name(name: &str, gemma: bool) -> Option<String> {
         "ffn_norm" if gemma => "pre_feedforward_layernorm",
         "ffn_norm" => "post_attention_layernorm",
         "post_ffw_norm" => "post_feedforward_layernorm",
+        // Gemma 4: the MoE block's norms, the per-layer input's gate, projection and norm
+        "pre_ffw_norm_2" if gemma4 => "pre_feedforward_layernorm_2",
+        "post_ffw_norm_1" if gemma4 => "post_feedforward_layernorm_1",
+        "post_ffw_norm_2" if gemma4 => "post_feedforward_layernorm_2",
+        "inp_gate" if gemma4 => "per_layer_input_gate",
+        "proj" if gemma4 => "per_layer_projection",
+        "post_norm" if gemma4 => "post_per_layer_input_norm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
@@ -434,27 +684,129 @@ pub fn q8_head_bytes(h: &GgufHeader, dtype: OutDtype) -> u64 {
     q8_head(h, dtype).map_or(0, |t| t.n_elements() + t.n_elements() / 32 * 4)
 }
 
+/// Build the architecture from the imported tensors (lazily: nothing is computed) so that a file the
+/// model cannot load — a tensor missing, of the wrong shape, one the config does not expect — is
+/// refused now, naming the GGUF tensor beside the HF weight the loader names.
+fn check_loads(cfg: &Value, tensors: &BTreeMap<String, Array>, gguf_names: &BTreeMap<String, String>) -> Result<()> {
+    let map = tensors.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let weights = crate::weights::Weights::from_map(map, cfg)?;
+    let Err(e) = crate::models::build(cfg, weights) else { return Ok(()) };
+    let msg = e.to_string();
+    // the HF weight the message names (the longest match: `x.weight` before `x`), else its module
+    let named = gguf_names
+        .iter()
+        .filter(|(hf, _)| msg.contains(hf.as_str()) || msg.contains(hf.trim_end_matches(".weight")))
+        .max_by_key(|(hf, _)| hf.len());
+    let hint = match named {
+        Some((hf, g)) => format!("GGUF tensor {g} (imported as {hf})"),
+        None => {
+            // a missing weight: the GGUF name it would have had
+            let missing = msg.split_whitespace().find_map(|w| {
+                let w = w.trim_matches(|c: char| !(c.is_alphanumeric() || c == '.' || c == '_'));
+                gguf_name_of(w, cfg["model_type"].as_str().unwrap_or_default())
+            });
+            match missing {
+                Some(g) => format!("GGUF tensor {g}"),
+                None => return Err(e),
+            }
+        }
+    };
+    Err(Error::ModelLoad(format!("{hint}: {msg}")))
+}
+
+/// The llama.cpp name of HF weight `hf` (or of its module, without `.weight`), as [`hf_name`] maps it.
+fn gguf_name_of(hf: &str, model_type: &str) -> Option<String> {
+    let with = if hf.ends_with(".weight") || hf.ends_with(".scale") { hf.to_string() } else { format!("{hf}.weight") };
+    let mut candidates: Vec<String> =
+        ["token_embd", "output_norm", "output", "per_layer_token_embd", "per_layer_model_proj", "per_layer_proj_norm"]
+            .iter()
+            .map(|n| format!("{n}.weight"))
+            .collect();
+    if let Some(idx) = with.strip_prefix("model.layers.").and_then(|r| r.split('.').next()) {
+        for base in GGUF_BLOCK_TENSORS {
+            for kind in ["weight", "scale"] {
+                candidates.push(format!("blk.{idx}.{base}.{kind}"));
+            }
+        }
+    }
+    candidates.into_iter().find(|g| {
+        hf_name(g, model_type).is_some_and(|h| {
+            h == with
+                || h == hf
+                || h.strip_suffix(".experts.gate_up_proj").is_some_and(|b| {
+                    with.starts_with(&format!("{b}.experts.switch_glu."))
+                        && (with.contains("gate_proj") || with.contains("up_proj"))
+                })
+        })
+    })
+}
+
+/// The block tensor names [`hf_name`] knows.
+const GGUF_BLOCK_TENSORS: [&str; 25] = [
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "attn_q_norm",
+    "attn_k_norm",
+    "attn_norm",
+    "post_attention_norm",
+    "ffn_norm",
+    "post_ffw_norm",
+    "pre_ffw_norm_2",
+    "post_ffw_norm_1",
+    "post_ffw_norm_2",
+    "inp_gate",
+    "proj",
+    "post_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_gate_inp",
+    "ffn_gate_exps",
+    "ffn_up_exps",
+    "ffn_down_exps",
+    "ffn_gate_up_exps",
+    "layer_output_scale",
+];
+
 /// Progress: (bytes of tensors done, total bytes, current tensor).
 pub type ImportProgress<'a> = &'a mut dyn FnMut(u64, u64, &str);
+
+/// The config an import of `f` writes: [`hf_config`] with what the file's `rope_freqs.weight` says
+/// (Llama 3.x's rope scaling, Gemma 4's partial rotation); of the tensors only that one is read.
+pub fn file_config(f: &GgufFile) -> Result<Value> {
+    let h = &f.header;
+    let freqs = match h.tensor("rope_freqs.weight") {
+        None => None,
+        Some(t) => {
+            let raw = f.read_raw(t)?;
+            Some(
+                dequantize(t.ty, &raw, t.n_elements() as usize)
+                    .map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?,
+            )
+        }
+    };
+    let mut cfg = hf_config(h, freqs.as_deref())?;
+    let model_type = cfg["model_type"].as_str().unwrap_or_default();
+    if let (Some(v), false) = (&freqs, matches!(model_type, "gemma3_text" | "gemma4_text")) {
+        // Llama 3.x: the rope scaling lives in this tensor, not in the metadata
+        let base = cfg["rope_theta"].as_f64().unwrap_or(10_000.0);
+        let head_dim = cfg["head_dim"].as_u64().unwrap_or(0) as usize;
+        if let Some(rs) = llama3_rope_scaling(v, base, head_dim)? {
+            cfg["rope_scaling"] = rs;
+        }
+    }
+    Ok(cfg)
+}
 
 /// Convert `gguf` into an mlxrs model directory at `out` (created; must not exist or be empty).
 pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress<'_>) -> Result<()> {
     let f = GgufFile::open(gguf)?;
     let h = &f.header;
-    let mut cfg = hf_config(h)?;
+    let mut cfg = file_config(&f)?;
     let model_type = cfg["model_type"].as_str().unwrap_or_default().to_string();
     let gemma = model_type == "gemma3_text";
-    if let (Some(t), false) = (h.tensor("rope_freqs.weight"), gemma) {
-        // Llama 3.x: the rope scaling lives in this tensor, not in the metadata
-        let raw = f.read_raw(t)?;
-        let v = dequantize(t.ty, &raw, t.n_elements() as usize)
-            .map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
-        let base = cfg["rope_theta"].as_f64().unwrap_or(10_000.0);
-        let head_dim = cfg["head_dim"].as_u64().unwrap_or(0) as usize;
-        if let Some(rs) = llama3_rope_scaling(&v, base, head_dim)? {
-            cfg["rope_scaling"] = rs;
-        }
-    }
     let permute_qk = model_type == "llama";
     let heads = cfg["num_attention_heads"].as_u64().unwrap_or(1) as usize;
     let kv_heads = cfg["num_key_value_heads"].as_u64().unwrap_or(1) as usize;
@@ -463,10 +815,12 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     let mut done = 0u64;
     let mut tensors: BTreeMap<String, Array> = BTreeMap::new();
     let mut head_q8: BTreeMap<String, Array> = BTreeMap::new();
+    // HF name → the GGUF tensor it came from, to name the file's tensor in an error
+    let mut gguf_names: BTreeMap<String, String> = BTreeMap::new();
     let head_name = q8_head(h, dtype).map(|t| t.name.clone());
     let group = 64;
     for t in &h.tensors {
-        let Some(name) = hf_name(&t.name, gemma) else {
+        let Some(name) = hf_name(&t.name, &model_type) else {
             done += t.nbytes().unwrap_or(0);
             continue;
         };
@@ -495,22 +849,43 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         }
         let a = Array::from_slice(&v, &shape)?;
         drop(v);
-        // matrices, and the stacked experts ([experts, out, in]) of a MoE
-        let quantizable = (2..=3).contains(&shape.len()) && !is_norm && shape[shape.len() - 1] % group == 0;
-        match dtype.bits() {
-            Some(bits) if quantizable => {
-                let fa = mx::astype(&a, Dtype::Bfloat16)?;
-                let (w, s, b) = mx::quantize(&fa, group, bits)?;
-                mx::eval(&[&w, &s, &b])?;
-                let base = name.trim_end_matches(".weight");
-                tensors.insert(format!("{base}.scales"), s);
-                tensors.insert(format!("{base}.biases"), b);
-                tensors.insert(name, w);
+        // Gemma 4's fused experts [experts, 2 × width, hidden]: gate and up halves (mlx-lm's sanitize)
+        let parts = match name.strip_suffix(".experts.gate_up_proj") {
+            Some(base) => {
+                if shape.len() != 3 || shape[1] % 2 != 0 {
+                    return Err(Error::ModelLoad(format!(
+                        "GGUF tensor {} has shape {shape:?}: not [experts, 2 × width, hidden]",
+                        t.name
+                    )));
+                }
+                let halves = mx::split(&a, 2, 1)?;
+                vec![
+                    (format!("{base}.experts.switch_glu.gate_proj.weight"), mx::contiguous(&halves[0])?),
+                    (format!("{base}.experts.switch_glu.up_proj.weight"), mx::contiguous(&halves[1])?),
+                ]
             }
-            _ => {
-                let c = mx::astype(&a, dtype.float())?;
-                c.eval()?;
-                tensors.insert(name, c);
+            None => vec![(name, a)],
+        };
+        for (name, a) in parts {
+            gguf_names.insert(name.clone(), t.name.clone());
+            let shape = a.shape();
+            // matrices, and the stacked experts ([experts, out, in]) of a MoE
+            let quantizable = (2..=3).contains(&shape.len()) && !is_norm && shape[shape.len() - 1] % group == 0;
+            match dtype.bits() {
+                Some(bits) if quantizable => {
+                    let fa = mx::astype(&a, Dtype::Bfloat16)?;
+                    let (w, s, b) = mx::quantize(&fa, group, bits)?;
+                    mx::eval(&[&w, &s, &b])?;
+                    let base = name.trim_end_matches(".weight");
+                    tensors.insert(format!("{base}.scales"), s);
+                    tensors.insert(format!("{base}.biases"), b);
+                    tensors.insert(name, w);
+                }
+                _ => {
+                    let c = mx::astype(&a, dtype.float())?;
+                    c.eval()?;
+                    tensors.insert(name, c);
+                }
             }
         }
         done += t.nbytes().unwrap_or(0);
@@ -524,6 +899,7 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     if let Some(bits) = dtype.bits() {
         cfg["quantization"] = json!({"group_size": group, "bits": bits, "mode": "affine"});
     }
+    check_loads(&cfg, &tensors, &gguf_names)?;
     let meta: BTreeMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
     mx::save_safetensors(&out.join("model.safetensors"), &tensors, &meta)?;
     drop(tensors);
@@ -537,15 +913,23 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         std::fs::write(&p, serde_json::to_string_pretty(v).unwrap_or_default())
             .map_err(|e| Error::Io { path: p, source: e })
     };
-    // EOS ids: the file's, plus Gemma's end-of-turn marker when the vocabulary has it
+    // EOS ids: the file's, plus Gemma's end-of-turn marker when the vocabulary has it (Gemma 3's
+    // <end_of_turn>, Gemma 4's <turn|>: llama.cpp ends a generation on them too)
     let mut eos: Vec<u64> = cfg.get("eos_token_id").and_then(Value::as_u64).into_iter().collect();
-    if gemma {
+    let end_of_turn = match model_type.as_str() {
+        "gemma3_text" => Some("<end_of_turn>"),
+        "gemma4_text" => Some("<turn|>"),
+        _ => None,
+    };
+    if let Some(marker) = end_of_turn {
         if let Some(id) = h
             .get("tokenizer.ggml.tokens")
             .and_then(MetaValue::as_array)
-            .and_then(|a| a.iter().position(|t| t.as_str() == Some("<end_of_turn>")))
+            .and_then(|a| a.iter().position(|t| t.as_str() == Some(marker)))
         {
-            eos.push(id as u64);
+            if !eos.contains(&(id as u64)) {
+                eos.push(id as u64);
+            }
         }
     }
     // Gemma GGUFs converted from base checkpoints often carry no template; Gemma's turn format is
@@ -601,6 +985,46 @@ mod tests {
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
             );
         }
+    }
+
+    /// convert_hf_to_gguf's Gemma 4 rope_freqs: 1 for the rotated pairs, 1e30 for the others.
+    #[test]
+    fn gemma4_rope_freqs_give_the_partial_rotary_factor() {
+        let factors = |rot: usize, n: usize| -> Vec<f32> { (0..n).map(|i| if i < rot { 1.0 } else { 1e30 }).collect() };
+        assert_eq!(gemma4_partial_rotary(&factors(64, 256), 512).unwrap(), 0.25);
+        assert_eq!(gemma4_partial_rotary(&factors(32, 32), 64).unwrap(), 1.0);
+        // the wrong length, nothing rotated, a factor that is neither
+        assert!(gemma4_partial_rotary(&factors(64, 256), 256).is_err());
+        assert!(gemma4_partial_rotary(&factors(0, 32), 64).is_err());
+        let mut odd = factors(8, 32);
+        odd[20] = 2.0;
+        assert!(gemma4_partial_rotary(&odd, 64).unwrap_err().to_string().contains("rope_freqs.weight"));
+    }
+
+    #[test]
+    fn gemma4_names_round_trip() {
+        for (g, hf) in [
+            ("per_layer_token_embd.weight", "model.embed_tokens_per_layer.weight"),
+            ("blk.3.layer_output_scale.weight", "model.layers.3.layer_scalar"),
+            ("blk.0.ffn_gate_inp.scale", "model.layers.0.router.scale"),
+            ("blk.0.ffn_down_exps.scale", "model.layers.0.router.per_expert_scale"),
+            ("blk.1.inp_gate.weight", "model.layers.1.per_layer_input_gate.weight"),
+            ("blk.1.ffn_norm.weight", "model.layers.1.pre_feedforward_layernorm.weight"),
+        ] {
+            assert_eq!(hf_name(g, "gemma4_text").as_deref(), Some(hf));
+            assert_eq!(gguf_name_of(hf, "gemma4_text").as_deref(), Some(g));
+        }
+        // the split experts name their fused tensor
+        assert_eq!(
+            gguf_name_of("model.layers.2.experts.switch_glu.up_proj.weight", "gemma4_text").as_deref(),
+            Some("blk.2.ffn_gate_up_exps.weight")
+        );
+        // Gemma 4's names are not another architecture's
+        assert_eq!(hf_name("blk.1.inp_gate.weight", "llama"), None);
+        assert_eq!(
+            hf_name("blk.1.ffn_norm.weight", "llama").as_deref(),
+            Some("model.layers.1.post_attention_layernorm.weight")
+        );
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //!   vocabulary and ordered by the tokens' positions in the file (`gemma_tokenizer` +
 //!   `generate_merges`); normalizer `" "→"▁"`, a no-op `Split(" ")` pre-tokenizer, decoder
 //!   Replace/ByteFallback/Fuse.
+//! - `gemma4` (Gemma 4's own tokenizer model in llama.cpp: SentencePiece-style BPE over raw UTF-8
+//!   with the merges listed): the vocabulary as the file spells it, the file's merges, and the rest
+//!   as for Gemma (`GemmaTokenizer(vocab, merges)`); no BOS added, whatever
+//!   `tokenizer.ggml.add_bos_token` says — the chat template writes `<bos>`, and transformers
+//!   follows the reference tokenizer there (llama.cpp forces the flag on).
 //! - other `llama` SentencePiece vocabularies: BPE with byte fallback, merges from the scores,
 //!   Metaspace (prepend on the first piece) and a decoder that strips the leading space
 //!   (`LlamaTokenizer`); `phi3` prepends `▁` in a normalizer instead.
@@ -67,6 +72,8 @@ fn pre_tokenizer_split(pre: &str) -> Option<&'static str> {
 enum Kind {
     /// Gemma's SentencePiece vocabulary (`GemmaTokenizer`, merges by file position).
     Gemma,
+    /// Gemma 4's (`GemmaTokenizer` with the file's merges).
+    Gemma4,
     /// A SentencePiece vocabulary (`LlamaTokenizer`, merges by score).
     Llama,
     /// Phi-3: SentencePiece with the prefix space from a normalizer.
@@ -191,12 +198,13 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
     let model = meta_str("tokenizer.ggml.model").ok_or_else(|| bad("the file has no tokenizer.ggml.model"))?;
     let kind = match (model, arch) {
         ("llama", "gemma" | "gemma2" | "gemma3") => Kind::Gemma,
+        ("gemma4", _) => Kind::Gemma4,
         ("llama", "phi3") => Kind::Phi3,
         ("llama", _) => Kind::Llama,
         ("gpt2", _) => Kind::ByteLevel,
         (other, _) => {
             return Err(Error::Unsupported(format!(
-                "GGUF tokenizer model {other:?} (architecture {arch:?}) is not supported; mlxrs reads \"llama\" (SentencePiece) and \"gpt2\" (byte-level BPE)"
+                "GGUF tokenizer model {other:?} (architecture {arch:?}) is not supported; mlxrs reads \"llama\" (SentencePiece), \"gemma4\" and \"gpt2\" (byte-level BPE)"
             )))
         }
     };
@@ -237,7 +245,7 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
                 }
             })
             .collect(),
-        Kind::Llama | Kind::Phi3 => raw.iter().map(|&t| t.into()).collect(),
+        Kind::Llama | Kind::Phi3 | Kind::Gemma4 => raw.iter().map(|&t| t.into()).collect(),
         Kind::ByteLevel => raw
             .iter()
             .map(|&t| {
@@ -271,6 +279,7 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
         None if kind == Kind::ByteLevel => {
             return Err(bad("a gpt2 (byte-level) vocabulary without tokenizer.ggml.merges"))
         }
+        None if kind == Kind::Gemma4 => return Err(bad("a gemma4 vocabulary without tokenizer.ggml.merges")),
         None => {
             // the scores as a Python dict {token: score} holds them: first-appearance order, last value.
             // Gemma's key is the position in the file (`gemma_tokenizer`), the others' the file's score
@@ -318,7 +327,7 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
     let mut added: Vec<(u32, &str, bool)> = Vec::new();
     let mut added_set: HashSet<&str> = HashSet::new();
     let class_specials: &[&str] = match kind {
-        Kind::Gemma => &["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"],
+        Kind::Gemma | Kind::Gemma4 => &["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"],
         Kind::Llama | Kind::Phi3 => &["<unk>", "<s>", "</s>"],
         Kind::ByteLevel => &["<|endoftext|>"],
     };
@@ -352,7 +361,7 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
 
     // BOS/EOS post-processor, as transformers' `update_post_processor` writes it
     let flag = |k: &str| h.get(k).and_then(MetaValue::as_bool);
-    let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(model == "llama");
+    let add_bos = flag("tokenizer.ggml.add_bos_token").unwrap_or(model == "llama") && kind != Kind::Gemma4;
     let add_eos = flag("tokenizer.ggml.add_eos_token").unwrap_or(false);
     let bos_entry = bos.and_then(|t| ids.get(t).map(|&id| (t, id)));
     let eos_entry = eos.and_then(|t| ids.get(t).map(|&id| (t, id)));
@@ -397,7 +406,7 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
     };
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     let (normalizer, pre_tokenizer, decoder) = match kind {
-        Kind::Gemma => (
+        Kind::Gemma | Kind::Gemma4 => (
             json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}),
             json!({"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": false}),
             sp_decoder(false),
@@ -429,7 +438,9 @@ pub fn build_tokenizer_json(h: &GgufHeader) -> Result<(Value, Value)> {
     };
 
     let bpe_unk = match kind {
-        Kind::Gemma => unk.filter(|t| ids.contains_key(t)).or(ids.get_key_value("<unk>").map(|(k, _)| *k)),
+        Kind::Gemma | Kind::Gemma4 => {
+            unk.filter(|t| ids.contains_key(t)).or(ids.get_key_value("<unk>").map(|(k, _)| *k))
+        }
         _ => None,
     };
     let mut vocab_json = Map::with_capacity(ids.len());

@@ -236,6 +236,7 @@ mod tests {
             g,
             [
                 ("gemma3", "gemma3_text"),
+                ("gemma4", "gemma4_text"),
                 ("llama", "llama"),
                 ("qwen2", "qwen2"),
                 ("qwen3", "qwen3"),

@@ -29,7 +29,7 @@ pub const ARCH: Arch = Arch {
     sanitize,
     load: |c, w| Ok(Box::new(Model::load(c, w)?)),
     layout,
-    gguf: None,
+    gguf: Some("gemma4"),
 };
 
 const DEFAULTS: DimDefaults = DimDefaults {
