@@ -606,17 +606,15 @@ impl CausalLm for Model {
     }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        let mut h = self.embed.forward(tokens)?;
-        let mask = caches.masks(0, tokens.dim(1), None)?;
-        let n = self.layers.len();
-        let mut stager = super::Stager::new(staging);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let r = layer.attn.forward_many(&layer.in_norm.forward(&h)?, &mask, caches.layer_mut(i))?;
-            let hh = mx::add(&h, &r)?;
+        let h = self.embed.forward(tokens)?;
+        let masks = super::LayerMasks::new(caches, tokens.dim(1), self.layers.iter().map(|_| Some(false)), None)?;
+        let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
+            let layer = &self.layers[i];
+            let r = layer.attn.forward_many(&layer.in_norm.forward(h)?, masks.get(false)?, caches.layer_mut(i))?;
+            let hh = mx::add(h, &r)?;
             let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
-            h = mx::add(&hh, &r)?;
-            stager.after_layer(i, n, &h, caches)?;
-        }
+            mx::add(&hh, &r)
+        })?;
         self.norm.forward(&h)
     }
 
