@@ -609,11 +609,9 @@ impl CausalLm for Model {
         let h = self.embed.forward(tokens)?;
         let masks = super::LayerMasks::new(caches, tokens.dim(1), self.layers.iter().map(|_| Some(false)), None)?;
         let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
-            let layer = &self.layers[i];
-            let r = layer.attn.forward_many(&layer.in_norm.forward(h)?, masks.get(false)?, caches.layer_mut(i))?;
-            let hh = mx::add(h, &r)?;
-            let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
-            mx::add(&hh, &r)
+            let l = &self.layers[i];
+            let mixer = |x: &Array| l.attn.forward_many(x, masks.get(false)?, caches.layer_mut(i));
+            super::pre_norm_residual(h, &l.in_norm, mixer, &l.post_norm, |x| l.mlp.forward(x))
         })?;
         self.norm.forward(&h)
     }

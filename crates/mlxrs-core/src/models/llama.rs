@@ -4,7 +4,7 @@ use super::layers::{Attention, Embedding, Ffn, Linear, MoeSpec, RmsNorm, Rope};
 use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::Caches;
 use crate::error::Result;
-use crate::handle::{self as mx, Array};
+use crate::handle::Array;
 use crate::weights::Weights;
 use serde_json::Value;
 
@@ -274,10 +274,9 @@ impl CausalLm for Model {
         let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
             let layer = &self.layers[i];
             let mask = masks.get(layer.sliding)?;
-            let x = layer.in_norm.forward(h)?;
-            let r = match &q_scale {
+            let mixer = |x: &Array| match &q_scale {
                 Some(s) => {
-                    let (q, k, v) = layer.attn.project(&x)?;
+                    let (q, k, v) = layer.attn.project(x)?;
                     let out = layer.attn.attend_many_scaled(
                         q,
                         k,
@@ -287,13 +286,11 @@ impl CausalLm for Model {
                         layer.sinks.as_ref(),
                         Some(s),
                     )?;
-                    layer.attn.output(&out, x.dim(0), n)?
+                    layer.attn.output(&out, x.dim(0), n)
                 }
-                None => layer.attn.forward_many_sinks(&x, mask, caches.layer_mut(i), layer.sinks.as_ref())?,
+                None => layer.attn.forward_many_sinks(x, mask, caches.layer_mut(i), layer.sinks.as_ref()),
             };
-            let hh = mx::add(h, &r)?;
-            let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
-            mx::add(&hh, &r)
+            super::pre_norm_residual(h, &layer.in_norm, mixer, &layer.post_norm, |x| layer.mlp.forward(x))
         })?;
         self.norm.forward(&h)
     }

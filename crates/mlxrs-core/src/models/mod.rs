@@ -263,6 +263,20 @@ pub fn run_layers(
     Ok(h)
 }
 
+/// The pre-norm residual layer of Llama, DeepSeek-V3 and Qwen3-Next: `h + mixer(in_norm(h))`, then
+/// that plus `ffn(post_norm(·))` (`mixer` is the layer's attention, or linear attention).
+pub fn pre_norm_residual(
+    h: &Array,
+    in_norm: &layers::RmsNorm,
+    mixer: impl FnOnce(&Array) -> Result<Array>,
+    post_norm: &layers::RmsNorm,
+    ffn: impl FnOnce(&Array) -> Result<Array>,
+) -> Result<Array> {
+    let hh = crate::handle::add(h, &mixer(&in_norm.forward(h)?)?)?;
+    let r = ffn(&post_norm.forward(&hh)?)?;
+    crate::handle::add(&hh, &r)
+}
+
 /// The architecture table: one line per architecture, each declared in its own file.
 pub static ARCHS: &[Arch] = &[
     llama::ARCH,

@@ -937,20 +937,17 @@ impl Model {
         let masks = super::LayerMasks::new(caches, h.dim(1), kinds, None)?;
         let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
             let layer = &self.layers[i];
-            let x = layer.in_norm.forward(h)?;
-            let r = match &layer.mixer {
-                Mixer::Linear(m) => m.forward(&x, caches.layer_mut(i))?,
+            let mixer = |x: &Array| match &layer.mixer {
+                Mixer::Linear(m) => m.forward(x, caches.layer_mut(i)),
                 Mixer::Attn(m) => {
                     let mr = match (&self.mrope, &ropes) {
                         (Some(mr), Some(r)) => Some((mr, r)),
                         _ => None,
                     };
-                    m.forward(&x, masks.get(false)?, caches.layer_mut(i), mr)?
+                    m.forward(x, masks.get(false)?, caches.layer_mut(i), mr)
                 }
             };
-            let hh = mx::add(h, &r)?;
-            let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
-            mx::add(&hh, &r)
+            super::pre_norm_residual(h, &layer.in_norm, mixer, &layer.post_norm, |x| layer.mlp.forward(x))
         })?;
         self.norm.forward(&h)
     }
