@@ -687,6 +687,18 @@ mod tests {
     }
 
     #[test]
+    fn the_finished_line_counts_only_this_runs_bytes_in_its_rate() {
+        let mut p = TextProgress::new("pack.tar.gz");
+        p.update(500, 1000); // a resumed prefix
+        assert!(p.line("").starts_with("  pack.tar.gz  500 B"), "{}", p.line(""));
+        assert!(!p.line("").contains("/s"), "nothing moved yet: no rate");
+        std::thread::sleep(Duration::from_millis(5));
+        p.update(1000, 1000);
+        let l = p.line(" (resumed)");
+        assert!(l.starts_with("  pack.tar.gz  1000 B (resumed), ") && l.ends_with("/s"), "{l}");
+    }
+
+    #[test]
     fn human_sizes_read_like_pythons() {
         assert_eq!(human(512.0), "512 B");
         assert_eq!(human(1536.0), "1.5 KiB");

@@ -50,7 +50,7 @@ pub fn generation_config(dir: &Path) -> Result<Value> {
 }
 
 /// The chat template of a model directory, with the one precedence everything in mlxrs uses (the
-/// tokenizer here, the registry through `mlxrs._native.chat_template`): chat_template.jinja, else
+/// tokenizer here, the registry through `describe::describe`): chat_template.jinja, else
 /// tokenizer_config.json's `chat_template` (a string, or the "default" of a list of named ones).
 pub fn chat_template(dir: &Path) -> Result<Option<String>> {
     let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
