@@ -336,7 +336,7 @@ def test_the_runtime_fetches_the_pack_on_first_need(
     assert fake.served["pack.tar.gz"] == len(built_pack)
     assert f"fetching the native pack mlxrs-{PACK_NAME}.tar.gz from {fake.url}/files/pack.tar.gz" in r.stderr
     assert f"  mlxrs-{PACK_NAME}.tar.gz  " in r.stderr  # the progress display's closing line
-    assert "100%|" in r.stderr and "\r" in r.stderr  # tqdm's bar, redrawn in place
+    assert "100%|" in r.stderr  # tqdm's bar
     assert f"unpacked the native pack into {pack}" in r.stderr
     for name in FAKE_LIBS.keys() & {LIBMLXC, LIBMLX}:
         assert (pack / name).is_file()

@@ -216,12 +216,15 @@ class Progress:
 
 class ByteBar:
     """A progress callback `(done, total, what)` drawing one bar labelled `label` on stderr (the GGUF
-    import, the native pack fetched on first need): `enabled` None follows `bars_enabled`."""
+    import, the native pack fetched on first need): `enabled` None follows `bars_enabled`; the bar
+    stays when done unless `leave` is False."""
 
-    def __init__(self, label: str, enabled: bool | None = None, stream: IO[str] | None = None) -> None:
+    def __init__(
+        self, label: str, enabled: bool | None = None, stream: IO[str] | None = None, *, leave: bool = True
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         on = bars_enabled(self.stream) if enabled is None else enabled
-        self.bar = bar(label, None, stream=self.stream, enabled=on, leave=True)
+        self.bar = bar(label, None, stream=self.stream, enabled=on, leave=leave)
 
     def __call__(self, done: int, total: int, what: str = "") -> None:
         if total and self.bar.total != total:
@@ -241,7 +244,7 @@ def native_progress(name: str, done: int, total: int) -> None:
     need), drawn as the other bars are; the extension calls it (crates/mlxrs-py/src/lib.rs)."""
     b = _native_bars.get(name)
     if b is None:
-        b = _native_bars[name] = ByteBar(f"  {name}")
+        b = _native_bars[name] = ByteBar(f"  {name}", leave=False)  # the core prints the file's line after it
     b(done, total)
     if total and done >= total:
         _native_bars.pop(name, None)

@@ -3,8 +3,8 @@ cache and in `MLXRS_MODEL_DIRS`, `mlxrs ls` lists them, and `serve`/`fit`/`Sessi
 registry name (or a unique substring of one) wherever a path is expected.
 
 Everything is read from metadata: config.json, the chat template, the safetensors headers (the
-8-byte length and the JSON header, never tensor data) and GGUF headers; the headers and the template
-through the Rust readers the loader uses. The hub cache is listed by `huggingface_hub.scan_cache_dir()`.
+8-byte length and the JSON header, never tensor data) and GGUF headers, by the Rust readers the loader
+uses (a model directory through `_native.describe`, crates/mlxrs-core/src/describe.rs). The hub cache is listed by `huggingface_hub.scan_cache_dir()`.
 The registry is a sqlite database at `$MLXRS_HOME/registry.sqlite` (default
 `~/.cache/mlxrs/registry.sqlite`), updated incrementally: a model whose files are unchanged since the
 last scan (its fingerprint: the hub's blob names and sizes, or the files' sizes and mtimes) is neither
