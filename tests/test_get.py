@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -352,33 +353,69 @@ def test_include_and_revision(fake: FakeHub, env: dict[str, str], tmp_path: Path
     assert {rev.commit_hash for rev in r.revisions} == {repo.main, old}
 
 
-def test_progress_bars_show_rate_and_eta_on_a_terminal() -> None:
+def progress_run(**kw: Any) -> tuple[str, Progress]:
+    """Two files through `Progress` (the second resumed at 500 bytes) into a StringIO."""
     s = io.StringIO()
-    bars = Progress(2000, 2, stream=s, tty=True)
+    bars = Progress(2000, 2, stream=s, **kw)
     bars.start_file("a.safetensors", 1000)
     for done in (0, 300, 600, 1000):
-        bars.last_draw = 0.0
         bars.update(done, 1000)
     bars.finish_file()
     bars.start_file("b.safetensors", 1000)
     bars.update(500, 1000)  # resumed at 500: not counted as transferred
-    bars.last_draw = 0.0
     bars.update(1000, 1000)
     bars.finish_file(" (resumed at 500 B)")
     bars.close()
-    out = s.getvalue()
+    return s.getvalue(), bars
+
+
+def test_progress_bars_show_rate_and_eta_on_a_terminal() -> None:
+    out, bars = progress_run(tty=True)
     assert "a.safetensors" in out and "total 1/2" in out and "total 2/2" in out
-    assert "ETA" in out and "/s" in out and "%" in out
+    assert "/s" in out and "%" in out and "<" in out  # tqdm's rate and elapsed<remaining
     assert "b.safetensors  1000 B (resumed at 500 B)" in out
     assert bars.transferred == 1500
-    # not a terminal: one plain line per finished file, no escape codes
+    # not a terminal: one plain line per finished file, no bar and no escape codes
+    out, bars = progress_run(tty=False)
+    assert out.splitlines()[0].startswith("  a.safetensors  1000 B") and "\r" not in out and "\x1b" not in out
+    assert out.splitlines()[1].startswith("  b.safetensors  1000 B (resumed at 500 B)")
+    assert len(out.splitlines()) == 2 and bars.transferred == 1500
+    assert progress_run(tty=True, quiet=True)[0] == ""
+
+
+def test_mlxrs_progress_forces_bars_on_or_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A StringIO is not a terminal: no bars, unless MLXRS_PROGRESS=1; MLXRS_PROGRESS=0 wins over a
+    terminal."""
+    from mlxrs import download
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv("MLXRS_PROGRESS", raising=False)
+    assert "%" not in progress_run()[0]
+    assert download.bars_enabled(Tty()) and not download.bars_enabled(io.StringIO())
+    monkeypatch.setenv("MLXRS_PROGRESS", "1")
+    assert "%" in progress_run()[0]
+    monkeypatch.setenv("MLXRS_PROGRESS", "0")
+    assert not download.bars_enabled(Tty())
+    s = Tty()
+    bar = download.ByteBar("converting x.gguf", stream=s)
+    bar(50, 100, "blk.0.attn_q.weight")
+    bar(100, 100, "output.weight")
+    assert s.getvalue() == ""
+
+
+def test_byte_bar_draws_the_gguf_import_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxrs import download
+
+    monkeypatch.delenv("MLXRS_PROGRESS", raising=False)
     s = io.StringIO()
-    bars = Progress(1000, 1, stream=s, tty=False)
-    bars.start_file("c.json", 1000)
-    bars.update(0, 1000)
-    bars.update(1000, 1000)
-    bars.finish_file()
-    assert "\x1b" not in s.getvalue() and s.getvalue().startswith("  c.json  1000 B")
+    bar = download.ByteBar("converting x.gguf", enabled=True, stream=s)
+    bar(512, 2048, "blk.0.attn_q.weight")
+    bar(2048, 2048, "output.weight")
+    out = s.getvalue()
+    assert "converting x.gguf" in out and "100%" in out and "2.00k" in out and "output.weight" in out
 
 
 def test_ctrl_c_style_interrupt_keeps_the_partial_file(fake: FakeHub, tmp_path: Path) -> None:

@@ -322,8 +322,9 @@ def test_the_runtime_fetches_the_pack_on_first_need(
     assert "loaded: no (not loaded here" in r.stdout
     assert not fake.log and not home.exists()
 
-    # the first load fetches, verifies, unpacks and loads from the pack directory
-    r, got = first_load(env)
+    # the first load fetches, verifies, unpacks and loads from the pack directory; its progress is
+    # Python's tqdm bar (MLXRS_PROGRESS=1: stderr is a pipe here)
+    r, got = first_load({**env, "MLXRS_PROGRESS": "1"})
     assert r.returncode == 0, got
     assert Path(got["file"]).parent == Path(env["PYTHONPATH"]) / "mlxrs"  # the copy without a sidecar
     assert got["info"]["source"] == "native-pack cache"
@@ -335,6 +336,7 @@ def test_the_runtime_fetches_the_pack_on_first_need(
     assert fake.served["pack.tar.gz"] == len(built_pack)
     assert f"fetching the native pack mlxrs-{PACK_NAME}.tar.gz from {fake.url}/files/pack.tar.gz" in r.stderr
     assert f"  mlxrs-{PACK_NAME}.tar.gz  " in r.stderr  # the progress display's closing line
+    assert "100%|" in r.stderr  # tqdm's bar
     assert f"unpacked the native pack into {pack}" in r.stderr
     for name in FAKE_LIBS.keys() & {LIBMLXC, LIBMLX}:
         assert (pack / name).is_file()

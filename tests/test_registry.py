@@ -227,7 +227,7 @@ def test_scan_records_every_loadable_model(world: dict[str, Any]) -> None:
     }
     # the broken one is reported, not recorded
     skipped = {s["path"]: s["why"] for s in world["scan"]["skipped"]}
-    assert "config.json is not valid JSON" in skipped[str(world["paths"]["broken"])]
+    assert "config.json: invalid JSON" in skipped[str(world["paths"]["broken"])]  # the loader's reader says so
     assert "Org/Broken-Model" in skipped[str(world["paths"]["broken"])]
 
 
@@ -263,20 +263,50 @@ def test_registry_is_sqlite_with_the_recorded_columns(world: dict[str, Any]) -> 
     assert n == 8
 
 
-def test_hub_cache_location_follows_huggingface_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+HF_CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"),
+        ("HUGGINGFACE_HUB_CACHE", "HF_HOME"),
+        ("HF_HOME", "XDG_CACHE_HOME"),
+        ("XDG_CACHE_HOME",),
+        (),
+    ],
+)
+def test_hub_cache_location_follows_huggingface_hub(
+    given: tuple[str, ...], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`hub.hub_cache()` (what `get` writes to and `scan` walks) is where huggingface_hub, imported
+    afresh under the same environment, puts its cache; and it follows environment changes made
+    after mlxrs was imported."""
+    from mlxrs import hub, registry
+
+    assert registry.hub_cache is hub.hub_cache  # one function
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for k in HF_CACHE_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k in given:
+        monkeypatch.setenv(k, str(tmp_path / k.lower()))
+    oracle = subprocess.run(
+        [sys.executable, "-c", "from huggingface_hub import constants; print(constants.HF_HUB_CACHE)"],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert hub.hub_cache() == Path(oracle)
+
+
+def test_db_path_follows_mlxrs_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from mlxrs import registry
 
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "a"))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "b"))
-    assert registry.hub_cache() == tmp_path / "a"
-    monkeypatch.delenv("HF_HUB_CACHE")
-    assert registry.hub_cache() == tmp_path / "b" / "hub"
-    monkeypatch.delenv("HF_HOME")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
-    assert registry.hub_cache() == tmp_path / "c" / "huggingface" / "hub"
     monkeypatch.setenv("MLXRS_HOME", str(tmp_path / "h"))
     assert registry.db_path() == tmp_path / "h" / "registry.sqlite"
     monkeypatch.delenv("MLXRS_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
     assert registry.db_path() == tmp_path / "c" / "mlxrs" / "registry.sqlite"
 
 
@@ -496,7 +526,7 @@ def test_a_second_scan_of_an_unchanged_cache_reads_and_writes_nothing(
     assert (again.read, again.unchanged, again.removed) == (0, 4, 0)
     assert [e.to_json() for e in again.entries] == [e.to_json() for e in w["first"].entries]
     assert dict(again.skipped) == dict(w["first"].skipped)
-    assert "config.json is not valid JSON" in dict(again.skipped)[str(w["paths"]["broken"])]
+    assert "config.json: invalid JSON" in dict(again.skipped)[str(w["paths"]["broken"])]
 
 
 def test_a_model_added_changed_or_removed_is_the_only_row_written(small_world: dict[str, Any]) -> None:
@@ -546,3 +576,129 @@ def test_rescan_drops_the_stale_entry(world: dict[str, Any]) -> None:
     assert "Org/Gone-Qwen3" not in names and "Org/Alpha-Qwen3" in names
     r = cli(world["env"], "ls")
     assert "stale" not in r.stdout
+
+
+# ---- describing a model directory (crates/mlxrs-core/src/describe.rs) ------------------------------
+
+
+def header_tensors(d: Path) -> dict[str, tuple[str, list[int], int]]:
+    """{name: (dtype, shape, bytes)} of every safetensors file of `d`, parsed here (struct + json)."""
+    import struct
+
+    out: dict[str, tuple[str, list[int], int]] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            head = json.loads(fh.read(n))
+        for k, t in head.items():
+            if k != "__metadata__":
+                out[k] = (t["dtype"], t["shape"], t["data_offsets"][1] - t["data_offsets"][0])
+    return out
+
+
+def expected_entry(d: Path, supported: bool) -> dict[str, Any]:
+    """What `ls` must show of `d`, from config.json (json.load) and the headers parsed above: the
+    parameters counted unpacked (a quantized weight's uint32 words hold 32/bits values each; its
+    scales and biases are not parameters)."""
+    cfg = json.loads((d / "config.json").read_text())
+    q = cfg.get("quantization")
+    tensors = header_tensors(d)
+    params = 0
+    for k, (dt, shape, _) in tensors.items():
+        base = k.rsplit(".", 1)[0]
+        if k.endswith((".scales", ".biases")) and f"{base}.weight" in tensors:
+            continue
+        n = int(np.prod(shape)) if shape else 1
+        if q and f"{base}.scales" in tensors and dt == "U32":
+            n = n * 32 // (q.get(base) or q)["bits"]
+        params += n
+    quant = None
+    if q:
+        quant = f"{q['bits']}-bit g{q['group_size']}" + ("" if q.get("mode", "affine") == "affine" else f" {q['mode']}")
+    tc = cfg.get("text_config", cfg)
+    return {
+        "model_type": cfg["model_type"],
+        "supported": supported,
+        "params": params,
+        "weight_bytes": sum(t[2] for t in tensors.values()),
+        "dtype": tc.get("torch_dtype", cfg.get("torch_dtype")),
+        "quantization": quant,
+        "context_length": tc.get("max_position_embeddings", cfg.get("max_position_embeddings")),
+        "files": sorted(p.name for p in d.glob("*.safetensors")),
+    }
+
+
+def described(d: Path) -> dict[str, Any]:
+    from mlxrs import registry
+
+    e = registry.inspect_dir(d).to_json()
+    return {
+        k: e[k]
+        for k in (
+            "model_type",
+            "supported",
+            "params",
+            "weight_bytes",
+            "dtype",
+            "quantization",
+            "context_length",
+            "files",
+        )
+    }
+
+
+@pytest.mark.parametrize("name,arch,bits", [("llama-float32", "llama", None), ("llama-q4", "llama", 4)])
+def test_describe_a_model_as_its_config_and_headers_say(name: str, arch: str, bits: int | None) -> None:
+    d = make_model(name, arch, quant_bits=bits)
+    assert described(d) == expected_entry(d, True)
+    if bits:
+        assert described(d)["quantization"] == f"{bits}-bit g64"
+
+
+def test_describe_an_unsupported_model_type(tmp_path: Path) -> None:
+    src = make_model("qwen3-float32", "qwen3")
+    d = tmp_path / "mamba"
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns(".*"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
+    from mlxrs import registry
+
+    assert "mamba" not in mlxrs._native.SUPPORTED_MODEL_TYPES
+    assert described(d) == expected_entry(d, False)
+    assert registry.inspect_dir(d).note == "model_type 'mamba' is not supported"
+    (d / "tokenizer.json").unlink()
+    assert registry.inspect_dir(d).note == "model_type 'mamba' is not supported; no tokenizer.json"
+    del cfg["model_type"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    e = registry.inspect_dir(d)
+    assert (e.model_type, e.supported) == (None, False) and e.note and "config.json has no model_type" in e.note
+
+
+@pytest.mark.parametrize("bad,why", [("[1, 2]", "not a JSON object"), ("{oops", "invalid JSON")])
+def test_describe_refuses_what_is_not_a_model_directory(bad: str, why: str, tmp_path: Path) -> None:
+    from mlxrs import registry
+
+    d = tmp_path / "m"
+    shutil.copytree(make_model("qwen3-float32", "qwen3"), d, ignore=shutil.ignore_patterns(".*"))
+    (d / "config.json").write_text(bad)
+    with pytest.raises(ValueError, match=why) as e:
+        registry.inspect_dir(d)
+    assert "config.json" in str(e.value)
+    (d / "config.json").write_text("{}")
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        registry.inspect_dir(d)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8"])
+def test_describe_a_gguf_import(dtype: str, tmp_path: Path) -> None:
+    from test_gguf_import_arch import write_gguf
+
+    g = tmp_path / "llama.gguf"
+    write_gguf(make_model("llama-float32", "llama"), g)
+    d = tmp_path / f"import-{dtype}"
+    mlxrs._native.gguf_import(str(g), str(d), dtype)
+    want = expected_entry(d, True)
+    assert described(d) == want
+    assert (want["quantization"] is not None) == (dtype == "q8")

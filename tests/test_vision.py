@@ -316,3 +316,23 @@ def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, fi
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(mlxrs.errors.MlxrsError, match=re.escape(needle)):
         mlxrs.Session(d)
+
+
+@pytest.mark.parametrize("where", ["extra_special_tokens", "top level"])
+def test_a_marker_the_vocabulary_lacks_is_refused_naming_it(model_dir, tmp_path, where):
+    """The processor asks the tokenizer for its markers (tokenizer_config.json's named special tokens:
+    a top-level entry, string or added-token object, before `extra_special_tokens`)."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    if where == "top level":
+        tc["eoi_token"] = {"content": "<no_such_marker>", "special": True}
+    else:
+        tc["extra_special_tokens"]["eoi_token"] = "<no_such_marker>"
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    with pytest.raises(
+        mlxrs.errors.MlxrsError, match=re.escape('has no token "<no_such_marker>" (Gemma 3\'s image markers)')
+    ):
+        mlxrs.Session(d)

@@ -22,8 +22,7 @@ __all__ = [
     "_register_mlx_lib_dir",
     "_resolution_order",
     "_tiny_matmul",
-    "chat_template",
-    "model_files",
+    "describe",
     "generation_config",
     "mlxrs_home",
     "set_memory_limit",
@@ -47,7 +46,6 @@ __all__ = [
     "_gguf_header",
     "_gguf_tensor",
     "_gguf_tokenizer",
-    "_safetensors_header",
     "Session",
     "AudioClip",
     "TokenStream",
@@ -93,13 +91,27 @@ def _register_mlx_lib_dir(dir: str | os.PathLike[str]) -> None:
 def _resolution_order() -> list[str]:
     """Where the resolver finds libmlxc ("<source>: <path>"), or its explanation of every place it tried."""
 
-def chat_template(model_dir: str | os.PathLike[str]) -> str | None:
-    """The chat template of a model directory with the tokenizer's precedence (chat_template.jinja,
-    else tokenizer_config.json's chat_template), or None."""
+@type_check_only
+class Description(TypedDict):
+    """What `describe` returns: what `mlxrs ls` shows of a model directory."""
 
-def model_files(model_dir: str | os.PathLike[str]) -> list[str]:
-    """The safetensors files of a model directory: the shards model.safetensors.index.json names
-    (each must exist), else every *.safetensors; raises ModelLoadError saying what is missing."""
+    model_type: str | None
+    supported: bool
+    note: str | None
+    params: int
+    weight_bytes: int
+    dtype: str | None
+    quantization: str | None
+    context_length: int | None
+    chat_template: bool
+    tools: bool
+    files: list[str]
+
+def describe(model_dir: str | os.PathLike[str]) -> Description:
+    """What `mlxrs ls` shows of a model directory, loadable or not (crates/mlxrs-core's
+    `describe::describe`: config.json through the loader's reader, the safetensors headers, the
+    chat template); `supported` False with a `note` saying why mlxrs cannot load it. Raises
+    ModelLoadError when it is not a model directory at all."""
 
 def generation_config(model_dir: str | os.PathLike[str]) -> str:
     """A model directory's generation_config.json as JSON text ("null" when it has none); raises
@@ -155,10 +167,6 @@ def _gguf_header(
 
 def _gguf_tensor(path: str | os.PathLike[str], name: str) -> bytes:
     """One tensor of a GGUF file dequantized to float32 bytes (row-major)."""
-
-def _safetensors_header(path: str | os.PathLike[str]) -> str:
-    """The validated header of a safetensors file as JSON: {name: {"dtype", "shape", "data_offsets"}};
-    raises ModelLoadError naming the tensor and field when offsets, dtypes or shapes disagree."""
 
 def _gguf_tokenizer(path: str | os.PathLike[str]) -> tuple[str, str]:
     """The tokenizer a GGUF file describes: (tokenizer.json, tokenizer_config.json) as JSON text."""

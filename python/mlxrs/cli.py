@@ -45,7 +45,7 @@ def _cmd_info(_args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from mlxrs.models import convert_gguf
 
-    out = convert_gguf(args.model, args.out_dir, dtype=args.dtype, progress=not args.quiet)
+    out = convert_gguf(args.model, args.out_dir, dtype=args.dtype, progress=False if args.quiet else None)
     print(f"wrote {out} ({args.dtype})")
     return 0
 
@@ -442,7 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["bf16", "f16", "f32", "q8", "q4"],
         help="weights dtype: bf16 (default), f16, f32, or MLX affine q8/q4 (group 64)",
     )
-    conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    conv.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar (drawn only when stderr is a terminal, or with MLXRS_PROGRESS=1)",
+    )
     conv.set_defaults(func=_cmd_convert)
     _add_registry(sub)
     return p

@@ -1,18 +1,19 @@
 """What `python -m mlxrs get` and the native-pack download share around the transfer itself
-(which is Rust: `mlxrs._native.download`, crates/mlxrs-core/src/download.rs): progress bars, a
-lock file, the free-space check, sizes for people.
+(which is Rust: `mlxrs._native.download`, crates/mlxrs-core/src/download.rs): progress bars (tqdm:
+mlxrs draws no bar of its own), a lock file, the free-space check, sizes for people.
 
 Environment (see docs/configuration.md):
 
 - ``MLXRS_DOWNLOAD_RETRIES``: failed attempts in a row (no byte received) tolerated per file
   before giving up, keeping the partial file for the next run (default 5).
+- ``MLXRS_PROGRESS``: ``1`` draws progress bars even when stderr is not a terminal, ``0`` never
+  draws them (default: on a terminal only).
 - ``MLXRS_FREE_SPACE_BYTES``: pretend the disk has this many bytes free. It exists so the tests
   can exercise the free-space refusal; do not set it otherwise.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import shutil
 import sys
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
+
+from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs shipped (types-tqdm is not a dependency)
 
 from . import _native
 from .errors import DownloadError, InvalidArgumentError
@@ -38,13 +41,6 @@ def human(n: float, digits: int = 1) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
     return f"{n:.{digits}f} TiB"  # pragma: no cover
-
-
-def _duration(s: float) -> str:
-    s = int(s)
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 def retries() -> int:
@@ -111,25 +107,44 @@ def file_lock(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator
         os.close(fd)
 
 
-class _Rate:
-    """Bytes per second over the last few seconds."""
+PROGRESS_ENV = "MLXRS_PROGRESS"
 
-    def __init__(self, window: float = 5.0) -> None:
-        self.window = window
-        self.samples: collections.deque[tuple[float, int]] = collections.deque()
 
-    def add(self, t: float, done: int) -> float:
-        self.samples.append((t, done))
-        while len(self.samples) > 2 and t - self.samples[0][0] > self.window:
-            self.samples.popleft()
-        t0, d0 = self.samples[0]
-        return (done - d0) / (t - t0) if t - t0 >= 0.25 else 0.0  # too short a window says nothing yet
+def bars_enabled(stream: IO[str], quiet: bool = False) -> bool:
+    """Whether to draw progress bars on `stream`: never when `quiet`; `MLXRS_PROGRESS=1` forces them
+    on, `0` off; otherwise only on a terminal."""
+    if quiet:
+        return False
+    v = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    return stream.isatty()
+
+
+def bar(desc: str, total: int | None, *, stream: IO[str], enabled: bool, position: int = 0, leave: bool = False) -> Any:
+    """mlxrs's one kind of progress bar (tqdm): bytes with a binary prefix, rate and ETA, redrawn at
+    most ten times a second; erased when closed unless `leave`."""
+    return tqdm(
+        total=total or None,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=stream,
+        disable=not enabled,
+        leave=leave,
+        mininterval=0.1,
+        position=position,
+        dynamic_ncols=True,
+    )
 
 
 class Progress:
-    """A bar for the current file and one for the whole download, each with rate and ETA, on a
-    terminal; plain lines (one per finished file) otherwise. `update` is the callback the
-    transfer calls with (done, total) for the current file."""
+    """A bar for the current file and one for the whole download (tqdm, when `bars_enabled`), and
+    one plain line per finished file (unless `quiet`). `update` is the callback the transfer calls
+    with (done, total) for the current file."""
 
     def __init__(
         self,
@@ -142,92 +157,97 @@ class Progress:
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.quiet = quiet
-        self.tty = self.stream.isatty() if tty is None else tty
+        self.enabled = bars_enabled(self.stream, quiet) if tty is None else (tty and not quiet)
         self.total_bytes = total_bytes
         self.n_files = n_files
         self.index = 0
-        self.finished_bytes = 0  # of files already finished
         self.name = ""
         self.file_size = 0
         self.file_done = 0
         self.file_base = 0  # bytes of this file present before this run
         self.file_t0 = 0.0
-        self.t0 = time.monotonic()
-        self.overall = _Rate()
-        self.current = _Rate()
-        self.lines = 0  # lines of bars drawn (to redraw in place)
-        self.last_draw = 0.0
         self.transferred = 0  # bytes moved this run, over all files
-        self.rate_file = self.rate_total = 0.0
+        self.total_bar = bar("total", total_bytes, stream=self.stream, enabled=self.enabled and n_files > 1, position=1)
+        self.file_bar: Any | None = None
 
     def start_file(self, name: str, size: int) -> None:
         self.index += 1
         self.name, self.file_size, self.file_done = name, size, 0
         self.file_base = -1
         self.file_t0 = time.monotonic()
-        self.current = _Rate()
+        if self.file_bar is not None:
+            self.file_bar.close()
+        short = name if len(name) <= 28 else "…" + name[-27:]
+        self.file_bar = bar(short, size, stream=self.stream, enabled=self.enabled)
+        self.total_bar.set_description(f"total {self.index}/{self.n_files}", refresh=False)
 
     def update(self, done: int, total: int) -> None:
         if total:
             self.file_size = total
         if self.file_base < 0:
             self.file_base = done  # a resumed prefix: not part of the rate
-        self.transferred += max(0, done - max(self.file_done, self.file_base))
+        moved = max(0, done - max(self.file_done, self.file_base))
+        self.transferred += moved
         self.file_done = done
-        now = time.monotonic()
-        self.rate_file = self.current.add(now, done)
-        self.rate_total = self.overall.add(now, self.transferred)
-        if self.tty and not self.quiet and (now - self.last_draw >= 0.1 or done == total):
-            self.last_draw = now
-            self._draw()
+        if self.file_bar is not None:
+            if total and self.file_bar.total != total:
+                self.file_bar.total = total
+            self.file_bar.update(done - self.file_bar.n)
+        self.total_bar.update(moved)
 
     def finish_file(self, note: str = "") -> None:
         dt = time.monotonic() - self.file_t0
         got = max(0, self.file_done - max(self.file_base, 0))
-        self.finished_bytes += self.file_size
+        if self.file_bar is not None:
+            self.file_bar.close()
+            self.file_bar = None
         if self.quiet:
             return
-        self._clear()
         rate = f", {human(got / dt)}/s" if dt > 0 and got else ""
-        self.stream.write(f"  {self.name}  {human(self.file_size)}{note}{rate}\n")
+        tqdm.write(f"  {self.name}  {human(self.file_size)}{note}{rate}", file=self.stream)
         self.stream.flush()
 
     def close(self) -> None:
-        self._clear()
+        if self.file_bar is not None:
+            self.file_bar.close()
+            self.file_bar = None
+        self.total_bar.close()
 
-    def _bar(self, label: str, done: int, total: int, rate: float, width: int = 24) -> str:
-        frac = min(1.0, done / total) if total else 0.0
-        fill = int(frac * width)
-        eta = _duration((total - done) / rate) if rate > 0 and total > done else "--:--"
-        return (
-            f"{label} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% "
-            f"{human(done)}/{human(total)} {human(rate)}/s ETA {eta}"
-        )
 
-    def _draw(self) -> None:
-        cols = shutil.get_terminal_size((100, 20)).columns
-        name = self.name if len(self.name) <= 28 else "…" + self.name[-27:]
-        rate_f, rate_t = self.rate_file, self.rate_total
-        lines = [
-            self._bar(f"  {name:<28}", self.file_done, self.file_size, rate_f),
-            self._bar(
-                f"  total {self.index}/{self.n_files}".ljust(30),
-                self.finished_bytes + self.file_done,
-                self.total_bytes,
-                rate_t,
-            ),
-        ]
-        out = ("\x1b[1A" * (self.lines - 1) if self.lines > 1 else "") + "\r"
-        out += "\n".join("\x1b[2K" + ln[: cols - 1] for ln in lines)
-        self.stream.write(out)
-        self.stream.flush()
-        self.lines = len(lines)
+class ByteBar:
+    """A progress callback `(done, total, what)` drawing one bar labelled `label` on stderr (the GGUF
+    import, the native pack fetched on first need): `enabled` None follows `bars_enabled`; the bar
+    stays when done unless `leave` is False."""
 
-    def _clear(self) -> None:
-        if self.tty and self.lines:
-            self.stream.write(("\x1b[1A" * (self.lines - 1)) + "\r\x1b[J")
-            self.stream.flush()
-            self.lines = 0
+    def __init__(
+        self, label: str, enabled: bool | None = None, stream: IO[str] | None = None, *, leave: bool = True
+    ) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        on = bars_enabled(self.stream) if enabled is None else enabled
+        self.bar = bar(label, None, stream=self.stream, enabled=on, leave=leave)
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        if total and self.bar.total != total:
+            self.bar.total = total
+        if what:
+            self.bar.set_postfix_str(what[:40], refresh=False)
+        self.bar.update(done - self.bar.n)
+        if total and done >= total:
+            self.bar.close()
+
+
+_native_bars: dict[str, ByteBar] = {}
+
+
+def native_progress(name: str, done: int, total: int) -> None:
+    """The progress of a transfer the Rust core makes on its own (the native pack fetched on first
+    need), drawn as the other bars are; the extension calls it (crates/mlxrs-py/src/lib.rs)."""
+    b = _native_bars.get(name)
+    if b is None:
+        b = _native_bars[name] = ByteBar(f"  {name}", leave=False)  # the core prints the file's line after it
+    b(done, total)
+    if total and done >= total:
+        _native_bars.pop(name, None)
 
 
 def transfer(
@@ -259,4 +279,17 @@ def transfer(
     )
 
 
-__all__ = ["GiB", "RESERVE_BYTES", "human", "retries", "free_bytes", "check_space", "file_lock", "Progress", "transfer"]
+__all__ = [
+    "GiB",
+    "RESERVE_BYTES",
+    "human",
+    "retries",
+    "free_bytes",
+    "check_space",
+    "file_lock",
+    "Progress",
+    "ByteBar",
+    "bar",
+    "bars_enabled",
+    "transfer",
+]

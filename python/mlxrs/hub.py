@@ -3,8 +3,8 @@ HTTPS resolve URLs (no Xet), every file resumable and verified.
 
 `huggingface_hub` answers the hub API (the repo's files with their sizes, LFS sha256 and git blob
 ids, at one commit), the endpoint (`HF_ENDPOINT`), the token (`HF_TOKEN`, else the token file that
-`hf auth login` writes) and the cache location (`HF_HUB_CACHE`, else `HF_HOME/hub`, else
-`~/.cache/huggingface/hub`). The bytes go through `mlxrs._native.download` (Rust), which also
+`hf auth login` writes); the cache location is `hub_cache()` (huggingface_hub's rule: `HF_HUB_CACHE`,
+else `HF_HOME/hub`, else `~/.cache/huggingface/hub`, read at each call). The bytes go through `mlxrs._native.download` (Rust), which also
 verifies them; this module lays them out as `huggingface_hub` does:
 
     models--ORG--REPO/blobs/<sha256 or git blob id>
@@ -51,6 +51,19 @@ class GetResult:
     transferred: int = 0  # bytes received this run
     fetched: list[str] = field(default_factory=list)  # files whose blob was transferred this run
     present: list[str] = field(default_factory=list)  # files whose blob was already complete
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache, resolved as `huggingface_hub.constants.HF_HUB_CACHE` is but read
+    at each call (it reads the environment once, at import): HF_HUB_CACHE, else the legacy
+    HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
+    ~/.cache/huggingface/hub. The one answer for `get` and the registry."""
+
+    def path(p: str) -> str:
+        return os.path.expandvars(os.path.expanduser(p))
+
+    home = path(os.getenv("HF_HOME", os.path.join(os.getenv("XDG_CACHE_HOME", path("~/.cache")), "huggingface")))
+    return Path(path(os.getenv("HF_HUB_CACHE", os.getenv("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub")))))
 
 
 def _hub() -> Any:
@@ -201,7 +214,7 @@ def get(
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     if token is None:
         token = hub.get_token()
-    cache = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else hub_cache()
     commit, all_files = list_files(repo_id, revision, endpoint, token)
     files = select(all_files, include)
     if not files:

@@ -8,11 +8,12 @@ import json
 import os
 import shutil
 import sys
-import time
+
 from pathlib import Path
 from typing import Callable
 
 from . import _native
+from .download import ByteBar
 from .errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "Gemma 3 270M (google/gemma-3-270m base, GGUF Q4_K_M imported to f32 on the CPU, bf16 on GPUs)"
@@ -62,34 +63,6 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     return digest
 
 
-class _Bar:
-    """A one-line progress bar on stderr (quiet when stderr is not a terminal unless forced)."""
-
-    def __init__(self, label: str, enabled: bool | None = None) -> None:
-        self.label = label
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.t0 = time.monotonic()
-        self.last = 0.0
-
-    def __call__(self, done: int, total: int, what: str) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if done < total and now - self.last < 0.1:
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        width = 30
-        fill = int(frac * width)
-        rate = done / max(now - self.t0, 1e-9) / 1e6
-        sys.stderr.write(
-            f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {rate:6.1f} MB/s {what[:40]:<40}"
-        )
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 def convert_gguf(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -108,7 +81,7 @@ def convert_gguf(
     cb = (
         progress
         if callable(progress)
-        else _Bar(f"converting {src_p.name}", enabled=bool(progress) if progress is not None else None)
+        else ByteBar(f"converting {src_p.name}", enabled=bool(progress) if progress is not None else None)
     )
     tmp = out_p.with_name(out_p.name + f".partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

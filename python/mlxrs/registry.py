@@ -3,8 +3,8 @@ cache and in `MLXRS_MODEL_DIRS`, `mlxrs ls` lists them, and `serve`/`fit`/`Sessi
 registry name (or a unique substring of one) wherever a path is expected.
 
 Everything is read from metadata: config.json, the chat template, the safetensors headers (the
-8-byte length and the JSON header, never tensor data) and GGUF headers; the headers and the template
-through the Rust readers the loader uses. The hub cache is listed by `huggingface_hub.scan_cache_dir()`.
+8-byte length and the JSON header, never tensor data) and GGUF headers, by the Rust readers the loader
+uses (a model directory through `_native.describe`, crates/mlxrs-core/src/describe.rs). The hub cache is listed by `huggingface_hub.scan_cache_dir()`.
 The registry is a sqlite database at `$MLXRS_HOME/registry.sqlite` (default
 `~/.cache/mlxrs/registry.sqlite`), updated incrementally: a model whose files are unchanged since the
 last scan (its fingerprint: the hub's blob names and sizes, or the files' sizes and mtimes) is neither
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelLoadError
+from .hub import hub_cache
 
 SCHEMA_VERSION = 2  # 2: the fingerprint column, incremental scans, name indexes
 SCAN_HINT = "(try `mlxrs scan`)"
@@ -68,25 +69,6 @@ GGUF_FILE_TYPES = {
     36: "TQ1_0",
     37: "TQ2_0",
 }
-
-_ST_DTYPE_BITS = {
-    "F64": 64,
-    "I64": 64,
-    "U64": 64,
-    "F32": 32,
-    "I32": 32,
-    "U32": 32,
-    "F16": 16,
-    "BF16": 16,
-    "I16": 16,
-    "U16": 16,
-    "I8": 8,
-    "U8": 8,
-    "BOOL": 8,
-    "F8_E4M3": 8,
-    "F8_E5M2": 8,
-}
-_ST_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 @dataclass
@@ -132,19 +114,6 @@ class Entry:
 # ---- locations --------------------------------------------------------------------------------
 
 
-def hub_cache() -> Path:
-    """The Hugging Face hub cache, resolved as huggingface_hub does: HF_HUB_CACHE, else
-    HF_HOME/hub, else ~/.cache/huggingface/hub (XDG_CACHE_HOME honoured like huggingface_hub)."""
-    env = os.environ.get("HF_HUB_CACHE")
-    if env:
-        return Path(env).expanduser()
-    home = os.environ.get("HF_HOME")
-    if home:
-        return Path(home).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg).expanduser() / "huggingface" / "hub"
-
-
 def model_dirs() -> list[Path]:
     """The extra roots of `MLXRS_MODEL_DIRS` (os.pathsep-separated)."""
     raw = os.environ.get("MLXRS_MODEL_DIRS", "")
@@ -160,71 +129,6 @@ def db_path() -> Path:
 # ---- metadata readers -------------------------------------------------------------------------
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
-    """The validated header of a safetensors file, {name: {"dtype", "shape", "data_offsets"}}: the
-    one reader the loader and the planner use (crates/mlxrs-core/src/safetensors.rs), which refuses
-    offsets, dtypes and shapes that disagree. Raises ValueError saying why."""
-    from . import _native
-    from .errors import MlxrsError
-
-    try:
-        return dict(json.loads(_native._safetensors_header(str(path))))
-    except MlxrsError as e:
-        raise ValueError(str(e)) from None
-
-
-def _weight_files(d: Path) -> list[str]:
-    """The names of the model's safetensors files (the loader's answer: crates/mlxrs-core's
-    `safetensors::model_files`, through the extension); raises ValueError saying what is missing."""
-    from . import _native
-    from .errors import MlxrsError
-
-    try:
-        return [Path(p).name for p in _native.model_files(str(d))]
-    except MlxrsError as e:
-        raise ValueError(str(e)) from None
-
-
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    tc = cfg.get("text_config")
-    return tc if isinstance(tc, dict) else cfg
-
-
-def _quantization(cfg: dict[str, Any]) -> str | None:
-    q = cfg.get("quantization")
-    if isinstance(q, dict) and q.get("bits"):
-        mode = q.get("mode", "affine")
-        return (
-            f"{q['bits']}-bit"
-            + (f" g{q['group_size']}" if q.get("group_size") else "")
-            + ("" if mode == "affine" else f" {mode}")
-        )
-    qc = cfg.get("quantization_config")
-    if isinstance(qc, dict):
-        method = qc.get("quant_method") or qc.get("quant_type") or "quantized"
-        bits = qc.get("bits") or qc.get("weight_bits")
-        return f"{method} {bits}-bit" if bits else str(method)
-    return None
-
-
-def _chat_template(d: Path) -> str | None:
-    """The chat template mlxrs renders for a model directory (the tokenizer's one precedence,
-    crates/mlxrs-core/src/tokenizer.rs, through the extension)."""
-    from . import _native
-    from .errors import MlxrsError
-
-    try:
-        return _native.chat_template(str(d))
-    except MlxrsError:
-        return None
-
-
-def _supported_types() -> list[str]:
-    from . import _native
-
-    return list(_native.SUPPORTED_MODEL_TYPES)
-
-
 def gguf_architectures() -> dict[str, str]:
     """GGUF `general.architecture` → the HF model_type mlxrs imports it as (from the Rust
     architecture table, models/arch.rs, through the extension)."""
@@ -233,83 +137,33 @@ def gguf_architectures() -> dict[str, str]:
     return dict(_native.GGUF_ARCHITECTURES)
 
 
-def inspect_dir(d: Path, supported: Sequence[str]) -> Entry:
-    """An entry for a model directory; raises ValueError saying why it is not loadable."""
-    cfg_path = d / "config.json"
+def inspect_dir(d: Path) -> Entry:
+    """An entry for a model directory, loadable or not (crates/mlxrs-core's `describe`: config.json,
+    the safetensors headers and the chat template through the loader's readers); raises ValueError
+    saying why it is not a model directory."""
+    from . import _native
+    from .errors import MlxrsError
+
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except OSError as e:
-        raise ValueError(f"config.json: {e.strerror or e}") from None
-    except ValueError as e:
-        raise ValueError(f"config.json is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError("config.json is not a JSON object")
-    files = _weight_files(d)
-    tensors: dict[str, tuple[str, list[int], int]] = {}
-    for f in files:
-        fp = d / f
-        if not fp.exists():
-            raise ValueError(f"{f} is missing (an incomplete download?)")
-        try:
-            head = safetensors_header(fp)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{f}: {e}") from None
-        for k, t in head.items():
-            if k == "__metadata__" or not isinstance(t, dict):
-                continue
-            offs = t.get("data_offsets") or [0, 0]
-            tensors[k] = (str(t.get("dtype", "")), [int(x) for x in t.get("shape", [])], int(offs[1]) - int(offs[0]))
-    tcfg = _text_config(cfg)
-    quant = cfg.get("quantization") if isinstance(cfg.get("quantization"), dict) else None
-    params = 0
-    for k, (dt, shape, _) in tensors.items():
-        n = math.prod(shape) if shape else 1
-        base = k.rsplit(".", 1)[0]
-        if k.endswith((".scales", ".biases")) and f"{base}.weight" in tensors and f"{base}.scales" in tensors:
-            continue  # quantization parameters, not model parameters
-        if quant and f"{base}.scales" in tensors and dt in ("U32", "U8", "I32"):
-            q = quant.get(base, quant) if isinstance(quant.get(base), dict) else quant
-            n = n * _ST_DTYPE_BITS.get(dt, 32) // int(q.get("bits", 4))
-        params += n
-    # the float dtype: torch_dtype, else the most common float dtype in the headers
-    dtype = tcfg.get("torch_dtype") or cfg.get("torch_dtype") or cfg.get("dtype")
-    if not isinstance(dtype, str):
-        counts: dict[str, int] = {}
-        for dt, _, nb in tensors.values():
-            if dt in _ST_DTYPE_NAMES:
-                counts[dt] = counts.get(dt, 0) + nb
-        dtype = _ST_DTYPE_NAMES[max(counts, key=lambda x: counts[x])] if counts else None
-    model_type = cfg.get("model_type")
-    notes = []
-    ok = isinstance(model_type, str) and model_type in supported
-    if not ok:
-        notes.append(f"model_type {model_type!r} is not supported" if model_type else "config.json has no model_type")
-    if not (d / "tokenizer.json").is_file():
-        ok = False
-        notes.append("no tokenizer.json")
-    template = _chat_template(d)
-    ctx = None
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        v = tcfg.get(key, cfg.get(key))
-        if isinstance(v, int) and v > 0:
-            ctx = v
-            break
+        f = _native.describe(str(d))
+    except MlxrsError as e:
+        raise ValueError(str(e)) from None
     return Entry(
         path=str(d),
         name=d.name,
         source="model-dirs",
         format="safetensors",
-        model_type=model_type if isinstance(model_type, str) else None,
-        supported=ok,
-        note="; ".join(notes) or None,
-        params=params,
-        weight_bytes=sum(t[2] for t in tensors.values()),
-        dtype=dtype,
-        quantization=_quantization(cfg),
-        context_length=ctx,
-        chat_template=template is not None,
-        tools=bool(template and "tools" in template),
-        files=tuple(files),
+        model_type=f["model_type"],
+        supported=f["supported"],
+        note=f["note"],
+        params=f["params"],
+        weight_bytes=f["weight_bytes"],
+        dtype=f["dtype"],
+        quantization=f["quantization"],
+        context_length=f["context_length"],
+        chat_template=f["chat_template"],
+        tools=f["tools"],
+        files=tuple(f["files"]),
     )
 
 
@@ -470,9 +324,9 @@ def _dir_found(root: Path, out: ScanResult) -> Iterator[_Found]:
                 candidates.append((k, depth + 1))
 
 
-def _read(f: _Found, supported: Sequence[str]) -> Entry:
+def _read(f: _Found) -> Entry:
     """The entry for what a walk found (raises ValueError or OSError saying why it is not one)."""
-    e = inspect_gguf(f.path) if f.kind == "gguf" else inspect_dir(f.path, supported)
+    e = inspect_gguf(f.path) if f.kind == "gguf" else inspect_dir(f.path)
     if f.repo_id:
         e.name, e.repo_id, e.revision, e.is_main, e.source = (
             f.name or f.repo_id,
@@ -494,7 +348,6 @@ def scan(*, hub: Path | None = None, extra: Sequence[Path] | None = None, db: Pa
     """Walk the hub cache and `MLXRS_MODEL_DIRS` and bring the registry up to date: read what is new
     or changed since the last scan (and write its row), keep what is unchanged as it is, and drop
     what is gone."""
-    supported = _supported_types()
     hub = hub or hub_cache()
     extra = list(model_dirs() if extra is None else extra)
     out = ScanResult([], [], [str(hub), *map(str, extra)])
@@ -521,7 +374,7 @@ def scan(*, hub: Path | None = None, extra: Sequence[Path] | None = None, db: Pa
                     continue
                 out.read += 1
                 try:
-                    e = _read(f, supported)
+                    e = _read(f)
                 except (OSError, ValueError) as why:
                     out.skipped.append((key, _why_skipped(f, why)))
                     con.execute("DELETE FROM models WHERE path = ?", (key,))

@@ -612,86 +612,57 @@ pub fn human(n: f64) -> String {
     format!("{n:.1} TiB")
 }
 
-/// A progress display on stderr for a transfer made outside Python (the native pack fetched on
-/// first need; Python's `get` and `native --fetch` draw their own bars): one bar redrawn in place
-/// on a terminal; elsewhere nothing until [`TextProgress::finish`] prints the file's line.
+/// Where a transfer made outside Python's own calls (the native pack fetched on first need) reports
+/// its progress: `(name, done, total)`. The extension registers one drawing Python's tqdm bar
+/// (`mlxrs.download.ByteBar`) so that mlxrs has one progress bar library; Rust draws none itself.
+pub type ProgressHook = Box<dyn Fn(&str, u64, u64) + Send + Sync>;
+
+static PROGRESS_HOOK: std::sync::OnceLock<ProgressHook> = std::sync::OnceLock::new();
+
+/// Register the [`ProgressHook`] (once; later calls are ignored).
+pub fn set_progress_hook(hook: ProgressHook) {
+    let _ = PROGRESS_HOOK.set(hook);
+}
+
+/// The progress of one transfer made outside Python: updates go to the registered
+/// [`ProgressHook`] (nothing is drawn without one), and [`TextProgress::finish`] prints the file's
+/// plain line `  <name>  <size><note>, <rate>/s` on stderr.
 pub struct TextProgress {
     name: String,
-    tty: bool,
     t0: Instant,
     /// Bytes present before this run (a resumed prefix): not part of the rate.
     base: Option<u64>,
     done: u64,
-    total: u64,
-    last: Option<Instant>,
-    drawn: bool,
 }
 
 impl TextProgress {
     pub fn new(name: impl Into<String>) -> Self {
-        use std::io::IsTerminal as _;
-        TextProgress {
-            name: name.into(),
-            tty: std::io::stderr().is_terminal(),
-            t0: Instant::now(),
-            base: None,
-            done: 0,
-            total: 0,
-            last: None,
-            drawn: false,
-        }
+        TextProgress { name: name.into(), t0: Instant::now(), base: None, done: 0 }
     }
 
-    fn rate(&self) -> f64 {
-        let dt = self.t0.elapsed().as_secs_f64();
-        let got = self.done.saturating_sub(self.base.unwrap_or(0));
-        if dt > 0.0 {
-            got as f64 / dt
-        } else {
-            0.0
-        }
-    }
-
-    /// The callback for [`fetch`]: records (done, total) and redraws the bar on a terminal.
+    /// The callback for [`fetch`]: records (done, total) and hands it to the hook.
     pub fn update(&mut self, done: u64, total: u64) -> bool {
         self.base.get_or_insert(done);
         self.done = done;
-        if total > 0 {
-            self.total = total;
-        }
-        let now = Instant::now();
-        if self.tty && (self.last.is_none_or(|t| now.duration_since(t) >= Duration::from_millis(100)) || done == total)
-        {
-            self.last = Some(now);
-            let frac = if self.total > 0 { (self.done as f64 / self.total as f64).min(1.0) } else { 0.0 };
-            let fill = (frac * 24.0) as usize;
-            let line = format!(
-                "\r\x1b[2K  {}  [{}{}] {:5.1}% {}/{} {}/s",
-                self.name,
-                "#".repeat(fill),
-                ".".repeat(24 - fill),
-                frac * 100.0,
-                human(self.done as f64),
-                human(self.total as f64),
-                human(self.rate())
-            );
-            let mut err = std::io::stderr().lock();
-            let _ = err.write_all(line.as_bytes());
-            let _ = err.flush();
-            self.drawn = true;
+        if let Some(h) = PROGRESS_HOOK.get() {
+            h(&self.name, done, total);
         }
         true
     }
 
-    /// Clear the bar and print `  <name>  <size><note>, <rate>/s`.
+    /// The plain line of the finished file.
+    pub fn line(&self, note: &str) -> String {
+        let dt = self.t0.elapsed().as_secs_f64();
+        let got = self.done.saturating_sub(self.base.unwrap_or(0));
+        let rate = if dt > 0.0 && got > 0 { format!(", {}/s", human(got as f64 / dt)) } else { String::new() };
+        format!("  {}  {}{note}{rate}", self.name, human(self.done as f64))
+    }
+
+    /// Print [`TextProgress::line`] on stderr.
     pub fn finish(&mut self, note: &str) {
-        let rate = self.rate();
-        let rate = if rate > 0.0 { format!(", {}/s", human(rate)) } else { String::new() };
-        let clear = if self.drawn { "\r\x1b[2K" } else { "" };
         let mut err = std::io::stderr().lock();
-        let _ = writeln!(err, "{clear}  {}  {}{note}{rate}", self.name, human(self.done as f64));
+        let _ = writeln!(err, "{}", self.line(note));
         let _ = err.flush();
-        self.drawn = false;
     }
 }
 
@@ -713,6 +684,18 @@ mod tests {
         let mut h = Hasher::new(&Expected::GitBlobSha1(String::new()), Some(6)).unwrap();
         h.update(b"hello\n");
         assert_eq!(h.hex(), "ce013625030ba8dba906f756967f9e9ca394464a");
+    }
+
+    #[test]
+    fn the_finished_line_counts_only_this_runs_bytes_in_its_rate() {
+        let mut p = TextProgress::new("pack.tar.gz");
+        p.update(500, 1000); // a resumed prefix
+        assert!(p.line("").starts_with("  pack.tar.gz  500 B"), "{}", p.line(""));
+        assert!(!p.line("").contains("/s"), "nothing moved yet: no rate");
+        std::thread::sleep(Duration::from_millis(5));
+        p.update(1000, 1000);
+        let l = p.line(" (resumed)");
+        assert!(l.starts_with("  pack.tar.gz  1000 B (resumed), ") && l.ends_with("/s"), "{l}");
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod info;
 pub use error::{Error, Result};
 pub use handle::{Array, Dtype};
 pub mod cache;
+pub mod describe;
 pub mod download;
 pub mod engine;
 pub mod generate;

@@ -333,7 +333,9 @@ impl ModelFacts {
     }
 }
 
-fn text_config(config: &Value) -> &Value {
+/// The text model's config: `text_config` when there is one (the multimodal configs), else the
+/// whole config.
+pub(crate) fn text_config(config: &Value) -> &Value {
     config.get("text_config").filter(|v| v.is_object()).unwrap_or(config)
 }
 

@@ -13,9 +13,13 @@ pub struct Tokenizer {
     pub eos_ids: Vec<i32>,
     /// The chat template (chat_template.jinja, else tokenizer_config.json's chat_template).
     pub chat_template: Option<String>,
+    /// tokenizer_config.json (Null without one): its named special tokens ([`Tokenizer::special_token`]).
+    config: Value,
 }
 
-fn read_json(p: &Path) -> Result<Option<Value>> {
+/// A JSON file (None when it is not there); invalid JSON is an error naming the file. The reader of
+/// the tokenizer's files and the processors' configs (`vision::json_file`).
+pub(crate) fn read_json(p: &Path) -> Result<Option<Value>> {
     if !p.is_file() {
         return Ok(None);
     }
@@ -46,7 +50,7 @@ pub fn generation_config(dir: &Path) -> Result<Value> {
 }
 
 /// The chat template of a model directory, with the one precedence everything in mlxrs uses (the
-/// tokenizer here, the registry through `mlxrs._native.chat_template`): chat_template.jinja, else
+/// tokenizer here, the registry through `describe::describe`): chat_template.jinja, else
 /// tokenizer_config.json's `chat_template` (a string, or the "default" of a list of named ones).
 pub fn chat_template(dir: &Path) -> Result<Option<String>> {
     let tc = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
@@ -96,7 +100,7 @@ impl Tokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
         let chat_template = template_of(dir, &tc)?;
-        Ok(Tokenizer { inner, bos_token, eos_token, eos_ids, chat_template })
+        Ok(Tokenizer { inner, bos_token, eos_token, eos_ids, chat_template, config: tc })
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i32>> {
@@ -110,6 +114,12 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[i32], skip_special_tokens: bool) -> Result<String> {
         let v: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
         self.inner.decode(&v, skip_special_tokens).map_err(|e| Error::Invalid(format!("decoding failed: {e}")))
+    }
+
+    /// A named special token of tokenizer_config.json (`boi_token`, `audio_token`, ...): the top-level
+    /// entry, else `extra_special_tokens`' (a string, or an added token's `content`).
+    pub fn special_token(&self, name: &str) -> Option<String> {
+        token_str(self.config.get(name)).or_else(|| token_str(self.config.get("extra_special_tokens")?.get(name)))
     }
 
     pub fn token_to_id(&self, t: &str) -> Option<i32> {

@@ -93,17 +93,31 @@ fn _tiny_matmul(py: Python<'_>) -> PyResult<Vec<Vec<f32>>> {
     native(py, mlxrs_core::info::tiny_matmul)
 }
 
-/// The chat template of a model directory (mlxrs-core's `tokenizer::chat_template`: the one
-/// precedence the tokenizer uses), or None.
-#[pyfunction]
-fn chat_template(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Option<String>> {
-    native(py, || mlxrs_core::tokenizer::chat_template(&model_dir))
-}
-
 /// A model directory's generation_config.json as JSON text ("null" when it has none).
 #[pyfunction]
 fn generation_config(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
     native(py, || mlxrs_core::tokenizer::generation_config(&model_dir)).map(|v| v.to_string())
+}
+
+/// What `mlxrs ls` shows of a model directory, loadable or not (mlxrs-core's `describe::describe`):
+/// a dict with the fields of `Description` (see `_native.pyi`). Raises ModelLoadError when it is
+/// not a model directory (config.json, the weight files or a header missing or invalid).
+#[pyfunction]
+fn describe<'py>(py: Python<'py>, model_dir: std::path::PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let d = native(py, || mlxrs_core::describe::describe(&model_dir))?;
+    let out = PyDict::new(py);
+    out.set_item("model_type", d.model_type)?;
+    out.set_item("supported", d.supported)?;
+    out.set_item("note", d.note)?;
+    out.set_item("params", d.params)?;
+    out.set_item("weight_bytes", d.weight_bytes)?;
+    out.set_item("dtype", d.dtype)?;
+    out.set_item("quantization", d.quantization)?;
+    out.set_item("context_length", d.context_length)?;
+    out.set_item("chat_template", d.chat_template)?;
+    out.set_item("tools", d.tools)?;
+    out.set_item("files", d.files)?;
+    Ok(out)
 }
 
 /// mlxrs's own directory (`$MLXRS_HOME`, else `$XDG_CACHE_HOME/mlxrs`, else `~/.cache/mlxrs`;
@@ -111,14 +125,6 @@ fn generation_config(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<
 #[pyfunction]
 fn mlxrs_home() -> Option<String> {
     mlxrs_sys::mlxrs_home().map(|p| p.to_string_lossy().into_owned())
-}
-
-/// The safetensors files of a model directory (mlxrs-core's `safetensors::model_files`: the index's
-/// shards, else every `*.safetensors`), as paths.
-#[pyfunction]
-fn model_files(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<Vec<String>> {
-    let files = native(py, || mlxrs_core::safetensors::model_files(&model_dir))?;
-    Ok(files.iter().map(|p| p.to_string_lossy().into_owned()).collect())
 }
 
 /// Set MLX's memory limit (the memory plan's `allocatorLimitBytes`); returns the previous one.
@@ -270,19 +276,6 @@ fn _gguf_header(
     Ok((h.version, meta.to_string(), tensors, h.data_offset))
 }
 
-/// The validated header of a safetensors file (mlxrs-core's `safetensors::read_header`) as JSON:
-/// {name: {"dtype", "shape", "data_offsets"}} (the registry reads headers through it).
-#[pyfunction]
-fn _safetensors_header(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
-    let h = native(py, || mlxrs_core::safetensors::read_header(&path))?;
-    let m: serde_json::Map<String, serde_json::Value> = h
-        .tensors
-        .into_iter()
-        .map(|t| (t.name, serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [t.begin, t.end]})))
-        .collect();
-    Ok(serde_json::Value::Object(m).to_string())
-}
-
 /// Dequantize one tensor of a GGUF file to float32 bytes (row-major).
 #[pyfunction]
 fn _gguf_tensor<'py>(py: Python<'py>, path: std::path::PathBuf, name: &str) -> PyResult<Bound<'py, PyBytes>> {
@@ -337,8 +330,21 @@ fn default_import_dtype(py: Python<'_>) -> &'static str {
     mlxrs_core::gguf::import::OutDtype::default_for(backend).name()
 }
 
+/// Transfers the core makes on its own (the native pack fetched on first need) draw their progress
+/// with Python's tqdm: `mlxrs.download.native_progress(name, done, total)`. A failure to draw is
+/// not the transfer's: it is dropped.
+fn progress_through_python(name: &str, done: u64, total: u64) {
+    Python::with_gil(|py| {
+        let _ = py
+            .import("mlxrs.download")
+            .and_then(|m| m.getattr("native_progress"))
+            .and_then(|f| f.call1((name, done, total)));
+    });
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    mlxrs_core::download::set_progress_hook(Box::new(progress_through_python));
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILT_FOR_MLX", mlxrs_sys::BUILT_FOR_MLX)?;
     m.add("BUILT_FOR_MLXC", mlxrs_sys::BUILT_FOR_MLXC)?;
@@ -346,8 +352,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_register_mlx_lib_dir, m)?)?;
     m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
     m.add_function(wrap_pyfunction!(_tiny_matmul, m)?)?;
-    m.add_function(wrap_pyfunction!(chat_template, m)?)?;
-    m.add_function(wrap_pyfunction!(model_files, m)?)?;
+    m.add_function(wrap_pyfunction!(describe, m)?)?;
     m.add_function(wrap_pyfunction!(generation_config, m)?)?;
     m.add_function(wrap_pyfunction!(mlxrs_home, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_limit, m)?)?;
@@ -366,7 +371,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_gguf_header, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(_gguf_tokenizer, m)?)?;
-    m.add_function(wrap_pyfunction!(_safetensors_header, m)?)?;
     plan::register(m)?;
     download::register(m)?;
     m.add_class::<session::Session>()?;

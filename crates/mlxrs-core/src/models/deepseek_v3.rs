@@ -606,17 +606,13 @@ impl CausalLm for Model {
     }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        let mut h = self.embed.forward(tokens)?;
-        let mask = caches.masks(0, tokens.dim(1), None)?;
-        let n = self.layers.len();
-        let mut stager = super::Stager::new(staging);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let r = layer.attn.forward_many(&layer.in_norm.forward(&h)?, &mask, caches.layer_mut(i))?;
-            let hh = mx::add(&h, &r)?;
-            let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
-            h = mx::add(&hh, &r)?;
-            stager.after_layer(i, n, &h, caches)?;
-        }
+        let h = self.embed.forward(tokens)?;
+        let masks = super::LayerMasks::new(caches, tokens.dim(1), self.layers.iter().map(|_| Some(false)), None)?;
+        let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
+            let l = &self.layers[i];
+            let mixer = |x: &Array| l.attn.forward_many(x, masks.get(false)?, caches.layer_mut(i));
+            super::pre_norm_residual(h, &l.in_norm, mixer, &l.post_norm, |x| l.mlp.forward(x))
+        })?;
         self.norm.forward(&h)
     }
 

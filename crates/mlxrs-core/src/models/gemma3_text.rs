@@ -218,22 +218,18 @@ impl Model {
     /// The decoder over input embeddings `h0` `[B, L, hidden]` (the token embeddings, or merged
     /// multimodal ones), scaled by sqrt(hidden) rounded to bfloat16 as mlx-lm and mlx-vlm do.
     fn hidden_from(&self, h0: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        let mut h = mx::multiply(h0, &mx::astype(&self.embed_scale, h0.dtype())?)?;
-        let n = h0.dim(1);
-        let g = (self.pattern - 1) as usize;
-        let global_mask = caches.masks(g, n, None)?;
-        let sliding_mask = if self.pattern > 1 { Some(caches.masks(0, n, Some(self.window))?) } else { None };
-        let n_layers = self.layers.len();
-        let mut stager = super::Stager::new(staging);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let is_global = (i as i32) % self.pattern == self.pattern - 1;
-            let mask = if is_global { &global_mask } else { sliding_mask.as_ref().unwrap_or(&global_mask) };
-            let r = layer.attn.forward_many(&layer.input_norm.forward(&h)?, mask, caches.layer_mut(i))?;
-            let hh = clip_residual(&h, &layer.post_attn_norm.forward(&r)?)?;
+        let h = mx::multiply(h0, &mx::astype(&self.embed_scale, h0.dtype())?)?;
+        let global = |i: usize| (i as i32) % self.pattern == self.pattern - 1;
+        let kinds = (0..self.layers.len()).map(|i| Some(!global(i)));
+        let masks = super::LayerMasks::new(caches, h0.dim(1), kinds, Some(self.window))?;
+        let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
+            let layer = &self.layers[i];
+            let r =
+                layer.attn.forward_many(&layer.input_norm.forward(h)?, masks.get(!global(i))?, caches.layer_mut(i))?;
+            let hh = clip_residual(h, &layer.post_attn_norm.forward(&r)?)?;
             let r = layer.mlp.forward(&layer.pre_ff_norm.forward(&hh)?)?;
-            h = clip_residual(&hh, &layer.post_ff_norm.forward(&r)?)?;
-            stager.after_layer(i, n_layers, &h, caches)?;
-        }
+            clip_residual(&hh, &layer.post_ff_norm.forward(&r)?)
+        })?;
         self.norm.forward(&h)
     }
 }

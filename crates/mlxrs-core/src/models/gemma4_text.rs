@@ -796,54 +796,47 @@ impl CausalLm for Model {
 
 impl Model {
     /// The decoder over scaled input embeddings `h`, with the per-layer token embeddings `e`.
-    fn hidden_from(
-        &self,
-        mut h: Array,
-        e: Option<&Array>,
-        caches: &mut Caches,
-        staging: super::Staging,
-    ) -> Result<Array> {
+    fn hidden_from(&self, h: Array, e: Option<&Array>, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
         let pli = match &self.per_layer {
             Some(pl) => Some(self.per_layer_inputs(pl, e, &h)?),
             None => None,
         };
-        let n = h.dim(1);
-        // one mask per layer type, from the first layer of that type (which has a cache of its own)
-        let first = |sliding: bool| self.layers.iter().position(|l| l.sliding == sliding);
-        let sliding_mask = first(true).map(|i| caches.masks(i, n, Some(self.window))).transpose()?;
-        let full_mask = first(false).map(|i| caches.masks(i, n, None)).transpose()?;
-        let n_layers = self.layers.len();
-        let mut kvs: Vec<Option<SharedKv>> = vec![None; n_layers];
-        let mut stager = super::Stager::new(staging);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mask = if layer.sliding { sliding_mask.as_ref() } else { full_mask.as_ref() }
-                .expect("a mask for each type present");
+        let masks =
+            super::LayerMasks::new(caches, h.dim(1), self.layers.iter().map(|l| Some(l.sliding)), Some(self.window))?;
+        // the keys and values of the layers some KV-shared layer reads
+        let mut kvs: Vec<Option<SharedKv>> = vec![None; self.layers.len()];
+        let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
+            let layer = &self.layers[i];
             let shared = match layer.shared_from {
                 Some(from) => Some(
                     kvs[from].as_ref().ok_or_else(|| Error::Invalid(format!("gemma4: layer {from} kept no keys")))?,
                 ),
                 None => None,
             };
-            let (a, kv) = layer.attn.forward(&layer.input_norm.forward(&h)?, mask, caches.layer_mut(i), shared)?;
+            let (a, kv) = layer.attn.forward(
+                &layer.input_norm.forward(h)?,
+                masks.get(layer.sliding)?,
+                caches.layer_mut(i),
+                shared,
+            )?;
             // only the layers some KV-shared layer reads keep theirs
             if layer.shared_to {
                 kvs[i] = Some(kv);
             }
-            let hh = mx::add(&h, &layer.post_attn_norm.forward(&a)?)?;
+            let hh = mx::add(h, &layer.post_attn_norm.forward(&a)?)?;
             let dense = layer.mlp.forward(&layer.pre_ff_norm.forward(&hh)?)?;
             let ff = match (&layer.moe, &layer.mlp_post_norm) {
                 (Some(moe), Some(post1)) => mx::add(&post1.forward(&dense)?, &moe.forward(&hh)?)?,
                 _ => dense,
             };
-            h = mx::add(&hh, &layer.post_ff_norm.forward(&ff)?)?;
+            let mut h = mx::add(&hh, &layer.post_ff_norm.forward(&ff)?)?;
             if let (Some(pl), Some(pli)) = (&layer.per_layer, &pli) {
                 let input = mx::squeeze(&mx::slice_axis(pli, 2, i as i32, i as i32 + 1)?, &[2])?;
                 let g = mx::multiply(&layers::gelu_approx_compiled(&pl.gate.forward(&h)?)?, &input)?;
                 h = mx::add(&h, &pl.norm.forward(&pl.proj.forward(&g)?)?)?;
             }
-            h = mx::multiply(&h, &layer.scalar)?;
-            stager.after_layer(i, n_layers, &h, caches)?;
-        }
+            mx::multiply(&h, &layer.scalar)
+        })?;
         self.norm.forward(&h)
     }
 }

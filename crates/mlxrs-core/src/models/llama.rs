@@ -4,7 +4,7 @@ use super::layers::{Attention, Embedding, Ffn, Linear, MoeSpec, RmsNorm, Rope};
 use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::Caches;
 use crate::error::Result;
-use crate::handle::{self as mx, Array};
+use crate::handle::Array;
 use crate::weights::Weights;
 use serde_json::Value;
 
@@ -255,15 +255,10 @@ impl CausalLm for Model {
     }
 
     fn hidden_caches(&self, tokens: &Array, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
-        let mut h = self.embed.forward(tokens)?;
+        let h = self.embed.forward(tokens)?;
         let n = tokens.dim(1);
-        let fa = self.layers.iter().position(|l| !l.sliding).unwrap_or(0);
-        let fa_mask = caches.masks(fa, n, None)?;
-        let swa_mask = match self.layers.iter().position(|l| l.sliding) {
-            Some(i) => Some(caches.masks(i, n, self.sliding_window)?),
-            None => None,
-        };
-        let n_layers = self.layers.len();
+        let masks =
+            super::LayerMasks::new(caches, n, self.layers.iter().map(|l| Some(l.sliding)), self.sliding_window)?;
         // Llama 4's query scale at each row's positions (the first layer's offsets, as mlx-lm's
         // `cache[0].offset`), multiplying the rotated queries
         let q_scale = match self.llama4_scale {
@@ -276,13 +271,12 @@ impl CausalLm for Model {
             }
             None => None,
         };
-        let mut stager = super::Stager::new(staging);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mask = if layer.sliding { swa_mask.as_ref().unwrap_or(&fa_mask) } else { &fa_mask };
-            let x = layer.in_norm.forward(&h)?;
-            let r = match &q_scale {
+        let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
+            let layer = &self.layers[i];
+            let mask = masks.get(layer.sliding)?;
+            let mixer = |x: &Array| match &q_scale {
                 Some(s) => {
-                    let (q, k, v) = layer.attn.project(&x)?;
+                    let (q, k, v) = layer.attn.project(x)?;
                     let out = layer.attn.attend_many_scaled(
                         q,
                         k,
@@ -292,15 +286,12 @@ impl CausalLm for Model {
                         layer.sinks.as_ref(),
                         Some(s),
                     )?;
-                    layer.attn.output(&out, x.dim(0), n)?
+                    layer.attn.output(&out, x.dim(0), n)
                 }
-                None => layer.attn.forward_many_sinks(&x, mask, caches.layer_mut(i), layer.sinks.as_ref())?,
+                None => layer.attn.forward_many_sinks(x, mask, caches.layer_mut(i), layer.sinks.as_ref()),
             };
-            let hh = mx::add(&h, &r)?;
-            let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
-            h = mx::add(&hh, &r)?;
-            stager.after_layer(i, n_layers, &h, caches)?;
-        }
+            super::pre_norm_residual(h, &layer.in_norm, mixer, &layer.post_norm, |x| layer.mlp.forward(x))
+        })?;
         self.norm.forward(&h)
     }
 

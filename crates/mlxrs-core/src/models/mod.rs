@@ -202,6 +202,81 @@ impl Stager {
     }
 }
 
+/// What the decoders of every architecture share (llama.rs, gemma3_text.rs, gemma4_text.rs,
+/// deepseek_v3.rs, qwen3_next.rs): [`LayerMasks`] (one mask per attention kind) and [`run_layers`]
+/// (the walk over the layers with the cache of each and the prefill's staging). What each layer
+/// computes stays in its architecture's file, because that is where they differ in substance: the
+/// residual form (Gemma's four norms and float16 clipping, Llama 4's query scale, Gemma 4's
+/// KV-sharing, per-layer inputs and layer scalar, Qwen3-Next's linear-attention mixers and M-RoPE),
+/// and so do the final norm and head (Gemma 4's logit softcap; the others `Embedding::logits`).
+///
+/// The attention masks of one forward pass: one per attention kind present, each built from the
+/// first layer of that kind (its cache holds the positions every layer of that kind sees).
+pub struct LayerMasks {
+    full: Option<crate::cache::Masks>,
+    sliding: Option<crate::cache::Masks>,
+}
+
+impl LayerMasks {
+    /// `kinds`: per layer, Some(true) for sliding-window attention (over `window` positions), Some(false) for
+    /// full attention, None for a layer without a mask (linear attention).
+    pub fn new(
+        caches: &Caches,
+        n: i32,
+        kinds: impl IntoIterator<Item = Option<bool>>,
+        window: Option<i32>,
+    ) -> Result<LayerMasks> {
+        let kinds: Vec<Option<bool>> = kinds.into_iter().collect();
+        let first = |sliding: bool| kinds.iter().position(|&k| k == Some(sliding));
+        Ok(LayerMasks {
+            full: first(false).map(|i| caches.masks(i, n, None)).transpose()?,
+            sliding: first(true).map(|i| caches.masks(i, n, window)).transpose()?,
+        })
+    }
+
+    /// The mask of a full (`sliding` false) or sliding-window attention layer.
+    pub fn get(&self, sliding: bool) -> Result<&crate::cache::Masks> {
+        if sliding { &self.sliding } else { &self.full }.as_ref().ok_or_else(|| {
+            Error::Invalid(format!(
+                "no {} attention layer to build its mask from",
+                if sliding { "sliding" } else { "full" }
+            ))
+        })
+    }
+}
+
+/// The decoder's walk over `n_layers` layers from the input hidden state `h`: `layer(i, h, caches)`
+/// returns layer `i`'s output, and the [`Stager`] evaluates the prefill's stages between layers.
+/// Returns the last layer's output (the final norm is the architecture's).
+pub fn run_layers(
+    n_layers: usize,
+    mut h: Array,
+    caches: &mut Caches,
+    staging: Staging,
+    mut layer: impl FnMut(usize, &Array, &mut Caches) -> Result<Array>,
+) -> Result<Array> {
+    let mut stager = Stager::new(staging);
+    for i in 0..n_layers {
+        h = layer(i, &h, caches)?;
+        stager.after_layer(i, n_layers, &h, caches)?;
+    }
+    Ok(h)
+}
+
+/// The pre-norm residual layer of Llama, DeepSeek-V3 and Qwen3-Next: `h + mixer(in_norm(h))`, then
+/// that plus `ffn(post_norm(·))` (`mixer` is the layer's attention, or linear attention).
+pub fn pre_norm_residual(
+    h: &Array,
+    in_norm: &layers::RmsNorm,
+    mixer: impl FnOnce(&Array) -> Result<Array>,
+    post_norm: &layers::RmsNorm,
+    ffn: impl FnOnce(&Array) -> Result<Array>,
+) -> Result<Array> {
+    let hh = crate::handle::add(h, &mixer(&in_norm.forward(h)?)?)?;
+    let r = ffn(&post_norm.forward(&hh)?)?;
+    crate::handle::add(&hh, &r)
+}
+
 /// The architecture table: one line per architecture, each declared in its own file.
 pub static ARCHS: &[Arch] = &[
     llama::ARCH,

@@ -748,8 +748,6 @@ pub struct Model {
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
-    /// The first full-attention layer (its cache gives the attention masks).
-    fa_idx: Option<usize>,
     /// The first linear-attention layer (its cache keeps a sequence's M-RoPE delta).
     lin_idx: Option<usize>,
     /// Qwen3.5's multimodal rotary embedding (rope_parameters.mrope_section), for prompts with images.
@@ -822,7 +820,6 @@ impl Model {
             _ => None,
         };
         Ok(Model {
-            fa_idx: prm.linear.iter().position(|&l| !l),
             lin_idx: prm.linear.iter().position(|&l| l),
             mrope,
             shape: ModelShape::new(
@@ -935,38 +932,23 @@ impl Model {
     }
 
     /// The decoder over embeddings `h` (M-RoPE rotations per row where `ropes` gives them).
-    fn run(
-        &self,
-        mut h: Array,
-        ropes: Option<RowRopes>,
-        caches: &mut Caches,
-        staging: super::Staging,
-    ) -> Result<Array> {
-        let n = h.dim(1);
-        let fa_mask = match self.fa_idx {
-            Some(i) => Some(caches.masks(i, n, None)?),
-            None => None,
-        };
-        let n_layers = self.layers.len();
-        let mut stager = super::Stager::new(staging);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let x = layer.in_norm.forward(&h)?;
-            let r = match &layer.mixer {
-                Mixer::Linear(m) => m.forward(&x, caches.layer_mut(i))?,
+    fn run(&self, h: Array, ropes: Option<RowRopes>, caches: &mut Caches, staging: super::Staging) -> Result<Array> {
+        let kinds = self.layers.iter().map(|l| matches!(l.mixer, Mixer::Attn(_)).then_some(false));
+        let masks = super::LayerMasks::new(caches, h.dim(1), kinds, None)?;
+        let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
+            let layer = &self.layers[i];
+            let mixer = |x: &Array| match &layer.mixer {
+                Mixer::Linear(m) => m.forward(x, caches.layer_mut(i)),
                 Mixer::Attn(m) => {
-                    let mask = fa_mask.as_ref().ok_or_else(|| Error::Invalid("no attention mask".into()))?;
                     let mr = match (&self.mrope, &ropes) {
                         (Some(mr), Some(r)) => Some((mr, r)),
                         _ => None,
                     };
-                    m.forward(&x, mask, caches.layer_mut(i), mr)?
+                    m.forward(x, masks.get(false)?, caches.layer_mut(i), mr)
                 }
             };
-            let hh = mx::add(&h, &r)?;
-            let r = layer.mlp.forward(&layer.post_norm.forward(&hh)?)?;
-            h = mx::add(&hh, &r)?;
-            stager.after_layer(i, n_layers, &h, caches)?;
-        }
+            super::pre_norm_residual(h, &layer.in_norm, mixer, &layer.post_norm, |x| layer.mlp.forward(x))
+        })?;
         self.norm.forward(&h)
     }
 }

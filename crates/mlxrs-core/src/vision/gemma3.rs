@@ -233,29 +233,14 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             )));
         }
     }
-    let tc = super::json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
-    let special = |k: &str, dflt: &str| -> String {
-        let from = |v: &Value| {
-            v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string)
-        };
-        from(&tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
-    };
-    let (boi, eoi, image_token) = (
-        special("boi_token", "<start_of_image>"),
-        special("eoi_token", "<end_of_image>"),
-        special("image_token", "<image_soft_token>"),
-    );
     let image_token_id = Cfg(config).opt_i("image_token_index").unwrap_or(262144);
-    for t in [&boi, &eoi, &image_token] {
-        let id = tokenizer
-            .token_to_id(t)
-            .ok_or_else(|| Error::ModelLoad(format!("the tokenizer has no token {t:?} (Gemma 3's image markers)")))?;
-        if t == &image_token && id != image_token_id {
-            return Err(Error::ModelLoad(format!(
-                "the tokenizer's {image_token} is id {id} but config.json's image_token_index is {image_token_id}"
-            )));
-        }
-    }
+    let [boi, eoi, image_token] = super::markers(
+        tokenizer,
+        [("boi_token", "<start_of_image>"), ("eoi_token", "<end_of_image>"), ("image_token", "<image_soft_token>")],
+        "image_token_index",
+        image_token_id,
+        "Gemma 3's image markers",
+    )?;
     Ok(Processor {
         preprocess: Preprocess { size, filter, rescale, rescale_f32: false, normalize },
         tokens_per_image: n as usize,

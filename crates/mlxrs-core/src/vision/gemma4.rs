@@ -184,28 +184,16 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
     if normalize.is_some_and(|(_, std)| std.contains(&0.0)) {
         return Err(Error::ModelLoad(format!("{name}.image_std has a zero")));
     }
-    let tc = super::json_file(dir, "tokenizer_config.json")?.unwrap_or(Value::Null);
-    let audio = super::gemma4_audio::processor(config, &proc_cfg, file, &tc, tokenizer)?.map(Box::new);
-    let special = |k: &str, dflt: &str| -> String {
-        let from = |v: &Value| {
-            v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string)
-        };
-        from(&tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
-    };
-    let (boi, eoi, image_token) =
-        (special("boi_token", "<|image>"), special("eoi_token", "<image|>"), special("image_token", "<|image|>"));
+    let audio = super::gemma4_audio::processor(config, &proc_cfg, file, tokenizer)?.map(Box::new);
     let c = Cfg(config);
     let image_token_id = c.opt_i("image_token_id").unwrap_or(258880);
-    for t in [&boi, &eoi, &image_token] {
-        let id = tokenizer
-            .token_to_id(t)
-            .ok_or_else(|| Error::ModelLoad(format!("the tokenizer has no token {t:?} (Gemma 4's image markers)")))?;
-        if t == &image_token && id != image_token_id {
-            return Err(Error::ModelLoad(format!(
-                "the tokenizer's {image_token} is id {id} but config.json's image_token_id is {image_token_id}"
-            )));
-        }
-    }
+    let [boi, eoi, image_token] = super::markers(
+        tokenizer,
+        [("boi_token", "<|image>"), ("eoi_token", "<image|>"), ("image_token", "<|image|>")],
+        "image_token_id",
+        image_token_id,
+        "Gemma 4's image markers",
+    )?;
     let mut media_token_ids = vec![image_token_id, c.opt_i("audio_token_id").unwrap_or(258881)];
     if let Some(v) = c.opt_i("video_token_id") {
         media_token_ids.push(v);

@@ -80,7 +80,6 @@ pub fn processor(
     config: &Value,
     proc_cfg: &Value,
     name: &str,
-    tc: &Value,
     tokenizer: &Tokenizer,
 ) -> Result<Option<AudioProcessor>> {
     if !has_audio(config) {
@@ -100,25 +99,14 @@ pub fn processor(
     };
     let seq_length = uint("audio_seq_length", 750)? as usize;
     let ms_per_token = uint("audio_ms_per_token", 40)? as f64;
-    let special = |k: &str, dflt: &str| -> String {
-        let from = |v: &Value| {
-            v.get(k).and_then(|t| t.as_str().or_else(|| t.get("content").and_then(Value::as_str))).map(str::to_string)
-        };
-        from(tc).or_else(|| tc.get("extra_special_tokens").and_then(from)).unwrap_or_else(|| dflt.to_string())
-    };
-    let (boa, eoa, audio_token) =
-        (special("boa_token", "<|audio>"), special("eoa_token", "<audio|>"), special("audio_token", "<|audio|>"));
     let audio_token_id = Cfg(config).opt_i("audio_token_id").unwrap_or(258881);
-    for t in [&boa, &eoa, &audio_token] {
-        let id = tokenizer
-            .token_to_id(t)
-            .ok_or_else(|| Error::ModelLoad(format!("the tokenizer has no token {t:?} (Gemma 4's audio markers)")))?;
-        if t == &audio_token && id != audio_token_id {
-            return Err(Error::ModelLoad(format!(
-                "the tokenizer's {audio_token} is id {id} but config.json's audio_token_id is {audio_token_id}"
-            )));
-        }
-    }
+    let [boa, eoa, audio_token] = super::markers(
+        tokenizer,
+        [("boa_token", "<|audio>"), ("eoa_token", "<audio|>"), ("audio_token", "<|audio|>")],
+        "audio_token_id",
+        audio_token_id,
+        "Gemma 4's audio markers",
+    )?;
     Ok(Some(AudioProcessor { features, boa, eoa, audio_token, audio_token_id, seq_length, ms_per_token }))
 }
 

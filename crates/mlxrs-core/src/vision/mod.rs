@@ -22,12 +22,32 @@ use std::path::Path;
 
 /// A JSON file of a model directory (a processor's config), or None when it is not there.
 pub(crate) fn json_file(dir: &Path, name: &str) -> Result<Option<Value>> {
-    let p = dir.join(name);
-    if !p.is_file() {
-        return Ok(None);
+    crate::tokenizer::read_json(&dir.join(name))
+}
+
+/// A processor's three marker tokens — begin, end and the soft token its features replace — each
+/// `(tokenizer_config.json key, default)`, asked of the tokenizer ([`Tokenizer::special_token`]):
+/// each must be in the vocabulary, and the soft token's id must be config.json's `id_key` (`id`).
+/// `what` names them in errors ("Gemma 3's image markers").
+pub(crate) fn markers(
+    tokenizer: &Tokenizer,
+    names: [(&str, &str); 3],
+    id_key: &str,
+    id: i32,
+    what: &str,
+) -> Result<[String; 3]> {
+    let [begin, end, soft] = names.map(|(k, dflt)| tokenizer.special_token(k).unwrap_or_else(|| dflt.to_string()));
+    for t in [&begin, &end, &soft] {
+        let found = tokenizer
+            .token_to_id(t)
+            .ok_or_else(|| Error::ModelLoad(format!("the tokenizer has no token {t:?} ({what})")))?;
+        if t == &soft && found != id {
+            return Err(Error::ModelLoad(format!(
+                "the tokenizer's {soft} is id {found} but config.json's {id_key} is {id}"
+            )));
+        }
     }
-    let text = std::fs::read_to_string(&p).map_err(|e| Error::Io { path: p.clone(), source: e })?;
-    serde_json::from_str(&text).map(Some).map_err(|e| Error::ModelLoad(format!("{}: invalid JSON: {e}", p.display())))
+    Ok([begin, end, soft])
 }
 
 /// One size of a `vision_config` (`v`), checked as the text config's are
