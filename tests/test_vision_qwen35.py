@@ -336,7 +336,7 @@ def test_video_frames_match_mlx_vlm(model_dir, frames):
         theirs = np.array(ref["features"], dtype=np.float32)
         assert feats.shape == theirs.shape
         assert float(np.max(np.abs(feats - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
-        ids, _ = s._prepare_video(prompt, None, None, frames)
+        ids = s._prepare(prompt, None, None, None, None, frames)[0]
         assert ids == ref["input_ids"]
         logits = np.array(s._s.logits(ids, video=[f.read_bytes() for f in frames]), dtype=np.float32)
         assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 1e-4
@@ -345,15 +345,16 @@ def test_video_frames_match_mlx_vlm(model_dir, frames):
         # the same video as a conversation's video part
         msgs = [{"role": "user", "content": [{"type": "text", "text": "What happens in "}, {"type": "video"}]}]
         chat = s.generate(msgs, video=frames, max_tokens=4, ignore_eos=True, temperature=0.0)
-        assert chat.usage.prompt_tokens == len(s._prepare_video(msgs, None, None, frames)[0])
+        assert chat.usage.prompt_tokens == len(s._prepare(msgs, None, None, None, None, frames)[0])
 
 
 def test_video_is_refused_where_it_cannot_go(session, frames, images, tmp_path):
     from PIL import Image
 
-    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="images or one video, not both"):
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="images or videos, not both"):
         session.generate("x", images=[images["a"]], video=frames, max_tokens=2)
-    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="list of its frames"):
+    # a still image is no video file: one frame cannot be sampled to two
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"^video: "):
         session.generate("x", video=str(frames[0]), max_tokens=2)
     odd = tmp_path / "odd.png"
     Image.fromarray(np.zeros((40, 40, 3), dtype=np.uint8)).save(odd)

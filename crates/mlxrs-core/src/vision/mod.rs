@@ -220,11 +220,20 @@ impl Processor {
         }
     }
 
-    /// `text` with its one video marker expanded for a video of `frames` frames of `h`×`w`.
-    pub fn expand_video(&self, text: &str, frames: u32, h: u32, w: u32) -> Result<String> {
+    /// `text` with its video markers expanded, one per video in order.
+    pub fn expand_videos(&self, text: &str, videos: &[qwen3_5::VideoShape]) -> Result<String> {
         match self {
-            Processor::Qwen35(p) => p.expand_video(text, frames, h, w),
+            Processor::Qwen35(p) => p.expand_videos(text, videos),
             _ => Err(Error::Unsupported("this model's vision tower takes images only, not video".into())),
+        }
+    }
+
+    /// How a decoded video file is sampled to frames: (fps, min_frames, max_frames) of the video
+    /// processor (None: the model takes no video).
+    pub fn video_sampling(&self) -> Option<(f64, u32, u32)> {
+        match self {
+            Processor::Qwen35(p) => Some((p.fps, p.min_frames, p.max_frames)),
+            _ => None,
         }
     }
 }

@@ -81,6 +81,10 @@ pub struct Processor {
     pub video_min_pixels: u64,
     pub video_max_pixels: u64,
     pub fps: f64,
+    /// The frame counts a decoded video file is sampled to (`min_frames`, `max_frames`; mlx-vlm's
+    /// `load_video` reads them off the video processor, defaults 4 and 768).
+    pub min_frames: u32,
+    pub max_frames: u32,
     pub video_token: String,
     pub video_token_id: i32,
     /// `vision_start + video_token + vision_end`: what stands for one video in a prompt.
@@ -255,35 +259,72 @@ impl Processor {
         Ok(Pixels { height: size.0, width: size.1, data, video_frames: imgs.len() as u32 })
     }
 
-    /// The processor's video expansion: the video marker (vision start, video token, vision end)
-    /// becomes, per temporal group of frames, `<t.t seconds>` (the group's mean frame time at
-    /// `fps`), vision start, the group's video tokens and vision end; a bare video token becomes
-    /// all the video's tokens. The video has `frames` frames of `h`×`w` before resizing.
-    pub fn expand_video(&self, text: &str, frames: u32, h: u32, w: u32) -> Result<String> {
+    /// The processor's video expansion, one video marker per video in order: a video marker
+    /// (vision start, video token, vision end) becomes, per temporal group of frames, `<t.t
+    /// seconds>` (the mean time of the group's first and last frame), vision start, the group's
+    /// video tokens and vision end; a bare video token becomes all the video's tokens. Each video
+    /// is its frame count and size before resizing, and its frames' times in seconds (None: frame
+    /// `i` at `i / fps`; a decoded file's: its source frame index over the source frame rate, as
+    /// mlx-vlm's processor takes them from the video's metadata).
+    pub fn expand_videos(&self, text: &str, videos: &[VideoShape]) -> Result<String> {
         let found = text.matches(&self.video_token).count();
-        if found != 1 {
+        if found != videos.len() {
             return Err(Error::Invalid(format!(
-                "the prompt has {found} video marker(s) ({}) for one video",
-                self.video_token
+                "the prompt has {found} video marker(s) ({}) for {} video(s)",
+                self.video_token,
+                videos.len()
             )));
         }
-        let (th, tw) = self.video_size(frames, h, w)?;
-        let per = self.tokens_for(th, tw);
         let tp = self.temporal as usize;
-        let groups = (frames as usize).div_ceil(tp);
-        if text.contains(&self.video_marker) {
-            let times: Vec<f64> = (0..groups * tp).map(|i| i as f64 / self.fps).collect();
-            let blocks: String = (0..groups)
-                .map(|g| {
+        let (mut out, mut rest) = (String::with_capacity(text.len()), text);
+        for v in videos {
+            let (th, tw) = self.video_size(v.frames, v.height, v.width)?;
+            let per = self.tokens_for(th, tw);
+            let groups = (v.frames as usize).div_ceil(tp);
+            let mut times: Vec<f64> = match &v.times {
+                None => (0..groups * tp).map(|i| i as f64 / self.fps).collect(),
+                Some(t) if t.len() == v.frames as usize && !t.is_empty() => t.clone(),
+                Some(t) => {
+                    return Err(Error::Invalid(format!("{} frame time(s) for a video of {} frames", t.len(), v.frames)))
+                }
+            };
+            let last = *times.last().unwrap_or(&0.0);
+            times.resize(groups * tp, last); // the last frame repeats to fill its group
+            let at = rest.find(&self.video_token).unwrap_or(0);
+            let wrapped = rest[..at].ends_with(&self.vision_start)
+                && rest[at..].starts_with(&self.video_marker[self.vision_start.len()..]);
+            if wrapped {
+                let start = at - self.vision_start.len();
+                out.push_str(&rest[..start]);
+                for g in 0..groups {
                     let ts = (times[g * tp] + times[g * tp + tp - 1]) / 2.0;
-                    format!("<{ts:.1} seconds>{}{}{}", self.vision_start, self.video_token.repeat(per), self.vision_end)
-                })
-                .collect();
-            Ok(text.replacen(&self.video_marker, &blocks, 1))
-        } else {
-            Ok(text.replacen(&self.video_token, &self.video_token.repeat(per * groups), 1))
+                    out.push_str(&format!(
+                        "<{ts:.1} seconds>{}{}{}",
+                        self.vision_start,
+                        self.video_token.repeat(per),
+                        self.vision_end
+                    ));
+                }
+                rest = &rest[start + self.video_marker.len()..];
+            } else {
+                out.push_str(&rest[..at]);
+                out.push_str(&self.video_token.repeat(per * groups));
+                rest = &rest[at + self.video_token.len()..];
+            }
         }
+        out.push_str(rest);
+        Ok(out)
     }
+}
+
+/// One video of a prompt as [`Processor::expand_videos`] takes it: its frame count, frame size
+/// before resizing, and its frames' times in seconds (None: evenly at the processor's fps).
+#[derive(Clone, Debug, Default)]
+pub struct VideoShape {
+    pub frames: u32,
+    pub height: u32,
+    pub width: u32,
+    pub times: Option<Vec<f64>>,
 }
 
 /// The processor of a Qwen3.5 model directory: preprocessor_config.json (processor_config.json's
@@ -417,6 +458,11 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             .filter(|f| f.is_finite() && *f > 0.0)
             .ok_or_else(|| Error::ModelLoad(format!("{vname}: fps = {x} is not a positive number")))?,
     };
+    let min_frames = vuint(vp.get("min_frames"), "min_frames", 4)?.min(u32::MAX as u64) as u32;
+    let max_frames = vuint(vp.get("max_frames"), "max_frames", 768)?.min(u32::MAX as u64) as u32;
+    if min_frames > max_frames {
+        return Err(Error::ModelLoad(format!("{vname}: min_frames {min_frames} exceeds max_frames {max_frames}")));
+    }
     let same = |k: &str| vp.get(k).filter(|x| !x.is_null()).is_some_and(|x| Some(x) != ip.get(k));
     if ["do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std"].iter().any(|k| same(k)) {
         return Err(Error::Unsupported(format!(
@@ -439,6 +485,8 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
         video_min_pixels,
         video_max_pixels,
         fps,
+        min_frames,
+        max_frames,
         video_token,
         video_token_id,
         video_marker,
