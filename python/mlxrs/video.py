@@ -7,7 +7,8 @@ Why OpenCV and not PyAV: docs/design/video.md.
 Untrusted input: the file's size is checked before anything decodes it (`max_bytes`), the header's
 frame size against `max_pixels` and every decoded frame against the header's size; at most
 `max_frames` frames are read (one seek each); a file OpenCV cannot open, whose header counts no
-frames, or of which no sampled frame decodes is a `InvalidArgumentError` naming the part.
+frames, or of which a sampled frame does not decode (truncated) is an `InvalidArgumentError`
+naming the part.
 """
 
 from __future__ import annotations
@@ -166,17 +167,15 @@ def _decode_path(cv2: Any, path: str, where: str, s: Sampling, max_pixels: int) 
         for k, idx in enumerate(indices):
             cap.set(cv2.CAP_PROP_POS_FRAMES, idx)
             ok, frame = cap.read()
-            if not ok:
-                break  # as mlx-vlm: the frames read so far (a file truncated past them)
+            if not ok:  # (mlx-vlm goes on with the frames read so far; a partial video is refused here)
+                raise _err(where, f"frame {idx} of the header's {total} does not decode (a truncated or corrupt file)")
             if frame is None or frame.ndim != 3 or frame.shape[0] * frame.shape[1] > max_pixels:
                 raise _err(where, f"frame {idx} does not decode to an image of at most {max_pixels} pixels")
             ok, png = cv2.imencode(".png", frame, [cv2.IMWRITE_PNG_COMPRESSION, 1])
             if not ok:
                 raise _err(where, f"frame {idx} cannot be re-encoded")
             frames.append((png.tobytes(), f"{where}.frames[{k}] (frame {idx})"))
-        if not frames:
-            raise _err(where, "no frame of the video decodes (a truncated or corrupt file)")
-        return Video(frames, [i / fps for i in indices[: len(frames)]], where)
+        return Video(frames, [i / fps for i in indices], where)
     finally:
         cap.release()
 
