@@ -36,6 +36,9 @@ fn media_limits(params: &Value) -> mlxrs_core::vision::ImageLimits {
     limits
 }
 
+/// A video's frames, each (encoded bytes, the name errors give it).
+type NamedFrames = Vec<(Vec<u8>, String)>;
+
 /// The audio limits in a request's `params` (`max_audio_bytes`, `max_audio_seconds`), else the defaults.
 fn audio_limits(params: &Value) -> mlxrs_core::vision::audio::AudioLimits {
     let mut limits = mlxrs_core::vision::audio::DEFAULT_AUDIO_LIMITS;
@@ -365,7 +368,7 @@ impl Session {
         images: Option<Vec<(Vec<u8>, String)>>,
         audio: Option<Vec<PyRef<'_, AudioClip>>>,
         video: Option<Vec<(Vec<u8>, String)>>,
-        videos: Option<Vec<Vec<(Vec<u8>, String)>>>,
+        videos: Option<Vec<NamedFrames>>,
     ) -> PyResult<TokenStream> {
         let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
         let mut req = request_from(&p, prompt).py(py)?;
