@@ -264,6 +264,28 @@ def test_a_video_file_through_the_openai_sdk_and_responses(server, session, mode
     assert resp.output_text == r.choices[0].message.content
 
 
+def test_anthropic_video_block_names_the_openai_endpoint(server, files):
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {
+        "model": NAME,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "video", "source": {"type": "base64", "data": "AAAA"}}]}],
+    }
+    req = urllib.request.Request(
+        f"{server.url}/v1/messages",
+        json.dumps(body).encode(),
+        {"content-type": "application/json", "anthropic-version": "2023-06-01"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    msg = json.loads(e.value.read())["error"]["message"]
+    assert "messages[0].content[0]" in msg and "/v1/chat/completions" in msg and "video_url" in msg
+
+
 @pytest.mark.parametrize(
     "case, needle",
     [

@@ -115,6 +115,10 @@ def set_memory_limit(bytes: int) -> int:
 def memory_limit() -> int:
     """MLX's memory limit now."""
 
+def memory_counters(reset_peak: bool = False) -> dict[str, int]:
+    """MLX's memory counters in bytes: {"active", "peak", "cache"}; `reset_peak` first sets the peak
+    to the active bytes (mlx-c's `mlx_reset_peak_memory`), for measuring one operation's peak."""
+
 def _tiny_matmul() -> list[list[float]]:
     """`mlxrs info`'s tiny computation through MLX: [[0,1,2],[3,4,5]] @ ones(3,2), as rows."""
 

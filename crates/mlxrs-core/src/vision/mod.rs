@@ -253,6 +253,18 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &Tokenizer) -> Result<Op
     Ok(None)
 }
 
+/// The peak transient bytes of encoding one image at the model's largest image size with its
+/// vision tower, activations of `act_bytes` (None: no tower whose transient is modelled; the towers'
+/// weights are counted with the model's either way). Only Qwen3.5's is modelled so far: its images
+/// are the largest (a dynamic resolution up to `max_pixels`); Gemma 3's and Gemma 4's towers and
+/// Gemma 4's audio encoder are not.
+pub fn encode_transient_bytes(config: &Value, dir: &Path, act_bytes: u64) -> Result<Option<u64>> {
+    if qwen3_5::is_qwen3_5_vision(config) && qwen3_5::has_tower(dir)? {
+        return qwen3_5::encode_transient_bytes(config, dir, act_bytes).map(Some);
+    }
+    Ok(None)
+}
+
 /// A vision tower and its projector, on the engine thread.
 pub enum Tower {
     Gemma3(gemma3::Tower),

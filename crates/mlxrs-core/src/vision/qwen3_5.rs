@@ -330,8 +330,9 @@ pub struct VideoShape {
 /// The processor of a Qwen3.5 model directory: preprocessor_config.json (processor_config.json's
 /// `image_processor` over it, as mlx-vlm reads them), checked against the tower's config; the
 /// vision tokens from config.json's ids and the tokenizer.
-pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
-    let d = vision_dims(config)?;
+/// The image processor's settings: preprocessor_config.json with processor_config.json's
+/// `image_processor` over it, as mlx-vlm reads them.
+fn image_processor_config(dir: &Path) -> Result<Value> {
     let mut ip = super::json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null);
     if let Some(Value::Object(o)) =
         super::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_processor").cloned())
@@ -343,16 +344,70 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             ip[k] = v;
         }
     }
+    Ok(ip)
+}
+
+/// A positive integer setting of preprocessor_config.json (`dflt` when absent).
+fn config_uint(v: Option<&Value>, k: &str, dflt: u64, max: u64) -> Result<u64> {
+    match v {
+        None | Some(Value::Null) => Ok(dflt),
+        Some(x) => match x.as_u64() {
+            Some(n) if (1..=max).contains(&n) => Ok(n),
+            _ => Err(Error::ModelLoad(format!(
+                "preprocessor_config.json: {k} = {x} is not a positive integer (at most {max})"
+            ))),
+        },
+    }
+}
+
+/// The image processor's area bounds (min_pixels, max_pixels): `size.shortest_edge` /
+/// `longest_edge`, `min_pixels` / `max_pixels` over them.
+fn pixel_bounds(ip: &Value) -> Result<(u64, u64)> {
+    let size = ip.get("size").cloned().unwrap_or(Value::Null);
+    let px_max = 1u64 << 40;
+    let mut min_pixels = config_uint(size.get("shortest_edge"), "size.shortest_edge", 56 * 56, px_max)?;
+    let mut max_pixels = config_uint(size.get("longest_edge"), "size.longest_edge", 14 * 14 * 4 * 1280, px_max)?;
+    min_pixels = config_uint(ip.get("min_pixels"), "min_pixels", min_pixels, px_max)?;
+    max_pixels = config_uint(ip.get("max_pixels"), "max_pixels", max_pixels, px_max)?;
+    if min_pixels > max_pixels {
+        return Err(Error::ModelLoad(format!(
+            "preprocessor_config.json: min_pixels {min_pixels} exceeds max_pixels {max_pixels}"
+        )));
+    }
+    Ok((min_pixels, max_pixels))
+}
+
+/// The peak bytes the tower allocates while encoding one image at the processor's largest size
+/// (`max_pixels`), in `a`-byte activations (the tower's dtype), on the CPU, where one block's
+/// intermediates are live at a time. With N patches (`max_pixels / patch²`, two frames deep), hidden
+/// h, heads H, intermediate I, patch p:
+/// - the pixels, float32, as given, patch-ordered and cast: 3·N·3·t·p²·4
+/// - the patch embedding, the four weighted position rows and their sum, the rotary tables
+///   (float32 cos and sin): (1 + 4 + 1)·N·h·a + 2·N·(h / H)·4
+/// - per block: the residual, normed input, attention output and projection, the MLP's normed input
+///   and output: 6·N·h·a; q, k, v and the rotated q and k (computed in float32): 3·N·h·a + 2·N·h·4;
+///   the attention scores SDPA's general path materializes, and its float32 softmax: H·N²·(a + 4);
+///   the MLP's fc1 output and its GELU: 2·N·I·a
+/// - the merged features: N / m² · out · a
+///
+/// `tests/test_vision_qwen35.py` measures MLX's peak memory over `image_features` of the largest
+/// image against this (at least the measured peak, within 2× of it).
+pub fn encode_transient_bytes(config: &Value, dir: &Path, a: u64) -> Result<u64> {
+    let d = vision_dims(config)?;
+    let (_, max_pixels) = pixel_bounds(&image_processor_config(dir)?)?;
+    let (p, m) = (d.patch as u64, d.merge as u64);
+    let n = (max_pixels / (p * m * p * m)) * m * m;
+    let (h, heads, inter, t) = (d.hidden as u64, d.heads as u64, d.inter as u64, d.temporal as u64);
+    let once = 3 * n * 3 * t * p * p * 4 + 6 * n * h * a + 2 * n * (h / heads) * 4 + n / (m * m) * d.out as u64 * a;
+    let block = 6 * n * h * a + 3 * n * h * a + 2 * n * h * 4 + heads * n * n * (a + 4) + 2 * n * inter * a;
+    Ok(once + block)
+}
+
+pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
+    let d = vision_dims(config)?;
+    let ip = image_processor_config(dir)?;
     let name = "preprocessor_config.json";
-    let uint = |v: Option<&Value>, k: &str, dflt: u64, max: u64| -> Result<u64> {
-        match v {
-            None | Some(Value::Null) => Ok(dflt),
-            Some(x) => match x.as_u64() {
-                Some(n) if (1..=max).contains(&n) => Ok(n),
-                _ => Err(Error::ModelLoad(format!("{name}: {k} = {x} is not a positive integer (at most {max})"))),
-            },
-        }
-    };
+    let uint = |v: Option<&Value>, k: &str, dflt: u64, max: u64| config_uint(v, k, dflt, max);
     let patch = uint(ip.get("patch_size"), "patch_size", 16, 1 << 10)? as u32;
     let temporal = uint(ip.get("temporal_patch_size"), "temporal_patch_size", 2, 64)? as u32;
     let merge = uint(ip.get("merge_size"), "merge_size", 2, 64)? as u32;
@@ -365,15 +420,8 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             )));
         }
     }
-    let size = ip.get("size").cloned().unwrap_or(Value::Null);
+    let (min_pixels, max_pixels) = pixel_bounds(&ip)?;
     let px_max = 1u64 << 40;
-    let mut min_pixels = uint(size.get("shortest_edge"), "size.shortest_edge", 56 * 56, px_max)?;
-    let mut max_pixels = uint(size.get("longest_edge"), "size.longest_edge", 14 * 14 * 4 * 1280, px_max)?;
-    min_pixels = uint(ip.get("min_pixels"), "min_pixels", min_pixels, px_max)?;
-    max_pixels = uint(ip.get("max_pixels"), "max_pixels", max_pixels, px_max)?;
-    if min_pixels > max_pixels {
-        return Err(Error::ModelLoad(format!("{name}: min_pixels {min_pixels} exceeds max_pixels {max_pixels}")));
-    }
     let b = |k: &str, dflt: bool| ip.get(k).and_then(Value::as_bool).unwrap_or(dflt);
     let rescale = if b("do_rescale", true) {
         Some(match ip.get("rescale_factor") {
