@@ -28,6 +28,7 @@ __all__ = [
     "mlxrs_home",
     "set_memory_limit",
     "memory_limit",
+    "memory_counters",
     "_array_roundtrip",
     "gguf_import",
     "default_import_dtype",
