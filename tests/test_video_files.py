@@ -264,6 +264,27 @@ def test_a_video_file_through_the_openai_sdk_and_responses(server, session, mode
     assert resp.output_text == r.choices[0].message.content
 
 
+def test_a_local_video_path_needs_its_flag(server, model_dir, files):
+    """A video file's local path: a 400 naming the flag without --allow-local-media; with it, the
+    same prompt as the file sent as a data URL."""
+    part = {"type": "video_url", "video_url": {"url": str(files["b"])}}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What happens?"}, part]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(server).chat.completions.create(model=NAME, max_tokens=2, messages=msgs)
+    assert "messages[0].content[1]" in e.value.message and "--allow-local-media" in e.value.message
+    with Server(model_dir, "--allow-local-media") as s:
+        r = _client(s).chat.completions.create(model=NAME, max_tokens=4, temperature=0, messages=msgs)
+    data = {"type": "video_url", "video_url": {"url": _data_url(files["b"])}}
+    ref = _client(server).chat.completions.create(
+        model=NAME,
+        max_tokens=4,
+        temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What happens?"}, data]}],
+    )
+    assert r.usage.prompt_tokens == ref.usage.prompt_tokens > 20
+    assert r.choices[0].message.content == ref.choices[0].message.content
+
+
 def test_anthropic_video_block_names_the_openai_endpoint(server, files):
     import json
     import urllib.error
