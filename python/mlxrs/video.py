@@ -133,7 +133,10 @@ def decode(
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         with _lock:
-            return _decode_path(cv2, path, where, sampling, max_pixels)
+            try:
+                return _decode_path(cv2, path, where, sampling, max_pixels)
+            except cv2.error as e:  # OpenCV's own failures on a bad stream: the caller's error
+                raise _err(where, f"the video does not decode: {str(e).strip()[:200]}") from None
     finally:
         try:
             os.unlink(path)
@@ -143,10 +146,7 @@ def decode(
 
 def _decode_path(cv2: Any, path: str, where: str, s: Sampling, max_pixels: int) -> Video:
     params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, DECODE_TIMEOUT_MS, cv2.CAP_PROP_READ_TIMEOUT_MSEC, DECODE_TIMEOUT_MS]
-    try:
-        cap = cv2.VideoCapture(path, cv2.CAP_FFMPEG, params)
-    except cv2.error as e:
-        raise _err(where, f"the video cannot be opened: {e}") from None
+    cap = cv2.VideoCapture(path, cv2.CAP_FFMPEG, params)
     try:
         if not cap.isOpened():
             raise _err(where, "not a video file OpenCV can decode (a truncated, corrupt or unsupported container)")
