@@ -946,6 +946,53 @@ impl Tower {
 mod tests {
     use super::*;
 
+    /// A processor of 8×8 patches two frames deep merged 2×2 (16×16 pixels a token), fps 2.
+    fn proc() -> Processor {
+        let (vs, ve) = ("<|vision_start|>".to_string(), "<|vision_end|>".to_string());
+        Processor {
+            patch: 8,
+            temporal: 2,
+            merge: 2,
+            min_pixels: 256,
+            max_pixels: 1 << 20,
+            rescale: None,
+            normalize: None,
+            marker: format!("{vs}<|image_pad|>{ve}"),
+            image_token: "<|image_pad|>".into(),
+            image_token_id: 1,
+            video_min_pixels: 256,
+            video_max_pixels: 1 << 20,
+            fps: 2.0,
+            min_frames: 4,
+            max_frames: 768,
+            video_token: "<|video_pad|>".into(),
+            video_token_id: 2,
+            video_marker: format!("{vs}<|video_pad|>{ve}"),
+            vision_start: vs,
+            vision_end: ve,
+        }
+    }
+
+    #[test]
+    fn expand_videos_in_order_with_their_own_times() {
+        let p = proc();
+        let v = |frames, h, w, times: Option<Vec<f64>>| VideoShape { frames, height: h, width: w, times };
+        let text = format!("a {} b <|video_pad|> c", p.video_marker);
+        // the first: 3 frames of 32×32 at the source's times (the last repeats: groups (0, 0.7), (1.5, 1.5));
+        // the second, bare: 2 frames of 16×32, 2 tokens a group, one group
+        let out = p.expand_videos(&text, &[v(3, 32, 32, Some(vec![0.0, 0.7, 1.5])), v(2, 16, 32, None)]).unwrap();
+        let block =
+            |t: &str, n: usize| format!("<{t} seconds><|vision_start|>{}<|vision_end|>", "<|video_pad|>".repeat(n));
+        assert_eq!(out, format!("a {}{} b {} c", block("0.3", 4), block("1.5", 4), "<|video_pad|>".repeat(2)));
+        // evenly at fps without times: (0 + 0.5) / 2
+        let even = p.expand_videos(&p.video_marker, &[v(2, 32, 32, None)]).unwrap();
+        assert_eq!(even, block("0.2", 4));
+        let e = p.expand_videos(&text, &[v(2, 32, 32, None)]).unwrap_err().to_string();
+        assert!(e.contains("2 video marker(s)") && e.contains("for 1 video(s)"), "{e}");
+        let e = p.expand_videos(&p.video_marker, &[v(3, 32, 32, Some(vec![0.0]))]).unwrap_err().to_string();
+        assert!(e.contains("1 frame time(s) for a video of 3 frames"), "{e}");
+    }
+
     #[test]
     fn smart_resize_rounds_half_to_even_and_keeps_the_budget() {
         // 40 / 16 = 2.5 rounds to 2 (Python's round), 56 / 16 = 3.5 to 4
