@@ -109,14 +109,27 @@ def qwen3_5(job: dict, model, processor) -> dict:
     `image_grid_thw`, the tower's merged features, the last-position logits of
     `get_input_embeddings`' merged embeddings through the language model with its M-RoPE positions
     on generate's prefill schedule, and `generate_step`'s greedy tokens. `video` (a list of frame
-    paths) goes to the processor as one video."""
-    from mlx_vlm.utils import load_image
+    paths) goes to the processor as one video, `videos` (lists of frame paths) as several;
+    `video_files` (video file paths) go through mlx-vlm's `prepare_inputs` as its generate sends
+    them: `load_video` (OpenCV) samples each at the video processor's fps and frame bounds and the
+    processor times their frames by the source's (out: "frame_counts", the frames sampled)."""
+    from mlx_vlm.utils import load_image, prepare_inputs
 
     images = [load_image(p) for p in job["images"]]
-    videos = [[load_image(p) for p in job["video"]]] if job.get("video") else None
-    inputs = processor(text=[job["prompt"]], images=images or None, videos=videos, return_tensors="np")
+    videos = [[load_image(p) for p in v] for v in job.get("videos") or ([job["video"]] if job.get("video") else [])]
+    decoded: dict = {}
+    if job.get("video_files"):
+        from mlx_vlm.utils import load_video, resolve_video_sampling
+
+        inputs = prepare_inputs(processor, videos=list(job["video_files"]), prompts=[job["prompt"]])
+        for p in job["video_files"]:  # what load_video read of each file (frames [T, C, H, W] uint8)
+            arr, meta = load_video(p, resolve_video_sampling(processor, {}))
+            decoded.setdefault("video_frames", []).append(np.asarray(arr).tolist())
+            decoded.setdefault("frame_times", []).append(meta.timestamps)
+    else:
+        inputs = processor(text=[job["prompt"]], images=images or None, videos=videos or None, return_tensors="np")
     input_ids = mx.array(np.asarray(inputs["input_ids"]))
-    out: dict = {"input_ids": input_ids[0].tolist()}
+    out: dict = {"input_ids": input_ids[0].tolist(), **decoded}
     extra: dict = {}
     pixel_values = None
     for pv, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):

@@ -128,6 +128,35 @@ def test_two_clips_each_take_their_own_frames(session, clips):
     assert out.usage.prompt_tokens > a.tokens + b.tokens
 
 
+def test_two_clips_of_one_length_equal_mlx_vlm(session, model_dir, tmp_path):
+    """Two clips in one prompt, of one length (33 tokens for 33 encoder frames each, so that
+    mlx-vlm's scatter of the batch's frames in order gives each clip its own frames): the prompt,
+    the logits and 32 greedy tokens equal mlx-vlm's. (Clips of different lengths differ by design:
+    mlx-vlm hands the second clip's tokens the first clip's padded frames, mlxrs each clip its own
+    — see test_two_clips_each_take_their_own_frames.)"""
+    paths = []
+    for seed in (11, 12):
+        paths.append(tmp_path / f"c{seed}.wav")
+        paths[-1].write_bytes(wav_bytes(tone(1.3, 44100, 2, seed=seed), 44100, 16))
+    prompt = "First <|audio|> then <|audio|>: which is louder?"
+    ref = run_vlm(
+        {
+            "model": str(model_dir),
+            "prompt": prompt,
+            "images": [],
+            "audio": [str(p) for p in paths],
+            "max_tokens": N_TOKENS,
+        }
+    )
+    clip_list = session.audio_clips(paths)
+    assert [c.tokens for c in clip_list] == [33, 33]
+    out = session.generate(prompt, audio=paths, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert out.usage.prompt_tokens == len(ref["input_ids"])
+    ours = np.array(session._s.logits(ref["input_ids"], None, clip_list), dtype=np.float32)
+    assert float(np.max(np.abs(ours - np.array(ref["logits"], dtype=np.float32)))) <= 1e-4
+    assert out.tokens == ref["tokens"]
+
+
 def test_chat_content_part(session, clips, oracle):
     """An OpenAI `input_audio` part in a message: the same tokens as the clip in a string prompt
     rendered by the template."""
@@ -151,6 +180,36 @@ def test_chat_content_part(session, clips, oracle):
     same = session.generate(ids, audio=[clips["stereo44k"]], max_tokens=8, ignore_eos=True, temperature=0.0)
     assert out.tokens == same.tokens
     assert out.usage.prompt_tokens == len(ids)
+
+
+def test_audio_everywhere_images_go(session, clips):
+    """A clip as a conversation's content part through chat, generate_batch, stream and astream,
+    and as `audio=` through astream: the tokens generate gives for the same input."""
+    import asyncio
+
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Listen:"}, {"type": "audio", "audio": str(clips["stereo44k"])}],
+        }
+    ]
+    opts = {"max_tokens": 10, "ignore_eos": True, "temperature": 0.0}
+    ref = session.generate(msgs, **opts)
+    assert ref.usage.prompt_tokens > 33
+    assert (
+        session.chat(msgs, max_tokens=10, temperature=0.0).text
+        == session.generate(msgs, max_tokens=10, temperature=0.0).text
+    )
+    batch = session.generate_batch([msgs, "text only"], **opts)
+    assert batch[0].tokens == ref.tokens and batch[0].usage.prompt_tokens == ref.usage.prompt_tokens
+    assert [c.token for c in session.stream(msgs, **opts) if c.token is not None] == ref.tokens
+
+    async def go(prompt, **kw) -> list[int]:
+        return [c.token async for c in session.astream(prompt, **opts, **kw) if c.token is not None]
+
+    assert asyncio.run(go(msgs)) == ref.tokens
+    one = session.generate(PROMPT, audio=[clips["stereo44k"]], **opts)
+    assert asyncio.run(go(PROMPT, audio=[clips["stereo44k"]])) == one.tokens
 
 
 def test_model_without_audio_tower_refuses(clips):

@@ -100,6 +100,7 @@ def test_responses_input_audio(server, clip):
     r = oa(server).responses.create(model=MODEL, input=inp, max_output_tokens=8, temperature=0)
     c = oa(server).chat.completions.create(model=MODEL, messages=_msgs(clip.read_bytes()), max_tokens=8, temperature=0)
     assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.output_text == c.choices[0].message.content
 
 
 @pytest.mark.parametrize(

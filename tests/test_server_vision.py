@@ -486,8 +486,8 @@ def test_qwen35_images_and_video_frames_through_the_openai_sdk(tmp_path):
     """Qwen3.5 (its tower takes images and videos as frames): `/v1/models` lists image and video;
     an image_url part and a video_url part holding the video's frames (data URLs) reach the model
     with the library's prompt and answer for the same input (the library itself checked against
-    mlx-vlm in test_vision_qwen35.py); a video file URL is a 400 saying frames are needed; images
-    and a video together are a 400."""
+    mlx-vlm in test_vision_qwen35.py); a remote video file URL without --allow-remote-media is a
+    400 naming the part and the flag; images and a video together are a 400."""
     from PIL import Image
 
     from tinymodels import make_qwen3_5_vision
@@ -538,12 +538,12 @@ def test_qwen35_images_and_video_frames_through_the_openai_sdk(tmp_path):
                     }
                 ],
             )
-        assert "messages[0].content[0]" in e.value.message and "list of its frames" in e.value.message
+        assert "messages[0].content[0]" in e.value.message and "--allow-remote-media" in e.value.message
         with pytest.raises(openai.BadRequestError) as e:
             oa(s).chat.completions.create(
                 model=name, max_tokens=4, messages=[{"role": "user", "content": [parts[1], vparts[1]]}]
             )
-        assert "images or one video" in e.value.message
+        assert "images or videos, not both" in e.value.message
 
 
 def test_video_to_a_model_without_video_names_model_and_modality(server):

@@ -336,3 +336,29 @@ def test_a_marker_the_vocabulary_lacks_is_refused_naming_it(model_dir, tmp_path,
         mlxrs.errors.MlxrsError, match=re.escape('has no token "<no_such_marker>" (Gemma 3\'s image markers)')
     ):
         mlxrs.Session(d)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"name": "gemma3-vision-mid-f32", "image_size": 448, "mm_tokens": 64}],  # 64 and 1024 patches
+)
+def test_the_plan_counts_encoding_one_image(kw):
+    """The memory plan's mediaTransientBytes for Gemma 3's SigLIP tower (plan.rs, from the tower's
+    sizes) is at least MLX's peak over encoding one image (CPU) and within 2× of it, for the tiny
+    tower and a mid-sized one; it is part of transientBytes."""
+    from PIL import Image
+
+    from mlxrs import _native, fit
+
+    d = make_gemma3_vision(**kw)
+    p = fit.plan(d, 512)
+    formula = p["mediaTransientBytes"]
+    assert p["transientBytes"] > formula > 0
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (300, 500, 3), dtype=np.uint8)).save(buf, "PNG")
+    with mlxrs.Session(d) as s:
+        s.image_features([buf.getvalue()])  # once first: kernels and the allocator warmed
+        before = _native.memory_counters(reset_peak=True)
+        s.image_features([buf.getvalue()])
+        peak = _native.memory_counters()["peak"] - before["active"]
+    assert 0 < peak <= formula <= 2 * peak, (d.name, peak, formula)

@@ -8,6 +8,7 @@ indices) with one and with two images; bad configs refused naming the field."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -336,7 +337,7 @@ def test_video_frames_match_mlx_vlm(model_dir, frames):
         theirs = np.array(ref["features"], dtype=np.float32)
         assert feats.shape == theirs.shape
         assert float(np.max(np.abs(feats - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
-        ids, _ = s._prepare_video(prompt, None, None, frames)
+        ids = s._prepare(prompt, None, None, None, None, frames)[0]
         assert ids == ref["input_ids"]
         logits = np.array(s._s.logits(ids, video=[f.read_bytes() for f in frames]), dtype=np.float32)
         assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 1e-4
@@ -345,15 +346,16 @@ def test_video_frames_match_mlx_vlm(model_dir, frames):
         # the same video as a conversation's video part
         msgs = [{"role": "user", "content": [{"type": "text", "text": "What happens in "}, {"type": "video"}]}]
         chat = s.generate(msgs, video=frames, max_tokens=4, ignore_eos=True, temperature=0.0)
-        assert chat.usage.prompt_tokens == len(s._prepare_video(msgs, None, None, frames)[0])
+        assert chat.usage.prompt_tokens == len(s._prepare(msgs, None, None, None, None, frames)[0])
 
 
 def test_video_is_refused_where_it_cannot_go(session, frames, images, tmp_path):
     from PIL import Image
 
-    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="images or one video, not both"):
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="images or videos, not both"):
         session.generate("x", images=[images["a"]], video=frames, max_tokens=2)
-    with pytest.raises(mlxrs.errors.InvalidArgumentError, match="list of its frames"):
+    # a still image is no video file: one frame cannot be sampled to two
+    with pytest.raises(mlxrs.errors.InvalidArgumentError, match=r"^video: "):
         session.generate("x", video=str(frames[0]), max_tokens=2)
     odd = tmp_path / "odd.png"
     Image.fromarray(np.zeros((40, 40, 3), dtype=np.uint8)).save(odd)
@@ -417,3 +419,37 @@ def test_bfloat16_two_images(images):
         out = s.generate(TWO, images=imgs, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= 5e-2
     assert out.tokens == ref["tokens"]
+
+
+@pytest.mark.parametrize(
+    "name, overrides, max_tokens",
+    [
+        ("qwen3_5-vision-f32", None, 32),
+        # a mid-sized tower: 1024 patches at the largest size, 256 wide, 4 heads, a 1024-wide MLP
+        ("qwen3_5-vision-mid-f32", {"hidden_size": 256, "intermediate_size": 1024, "depth": 3}, 256),
+    ],
+)
+def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides, max_tokens):
+    """The memory plan's mediaTransientBytes (plan.rs, from the tower's sizes and the processor's
+    max_pixels) is at least MLX's peak over encoding one image at the largest size (CPU), and within
+    2× of it; it is part of transientBytes, and `fit` shows it."""
+    from PIL import Image
+
+    from mlxrs import _native, fit
+
+    d = make_qwen3_5_vision(name, vision_overrides=overrides, max_image_tokens=max_tokens)
+    p = fit.plan(d, 512)
+    formula = p["mediaTransientBytes"]
+    assert p["transientBytes"] > formula > 0
+    big = Image.fromarray(np.random.default_rng(3).integers(0, 256, (900, 1300, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    big.save(buf, "PNG")
+    with mlxrs.Session(d) as s:
+        assert s.vision["max_tokens_per_image"] == max_tokens
+        s.image_features([buf.getvalue()])  # once first: kernels and the allocator warmed
+        before = _native.memory_counters(reset_peak=True)
+        feats = s.image_features([buf.getvalue()])
+        peak = _native.memory_counters()["peak"] - before["active"]
+    assert len(feats) % max_tokens == 0 and peak > 0
+    assert peak <= formula <= 2 * peak, (name, peak, formula)
+    assert "of encoding one image at the largest size" in fit.describe(d, name, p, None, None)

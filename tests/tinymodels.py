@@ -1226,14 +1226,22 @@ QWEN35_CHAT_TEMPLATE = (
 )
 
 
-def make_qwen3_5_vision(name: str = "qwen3_5-vision-f32", *, dtype: str = "float32", seed: int = 0) -> Path:
+def make_qwen3_5_vision(
+    name: str = "qwen3_5-vision-f32",
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    vision_overrides: dict[str, Any] | None = None,
+    max_image_tokens: int = 32,
+) -> Path:
     """Write (once) a tiny random Qwen3.5 multimodal model in the Hugging Face layout (as
     transformers saves Qwen3_5ForConditionalGeneration): the text model (tests' qwen3_5 shape:
     Gated DeltaNet and gated attention, interleaved M-RoPE sections [2, 3, 3]) under
     `model.language_model.*`, a vision tower of 8×8 patches (2 frames deep, merged 2×2: 16×16 pixels
     per image token; an 8×8 learned position grid, interpolated) under `model.visual.*`, the Conv3d
     patch embedding in PyTorch's layout; preprocessor configs allowing 4 to 32 image tokens, and a
-    tokenizer with its vision tokens. mlx-vlm 0.7.10 loads it."""
+    tokenizer with its vision tokens. mlx-vlm 0.7.10 loads it. `vision_overrides` (another name
+    then) changes the tower's sizes, `max_image_tokens` the largest image."""
     import mlx.core as mx
 
     d = ROOT / name
@@ -1257,6 +1265,7 @@ def make_qwen3_5_vision(name: str = "qwen3_5-vision-f32", *, dtype: str = "float
         "out_hidden_size": text["hidden_size"],
         "num_position_embeddings": 64,
         "deepstack_visual_indexes": [],
+        **(vision_overrides or {}),
     }
     write_tokenizer(d, text["vocab_size"], extra_specials=QWEN35_SPECIALS, chat_template=QWEN35_CHAT_TEMPLATE)
     tok = json.loads((d / "tokenizer.json").read_text())
@@ -1332,7 +1341,7 @@ def make_qwen3_5_vision(name: str = "qwen3_5-vision-f32", *, dtype: str = "float
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
-        "size": {"shortest_edge": 4 * 16 * 16, "longest_edge": 32 * 16 * 16},
+        "size": {"shortest_edge": 4 * (p * m) ** 2, "longest_edge": max_image_tokens * (p * m) ** 2},
     }
     (d / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
     vid = {
@@ -1341,7 +1350,7 @@ def make_qwen3_5_vision(name: str = "qwen3_5-vision-f32", *, dtype: str = "float
         "fps": 2.0,
         "min_frames": 2,
         "max_frames": 16,
-        "size": {"shortest_edge": 4 * 16 * 16 * 2, "longest_edge": 64 * 16 * 16 * 2},
+        "size": {"shortest_edge": 4 * (p * m) ** 2 * 2, "longest_edge": 64 * (p * m) ** 2 * 2},
     }
     vid.pop("image_processor_type")
     (d / "video_preprocessor_config.json").write_text(json.dumps(vid, indent=2))

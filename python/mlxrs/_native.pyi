@@ -27,6 +27,7 @@ __all__ = [
     "mlxrs_home",
     "set_memory_limit",
     "memory_limit",
+    "memory_counters",
     "_array_roundtrip",
     "gguf_import",
     "default_import_dtype",
@@ -126,6 +127,10 @@ def set_memory_limit(bytes: int) -> int:
 
 def memory_limit() -> int:
     """MLX's memory limit now."""
+
+def memory_counters(reset_peak: bool = False) -> dict[str, int]:
+    """MLX's memory counters in bytes: {"active", "peak", "cache"}; `reset_peak` first sets the peak
+    to the active bytes (mlx-c's `mlx_reset_peak_memory`), for measuring one operation's peak."""
 
 def _tiny_matmul() -> list[list[float]]:
     """`mlxrs info`'s tiny computation through MLX: [[0,1,2],[3,4,5]] @ ones(3,2), as rows."""
@@ -337,13 +342,15 @@ class Session:
         images: Sequence[tuple[bytes, str]] | None = None,
         audio: Sequence[AudioClip] | None = None,
         video: Sequence[tuple[bytes, str]] | None = None,
+        videos: Sequence[Sequence[tuple[bytes, str]]] | None = None,
     ) -> TokenStream:
         """Queue a generation; `params` is a JSON object of sampling options (and
         `max_image_bytes`, `max_image_pixels`). With `hub`, its events go to the hub, tagged with
         the stream's `id`. `images`: (encoded bytes, the name errors give it) each, in the order
         of the prompt's image-token runs (a model with a vision tower). `audio`: clips from
         `audio_clips`, in the order of the prompt's audio-token runs. `video`: one video's
-        frames as images are (a model whose tower takes video), after the images."""
+        frames as images are (a model whose tower takes video), after the images; `videos`:
+        several videos so, in the order of the prompt's video-token runs, after it."""
     def audio_clips(self, clips: Sequence[tuple[bytes, str]], params: str = "{}") -> list[AudioClip]:
         """Decode and featurize WAV clips, each (bytes, the name errors give it); `params` may
         hold `max_audio_bytes` and `max_audio_seconds`."""
@@ -362,9 +369,10 @@ class Session:
         """(pixel values [frames, 3, H, W] flattened, frames, H, W) of a video's encoded frames."""
     def video_features(self, frames: Sequence[bytes]) -> list[float]:
         """The vision tower's merged features of a video's encoded frames, flattened."""
-    def expand_video_marker(self, text: str, frames: int, height: int, width: int) -> str:
-        """`text` with its one video marker expanded for a video of `frames` frames of
-        `height`×`width` (Qwen3.5: one timestamped vision block per temporal group)."""
+    def expand_video_markers(self, text: str, videos: Sequence[tuple[int, int, int, Sequence[float] | None]]) -> str:
+        """`text` with its video markers expanded, one per video in order: each (frames, height,
+        width of its first frame, its frames' times in seconds or None for evenly at the video
+        processor's fps) (Qwen3.5: one timestamped vision block per temporal group)."""
     def expand_image_markers(self, text: str, images: int, sizes: Sequence[tuple[int, int]] | None = None) -> str:
         """`text` with each image marker expanded to the model's image-token sequence; `sizes`
         (each image's (height, width), from `image_sizes`) when the count of image tokens depends
@@ -380,10 +388,11 @@ class Session:
         images: Sequence[bytes] | None = None,
         audio: Sequence[AudioClip] | None = None,
         video: Sequence[bytes] | None = None,
+        videos: Sequence[Sequence[bytes]] | None = None,
     ) -> list[float]:
         """Last-position logits (float32) from a fresh cache; with `images` (`audio`), their
         embeddings at the prompt's image (audio) tokens; `video`: one video's frames, after the
-        images."""
+        images; `videos`: several videos' frames, after it."""
     def info(self) -> dict[str, Any]:
         """Model facts and counters; `info()["engine"]` is {"state": "running" | "dead" | "closed",
         "error": the engine's death message or None}. Works on a closed session."""

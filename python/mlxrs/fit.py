@@ -241,7 +241,16 @@ def describe(model_path: Path, label: str, p: dict[str, Any], kv_bits: int | Non
             + ")",
         ],
         ["KV cache", f"{human_bytes(p['kvBytes'])}  ({_kv_line(f, kv_bits)})"],
-        ["transient", f"{human_bytes(p['transientBytes'])}  (prefill activations, calibrated)"],
+        [
+            "transient",
+            f"{human_bytes(p['transientBytes'])}  (prefill activations, calibrated"
+            + (
+                f"; with {human_bytes(p['mediaTransientBytes'])} of encoding one image at the largest size"
+                if p.get("mediaTransientBytes")
+                else ""
+            )
+            + ")",
+        ],
         ["reserve", f"{human_bytes(p['reserveBytes'])}  (runtime, tokenizer, allocator slack)"],
         *(
             [

@@ -2,10 +2,11 @@
 http(s) URL), under a policy (local files and remote URLs are each off unless allowed, sizes and
 time limited), and content parts turned into the prompt text's image markers.
 
-Decoding and preprocessing happen in Rust (`mlxrs._native`); this module only gets the bytes.
-Audio (WAV) is taken by models with an audio tower (Gemma 4). Video (Qwen3.5, as its frames) is
-taken through `Session.generate(video=...)` and the server's video parts; `parts_text` refuses video
-parts naming the part.
+Decoding and preprocessing of images and audio happen in Rust (`mlxrs._native`); this module only
+gets the bytes. Audio (WAV) is taken by models with an audio tower (Gemma 4). Video (Qwen3.5) is
+taken as a list of its frames, or as a video file decoded to frames in Python (`mlxrs.video`, the
+`mlxrs[video]` extra); `parts_text` turns video parts into the video marker when given a list for
+them, and refuses them naming the part otherwise.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _data_url(url: str, where: str, policy: MediaPolicy) -> bytes:
     if not head.endswith(";base64"):
         raise _err(where, "only base64 data URLs are supported (data:image/png;base64,...)")
     if len(data) > policy.max_bytes * 4 // 3 + 4:
-        raise _err(where, f"the image is more than the limit of {policy.max_bytes} bytes")
+        raise _err(where, f"the data is more than the limit of {policy.max_bytes} bytes")
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -130,7 +131,8 @@ def is_remote(src: bytes | str) -> bool:
 
 
 def load_sync(ref: ImageRef, policy: MediaPolicy) -> bytes:
-    """The bytes of an image (remote URLs through urllib, when the policy allows them)."""
+    """The bytes of an image, audio clip or video file (remote URLs through urllib, when the policy
+    allows them)."""
     src = ref.source
     if isinstance(src, bytes):
         return src
@@ -140,8 +142,8 @@ def load_sync(ref: ImageRef, policy: MediaPolicy) -> bytes:
         if not policy.allow_remote:
             raise _err(
                 ref.where,
-                "http(s) image URLs are not fetched (start the server with --allow-remote-media, "
-                "or send the image as a base64 data URL)",
+                "http(s) media URLs are not fetched (start the server with --allow-remote-media, "
+                "or send the media as a base64 data URL)",
             )
         import urllib.request
 
@@ -151,7 +153,7 @@ def load_sync(ref: ImageRef, policy: MediaPolicy) -> bytes:
         except Exception as e:
             raise _err(ref.where, f"fetching {src} failed: {e}") from None
         if len(data) > policy.max_bytes:
-            raise _err(ref.where, f"the image at {src} is more than the limit of {policy.max_bytes} bytes")
+            raise _err(ref.where, f"the file at {src} is more than the limit of {policy.max_bytes} bytes")
         return data
     return _local(src, ref.where, policy)
 
@@ -171,14 +173,14 @@ async def load_async(ref: ImageRef, policy: MediaPolicy) -> bytes:
             if r.status != 200:
                 raise _err(ref.where, f"fetching {url} answered HTTP {r.status}")
             if (r.content_length or 0) > policy.max_bytes:
-                raise _err(ref.where, f"the image at {url} is more than the limit of {policy.max_bytes} bytes")
+                raise _err(ref.where, f"the file at {url} is more than the limit of {policy.max_bytes} bytes")
             data = await r.content.read(policy.max_bytes + 1)
     except InvalidArgumentError:
         raise
     except Exception as e:
         raise _err(ref.where, f"fetching {url} failed: {type(e).__name__}: {e}") from None
     if len(data) > policy.max_bytes:
-        raise _err(ref.where, f"the image at {url} is more than the limit of {policy.max_bytes} bytes")
+        raise _err(ref.where, f"the file at {url} is more than the limit of {policy.max_bytes} bytes")
     return data
 
 
@@ -227,15 +229,38 @@ def refuse_av(t: str, where: str, model: str) -> InvalidArgumentError:
     if kind == "video":
         return _err(
             where,
-            f"video input ({t!r} part) is not supported here: a model whose vision tower takes "
-            "video (Qwen3.5) takes one video as its frames, through `video=` or the server's "
-            "`video_url` part",
+            f"video input ({t!r} part) is not supported: model {model} cannot take video (a model "
+            "whose vision tower takes video, Qwen3.5, takes video files and lists of frames)",
         )
     return _err(
         where,
         f"{kind} input ({t!r} part) is not supported: {model} cannot take {kind} (mlxrs takes "
         "text and, for models with a vision tower, images)",
     )
+
+
+def video_source(part: Mapping[str, Any], where: str) -> Any:
+    """The source of a video content part: `{"type": "video_url", "video_url": {"url": ...}}`
+    (OpenAI-style) or `{"type": "video", "video" | "url" | "path": ...}` (Hugging Face's message
+    form), the source a video file (a data URL, base64 data URL, path, http(s) URL or bytes) or a
+    list of its frames (images as an image part takes them); None for a bare `{"type": "video"}`
+    (the video passed beside the prompt)."""
+    if part.get("type") == "video_url":
+        v = part.get("video_url")
+        if isinstance(v, Mapping):
+            v = v.get("url")
+        if isinstance(v, (str, list)) and v:
+            return v
+        raise _err(where, "a video_url part needs a URL or a list of frame URLs (video_url.url)")
+    for k in ("video", "url", "path"):
+        v = part.get(k)
+        if isinstance(v, (bytes, bytearray)):
+            return bytes(v)
+        if isinstance(v, (str, os.PathLike)):
+            return os.fspath(v)
+        if isinstance(v, (list, tuple)):
+            return list(v)
+    return None
 
 
 def parts_text(
@@ -247,12 +272,16 @@ def parts_text(
     *,
     audio_marker: str | None = None,
     audio: list[ImageRef] | None = None,
+    video_marker: str | None = None,
+    videos: list[tuple[Any, str]] | None = None,
 ) -> str:
     """A message's content as prompt text: a string as is; content parts joined by newlines, each
     image part replaced by `marker` (the model's image marker) and its source appended to `images`.
     `marker` None: the model has no vision tower, and an image part is refused naming it. With
     `audio` (a list), audio parts likewise become `audio_marker` (None: the model has no audio
-    tower, refused naming the part) with their sources appended to `audio`."""
+    tower, refused naming the part) with their sources appended to `audio`; with `videos` (a list),
+    video parts become `video_marker` (None: refused naming the part) with (their source, or None
+    for a bare `{"type": "video"}`, and the part's place) appended to `videos`."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -278,6 +307,9 @@ def parts_text(
                 raise no_audio(pw, model, str(t))
             audio.append(ImageRef(audio_source(part, pw), pw))
             texts.append(audio_marker)
+        elif t in AV_PARTS and AV_PARTS[str(t)] == "video" and videos is not None and video_marker:
+            videos.append((video_source(part, pw), pw))
+            texts.append(video_marker)
         elif t in AV_PARTS:
             raise refuse_av(str(t), pw, model)
         else:

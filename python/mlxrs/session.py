@@ -13,12 +13,14 @@ import os
 import sys
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence, Union
 
 from . import _native
 from .errors import ContextLengthError, InvalidArgumentError
 
 Message = Mapping[str, Any]
+#: A video: a file (bytes, a path or a data URL) or the list of its frames (images so).
+VideoSource = Union[bytes, str, "os.PathLike[str]", Sequence[Union[bytes, str, "os.PathLike[str]"]]]
 
 _SAMPLING_KEYS = {
     "temperature",
@@ -476,12 +478,15 @@ class Session:
         template_kwargs: Mapping[str, Any] | None,
         images: Sequence[bytes | str | os.PathLike[str]] | None,
         audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
-    ) -> tuple[list[int], list[tuple[bytes, str]], list[Any]]:
-        """Token ids, the images' bytes (each with its name for errors) and the audio clips of a
-        prompt: a string with one image (audio) marker per image (clip) where it goes (none: the
-        media first), messages whose content parts hold images (OpenAI `image_url`, Anthropic
-        `image`, `{"type": "image", "image": ...}`) or audio (OpenAI `input_audio`, `{"type":
-        "audio", "audio": ...}`), or ids already holding the media tokens."""
+        video: VideoSource | None = None,
+    ) -> tuple[list[int], list[tuple[bytes, str]], list[Any], list[list[tuple[bytes, str]]]]:
+        """Token ids, the images' bytes (each with its name for errors), the audio clips and the
+        videos' frames of a prompt: a string with one image (audio, video) marker per image (clip,
+        video) where it goes (none: the media first), messages whose content parts hold images
+        (OpenAI `image_url`, Anthropic `image`, `{"type": "image", "image": ...}`), audio (OpenAI
+        `input_audio`, `{"type": "audio", "audio": ...}`) or videos (`{"type": "video", "video":
+        file | [frames]}`, `video_url`; a bare `{"type": "video"}` takes `video`), or ids already
+        holding the media tokens. Images and videos do not mix (mlx-vlm's Qwen3.5 takes one kind)."""
         from . import media
 
         items: list[Any] | None = None if isinstance(prompt, str) else list(prompt)
@@ -495,8 +500,8 @@ class Session:
             )
             for m in items
         )
-        if not images and not audio and not has_parts:
-            return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), [], []
+        if not images and not audio and video is None and not has_parts:
+            return self.encode_prompt(prompt, tools=tools, template_kwargs=template_kwargs), [], [], []
         vision = self.vision
         model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
         marker: str | None = str(vision["marker"]) if vision else None
@@ -514,6 +519,16 @@ class Session:
         ]
         if arefs and amarker is None:
             raise media.no_audio("audio", model, "audio")
+        vmarker: str | None = str(vision["video_marker"]) if vision and vision.get("video_marker") else None
+        if video is not None:
+            if vmarker is None:
+                raise InvalidArgumentError(
+                    f"video: model {model} cannot take video input (its vision tower, if any, takes images only)"
+                )
+            if isinstance(video, (list, tuple)) and not video:
+                raise InvalidArgumentError("video: a video given as its frames needs at least one frame")
+        # each video's source (None: the `video` argument) and its place
+        vsrcs: list[tuple[Any, str]] = []
         policy = media.MediaPolicy(allow_local=True)
         apolicy = media.MediaPolicy(allow_local=True, max_bytes=media.DEFAULT_MAX_AUDIO_BYTES)
         clips: list[Any] = []
@@ -540,19 +555,57 @@ class Session:
             sizes = self._s.image_sizes(load()) if vision and vision.get("sized") else None
             return str(self._s.expand_image_markers(text, len(refs), sizes))
 
+        videos: list[Any] = []  # mlxrs.video.Video each, loaded once
+
+        def load_videos() -> None:
+            if len(videos) == len(vsrcs):
+                return
+            if refs:
+                raise InvalidArgumentError(
+                    "images and video: a prompt takes images or videos, not both (as mlx-vlm's Qwen3.5)"
+                )
+            if arefs:
+                raise InvalidArgumentError("audio and video: a prompt takes audio or videos, not both")
+            for src, where in vsrcs:
+                if src is None:
+                    if video is None:
+                        raise InvalidArgumentError(
+                            f'{where}: a bare {{"type": "video"}} part takes video=..., not given'
+                        )
+                    src, where = video, "video"
+                videos.append(self._load_video(src, where))
+
+        def expand_videos(text: str) -> str:
+            if not vsrcs:
+                return text
+            load_videos()
+            shapes = []
+            for v in videos:
+                ((h, w),) = self._s.image_sizes(v.frames[:1])  # the first frame's size: the video's
+                shapes.append((len(v.frames), h, w, v.times))
+            return str(self._s.expand_video_markers(text, shapes))
+
         if isinstance(prompt, str):
             text = prompt
+            if video is not None:
+                assert vmarker is not None
+                vsrcs.append((video, "video"))
+                text = text if vmarker in text else vmarker + text
             if refs:
                 assert marker is not None
                 text = text if marker in text else marker * len(refs) + text
+                load_videos()  # refuses images beside a video
                 text = expand(text)
             if arefs:
                 assert amarker is not None
                 text = text if amarker in text else amarker * len(arefs) + text
-            ids = self.tokenize(expand_audio(text))
+            ids = self.tokenize(expand_videos(expand_audio(text)))
         elif items and all(isinstance(t, int) for t in items):
             ids = [int(t) for t in items]
             load_clips()  # the ids hold their audio tokens already
+            if video is not None:
+                vsrcs.append((video, "video"))
+                load_videos()
         else:
             if refs or arefs:
                 raise InvalidArgumentError("images/audio: pass a conversation's media as content parts of its messages")
@@ -563,104 +616,68 @@ class Session:
                 m = dict(m)
                 if isinstance(m.get("content"), list):
                     m["content"] = media.parts_text(
-                        m["content"], marker, refs, f"messages[{i}].content", model, audio_marker=amarker, audio=arefs
+                        m["content"],
+                        marker,
+                        refs,
+                        f"messages[{i}].content",
+                        model,
+                        audio_marker=amarker,
+                        audio=arefs,
+                        video_marker=vmarker,
+                        videos=vsrcs,
                     )
                 msgs.append(m)
+            if video is not None and not any(src is None for src, _ in vsrcs):
+                raise InvalidArgumentError(
+                    'video: a conversation places the video with a bare {"type": "video"} content part'
+                )
             text = self.apply_chat_template(msgs, tools=tools, **dict(template_kwargs or {}))
+            load_videos()
             if refs:
                 text = expand(text)
-            ids = list(self._s.encode_rendered(expand_audio(text)))
-        return ids, load(), clips
+            ids = list(self._s.encode_rendered(expand_videos(expand_audio(text))))
+        load_videos()
+        return ids, load(), clips, [v.frames for v in videos]
 
-    def _prepare_video(
-        self,
-        prompt: str | Sequence[Message] | Sequence[int],
-        tools: Sequence[Mapping[str, Any]] | None,
-        template_kwargs: Mapping[str, Any] | None,
-        video: Sequence[bytes | str | os.PathLike[str]],
-    ) -> tuple[list[int], list[tuple[bytes, str]]]:
-        """Token ids and the frames' bytes (each with its name for errors) of a prompt with one
-        video given as its frames (`video`): a string with the video marker where the video goes
-        (none: the video first), messages whose content holds a `{"type": "video"}` part where it
-        goes, or ids already holding the video's tokens."""
+    def _load_video(self, src: Any, where: str) -> Any:
+        """One video (`mlxrs.video.Video`): a list of frames (images: bytes, paths or data URLs),
+        or a video file (bytes, a path or a data URL) decoded and sampled as mlx-vlm samples it."""
         from . import media
+        from . import video as vid
 
-        vision = self.vision
-        model = os.path.basename(self.model_path.rstrip("/")) or self.model_path
-        marker = vision.get("video_marker") if vision else None
-        if not marker:
-            raise InvalidArgumentError(
-                f"video: model {model} cannot take video input (its vision tower, if any, takes images only)"
+        if vid.is_frames(src):
+            if not src:
+                raise InvalidArgumentError(f"{where}: a video given as its frames needs at least one frame")
+            pol = media.MediaPolicy(allow_local=True)
+            frames = [(media.load_sync(media.ImageRef(f, w), pol), w) for f, w in vid.frame_refs(src, where)]
+            return vid.Video(frames, None, where)
+        if isinstance(src, os.PathLike):
+            src = os.fspath(src)
+        if not isinstance(src, (bytes, bytearray, str)):
+            raise TypeError(
+                f"{where}: a video is a file (bytes, path, data URL) or a list of frames, not {type(src).__name__}"
             )
-        if isinstance(video, (str, bytes, os.PathLike)) or not video:
-            raise InvalidArgumentError("video: pass a video as a non-empty list of its frames (images)")
-        policy = media.MediaPolicy(allow_local=True)
-        frames = [
-            (
-                media.load_sync(
-                    media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), policy
-                ),
-                f"video[{i}]",
-            )
-            for i, x in enumerate(video)
-        ]
+        pol = media.MediaPolicy(allow_local=True, max_bytes=vid.DEFAULT_MAX_VIDEO_BYTES)
+        data = media.load_sync(media.ImageRef(bytes(src) if isinstance(src, bytearray) else src, where), pol)
+        return vid.decode(data, where, vid.Sampling.of(self.vision))
 
-        def expand(text: str) -> str:
-            ((h, w),) = self._s.image_sizes(frames[:1])  # the first frame's size: the video's
-            return str(self._s.expand_video_marker(text, len(frames), h, w))
+    def video_frames(self, video: VideoSource) -> tuple[list[bytes], list[float] | None]:
+        """A video's frames as the model takes them (each encoded bytes; a video file's decoded
+        and sampled as mlx-vlm's `load_video` samples them) and their times in seconds (None: a list
+        of frames, evenly at the video processor's fps)."""
+        v = self._load_video(video, "video")
+        return [b for b, _ in v.frames], v.times
 
-        if isinstance(prompt, str):
-            return self.tokenize(expand(prompt if marker in prompt else marker + prompt)), frames
-        items: list[Any] = list(prompt)
-        if items and all(isinstance(t, int) for t in items):
-            return [int(t) for t in items], frames
-        msgs = []
-        for i, m in enumerate(items):
-            if not isinstance(m, Mapping):
-                raise InvalidArgumentError("prompt must be a string, a list of token ids or a list of messages")
-            m = dict(m)
-            c = m.get("content")
-            if isinstance(c, list):
-                texts = []
-                for j, part in enumerate(c):
-                    t = part.get("type") if isinstance(part, Mapping) else None
-                    if t == "video":
-                        texts.append(marker)
-                    elif t in ("text", "input_text") and isinstance(part.get("text"), str):
-                        texts.append(part["text"])
-                    else:
-                        raise InvalidArgumentError(
-                            f"messages[{i}].content[{j}]: with a video, content parts are "
-                            'text and one {"type": "video"} part'
-                        )
-                m["content"] = "\n".join(texts)
-            msgs.append(m)
-        text = self.apply_chat_template(msgs, tools=tools, **dict(template_kwargs or {}))
-        return list(self._s.encode_rendered(expand(text))), frames
-
-    def video_pixel_values(self, frames: Sequence[bytes | str | os.PathLike[str]]) -> tuple[list[float], int, int, int]:
+    def video_pixel_values(self, video: VideoSource) -> tuple[list[float], int, int, int]:
         """A video's pixel values `[frames, 3, H, W]` (flattened, float32) as the model's video
-        processor makes them from its frames, with frames, H and W."""
-        from . import media
-
-        pol = media.MediaPolicy(allow_local=True)
-        data = [
-            media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), pol)
-            for i, x in enumerate(frames)
-        ]
-        px, n, h, w = self._s.video_pixel_values(data)
+        processor makes them from its frames (a list of frames or a video file), with frames, H and W."""
+        px, n, h, w = self._s.video_pixel_values(self.video_frames(video)[0])
         return list(px), int(n), int(h), int(w)
 
-    def video_features(self, frames: Sequence[bytes | str | os.PathLike[str]]) -> list[float]:
-        """The vision tower's merged features of a video given as its frames (flattened float32)."""
-        from . import media
-
-        pol = media.MediaPolicy(allow_local=True)
-        data = [
-            media.load_sync(media.ImageRef(os.fspath(x) if isinstance(x, os.PathLike) else x, f"video[{i}]"), pol)
-            for i, x in enumerate(frames)
-        ]
-        return list(self._s.video_features(data))
+    def video_features(self, video: VideoSource) -> list[float]:
+        """The vision tower's merged features of a video (a list of frames or a video file;
+        flattened float32)."""
+        return list(self._s.video_features(self.video_frames(video)[0]))
 
     def pixel_values(self, image: bytes | str | os.PathLike[str]) -> list[float]:
         """The pixel values `[3, H, W]` (flattened, float32) the model's processor makes of an image."""
@@ -690,9 +707,11 @@ class Session:
         kwargs: dict[str, Any],
         images: list[tuple[bytes, str]] | None = None,
         audio: list[Any] | None = None,
-        video: list[tuple[bytes, str]] | None = None,
+        videos: list[list[tuple[bytes, str]]] | None = None,
     ) -> Iterator[dict[str, Any]]:
-        stream = self._s.start(ids, self._start_params(ids, kwargs), None, images or None, audio or None, video or None)
+        stream = self._s.start(
+            ids, self._start_params(ids, kwargs), None, images or None, audio or None, None, videos or None
+        )
         try:
             yield from stream
         finally:
@@ -706,7 +725,7 @@ class Session:
         template_kwargs: Mapping[str, Any] | None = None,
         images: Sequence[bytes | str | os.PathLike[str]] | None = None,
         audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
-        video: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        video: VideoSource | None = None,
         **sampling: Any,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are generated; the last chunk carries finish_reason and usage.
@@ -714,27 +733,6 @@ class Session:
         first chunk is asked for. `images`, `audio`, `video`: as for `generate`."""
         _validate(sampling, self._vocab)
         return self._stream(prompt, tools, template_kwargs, sampling, images, audio, video)
-
-    def _media(
-        self,
-        prompt: str | Sequence[Message] | Sequence[int],
-        tools: Sequence[Mapping[str, Any]] | None,
-        template_kwargs: Mapping[str, Any] | None,
-        images: Sequence[bytes | str | os.PathLike[str]] | None,
-        audio: Sequence[bytes | str | os.PathLike[str]] | None,
-        video: Sequence[bytes | str | os.PathLike[str]] | None,
-    ) -> tuple[list[int], list[tuple[bytes, str]], list[Any], list[tuple[bytes, str]]]:
-        """(ids, images, audio clips, video frames) of a prompt: images and audio, or one video
-        (mlx-vlm takes a video alone)."""
-        if video is None:
-            ids, media, clips = self._prepare(prompt, tools, template_kwargs, images, audio)
-            return ids, media, clips, []
-        if images:
-            raise InvalidArgumentError("images and video: a prompt takes images or one video, not both")
-        if audio:
-            raise InvalidArgumentError("audio and video: a prompt takes audio or one video, not both")
-        ids, frames = self._prepare_video(prompt, tools, template_kwargs, video)
-        return ids, [], [], frames
 
     def _stream(
         self,
@@ -744,10 +742,10 @@ class Session:
         sampling: dict[str, Any],
         images: Sequence[bytes | str | os.PathLike[str]] | None = None,
         audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
-        video: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        video: VideoSource | None = None,
     ) -> Iterator[Chunk]:
-        ids, media, clips, frames = self._media(prompt, tools, template_kwargs, images, audio, video)
-        for ev in self._events(ids, sampling, media, clips, frames):
+        ids, media, clips, videos = self._prepare(prompt, tools, template_kwargs, images, audio, video)
+        for ev in self._events(ids, sampling, media, clips, videos):
             ch = _chunk(ev)
             if ch is not None:
                 yield ch
@@ -760,7 +758,7 @@ class Session:
         template_kwargs: Mapping[str, Any] | None = None,
         images: Sequence[bytes | str | os.PathLike[str]] | None = None,
         audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
-        video: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        video: VideoSource | None = None,
         **sampling: Any,
     ) -> Completion:
         """Generate to the end and return the whole Completion. `images` (a model with a vision
@@ -769,12 +767,15 @@ class Session:
         an audio tower, Gemma 4): WAV clips as bytes, local paths or base64 data URLs, one per
         audio marker (`session.audio["marker"]`; none: the clips go first). A conversation carries
         its media as content parts of its messages instead. `video` (a model whose tower takes
-        video: `info()["vision"]["video_marker"]`): one video as the list of its frames (images as
-        above), at the video marker of a string prompt (none: first) or at a conversation's
-        `{"type": "video"}` content part."""
-        ids, media, clips, frames = self._media(prompt, tools, template_kwargs, images, audio, video)
+        video: `info()["vision"]["video_marker"]`): one video, a video file (bytes, a path or a
+        data URL; decoded with OpenCV, the `mlxrs[video]` extra, and sampled as mlx-vlm samples it)
+        or the list of its frames (images as above), at the video marker of a string prompt (none:
+        first) or at a conversation's bare `{"type": "video"}` content part; a conversation's
+        `{"type": "video", "video": file | [frames]}` parts carry videos of their own (several
+        allowed). Images and videos do not mix in one prompt."""
+        ids, media, clips, videos = self._prepare(prompt, tools, template_kwargs, images, audio, video)
         want_lp = bool(sampling.get("logprobs")) or bool(sampling.get("top_logprobs"))
-        return _collect(self._events(ids, sampling, media, clips, frames), want_lp)
+        return _collect(self._events(ids, sampling, media, clips, videos), want_lp)
 
     def generate_batch(
         self,
@@ -782,14 +783,17 @@ class Session:
         **sampling: Any,
     ) -> list[Completion]:
         """Generate for several prompts at once (decoded together in one batch); the results in
-        the prompts' order. Sampling options apply to every prompt."""
+        the prompts' order. Sampling options apply to every prompt. A conversation carries its
+        images, audio and videos as content parts (as for `generate`)."""
         _validate(sampling)  # before any prompt starts
         streams = []
         try:
             for p in prompts:
-                ids, media, clips = self._prepare(p, None, None, None)
+                ids, media, clips, videos = self._prepare(p, None, None, None)
                 streams.append(
-                    self._s.start(ids, self._start_params(ids, sampling), None, media or None, clips or None)
+                    self._s.start(
+                        ids, self._start_params(ids, sampling), None, media or None, clips or None, None, videos or None
+                    )
                 )
         except BaseException:
             for st in streams:
@@ -808,13 +812,17 @@ class Session:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        images: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        video: VideoSource | None = None,
         **sampling: Any,
     ) -> AsyncIterator[Chunk]:
         """`stream` for asyncio: chunks arrive on the running loop without blocking it (one
         dispatcher thread serves every async stream); leaving the loop early cancels. Options
-        are checked here, when it is called."""
+        are checked here, when it is called. `images`, `audio`, `video`: as for `generate`
+        (loaded and decoded off the loop)."""
         _validate(sampling, self._vocab)
-        return self._astream(prompt, tools, template_kwargs, sampling)
+        return self._astream(prompt, tools, template_kwargs, sampling, images, audio, video)
 
     async def _astream(
         self,
@@ -822,17 +830,22 @@ class Session:
         tools: Sequence[Mapping[str, Any]] | None,
         template_kwargs: Mapping[str, Any] | None,
         sampling: dict[str, Any],
+        images: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        audio: Sequence[bytes | str | os.PathLike[str]] | None = None,
+        video: VideoSource | None = None,
     ) -> AsyncIterator[Chunk]:
         import asyncio
 
         from . import _dispatch
 
         loop = asyncio.get_running_loop()
-        ids, media, clips = await loop.run_in_executor(
-            None, lambda: self._prepare(prompt, tools, template_kwargs, None)
+        ids, media, clips, videos = await loop.run_in_executor(
+            None, lambda: self._prepare(prompt, tools, template_kwargs, images, audio, video)
         )
         d = _dispatch.default()
-        st = self._s.start(ids, self._start_params(ids, sampling), d.hub, media or None, clips or None)
+        st = self._s.start(
+            ids, self._start_params(ids, sampling), d.hub, media or None, clips or None, None, videos or None
+        )
         q = d.register(st.id)
         finished = False
         try:
@@ -863,8 +876,10 @@ class Session:
     ) -> Completion:
         """Generate a reply to `messages` through the chat template (template kwargs such as
         enable_thinking pass through). Content parts may hold images (OpenAI `image_url`,
-        Anthropic `image`, `{"type": "image", "image": bytes | path}`) and, for a model with an
-        audio tower, WAV clips (OpenAI `input_audio`, `{"type": "audio", "audio": bytes | path}`)."""
+        Anthropic `image`, `{"type": "image", "image": bytes | path}`), for a model with an
+        audio tower WAV clips (OpenAI `input_audio`, `{"type": "audio", "audio": bytes | path}`),
+        and for a model whose tower takes video, videos (`{"type": "video", "video": file |
+        [frames]}`, `{"type": "video_url", "video_url": {"url": ...}}`)."""
         return self.generate(
             list(messages), tools=tools, template_kwargs=template_kwargs, max_tokens=max_tokens, temperature=temperature
         )

@@ -167,6 +167,10 @@ pub struct ModelFacts {
     /// Per layer: (experts, experts per token) of its MoE FFN; (0, 0) for a dense FFN.
     #[serde(default)]
     pub moe: Vec<(u64, u64)>,
+    /// The peak transient of encoding one image at the model's largest image size with its vision
+    /// tower ([`crate::vision::encode_transient_bytes`]); 0 without a modelled tower.
+    #[serde(default)]
+    pub media_transient_bytes: u64,
 }
 
 fn dtype_bytes(name: &str) -> Option<u64> {
@@ -215,6 +219,7 @@ impl ModelFacts {
         };
         let act = act.or_else(|| text_config(&config).get("torch_dtype").and_then(Value::as_str).and_then(dtype_bytes));
         let mut f = Self::from_config(&config, weights_bytes, act.unwrap_or(2))?;
+        f.media_transient_bytes = crate::vision::encode_transient_bytes(&config, dir, f.act_bytes)?.unwrap_or(0);
         if f.moe.iter().any(|m| m.0 > 0) {
             f.expert_bytes =
                 tensors.iter().filter(|t| crate::models::experts::is_expert_tensor(&t.0)).map(|t| t.2).sum();
@@ -329,6 +334,7 @@ impl ModelFacts {
             max_position_embeddings: u("max_position_embeddings"),
             expert_bytes: 0,
             moe,
+            media_transient_bytes: 0,
         })
     }
 }
@@ -474,6 +480,10 @@ pub struct MemoryPlan {
     /// ([`ModelFacts::expert_cache_floor`]); the context gives way to it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_cache_floor_bytes: Option<u64>,
+    /// The part of `transient_bytes` that is encoding one image at the model's largest image size
+    /// with its vision tower; absent for a model without a modelled tower.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub media_transient_bytes: Option<u64>,
 }
 
 /// The largest context considered when a model does not say its own.
@@ -544,7 +554,10 @@ impl ModelFacts {
     /// - last-position logits and log-probabilities in float32: 2·vocab·4
     ///
     /// The sum is multiplied by [`TRANSIENT_SLACK`] for the allocator's rounding and the
-    /// intermediates of norms and RoPE that the terms above do not name.
+    /// intermediates of norms and RoPE that the terms above do not name. A model with a vision
+    /// tower adds the transient of encoding one image at its largest size
+    /// ([`ModelFacts::media_transient_bytes`]), which a prompt with an image allocates before its
+    /// prefill's own.
     ///
     /// Calibrated against MLX's peak memory: see [`TRANSIENT_SLACK`] (CPU) and [`GPU_LAYERS_IN_FLIGHT`] (CUDA).
     pub fn transient_bytes(&self, ctx: u64, o: &PlanOptions) -> u64 {
@@ -567,6 +580,7 @@ impl ModelFacts {
         let regrow = self.kv_cache_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
         let logits = 2.0 * self.vocab_size as f64 * 4.0;
         ((layers * (hidden + qkv + scores + mlp + dequant) + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
+            + self.media_transient_bytes
     }
 
     /// The model's own context limit.
@@ -676,7 +690,13 @@ impl ModelFacts {
             predicted_expert_bytes_per_token: Some(self.predicted_expert_bytes_per_token(fraction)),
             state_bytes: self.planned_state_bytes(),
             expert_cache_floor_bytes: floor,
+            media_transient_bytes: self.planned_media_transient(),
         }
+    }
+
+    /// The plan's `mediaTransientBytes`: one image's encoding, for a model with a modelled tower.
+    fn planned_media_transient(&self) -> Option<u64> {
+        Some(self.media_transient_bytes).filter(|&b| b > 0)
     }
 
     /// The plan's `stateBytes`: the recurrent state, for a model that has one.
@@ -715,6 +735,7 @@ impl ModelFacts {
             predicted_expert_bytes_per_token: None,
             state_bytes: self.planned_state_bytes(),
             expert_cache_floor_bytes: None,
+            media_transient_bytes: self.planned_media_transient(),
         }
     }
 }

@@ -128,6 +128,29 @@ fn mlxrs_home() -> Option<String> {
 }
 
 /// Set MLX's memory limit (the memory plan's `allocatorLimitBytes`); returns the previous one.
+/// MLX's memory counters (bytes): {"active", "peak", "cache"}; `reset_peak` first sets the peak
+/// to the active bytes (mlx-c's `mlx_reset_peak_memory`), for measuring one operation's peak.
+#[pyfunction]
+#[pyo3(signature = (reset_peak=false))]
+fn memory_counters(py: Python<'_>, reset_peak: bool) -> PyResult<Bound<'_, PyDict>> {
+    let (active, peak, cache) = native(py, || {
+        mlxrs_core::handle::init()?;
+        if reset_peak {
+            mlxrs_core::handle::reset_peak_memory();
+        }
+        Ok::<_, mlxrs_core::error::Error>((
+            mlxrs_core::handle::active_memory(),
+            mlxrs_core::handle::peak_memory(),
+            mlxrs_core::handle::cache_memory(),
+        ))
+    })?;
+    let d = PyDict::new(py);
+    d.set_item("active", active)?;
+    d.set_item("peak", peak)?;
+    d.set_item("cache", cache)?;
+    Ok(d)
+}
+
 #[pyfunction]
 fn set_memory_limit(py: Python<'_>, bytes: usize) -> PyResult<usize> {
     native(py, || {
@@ -356,6 +379,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(generation_config, m)?)?;
     m.add_function(wrap_pyfunction!(mlxrs_home, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_counters, m)?)?;
     m.add_function(wrap_pyfunction!(memory_limit, m)?)?;
     m.add_function(wrap_pyfunction!(_array_roundtrip, m)?)?;
     // not through add_function, which lists it in __all__: the stub (as the wheel) has no _op

@@ -36,6 +36,9 @@ fn media_limits(params: &Value) -> mlxrs_core::vision::ImageLimits {
     limits
 }
 
+/// A video's frames, each (encoded bytes, the name errors give it).
+type NamedFrames = Vec<(Vec<u8>, String)>;
+
 /// The audio limits in a request's `params` (`max_audio_bytes`, `max_audio_seconds`), else the defaults.
 fn audio_limits(params: &Value) -> mlxrs_core::vision::audio::AudioLimits {
     let mut limits = mlxrs_core::vision::audio::DEFAULT_AUDIO_LIMITS;
@@ -352,8 +355,9 @@ impl Session {
     /// `images`: (encoded bytes, the name errors give it) each, in the order of the prompt's
     /// image-token runs; `params` may hold `max_image_bytes` and `max_image_pixels`.
     /// `audio`: clips from `audio_clips`, in the order of the prompt's audio-token runs.
-    /// `video`: a video's frames (each (encoded bytes, name)), after the images in prompt order.
-    #[pyo3(signature = (prompt, params="{}", hub=None, images=None, audio=None, video=None))]
+    /// `video`: a video's frames (each (encoded bytes, name)), after the images in prompt order;
+    /// `videos`: several videos so (each its frames), after it.
+    #[pyo3(signature = (prompt, params="{}", hub=None, images=None, audio=None, video=None, videos=None))]
     #[allow(clippy::too_many_arguments)] // the Python signature: one argument per kind of media
     fn start(
         &self,
@@ -364,6 +368,7 @@ impl Session {
         images: Option<Vec<(Vec<u8>, String)>>,
         audio: Option<Vec<PyRef<'_, AudioClip>>>,
         video: Option<Vec<(Vec<u8>, String)>>,
+        videos: Option<Vec<NamedFrames>>,
     ) -> PyResult<TokenStream> {
         let p = json_arg(Some(params), "params")?.unwrap_or(Value::Null);
         let mut req = request_from(&p, prompt).py(py)?;
@@ -371,7 +376,7 @@ impl Session {
         if let Some(images) = images.filter(|v| !v.is_empty()) {
             req.images = self.pixels(py, &e, &p, images)?;
         }
-        if let Some(frames) = video.filter(|v| !v.is_empty()) {
+        for frames in video.into_iter().chain(videos.unwrap_or_default()).filter(|v| !v.is_empty()) {
             req.images.push(self.video(py, &e, &p, frames)?);
         }
         if let Some(audio) = audio.filter(|v| !v.is_empty()) {
@@ -428,15 +433,14 @@ impl Session {
         crate::native(py, move || e.image_features(vec![px]))
     }
 
-    /// `text` with its one video marker expanded for a video of `frames` frames of
-    /// `height`×`width` (its first frame's size, from `image_sizes`).
-    fn expand_video_marker(
+    /// `text` with its video markers expanded, one per video in order: each video its frame
+    /// count, its first frame's (height, width) (from `image_sizes`) and its frames' times in
+    /// seconds (None: evenly at the video processor's fps).
+    fn expand_video_markers(
         &self,
         py: Python<'_>,
         text: &str,
-        frames: u32,
-        height: u32,
-        width: u32,
+        videos: Vec<(u32, u32, u32, Option<Vec<f64>>)>,
     ) -> PyResult<String> {
         let e = self.engine(py)?;
         let v = e.vision.as_ref().ok_or_else(|| {
@@ -449,7 +453,16 @@ impl Session {
                 )),
             )
         })?;
-        v.expand_video(text, frames, height, width).py(py)
+        let shapes: Vec<_> = videos
+            .into_iter()
+            .map(|(frames, height, width, times)| mlxrs_core::vision::qwen3_5::VideoShape {
+                frames,
+                height,
+                width,
+                times,
+            })
+            .collect();
+        v.expand_videos(text, &shapes).py(py)
     }
 
     /// `text` with every image marker expanded to the model's image-token sequence; `images` must
@@ -524,8 +537,8 @@ impl Session {
     /// Last-position logits of `prompt` (float32), from a fresh cache; with `images` (encoded
     /// bytes), their embeddings at the prompt's image tokens.
     /// `audio`: clips from `audio_clips`, their embeddings at the prompt's audio tokens.
-    /// `video`: a video's frames (encoded bytes), after the images.
-    #[pyo3(signature = (prompt, images=None, audio=None, video=None))]
+    /// `video`: a video's frames (encoded bytes), after the images; `videos`: several, after it.
+    #[pyo3(signature = (prompt, images=None, audio=None, video=None, videos=None))]
     fn logits(
         &self,
         py: Python<'_>,
@@ -533,6 +546,7 @@ impl Session {
         images: Option<Vec<Vec<u8>>>,
         audio: Option<Vec<PyRef<'_, AudioClip>>>,
         video: Option<Vec<Vec<u8>>>,
+        videos: Option<Vec<Vec<Vec<u8>>>>,
     ) -> PyResult<Vec<f32>> {
         let e = self.engine(py)?.clone();
         let mels: Vec<_> = audio.unwrap_or_default().iter().map(|c| c.mel.clone()).collect();
@@ -543,8 +557,8 @@ impl Session {
                 self.pixels(py, &e, &Value::Null, named)?
             }
         };
-        if let Some(frames) = video.filter(|v| !v.is_empty()) {
-            let named = frames.into_iter().enumerate().map(|(i, b)| (b, format!("video[{i}]"))).collect();
+        for (k, frames) in video.into_iter().chain(videos.unwrap_or_default()).filter(|v| !v.is_empty()).enumerate() {
+            let named = frames.into_iter().enumerate().map(|(i, b)| (b, format!("videos[{k}][{i}]"))).collect();
             px.push(self.video(py, &e, &Value::Null, named)?);
         }
         if px.is_empty() && mels.is_empty() {
@@ -623,6 +637,12 @@ impl Session {
                 vd.set_item("image_token", image_token)?;
                 vd.set_item("image_token_id", image_token_id)?;
                 vd.set_item("video_marker", v.video_marker())?;
+                // how a video file is sampled to frames (mlx-vlm's load_video with these)
+                let (fps, min_frames, max_frames) =
+                    v.video_sampling().map_or((None, None, None), |(f, a, b)| (Some(f), Some(a), Some(b)));
+                vd.set_item("video_fps", fps)?;
+                vd.set_item("video_min_frames", min_frames)?;
+                vd.set_item("video_max_frames", max_frames)?;
                 d.set_item("vision", vd)?;
             }
             None => d.set_item("vision", py.None())?,

@@ -37,6 +37,14 @@ def _no_media(state: ServerState, where: str, block_type: str) -> ApiError:
             "OpenAI input_audio part",
             param=where,
         )
+    if kind == "video" and state.vision and state.vision.get("video_marker"):
+        return ApiError(
+            400,
+            f"{where}: {block_type!r} content blocks are not supported: the Messages API has no video "
+            f"blocks — send video to model {state.model_id} through POST /v1/chat/completions as a "
+            "video_url part (a video file or its frames)",
+            param=where,
+        )
     if state.vision and kind != "image":
         return ApiError(
             400,

@@ -198,13 +198,15 @@ class ServerState:
         *,
         images: Sequence[tuple[bytes, str]] = (),
         audio: Sequence[Any] = (),
-        video: Sequence[tuple[bytes, str]] = (),
+        videos: Sequence[Any] = (),
     ) -> tuple[str, list[int]]:
         """Chat template → (rendered text, token ids), off the event loop; what the template
         cannot render is adapted first (server/adapt.py). With `images` (each image's bytes and its
         place in the request), the rendered text's image markers are expanded to the model's image
         tokens (their count must be the images'; a model whose count of image tokens depends on the
-        image's size reads each one's from its header: a 400 naming the part when it cannot)."""
+        image's size reads each one's from its header: a 400 naming the part when it cannot).
+        `videos` (`mlxrs.video.Video`s, from `load_videos`): the video markers expanded by each
+        video's frame count, size and frame times."""
         msgs, tools = adapt.adapt(self.caps, messages, tools)
 
         def work() -> tuple[str, list[int]]:
@@ -229,10 +231,16 @@ class ServerState:
                     text = self.session._s.expand_audio_markers(text, [c.tokens for c in audio])
                 except InvalidArgumentError as e:
                     raise ApiError(400, f"{param}: {e}", param=param) from None
-            if video:  # one video, its frames: the marker expanded by the frame count and size
+            if videos:  # each video's marker expanded by its frame count, size and frame times
+                shapes = []
+                for v in videos:
+                    try:
+                        ((h, w),) = self.session._s.image_sizes(v.frames[:1], json.dumps(self.media.params()))
+                    except InvalidArgumentError as e:
+                        raise ApiError(400, str(e), param=v.where) from None
+                    shapes.append((len(v.frames), h, w, v.times))
                 try:
-                    ((h, w),) = self.session._s.image_sizes(list(video[:1]), json.dumps(self.media.params()))
-                    text = self.session._s.expand_video_marker(text, len(video), h, w)
+                    text = self.session._s.expand_video_markers(text, shapes)
                 except InvalidArgumentError as e:
                     raise ApiError(400, f"{param}: {e}", param=param) from None
             return text, self._encode(text, lambda t: list(self.session._s.encode_rendered(t)), param)
@@ -248,6 +256,34 @@ class ServerState:
                 out.append((await load_async(r, self.media), r.where))
             except InvalidArgumentError as e:
                 raise ApiError(400, str(e), param=r.where) from None
+        return out
+
+    async def load_videos(self, refs: Sequence[tuple[Any, str]]) -> list[Any]:
+        """A request's videos (`mlxrs.video.Video`s), each (its source, its place): a list of frame
+        URLs loaded as images are, or a video file (a data URL, or a path / http(s) URL as the
+        media policy allows; its byte limit raised to video's) decoded and sampled off the event
+        loop. A 400 naming the part for what is not allowed, too large or undecodable, or when the
+        decoder (the `mlxrs[video]` extra) is not installed."""
+        from .. import video as vid
+
+        policy = replace(self.media, max_bytes=max(self.media.max_bytes, vid.DEFAULT_MAX_VIDEO_BYTES))
+        sampling = vid.Sampling.of(self.vision)
+        out = []
+        for src, where in refs:
+            if vid.is_frames(src):
+                frames = await self.load_images([MediaRef(f, w) for f, w in vid.frame_refs(src, f"{where}.frames")])
+                out.append(vid.Video(frames, None, where))
+                continue
+            try:
+                data = await load_async(MediaRef(src, where), policy)
+                max_px = self.media.max_pixels
+
+                def decode(d: bytes = data, w: str = where) -> Any:
+                    return vid.decode(d, w, sampling, max_pixels=min(max_px, vid.DEFAULT_MAX_FRAME_PIXELS))
+
+                out.append(await asyncio.get_running_loop().run_in_executor(None, decode))
+            except InvalidArgumentError as e:
+                raise ApiError(400, str(e), param=where) from None
         return out
 
     async def load_audio(self, refs: Sequence[MediaRef]) -> list[Any]:
@@ -367,7 +403,7 @@ class ServerState:
         opts: dict[str, Any],
         images: list[tuple[bytes, str]] | None = None,
         audio: list[Any] | None = None,
-        video: list[tuple[bytes, str]] | None = None,
+        videos: list[Any] | None = None,
     ) -> "Generation":
         """Hand the request to the engine (it queues and batches); 429 when its queue is full,
         503 while shutting down or when the engine cannot generate."""
@@ -377,10 +413,11 @@ class ServerState:
             raise self.engine_unavailable()
         try:
             params = _params(opts, self.vocab)
-            if images or video:
+            if images or videos:
                 params = json.dumps({**json.loads(params), **self.media.params()})
+            frames = [v.frames for v in videos or []]
             stream = self.session._s.start(
-                ids, params, self.dispatcher.hub, images or None, audio or None, video or None
+                ids, params, self.dispatcher.hub, images or None, audio or None, None, frames or None
             )
         except EngineError as e:
             raise self.engine_unavailable(e) from None

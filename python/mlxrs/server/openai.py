@@ -76,12 +76,12 @@ def _text_of(
     allow_none: bool = False,
     images: list[media.ImageRef] | None = None,
     audio: list[media.ImageRef] | None = None,
-    videos: list[list[media.ImageRef]] | None = None,
+    videos: list[tuple[Any, str]] | None = None,
 ) -> str | None:
     """A message's content as text: a string, or an array of text parts (joined by newlines); with
     `images` (a model with a vision tower), an image part becomes the model's image marker and its
-    source goes to `images`; with `videos` (a model whose tower takes video), a video part (its
-    frames) becomes the video marker and its frames go to `videos`."""
+    source goes to `images`; with `videos` (a model whose tower takes video), a video part (a video
+    file or its frames) becomes the video marker and its source goes to `videos`."""
     if content is None:
         if allow_none:
             return None
@@ -107,7 +107,7 @@ def _text_of(
                 raise ApiError(400, str(e), param=pw) from None
             texts.append(state.audio["marker"])
         elif t in ("video_url", "video") and videos is not None and state.vision and state.vision.get("video_marker"):
-            videos.append(_video_frames(part, pw, bool(videos)))
+            videos.append((_video_source(part, pw), pw))
             texts.append(state.vision["video_marker"])
         elif t in UNSUPPORTED_PARTS:
             raise _unsupported(state, pw, UNSUPPORTED_PARTS[t], t)
@@ -116,28 +116,21 @@ def _text_of(
     return "\n".join(texts)
 
 
-def _video_frames(part: dict[str, Any], where: str, again: bool) -> list[media.ImageRef]:
-    """A video part's frames: `{"type": "video_url", "video_url": {"url": [frame, ...]}}` or
-    `{"type": "video", "video": [frame, ...]}`, each frame an image URL (data URL, http(s) URL or
-    path, as the media policy allows). A video file is not decoded (mlxrs has no video decoder)."""
-    if again:
-        raise bad(where, "a request takes one video")
-    frames = (
-        part.get("video")
-        if part.get("type") == "video"
-        else (part.get("video_url") or {}).get("url")
-        if isinstance(part.get("video_url"), dict)
-        else None
-    )
-    if isinstance(frames, str):
-        raise bad(
-            where,
-            "a video file is not decoded (mlxrs has no video decoder): send the video as a list of "
-            "its frames (image URLs or data URLs)",
-        )
-    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) for f in frames):
-        raise bad(where, "a video part needs a non-empty list of frames (image URLs or data URLs)")
-    return [media.ImageRef(f, f"{where}.frames[{k}]") for k, f in enumerate(frames)]
+def _video_source(part: dict[str, Any], where: str) -> Any:
+    """A video part's source: `{"type": "video_url", "video_url": {"url": ...}}` or `{"type":
+    "video", "video": ...}`, a video file (a data URL, or a path / http(s) URL as the media policy
+    allows) or a list of its frames (image URLs or data URLs)."""
+    try:
+        src = media.video_source(part, where)
+    except InvalidArgumentError as e:
+        raise ApiError(400, str(e), param=where) from None
+    if isinstance(src, list):
+        if not src or not all(isinstance(f, str) and f for f in src):
+            raise bad(where, "a video given as its frames needs a non-empty list of image URLs or data URLs")
+        return src
+    if not isinstance(src, str) or not src:
+        raise bad(where, "a video part needs a URL (a data URL, path or http(s) URL) or a list of frame URLs")
+    return src
 
 
 def _image_source(part: dict[str, Any], where: str) -> bytes | str:
@@ -152,7 +145,7 @@ def convert_messages(
     msgs: Any,
     images: list[media.ImageRef] | None = None,
     audio: list[media.ImageRef] | None = None,
-    videos: list[list[media.ImageRef]] | None = None,
+    videos: list[tuple[Any, str]] | None = None,
 ) -> list[dict[str, Any]]:
     """OpenAI messages → the Hugging Face chat-template form (arguments as objects); image parts
     (a model with a vision tower) become image markers, their sources appended to `images`; a video
@@ -357,12 +350,12 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     state.check_model(body.get("model"))
     images: list[media.ImageRef] = []
     arefs: list[media.ImageRef] = []
-    videos: list[list[media.ImageRef]] = []
+    videos: list[tuple[Any, str]] = []
     messages = convert_messages(state, body.get("messages"), images, arefs, videos)
     if images and videos:
-        raise bad("messages", "a request takes images or one video, not both")
+        raise bad("messages", "a request takes images or videos, not both (as mlx-vlm's Qwen3.5)")
     if arefs and videos:
-        raise bad("messages", "a request takes audio or one video, not both")
+        raise bad("messages", "a request takes audio or videos, not both")
     tools, tool_names = convert_tools(body)
     s = sampling(state, body)
     stream = bool(opt_bool(body, "stream"))
@@ -386,8 +379,8 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     requested = max_tokens_of(body)
     loaded = await state.load_images(images)
     clips = await state.load_audio(arefs)
-    frames = await state.load_images(videos[0]) if videos else []
-    rendered, ids = await state.render(messages, tools, kwargs, images=loaded, audio=clips, video=frames)
+    vids = await state.load_videos(videos)
+    rendered, ids = await state.render(messages, tools, kwargs, images=loaded, audio=clips, videos=vids)
     s.set("max_tokens", state.admit(len(ids), requested))
     if lp.want:
         s.set("logprobs", True)
@@ -395,7 +388,7 @@ async def start_chat(state: ServerState, body: dict[str, Any]) -> tuple[Generati
     # constrained output starts at once (a template's open <think> is not continued)
     parser = state.parser(None if constraint else rendered, tool_names, tools)
     try:
-        gen = await state.generate(ids, s.opts, loaded, clips, frames)
+        gen = await state.generate(ids, s.opts, loaded, clips, vids)
     except ApiError as e:
         raise naming(e, cparam) from None
     return gen, parser, lp, stream, include_usage

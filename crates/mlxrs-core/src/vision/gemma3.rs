@@ -149,6 +149,27 @@ pub struct Tower {
 }
 
 /// Whether `config` describes Gemma 3 with a vision tower.
+/// The peak bytes the SigLIP tower allocates while encoding one image (always `image_size`²), in
+/// `a`-byte activations, on the CPU (one layer's intermediates live at a time). With N patches
+/// ((image_size / patch)²), hidden h, heads H, intermediate I, image side S, patch p:
+/// - once: the pixels as given (float32), transposed and cast, patch-ordered: 3·S²·4 + 3·S²·a +
+///   N·3·p²·a; the patch embedding with its positions and the post-norm: 3·N·h·a
+/// - per layer: the norms, q, k, v, the attention output and its projection, the residual:
+///   8·N·h·a; the attention scores SDPA's general path materializes, at least float32 wide for
+///   its softmax: H·N²·max(a, 4); the MLP's fc1 output and the tanh-GELU's intermediates: 4·N·I·a
+///
+/// `tests/test_vision.py` measures MLX's peak over `image_features` against this (at least the
+/// measured peak, within 2× of it) for a tiny and a mid-sized tower.
+pub fn encode_transient_bytes(config: &Value, a: u64) -> Result<u64> {
+    let d = vision_dims(config.get("vision_config").unwrap_or(&Value::Null))?;
+    let (s, p) = (d.image_size as u64, d.patch as u64);
+    let n = (s / p) * (s / p);
+    let (h, heads, inter) = (d.hidden as u64, d.heads as u64, d.inter as u64);
+    let once = 3 * s * s * 4 + 3 * s * s * a + n * 3 * p * p * a + 3 * n * h * a;
+    let layer = 8 * n * h * a + heads * n * n * a.max(4) + 4 * n * inter * a;
+    Ok(once + layer)
+}
+
 pub fn is_gemma3_vision(config: &Value) -> bool {
     config.get("model_type").and_then(Value::as_str) == Some("gemma3")
         && config.get("vision_config").is_some_and(Value::is_object)

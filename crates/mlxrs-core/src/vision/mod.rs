@@ -240,11 +240,20 @@ impl Processor {
         }
     }
 
-    /// `text` with its one video marker expanded for a video of `frames` frames of `h`×`w`.
-    pub fn expand_video(&self, text: &str, frames: u32, h: u32, w: u32) -> Result<String> {
+    /// `text` with its video markers expanded, one per video in order.
+    pub fn expand_videos(&self, text: &str, videos: &[qwen3_5::VideoShape]) -> Result<String> {
         match self {
-            Processor::Qwen35(p) => p.expand_video(text, frames, h, w),
+            Processor::Qwen35(p) => p.expand_videos(text, videos),
             _ => Err(Error::Unsupported("this model's vision tower takes images only, not video".into())),
+        }
+    }
+
+    /// How a decoded video file is sampled to frames: (fps, min_frames, max_frames) of the video
+    /// processor (None: the model takes no video).
+    pub fn video_sampling(&self) -> Option<(f64, u32, u32)> {
+        match self {
+            Processor::Qwen35(p) => Some((p.fps, p.min_frames, p.max_frames)),
+            _ => None,
         }
     }
 }
@@ -260,6 +269,21 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &Tokenizer) -> Result<Op
     // a text-only conversion keeps the vision config without the tower: no images then
     if qwen3_5::is_qwen3_5_vision(config) && qwen3_5::has_tower(dir)? {
         return qwen3_5::processor(config, dir, tokenizer).map(|p| Some(Processor::Qwen35(p)));
+    }
+    Ok(None)
+}
+
+/// The peak transient bytes of encoding one image at the model's largest image size with its
+/// vision tower, activations of `act_bytes` (None: no tower whose transient is modelled; the towers'
+/// weights are counted with the model's either way). Qwen3.5's (a dynamic resolution up to
+/// `max_pixels`) and Gemma 3's (a fixed size) are modelled; Gemma 4's tower and audio encoder are
+/// not yet.
+pub fn encode_transient_bytes(config: &Value, dir: &Path, act_bytes: u64) -> Result<Option<u64>> {
+    if gemma3::is_gemma3_vision(config) {
+        return gemma3::encode_transient_bytes(config, act_bytes).map(Some);
+    }
+    if qwen3_5::is_qwen3_5_vision(config) && qwen3_5::has_tower(dir)? {
+        return qwen3_5::encode_transient_bytes(config, dir, act_bytes).map(Some);
     }
     Ok(None)
 }

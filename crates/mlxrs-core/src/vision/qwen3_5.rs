@@ -81,6 +81,10 @@ pub struct Processor {
     pub video_min_pixels: u64,
     pub video_max_pixels: u64,
     pub fps: f64,
+    /// The frame counts a decoded video file is sampled to (`min_frames`, `max_frames`; mlx-vlm's
+    /// `load_video` reads them off the video processor, defaults 4 and 768).
+    pub min_frames: u32,
+    pub max_frames: u32,
     pub video_token: String,
     pub video_token_id: i32,
     /// `vision_start + video_token + vision_end`: what stands for one video in a prompt.
@@ -255,42 +259,80 @@ impl Processor {
         Ok(Pixels { height: size.0, width: size.1, data, video_frames: imgs.len() as u32 })
     }
 
-    /// The processor's video expansion: the video marker (vision start, video token, vision end)
-    /// becomes, per temporal group of frames, `<t.t seconds>` (the group's mean frame time at
-    /// `fps`), vision start, the group's video tokens and vision end; a bare video token becomes
-    /// all the video's tokens. The video has `frames` frames of `h`×`w` before resizing.
-    pub fn expand_video(&self, text: &str, frames: u32, h: u32, w: u32) -> Result<String> {
+    /// The processor's video expansion, one video marker per video in order: a video marker
+    /// (vision start, video token, vision end) becomes, per temporal group of frames, `<t.t
+    /// seconds>` (the mean time of the group's first and last frame), vision start, the group's
+    /// video tokens and vision end; a bare video token becomes all the video's tokens. Each video
+    /// is its frame count and size before resizing, and its frames' times in seconds (None: frame
+    /// `i` at `i / fps`; a decoded file's: its source frame index over the source frame rate, as
+    /// mlx-vlm's processor takes them from the video's metadata).
+    pub fn expand_videos(&self, text: &str, videos: &[VideoShape]) -> Result<String> {
         let found = text.matches(&self.video_token).count();
-        if found != 1 {
+        if found != videos.len() {
             return Err(Error::Invalid(format!(
-                "the prompt has {found} video marker(s) ({}) for one video",
-                self.video_token
+                "the prompt has {found} video marker(s) ({}) for {} video(s)",
+                self.video_token,
+                videos.len()
             )));
         }
-        let (th, tw) = self.video_size(frames, h, w)?;
-        let per = self.tokens_for(th, tw);
         let tp = self.temporal as usize;
-        let groups = (frames as usize).div_ceil(tp);
-        if text.contains(&self.video_marker) {
-            let times: Vec<f64> = (0..groups * tp).map(|i| i as f64 / self.fps).collect();
-            let blocks: String = (0..groups)
-                .map(|g| {
+        let (mut out, mut rest) = (String::with_capacity(text.len()), text);
+        for v in videos {
+            let (th, tw) = self.video_size(v.frames, v.height, v.width)?;
+            let per = self.tokens_for(th, tw);
+            let groups = (v.frames as usize).div_ceil(tp);
+            let mut times: Vec<f64> = match &v.times {
+                None => (0..groups * tp).map(|i| i as f64 / self.fps).collect(),
+                Some(t) if t.len() == v.frames as usize && !t.is_empty() => t.clone(),
+                Some(t) => {
+                    return Err(Error::Invalid(format!("{} frame time(s) for a video of {} frames", t.len(), v.frames)))
+                }
+            };
+            let last = *times.last().unwrap_or(&0.0);
+            times.resize(groups * tp, last); // the last frame repeats to fill its group
+            let at = rest.find(&self.video_token).unwrap_or(0);
+            let wrapped = rest[..at].ends_with(&self.vision_start)
+                && rest[at..].starts_with(&self.video_marker[self.vision_start.len()..]);
+            if wrapped {
+                let start = at - self.vision_start.len();
+                out.push_str(&rest[..start]);
+                for g in 0..groups {
                     let ts = (times[g * tp] + times[g * tp + tp - 1]) / 2.0;
-                    format!("<{ts:.1} seconds>{}{}{}", self.vision_start, self.video_token.repeat(per), self.vision_end)
-                })
-                .collect();
-            Ok(text.replacen(&self.video_marker, &blocks, 1))
-        } else {
-            Ok(text.replacen(&self.video_token, &self.video_token.repeat(per * groups), 1))
+                    out.push_str(&format!(
+                        "<{ts:.1} seconds>{}{}{}",
+                        self.vision_start,
+                        self.video_token.repeat(per),
+                        self.vision_end
+                    ));
+                }
+                rest = &rest[start + self.video_marker.len()..];
+            } else {
+                out.push_str(&rest[..at]);
+                out.push_str(&self.video_token.repeat(per * groups));
+                rest = &rest[at + self.video_token.len()..];
+            }
         }
+        out.push_str(rest);
+        Ok(out)
     }
+}
+
+/// One video of a prompt as [`Processor::expand_videos`] takes it: its frame count, frame size
+/// before resizing, and its frames' times in seconds (None: evenly at the processor's fps).
+#[derive(Clone, Debug, Default)]
+pub struct VideoShape {
+    pub frames: u32,
+    pub height: u32,
+    pub width: u32,
+    pub times: Option<Vec<f64>>,
 }
 
 /// The processor of a Qwen3.5 model directory: preprocessor_config.json (processor_config.json's
 /// `image_processor` over it, as mlx-vlm reads them), checked against the tower's config; the
 /// vision tokens from config.json's ids and the tokenizer.
-pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
-    let d = vision_dims(config)?;
+/// The image processor's settings: preprocessor_config.json with processor_config.json's
+/// `image_processor` over it, as mlx-vlm reads them.
+fn image_processor_config(dir: &Path) -> Result<Value> {
     let mut ip = super::json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null);
     if let Some(Value::Object(o)) =
         super::json_file(dir, "processor_config.json")?.and_then(|p| p.get("image_processor").cloned())
@@ -302,16 +344,70 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             ip[k] = v;
         }
     }
+    Ok(ip)
+}
+
+/// A positive integer setting of preprocessor_config.json (`dflt` when absent).
+fn config_uint(v: Option<&Value>, k: &str, dflt: u64, max: u64) -> Result<u64> {
+    match v {
+        None | Some(Value::Null) => Ok(dflt),
+        Some(x) => match x.as_u64() {
+            Some(n) if (1..=max).contains(&n) => Ok(n),
+            _ => Err(Error::ModelLoad(format!(
+                "preprocessor_config.json: {k} = {x} is not a positive integer (at most {max})"
+            ))),
+        },
+    }
+}
+
+/// The image processor's area bounds (min_pixels, max_pixels): `size.shortest_edge` /
+/// `longest_edge`, `min_pixels` / `max_pixels` over them.
+fn pixel_bounds(ip: &Value) -> Result<(u64, u64)> {
+    let size = ip.get("size").cloned().unwrap_or(Value::Null);
+    let px_max = 1u64 << 40;
+    let mut min_pixels = config_uint(size.get("shortest_edge"), "size.shortest_edge", 56 * 56, px_max)?;
+    let mut max_pixels = config_uint(size.get("longest_edge"), "size.longest_edge", 14 * 14 * 4 * 1280, px_max)?;
+    min_pixels = config_uint(ip.get("min_pixels"), "min_pixels", min_pixels, px_max)?;
+    max_pixels = config_uint(ip.get("max_pixels"), "max_pixels", max_pixels, px_max)?;
+    if min_pixels > max_pixels {
+        return Err(Error::ModelLoad(format!(
+            "preprocessor_config.json: min_pixels {min_pixels} exceeds max_pixels {max_pixels}"
+        )));
+    }
+    Ok((min_pixels, max_pixels))
+}
+
+/// The peak bytes the tower allocates while encoding one image at the processor's largest size
+/// (`max_pixels`), in `a`-byte activations (the tower's dtype), on the CPU, where one block's
+/// intermediates are live at a time. With N patches (`max_pixels / patch²`, two frames deep), hidden
+/// h, heads H, intermediate I, patch p:
+/// - the pixels, float32, as given, patch-ordered and cast: 3·N·3·t·p²·4
+/// - the patch embedding, the four weighted position rows and their sum, the rotary tables
+///   (float32 cos and sin): (1 + 4 + 1)·N·h·a + 2·N·(h / H)·4
+/// - per block: the residual, normed input, attention output and projection, the MLP's normed input
+///   and output: 6·N·h·a; q, k, v and the rotated q and k (computed in float32): 3·N·h·a + 2·N·h·4;
+///   the attention scores SDPA's general path materializes, and its float32 softmax: H·N²·(a + 4);
+///   the MLP's fc1 output and its GELU: 2·N·I·a
+/// - the merged features: N / m² · out · a
+///
+/// `tests/test_vision_qwen35.py` measures MLX's peak memory over `image_features` of the largest
+/// image against this (at least the measured peak, within 2× of it).
+pub fn encode_transient_bytes(config: &Value, dir: &Path, a: u64) -> Result<u64> {
+    let d = vision_dims(config)?;
+    let (_, max_pixels) = pixel_bounds(&image_processor_config(dir)?)?;
+    let (p, m) = (d.patch as u64, d.merge as u64);
+    let n = (max_pixels / (p * m * p * m)) * m * m;
+    let (h, heads, inter, t) = (d.hidden as u64, d.heads as u64, d.inter as u64, d.temporal as u64);
+    let once = 3 * n * 3 * t * p * p * 4 + 6 * n * h * a + 2 * n * (h / heads) * 4 + n / (m * m) * d.out as u64 * a;
+    let block = 6 * n * h * a + 3 * n * h * a + 2 * n * h * 4 + heads * n * n * (a + 4) + 2 * n * inter * a;
+    Ok(once + block)
+}
+
+pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
+    let d = vision_dims(config)?;
+    let ip = image_processor_config(dir)?;
     let name = "preprocessor_config.json";
-    let uint = |v: Option<&Value>, k: &str, dflt: u64, max: u64| -> Result<u64> {
-        match v {
-            None | Some(Value::Null) => Ok(dflt),
-            Some(x) => match x.as_u64() {
-                Some(n) if (1..=max).contains(&n) => Ok(n),
-                _ => Err(Error::ModelLoad(format!("{name}: {k} = {x} is not a positive integer (at most {max})"))),
-            },
-        }
-    };
+    let uint = |v: Option<&Value>, k: &str, dflt: u64, max: u64| config_uint(v, k, dflt, max);
     let patch = uint(ip.get("patch_size"), "patch_size", 16, 1 << 10)? as u32;
     let temporal = uint(ip.get("temporal_patch_size"), "temporal_patch_size", 2, 64)? as u32;
     let merge = uint(ip.get("merge_size"), "merge_size", 2, 64)? as u32;
@@ -324,15 +420,8 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             )));
         }
     }
-    let size = ip.get("size").cloned().unwrap_or(Value::Null);
+    let (min_pixels, max_pixels) = pixel_bounds(&ip)?;
     let px_max = 1u64 << 40;
-    let mut min_pixels = uint(size.get("shortest_edge"), "size.shortest_edge", 56 * 56, px_max)?;
-    let mut max_pixels = uint(size.get("longest_edge"), "size.longest_edge", 14 * 14 * 4 * 1280, px_max)?;
-    min_pixels = uint(ip.get("min_pixels"), "min_pixels", min_pixels, px_max)?;
-    max_pixels = uint(ip.get("max_pixels"), "max_pixels", max_pixels, px_max)?;
-    if min_pixels > max_pixels {
-        return Err(Error::ModelLoad(format!("{name}: min_pixels {min_pixels} exceeds max_pixels {max_pixels}")));
-    }
     let b = |k: &str, dflt: bool| ip.get(k).and_then(Value::as_bool).unwrap_or(dflt);
     let rescale = if b("do_rescale", true) {
         Some(match ip.get("rescale_factor") {
@@ -417,6 +506,11 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
             .filter(|f| f.is_finite() && *f > 0.0)
             .ok_or_else(|| Error::ModelLoad(format!("{vname}: fps = {x} is not a positive number")))?,
     };
+    let min_frames = vuint(vp.get("min_frames"), "min_frames", 4)?.min(u32::MAX as u64) as u32;
+    let max_frames = vuint(vp.get("max_frames"), "max_frames", 768)?.min(u32::MAX as u64) as u32;
+    if min_frames > max_frames {
+        return Err(Error::ModelLoad(format!("{vname}: min_frames {min_frames} exceeds max_frames {max_frames}")));
+    }
     let same = |k: &str| vp.get(k).filter(|x| !x.is_null()).is_some_and(|x| Some(x) != ip.get(k));
     if ["do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std"].iter().any(|k| same(k)) {
         return Err(Error::Unsupported(format!(
@@ -439,6 +533,8 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Token
         video_min_pixels,
         video_max_pixels,
         fps,
+        min_frames,
+        max_frames,
         video_token,
         video_token_id,
         video_marker,
@@ -849,6 +945,53 @@ impl Tower {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A processor of 8×8 patches two frames deep merged 2×2 (16×16 pixels a token), fps 2.
+    fn proc() -> Processor {
+        let (vs, ve) = ("<|vision_start|>".to_string(), "<|vision_end|>".to_string());
+        Processor {
+            patch: 8,
+            temporal: 2,
+            merge: 2,
+            min_pixels: 256,
+            max_pixels: 1 << 20,
+            rescale: None,
+            normalize: None,
+            marker: format!("{vs}<|image_pad|>{ve}"),
+            image_token: "<|image_pad|>".into(),
+            image_token_id: 1,
+            video_min_pixels: 256,
+            video_max_pixels: 1 << 20,
+            fps: 2.0,
+            min_frames: 4,
+            max_frames: 768,
+            video_token: "<|video_pad|>".into(),
+            video_token_id: 2,
+            video_marker: format!("{vs}<|video_pad|>{ve}"),
+            vision_start: vs,
+            vision_end: ve,
+        }
+    }
+
+    #[test]
+    fn expand_videos_in_order_with_their_own_times() {
+        let p = proc();
+        let v = |frames, h, w, times: Option<Vec<f64>>| VideoShape { frames, height: h, width: w, times };
+        let text = format!("a {} b <|video_pad|> c", p.video_marker);
+        // the first: 3 frames of 32×32 at the source's times (the last repeats: groups (0, 0.7), (1.5, 1.5));
+        // the second, bare: 2 frames of 16×32, 2 tokens a group, one group
+        let out = p.expand_videos(&text, &[v(3, 32, 32, Some(vec![0.0, 0.7, 1.5])), v(2, 16, 32, None)]).unwrap();
+        let block =
+            |t: &str, n: usize| format!("<{t} seconds><|vision_start|>{}<|vision_end|>", "<|video_pad|>".repeat(n));
+        assert_eq!(out, format!("a {}{} b {} c", block("0.3", 4), block("1.5", 4), "<|video_pad|>".repeat(2)));
+        // evenly at fps without times: (0 + 0.5) / 2
+        let even = p.expand_videos(&p.video_marker, &[v(2, 32, 32, None)]).unwrap();
+        assert_eq!(even, block("0.2", 4));
+        let e = p.expand_videos(&text, &[v(2, 32, 32, None)]).unwrap_err().to_string();
+        assert!(e.contains("2 video marker(s)") && e.contains("for 1 video(s)"), "{e}");
+        let e = p.expand_videos(&p.video_marker, &[v(3, 32, 32, Some(vec![0.0]))]).unwrap_err().to_string();
+        assert!(e.contains("1 frame time(s) for a video of 3 frames"), "{e}");
+    }
 
     #[test]
     fn smart_resize_rounds_half_to_even_and_keeps_the_budget() {
