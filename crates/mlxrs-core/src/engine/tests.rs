@@ -11,10 +11,10 @@ const V: i32 = 64;
 const H: i32 = 64;
 
 /// A directory removed when dropped.
-struct TempDir(std::path::PathBuf);
+pub(super) struct TempDir(std::path::PathBuf);
 
 impl TempDir {
-    fn path(&self) -> &std::path::Path {
+    pub(super) fn path(&self) -> &std::path::Path {
         &self.0
     }
 }
@@ -25,7 +25,12 @@ impl Drop for TempDir {
     }
 }
 
-fn tiny_llama() -> TempDir {
+pub(super) fn tiny_llama() -> TempDir {
+    tiny_llama_hd(16)
+}
+
+/// [`tiny_llama`] with heads of `hd` dimensions (a quantized KV cache needs 32 or more).
+pub(super) fn tiny_llama_hd(hd: i32) -> TempDir {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, Ordering::Relaxed);
     let dir = TempDir(std::env::temp_dir().join(format!("mlxrs-engine-test-{}-{n}", std::process::id())));
@@ -33,7 +38,7 @@ fn tiny_llama() -> TempDir {
     let d = dir.path();
     let cfg = serde_json::json!({
         "model_type": "llama", "hidden_size": H, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hd, "rms_norm_eps": 1e-6,
         "vocab_size": V, "rope_theta": 10000.0, "max_position_embeddings": 1024, "eos_token_id": 0,
         "tie_word_embeddings": false,
     });
@@ -51,10 +56,10 @@ fn tiny_llama() -> TempDir {
     for l in 0..2 {
         let p = format!("model.layers.{l}");
         for (n, shape) in [
-            ("self_attn.q_proj", [64, H]),
-            ("self_attn.k_proj", [32, H]),
-            ("self_attn.v_proj", [32, H]),
-            ("self_attn.o_proj", [H, 64]),
+            ("self_attn.q_proj", [4 * hd, H]),
+            ("self_attn.k_proj", [2 * hd, H]),
+            ("self_attn.v_proj", [2 * hd, H]),
+            ("self_attn.o_proj", [H, 4 * hd]),
             ("mlp.gate_proj", [128, H]),
             ("mlp.up_proj", [128, H]),
             ("mlp.down_proj", [H, 128]),
