@@ -684,6 +684,29 @@ impl Session {
         let e = self.engine(py)?.clone();
         crate::native(py, move || e.inject_panic())
     }
+
+    /// Hold the engine thread before its next step until `release()` (or until the hold is
+    /// garbage-collected): generations started meanwhile are admitted together, so their prompts
+    /// prefill together. Nothing runs while it is held.
+    fn hold(&self, py: Python<'_>) -> PyResult<EngineHold> {
+        let e = self.engine(py)?.clone();
+        let h = crate::native(py, move || e.hold())?;
+        Ok(EngineHold { hold: Mutex::new(Some(h)) })
+    }
+}
+
+/// A hold on the engine thread ([`Session::hold`]); `release()` lets it go on.
+#[pyclass(module = "mlxrs._native")]
+pub struct EngineHold {
+    hold: Mutex<Option<mlxrs_core::engine::Hold>>,
+}
+
+#[pymethods]
+impl EngineHold {
+    /// Let the engine go on (again: nothing).
+    fn release(&self) {
+        self.hold.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
 }
 
 /// Events of one generation; iterating blocks (without the GIL) until the next event. The cancel
