@@ -323,7 +323,9 @@ class Session:
         from .models import DEFAULT_MODEL_NAME, resolve_model
 
         if prefill_batch_tokens is not None and (
-            isinstance(prefill_batch_tokens, bool) or not isinstance(prefill_batch_tokens, int) or prefill_batch_tokens < 0
+            isinstance(prefill_batch_tokens, bool)
+            or not isinstance(prefill_batch_tokens, int)
+            or prefill_batch_tokens < 0
         ):
             raise ValueError(f"prefill_batch_tokens must be a non-negative integer (got {prefill_batch_tokens!r})")
 

@@ -207,7 +207,8 @@ fn batched_prefill_gives_each_its_tokens_alone(opts: LoadOptions) {
         assert_eq!(g, a, "prompt {i} ({} tokens): batched prefill changed its tokens", ps[i].len());
     }
     let s = &e.stats;
-    let (steps, rows) = (s.prefill_steps.load(Ordering::Relaxed) - steps0, s.prefill_rows.load(Ordering::Relaxed) - rows0);
+    let (steps, rows) =
+        (s.prefill_steps.load(Ordering::Relaxed) - steps0, s.prefill_rows.load(Ordering::Relaxed) - rows0);
     assert!(s.prefill_max_rows.load(Ordering::Relaxed) >= 2 && rows > steps, "no prefill pass ran several rows");
     assert!(steps < steps0, "batched: fewer prefill passes than one prompt at a time ({steps} vs {steps0})");
 }
@@ -280,7 +281,7 @@ fn a_cancel_during_a_batched_prefill_leaves_the_others_unchanged() {
     };
     let e = Engine::load(dir.path(), opts).unwrap();
     // long prompts in chunks of 4: many batched passes
-    let ps: Vec<Vec<i32>> = (0..6).map(|i| (0..240 + 8 * i).map(|t| 2 + ((t * 3 + i * 7) % 62) as i32).collect()).collect();
+    let ps: Vec<Vec<i32>> = (0..6).map(|i| (0..240 + 8 * i).map(|t| 2 + (t * 3 + i * 7) % 62).collect()).collect();
     let alone: Vec<Vec<i32>> = ps.iter().map(|p| collect(&e.submit(request(p.clone(), 8)).unwrap()).0).collect();
     let pend = submit_together(&e, &ps, 8);
     // cancel row 2 once its prefill has started and is far from done
