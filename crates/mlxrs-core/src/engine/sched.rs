@@ -112,6 +112,9 @@ struct Seq {
     first_token_at: Option<Instant>,
     /// The caller went away (its receiver is gone).
     gone: bool,
+    /// `pending`'s token was read and emitted already (a first token read at once while prompts
+    /// prefill: `emit_first_tokens`); the next step only uses it as its input.
+    early: bool,
     /// Its adapter (index into `LoadOptions::adapters`; `crate::lora`).
     adapter: Option<usize>,
     /// Neither reuses a cached prefix nor leaves one: a request with images (its image tokens are
@@ -480,6 +483,7 @@ impl<'a> Scheduler<'a> {
             started: Instant::now(),
             first_token_at: None,
             gone: false,
+            early: false,
             adapter,
             no_prefix,
             req,
@@ -675,7 +679,7 @@ impl<'a> Scheduler<'a> {
             if !s.decoding() {
                 continue;
             }
-            let after_pending = s.generated.len() + usize::from(s.pending.is_some());
+            let after_pending = s.generated.len() + usize::from(s.pending.is_some() && !s.early);
             if after_pending < s.req.max_tokens {
                 rows.push(i);
             }
@@ -809,7 +813,7 @@ impl<'a> Scheduler<'a> {
                 let allowed = match &mut s.guide {
                     Some(g) => {
                         if let Some(p) = &s.pending {
-                            if g.fed == s.generated.len() {
+                            if !s.early && g.fed == s.generated.len() {
                                 g.consume(mx::with_stream(&readback, || p.token())?);
                             }
                         }
@@ -845,13 +849,14 @@ impl<'a> Scheduler<'a> {
             idx += 1;
             let s = &mut self.running[i];
             let prev = s.pending.take();
+            let early = std::mem::take(&mut s.early);
             if s.first_input.is_some() && next.is_some() {
                 s.first_input = None;
             }
             s.pending = next;
             let outcome = match prev {
-                Some(step) => self.emit(i, &step)?,
-                None => None,
+                Some(step) if !early => self.emit(i, &step)?,
+                _ => None,
             };
             // nothing queued and nothing left to read: max_tokens reached (0 included)
             let s = &self.running[i];
@@ -869,6 +874,40 @@ impl<'a> Scheduler<'a> {
                     let mut s = self.running.remove(i);
                     self.finish(&mut s, reason, stop, true);
                     // `queued` keeps its original indexing: shift by leaving `idx` as is
+                }
+                None => i += 1,
+            }
+        }
+        if !self.waiting.is_empty() || self.running.iter().any(|s| !s.decoding()) {
+            self.emit_first_tokens()?;
+        }
+        Ok(())
+    }
+
+    /// While prompts prefill, a sequence's first token is read back as soon as its step is queued
+    /// instead of at the next decode step: that one comes after the next prefill pass, which would
+    /// hold every first token back by a whole pass (with prompts arriving together, all of them
+    /// until the last pass). The step stays pending as the next step's input (`Seq::early`).
+    fn emit_first_tokens(&mut self) -> Result<()> {
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &mut self.running[i];
+            if s.early || s.first_token_at.is_some() {
+                i += 1;
+                continue;
+            }
+            let Some(step) = s.pending.take() else {
+                i += 1;
+                continue;
+            };
+            let outcome = self.emit(i, &step)?;
+            let s = &mut self.running[i];
+            s.pending = Some(step);
+            s.early = true;
+            match outcome {
+                Some((reason, stop)) => {
+                    let mut s = self.running.remove(i);
+                    self.finish(&mut s, reason, stop, true);
                 }
                 None => i += 1,
             }
