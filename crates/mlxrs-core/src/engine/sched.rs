@@ -112,8 +112,8 @@ struct Seq {
     first_token_at: Option<Instant>,
     /// The caller went away (its receiver is gone).
     gone: bool,
-    /// `pending`'s token was read and emitted already (a first token read at once while prompts
-    /// prefill: `emit_first_tokens`); the next step only uses it as its input.
+    /// `pending`'s token was read and emitted already (read at once while prompts prefill:
+    /// `emit_now`); the next step only uses it as its input.
     early: bool,
     /// Its adapter (index into `LoadOptions::adapters`; `crate::lora`).
     adapter: Option<usize>,
@@ -879,20 +879,22 @@ impl<'a> Scheduler<'a> {
             }
         }
         if !self.waiting.is_empty() || self.running.iter().any(|s| !s.decoding()) {
-            self.emit_first_tokens()?;
+            self.emit_now()?;
         }
         Ok(())
     }
 
-    /// While prompts prefill, a sequence's first token is read back as soon as its step is queued
-    /// instead of at the next decode step: that one comes after the next prefill pass, which would
-    /// hold every first token back by a whole pass (with prompts arriving together, all of them
-    /// until the last pass). The step stays pending as the next step's input (`Seq::early`).
-    fn emit_first_tokens(&mut self) -> Result<()> {
+    /// While prompts prefill, the step just queued is read back at once instead of at the next
+    /// decode step: that read comes after the next prefill pass, which would hold every token back
+    /// by a whole pass (a sequence's first token, and its first text when the detokenizer holds a
+    /// partial character back; with prompts arriving together, all of them until the last pass).
+    /// The double buffering is given up only while passes run, which dominate those iterations.
+    /// The step stays pending as the next step's input (`Seq::early`).
+    fn emit_now(&mut self) -> Result<()> {
         let mut i = 0;
         while i < self.running.len() {
             let s = &mut self.running[i];
-            if s.early || s.first_token_at.is_some() {
+            if s.early {
                 i += 1;
                 continue;
             }

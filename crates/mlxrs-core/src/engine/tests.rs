@@ -302,3 +302,34 @@ fn a_cancel_during_a_batched_prefill_leaves_the_others_unchanged() {
     assert!(e.stats.prefill_max_rows.load(Ordering::Relaxed) >= 2);
     assert_eq!(e.stats.cancelled.load(Ordering::Relaxed), 1);
 }
+
+#[test]
+fn a_first_token_is_not_held_back_by_the_next_prefill_pass() {
+    let dir = tiny_llama_hd(32);
+    let opts = LoadOptions {
+        prompt_cache_bytes: 0,
+        prefill_step_size: 64,
+        prefill_batch_tokens: Some(2048),
+        ..Default::default()
+    };
+    let e = Engine::load(dir.path(), opts).unwrap();
+    let long: Vec<i32> = (0..600).map(|t| 2 + (t * 3) % 62).collect();
+    // one channel for both: their events in the order the engine sent them
+    let (tx, rx) = std::sync::mpsc::channel();
+    let hold = e.hold().unwrap();
+    e.submit_to(request(vec![5, 9, 11, 3], 4), EventSink::new(tx.clone(), 1)).unwrap();
+    e.submit_to(request(long, 4), EventSink::new(tx, 2)).unwrap();
+    drop(hold);
+    let mut long_done = 0;
+    loop {
+        match rx.recv().unwrap() {
+            (2, Event::Progress { done, .. }) => long_done = done,
+            (1, Event::Token { .. }) => break,
+            (_, Event::Error(err)) => panic!("{err}"),
+            _ => {}
+        }
+    }
+    // pass 1 ran the short prompt's 3 tokens and as many of the long one's; the short one's first
+    // token came before pass 2 (64 more of the long one), not after it
+    assert_eq!(long_done, 3);
+}
