@@ -1,8 +1,9 @@
 """Serving side by side: `mlx_lm.server` (the pinned mlx-lm, --decode-concurrency 32) and
-`mlxrs serve` (prompt cache on, and off) on the same model and the same request mix, one server at a
-time in one run, and the ratios.
+`mlxrs serve` (prompt cache on, and off; batched prefill on, and off) on the same model and the same
+request mix, one server at a time in one run, and the ratios.
 
     python bench/bench_serve.py --model tiny --concurrency 16,32 --tokens 128
+    python bench/bench_serve.py --model tiny --engines "mlxrs,mlxrs (batch prefill off)"
     python bench/bench_serve.py --model fit-llama-f32 --agent-turns 10 --agent-start 2000 --agent-end 8000
 
 Scenarios:
@@ -127,7 +128,13 @@ def start(engine: str, d: Path) -> Proc:
             env=blas_env(),
         )
     extra = ["--prompt-cache-bytes", "0"] if engine == "mlxrs (cache off)" else []
-    return Proc([py, "-m", "mlxrs", "serve", str(d), "--port", str(port), "--log-level", "warning", *extra], port)
+    env = os.environ.copy()
+    if engine == "mlxrs (batch prefill off)":
+        env["MLXRS_BATCH_PREFILL"] = "0"  # one prompt per prefill pass
+    else:
+        env.pop("MLXRS_BATCH_PREFILL", None)
+    cmd = [py, "-m", "mlxrs", "serve", str(d), "--port", str(port), "--log-level", "warning", *extra]
+    return Proc(cmd, port, env=env)
 
 
 async def complete(session: Any, port: int, prompt: str, max_tokens: int) -> tuple[float, int]:
@@ -254,6 +261,15 @@ def main() -> int:
     for k, v in ours.items():
         if k.startswith("concurrency_") and k in ref:
             ratios[k] = {"tok_s": v["tok_s"] / ref[k]["tok_s"], "ttft_p99": v["ttft_p99_s"] / ref[k]["ttft_p99_s"]}
+    nobatch = out["engines"].get("mlxrs (batch prefill off)", {})
+    for k, v in ours.items():
+        if k.startswith("concurrency_") and k in nobatch:
+            off = nobatch[k]
+            ratios[f"{k}_batch_prefill_on_over_off"] = {
+                "tok_s": v["tok_s"] / off["tok_s"],
+                "ttft_p50": v["ttft_p50_s"] / off["ttft_p50_s"],
+                "ttft_p99": v["ttft_p99_s"] / off["ttft_p99_s"],
+            }
     if "agent" in ours:
         off = out["engines"].get("mlxrs (cache off)", {}).get("agent")
         a = {}

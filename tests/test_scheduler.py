@@ -1,6 +1,6 @@
 """The engine's scheduler, against its own single-sequence runs (which test_parity.py holds to
-mlx-lm): batched decoding gives each sequence exactly the greedy tokens it gets alone, for every
-architecture and cache kind; a prompt-prefix cache hit gives exactly the cold run's tokens; a
+mlx-lm): batched prefill (prompts admitted together share prefill passes) and batched decoding give
+each sequence exactly the greedy tokens it gets alone, for every architecture and cache kind; a prompt-prefix cache hit gives exactly the cold run's tokens; a
 cancelled sequence leaves the others untouched; a cancel during a long prefill ends within a chunk;
 close() cancels promptly; the queue refuses past its bound."""
 
@@ -74,8 +74,13 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
     opts = dict(opts)
     if "stack" in opts:
         monkeypatch.setenv("MLXRS_BATCH_KV", str(opts.pop("stack")))
+    monkeypatch.delenv("MLXRS_BATCH_PREFILL", raising=False)
+    # a quantized KV cache: rows share a prefill pass only where their chunks end as they would
+    # alone (a chunk attends over the earlier chunks' quantized keys): chunks of 16, the longer
+    # prompts share them
+    step = {"prefill_step_size": 16} if "kv_bits" in opts else {}
     d = make_model(f"{arch}-float32", arch)
-    with mlxrs.Session(d, prompt_cache_bytes=0, **opts) as s:
+    with mlxrs.Session(d, prompt_cache_bytes=0, prefill_batch_tokens=2048, **step, **opts) as s:
         ps = prompts(s)
         alone = [s.generate(p, max_tokens=N, ignore_eos=True, temperature=0.0).tokens for p in ps]
         batch = s.generate_batch(ps, max_tokens=N, ignore_eos=True, temperature=0.0)
@@ -91,6 +96,9 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
     )
     assert info["decode_steps"] > 0
     assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)
+    # the 8 prompts were admitted together and prefilled in shared passes
+    assert info["prefill_max_rows"] >= (5 if step else 7), info
+    assert info["prefill_rows"] > info["prefill_steps"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -217,6 +225,57 @@ def test_cancel_during_a_long_prefill_ends_within_a_chunk():
                 break
         # the cancel is seen before the next chunk or the one after (the engine may be inside one)
         assert len(progress) <= 5 and progress[-1] < len(ids) // 2, progress
+
+
+@pytest.mark.parametrize("off", ["env", "option"])
+def test_batched_prefill_switches_off(off, monkeypatch):
+    """MLXRS_BATCH_PREFILL=0 or prefill_batch_tokens=0: one prompt per prefill pass, the same tokens."""
+    d = make_model("llama-float32", "llama")
+    with mlxrs.Session(d, prompt_cache_bytes=0, prefill_batch_tokens=2048) as s:
+        ps = prompts(s)
+        on = s.generate_batch(ps, max_tokens=8, ignore_eos=True)
+        assert s.info["prefill_max_rows"] >= 2
+    if off == "env":
+        monkeypatch.setenv("MLXRS_BATCH_PREFILL", "0")
+    kw = {"prefill_batch_tokens": 0} if off == "option" else {}
+    with mlxrs.Session(d, prompt_cache_bytes=0, **kw) as s:
+        got = s.generate_batch(ps, max_tokens=8, ignore_eos=True)
+        info = s.info
+    assert [r.tokens for r in got] == [r.tokens for r in on]
+    assert info["prefill_max_rows"] == 1 and info["prefill_rows"] == info["prefill_steps"] == len(ps)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_prefill_batch_tokens_is_checked(bad):
+    with pytest.raises(ValueError, match="prefill_batch_tokens"):
+        mlxrs.Session(make_model("llama-float32", "llama"), prefill_batch_tokens=bad)
+
+
+def test_cancel_during_a_batched_prefill_leaves_the_others_unchanged():
+    d = make_model("qwen3-float32", "qwen3")
+    with mlxrs.Session(d, prefill_step_size=8, prefill_batch_tokens=2048, prompt_cache_bytes=0) as s:
+        ids = s.tokenize(TEXT) * 12
+        ps = [ids[i : i + 300 + 16 * i] for i in range(5)]  # ~40 chunks of 8 each
+        alone = [s.generate(p, max_tokens=6, ignore_eos=True).tokens for p in ps]
+        params = mlxrs.session._params(dict(max_tokens=6, ignore_eos=True))
+        hold = s._s.hold()  # admitted together
+        streams = [s._s.start(p, params) for p in ps]
+        hold.release()
+        progress = []
+        for ev in streams[2]:
+            if ev["type"] == "progress" and ev["done"] > 0:
+                progress.append(ev["done"])
+                streams[2].cancel()
+            elif ev["type"] == "token" and ev["id"] >= 0:
+                pytest.fail("the cancelled prompt produced a token")
+            elif ev["type"] == "done":
+                assert ev["finish_reason"] == "cancelled"
+                break
+        assert progress and progress[0] < len(ps[2]) // 2, progress
+        got = [mlxrs.session._collect(iter(st), False) for i, st in enumerate(streams) if i != 2]
+        info = s.info
+    assert [g.tokens for g in got] == [a for i, a in enumerate(alone) if i != 2]
+    assert info["prefill_max_rows"] >= 4 and info["cancelled"] == 1
 
 
 def test_close_cancels_running_generations_promptly():

@@ -148,3 +148,30 @@ def test_32_concurrent_streams_with_disconnects():
         rss = rss_bytes(s.proc.pid)
         assert rss < meta["base_rss"] + (128 << 20), (rss, meta["base_rss"])
         assert st["prompt_cache"]["bytes"] <= 64 << 20
+
+
+def test_concurrent_prompts_share_prefill_passes_at_stats():
+    """Prompts arriving together are prefilled in shared passes (counted at /stats engine) and each
+    answer equals the one it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = make_model("qwen3-float32", "qwen3")
+    filler = "The committee reviewed the figures and the open tickets, item by item. " * 20
+    prompts = [f"Request {i}: " + filler[: 900 + 37 * i] for i in range(8)]  # ~1 token per character
+
+    def ask(s: Server, p: str) -> str:
+        status, r = s.post("/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0})
+        assert status == 200, r
+        return r["choices"][0]["text"]
+
+    with Server(d, "--prompt-cache-bytes", "0") as s:
+        alone = [ask(s, p) for p in prompts]
+        base = s.stats()["engine"]
+        assert base["prefill_max_rows"] == 1 and base["prefill_rows"] == base["prefill_steps"] > 0
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: ask(s, p), prompts))
+        e = s.stats()["engine"]
+    assert together == alone
+    steps, rows = e["prefill_steps"] - base["prefill_steps"], e["prefill_rows"] - base["prefill_rows"]
+    assert rows >= len(prompts)  # every prompt in at least one pass
+    assert e["prefill_max_rows"] >= 2 and rows > steps, e  # some passes were shared

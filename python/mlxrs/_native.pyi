@@ -319,6 +319,7 @@ class Session:
         expert_cache_bytes: int | None = None,
         adapters: Sequence[tuple[str, str | os.PathLike[str]]] = ...,
         expert_prefetch: bool | None = None,
+        prefill_batch_tokens: int | None = None,
     ) -> Session:
         """`adapters`: (name, directory) of LoRA/DoRA adapters in mlx-lm's format (crates/mlxrs-core/src/lora.rs)."""
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -403,6 +404,16 @@ class Session:
         """TEST-ONLY hook: the engine thread panics at its next iteration, as a bug in its step loop
         would; in-flight and later requests then fail with `mlxrs.errors.EngineError`. Never call it
         outside tests: the session is unusable afterwards."""
+    def hold(self) -> EngineHold:
+        """Hold the engine thread before its next step until `release()`: generations started
+        meanwhile are admitted together (their prompts prefill together). Nothing runs while held."""
+
+@final
+class EngineHold:
+    """A hold on the engine thread (`Session.hold`)."""
+
+    def release(self) -> None:
+        """Let the engine go on (again: nothing)."""
 
 @final
 class AudioClip:

@@ -168,6 +168,15 @@ def _add_serve(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
         help="requests that may wait beyond those before new ones get 429 (default 64)",
     )
     sp.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens one batched prefill step may run over all the prompts it covers (several "
+        "waiting prompts' chunks in one forward pass; 0: one prompt at a time; default: the prefill "
+        "step, 2048, which the memory plan's transient covers)",
+    )
+    sp.add_argument(
         "--prompt-cache-bytes",
         type=_bytes_arg,
         default=None,

@@ -281,6 +281,10 @@ class Session:
     or `astream` tasks) are decoded together in one batch, up to `max_concurrency` at a time; more
     wait in a queue of `max_queue` (one more raises `BusyError`). Prompts that share a prefix with
     an earlier prompt or conversation reuse its KV cache (`prompt_cache_bytes`, 0 turns it off).
+    Prompts waiting to start prefill together: one forward pass runs a chunk of each of several,
+    up to `prefill_batch_tokens` tokens over all of them (None: `prefill_step_size`; 0: one prompt
+    at a time); `info["prefill_steps"]`, `["prefill_rows"]` and `["prefill_max_rows"]` count the
+    passes and their rows (docs/design/scheduler.md).
 
     `stream_experts`: a mixture-of-experts model keeps its experts in the safetensors files and reads
     the routed ones per step into an expert cache of `expert_cache_bytes` (default: a quarter of the
@@ -316,8 +320,16 @@ class Session:
         expert_prefetch: bool | None = None,
         adapter: str | os.PathLike[str] | None = None,
         adapters: Mapping[str, str | os.PathLike[str]] | None = None,
+        prefill_batch_tokens: int | None = None,
     ) -> None:
         from .models import DEFAULT_MODEL_NAME, resolve_model
+
+        if prefill_batch_tokens is not None and (
+            isinstance(prefill_batch_tokens, bool)
+            or not isinstance(prefill_batch_tokens, int)
+            or prefill_batch_tokens < 0
+        ):
+            raise ValueError(f"prefill_batch_tokens must be a non-negative integer (got {prefill_batch_tokens!r})")
 
         self.chat_template = _template_source(chat_template)
         if not isinstance(stream_experts, bool):
@@ -356,6 +368,7 @@ class Session:
             expert_cache_bytes=expert_cache_bytes,
             adapters=list(self.adapters.items()),
             expert_prefetch=expert_prefetch,
+            prefill_batch_tokens=prefill_batch_tokens,
         )
         info = self._s.info()
         self._vocab = int(info["vocab_size"])
@@ -786,15 +799,27 @@ class Session:
         the prompts' order. Sampling options apply to every prompt. A conversation carries its
         images, audio and videos as content parts (as for `generate`)."""
         _validate(sampling)  # before any prompt starts
+        prepared = [self._prepare(p, None, None, None) for p in prompts]
         streams = []
         try:
-            for p in prompts:
-                ids, media, clips, videos = self._prepare(p, None, None, None)
-                streams.append(
-                    self._s.start(
-                        ids, self._start_params(ids, sampling), None, media or None, clips or None, None, videos or None
+            # admitted together: the engine waits until every prompt is queued, then prefills them
+            # in batched passes
+            hold = self._s.hold()
+            try:
+                for ids, media, clips, videos in prepared:
+                    streams.append(
+                        self._s.start(
+                            ids,
+                            self._start_params(ids, sampling),
+                            None,
+                            media or None,
+                            clips or None,
+                            None,
+                            videos or None,
+                        )
                     )
-                )
+            finally:
+                hold.release()
         except BaseException:
             for st in streams:
                 st.cancel()

@@ -400,6 +400,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::Session>()?;
     m.add_class::<session::AudioClip>()?;
     m.add_class::<session::TokenStream>()?;
+    m.add_class::<session::EngineHold>()?;
     m.add_class::<session::EventHub>()?;
     Ok(())
 }

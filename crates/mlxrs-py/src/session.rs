@@ -259,7 +259,8 @@ impl Session {
     #[new]
     #[pyo3(signature = (model_dir, kv_bits=None, max_kv_size=None, prefill_step_size=2048, kv_group_size=64,
                         max_concurrency=None, max_queue=None, prompt_cache_bytes=None, kv_budget_bytes=None,
-                        stream_experts=false, expert_cache_bytes=None, adapters=Vec::new(), expert_prefetch=None))]
+                        stream_experts=false, expert_cache_bytes=None, adapters=Vec::new(), expert_prefetch=None,
+                        prefill_batch_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -276,6 +277,7 @@ impl Session {
         expert_cache_bytes: Option<usize>,
         adapters: Vec<(String, std::path::PathBuf)>,
         expert_prefetch: Option<bool>,
+        prefill_batch_tokens: Option<usize>,
     ) -> PyResult<Session> {
         let d = LoadOptions::default();
         let opts = LoadOptions {
@@ -288,6 +290,7 @@ impl Session {
             prompt_cache_bytes: prompt_cache_bytes.unwrap_or(d.prompt_cache_bytes),
             kv_budget_bytes,
             stacked_kv: None,
+            prefill_batch_tokens,
             stream_experts,
             expert_cache_bytes,
             expert_prefetch,
@@ -614,6 +617,9 @@ impl Session {
         d.set_item("generated_tokens_total", n(&s.generated_tokens))?;
         d.set_item("decode_steps", n(&s.decode_steps))?;
         d.set_item("stacked_decode_steps", n(&s.stacked_steps))?;
+        d.set_item("prefill_steps", n(&s.prefill_steps))?;
+        d.set_item("prefill_rows", n(&s.prefill_rows))?;
+        d.set_item("prefill_max_rows", n(&s.prefill_max_rows))?;
         let p = s.prefix();
         let pc = PyDict::new(py);
         pc.set_item("hits", p.hits)?;
@@ -697,6 +703,29 @@ impl Session {
     fn _inject_engine_panic(&self, py: Python<'_>) -> PyResult<()> {
         let e = self.engine(py)?.clone();
         crate::native(py, move || e.inject_panic())
+    }
+
+    /// Hold the engine thread before its next step until `release()` (or until the hold is
+    /// garbage-collected): generations started meanwhile are admitted together, so their prompts
+    /// prefill together. Nothing runs while it is held.
+    fn hold(&self, py: Python<'_>) -> PyResult<EngineHold> {
+        let e = self.engine(py)?.clone();
+        let h = crate::native(py, move || e.hold())?;
+        Ok(EngineHold { hold: Mutex::new(Some(h)) })
+    }
+}
+
+/// A hold on the engine thread ([`Session::hold`]); `release()` lets it go on.
+#[pyclass(module = "mlxrs._native")]
+pub struct EngineHold {
+    hold: Mutex<Option<mlxrs_core::engine::Hold>>,
+}
+
+#[pymethods]
+impl EngineHold {
+    /// Let the engine go on (again: nothing).
+    fn release(&self) {
+        self.hold.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
 }
 

@@ -233,6 +233,7 @@ def make_state(args: argparse.Namespace, api_key: str | None, model_id: str) -> 
         kv_bits=args.kv_quant,
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
+        prefill_batch_tokens=args.prefill_batch_tokens,
         prompt_cache_bytes=cache_bytes,
         kv_budget_bytes=kv_budget,
         stream_experts=streamed,

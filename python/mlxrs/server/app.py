@@ -497,7 +497,15 @@ class ServerState:
             "engine": {
                 **{
                     k: engine.get(k)
-                    for k in ("prompt_tokens_total", "generated_tokens_total", "decode_steps", "stacked_decode_steps")
+                    for k in (
+                        "prompt_tokens_total",
+                        "generated_tokens_total",
+                        "decode_steps",
+                        "stacked_decode_steps",
+                        "prefill_steps",
+                        "prefill_rows",
+                        "prefill_max_rows",
+                    )
                 },
                 **self.engine(),
             },

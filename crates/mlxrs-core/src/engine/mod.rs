@@ -43,6 +43,10 @@ pub struct LoadOptions {
     /// Batched decode over the stacked KV of all rows (`cache::BatchKv`) where the model allows it;
     /// None: `MLXRS_BATCH_KV`, else on a GPU only (see `sched::stacked_kv_default`).
     pub stacked_kv: Option<bool>,
+    /// Prompt tokens one batched prefill step may run over all its rows (several waiting sequences'
+    /// chunks in one forward pass; docs/design/scheduler.md); None: `prefill_step_size`; 0: one
+    /// sequence per step. `MLXRS_BATCH_PREFILL=0` also keeps prefill to one sequence per step.
+    pub prefill_batch_tokens: Option<usize>,
     /// Leave MoE experts in the safetensors files and read the routed ones on demand into an
     /// expert cache (`models::experts`); the non-expert weights are resident.
     pub stream_experts: bool,
@@ -118,6 +122,7 @@ impl Default for LoadOptions {
             prompt_cache_bytes: DEFAULT_PROMPT_CACHE_BYTES,
             kv_budget_bytes: None,
             stacked_kv: None,
+            prefill_batch_tokens: None,
             stream_experts: false,
             expert_cache_bytes: None,
             expert_prefetch: None,
@@ -219,6 +224,11 @@ pub struct Stats {
     /// Batched decode steps run, and how many of them over the stacked KV (`BatchKv`).
     pub decode_steps: AtomicU64,
     pub stacked_steps: AtomicU64,
+    /// Prefill forward passes run, the sequences' chunks they covered together (rows summed over
+    /// the passes) and the most rows one pass covered: rows / steps is the mean prefill batch.
+    pub prefill_steps: AtomicU64,
+    pub prefill_rows: AtomicU64,
+    pub prefill_max_rows: AtomicU64,
     prefix: Mutex<PrefixStats>,
     /// Set by [`Engine::close`]: the scheduler cancels everything and stops.
     pub(crate) shutdown: AtomicBool,
@@ -291,6 +301,9 @@ pub struct Engine {
     /// The image processor, when the model has a vision tower.
     pub vision: Option<crate::vision::Processor>,
 }
+
+/// The engine thread waits while this lives ([`Engine::hold`]).
+pub struct Hold(#[allow(dead_code)] Sender<()>);
 
 /// A handle on a submitted request.
 pub struct Pending {
@@ -678,6 +691,18 @@ impl Engine {
         let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let tx = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
         tx.send(Cmd::Panic).map_err(|_| Error::Engine("the engine thread has stopped".into()))
+    }
+
+    /// Hold the engine thread before its next step until the returned [`Hold`] is dropped: requests
+    /// submitted meanwhile are admitted in one iteration, so their prompts prefill together
+    /// (`Session.generate_batch` submits its prompts under one). Nothing runs while it is held: hold
+    /// it only for as long as submitting takes.
+    pub fn hold(&self) -> Result<Hold> {
+        let (htx, hrx) = channel();
+        let guard = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = guard.as_ref().ok_or_else(|| Error::Invalid("this session is closed".into()))?;
+        tx.send(Cmd::Hold(hrx)).map_err(|_| Error::Engine("the engine thread has stopped".into()))?;
+        Ok(Hold(htx))
     }
 
     /// Stop the engine thread: what runs or waits is cancelled (each gets its Done event), and the

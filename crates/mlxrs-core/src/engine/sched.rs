@@ -1,6 +1,7 @@
 //! The engine thread's step loop (the shape of mistral.rs's `Engine::run` and mlx-lm's
 //! `BatchGenerator`): every iteration takes new requests without blocking, drops cancelled ones,
-//! admits what fits, runs one prefill chunk for one waiting sequence, then one batched decode step
+//! admits what fits, runs one prefill step (a chunk of each of several waiting sequences in one
+//! forward pass, within a token budget), then one batched decode step
 //! for every running sequence, and sends each its events. docs/design/scheduler.md explains the
 //! choices (per-sequence caches, the stacked KV of full-attention layers while decoding, the prefix
 //! cache, admission).
@@ -42,6 +43,10 @@ fn stacked_kv_default() -> bool {
     }
 }
 
+/// `0`: one sequence per prefill step, whatever [`LoadOptions::prefill_batch_tokens`] says (the
+/// benchmark's switch between batched and one-at-a-time prefill). Read when an engine starts.
+pub const BATCH_PREFILL_ENV: &str = "MLXRS_BATCH_PREFILL";
+
 /// What the engine thread is asked to do.
 pub(crate) enum Cmd {
     Generate {
@@ -72,6 +77,9 @@ pub(crate) enum Cmd {
     },
     /// Test-only ([`super::Engine::inject_panic`]): panic, as a bug inside the loop would.
     Panic,
+    /// Wait until the sender is dropped ([`super::Engine::hold`]): what arrives meanwhile is taken
+    /// together.
+    Hold(Receiver<()>),
 }
 
 /// One generation in flight: everything it needs is its own.
@@ -104,6 +112,9 @@ struct Seq {
     first_token_at: Option<Instant>,
     /// The caller went away (its receiver is gone).
     gone: bool,
+    /// `pending`'s token was read and emitted already (read at once while prompts prefill:
+    /// `emit_now`); the next step only uses it as its input.
+    early: bool,
     /// Its adapter (index into `LoadOptions::adapters`; `crate::lora`).
     adapter: Option<usize>,
     /// Neither reuses a cached prefix nor leaves one: a request with images (its image tokens are
@@ -220,6 +231,12 @@ pub(crate) struct Scheduler<'a> {
     stack: Option<(BatchKv, Vec<Option<u64>>)>,
     /// The vision tower, for requests with images.
     vision: Option<&'a crate::vision::Tower>,
+    /// Prompt tokens one prefill step may run over all its rows (`plan_prefill`).
+    prefill_budget: usize,
+    /// Prefill chunks must end where they would alone: what a chunk sees depends on where the
+    /// previous one ended with a rotating cache that keeps its first tokens (`max_kv_size`) and with
+    /// a quantized cache (a chunk attends over its own keys in full, the earlier ones quantized).
+    exact_chunks: bool,
 }
 
 impl<'a> Scheduler<'a> {
@@ -238,6 +255,13 @@ impl<'a> Scheduler<'a> {
             && opts.kv_bits.is_none()
             && model.stackable()
             && kinds.iter().all(|c| matches!(c, LayerCache::Full(_)));
+        // a quantized cache: a chunk attends over the earlier chunks' quantized keys, its own in full
+        let opts_exact_chunks =
+            opts.kv_bits.is_some() || kinds.iter().any(|c| matches!(c, LayerCache::Rotating(r) if r.keep > 0));
+        let prefill_budget = match std::env::var(BATCH_PREFILL_ENV).ok().as_deref().map(str::trim) {
+            Some("0") => 0,
+            _ => opts.prefill_batch_tokens.unwrap_or(opts.prefill_step_size.max(1) as usize),
+        };
         Scheduler {
             model,
             tok,
@@ -254,6 +278,8 @@ impl<'a> Scheduler<'a> {
             stack: None,
             stackable,
             vision: None,
+            prefill_budget,
+            exact_chunks: opts_exact_chunks,
         }
     }
 
@@ -301,7 +327,7 @@ impl<'a> Scheduler<'a> {
             | Cmd::AudioFeatures { reply, .. } => {
                 let _ = reply.send(Err(Error::Engine(why.to_string())));
             }
-            Cmd::Panic => {}
+            Cmd::Panic | Cmd::Hold(_) => {}
         }
     }
 
@@ -395,6 +421,9 @@ impl<'a> Scheduler<'a> {
                 let _ = reply.send(r);
             }
             Cmd::Panic => panic!("injected engine panic (test hook)"),
+            Cmd::Hold(rx) => {
+                let _ = rx.recv(); // returns when the holder drops its sender
+            }
         }
     }
 
@@ -454,6 +483,7 @@ impl<'a> Scheduler<'a> {
             started: Instant::now(),
             first_token_at: None,
             gone: false,
+            early: false,
             adapter,
             no_prefix,
             req,
@@ -483,7 +513,7 @@ impl<'a> Scheduler<'a> {
             }
         }
         self.admit();
-        if let Err(e) = self.prefill_one() {
+        if let Err(e) = self.prefill_step() {
             self.fail_all(e);
             return;
         }
@@ -538,56 +568,106 @@ impl<'a> Scheduler<'a> {
         self.model.shape().kv_bytes(tokens, self.opts.kv_bits, self.opts.kv_group_size)
     }
 
-    /// One prefill chunk for the first running sequence that still has prompt to process (all of
-    /// its prompt but the last token, which its first decode step runs).
-    fn prefill_one(&mut self) -> Result<()> {
-        let Some(idx) = self.running.iter().position(|s| !s.decoding()) else { return Ok(()) };
+    /// One prefill step: a chunk of every row [`plan_prefill`] picks, in one forward pass over a
+    /// `[rows, L]` batch (every row the same L tokens: no padding, so every cache kind, recurrent
+    /// states included, takes exactly its own tokens), each row over its own caches. A request with
+    /// images or audio prefills alone (its chunks run from merged embeddings), when it is the
+    /// oldest. Then every sequence whose prompt but its last token is in its cache is snapshotted
+    /// into the prefix cache and starts decoding (its last token is its first decode input).
+    /// Returns the pass's rows (indices into `running`) and its logits `[rows, L, vocab]` (lazy:
+    /// the loop never evaluates them; the tests read them).
+    fn prefill_step(&mut self) -> Result<Option<(Vec<usize>, Array)>> {
         let step = self.opts.prefill_step_size.max(1) as usize;
-        let s = &mut self.running[idx];
-        let total = s.req.prompt.len();
-        if (!s.req.images.is_empty() || !s.req.audio.is_empty()) && s.embeds.is_none() && total - s.done > 1 {
-            let tower = self.vision.ok_or_else(|| Error::Invalid("this model has no vision or audio tower".into()))?;
-            let pixels: Vec<&crate::vision::Pixels> = s.req.images.iter().map(|p| &**p).collect();
-            let mels: Vec<&crate::vision::audio::Mel> = s.req.audio.iter().map(|m| &**m).collect();
-            let e = tower.merged_media(self.model, &s.req.prompt, &pixels, &mels)?;
-            e.eval()?;
-            s.embeds = Some(e);
+        let rest = |s: &Seq| s.req.prompt.len() - s.done - 1; // prompt left to prefill
+        let media = |s: &Seq| !s.req.images.is_empty() || !s.req.audio.is_empty();
+        let todo: Vec<usize> =
+            (0..self.running.len()).filter(|&i| !self.running[i].decoding() && rest(&self.running[i]) > 0).collect();
+        let mut pass = None;
+        if let Some(&oldest) = todo.first() {
+            let rows: Vec<usize> = if media(&self.running[oldest]) {
+                vec![oldest]
+            } else {
+                todo.into_iter().filter(|&i| !media(&self.running[i])).collect()
+            };
+            let left: Vec<usize> = rows.iter().map(|&i| rest(&self.running[i])).collect();
+            let (n, pick) = plan_prefill(&left, step, self.prefill_budget, self.exact_chunks);
+            let rows: Vec<usize> = pick.into_iter().map(|k| rows[k]).collect();
+            let logits = self.prefill_rows(&rows, n)?;
+            pass = Some((rows, logits));
         }
-        if total - s.done > 1 {
-            let n = step.min(total - s.done - 1);
-            let (model, staging) = (self.model, self.staging);
-            crate::lora::with_rows(&[s.adapter], || -> Result<()> {
-                match &s.embeds {
-                    Some(e) => {
-                        let chunk = mx::slice_axis(e, 1, s.done as i32, (s.done + n) as i32)?;
-                        model.forward_embeds(&chunk, &mut Caches::one(&mut s.cache), staging)?;
-                    }
-                    None => {
-                        let chunk = Array::from_slice(&s.req.prompt[s.done..s.done + n], &[1, n as i32])?;
-                        model.forward_caches(&chunk, &mut Caches::one(&mut s.cache), staging)?;
-                    }
-                }
-                Ok(())
-            })?;
-            maybe_quantize(&mut s.cache, &self.opts)?;
-            let state: Vec<&Array> = s.cache.iter().flat_map(|c| c.state()).collect();
-            mx::eval(&state)?;
-            s.done += n;
-            let (done, total) = (s.done, total);
-            s.send(Event::Progress { done, total });
-            mx::clear_cache();
-        }
-        if total - s.done <= 1 {
+        for s in self.running.iter_mut() {
+            if s.decoding() || rest(s) > 0 {
+                continue;
+            }
             // the prompt but its last token is in the cache: snapshot it, then decode
             s.embeds = None;
             if self.prefix.enabled() && s.done > s.cached && !s.no_prefix {
                 let tokens = s.req.prompt[..s.done].to_vec();
                 self.prefix.insert(tokens, s.cache.clone());
             }
-            let s = &mut self.running[idx];
             s.first_input = Some(Array::from_slice(&s.req.prompt[s.done..], &[1, 1])?);
         }
-        Ok(())
+        Ok(pass)
+    }
+
+    /// `n` more prompt tokens of each of `rows` (ascending indices into `running`) in one forward
+    /// pass; a single row may run from its merged image/audio embeddings. Returns the pass's logits.
+    fn prefill_rows(&mut self, rows: &[usize], n: usize) -> Result<Array> {
+        if let [i] = *rows {
+            let s = &mut self.running[i];
+            if (!s.req.images.is_empty() || !s.req.audio.is_empty()) && s.embeds.is_none() {
+                let tower =
+                    self.vision.ok_or_else(|| Error::Invalid("this model has no vision or audio tower".into()))?;
+                let pixels: Vec<&crate::vision::Pixels> = s.req.images.iter().map(|p| &**p).collect();
+                let mels: Vec<&crate::vision::audio::Mel> = s.req.audio.iter().map(|m| &**m).collect();
+                let e = tower.merged_media(self.model, &s.req.prompt, &pixels, &mels)?;
+                e.eval()?;
+                s.embeds = Some(e);
+            }
+        }
+        let ads = self.row_adapters(rows.iter().map(|&i| Some(i)));
+        let (model, staging) = (self.model, self.staging);
+        let embeds = match rows {
+            [i] => self.running[*i].embeds.as_ref().map(|e| {
+                let at = self.running[*i].done as i32;
+                mx::slice_axis(e, 1, at, at + n as i32)
+            }),
+            _ => None,
+        }
+        .transpose()?;
+        let tokens: Vec<i32> = rows
+            .iter()
+            .flat_map(|&i| {
+                let s = &self.running[i];
+                s.req.prompt[s.done..s.done + n].iter().copied()
+            })
+            .collect();
+        let tokens = Array::from_slice(&tokens, &[rows.len() as i32, n as i32])?;
+        let logits = {
+            let mut caches = Caches::many(row_caches(&mut self.running, rows));
+            crate::lora::with_rows(&ads, || match &embeds {
+                Some(e) => model.forward_embeds(e, &mut caches, staging),
+                None => model.forward_caches(&tokens, &mut caches, staging),
+            })?
+        };
+        for &i in rows {
+            maybe_quantize(&mut self.running[i].cache, &self.opts)?;
+        }
+        let state: Vec<&Array> =
+            rows.iter().flat_map(|&i| self.running[i].cache.iter().flat_map(|c| c.state())).collect();
+        mx::eval(&state)?;
+        for &i in rows {
+            let s = &mut self.running[i];
+            s.done += n;
+            let (done, total) = (s.done, s.req.prompt.len());
+            s.send(Event::Progress { done, total });
+        }
+        let st = &self.stats;
+        st.prefill_steps.fetch_add(1, Ordering::Relaxed);
+        st.prefill_rows.fetch_add(rows.len() as u64, Ordering::Relaxed);
+        st.prefill_max_rows.fetch_max(rows.len() as u64, Ordering::Relaxed);
+        mx::clear_cache();
+        Ok(logits)
     }
 
     /// One decode step for every running sequence past its prefill: queue step n+1 for all of them
@@ -599,7 +679,7 @@ impl<'a> Scheduler<'a> {
             if !s.decoding() {
                 continue;
             }
-            let after_pending = s.generated.len() + usize::from(s.pending.is_some());
+            let after_pending = s.generated.len() + usize::from(s.pending.is_some() && !s.early);
             if after_pending < s.req.max_tokens {
                 rows.push(i);
             }
@@ -682,16 +762,7 @@ impl<'a> Scheduler<'a> {
                 }
                 _ => {
                     let ads = self.row_adapters(rows.iter().map(|&i| Some(i)));
-                    let mut seqs: Vec<&mut [LayerCache]> = Vec::with_capacity(rows.len());
-                    let mut rest: &mut [Seq] = &mut self.running;
-                    let mut base = 0;
-                    for &i in &rows {
-                        let (_, tail) = rest.split_at_mut(i - base);
-                        let (s, tail) = tail.split_first_mut().expect("row index in range");
-                        seqs.push(&mut s.cache);
-                        rest = tail;
-                        base = i + 1;
-                    }
+                    let seqs = row_caches(&mut self.running, &rows);
                     let model = self.model;
                     crate::lora::with_rows(&ads, || {
                         model.forward_caches(&tokens, &mut Caches::many(seqs), Staging::NONE)
@@ -742,7 +813,7 @@ impl<'a> Scheduler<'a> {
                 let allowed = match &mut s.guide {
                     Some(g) => {
                         if let Some(p) = &s.pending {
-                            if g.fed == s.generated.len() {
+                            if !s.early && g.fed == s.generated.len() {
                                 g.consume(mx::with_stream(&readback, || p.token())?);
                             }
                         }
@@ -778,13 +849,14 @@ impl<'a> Scheduler<'a> {
             idx += 1;
             let s = &mut self.running[i];
             let prev = s.pending.take();
+            let early = std::mem::take(&mut s.early);
             if s.first_input.is_some() && next.is_some() {
                 s.first_input = None;
             }
             s.pending = next;
             let outcome = match prev {
-                Some(step) => self.emit(i, &step)?,
-                None => None,
+                Some(step) if !early => self.emit(i, &step)?,
+                _ => None,
             };
             // nothing queued and nothing left to read: max_tokens reached (0 included)
             let s = &self.running[i];
@@ -802,6 +874,42 @@ impl<'a> Scheduler<'a> {
                     let mut s = self.running.remove(i);
                     self.finish(&mut s, reason, stop, true);
                     // `queued` keeps its original indexing: shift by leaving `idx` as is
+                }
+                None => i += 1,
+            }
+        }
+        if !self.waiting.is_empty() || self.running.iter().any(|s| !s.decoding()) {
+            self.emit_now()?;
+        }
+        Ok(())
+    }
+
+    /// While prompts prefill, the step just queued is read back at once instead of at the next
+    /// decode step: that read comes after the next prefill pass, which would hold every token back
+    /// by a whole pass (a sequence's first token, and its first text when the detokenizer holds a
+    /// partial character back; with prompts arriving together, all of them until the last pass).
+    /// The double buffering is given up only while passes run, which dominate those iterations.
+    /// The step stays pending as the next step's input (`Seq::early`).
+    fn emit_now(&mut self) -> Result<()> {
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &mut self.running[i];
+            if s.early {
+                i += 1;
+                continue;
+            }
+            let Some(step) = s.pending.take() else {
+                i += 1;
+                continue;
+            };
+            let outcome = self.emit(i, &step)?;
+            let s = &mut self.running[i];
+            s.pending = Some(step);
+            s.early = true;
+            match outcome {
+                Some((reason, stop)) => {
+                    let mut s = self.running.remove(i);
+                    self.finish(&mut s, reason, stop, true);
                 }
                 None => i += 1,
             }
@@ -999,6 +1107,54 @@ impl<'a> Scheduler<'a> {
     }
 }
 
+/// The caches of `rows` (ascending indices into `seqs`), borrowed together for one forward pass.
+fn row_caches<'s>(seqs: &'s mut [Seq], rows: &[usize]) -> Vec<&'s mut [LayerCache]> {
+    let mut out: Vec<&mut [LayerCache]> = Vec::with_capacity(rows.len());
+    let mut rest: &mut [Seq] = seqs;
+    let mut base = 0;
+    for &i in rows {
+        let (_, tail) = rest.split_at_mut(i - base);
+        let (s, tail) = tail.split_first_mut().expect("row index in range");
+        out.push(&mut s.cache);
+        rest = tail;
+        base = i + 1;
+    }
+    out
+}
+
+/// Which prefilling rows one step runs, and how many tokens each: `left[k]` is the k-th candidate's
+/// prompt still to prefill (every one > 0), in admission order; the first, the oldest, is always in.
+/// Every row of the pass runs the same L tokens (a `[rows, L]` batch without padding): L is at most
+/// `step` (`prefill_step_size`) and the oldest row's rest. Among the lengths the candidates' rests
+/// give, the one that covers the most tokens within `budget` (rows x L, the oldest alone at least)
+/// wins, the longer on a tie: fewer rows, nearer to first come first served, which is what lowers
+/// the mean time to first token where a pass costs what its tokens cost (a busy CPU); where a pass
+/// costs much the same for one row as for many (a GPU on small chunks) the rows share it. A
+/// `budget` of 0 (or below L) is one row per step. With `exact`, a row runs only the chunk it would
+/// run alone (`step` tokens, then the rest): for caches whose content depends on where chunks end
+/// (a rotating cache that keeps its first tokens, `max_kv_size`; a quantized cache; mlx-lm's too),
+/// rows batch only when their next chunks are equally long.
+fn plan_prefill(left: &[usize], step: usize, budget: usize, exact: bool) -> (usize, Vec<usize>) {
+    let step = step.max(1);
+    let cap = step.min(left[0]);
+    if exact {
+        // the chunks a row alone would run: rows whose next chunk is the oldest's length
+        let rows = (0..left.len()).filter(|&k| left[k].min(step) == cap).take((budget / cap).max(1)).collect();
+        return (cap, rows);
+    }
+    let mut lens: Vec<usize> = left.iter().map(|&r| r.min(cap)).filter(|&l| l > 0).collect();
+    lens.sort_unstable();
+    lens.dedup();
+    let mut best = (0, cap, vec![0]);
+    for &l in lens.iter().rev() {
+        let rows: Vec<usize> = (0..left.len()).filter(|&k| left[k] >= l).take((budget / l).max(1)).collect();
+        if rows.len() * l > best.0 {
+            best = (rows.len() * l, l, rows);
+        }
+    }
+    (best.1, best.2)
+}
+
 /// mlx-lm's `maybe_quantize_kv_cache` with quantized_kv_start 0: full caches become quantized
 /// after every model call once kv_bits is set.
 fn maybe_quantize(cache: &mut [LayerCache], opts: &LoadOptions) -> Result<()> {
@@ -1102,4 +1258,171 @@ fn top_logprobs(lp: &Array, token: i32, k: usize) -> Result<TopLogprobs> {
         top.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal));
     }
     Ok((chosen.first().copied(), top))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::tests::tiny_llama_hd;
+
+    #[test]
+    fn plan_prefill_batches_equal_chunks_within_the_budget() {
+        // the oldest row is always in; every row runs the same number of tokens
+        assert_eq!(plan_prefill(&[5], 2048, 2048, false), (5, vec![0]));
+        assert_eq!(plan_prefill(&[100, 100, 100], 2048, 2048, false), (100, vec![0, 1, 2]));
+        // the length covering the most tokens: 3 rows x 40 beats 1 x 100 and 2 x 60
+        assert_eq!(plan_prefill(&[100, 40, 60, 50], 2048, 2048, false), (40, vec![0, 1, 2, 3]));
+        assert_eq!(plan_prefill(&[100, 10, 90], 2048, 2048, false), (90, vec![0, 2]));
+        // capped by prefill_step_size and by the oldest row's rest
+        assert_eq!(plan_prefill(&[5000, 6000], 2048, 8192, false), (2048, vec![0, 1]));
+        assert_eq!(plan_prefill(&[30, 500, 500], 2048, 2048, false), (30, vec![0, 1, 2]));
+        // the budget bounds rows x L; a tie keeps the longer chunk (fewer rows)
+        assert_eq!(plan_prefill(&[100, 100, 100, 100], 2048, 250, false), (100, vec![0, 1]));
+        assert_eq!(plan_prefill(&[100, 100, 50, 50, 50], 2048, 200, false), (100, vec![0, 1]));
+        assert_eq!(plan_prefill(&[100, 50, 50, 50, 50], 2048, 200, false), (50, vec![0, 1, 2, 3]));
+        // a budget of 0 (or below the chunk) is one row per step
+        assert_eq!(plan_prefill(&[100, 100], 2048, 0, false), (100, vec![0]));
+        assert_eq!(plan_prefill(&[100, 100], 64, 0, false), (64, vec![0]));
+        // exact chunks: only the rows whose next chunk alone is the oldest's
+        assert_eq!(plan_prefill(&[100, 40, 100, 3000], 2048, 2048, true), (100, vec![0, 2]));
+        assert_eq!(plan_prefill(&[3000, 40, 2048, 5000], 2048, 8192, true), (2048, vec![0, 2, 3]));
+        assert_eq!(plan_prefill(&[3000, 2048, 5000], 2048, 2048, true), (2048, vec![0]));
+    }
+
+    fn load(dir: &std::path::Path) -> (Box<dyn CausalLm>, Tokenizer) {
+        let cfg = crate::engine::read_config(dir).unwrap();
+        let model = crate::models::build(&cfg, crate::weights::Weights::load_dir(dir, &cfg).unwrap()).unwrap();
+        (model, Tokenizer::load(dir, &cfg).unwrap())
+    }
+
+    /// 8 prompts of mixed lengths (2 to 66 tokens), some sharing their start.
+    fn prompts() -> Vec<Vec<i32>> {
+        [2usize, 66, 11, 25, 5, 48, 17, 33]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|t| 2 + ((t * 7 + i * (t % 3)) % 62) as i32).collect())
+            .collect()
+    }
+
+    /// 1e-5 of the logits' scale (float32: a row batched with others sums in another order).
+    fn tol(want: &[f32]) -> f32 {
+        1e-5 * want.iter().fold(1f32, |m, x| m.max(x.abs()))
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    /// The logits of the last position of `head` prefilled alone from a fresh cache, in chunks of
+    /// `prefill_step_size` as the scheduler runs a sequence alone.
+    fn alone_prefill_logits(model: &dyn CausalLm, head: &[i32], opts: &LoadOptions) -> Vec<f32> {
+        let mut cache = model.make_cache(&CacheOptions { max_kv_size: opts.max_kv_size });
+        let mut last = None;
+        for chunk in head.chunks(opts.prefill_step_size as usize) {
+            let x = Array::from_slice(chunk, &[1, chunk.len() as i32]).unwrap();
+            last = Some(model.forward_caches(&x, &mut Caches::one(&mut cache), prefill_staging()).unwrap());
+            maybe_quantize(&mut cache, opts).unwrap();
+        }
+        let l = last.unwrap();
+        let n = l.dim(1);
+        mx::slice_axis(&l, 1, n - 1, n).unwrap().to_vec::<f32>().unwrap()
+    }
+
+    /// Prefill 8 prompts admitted together through the scheduler's own steps; each row's logits at
+    /// its last prefilled position, and at its first decode position (its cache as batched prefill
+    /// left it), against the one-at-a-time prefill of the same prompt from a fresh cache. Every pass
+    /// within the budget; `batched`: some pass ran several rows.
+    fn batched_prefill_matches_alone(opts: LoadOptions, budget: usize, batched: bool) {
+        let dir = tiny_llama_hd(32);
+        let (model, tok) = load(dir.path());
+        let stats = Arc::new(Stats::default());
+        let stream = Stream::default_stream().unwrap();
+        let mut opts = opts;
+        opts.prompt_cache_bytes = 0;
+        let mut sched = Scheduler::new(&*model, &tok, opts.clone(), stats.clone(), stream);
+        sched.prefill_budget = budget; // not MLXRS_BATCH_PREFILL's
+        let ps = prompts();
+        for p in &ps {
+            let (tx, _rx) = std::sync::mpsc::channel();
+            let req = crate::engine::Request { prompt: p.clone(), max_tokens: 4, ..Default::default() };
+            let s = sched.make_seq(req, EventSink::new(tx, 0), Arc::default(), None).unwrap();
+            sched.waiting.push_back(s);
+        }
+        sched.admit();
+        assert_eq!(sched.running.len(), ps.len());
+        let mut checked = 0;
+        while let Some((rows, logits)) = sched.prefill_step().unwrap() {
+            let n = logits.dim(1);
+            assert!(n <= opts.prefill_step_size && (rows.len() == 1 || rows.len() * n as usize <= budget));
+            for (k, &i) in rows.iter().enumerate() {
+                let s = &sched.running[i];
+                if !s.decoding() {
+                    continue; // more prompt to go
+                }
+                // the row's last prefilled position (prompt[len - 2])
+                let got = mx::slice_axis(&mx::slice_axis(&logits, 0, k as i32, k as i32 + 1).unwrap(), 1, n - 1, n)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                let want = alone_prefill_logits(&*model, &s.req.prompt[..s.req.prompt.len() - 1], &opts);
+                let d = max_diff(&got, &want);
+                assert!(
+                    d <= tol(&want),
+                    "prompt {i} ({} tokens): last prefill logits differ by {d}",
+                    s.req.prompt.len()
+                );
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, ps.iter().filter(|p| p.len() > 1).count());
+        // every row decodes next: its first decode logits from the cache batched prefill left
+        for s in sched.running.iter_mut() {
+            assert!(s.decoding());
+            let x = s.first_input.clone().unwrap();
+            let l = model.forward_caches(&x, &mut Caches::one(&mut s.cache), Staging::NONE).unwrap();
+            let got = l.to_vec::<f32>().unwrap();
+            let want = last_logits(&*model, &s.req.prompt, &opts, None).unwrap();
+            let d = max_diff(&got, &want);
+            assert!(d <= tol(&want), "prompt of {} tokens: first decode logits differ by {d}", s.req.prompt.len());
+        }
+        let (steps, rows) = (stats.prefill_steps.load(Ordering::Relaxed), stats.prefill_rows.load(Ordering::Relaxed));
+        let most = stats.prefill_max_rows.load(Ordering::Relaxed);
+        assert!(steps > 0 && rows >= steps && most as usize <= ps.len());
+        assert_eq!(most > 1, batched, "rows of the largest prefill pass: {most}");
+        assert_eq!(rows > steps, batched);
+    }
+
+    #[test]
+    fn batched_prefill_logits_match_one_at_a_time_full_cache() {
+        batched_prefill_matches_alone(LoadOptions::default(), 2048, true);
+    }
+
+    #[test]
+    fn batched_prefill_logits_match_one_at_a_time_rotating_cache() {
+        // a 16-slot rotating cache keeping its first 4 tokens: most prompts run past it, in chunks
+        // of 8 (where chunks end matters here: rows batch when their next chunks are equal)
+        let opts = LoadOptions { max_kv_size: Some(16), prefill_step_size: 8, ..Default::default() };
+        batched_prefill_matches_alone(opts, 2048, true);
+    }
+
+    #[test]
+    fn batched_prefill_logits_match_one_at_a_time_small_chunks_and_budget() {
+        // chunks of at most 8 tokens, at most 24 tokens a pass
+        batched_prefill_matches_alone(LoadOptions { prefill_step_size: 8, ..Default::default() }, 24, true);
+    }
+
+    #[test]
+    fn batched_prefill_logits_match_one_at_a_time_quantized_cache() {
+        for bits in [8, 4] {
+            let opts =
+                LoadOptions { kv_bits: Some(bits), kv_group_size: 32, prefill_step_size: 16, ..Default::default() };
+            batched_prefill_matches_alone(opts, 2048, true);
+        }
+    }
+
+    #[test]
+    fn prefill_one_row_per_step_when_off() {
+        batched_prefill_matches_alone(LoadOptions::default(), 0, false);
+    }
 }
