@@ -22,6 +22,7 @@ __all__ = [
     "_register_mlx_lib_dir",
     "_resolution_order",
     "_tiny_matmul",
+    "_op_count",
     "chat_template",
     "model_files",
     "generation_config",
@@ -117,6 +118,10 @@ def memory_limit() -> int:
 
 def _tiny_matmul() -> list[list[float]]:
     """`mlxrs info`'s tiny computation through MLX: [[0,1,2],[3,4,5]] @ ones(3,2), as rows."""
+
+def _op_count() -> int:
+    """MLX ops mlxrs has built since the process started (every thread; a compiled function or
+    custom kernel counts once): the difference over generated tokens is the ops per decode step."""
 
 # ---- test hooks: raw arrays as (bytes, shape, MLX dtype name) ---------------------------------
 

@@ -93,6 +93,13 @@ fn _tiny_matmul(py: Python<'_>) -> PyResult<Vec<Vec<f32>>> {
     native(py, mlxrs_core::info::tiny_matmul)
 }
 
+/// MLX ops built since the process started (mlxrs-core's `handle::op_count`, every thread): the
+/// difference over generated tokens is the ops per decode step (bench/ops_per_step.py).
+#[pyfunction]
+fn _op_count() -> u64 {
+    mlxrs_core::handle::op_count()
+}
+
 /// The chat template of a model directory (mlxrs-core's `tokenizer::chat_template`: the one
 /// precedence the tokenizer uses), or None.
 #[pyfunction]
@@ -346,6 +353,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_register_mlx_lib_dir, m)?)?;
     m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
     m.add_function(wrap_pyfunction!(_tiny_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(_op_count, m)?)?;
     m.add_function(wrap_pyfunction!(chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(model_files, m)?)?;
     m.add_function(wrap_pyfunction!(generation_config, m)?)?;

@@ -50,6 +50,84 @@ impl Linear {
         }
     }
 
+    /// Whether [`Linear::concat`] can stack these: all dense or all quantized alike (one
+    /// [`QuantSpec`], dtypes and the presence of quantization biases equal), one input width, a bias
+    /// on all or none, no adapter.
+    fn stackable(parts: &[Linear]) -> bool {
+        type Key = (bool, Dtype, i32, Option<QuantSpec>, Option<Dtype>, Option<Option<Dtype>>, Option<Dtype>);
+        let key = |l: &Linear| -> Option<Key> {
+            match l {
+                Linear::Dense { w, b, .. } => {
+                    Some((true, w.dtype(), w.dim(1), None, None, None, b.as_ref().map(Array::dtype)))
+                }
+                Linear::Quant { w, scales, biases, b, q } => Some((
+                    false,
+                    w.dtype(),
+                    w.dim(1),
+                    Some(*q),
+                    Some(scales.dtype()),
+                    Some(biases.as_ref().map(Array::dtype)),
+                    b.as_ref().map(Array::dtype),
+                )),
+                Linear::Lora(_) => None,
+            }
+        };
+        let Some(first) = parts.first().and_then(key) else { return false };
+        parts.iter().all(|p| key(p) == Some(first))
+    }
+
+    /// `parts` (linears of one input) as one linear whose output is theirs side by side, in order:
+    /// the weights (quantized: packed weights, scales and biases, row for row) and the biases
+    /// concatenated along the output axis and evaluated here, so that the parts' buffers go (the
+    /// resident weight bytes do not change). `Err(parts)`, unchanged, where they cannot be
+    /// ([`Linear::stackable`]): an adapter on one of them (LoRA/DoRA are added at run time per
+    /// module), different dtypes or quantizations, a bias on some only.
+    pub fn concat(parts: Vec<Linear>) -> Result<std::result::Result<Linear, Vec<Linear>>> {
+        if parts.len() < 2 || !Linear::stackable(&parts) {
+            return Ok(Err(parts));
+        }
+        let cat = |xs: Vec<&Array>| -> Result<Array> { mx::concatenate(&xs, 0) };
+        let bias = |xs: Vec<Option<&Array>>| -> Result<Option<Array>> {
+            xs.into_iter().collect::<Option<Vec<_>>>().map(cat).transpose()
+        };
+        let fused = match &parts[0] {
+            Linear::Dense { .. } => {
+                let (mut ws, mut bs) = (Vec::new(), Vec::new());
+                for p in &parts {
+                    if let Linear::Dense { w, b, .. } = p {
+                        ws.push(w);
+                        bs.push(b.as_ref());
+                    }
+                }
+                let (w, b) = (cat(ws)?, bias(bs)?);
+                let mut all = vec![&w];
+                all.extend(b.as_ref());
+                mx::eval(&all)?;
+                Linear::Dense { wt: mx::transpose(&w)?, w, b }
+            }
+            Linear::Quant { q, .. } => {
+                let q = *q;
+                let (mut ws, mut ss, mut qbs, mut bs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for p in &parts {
+                    if let Linear::Quant { w, scales, biases, b, .. } = p {
+                        ws.push(w);
+                        ss.push(scales);
+                        qbs.push(biases.as_ref());
+                        bs.push(b.as_ref());
+                    }
+                }
+                let (w, scales, biases, b) = (cat(ws)?, cat(ss)?, bias(qbs)?, bias(bs)?);
+                let mut all = vec![&w, &scales];
+                all.extend(biases.as_ref());
+                all.extend(b.as_ref());
+                mx::eval(&all)?;
+                Linear::Quant { w, scales, biases, b, q }
+            }
+            Linear::Lora(_) => return Ok(Err(parts)),
+        };
+        Ok(Ok(fused))
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match self {
             Linear::Dense { wt, b, .. } => match b {
@@ -66,6 +144,15 @@ impl Linear {
             Linear::Lora(l) => l.forward(x),
         }
     }
+}
+
+/// `0`: the dense decoders keep q/k/v and gate/up as separate projections (the reference path);
+/// otherwise they are fused at load ([`Attention::fuse`], [`Mlp::fuse`]). Read at every load.
+pub const FUSED_PROJ_ENV: &str = "MLXRS_FUSED_PROJ";
+
+/// Whether loads fuse projections now ([`FUSED_PROJ_ENV`]).
+pub fn fused_proj() -> bool {
+    !std::env::var(FUSED_PROJ_ENV).is_ok_and(|v| v.trim() == "0")
 }
 
 /// Rows of `x` (all but its last axis) from which a quantized matmul dequantizes its weight to the
@@ -579,11 +666,40 @@ pub struct QkNorm {
     pub k: RmsNorm,
 }
 
+/// The query, key and value projections of an [`Attention`].
+pub enum Qkv {
+    Separate {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+    },
+    /// One linear whose output is the query heads, then the key heads, then the value heads
+    /// ([`Attention::fuse`]): one matmul instead of three, and q, k, v as views of its output.
+    Fused(Linear),
+}
+
+impl Qkv {
+    /// The three projections of `{prefix}.{q,k,v}_proj` (`[q_out, hidden]`, `[kv_out, hidden]` twice).
+    pub fn load(ws: &mut Weights, prefix: &str, bias: bool, q_out: i32, kv_out: i32, hidden: i32) -> Result<Qkv> {
+        Ok(Qkv::Separate {
+            q: Linear::load(ws, &format!("{prefix}.q_proj"), bias, q_out, hidden)?,
+            k: Linear::load(ws, &format!("{prefix}.k_proj"), bias, kv_out, hidden)?,
+            v: Linear::load(ws, &format!("{prefix}.v_proj"), bias, kv_out, hidden)?,
+        })
+    }
+
+    /// The separate projections (None once fused).
+    pub fn separate(&self) -> Option<(&Linear, &Linear, &Linear)> {
+        match self {
+            Qkv::Separate { q, k, v } => Some((q, k, v)),
+            Qkv::Fused(_) => None,
+        }
+    }
+}
+
 /// Multi-head attention with grouped KV heads over an external cache.
 pub struct Attention {
-    pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
+    pub qkv: Qkv,
     pub o_proj: Linear,
     pub qk_norm: Option<QkNorm>,
     pub n_heads: i32,
@@ -719,20 +835,59 @@ impl Attention {
         mx::concatenate(&refs, 0)
     }
 
+    /// The q, k and v projections as one linear ([`Qkv::Fused`]) when [`Linear::concat`] can
+    /// stack them (else unchanged): the decode step then builds one matmul, one reshape, one
+    /// transpose and one split where it built three matmuls, reshapes and transposes.
+    pub fn fuse(mut self) -> Result<Attention> {
+        self.qkv = match self.qkv {
+            Qkv::Separate { q, k, v } => match Linear::concat(vec![q, k, v])? {
+                Ok(f) => Qkv::Fused(f),
+                Err(parts) => {
+                    let mut it = parts.into_iter();
+                    match (it.next(), it.next(), it.next()) {
+                        (Some(q), Some(k), Some(v)) => Qkv::Separate { q, k, v },
+                        _ => return Err(crate::Error::Invalid("fusing q/k/v lost a projection".into())),
+                    }
+                }
+            },
+            fused => fused,
+        };
+        Ok(self)
+    }
+
     /// q, k, v as `[B, heads, L, head_dim]` (before the rotary embedding).
     pub(crate) fn project(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let sh = x.shape();
         let (b, l) = (sh[0], sh[1]);
-        let heads = |t: Array, n: i32| -> Result<Array> { mx::reshape(&t, &[b, l, n, -1]) };
-        let mut q = heads(self.q_proj.forward(x)?, self.n_heads)?;
-        let mut k = heads(self.k_proj.forward(x)?, self.n_kv_heads)?;
-        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads)?;
-        if let Some(n) = &self.qk_norm {
-            q = n.q.forward(&q)?;
-            k = n.k.forward(&k)?;
-        }
         let perm = [0, 2, 1, 3];
-        Ok((mx::transpose_axes(&q, &perm)?, mx::transpose_axes(&k, &perm)?, mx::transpose_axes(&v, &perm)?))
+        match &self.qkv {
+            Qkv::Separate { q, k, v } => {
+                let heads = |t: Array, n: i32| -> Result<Array> { mx::reshape(&t, &[b, l, n, -1]) };
+                let mut q = heads(q.forward(x)?, self.n_heads)?;
+                let mut k = heads(k.forward(x)?, self.n_kv_heads)?;
+                let v = heads(v.forward(x)?, self.n_kv_heads)?;
+                if let Some(n) = &self.qk_norm {
+                    q = n.q.forward(&q)?;
+                    k = n.k.forward(&k)?;
+                }
+                Ok((mx::transpose_axes(&q, &perm)?, mx::transpose_axes(&k, &perm)?, mx::transpose_axes(&v, &perm)?))
+            }
+            Qkv::Fused(f) => {
+                // [B, L, heads + 2 kv_heads, head_dim] → [B, all heads, L, head_dim], split by head
+                let y = mx::reshape(&f.forward(x)?, &[b, l, self.n_heads + 2 * self.n_kv_heads, self.head_dim])?;
+                let y = mx::transpose_axes(&y, &perm)?;
+                let mut parts = mx::split_sections(&y, &[self.n_heads, self.n_heads + self.n_kv_heads], 1)?.into_iter();
+                let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+                    return Err(crate::Error::Mlx("the split of the fused q/k/v did not give three parts".into()));
+                };
+                // the per-head norm normalises each head's last axis: the same values in this layout
+                if let Some(n) = &self.qk_norm {
+                    q = n.q.forward(&q)?;
+                    k = n.k.forward(&k)?;
+                }
+                Ok((q, k, v))
+            }
+        }
     }
 
     /// Rotary embedding at the cache's offset, cache update, attention: `[B, heads, L, head_dim]`.
@@ -859,10 +1014,19 @@ pub fn finfo_min(d: Dtype) -> f64 {
 
 /// Gated MLP: `down(act(gate(x)) * up(x))`.
 pub struct Mlp {
-    pub gate: Linear,
-    pub up: Linear,
+    pub gate_up: GateUp,
     pub down: Linear,
     pub act: Activation,
+}
+
+/// The gate and up projections of an [`Mlp`].
+pub enum GateUp {
+    Separate {
+        gate: Linear,
+        up: Linear,
+    },
+    /// One linear whose output is the gate's, then up's ([`Mlp::fuse`]).
+    Fused(Linear),
 }
 
 #[derive(Clone, Copy)]
@@ -879,16 +1043,45 @@ impl Mlp {
     /// gate and up `[inter, hidden]`, down `[hidden, inter]`.
     pub fn load(ws: &mut Weights, prefix: &str, bias: bool, act: Activation, hidden: i32, inter: i32) -> Result<Mlp> {
         Ok(Mlp {
-            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), bias, inter, hidden)?,
-            up: Linear::load(ws, &format!("{prefix}.up_proj"), bias, inter, hidden)?,
+            gate_up: GateUp::Separate {
+                gate: Linear::load(ws, &format!("{prefix}.gate_proj"), bias, inter, hidden)?,
+                up: Linear::load(ws, &format!("{prefix}.up_proj"), bias, inter, hidden)?,
+            },
             down: Linear::load(ws, &format!("{prefix}.down_proj"), bias, hidden, inter)?,
             act,
         })
     }
 
+    /// The gate and up projections as one linear ([`GateUp::Fused`]) when [`Linear::concat`]
+    /// can stack them (else unchanged): one matmul and one split where there were two matmuls.
+    pub fn fuse(mut self) -> Result<Mlp> {
+        self.gate_up = match self.gate_up {
+            GateUp::Separate { gate, up } => match Linear::concat(vec![gate, up])? {
+                Ok(f) => GateUp::Fused(f),
+                Err(parts) => {
+                    let mut it = parts.into_iter();
+                    match (it.next(), it.next()) {
+                        (Some(gate), Some(up)) => GateUp::Separate { gate, up },
+                        _ => return Err(crate::Error::Invalid("fusing gate/up lost a projection".into())),
+                    }
+                }
+            },
+            fused => fused,
+        };
+        Ok(self)
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.gate.forward(x)?;
-        let u = self.up.forward(x)?;
+        let (g, u) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Fused(f) => {
+                let mut parts = mx::split(&f.forward(x)?, 2, -1)?.into_iter();
+                let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
+                    return Err(crate::Error::Mlx("the split of the fused gate/up did not give two parts".into()));
+                };
+                (g, u)
+            }
+        };
         let h = match self.act {
             Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
             Activation::GeluApprox => geglu(&g, &u)?,
@@ -1006,6 +1199,14 @@ impl Ffn {
                 Ffn::Dense(Mlp::load(ws, prefix, bias, Activation::Silu, hidden, inter)?)
             }
             super::FfnKind::Moe { .. } => Ffn::Moe(Box::new(SparseMoe::load_spec(ws, prefix, kind, hidden, spec)?)),
+        })
+    }
+
+    /// A dense FFN's gate and up projections fused ([`Mlp::fuse`]); a MoE unchanged.
+    pub fn fuse(self) -> Result<Ffn> {
+        Ok(match self {
+            Ffn::Dense(m) => Ffn::Dense(m.fuse()?),
+            moe => moe,
         })
     }
 
