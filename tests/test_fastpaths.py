@@ -70,7 +70,17 @@ def test_dequantized_matmul_matches_the_quantized_kernel(name, arch, kw):
 # q/k/v carry biases, qwen3_moe/glm4_moe have dense layers among the MoE ones
 FUSED_CASES = [
     (f"{a}-float32", a, {})
-    for a in ("llama", "qwen2", "qwen3", "gemma3_text", "ministral3", "mistral3", "qwen3_moe", "mixtral", "glm4_moe")
+    for a in (
+        "llama",
+        "qwen2",
+        "qwen3",
+        "gemma3_text",
+        "ministral3",
+        "mistral3_llama",
+        "qwen3_moe",
+        "mixtral",
+        "glm4_moe",
+    )
 ] + [(f"{a}-q4", a, dict(quant_bits=4)) for a in ("llama", "qwen2", "qwen3", "gemma3_text", "ministral3", "gpt_oss")]
 FUSED_CASES.append(("gpt_oss-float32", "gpt_oss", {}))
 PROMPT = [(7919 * i) % 500 + 3 for i in range(24)]

@@ -874,8 +874,13 @@ impl Attention {
             }
             Qkv::Fused(f) => {
                 // [B, L, heads + 2 kv_heads, head_dim] → [B, all heads, L, head_dim], split by head
-                let y = mx::reshape(&f.forward(x)?, &[b, l, self.n_heads + 2 * self.n_kv_heads, self.head_dim])?;
-                let y = mx::transpose_axes(&y, &perm)?;
+                // (one token: the transpose moves a length-1 axis, a reshape alone gives it)
+                let all = self.n_heads + 2 * self.n_kv_heads;
+                let y = if l == 1 {
+                    mx::reshape(&f.forward(x)?, &[b, all, 1, self.head_dim])?
+                } else {
+                    mx::transpose_axes(&mx::reshape(&f.forward(x)?, &[b, l, all, self.head_dim])?, &perm)?
+                };
                 let mut parts = mx::split_sections(&y, &[self.n_heads, self.n_heads + self.n_kv_heads], 1)?.into_iter();
                 let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
                     return Err(crate::Error::Mlx("the split of the fused q/k/v did not give three parts".into()));
@@ -921,7 +926,9 @@ impl Attention {
 
     /// The heads `[B, heads, L, head_dim]` back to `[B, L, hidden]` through the output projection.
     pub(crate) fn output(&self, out: &Array, b: i32, l: i32) -> Result<Array> {
-        let out = mx::reshape(&mx::transpose_axes(out, &[0, 2, 1, 3])?, &[b, l, -1])?;
+        // one token: [B, heads, 1, head_dim] has [B, 1, heads, head_dim]'s order, a reshape alone
+        let out = if l == 1 { out.clone() } else { mx::transpose_axes(out, &[0, 2, 1, 3])? };
+        let out = mx::reshape(&out, &[b, l, -1])?;
         self.o_proj.forward(&out)
     }
 }
@@ -1075,7 +1082,12 @@ impl Mlp {
         let (g, u) = match &self.gate_up {
             GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
             GateUp::Fused(f) => {
-                let mut parts = mx::split(&f.forward(x)?, 2, -1)?.into_iter();
+                let y = f.forward(x)?;
+                let rows = y.size() / (y.dim(-1).max(1) as usize);
+                if matches!(self.act, Activation::Silu) && rows <= COMPILED_NORM_MAX_ROWS {
+                    return self.down.forward(&compiled_as(&SPLIT_SWIGLU, split_swiglu, &[&y], false)?);
+                }
+                let mut parts = mx::split(&y, 2, -1)?.into_iter();
                 let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
                     return Err(crate::Error::Mlx("the split of the fused gate/up did not give two parts".into()));
                 };
@@ -1098,6 +1110,19 @@ static GELU: CompiledSlot = std::sync::OnceLock::new();
 static GEGLU: CompiledSlot = std::sync::OnceLock::new();
 static SOFTCAP: CompiledSlot = std::sync::OnceLock::new();
 
+static SPLIT_SWIGLU: CompiledSlot = std::sync::OnceLock::new();
+
+/// [`swiglu`] of the two halves of a fused gate/up output `[..., 2 inter]`: the split inside the
+/// compiled function, one op to build where the split and the activation were two. Traced per
+/// input shape (the halves' bounds are the traced shape's), so for decode-sized inputs only
+/// ([`COMPILED_NORM_MAX_ROWS`] rows, as the compiled norm).
+fn split_swiglu(a: &[Array]) -> Result<Vec<Array>> {
+    let y = &a[0];
+    let w = y.dim(-1) / 2;
+    let ax = y.ndim() as i32 - 1;
+    swiglu(&[mx::slice_axis(y, ax, 0, w)?, mx::slice_axis(y, ax, w, 2 * w)?])
+}
+
 /// `silu(gate) * up`, as mlx-lm's compiled `swiglu`.
 fn swiglu(a: &[Array]) -> Result<Vec<Array>> {
     let g = &a[0];
@@ -1107,7 +1132,17 @@ fn swiglu(a: &[Array]) -> Result<Vec<Array>> {
 /// Run `f` through MLX's compiler (shapeless, like mlx-lm's `@mx.compile(shapeless=True)`
 /// activations: one fused kernel on a GPU); falls back to the plain ops if compilation fails.
 fn compiled(slot: &'static CompiledSlot, f: fn(&[Array]) -> Result<Vec<Array>>, args: &[&Array]) -> Result<Array> {
-    let c = slot.get_or_init(|| mx::Compiled::new(f, true).ok().map(std::sync::Mutex::new));
+    compiled_as(slot, f, args, true)
+}
+
+/// [`compiled`], traced once per input shape unless `shapeless`.
+fn compiled_as(
+    slot: &'static CompiledSlot,
+    f: fn(&[Array]) -> Result<Vec<Array>>,
+    args: &[&Array],
+    shapeless: bool,
+) -> Result<Array> {
+    let c = slot.get_or_init(|| mx::Compiled::new(f, shapeless).ok().map(std::sync::Mutex::new));
     let out = match c {
         Some(m) => m.lock().unwrap_or_else(|e| e.into_inner()).call(args)?,
         None => f(&args.iter().map(|a| (*a).clone()).collect::<Vec<_>>())?,
