@@ -372,28 +372,57 @@ const COMPILED_NORM_MAX_ROWS: usize = 32;
 /// fuse, with bit-identical results (the same float32 operations in the same order; checked against
 /// the plain op in `compiled_rms_norm_is_bit_identical`). On a GPU `fast::rms_norm` is one kernel.
 pub fn compiled_rms_norm(x: &Array, w: &Array, eps: f32) -> Result<Array> {
-    type Shared = std::sync::Arc<std::sync::Mutex<mx::Compiled>>;
-    type Slots = std::sync::Mutex<std::collections::HashMap<u32, Option<Shared>>>;
-    static SLOTS: std::sync::OnceLock<Slots> = std::sync::OnceLock::new();
-    let slot = {
-        let mut m = SLOTS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-        m.entry(eps.to_bits())
-            .or_insert_with(|| {
-                mx::Compiled::new(move |a: &[Array]| Ok(vec![mx::rms_norm(&a[0], Some(&a[1]), eps)?]), false)
-                    .ok()
-                    .map(|c| std::sync::Arc::new(std::sync::Mutex::new(c)))
-            })
-            .clone()
-    };
+    static SLOTS: KeyedSlots<u32> = std::sync::OnceLock::new();
+    let slot = keyed_compiled(&SLOTS, eps.to_bits(), || {
+        mx::Compiled::new(move |a: &[Array]| Ok(vec![mx::rms_norm(&a[0], Some(&a[1]), eps)?]), false)
+    });
     match slot {
-        Some(c) => c
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .call(&[x, w])?
-            .into_iter()
-            .next()
-            .ok_or_else(|| crate::Error::Mlx("compiled rms_norm returned nothing".into())),
+        Some(c) => call_compiled(&c, &[x, w], "rms_norm"),
         None => mx::rms_norm(x, Some(w), eps),
+    }
+}
+
+type SharedCompiled = std::sync::Arc<std::sync::Mutex<mx::Compiled>>;
+type KeyedSlots<K> = std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<K, Option<SharedCompiled>>>>;
+
+/// The compiled function of `key` in `slots`, made by `make` on first use (None, remembered, where
+/// compiling failed: the caller runs the plain ops).
+fn keyed_compiled<K: std::hash::Hash + Eq>(
+    slots: &'static KeyedSlots<K>,
+    key: K,
+    make: impl FnOnce() -> Result<mx::Compiled>,
+) -> Option<SharedCompiled> {
+    let mut m = slots.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    m.entry(key).or_insert_with(|| make().ok().map(|c| std::sync::Arc::new(std::sync::Mutex::new(c)))).clone()
+}
+
+/// The first output of compiled function `c` (named `what` in errors) on `args`.
+fn call_compiled(c: &SharedCompiled, args: &[&Array], what: &str) -> Result<Array> {
+    c.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .call(args)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| crate::Error::Mlx(format!("compiled {what} returned nothing")))
+}
+
+/// `0`: the CPU rotary embedding of one token runs as separate ops; otherwise compiled
+/// ([`Rope::forward`]).
+pub const COMPILED_ROPE_ENV: &str = "MLXRS_CPU_COMPILED_ROPE";
+
+/// MLX's rope fallback formula ([`Rope::forward`]) on `x` `[B, H, L, D]`, its first `dims` features
+/// rotated with cos `c` and sin `s` (broadcast against its first `dims / 2`).
+fn rotate(dims: i32, x: &Array, c: &Array, s: &Array) -> Result<Array> {
+    let (d, half) = (x.dim(3), dims / 2);
+    let x1 = mx::slice_axis(x, 3, 0, half)?;
+    let x2 = mx::slice_axis(x, 3, half, dims)?;
+    let a = mx::subtract(&mx::multiply(&x1, c)?, &mx::multiply(&x2, s)?)?;
+    let b = mx::add(&mx::multiply(&x1, s)?, &mx::multiply(&x2, c)?)?;
+    if dims < d {
+        let rest = mx::slice_axis(x, 3, dims, d)?;
+        mx::concatenate(&[&a, &b, &rest], 3)
+    } else {
+        mx::concatenate(&[&a, &b], 3)
     }
 }
 
@@ -597,18 +626,23 @@ impl Rope {
         self.rotate(x, &c, &s)
     }
 
-    /// MLX's fallback formula with cos `c` and sin `s` broadcast against `x`'s first half-dims.
+    /// MLX's fallback formula ([`rotate`]) with cos `c` and sin `s` broadcast against `x`'s first
+    /// half-dims. One token per row (a decode step), on the CPU, as one compiled function per rotated
+    /// width, traced once per input shape (the nine slices, products and sums, one op to build
+    /// instead of nine; on this CPU bit-identical: MLX compiles its CPU kernels without FMA
+    /// contraction, `compiled_rope_is_bit_identical`); [`COMPILED_ROPE_ENV`] `0` turns it off.
     fn rotate(&self, x: &Array, c: &Array, s: &Array) -> Result<Array> {
-        let (d, half) = (x.dim(3), self.dims / 2);
-        let x1 = mx::slice_axis(x, 3, 0, half)?;
-        let x2 = mx::slice_axis(x, 3, half, self.dims)?;
-        let a = mx::subtract(&mx::multiply(&x1, c)?, &mx::multiply(&x2, s)?)?;
-        let b = mx::add(&mx::multiply(&x1, s)?, &mx::multiply(&x2, c)?)?;
-        if self.dims < d {
-            let rest = mx::slice_axis(x, 3, self.dims, d)?;
-            mx::concatenate(&[&a, &b, &rest], 3)
-        } else {
-            mx::concatenate(&[&a, &b], 3)
+        if x.dim(2) != 1 || std::env::var(COMPILED_ROPE_ENV).is_ok_and(|v| v.trim() == "0") {
+            return rotate(self.dims, x, c, s);
+        }
+        static SLOTS: KeyedSlots<i32> = std::sync::OnceLock::new();
+        let dims = self.dims;
+        let slot = keyed_compiled(&SLOTS, dims, || {
+            mx::Compiled::new(move |a: &[Array]| Ok(vec![rotate(dims, &a[0], &a[1], &a[2])?]), false)
+        });
+        match slot {
+            Some(f) => call_compiled(&f, &[x, c, s], "rope"),
+            None => rotate(dims, x, c, s),
         }
     }
 
@@ -1770,6 +1804,103 @@ fn route(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn rnd(shape: &[i32], seed: u64) -> Array {
+        mx::random_normal(shape, Dtype::Float32, &mx::random_key(seed).unwrap()).unwrap()
+    }
+
+    fn dense(out: i32, inp: i32, bias: bool, seed: u64) -> Linear {
+        let w = rnd(&[out, inp], seed);
+        Linear::Dense { wt: mx::transpose(&w).unwrap(), w, b: bias.then(|| rnd(&[out], seed + 100)) }
+    }
+
+    fn quant(out: i32, inp: i32, bias: bool, bits: i32, seed: u64) -> Linear {
+        let (w, scales, biases) = mx::quantize(&rnd(&[out, inp], seed), 64, bits).unwrap();
+        Linear::Quant {
+            w,
+            scales,
+            biases: Some(biases),
+            b: bias.then(|| rnd(&[out], seed + 100)),
+            q: QuantSpec::affine(64, bits),
+        }
+    }
+
+    /// The parts' outputs side by side (the oracle) against the concatenated linear's output, for
+    /// dense and quantized parts, with and without biases: equal to float32 rounding.
+    #[test]
+    fn concatenated_linears_give_their_parts_outputs() {
+        let x = rnd(&[2, 3, 128], 7);
+        let cases: Vec<(&str, Box<dyn Fn(i32, u64) -> Linear>)> = vec![
+            ("dense", Box::new(|o, s| dense(o, 128, false, s))),
+            ("dense+bias", Box::new(|o, s| dense(o, 128, true, s))),
+            ("q4", Box::new(|o, s| quant(o, 128, false, 4, s))),
+            ("q8+bias", Box::new(|o, s| quant(o, 128, true, 8, s))),
+        ];
+        for (name, make) in cases {
+            let parts: Vec<Linear> = [64, 32, 32].iter().enumerate().map(|(i, &o)| make(o, i as u64)).collect();
+            let outs: Vec<Array> = parts.iter().map(|p| p.forward(&x).unwrap()).collect();
+            let want = mx::concatenate(&outs.iter().collect::<Vec<_>>(), -1).unwrap().to_vec::<f32>().unwrap();
+            let fused = Linear::concat(parts).unwrap().unwrap_or_else(|_| panic!("{name}: not stacked"));
+            let got = fused.forward(&x).unwrap();
+            assert_eq!(got.shape(), vec![2, 3, 128], "{name}");
+            let got = got.to_vec::<f32>().unwrap();
+            let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff < 1e-4, "{name}: {diff}");
+        }
+    }
+
+    /// Parts that differ in form come back unchanged, in order.
+    #[test]
+    fn unlike_linears_are_not_concatenated() {
+        let sets: Vec<(&str, Vec<Linear>)> = vec![
+            ("dense and quantized", vec![dense(64, 128, false, 1), quant(32, 128, false, 4, 2)]),
+            ("4 and 8 bits", vec![quant(64, 128, false, 4, 1), quant(32, 128, false, 8, 2)]),
+            ("a bias on one only", vec![dense(64, 128, true, 1), dense(32, 128, false, 2)]),
+            ("other input widths", vec![dense(64, 128, false, 1), dense(32, 64, false, 2)]),
+        ];
+        for (name, parts) in sets {
+            let rows: Vec<i32> = parts
+                .iter()
+                .map(|p| match p {
+                    Linear::Dense { w, .. } | Linear::Quant { w, .. } => w.dim(0),
+                    Linear::Lora(_) => -1,
+                })
+                .collect();
+            let back = Linear::concat(parts).unwrap().err().unwrap_or_else(|| panic!("{name}: stacked"));
+            let back_rows: Vec<i32> = back
+                .iter()
+                .map(|p| match p {
+                    Linear::Dense { w, .. } | Linear::Quant { w, .. } => w.dim(0),
+                    Linear::Lora(_) => -1,
+                })
+                .collect();
+            assert_eq!(back_rows, rows, "{name}");
+        }
+    }
+
+    /// One token's rotary embedding, compiled, against the same formula as separate ops and
+    /// against MLX's own rope (whose CPU fallback it is): bit for bit, at several positions, for a
+    /// full and a partial rotation, a decode row and a batch of rows.
+    #[test]
+    fn compiled_rope_is_bit_identical() {
+        for (dims, shape) in [(64, [1, 4, 1, 64]), (32, [3, 2, 1, 64])] {
+            let rope = Rope::from_config(dims, 10000.0, false, None).unwrap();
+            let x = rnd(&shape, dims as u64);
+            for offset in [0, 5, 300] {
+                let (cos, sin) = rope.table(offset + 1, Dtype::Float32).unwrap();
+                let c = mx::slice_axis(&cos, 2, offset, offset + 1).unwrap();
+                let s = mx::slice_axis(&sin, 2, offset, offset + 1).unwrap();
+                let plain = rotate(dims, &x, &c, &s).unwrap().to_vec::<f32>().unwrap();
+                let mlx = rope.mlx_rope(&x, offset).unwrap().to_vec::<f32>().unwrap();
+                // twice: the first call traces, the second reuses the compiled function
+                for _ in 0..2 {
+                    let got = rope.forward(&x, offset).unwrap().to_vec::<f32>().unwrap();
+                    assert!(got.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits()), "{dims} {offset}");
+                    assert!(got.iter().zip(&mlx).all(|(a, b)| a.to_bits() == b.to_bits()), "{dims} {offset} mlx");
+                }
+            }
+        }
+    }
 
     #[test]
     fn compiled_rms_norm_is_bit_identical() {
