@@ -1830,11 +1830,12 @@ mod tests {
     #[test]
     fn concatenated_linears_give_their_parts_outputs() {
         let x = rnd(&[2, 3, 128], 7);
-        let cases: Vec<(&str, Box<dyn Fn(i32, u64) -> Linear>)> = vec![
-            ("dense", Box::new(|o, s| dense(o, 128, false, s))),
-            ("dense+bias", Box::new(|o, s| dense(o, 128, true, s))),
-            ("q4", Box::new(|o, s| quant(o, 128, false, 4, s))),
-            ("q8+bias", Box::new(|o, s| quant(o, 128, true, 8, s))),
+        type Make = fn(i32, u64) -> Linear;
+        let cases: [(&str, Make); 4] = [
+            ("dense", |o, s| dense(o, 128, false, s)),
+            ("dense+bias", |o, s| dense(o, 128, true, s)),
+            ("q4", |o, s| quant(o, 128, false, 4, s)),
+            ("q8+bias", |o, s| quant(o, 128, true, 8, s)),
         ];
         for (name, make) in cases {
             let parts: Vec<Linear> = [64, 32, 32].iter().enumerate().map(|(i, &o)| make(o, i as u64)).collect();
