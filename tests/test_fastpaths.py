@@ -98,8 +98,18 @@ def _decode(d, mode: str, monkeypatch) -> dict:
             s.generate(PROMPT, max_tokens=n, ignore_eos=True, temperature=0.0)
             counts.append(_native._op_count() - before)
         logits = np.array(s.logits(PROMPT), dtype=np.float32)
+        # more than 32 rows: the fused projections run part by part (Linear::forward_parts)
+        long = s.generate(PROMPT * 2, max_tokens=8, ignore_eos=True, temperature=0.0).tokens
+        long_logits = np.array(s.logits(PROMPT * 2), dtype=np.float32)
         memory = mlxrs.runtime_info()["active_memory"]
-    return {"tokens": tokens, "logits": logits, "ops": (counts[1] - counts[0]) / 8, "memory": memory}
+    return {
+        "tokens": tokens,
+        "logits": logits,
+        "long": long,
+        "long_logits": long_logits,
+        "ops": (counts[1] - counts[0]) / 8,
+        "memory": memory,
+    }
 
 
 @pytest.mark.parametrize("name,arch,kw", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
@@ -108,8 +118,10 @@ def test_fused_projections_match_the_separate_ones(name, arch, kw, monkeypatch):
     ref = _decode(d, "0", monkeypatch)
     fused = _decode(d, "1", monkeypatch)
     assert fused["tokens"] == ref["tokens"]
-    diff = float(np.max(np.abs(fused["logits"] - ref["logits"])))
-    assert diff < 1e-5, f"fused projections move the logits by {diff}"
+    assert fused["long"] == ref["long"]
+    for k in ("logits", "long_logits"):
+        diff = float(np.max(np.abs(fused[k] - ref[k])))
+        assert diff < 1e-5, f"fused projections move the {k} by {diff}"
     # every layer's q/k/v at least (gate/up: one matmul and a split for two matmuls)
     assert fused["ops"] < ref["ops"], (fused["ops"], ref["ops"])
     # the parts were dropped: no more resident bytes than the separate projections
