@@ -14,6 +14,11 @@ bench/bench_llamacpp.py; `MLXRS_TEST_CACHE` may point at a carried copy) on the 
 run: the bf16 weights written as a GGUF (BF16, llama.cpp's names and q/k permutation), `llama-quantize`
 to Q8_0 / Q4_K_M for the 8-bit / 4-bit rows, then `llama-bench -ngl 99 -fa 0,1` at the same prefill
 lengths and decode length, --runs repetitions (its mean per test).
+
+--ab-fused also opens a session with separate projections (MLXRS_FUSED_PROJ=0) beside the default
+(fused) one and alternates the three in the decode runs: `decode.mlxrs_unfused_tps`,
+`decode.fused_over_unfused`, the MLX ops per decode step of both (`decode.ops_per_step`) and whether
+they decode the same tokens.
 """
 
 from __future__ import annotations
@@ -255,6 +260,21 @@ def open_session(d: Path):
         return mlxrs.Session(d)
 
 
+def ops_per_step(sess, prompt: list[int]) -> float | None:
+    """MLX ops mlxrs builds per decode step (`mlxrs._native._op_count` over 8 and 24 generated
+    tokens); None for builds without the counter."""
+    from mlxrs import _native
+
+    if not hasattr(_native, "_op_count"):
+        return None
+    counts = []
+    for n in (8, 24):
+        before = _native._op_count()
+        run_mlxrs(sess, prompt, n)
+        counts.append(_native._op_count() - before)
+    return (counts[1] - counts[0]) / 16
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -268,6 +288,12 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
 
     ref, ref_tok = load(str(d))
     sess = open_session(d)
+    # separate projections (the reference path of the fused ones), alternated with the default
+    unfused = None
+    if args.ab_fused:
+        os.environ["MLXRS_FUSED_PROJ"] = "0"
+        unfused = open_session(d)
+        del os.environ["MLXRS_FUSED_PROJ"]
     key = mx.random.key(1)
     prompts = {
         n: [int(x) for x in mx.random.randint(0, 1000, (n,), key=key).tolist()] for n in {args.prompt, *args.prefill}
@@ -276,6 +302,8 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
     for n in sorted(prompts):
         run_mlxlm(ref, prompts[n], 8)
         run_mlxrs(sess, prompts[n], 8)
+        if unfused is not None:
+            run_mlxrs(unfused, prompts[n], 8)
     res: dict = {"weight_bytes": nbytes, "prefill": {}, "decode": {}}
     for n in args.prefill:
         rows: dict[str, list[float]] = {"mlxrs": [], "mlx-lm": []}
@@ -292,8 +320,18 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
     rows = {"mlxrs": [], "mlx-lm": []}
     div = []
     res["mlxrs_tokens"] = []
-    for _ in range(args.runs):
+    same_unfused = []
+    if unfused is not None:
+        rows["mlxrs unfused"] = []
+    for r in range(args.runs):
+        if unfused is not None and r % 2:  # the unfused session first every other run
+            u = run_mlxrs(unfused, prompts[args.prompt], args.gen)
         a = run_mlxrs(sess, prompts[args.prompt], args.gen)
+        if unfused is not None and not r % 2:
+            u = run_mlxrs(unfused, prompts[args.prompt], args.gen)
+        if unfused is not None:
+            rows["mlxrs unfused"].append(u[1])
+            same_unfused.append(first_divergence(a[2], u[2]))
         res["mlxrs_tokens"].append(a[2])
         b = run_mlxlm(ref, prompts[args.prompt], args.gen)
         rows["mlxrs"].append(a[1])
@@ -311,6 +349,14 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
         "runs": rows,
         "first_divergence": div,
     }
+    if unfused is not None:
+        res["decode"]["mlxrs_unfused_tps"] = med["mlxrs unfused"]
+        res["decode"]["fused_over_unfused"] = med["mlxrs"] / med["mlxrs unfused"]
+        res["decode"]["first_divergence_fused_vs_unfused"] = same_unfused
+        res["decode"]["ops_per_step"] = {"fused": ops_per_step(sess, prompts[args.prompt])}
+        res["decode"]["ops_per_step"]["unfused"] = ops_per_step(unfused, prompts[args.prompt])
+        unfused.close()
+        del unfused
     # the same batches through per-row attention (MLXRS_BATCH_KV=0), to show what the stacked KV buys
     sess_rows = None
     if args.batch:
@@ -386,6 +432,11 @@ def main() -> int:
     ap.add_argument("--prefill", default="512,2048")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--second-session", action="store_true")
+    ap.add_argument(
+        "--ab-fused",
+        action="store_true",
+        help="also decode through separate projections (MLXRS_FUSED_PROJ=0), alternating with the fused default",
+    )
     ap.add_argument(
         "--batch", default="", help="comma-separated batch sizes for aggregate decode (mlx-lm: batch_generate)"
     )

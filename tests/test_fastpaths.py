@@ -5,6 +5,11 @@ same comparison is made on the device, bench/RESULTS-gpu.md):
   `plan::DEQUANT_ROWS_CUDA` rows) against MLX's packed quantized kernel: the same greedy tokens and
   last-position logits within float32 rounding, forced on every matmul here with
   MLXRS_DEQUANT_PREFILL_ROWS=1.
+- fused projections (models/layers.rs `Linear::concat`: q/k/v as one linear, gate/up as one, for
+  the decoders built on models/llama.rs and gemma3_text) against the separate projections
+  (MLXRS_FUSED_PROJ=0): the same greedy tokens, last-position logits within 1e-5 (float32
+  activations, dense and 4-bit weights), fewer MLX ops per decode step (`mlxrs._native._op_count`)
+  and the same resident memory.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import sys
 import numpy as np
 import pytest
 
+import mlxrs
+from mlxrs import _native
 from tinymodels import make_model
 
 RUN = r"""
@@ -56,3 +63,66 @@ def test_dequantized_matmul_matches_the_quantized_kernel(name, arch, kw):
     diff = float(np.max(np.abs(np.array(fast["logits"]) - np.array(ref["logits"]))))
     assert diff < 1e-3, diff
     assert fast["tokens"] == ref["tokens"]
+
+
+# every architecture whose loader fuses (llama.rs's decoder and its users, gemma3_text), float32;
+# the dense ones also 4-bit (quantized weights, scales and biases stacked row for row); gpt_oss's
+# q/k/v carry biases, qwen3_moe/glm4_moe have dense layers among the MoE ones
+FUSED_CASES = [
+    (f"{a}-float32", a, {})
+    for a in (
+        "llama",
+        "qwen2",
+        "qwen3",
+        "gemma3_text",
+        "ministral3",
+        "mistral3_llama",
+        "qwen3_moe",
+        "mixtral",
+        "glm4_moe",
+    )
+] + [(f"{a}-q4", a, dict(quant_bits=4)) for a in ("llama", "qwen2", "qwen3", "gemma3_text", "ministral3", "gpt_oss")]
+FUSED_CASES.append(("gpt_oss-float32", "gpt_oss", {}))
+PROMPT = [(7919 * i) % 500 + 3 for i in range(24)]
+
+
+def _decode(d, mode: str, monkeypatch) -> dict:
+    """Greedy tokens, last-position logits, MLX ops per decode step and active memory of a Session
+    of `d` loaded with MLXRS_FUSED_PROJ=`mode`."""
+    monkeypatch.setenv("MLXRS_FUSED_PROJ", mode)
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        tokens = s.generate(PROMPT, max_tokens=24, ignore_eos=True, temperature=0.0).tokens
+        counts = []
+        for n in (4, 12):
+            before = _native._op_count()
+            s.generate(PROMPT, max_tokens=n, ignore_eos=True, temperature=0.0)
+            counts.append(_native._op_count() - before)
+        logits = np.array(s.logits(PROMPT), dtype=np.float32)
+        # more than 32 rows: the fused projections run part by part (Linear::forward_parts)
+        long = s.generate(PROMPT * 2, max_tokens=8, ignore_eos=True, temperature=0.0).tokens
+        long_logits = np.array(s.logits(PROMPT * 2), dtype=np.float32)
+        memory = mlxrs.runtime_info()["active_memory"]
+    return {
+        "tokens": tokens,
+        "logits": logits,
+        "long": long,
+        "long_logits": long_logits,
+        "ops": (counts[1] - counts[0]) / 8,
+        "memory": memory,
+    }
+
+
+@pytest.mark.parametrize("name,arch,kw", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_projections_match_the_separate_ones(name, arch, kw, monkeypatch):
+    d = make_model(name, arch, **kw)
+    ref = _decode(d, "0", monkeypatch)
+    fused = _decode(d, "1", monkeypatch)
+    assert fused["tokens"] == ref["tokens"]
+    assert fused["long"] == ref["long"]
+    for k in ("logits", "long_logits"):
+        diff = float(np.max(np.abs(fused[k] - ref[k])))
+        assert diff < 1e-5, f"fused projections move the {k} by {diff}"
+    # every layer's q/k/v at least (gate/up: one matmul and a split for two matmuls)
+    assert fused["ops"] < ref["ops"], (fused["ops"], ref["ops"])
+    # the parts were dropped: no more resident bytes than the separate projections
+    assert fused["memory"] <= ref["memory"] * 1.01 + (1 << 16), (fused["memory"], ref["memory"])

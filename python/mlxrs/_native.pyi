@@ -23,6 +23,7 @@ __all__ = [
     "_resolution_order",
     "_tiny_matmul",
     "describe",
+    "_op_count",
     "generation_config",
     "mlxrs_home",
     "set_memory_limit",
@@ -134,6 +135,10 @@ def memory_counters(reset_peak: bool = False) -> dict[str, int]:
 
 def _tiny_matmul() -> list[list[float]]:
     """`mlxrs info`'s tiny computation through MLX: [[0,1,2],[3,4,5]] @ ones(3,2), as rows."""
+
+def _op_count() -> int:
+    """MLX ops mlxrs has built since the process started (every thread; a compiled function or
+    custom kernel counts once): the difference over generated tokens is the ops per decode step."""
 
 # ---- test hooks: raw arrays as (bytes, shape, MLX dtype name) ---------------------------------
 

@@ -93,6 +93,13 @@ fn _tiny_matmul(py: Python<'_>) -> PyResult<Vec<Vec<f32>>> {
     native(py, mlxrs_core::info::tiny_matmul)
 }
 
+/// MLX ops built since the process started (mlxrs-core's `handle::op_count`, every thread): the
+/// difference over generated tokens is the ops per decode step (bench/ops_per_step.py).
+#[pyfunction]
+fn _op_count() -> u64 {
+    mlxrs_core::handle::op_count()
+}
+
 /// A model directory's generation_config.json as JSON text ("null" when it has none).
 #[pyfunction]
 fn generation_config(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
@@ -376,6 +383,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
     m.add_function(wrap_pyfunction!(_tiny_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
+    m.add_function(wrap_pyfunction!(_op_count, m)?)?;
     m.add_function(wrap_pyfunction!(generation_config, m)?)?;
     m.add_function(wrap_pyfunction!(mlxrs_home, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_limit, m)?)?;

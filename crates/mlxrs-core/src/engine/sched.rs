@@ -167,7 +167,7 @@ struct Shared {
 
 /// A queued step's result for one sequence.
 enum Step {
-    /// Sampled on its own: token [1], log-probabilities [V].
+    /// Sampled on its own: token [1], log-probabilities [1, V] (squeezed when read: most steps never are).
     Own(Array, Array),
     /// Row `row` of a shared batch.
     Shared(std::rc::Rc<Shared>, usize),
@@ -203,7 +203,7 @@ impl Step {
     /// Log-probabilities [V].
     fn logprobs(&self) -> Result<Array> {
         match self {
-            Step::Own(_, lp) => Ok(lp.clone()),
+            Step::Own(_, lp) => mx::squeeze(lp, &[0]),
             Step::Shared(s, r) => mx::squeeze(&mx::slice_axis(&s.lp, 0, *r as i32, *r as i32 + 1)?, &[0]),
         }
     }
@@ -773,9 +773,11 @@ impl<'a> Scheduler<'a> {
                 maybe_quantize(&mut self.running[i].cache, &self.opts)?;
             }
             let l = logits.dim(1);
-            let last = mx::squeeze(&mx::slice_axis(&logits, 1, l - 1, l)?, &[1])?; // [B, V]
-                                                                                   // greedy rows without logit processors or a constraint: sampled together (one argmax,
-                                                                                   // one read back)
+            // [B, V] (a decode step's logits are one position already: no slice)
+            let last = if l == 1 { logits.clone() } else { mx::slice_axis(&logits, 1, l - 1, l)? };
+            let last = mx::squeeze(&last, &[1])?;
+            // greedy rows without logit processors or a constraint: sampled together (one argmax,
+            // one read back)
             let simple: Vec<usize> = (0..rows.len())
                 .filter(|&r| self.running[rows[r]].sampler.is_plain_greedy() && self.running[rows[r]].guide.is_none())
                 .collect();
@@ -836,7 +838,7 @@ impl<'a> Scheduler<'a> {
                 let lp = if s.wants_logprobs() { reported_logprobs(&row, lp)? } else { lp };
                 outs.push(y.clone());
                 outs.push(lp.clone());
-                queued[i] = Some(Step::Own(y, mx::squeeze(&lp, &[0])?));
+                queued[i] = Some(Step::Own(y, lp));
             }
             let refs: Vec<&Array> = outs.iter().collect();
             mx::async_eval(&refs)?;

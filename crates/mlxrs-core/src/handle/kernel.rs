@@ -141,6 +141,7 @@ macro_rules! user_kernel {
                 }
                 let ins = VecArray::new(inputs);
                 let mut out = VecArray::new(&[]);
+                super::ops::count_op();
                 // SAFETY: every handle is live for the call; the result vector is owned by `out`.
                 check(unsafe { $apply(&mut out.0, self.0, ins.0, cfg.0, current_stream()) })?;
                 out.to_vec()

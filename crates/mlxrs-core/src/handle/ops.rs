@@ -10,8 +10,32 @@ use std::ffi::{CStr, CString};
 use std::os::raw::c_int;
 use std::path::Path;
 
+/// MLX ops built through this module since the process started (every thread; an op that returns
+/// several arrays, a compiled function and a custom kernel count once each). The engine's decode
+/// step is host-bound at batch 1 (~5–7.6 µs per op on an H200), so ops per step is the number to
+/// cut: `bench/ops_per_step.py` reads it through `mlxrs._native._op_count`.
+static OPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The ops built so far ([`OPS`]): the difference over a decode step is that step's op count.
+pub fn op_count() -> u64 {
+    OPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[inline]
+pub(crate) fn count_op() {
+    OPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// An op's single result (counted in [`OPS`]).
 #[inline]
 fn out1(f: impl FnOnce(*mut sys::mlx_array) -> c_int) -> Result<Array> {
+    count_op();
+    get1(f)
+}
+
+/// One array out of an mlx-c getter (not an op).
+#[inline]
+fn get1(f: impl FnOnce(*mut sys::mlx_array) -> c_int) -> Result<Array> {
     let mut r = Array::empty_raw();
     let rc = f(&mut r);
     let a = Array::from_raw(r);
@@ -48,7 +72,7 @@ impl VecArray {
     }
     pub(crate) fn to_vec(&self) -> Result<Vec<Array>> {
         let n = unsafe { sys::mlx_vector_array_size(self.0) };
-        (0..n).map(|i| out1(|r| unsafe { sys::mlx_vector_array_get(r, self.0, i) })).collect()
+        (0..n).map(|i| get1(|r| unsafe { sys::mlx_vector_array_get(r, self.0, i) })).collect()
     }
 }
 
@@ -119,6 +143,10 @@ pub fn clip(a: &Array, lo: Option<&Array>, hi: Option<&Array>) -> Result<Array> 
 }
 
 pub fn astype(a: &Array, dtype: Dtype) -> Result<Array> {
+    // MLX returns `a` itself for its own dtype: no call, no op counted
+    if a.dtype() == dtype {
+        return Ok(a.clone());
+    }
     out1(|r| unsafe { sys::mlx_astype(r, a.0, dtype.raw(), s()) })
 }
 
@@ -202,7 +230,16 @@ pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
 /// Split into `parts` equal pieces along `axis`.
 pub fn split(a: &Array, parts: i32, axis: i32) -> Result<Vec<Array>> {
     let mut v = VecArray::empty();
+    count_op();
     check(unsafe { sys::mlx_split(&mut v.0, a.0, parts, axis, s()) })?;
+    v.to_vec()
+}
+
+/// Split along `axis` before each of `indices` (one op with `indices.len() + 1` outputs).
+pub fn split_sections(a: &Array, indices: &[i32], axis: i32) -> Result<Vec<Array>> {
+    let mut v = VecArray::empty();
+    count_op();
+    check(unsafe { sys::mlx_split_sections(&mut v.0, a.0, indices.as_ptr(), indices.len(), axis, s()) })?;
     v.to_vec()
 }
 
@@ -438,6 +475,7 @@ pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, 
 /// Quantization of `w` along its last axis in `mode`: (packed weights, scales, biases — affine only).
 pub fn quantize_mode(w: &Array, group_size: i32, bits: i32, mode: QuantMode) -> Result<(Array, Array, Option<Array>)> {
     let mut v = VecArray::empty();
+    count_op();
     check(unsafe {
         sys::mlx_quantize(
             &mut v.0,
@@ -832,6 +870,7 @@ impl Compiled {
         let v = VecArray::new(inputs);
         let mut out = VecArray::empty();
         CLOSURE_ERROR.with(|c| c.borrow_mut().take());
+        count_op();
         let rc = unsafe { sys::mlx_closure_apply(&mut out.0, self.0, v.0) };
         check(rc).map_err(|e| match CLOSURE_ERROR.with(|c| c.borrow_mut().take()) {
             Some(inner) => Error::Mlx(format!("{inner} (in a compiled function: {e})")),

@@ -1,7 +1,7 @@
 //! Gemma 3 (text): sliding-window and global layers, qk-norm, scaled embeddings, `1 + w` norms,
 //! sandwich norms around attention and MLP, GELU (tanh) MLP.
 use super::arch::{self, Arch, AttnKind, LayerLayout};
-use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope};
+use super::layers::{Activation, Attention, Embedding, Linear, Mlp, QkNorm, Qkv, RmsNorm, Rope};
 use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::Caches;
 use crate::error::Result;
@@ -121,9 +121,7 @@ impl Model {
                 Rope::from_config(head_dim, theta, false, c.get("rope_scaling"))?
             };
             let attn = Attention {
-                q_proj: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), false, q_out, hidden)?,
-                k_proj: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), false, kv_out, hidden)?,
-                v_proj: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), false, kv_out, hidden)?,
+                qkv: Qkv::load(&mut w, &format!("{p}.self_attn"), false, q_out, kv_out, hidden)?,
                 o_proj: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), false, hidden, q_out)?,
                 qk_norm: Some(QkNorm {
                     q: RmsNorm::load_offset(&mut w, &format!("{p}.self_attn.q_norm"), eps, head_dim)?,
@@ -136,9 +134,11 @@ impl Model {
                 rope,
             };
             let norm = |w: &mut Weights, name: &str| RmsNorm::load_offset(w, &format!("{p}.{name}"), eps, hidden);
+            let mlp = Mlp::load(&mut w, &format!("{p}.mlp"), false, Activation::GeluApprox, hidden, inter)?;
+            let (attn, mlp) = if super::layers::fused_proj() { (attn.fuse()?, mlp.fuse()?) } else { (attn, mlp) };
             layers.push(Block {
                 attn,
-                mlp: Mlp::load(&mut w, &format!("{p}.mlp"), false, Activation::GeluApprox, hidden, inter)?,
+                mlp,
                 input_norm: norm(&mut w, "input_layernorm")?,
                 post_attn_norm: norm(&mut w, "post_attention_layernorm")?,
                 pre_ff_norm: norm(&mut w, "pre_feedforward_layernorm")?,

@@ -50,6 +50,130 @@ impl Linear {
         }
     }
 
+    /// Whether [`Linear::concat`] can stack these: all dense or all quantized alike (one
+    /// [`QuantSpec`], dtypes and the presence of quantization biases equal), one input width, a bias
+    /// on all or none, no adapter.
+    fn stackable(parts: &[Linear]) -> bool {
+        type Key = (bool, Dtype, i32, Option<QuantSpec>, Option<Dtype>, Option<Option<Dtype>>, Option<Dtype>);
+        let key = |l: &Linear| -> Option<Key> {
+            match l {
+                Linear::Dense { w, b, .. } => {
+                    Some((true, w.dtype(), w.dim(1), None, None, None, b.as_ref().map(Array::dtype)))
+                }
+                Linear::Quant { w, scales, biases, b, q } => Some((
+                    false,
+                    w.dtype(),
+                    w.dim(1),
+                    Some(*q),
+                    Some(scales.dtype()),
+                    Some(biases.as_ref().map(Array::dtype)),
+                    b.as_ref().map(Array::dtype),
+                )),
+                Linear::Lora(_) => None,
+            }
+        };
+        let Some(first) = parts.first().and_then(key) else { return false };
+        parts.iter().all(|p| key(p) == Some(first))
+    }
+
+    /// `parts` (linears of one input) as one linear whose output is theirs side by side, in order:
+    /// the weights (quantized: packed weights, scales and biases, row for row) and the biases
+    /// concatenated along the output axis and evaluated here, so that the parts' buffers go (the
+    /// resident weight bytes do not change). `Err(parts)`, unchanged, where they cannot be
+    /// ([`Linear::stackable`]): an adapter on one of them (LoRA/DoRA are added at run time per
+    /// module), different dtypes or quantizations, a bias on some only.
+    pub fn concat(parts: Vec<Linear>) -> Result<std::result::Result<Linear, Vec<Linear>>> {
+        if parts.len() < 2 || !Linear::stackable(&parts) {
+            return Ok(Err(parts));
+        }
+        let cat = |xs: Vec<&Array>| -> Result<Array> { mx::concatenate(&xs, 0) };
+        let bias = |xs: Vec<Option<&Array>>| -> Result<Option<Array>> {
+            xs.into_iter().collect::<Option<Vec<_>>>().map(cat).transpose()
+        };
+        let fused = match &parts[0] {
+            Linear::Dense { .. } => {
+                let (mut ws, mut bs) = (Vec::new(), Vec::new());
+                for p in &parts {
+                    if let Linear::Dense { w, b, .. } = p {
+                        ws.push(w);
+                        bs.push(b.as_ref());
+                    }
+                }
+                let (w, b) = (cat(ws)?, bias(bs)?);
+                let mut all = vec![&w];
+                all.extend(b.as_ref());
+                mx::eval(&all)?;
+                Linear::Dense { wt: mx::transpose(&w)?, w, b }
+            }
+            Linear::Quant { q, .. } => {
+                let q = *q;
+                let (mut ws, mut ss, mut qbs, mut bs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for p in &parts {
+                    if let Linear::Quant { w, scales, biases, b, .. } = p {
+                        ws.push(w);
+                        ss.push(scales);
+                        qbs.push(biases.as_ref());
+                        bs.push(b.as_ref());
+                    }
+                }
+                let (w, scales, biases, b) = (cat(ws)?, cat(ss)?, bias(qbs)?, bias(bs)?);
+                let mut all = vec![&w, &scales];
+                all.extend(biases.as_ref());
+                all.extend(b.as_ref());
+                mx::eval(&all)?;
+                Linear::Quant { w, scales, biases, b, q }
+            }
+            Linear::Lora(_) => return Ok(Err(parts)),
+        };
+        Ok(Ok(fused))
+    }
+
+    /// Output rows of a dense or quantized linear (what [`Linear::concat`] stacks).
+    fn out_rows(&self) -> Result<i32> {
+        match self {
+            Linear::Dense { w, .. } | Linear::Quant { w, .. } => Ok(w.dim(0)),
+            Linear::Lora(_) => Err(crate::Error::Invalid("the rows of a linear with adapters".into())),
+        }
+    }
+
+    /// The outputs of the parts of a [`Linear::concat`] (`rows` output rows each, in order), each
+    /// through its own rows of the weights (views: no copy), as the separate linears computed them.
+    /// For long inputs: one output of all the parts would live until the last part's reader is done,
+    /// where the separate outputs go one by one (measured: a 2048-token prefill of an 8-layer float32
+    /// model peaked 71 MB higher through the single output, tests/test_fit.py).
+    pub fn forward_parts(&self, x: &Array, rows: &[i32]) -> Result<Vec<Array>> {
+        let mut outs = Vec::with_capacity(rows.len());
+        let mut lo = 0;
+        for &n in rows {
+            let part = |a: &Array| mx::slice_axis(a, 0, lo, lo + n);
+            let y = match self {
+                Linear::Dense { w, b, .. } => {
+                    let wt = mx::transpose(&part(w)?)?;
+                    match b {
+                        Some(b) => mx::addmm(&part(b)?, x, &wt, 1.0, 1.0)?,
+                        None => mx::matmul(x, &wt)?,
+                    }
+                }
+                Linear::Quant { w, scales, biases, b, q } => {
+                    let qb = biases.as_ref().map(part).transpose()?;
+                    let y = quant_matmul(x, &part(w)?, &part(scales)?, qb.as_ref(), *q)?;
+                    match b {
+                        Some(b) => mx::add(&y, &part(b)?)?,
+                        None => y,
+                    }
+                }
+                Linear::Lora(_) => {
+                    return Err(crate::Error::Invalid(
+                        "forward_parts of a linear with adapters (never concatenated)".into(),
+                    ))
+                }
+            };
+            outs.push(y);
+            lo += n;
+        }
+        Ok(outs)
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match self {
             Linear::Dense { wt, b, .. } => match b {
@@ -66,6 +190,19 @@ impl Linear {
             Linear::Lora(l) => l.forward(x),
         }
     }
+}
+
+/// Up to how many rows (tokens × sequences) a fused projection runs as one matmul: decode steps.
+/// Longer inputs go through its parts ([`Linear::forward_parts`]).
+const FUSED_MAX_ROWS: i32 = 32;
+
+/// `0`: the dense decoders keep q/k/v and gate/up as separate projections (the reference path);
+/// otherwise they are fused at load ([`Attention::fuse`], [`Mlp::fuse`]). Read at every load.
+pub const FUSED_PROJ_ENV: &str = "MLXRS_FUSED_PROJ";
+
+/// Whether loads fuse projections now ([`FUSED_PROJ_ENV`]).
+pub fn fused_proj() -> bool {
+    !std::env::var(FUSED_PROJ_ENV).is_ok_and(|v| v.trim() == "0")
 }
 
 /// Rows of `x` (all but its last axis) from which a quantized matmul dequantizes its weight to the
@@ -285,28 +422,57 @@ const COMPILED_NORM_MAX_ROWS: usize = 32;
 /// fuse, with bit-identical results (the same float32 operations in the same order; checked against
 /// the plain op in `compiled_rms_norm_is_bit_identical`). On a GPU `fast::rms_norm` is one kernel.
 pub fn compiled_rms_norm(x: &Array, w: &Array, eps: f32) -> Result<Array> {
-    type Shared = std::sync::Arc<std::sync::Mutex<mx::Compiled>>;
-    type Slots = std::sync::Mutex<std::collections::HashMap<u32, Option<Shared>>>;
-    static SLOTS: std::sync::OnceLock<Slots> = std::sync::OnceLock::new();
-    let slot = {
-        let mut m = SLOTS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-        m.entry(eps.to_bits())
-            .or_insert_with(|| {
-                mx::Compiled::new(move |a: &[Array]| Ok(vec![mx::rms_norm(&a[0], Some(&a[1]), eps)?]), false)
-                    .ok()
-                    .map(|c| std::sync::Arc::new(std::sync::Mutex::new(c)))
-            })
-            .clone()
-    };
+    static SLOTS: KeyedSlots<u32> = std::sync::OnceLock::new();
+    let slot = keyed_compiled(&SLOTS, eps.to_bits(), || {
+        mx::Compiled::new(move |a: &[Array]| Ok(vec![mx::rms_norm(&a[0], Some(&a[1]), eps)?]), false)
+    });
     match slot {
-        Some(c) => c
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .call(&[x, w])?
-            .into_iter()
-            .next()
-            .ok_or_else(|| crate::Error::Mlx("compiled rms_norm returned nothing".into())),
+        Some(c) => call_compiled(&c, &[x, w], "rms_norm"),
         None => mx::rms_norm(x, Some(w), eps),
+    }
+}
+
+type SharedCompiled = std::sync::Arc<std::sync::Mutex<mx::Compiled>>;
+type KeyedSlots<K> = std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<K, Option<SharedCompiled>>>>;
+
+/// The compiled function of `key` in `slots`, made by `make` on first use (None, remembered, where
+/// compiling failed: the caller runs the plain ops).
+fn keyed_compiled<K: std::hash::Hash + Eq>(
+    slots: &'static KeyedSlots<K>,
+    key: K,
+    make: impl FnOnce() -> Result<mx::Compiled>,
+) -> Option<SharedCompiled> {
+    let mut m = slots.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    m.entry(key).or_insert_with(|| make().ok().map(|c| std::sync::Arc::new(std::sync::Mutex::new(c)))).clone()
+}
+
+/// The first output of compiled function `c` (named `what` in errors) on `args`.
+fn call_compiled(c: &SharedCompiled, args: &[&Array], what: &str) -> Result<Array> {
+    c.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .call(args)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| crate::Error::Mlx(format!("compiled {what} returned nothing")))
+}
+
+/// `0`: the CPU rotary embedding of one token runs as separate ops; otherwise compiled
+/// ([`Rope::forward`]).
+pub const COMPILED_ROPE_ENV: &str = "MLXRS_CPU_COMPILED_ROPE";
+
+/// MLX's rope fallback formula ([`Rope::forward`]) on `x` `[B, H, L, D]`, its first `dims` features
+/// rotated with cos `c` and sin `s` (broadcast against its first `dims / 2`).
+fn rotate(dims: i32, x: &Array, c: &Array, s: &Array) -> Result<Array> {
+    let (d, half) = (x.dim(3), dims / 2);
+    let x1 = mx::slice_axis(x, 3, 0, half)?;
+    let x2 = mx::slice_axis(x, 3, half, dims)?;
+    let a = mx::subtract(&mx::multiply(&x1, c)?, &mx::multiply(&x2, s)?)?;
+    let b = mx::add(&mx::multiply(&x1, s)?, &mx::multiply(&x2, c)?)?;
+    if dims < d {
+        let rest = mx::slice_axis(x, 3, dims, d)?;
+        mx::concatenate(&[&a, &b, &rest], 3)
+    } else {
+        mx::concatenate(&[&a, &b], 3)
     }
 }
 
@@ -510,18 +676,23 @@ impl Rope {
         self.rotate(x, &c, &s)
     }
 
-    /// MLX's fallback formula with cos `c` and sin `s` broadcast against `x`'s first half-dims.
+    /// MLX's fallback formula ([`rotate`]) with cos `c` and sin `s` broadcast against `x`'s first
+    /// half-dims. One token per row (a decode step), on the CPU, as one compiled function per rotated
+    /// width, traced once per input shape (the nine slices, products and sums, one op to build
+    /// instead of nine; on this CPU bit-identical: MLX compiles its CPU kernels without FMA
+    /// contraction, `compiled_rope_is_bit_identical`); [`COMPILED_ROPE_ENV`] `0` turns it off.
     fn rotate(&self, x: &Array, c: &Array, s: &Array) -> Result<Array> {
-        let (d, half) = (x.dim(3), self.dims / 2);
-        let x1 = mx::slice_axis(x, 3, 0, half)?;
-        let x2 = mx::slice_axis(x, 3, half, self.dims)?;
-        let a = mx::subtract(&mx::multiply(&x1, c)?, &mx::multiply(&x2, s)?)?;
-        let b = mx::add(&mx::multiply(&x1, s)?, &mx::multiply(&x2, c)?)?;
-        if self.dims < d {
-            let rest = mx::slice_axis(x, 3, self.dims, d)?;
-            mx::concatenate(&[&a, &b, &rest], 3)
-        } else {
-            mx::concatenate(&[&a, &b], 3)
+        if x.dim(2) != 1 || std::env::var(COMPILED_ROPE_ENV).is_ok_and(|v| v.trim() == "0") {
+            return rotate(self.dims, x, c, s);
+        }
+        static SLOTS: KeyedSlots<i32> = std::sync::OnceLock::new();
+        let dims = self.dims;
+        let slot = keyed_compiled(&SLOTS, dims, || {
+            mx::Compiled::new(move |a: &[Array]| Ok(vec![rotate(dims, &a[0], &a[1], &a[2])?]), false)
+        });
+        match slot {
+            Some(f) => call_compiled(&f, &[x, c, s], "rope"),
+            None => rotate(dims, x, c, s),
         }
     }
 
@@ -579,11 +750,40 @@ pub struct QkNorm {
     pub k: RmsNorm,
 }
 
+/// The query, key and value projections of an [`Attention`].
+pub enum Qkv {
+    Separate {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+    },
+    /// One linear whose output is the query heads, then the key heads, then the value heads
+    /// ([`Attention::fuse`]): one matmul instead of three, and q, k, v as views of its output.
+    Fused(Linear),
+}
+
+impl Qkv {
+    /// The three projections of `{prefix}.{q,k,v}_proj` (`[q_out, hidden]`, `[kv_out, hidden]` twice).
+    pub fn load(ws: &mut Weights, prefix: &str, bias: bool, q_out: i32, kv_out: i32, hidden: i32) -> Result<Qkv> {
+        Ok(Qkv::Separate {
+            q: Linear::load(ws, &format!("{prefix}.q_proj"), bias, q_out, hidden)?,
+            k: Linear::load(ws, &format!("{prefix}.k_proj"), bias, kv_out, hidden)?,
+            v: Linear::load(ws, &format!("{prefix}.v_proj"), bias, kv_out, hidden)?,
+        })
+    }
+
+    /// The separate projections (None once fused).
+    pub fn separate(&self) -> Option<(&Linear, &Linear, &Linear)> {
+        match self {
+            Qkv::Separate { q, k, v } => Some((q, k, v)),
+            Qkv::Fused(_) => None,
+        }
+    }
+}
+
 /// Multi-head attention with grouped KV heads over an external cache.
 pub struct Attention {
-    pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
+    pub qkv: Qkv,
     pub o_proj: Linear,
     pub qk_norm: Option<QkNorm>,
     pub n_heads: i32,
@@ -719,20 +919,80 @@ impl Attention {
         mx::concatenate(&refs, 0)
     }
 
+    /// The q, k and v projections as one linear ([`Qkv::Fused`]) when [`Linear::concat`] can
+    /// stack them (else unchanged): the decode step then builds one matmul, one reshape, one
+    /// transpose and one split where it built three matmuls, reshapes and transposes.
+    pub fn fuse(mut self) -> Result<Attention> {
+        self.qkv = match self.qkv {
+            Qkv::Separate { q, k, v } => match Linear::concat(vec![q, k, v])? {
+                Ok(f) => Qkv::Fused(f),
+                Err(parts) => {
+                    let mut it = parts.into_iter();
+                    match (it.next(), it.next(), it.next()) {
+                        (Some(q), Some(k), Some(v)) => Qkv::Separate { q, k, v },
+                        _ => return Err(crate::Error::Invalid("fusing q/k/v lost a projection".into())),
+                    }
+                }
+            },
+            fused => fused,
+        };
+        Ok(self)
+    }
+
     /// q, k, v as `[B, heads, L, head_dim]` (before the rotary embedding).
     pub(crate) fn project(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let sh = x.shape();
         let (b, l) = (sh[0], sh[1]);
-        let heads = |t: Array, n: i32| -> Result<Array> { mx::reshape(&t, &[b, l, n, -1]) };
-        let mut q = heads(self.q_proj.forward(x)?, self.n_heads)?;
-        let mut k = heads(self.k_proj.forward(x)?, self.n_kv_heads)?;
-        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads)?;
+        let perm = [0, 2, 1, 3];
+        let (q_out, kv_out) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
+        let separate = match &self.qkv {
+            Qkv::Separate { q, k, v } => Some((q.forward(x)?, k.forward(x)?, v.forward(x)?)),
+            // long inputs (prefill) through the fused weight's parts: separate outputs
+            Qkv::Fused(f) if b * l > FUSED_MAX_ROWS => {
+                let mut p = f.forward_parts(x, &[q_out, kv_out, kv_out])?.into_iter();
+                match (p.next(), p.next(), p.next()) {
+                    (Some(q), Some(k), Some(v)) => Some((q, k, v)),
+                    _ => return Err(crate::Error::Mlx("the fused q/k/v did not give three parts".into())),
+                }
+            }
+            Qkv::Fused(_) => None,
+        };
+        if let Some((q, k, v)) = separate {
+            let heads = |t: Array, n: i32| -> Result<Array> { mx::reshape(&t, &[b, l, n, -1]) };
+            let mut q = heads(q, self.n_heads)?;
+            let mut k = heads(k, self.n_kv_heads)?;
+            let v = heads(v, self.n_kv_heads)?;
+            if let Some(n) = &self.qk_norm {
+                q = n.q.forward(&q)?;
+                k = n.k.forward(&k)?;
+            }
+            return Ok((
+                mx::transpose_axes(&q, &perm)?,
+                mx::transpose_axes(&k, &perm)?,
+                mx::transpose_axes(&v, &perm)?,
+            ));
+        }
+        let Qkv::Fused(f) = &self.qkv else {
+            return Err(crate::Error::Invalid("q/k/v neither separate nor fused".into()));
+        };
+        // [B, L, heads + 2 kv_heads, head_dim] → [B, all heads, L, head_dim], split by head
+        // (one token: the transpose moves a length-1 axis, a reshape alone gives it)
+        let all = self.n_heads + 2 * self.n_kv_heads;
+        let y = if l == 1 {
+            mx::reshape(&f.forward(x)?, &[b, all, 1, self.head_dim])?
+        } else {
+            mx::transpose_axes(&mx::reshape(&f.forward(x)?, &[b, l, all, self.head_dim])?, &perm)?
+        };
+        let mut parts = mx::split_sections(&y, &[self.n_heads, self.n_heads + self.n_kv_heads], 1)?.into_iter();
+        let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(crate::Error::Mlx("the split of the fused q/k/v did not give three parts".into()));
+        };
+        // the per-head norm normalises each head's last axis: the same values in this layout
         if let Some(n) = &self.qk_norm {
             q = n.q.forward(&q)?;
             k = n.k.forward(&k)?;
         }
-        let perm = [0, 2, 1, 3];
-        Ok((mx::transpose_axes(&q, &perm)?, mx::transpose_axes(&k, &perm)?, mx::transpose_axes(&v, &perm)?))
+        Ok((q, k, v))
     }
 
     /// Rotary embedding at the cache's offset, cache update, attention: `[B, heads, L, head_dim]`.
@@ -766,7 +1026,9 @@ impl Attention {
 
     /// The heads `[B, heads, L, head_dim]` back to `[B, L, hidden]` through the output projection.
     pub(crate) fn output(&self, out: &Array, b: i32, l: i32) -> Result<Array> {
-        let out = mx::reshape(&mx::transpose_axes(out, &[0, 2, 1, 3])?, &[b, l, -1])?;
+        // one token: [B, heads, 1, head_dim] has [B, 1, heads, head_dim]'s order, a reshape alone
+        let out = if l == 1 { out.clone() } else { mx::transpose_axes(out, &[0, 2, 1, 3])? };
+        let out = mx::reshape(&out, &[b, l, -1])?;
         self.o_proj.forward(&out)
     }
 }
@@ -859,10 +1121,19 @@ pub fn finfo_min(d: Dtype) -> f64 {
 
 /// Gated MLP: `down(act(gate(x)) * up(x))`.
 pub struct Mlp {
-    pub gate: Linear,
-    pub up: Linear,
+    pub gate_up: GateUp,
     pub down: Linear,
     pub act: Activation,
+}
+
+/// The gate and up projections of an [`Mlp`].
+pub enum GateUp {
+    Separate {
+        gate: Linear,
+        up: Linear,
+    },
+    /// One linear whose output is the gate's, then up's ([`Mlp::fuse`]).
+    Fused(Linear),
 }
 
 #[derive(Clone, Copy)]
@@ -879,16 +1150,59 @@ impl Mlp {
     /// gate and up `[inter, hidden]`, down `[hidden, inter]`.
     pub fn load(ws: &mut Weights, prefix: &str, bias: bool, act: Activation, hidden: i32, inter: i32) -> Result<Mlp> {
         Ok(Mlp {
-            gate: Linear::load(ws, &format!("{prefix}.gate_proj"), bias, inter, hidden)?,
-            up: Linear::load(ws, &format!("{prefix}.up_proj"), bias, inter, hidden)?,
+            gate_up: GateUp::Separate {
+                gate: Linear::load(ws, &format!("{prefix}.gate_proj"), bias, inter, hidden)?,
+                up: Linear::load(ws, &format!("{prefix}.up_proj"), bias, inter, hidden)?,
+            },
             down: Linear::load(ws, &format!("{prefix}.down_proj"), bias, hidden, inter)?,
             act,
         })
     }
 
+    /// The gate and up projections as one linear ([`GateUp::Fused`]) when [`Linear::concat`]
+    /// can stack them (else unchanged): one matmul and one split where there were two matmuls.
+    pub fn fuse(mut self) -> Result<Mlp> {
+        self.gate_up = match self.gate_up {
+            GateUp::Separate { gate, up } => match Linear::concat(vec![gate, up])? {
+                Ok(f) => GateUp::Fused(f),
+                Err(parts) => {
+                    let mut it = parts.into_iter();
+                    match (it.next(), it.next()) {
+                        (Some(gate), Some(up)) => GateUp::Separate { gate, up },
+                        _ => return Err(crate::Error::Invalid("fusing gate/up lost a projection".into())),
+                    }
+                }
+            },
+            fused => fused,
+        };
+        Ok(self)
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.gate.forward(x)?;
-        let u = self.up.forward(x)?;
+        let (g, u) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Fused(f) if x.size() / (x.dim(-1).max(1) as usize) > FUSED_MAX_ROWS as usize => {
+                // long inputs (prefill) through the fused weight's parts: separate outputs
+                let inter = f.out_rows()? / 2;
+                let mut p = f.forward_parts(x, &[inter, inter])?.into_iter();
+                match (p.next(), p.next()) {
+                    (Some(g), Some(u)) => (g, u),
+                    _ => return Err(crate::Error::Mlx("the fused gate/up did not give two parts".into())),
+                }
+            }
+            GateUp::Fused(f) => {
+                let y = f.forward(x)?;
+                let rows = y.size() / (y.dim(-1).max(1) as usize);
+                if matches!(self.act, Activation::Silu) && rows <= COMPILED_NORM_MAX_ROWS {
+                    return self.down.forward(&compiled_as(&SPLIT_SWIGLU, split_swiglu, &[&y], false)?);
+                }
+                let mut parts = mx::split(&y, 2, -1)?.into_iter();
+                let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
+                    return Err(crate::Error::Mlx("the split of the fused gate/up did not give two parts".into()));
+                };
+                (g, u)
+            }
+        };
         let h = match self.act {
             Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
             Activation::GeluApprox => geglu(&g, &u)?,
@@ -905,6 +1219,19 @@ static GELU: CompiledSlot = std::sync::OnceLock::new();
 static GEGLU: CompiledSlot = std::sync::OnceLock::new();
 static SOFTCAP: CompiledSlot = std::sync::OnceLock::new();
 
+static SPLIT_SWIGLU: CompiledSlot = std::sync::OnceLock::new();
+
+/// [`swiglu`] of the two halves of a fused gate/up output `[..., 2 inter]`: the split inside the
+/// compiled function, one op to build where the split and the activation were two. Traced per
+/// input shape (the halves' bounds are the traced shape's), so for decode-sized inputs only
+/// ([`COMPILED_NORM_MAX_ROWS`] rows, as the compiled norm).
+fn split_swiglu(a: &[Array]) -> Result<Vec<Array>> {
+    let y = &a[0];
+    let w = y.dim(-1) / 2;
+    let ax = y.ndim() as i32 - 1;
+    swiglu(&[mx::slice_axis(y, ax, 0, w)?, mx::slice_axis(y, ax, w, 2 * w)?])
+}
+
 /// `silu(gate) * up`, as mlx-lm's compiled `swiglu`.
 fn swiglu(a: &[Array]) -> Result<Vec<Array>> {
     let g = &a[0];
@@ -914,7 +1241,17 @@ fn swiglu(a: &[Array]) -> Result<Vec<Array>> {
 /// Run `f` through MLX's compiler (shapeless, like mlx-lm's `@mx.compile(shapeless=True)`
 /// activations: one fused kernel on a GPU); falls back to the plain ops if compilation fails.
 fn compiled(slot: &'static CompiledSlot, f: fn(&[Array]) -> Result<Vec<Array>>, args: &[&Array]) -> Result<Array> {
-    let c = slot.get_or_init(|| mx::Compiled::new(f, true).ok().map(std::sync::Mutex::new));
+    compiled_as(slot, f, args, true)
+}
+
+/// [`compiled`], traced once per input shape unless `shapeless`.
+fn compiled_as(
+    slot: &'static CompiledSlot,
+    f: fn(&[Array]) -> Result<Vec<Array>>,
+    args: &[&Array],
+    shapeless: bool,
+) -> Result<Array> {
+    let c = slot.get_or_init(|| mx::Compiled::new(f, shapeless).ok().map(std::sync::Mutex::new));
     let out = match c {
         Some(m) => m.lock().unwrap_or_else(|e| e.into_inner()).call(args)?,
         None => f(&args.iter().map(|a| (*a).clone()).collect::<Vec<_>>())?,
@@ -1006,6 +1343,14 @@ impl Ffn {
                 Ffn::Dense(Mlp::load(ws, prefix, bias, Activation::Silu, hidden, inter)?)
             }
             super::FfnKind::Moe { .. } => Ffn::Moe(Box::new(SparseMoe::load_spec(ws, prefix, kind, hidden, spec)?)),
+        })
+    }
+
+    /// A dense FFN's gate and up projections fused ([`Mlp::fuse`]); a MoE unchanged.
+    pub fn fuse(self) -> Result<Ffn> {
+        Ok(match self {
+            Ffn::Dense(m) => Ffn::Dense(m.fuse()?),
+            moe => moe,
         })
     }
 
@@ -1534,6 +1879,110 @@ fn route(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn rnd(shape: &[i32], seed: u64) -> Array {
+        mx::random_normal(shape, Dtype::Float32, &mx::random_key(seed).unwrap()).unwrap()
+    }
+
+    fn dense(out: i32, inp: i32, bias: bool, seed: u64) -> Linear {
+        let w = rnd(&[out, inp], seed);
+        Linear::Dense { wt: mx::transpose(&w).unwrap(), w, b: bias.then(|| rnd(&[out], seed + 100)) }
+    }
+
+    fn quant(out: i32, inp: i32, bias: bool, bits: i32, seed: u64) -> Linear {
+        let (w, scales, biases) = mx::quantize(&rnd(&[out, inp], seed), 64, bits).unwrap();
+        Linear::Quant {
+            w,
+            scales,
+            biases: Some(biases),
+            b: bias.then(|| rnd(&[out], seed + 100)),
+            q: QuantSpec::affine(64, bits),
+        }
+    }
+
+    /// The parts' outputs side by side (the oracle) against the concatenated linear's output, for
+    /// dense and quantized parts, with and without biases: equal to float32 rounding.
+    #[test]
+    fn concatenated_linears_give_their_parts_outputs() {
+        let x = rnd(&[2, 3, 128], 7);
+        type Make = fn(i32, u64) -> Linear;
+        let cases: [(&str, Make); 4] = [
+            ("dense", |o, s| dense(o, 128, false, s)),
+            ("dense+bias", |o, s| dense(o, 128, true, s)),
+            ("q4", |o, s| quant(o, 128, false, 4, s)),
+            ("q8+bias", |o, s| quant(o, 128, true, 8, s)),
+        ];
+        for (name, make) in cases {
+            let parts: Vec<Linear> = [64, 32, 32].iter().enumerate().map(|(i, &o)| make(o, i as u64)).collect();
+            let outs: Vec<Array> = parts.iter().map(|p| p.forward(&x).unwrap()).collect();
+            let want = mx::concatenate(&outs.iter().collect::<Vec<_>>(), -1).unwrap().to_vec::<f32>().unwrap();
+            let fused = Linear::concat(parts).unwrap().unwrap_or_else(|_| panic!("{name}: not stacked"));
+            // part by part (the long-input path): each part's own output
+            for (i, (p, want)) in fused.forward_parts(&x, &[64, 32, 32]).unwrap().iter().zip(&outs).enumerate() {
+                let (p, want) = (p.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+                let diff = p.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(p.len() == want.len() && diff < 1e-5, "{name} part {i}: {diff}");
+            }
+            let got = fused.forward(&x).unwrap();
+            assert_eq!(got.shape(), vec![2, 3, 128], "{name}");
+            let got = got.to_vec::<f32>().unwrap();
+            let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff < 1e-4, "{name}: {diff}");
+        }
+    }
+
+    /// Parts that differ in form come back unchanged, in order.
+    #[test]
+    fn unlike_linears_are_not_concatenated() {
+        let sets: Vec<(&str, Vec<Linear>)> = vec![
+            ("dense and quantized", vec![dense(64, 128, false, 1), quant(32, 128, false, 4, 2)]),
+            ("4 and 8 bits", vec![quant(64, 128, false, 4, 1), quant(32, 128, false, 8, 2)]),
+            ("a bias on one only", vec![dense(64, 128, true, 1), dense(32, 128, false, 2)]),
+            ("other input widths", vec![dense(64, 128, false, 1), dense(32, 64, false, 2)]),
+        ];
+        for (name, parts) in sets {
+            let rows: Vec<i32> = parts
+                .iter()
+                .map(|p| match p {
+                    Linear::Dense { w, .. } | Linear::Quant { w, .. } => w.dim(0),
+                    Linear::Lora(_) => -1,
+                })
+                .collect();
+            let back = Linear::concat(parts).unwrap().err().unwrap_or_else(|| panic!("{name}: stacked"));
+            let back_rows: Vec<i32> = back
+                .iter()
+                .map(|p| match p {
+                    Linear::Dense { w, .. } | Linear::Quant { w, .. } => w.dim(0),
+                    Linear::Lora(_) => -1,
+                })
+                .collect();
+            assert_eq!(back_rows, rows, "{name}");
+        }
+    }
+
+    /// One token's rotary embedding, compiled, against the same formula as separate ops and
+    /// against MLX's own rope (whose CPU fallback it is): bit for bit, at several positions, for a
+    /// full and a partial rotation, a decode row and a batch of rows.
+    #[test]
+    fn compiled_rope_is_bit_identical() {
+        for (dims, shape) in [(64, [1, 4, 1, 64]), (32, [3, 2, 1, 64])] {
+            let rope = Rope::from_config(dims, 10000.0, false, None).unwrap();
+            let x = rnd(&shape, dims as u64);
+            for offset in [0, 5, 300] {
+                let (cos, sin) = rope.table(offset + 1, Dtype::Float32).unwrap();
+                let c = mx::slice_axis(&cos, 2, offset, offset + 1).unwrap();
+                let s = mx::slice_axis(&sin, 2, offset, offset + 1).unwrap();
+                let plain = rotate(dims, &x, &c, &s).unwrap().to_vec::<f32>().unwrap();
+                let mlx = rope.mlx_rope(&x, offset).unwrap().to_vec::<f32>().unwrap();
+                // twice: the first call traces, the second reuses the compiled function
+                for _ in 0..2 {
+                    let got = rope.forward(&x, offset).unwrap().to_vec::<f32>().unwrap();
+                    assert!(got.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits()), "{dims} {offset}");
+                    assert!(got.iter().zip(&mlx).all(|(a, b)| a.to_bits() == b.to_bits()), "{dims} {offset} mlx");
+                }
+            }
+        }
+    }
 
     #[test]
     fn compiled_rms_norm_is_bit_identical() {

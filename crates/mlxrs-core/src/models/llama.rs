@@ -1,6 +1,6 @@
 //! Llama (and Mistral, remapped here): pre-norm decoder, SwiGLU MLP, optional sliding layers.
 use super::arch::{self, Arch, AttnKind, LayerLayout};
-use super::layers::{Attention, Embedding, Ffn, Linear, MoeSpec, RmsNorm, Rope};
+use super::layers::{Attention, Embedding, Ffn, Linear, MoeSpec, Qkv, RmsNorm, Rope};
 use super::{CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::Caches;
 use crate::error::Result;
@@ -180,9 +180,7 @@ impl Model {
                 None
             };
             let attn = Attention {
-                q_proj: Linear::load(&mut w, &format!("{p}.self_attn.q_proj"), v.qkv_bias, q_out, hidden)?,
-                k_proj: Linear::load(&mut w, &format!("{p}.self_attn.k_proj"), v.qkv_bias, kv_out, hidden)?,
-                v_proj: Linear::load(&mut w, &format!("{p}.self_attn.v_proj"), v.qkv_bias, kv_out, hidden)?,
+                qkv: Qkv::load(&mut w, &format!("{p}.self_attn"), v.qkv_bias, q_out, kv_out, hidden)?,
                 o_proj: Linear::load(&mut w, &format!("{p}.self_attn.o_proj"), v.o_bias, hidden, q_out)?,
                 qk_norm,
                 n_heads,
@@ -196,18 +194,21 @@ impl Model {
                     if v.rope_scaling { c.get("rope_scaling") } else { None },
                 )?,
             };
+            let fuse = super::layers::fused_proj();
+            let attn = if fuse { attn.fuse()? } else { attn };
             let sinks = if x.sinks { Some(w.take_shaped(&format!("{p}.self_attn.sinks"), &[n_heads])?) } else { None };
+            let mlp = Ffn::load_with(
+                &mut w,
+                &format!("{p}.{}", x.ffn_name),
+                mlp_bias,
+                layout[i as usize].ffn,
+                hidden,
+                inter,
+                &x.moe,
+            )?;
             layers.push(Block {
                 attn,
-                mlp: Ffn::load_with(
-                    &mut w,
-                    &format!("{p}.{}", x.ffn_name),
-                    mlp_bias,
-                    layout[i as usize].ffn,
-                    hidden,
-                    inter,
-                    &x.moe,
-                )?,
+                mlp: if fuse { mlp.fuse()? } else { mlp },
                 in_norm: RmsNorm::load(&mut w, &format!("{p}.input_layernorm"), eps, hidden)?,
                 post_norm: RmsNorm::load(&mut w, &format!("{p}.post_attention_layernorm"), eps, hidden)?,
                 sliding: matches!(layout[i as usize].attn, AttnKind::Sliding { .. }),

@@ -5,7 +5,9 @@
 //! a sparse MoE with a gated shared expert, or a dense SwiGLU MLP (mlx-lm's `models/qwen3_next.py`,
 //! `qwen3_5.py` and `gated_delta.py`, its ops path: no fused GPU kernel here yet).
 use super::arch::{Arch, AttnKind, FfnKind, LayerLayout};
-use super::layers::{attend_fetched, Activation, Attention, Embedding, Linear, Mlp, QkNorm, RmsNorm, Rope, SparseMoe};
+use super::layers::{
+    attend_fetched, Activation, Attention, Embedding, Linear, Mlp, QkNorm, Qkv, RmsNorm, Rope, SparseMoe,
+};
 use super::{limits, CausalLm, Cfg, DimDefaults, Dims, ModelShape};
 use crate::cache::{Caches, LayerCache, LayerCaches, Mask, Masks};
 use crate::error::{Error, Result};
@@ -422,11 +424,13 @@ impl GatedAttention {
         let a = &self.attn;
         let (b, l) = (x.dim(0), x.dim(1));
         let hd = a.head_dim;
-        let qg = mx::reshape(&a.q_proj.forward(x)?, &[b, l, a.n_heads, 2 * hd])?;
+        let (q_proj, k_proj, v_proj) =
+            a.qkv.separate().ok_or_else(|| Error::Invalid("qwen3_next attention with fused q/k/v".into()))?;
+        let qg = mx::reshape(&q_proj.forward(x)?, &[b, l, a.n_heads, 2 * hd])?;
         let q = mx::slice_axis(&qg, -1, 0, hd)?;
         let gate = mx::reshape(&mx::slice_axis(&qg, -1, hd, 2 * hd)?, &[b, l, a.n_heads * hd])?;
-        let k = mx::reshape(&a.k_proj.forward(x)?, &[b, l, a.n_kv_heads, hd])?;
-        let v = mx::reshape(&a.v_proj.forward(x)?, &[b, l, a.n_kv_heads, hd])?;
+        let k = mx::reshape(&k_proj.forward(x)?, &[b, l, a.n_kv_heads, hd])?;
+        let v = mx::reshape(&v_proj.forward(x)?, &[b, l, a.n_kv_heads, hd])?;
         let n = a.qk_norm.as_ref().ok_or_else(|| Error::Invalid("qwen3_next attention without qk-norm".into()))?;
         let perm = [0, 2, 1, 3];
         let q = mx::transpose_axes(&n.q.forward(&q)?, &perm)?;
@@ -771,9 +775,8 @@ impl Model {
                 let bias = prm.attention_bias;
                 Mixer::Attn(GatedAttention {
                     attn: Attention {
-                        q_proj: Linear::load(&mut w, &format!("{a}.q_proj"), bias, 2 * d.heads * hd, hidden)?,
-                        k_proj: Linear::load(&mut w, &format!("{a}.k_proj"), bias, d.kv_heads * hd, hidden)?,
-                        v_proj: Linear::load(&mut w, &format!("{a}.v_proj"), bias, d.kv_heads * hd, hidden)?,
+                        // the queries with their gate (twice the width): never fused
+                        qkv: Qkv::load(&mut w, &a, bias, 2 * d.heads * hd, d.kv_heads * hd, hidden)?,
                         o_proj: Linear::load(&mut w, &format!("{a}.o_proj"), bias, hidden, d.heads * hd)?,
                         qk_norm: Some(QkNorm {
                             q: RmsNorm::load(&mut w, &format!("{a}.q_norm"), prm.eps, hd)?,
