@@ -174,6 +174,29 @@ fn write_seq(buf: &Array, upd: &Array, at: i32) -> Result<Array> {
     mx::slice_update(buf, upd, &[0, 0, at, 0], &[sh[0], sh[1], at + n, sh[3]], &[1, 1, 1, 1])
 }
 
+/// Rows added once to a growing KV buffer on MLX's CUDA backend so that its capacity is never a
+/// multiple of 256. MLX 0.32's CUDA attention runs a one-token query through cuDNN whenever the keys
+/// are a slice of a buffer whose capacity is a multiple of 256 (`use_cudnn_for_decoding`, written for
+/// mlx-lm's 256-step `KVCache`): it attends over the whole buffer with a padding mask and builds two
+/// small device arrays per call, and measured on the H200 a 1B bf16 model decodes at 396 tokens/s that
+/// way against 596 through MLX's own one-query kernel (`sdpa_vector`), which the padded capacity selects
+/// (bench/RESULTS-gpu.md). Prompts (more than one query) still go to cuDNN. 0 elsewhere, and with
+/// `MLXRS_KV_PAD=0`.
+pub(crate) fn capacity_pad() -> i32 {
+    static PAD: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *PAD.get_or_init(|| {
+        if std::env::var("MLXRS_KV_PAD").is_ok_and(|v| v == "0") {
+            return 0;
+        }
+        let gpu = mx::default_device().is_ok_and(|d| d.kind() == mx::DeviceKind::Gpu);
+        if gpu && mx::cuda_is_available() {
+            8
+        } else {
+            0
+        }
+    })
+}
+
 /// Growing buffer in steps of 256 (mlx-lm `KVCache`).
 #[derive(Clone, Default)]
 pub struct KvCache {
@@ -184,6 +207,10 @@ pub struct KvCache {
 
 impl KvCache {
     fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        self.update_and_fetch_padded(k, v, capacity_pad())
+    }
+
+    fn update_and_fetch_padded(&mut self, k: &Array, v: &Array, pad: i32) -> Result<(Array, Array)> {
         let prev = self.offset;
         let n = k.dim(2);
         let cap = self.keys.as_ref().map_or(0, |a| a.dim(2));
@@ -191,13 +218,25 @@ impl KvCache {
             let ks = k.shape();
             let vs = v.shape();
             let steps = (STEP + n - 1) / STEP;
-            let new_k = mx::zeros(&[ks[0], ks[1], steps * STEP, ks[3]], k.dtype())?;
-            let new_v = mx::zeros(&[vs[0], vs[1], steps * STEP, vs[3]], v.dtype())?;
+            // on CUDA the capacity is kept at a whole number of steps plus `capacity_pad()` rows
+            let first = if self.keys.is_none() { pad } else { 0 };
+            let new_k = mx::zeros(&[ks[0], ks[1], steps * STEP + first, ks[3]], k.dtype())?;
+            let new_v = mx::zeros(&[vs[0], vs[1], steps * STEP + first, vs[3]], v.dtype())?;
             match (self.keys.take(), self.values.take()) {
                 (Some(mut ok), Some(mut ov)) => {
-                    if prev % STEP != 0 {
-                        ok = seq_slice(&ok, 0, prev)?;
-                        ov = seq_slice(&ov, 0, prev)?;
+                    // mlx-lm's rule: a buffer not filled to a step boundary is cut at `prev`; with a
+                    // pad, what is kept is `prev` and the zero rows up to the capacity's residue (so
+                    // the new capacity is again whole steps plus the pad)
+                    let keep = if pad > 0 {
+                        prev + (cap - prev) % STEP
+                    } else if prev % STEP != 0 {
+                        prev
+                    } else {
+                        cap
+                    };
+                    if keep < cap {
+                        ok = seq_slice(&ok, 0, keep)?;
+                        ov = seq_slice(&ov, 0, keep)?;
                     }
                     self.keys = Some(mx::concatenate(&[&ok, &new_k], 2)?);
                     self.values = Some(mx::concatenate(&[&ov, &new_v], 2)?);
@@ -770,6 +809,31 @@ mod tests {
     fn max_abs_diff(a: &Array, b: &Array) -> f32 {
         let d = mx::abs(&mx::subtract(a, b).unwrap()).unwrap();
         d.to_vec::<f32>().unwrap().into_iter().fold(0.0, f32::max)
+    }
+
+    /// The CUDA capacity pad: the buffer's capacity stays whole steps plus the pad through prompts
+    /// and decode steps that cross growth steps, trims and chunks of odd lengths, and what each call
+    /// returns is exactly what the unpadded buffer (mlx-lm's layout) returns.
+    #[test]
+    fn a_padded_buffer_returns_the_unpadded_keys_and_never_reaches_a_step_multiple() {
+        let (mut a, mut b) = (KvCache::default(), KvCache::default());
+        let chunks = [600, 1, 1, 165, 1, 300, 7, 256, 1, 1, 513];
+        for (i, &n) in chunks.iter().enumerate() {
+            if i == 6 {
+                for c in [&mut a, &mut b] {
+                    c.offset -= 40; // a prefix-cache trim: the buffer stays, the offset goes back
+                }
+            }
+            let (k, v) = (randn(i as u64, &[1, H, n, D]), randn(100 + i as u64, &[1, H, n, D]));
+            let (pk, pv) = a.update_and_fetch_padded(&k, &v, 8).unwrap();
+            let (uk, uv) = b.update_and_fetch_padded(&k, &v, 0).unwrap();
+            assert_eq!(pk.shape(), uk.shape());
+            assert_eq!(max_abs_diff(&pk, &uk), 0.0);
+            assert_eq!(max_abs_diff(&pv, &uv), 0.0);
+            let cap = a.keys.as_ref().unwrap().dim(2);
+            assert_eq!(cap % STEP, 8, "capacity {cap} after chunk {i}");
+            assert!(cap >= a.offset);
+        }
     }
 
     /// One decode step over the stack (with a hole) gives each row the attention it gets over its
