@@ -12,7 +12,7 @@
 //! - the projector (`embed_vision`): a scale-free RMS norm and a linear map to the text width;
 //! - the merge: the scaled token embeddings with the image features in place of the image tokens
 //!   (unscaled), the per-layer inputs from the prompt with the image tokens as token 0.
-use super::image::{Filter, ImageLimits, Pixels, Preprocess};
+use super::image::{ImageLimits, Pixels, Preprocess};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
 use crate::models::layers::{gelu_approx, Linear, RmsNorm};
@@ -91,13 +91,7 @@ impl Processor {
         }
         let img = super::image::decode(bytes, limits, what)?;
         let size = self.target_size(img.height, img.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
-        let pre = Preprocess {
-            size: Some(size),
-            filter: Filter::Bicubic,
-            rescale: self.rescale,
-            rescale_f32: true,
-            normalize: self.normalize,
-        };
+        let pre = Preprocess::bicubic_f32(size, self.rescale, self.normalize);
         Ok(pre.run(&img))
     }
 

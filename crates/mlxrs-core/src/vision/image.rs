@@ -350,6 +350,12 @@ pub struct Pixels {
 }
 
 impl Preprocess {
+    /// Resize to `size` with bicubic resampling, rescale in float32, normalize: the image step of
+    /// Gemma 4's and Qwen3.5's processors (an image, or each frame of a video).
+    pub fn bicubic_f32(size: (u32, u32), rescale: Option<f64>, normalize: Option<([f32; 3], [f32; 3])>) -> Self {
+        Preprocess { size: Some(size), filter: Filter::Bicubic, rescale, rescale_f32: true, normalize }
+    }
+
     /// Resize, rescale (`uint8 as float64 * factor`, then float32; or in float32) and normalize (`(x - mean) /
     /// std` in float32), as Hugging Face's image processors do with numpy.
     pub fn run(&self, img: &Rgb) -> Pixels {

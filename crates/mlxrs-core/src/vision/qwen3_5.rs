@@ -18,7 +18,7 @@
 //!   after it resumes at one past the largest position. The generated tokens then run `delta =
 //!   next position - prompt length` behind their index, as mlx-vlm's `get_rope_index` makes them.
 use super::gemma3::LayerNorm;
-use super::image::{Filter, ImageLimits, Pixels, Preprocess};
+use super::image::{ImageLimits, Pixels, Preprocess};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
 use crate::models::layers::{gelu_approx_compiled, gelu_compiled, Embedding, Linear};
@@ -182,13 +182,7 @@ impl Processor {
     pub fn pixels(&self, bytes: &[u8], limits: &ImageLimits, what: &str) -> Result<Pixels> {
         let img = super::image::decode(bytes, limits, what)?;
         let size = self.target_size(img.height, img.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
-        let pre = Preprocess {
-            size: Some(size),
-            filter: Filter::Bicubic,
-            rescale: self.rescale,
-            rescale_f32: true,
-            normalize: self.normalize,
-        };
+        let pre = Preprocess::bicubic_f32(size, self.rescale, self.normalize);
         Ok(pre.run(&img))
     }
 
@@ -245,13 +239,7 @@ impl Processor {
         let size = self
             .video_size(imgs.len() as u32, first.height, first.width)
             .map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
-        let pre = Preprocess {
-            size: Some(size),
-            filter: Filter::Bicubic,
-            rescale: self.rescale,
-            rescale_f32: true,
-            normalize: self.normalize,
-        };
+        let pre = Preprocess::bicubic_f32(size, self.rescale, self.normalize);
         let mut data = Vec::new();
         for img in &imgs {
             data.extend(pre.run(img).data);
