@@ -105,33 +105,13 @@ def write_gguf_bf16(src: Path, out: Path) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from test_gguf_import_arch import NAMES, llamacpp_permute
+    from test_gguf_import_arch import NAMES, llamacpp_permute, write_header
 
     cfg = json.loads((src / "config.json").read_text())
-    tok = json.loads((src / "tokenizer.json").read_text())
-    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    specials = {t["id"] for t in tok["added_tokens"] if t.get("special")}
     w = gguf.GGUFWriter(str(out), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    write_header(w, cfg, src)
     w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
     for name, v in mx.load(str(src / "model.safetensors")).items():
         if name == "model.embed_tokens.weight":
             g = "token_embd.weight"

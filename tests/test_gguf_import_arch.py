@@ -63,28 +63,14 @@ def llamacpp_rope_factors(cfg: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
-    """`src` as a llama.cpp GGUF, all float32 but the tensors named in `q8_0` (GGUF names), which
-    gguf-py quantizes to Q8_0 as llama.cpp's converter does."""
-    import mlx.core as mx
-
-    cfg = json.loads((src / "config.json").read_text())
-    arch = cfg["model_type"]
-    weights = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(src / "model.safetensors")).items()}
+def write_header(w: "gguf.GGUFWriter", cfg: dict, src: Path) -> None:
+    """The llama-family hyperparameters of `cfg` and the byte-level BPE vocabulary of `src`'s
+    tokenizer.json (tokens, types, merges) as llama.cpp's converter writes them (also
+    bench/bench_device.py's BF16 writer)."""
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     specials = {t["id"] for t in tok["added_tokens"] if t.get("special")}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    if arch == "qwen3_moe":
-        for l in range(cfg["num_hidden_layers"]):
-            p = f"model.layers.{l}.mlp"
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                if f"{p}.experts.0.{proj}.weight" in weights:
-                    weights[f"{p}.switch_mlp.{proj}.weight"] = np.stack(
-                        [weights.pop(f"{p}.experts.{e}.{proj}.weight") for e in range(cfg["num_experts"])]
-                    )
-    w = gguf.GGUFWriter(str(out), GGUF_ARCH.get(arch, arch))
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -95,17 +81,37 @@ def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
     w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_theta"])
-    if arch == "qwen3_moe":
-        w.add_expert_count(cfg["num_experts"])
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
-    w.add_token_merges(merges)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_eos_token_id(0)
     w.add_add_bos_token(False)
+
+
+def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
+    """`src` as a llama.cpp GGUF, all float32 but the tensors named in `q8_0` (GGUF names), which
+    gguf-py quantizes to Q8_0 as llama.cpp's converter does."""
+    import mlx.core as mx
+
+    cfg = json.loads((src / "config.json").read_text())
+    arch = cfg["model_type"]
+    weights = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(src / "model.safetensors")).items()}
+    if arch == "qwen3_moe":
+        for l in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{l}.mlp"
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                if f"{p}.experts.0.{proj}.weight" in weights:
+                    weights[f"{p}.switch_mlp.{proj}.weight"] = np.stack(
+                        [weights.pop(f"{p}.experts.{e}.{proj}.weight") for e in range(cfg["num_experts"])]
+                    )
+    w = gguf.GGUFWriter(str(out), GGUF_ARCH.get(arch, arch))
+    write_header(w, cfg, src)
+    if arch == "qwen3_moe":
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     for name, a in weights.items():
         if "rotary_emb" in name:
             continue

@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+
+import gguf_reference
 import pytest
 
 import mlxrs
@@ -161,19 +163,7 @@ GEMMA4_MOE = {
     "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
 }
 GEMMA4_BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    **gguf_reference.NAMES,  # Gemma 3's block names, which Gemma 4 keeps
     "inp_gate": "per_layer_input_gate",
     "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
