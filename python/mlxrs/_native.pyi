@@ -52,6 +52,7 @@ __all__ = [
     "AudioClip",
     "TokenStream",
     "EventHub",
+    "EngineHold",
 ]
 
 # ---- module constants -------------------------------------------------------------------------

@@ -233,6 +233,7 @@ class ByteBar:
             self.bar.set_postfix_str(what[:40], refresh=False)
         self.bar.update(done - self.bar.n)
         if total and done >= total:
+            self.bar.refresh()  # the finished bar drawn once (updates within tqdm's mininterval are not)
             self.bar.close()
 
 
