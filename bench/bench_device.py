@@ -105,7 +105,7 @@ def write_gguf_bf16(src: Path, out: Path) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from test_gguf_import_arch import NAMES, llamacpp_permute, write_header
+    from test_gguf_import_arch import gguf_name, llamacpp_permute, write_header
 
     cfg = json.loads((src / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), "llama")
@@ -113,16 +113,7 @@ def write_gguf_bf16(src: Path, out: Path) -> None:
     w.add_rope_dimension_count(cfg["head_dim"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
     for name, v in mx.load(str(src / "model.safetensors")).items():
-        if name == "model.embed_tokens.weight":
-            g = "token_embd.weight"
-        elif name == "model.norm.weight":
-            g = "output_norm.weight"
-        elif name == "lm_head.weight":
-            g = "output.weight"
-        else:
-            _, _, idx, rest = name.split(".", 3)
-            base, kind = rest.rsplit(".", 1)
-            g = f"blk.{idx}.{NAMES[base]}.{kind}"
+        g = gguf_name(name)
         if v.ndim == 1:  # norms: float32 as llama.cpp's converter writes them
             w.add_tensor(g, np.array(v.astype(mx.float32)))
             continue

@@ -63,6 +63,20 @@ def llamacpp_rope_factors(cfg: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+def gguf_name(name: str) -> str:
+    """llama.cpp's GGUF name of a llama-family HF tensor name (NAMES for the blocks)."""
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if name in top:
+        return top[name]
+    _, _, idx, rest = name.split(".", 3)
+    base, kind = rest.rsplit(".", 1)
+    return f"blk.{idx}.{NAMES[base]}.{kind}"
+
+
 def write_header(w: "gguf.GGUFWriter", cfg: dict, src: Path) -> None:
     """The llama-family hyperparameters of `cfg` and the byte-level BPE vocabulary of `src`'s
     tokenizer.json (tokens, types, merges) as llama.cpp's converter writes them (also
@@ -115,19 +129,10 @@ def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
     for name, a in weights.items():
         if "rotary_emb" in name:
             continue
-        if name == "model.embed_tokens.weight":
-            g = "token_embd.weight"
-        elif name == "model.norm.weight":
-            g = "output_norm.weight"
-        elif name == "lm_head.weight":
-            g = "output.weight"
-        else:
-            _, _, idx, rest = name.split(".", 3)
-            base, kind = rest.rsplit(".", 1)
-            g = f"blk.{idx}.{NAMES[base]}.{kind}"
-            if arch == "llama" and base in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = cfg["num_attention_heads"] if base.endswith("q_proj") else cfg["num_key_value_heads"]
-                a = llamacpp_permute(a, heads)
+        g = gguf_name(name)
+        if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            a = llamacpp_permute(a, heads)
         if g in q8_0:
             w.add_tensor(
                 g,
