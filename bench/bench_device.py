@@ -15,6 +15,8 @@ run: the bf16 weights written as a GGUF (BF16, llama.cpp's names and q/k permuta
 to Q8_0 / Q4_K_M for the 8-bit / 4-bit rows, then `llama-bench -ngl 99 -fa 0,1` at the same prefill
 lengths and decode length, --runs repetitions (its mean per test).
 
+--ab-env NAME=VALUE (repeatable) opens a second session under those environment variables (set while it
+opens and runs) and reports it in the same columns as --ab-fused; --ab-fused is --ab-env MLXRS_FUSED_PROJ=0.
 --ab-fused also opens a session with separate projections (MLXRS_FUSED_PROJ=0) beside the default
 (fused) one and alternates the three in the decode runs: `decode.mlxrs_unfused_tps`,
 `decode.fused_over_unfused`, the MLX ops per decode step of both (`decode.ops_per_step`) and whether
@@ -24,6 +26,7 @@ they decode the same tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -246,6 +249,21 @@ def ops_per_step(sess, prompt: list[int]) -> float | None:
     return (counts[1] - counts[0]) / 16
 
 
+@contextlib.contextmanager
+def env(values: dict[str, str]):
+    """The environment variables `values` set for the block, the old values back after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -259,12 +277,16 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
 
     ref, ref_tok = load(str(d))
     sess = open_session(d)
-    # separate projections (the reference path of the fused ones), alternated with the default
-    unfused = None
+    # a second session under other environment variables (--ab-env; --ab-fused: separate projections,
+    # the reference path of the fused ones), alternated with the default; the variables are set while
+    # it opens and while it runs (so load-time and call-time switches both apply)
+    alt_env = dict(kv.split("=", 1) for kv in args.ab_env)
     if args.ab_fused:
-        os.environ["MLXRS_FUSED_PROJ"] = "0"
-        unfused = open_session(d)
-        del os.environ["MLXRS_FUSED_PROJ"]
+        alt_env["MLXRS_FUSED_PROJ"] = "0"
+    unfused = None
+    if alt_env:
+        with env(alt_env):
+            unfused = open_session(d)
     key = mx.random.key(1)
     prompts = {
         n: [int(x) for x in mx.random.randint(0, 1000, (n,), key=key).tolist()] for n in {args.prompt, *args.prefill}
@@ -274,8 +296,9 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
         run_mlxlm(ref, prompts[n], 8)
         run_mlxrs(sess, prompts[n], 8)
         if unfused is not None:
-            run_mlxrs(unfused, prompts[n], 8)
-    res: dict = {"weight_bytes": nbytes, "prefill": {}, "decode": {}}
+            with env(alt_env):
+                run_mlxrs(unfused, prompts[n], 8)
+    res: dict = {"weight_bytes": nbytes, "prefill": {}, "decode": {}, "alt_env": alt_env}
     for n in args.prefill:
         rows: dict[str, list[float]] = {"mlxrs": [], "mlx-lm": []}
         for _ in range(args.runs):
@@ -295,11 +318,13 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
     if unfused is not None:
         rows["mlxrs unfused"] = []
     for r in range(args.runs):
-        if unfused is not None and r % 2:  # the unfused session first every other run
-            u = run_mlxrs(unfused, prompts[args.prompt], args.gen)
+        if unfused is not None and r % 2:  # the other session first every other run
+            with env(alt_env):
+                u = run_mlxrs(unfused, prompts[args.prompt], args.gen)
         a = run_mlxrs(sess, prompts[args.prompt], args.gen)
         if unfused is not None and not r % 2:
-            u = run_mlxrs(unfused, prompts[args.prompt], args.gen)
+            with env(alt_env):
+                u = run_mlxrs(unfused, prompts[args.prompt], args.gen)
         if unfused is not None:
             rows["mlxrs unfused"].append(u[1])
             same_unfused.append(first_divergence(a[2], u[2]))
@@ -325,7 +350,8 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
         res["decode"]["fused_over_unfused"] = med["mlxrs"] / med["mlxrs unfused"]
         res["decode"]["first_divergence_fused_vs_unfused"] = same_unfused
         res["decode"]["ops_per_step"] = {"fused": ops_per_step(sess, prompts[args.prompt])}
-        res["decode"]["ops_per_step"]["unfused"] = ops_per_step(unfused, prompts[args.prompt])
+        with env(alt_env):
+            res["decode"]["ops_per_step"]["unfused"] = ops_per_step(unfused, prompts[args.prompt])
         unfused.close()
         del unfused
     # the same batches through per-row attention (MLXRS_BATCH_KV=0), to show what the stacked KV buys
@@ -403,6 +429,14 @@ def main() -> int:
     ap.add_argument("--prefill", default="512,2048")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--second-session", action="store_true")
+    ap.add_argument(
+        "--ab-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also decode through a second session under these environment variables (repeatable), "
+        "alternating with the default: reported as the 'unfused' columns",
+    )
     ap.add_argument(
         "--ab-fused",
         action="store_true",

@@ -183,18 +183,17 @@ fn write_seq(buf: &Array, upd: &Array, at: i32) -> Result<Array> {
 /// (bench/RESULTS-gpu.md). Prompts (more than one query) still go to cuDNN. 0 elsewhere, and with
 /// `MLXRS_KV_PAD=0`.
 pub(crate) fn capacity_pad() -> i32 {
-    static PAD: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *PAD.get_or_init(|| {
-        if std::env::var("MLXRS_KV_PAD").is_ok_and(|v| v == "0") {
-            return 0;
-        }
+    static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let cuda = *CUDA.get_or_init(|| {
         let gpu = mx::default_device().is_ok_and(|d| d.kind() == mx::DeviceKind::Gpu);
-        if gpu && mx::cuda_is_available() {
-            8
-        } else {
-            0
-        }
-    })
+        gpu && mx::cuda_is_available()
+    });
+    // read at each growth (every 256 rows), so a benchmark can switch it between requests
+    if cuda && !std::env::var("MLXRS_KV_PAD").is_ok_and(|v| v.trim() == "0") {
+        8
+    } else {
+        0
+    }
 }
 
 /// Growing buffer in steps of 256 (mlx-lm `KVCache`).

@@ -368,7 +368,7 @@ impl Mla {
                 (None, true) => AttnMask::Causal,
                 (None, false) => AttnMask::None,
             };
-            mx::scaled_dot_product_attention(&q, &k, &v, self.scale, m, None)?
+            super::sdpa::attention(&q, &k, &v, self.scale, m, None)?
         } else {
             let sc = mx::scalar_as(self.scale as f64, q_pe.dtype())?;
             let mut pe = mx::matmul(&mx::multiply(q_pe, &sc)?, &mx::swapaxes(k_pe, -1, -2)?)?;
@@ -377,12 +377,12 @@ impl Mla {
             }
             if l == 1 {
                 let q = self.embed_q.forward(q_nope, true)?;
-                let o = mx::scaled_dot_product_attention(&q, latent, latent, self.scale, AttnMask::Array(&pe), None)?;
+                let o = super::sdpa::attention(&q, latent, latent, self.scale, AttnMask::Array(&pe), None)?;
                 self.unembed_out.forward(&o, true)?
             } else {
                 let k = self.embed_q.forward(latent, false)?;
                 let v = self.unembed_out.forward(latent, true)?;
-                mx::scaled_dot_product_attention(q_nope, &k, &v, self.scale, AttnMask::Array(&pe), None)?
+                super::sdpa::attention(q_nope, &k, &v, self.scale, AttnMask::Array(&pe), None)?
             }
         };
         mx::reshape(&mx::transpose_axes(&out, &[0, 2, 1, 3])?, &[b, l, -1])

@@ -386,7 +386,7 @@ impl Attn {
                     (None, Some(SharedKv::Batch(k, v))) => (k.clone(), v.clone()),
                     _ => return Err(Error::Invalid("gemma4: a stacked layer's source ran per row".into())),
                 };
-                let out = mx::scaled_dot_product_attention(&q, &kk, &vv, 1.0, AttnMask::Array(mask), None)?;
+                let out = super::sdpa::attention(&q, &kk, &vv, 1.0, AttnMask::Array(mask), None)?;
                 (out, SharedKv::Batch(kk, vv))
             }
             (LayerCaches::Rows(mut rows), Masks::Rows(row_masks)) => {

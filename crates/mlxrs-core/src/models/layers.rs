@@ -879,7 +879,7 @@ impl Attention {
                 let q = scaled(self.rope.forward_rows(&q, kv.offsets())?, None)?;
                 let k = self.rope.forward_rows(&k, kv.offsets())?;
                 let (kk, vv) = kv.update_and_fetch(layer, &k, &v)?;
-                return mx::scaled_dot_product_attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), sinks);
+                return super::sdpa::attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), sinks);
             }
             (LayerCaches::Rows(c), Masks::Rows(m)) => (c, m),
             _ => return Err(crate::error::Error::Invalid("attention: masks and caches of different kinds".into())),
@@ -1034,18 +1034,11 @@ impl Attention {
 }
 
 /// Attention of `q` `[B, heads, L, head_dim]` (rotated) over what a cache returned (mlx-lm's
-/// `scaled_dot_product_attention`: the fused kernel, or the quantized path for a quantized cache),
+/// `scaled_dot_product_attention`: [`super::sdpa::attention`], or the quantized path for a quantized cache),
 /// with per-head attention sinks `[heads]` (gpt_oss) when given.
 pub fn attend_fetched(q: &Array, fetched: &Fetched, scale: f32, mask: &Mask, sinks: Option<&Array>) -> Result<Array> {
     match fetched {
-        Fetched::Dense(k, v) => {
-            let m = match mask {
-                Mask::None => AttnMask::None,
-                Mask::Causal => AttnMask::Causal,
-                Mask::Array(a) => AttnMask::Array(a),
-            };
-            mx::scaled_dot_product_attention(q, k, v, scale, m, sinks)
-        }
+        Fetched::Dense(k, v) => super::sdpa::attention_masked(q, k, v, scale, mask, sinks),
         // mlx-lm refuses the same ("Quantized SDPA does not support attention sinks")
         Fetched::Quant { .. } if sinks.is_some() => {
             Err(crate::Error::Unsupported("a quantized KV cache (kv_bits) with attention sinks (gpt_oss)".into()))

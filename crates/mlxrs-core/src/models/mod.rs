@@ -22,6 +22,7 @@ pub mod qwen3_5;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
 pub mod qwen3_next;
+pub mod sdpa;
 
 pub use arch::{Arch, AttnKind, FfnKind, LayerLayout};
 

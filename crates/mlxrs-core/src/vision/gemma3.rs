@@ -382,7 +382,7 @@ impl Tower {
                 mx::transpose_axes(&mx::reshape(&a, &[b, l, d.heads, hd])?, &[0, 2, 1, 3])
             };
             let (q, k, v) = (heads(layer.q.forward(&y)?)?, heads(layer.k.forward(&y)?)?, heads(layer.v.forward(&y)?)?);
-            let o = mx::scaled_dot_product_attention(&q, &k, &v, scale, AttnMask::None, None)?;
+            let o = crate::models::sdpa::attention(&q, &k, &v, scale, AttnMask::None, None)?;
             let o = mx::reshape(&mx::transpose_axes(&o, &[0, 2, 1, 3])?, &[b, l, d.hidden])?;
             h = mx::add(&h, &layer.o.forward(&o)?)?;
             let y = layer.fc1.forward(&layer.ln2.forward(&h)?)?;

@@ -503,7 +503,7 @@ impl Tower {
             let q = mx::transpose_axes(&Self::apply_rope(&q, &rope)?, &[0, 2, 1, 3])?;
             let kk = mx::transpose_axes(&Self::apply_rope(&kk, &rope)?, &[0, 2, 1, 3])?;
             let v = mx::transpose_axes(&v, &[0, 2, 1, 3])?;
-            let o = mx::scaled_dot_product_attention(&q, &kk, &v, 1.0, AttnMask::None, None)?;
+            let o = crate::models::sdpa::attention(&q, &kk, &v, 1.0, AttnMask::None, None)?;
             let o = mx::reshape(&mx::transpose_axes(&o, &[0, 2, 1, 3])?, &[1, l, d.heads * hd])?;
             h = mx::add(&h, &layer.post_attn_norm.forward(&layer.o.forward(&o)?)?)?;
             let y = layer.pre_ff_norm.forward(&h)?;

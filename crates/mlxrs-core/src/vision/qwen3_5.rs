@@ -630,14 +630,14 @@ fn fused_sdpa(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
     let d = q.dim(-1);
     let target = [64, 80, 128].into_iter().find(|&t| d <= t).unwrap_or(d);
     if target == d {
-        return mx::scaled_dot_product_attention(q, k, v, scale, AttnMask::None, None);
+        return crate::models::sdpa::attention(q, k, v, scale, AttnMask::None, None);
     }
     let n = q.ndim() as i32;
     let pad = |a: &Array| -> Result<Array> {
         let z = mx::scalar_as(0.0, a.dtype())?;
         mx::pad(a, &[n - 1], &[0], &[target - d], &z)
     };
-    let o = mx::scaled_dot_product_attention(&pad(q)?, &pad(k)?, &pad(v)?, scale, AttnMask::None, None)?;
+    let o = crate::models::sdpa::attention(&pad(q)?, &pad(k)?, &pad(v)?, scale, AttnMask::None, None)?;
     mx::slice_axis(&o, -1, 0, d)
 }
 
