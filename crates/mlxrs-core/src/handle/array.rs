@@ -225,6 +225,7 @@ impl Array {
 
     /// Evaluate this array (and its graph).
     pub fn eval(&self) -> Result<()> {
+        bump_eval_epoch();
         check(unsafe { sys::mlx_array_eval(self.0) })
     }
 
@@ -300,14 +301,29 @@ impl Array {
     }
 }
 
+/// How many evaluations have been asked for in this process ([`eval`], [`async_eval`],
+/// [`Array::eval`] and every read of values): what was built before a change of this number has been
+/// (or is being) evaluated. [`crate::models::sdpa`] tells a graph under construction from one run.
+pub fn eval_epoch() -> u64 {
+    EVAL_EPOCH.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static EVAL_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn bump_eval_epoch() {
+    EVAL_EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Evaluate several arrays together.
 pub fn eval(arrays: &[&Array]) -> Result<()> {
+    bump_eval_epoch();
     let v = super::ops::VecArray::new(arrays);
     check(unsafe { sys::mlx_eval(v.0) })
 }
 
 /// Schedule evaluation without waiting (mlx-lm's async_eval).
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    bump_eval_epoch();
     let v = super::ops::VecArray::new(arrays);
     check(unsafe { sys::mlx_async_eval(v.0) })
 }

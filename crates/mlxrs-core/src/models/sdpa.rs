@@ -7,16 +7,18 @@
 //! prefix-cache hit has a new (new tokens, cached + new tokens) shape every time: an agent's turn
 //! spent 74 ms in the engine for ~470 new tokens against 21 ms with cuDNN switched off
 //! (bench/RESULTS-gpu.md). Switching cuDNN off altogether costs long cold prompts 3×, so the choice is
-//! made per call: on CUDA a first-seen prompt shape whose score matrix is small enough runs the
-//! written-out product (no graph to build, the same values as MLX's fallback); a shape seen before —
-//! a chunked prefill's full chunks, a repeated prompt length — goes to MLX and so to cuDNN, whose graph
-//! is then built once and reused. Decode (one query) always goes to MLX (its one-query kernel).
+//! made per call: on CUDA a prompt shape whose score matrix is small enough runs the written-out
+//! product (no graph to build, the same values as MLX's fallback) until it has been evaluated once —
+//! for every layer of the forward pass that first meets it, since MLX builds the whole pass's graph
+//! before running it ([`mx::eval_epoch`] tells the two apart); a shape evaluated before — a chunked
+//! prefill's full chunks, a repeated prompt length — goes to MLX and so to cuDNN, whose graph is then
+//! built once and reused. Decode (one query) always goes to MLX (its one-query kernel).
 //! `MLXRS_SDPA_NEW_SHAPES` (`docs/configuration.md`): `auto` (this), `fused` (always MLX's choice),
 //! `unfused` (every call without sinks written out, on any backend: the check that both paths agree).
 use crate::cache::Mask;
 use crate::error::Result;
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 /// The environment variable choosing the dispatch ([`Mode`]).
@@ -67,9 +69,10 @@ struct ShapeKey {
     mask: (u8, Vec<i32>),
 }
 
-fn seen() -> &'static Mutex<HashSet<ShapeKey>> {
-    static SEEN: OnceLock<Mutex<HashSet<ShapeKey>>> = OnceLock::new();
-    SEEN.get_or_init(|| Mutex::new(HashSet::new()))
+/// Each shape seen, with the evaluation epoch ([`mx::eval_epoch`]) when it was first seen.
+fn seen() -> &'static Mutex<HashMap<ShapeKey, u64>> {
+    static SEEN: OnceLock<Mutex<HashMap<ShapeKey, u64>>> = OnceLock::new();
+    SEEN.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 /// Whether MLX 0.32's CUDA backend would send this call to cuDNN as a prompt
@@ -97,8 +100,9 @@ fn write_out(q: &Array, k: &Array, v: &Array, mask: &AttnMask<'_>, sinks: Option
     }
 }
 
-/// True the first time a shape small enough to write out is asked about, false after (and for
-/// larger shapes).
+/// True while a shape small enough to write out has not been evaluated yet: from its first call until
+/// the next evaluation, so every layer of the forward pass that first meets it (the graph is built
+/// for all of them before it runs) is written out; false after that, and for larger shapes.
 fn first_seen(q: &Array, k: &Array, v: &Array, mask: &AttnMask<'_>) -> bool {
     let scores = [q.dim(0), q.dim(1), q.dim(2), k.dim(2)].iter().map(|&d| d.max(0) as u64).product::<u64>();
     if scores > UNFUSED_MAX_SCORES {
@@ -110,11 +114,12 @@ fn first_seen(q: &Array, k: &Array, v: &Array, mask: &AttnMask<'_>) -> bool {
         AttnMask::Array(a) => (2, a.shape()),
     };
     let key = ShapeKey { dtype: q.dtype(), q: q.shape(), k: k.shape(), v: v.shape(), mask };
-    let mut set = seen().lock().unwrap_or_else(|p| p.into_inner());
-    if set.len() >= SEEN_CAP {
-        set.clear();
+    let now = mx::eval_epoch();
+    let mut seen = seen().lock().unwrap_or_else(|p| p.into_inner());
+    if seen.len() >= SEEN_CAP {
+        seen.clear();
     }
-    set.insert(key)
+    *seen.entry(key).or_insert(now) == now
 }
 
 /// `softmax(scale · q kᵀ + mask) v` for q `[B, heads, Lq, D]`, k and v `[B, kv_heads, Lk, D]`: MLX's
@@ -283,17 +288,30 @@ mod tests {
         }
     }
 
-    /// A shape is written out the first time only, a too-large one never; decode and float32 are
-    /// never cuDNN prompts.
+    /// A shape is written out until the first evaluation after it was first seen (every layer of
+    /// the pass that meets it), not after; a too-large one never; decode and float32 are never cuDNN
+    /// prompts.
     #[test]
     fn first_seen_then_mlx() {
         let q = rand(&[1, 4, 37, 16], Dtype::Bfloat16, 11);
         let k = rand(&[1, 2, 301, 16], Dtype::Bfloat16, 12);
         assert!(cudnn_prompt(&q, &k, &k, &AttnMask::Causal));
+        // two layers of one pass: both written out (other tests evaluate concurrently and move the
+        // epoch: a fresh shape per try until one pass sees no evaluation between its layers)
+        let same_pass = (0..50).any(|i| {
+            let k = mx::zeros(&[1, 2, 400 + i, 16], Dtype::Bfloat16).unwrap();
+            let e = mx::eval_epoch();
+            let (a, b) = (first_seen(&q, &k, &k, &AttnMask::Causal), first_seen(&q, &k, &k, &AttnMask::Causal));
+            assert!(a, "a new shape is written out");
+            mx::eval_epoch() == e && b
+        });
+        assert!(same_pass, "the second layer of a pass was not written out");
         assert!(first_seen(&q, &k, &k, &AttnMask::Causal));
-        assert!(!first_seen(&q, &k, &k, &AttnMask::Causal));
+        mx::eval(&[&q]).unwrap();
+        assert!(!first_seen(&q, &k, &k, &AttnMask::Causal), "a shape evaluated before goes to MLX");
         // another mask kind, another shape
         assert!(first_seen(&q, &k, &k, &AttnMask::None));
+        mx::eval(&[&q]).unwrap();
         let one = rand(&[1, 4, 1, 16], Dtype::Bfloat16, 13);
         assert!(!cudnn_prompt(&one, &k, &k, &AttnMask::None));
         let f32q = rand(&[1, 4, 37, 16], Dtype::Float32, 14);
