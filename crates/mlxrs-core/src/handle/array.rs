@@ -302,8 +302,8 @@ impl Array {
 }
 
 /// How many evaluations have been asked for in this process ([`eval`], [`async_eval`],
-/// [`Array::eval`] and every read of values): what was built before a change of this number has been
-/// (or is being) evaluated. [`crate::models::sdpa`] tells a graph under construction from one run.
+/// [`Array::eval`] and every read of values; not the stages of a pass, [`eval_stage`]): what was
+/// built before a change of this number has been (or is being) evaluated. [`crate::models::sdpa`] tells a graph under construction from one run.
 pub fn eval_epoch() -> u64 {
     EVAL_EPOCH.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -319,6 +319,19 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
     bump_eval_epoch();
     let v = super::ops::VecArray::new(arrays);
     check(unsafe { sys::mlx_eval(v.0) })
+}
+
+/// [`eval`] of one stage inside a forward pass (the prefill's per-layer staging): the pass goes on,
+/// so [`eval_epoch`] does not move.
+pub fn eval_stage(arrays: &[&Array]) -> Result<()> {
+    let v = super::ops::VecArray::new(arrays);
+    check(unsafe { sys::mlx_eval(v.0) })
+}
+
+/// [`async_eval`] of one stage inside a forward pass ([`eval_stage`]).
+pub fn async_eval_stage(arrays: &[&Array]) -> Result<()> {
+    let v = super::ops::VecArray::new(arrays);
+    check(unsafe { sys::mlx_async_eval(v.0) })
 }
 
 /// Schedule evaluation without waiting (mlx-lm's async_eval).

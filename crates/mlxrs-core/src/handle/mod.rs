@@ -9,7 +9,7 @@ mod ops;
 mod q8;
 mod runtime;
 
-pub use array::{async_eval, eval, eval_epoch, Array, Dtype, Element};
+pub use array::{async_eval, async_eval_stage, eval, eval_epoch, eval_stage, Array, Dtype, Element};
 pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, MetalKernel, TemplateArg};
 pub use ops::*;
 pub use q8::{Q8Matrix, Q8_BLOCK};

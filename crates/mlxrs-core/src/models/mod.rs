@@ -192,12 +192,13 @@ impl Stager {
         let lo = (i + 1).saturating_sub(every);
         let mut arrays: Vec<&Array> = vec![h];
         arrays.extend(caches.state(lo, i));
+        // stages of one pass: the pass has not been evaluated yet (models::sdpa)
         if !self.staging.lookahead {
-            return crate::handle::eval(&arrays);
+            return crate::handle::eval_stage(&arrays);
         }
-        crate::handle::async_eval(&arrays)?;
+        crate::handle::async_eval_stage(&arrays)?;
         match self.pending.replace(h.clone()) {
-            Some(prev) => crate::handle::eval(&[&prev]),
+            Some(prev) => crate::handle::eval_stage(&[&prev]),
             None => Ok(()),
         }
     }
