@@ -4,6 +4,7 @@ request mix, one server at a time in one run, and the ratios.
 
     python bench/bench_serve.py --model tiny --concurrency 16,32 --tokens 128
     python bench/bench_serve.py --model tiny --engines "mlxrs,mlxrs (batch prefill off)"
+    python bench/bench_serve.py --model tiny --engines "mlxrs,mlxrs MLXRS_SDPA_NEW_SHAPES=fused"  # env A/B
     python bench/bench_serve.py --model fit-llama-f32 --agent-turns 10 --agent-start 2000 --agent-end 8000
 
 Scenarios:
@@ -133,6 +134,11 @@ def start(engine: str, d: Path) -> Proc:
         env["MLXRS_BATCH_PREFILL"] = "0"  # one prompt per prefill pass
     else:
         env.pop("MLXRS_BATCH_PREFILL", None)
+    # "mlxrs NAME=VALUE ...": mlxrs under those environment variables (an A/B in the same run)
+    for kv in engine.split()[1:] if engine.startswith("mlxrs ") else []:
+        if "=" in kv:
+            k, v = kv.split("=", 1)
+            env[k] = v
     cmd = [py, "-m", "mlxrs", "serve", str(d), "--port", str(port), "--log-level", "warning", *extra]
     return Proc(cmd, port, env=env)
 
