@@ -24,6 +24,7 @@ __all__ = [
     "_tiny_matmul",
     "describe",
     "_op_count",
+    "_host_matmul_count",
     "generation_config",
     "mlxrs_home",
     "set_memory_limit",
@@ -140,6 +141,10 @@ def _tiny_matmul() -> list[list[float]]:
 def _op_count() -> int:
     """MLX ops mlxrs has built since the process started (every thread; a compiled function or
     custom kernel counts once): the difference over generated tokens is the ops per decode step."""
+
+def _host_matmul_count() -> int:
+    """Float32 projections of 2-32 rows the CPU backend computed with mlxrs's host kernel
+    (MLXRS_CPU_SMALL_MATMUL) since the process started."""
 
 # ---- test hooks: raw arrays as (bytes, shape, MLX dtype name) ---------------------------------
 

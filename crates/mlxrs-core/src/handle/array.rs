@@ -283,6 +283,30 @@ impl Array {
         Ok(unsafe { std::slice::from_raw_parts(ptr, nbytes) }.to_vec())
     }
 
+    /// The values of an evaluated, row-contiguous float32 array, borrowed from MLX's buffer (evaluated
+    /// here); None for another dtype or layout. For arrays nothing writes any more (a model's weights):
+    /// MLX never writes an evaluated array in place while another handle holds it, and `self` does.
+    pub fn f32_values(&self) -> Result<Option<&[f32]>> {
+        if self.dtype() != Dtype::Float32 {
+            return Ok(None);
+        }
+        self.eval()?;
+        let mut row = false;
+        // SAFETY: mlx-c writes one bool through the pointer.
+        check(unsafe { sys::_mlx_array_is_row_contiguous(&mut row, self.0) })?;
+        let n = self.size();
+        if !row || n == 0 {
+            return Ok(None);
+        }
+        // SAFETY: after eval, a row-contiguous float32 array's data pointer addresses size() values,
+        // alive while `self` holds the array.
+        let ptr = unsafe { sys::mlx_array_data_float32(self.0) };
+        if ptr.is_null() {
+            return Ok(None);
+        }
+        Ok(Some(unsafe { std::slice::from_raw_parts(ptr, n) }))
+    }
+
     /// The single element of a size-1 array, as f32.
     pub fn item_f32(&self) -> Result<f32> {
         let v = self.to_vec::<f32>()?;

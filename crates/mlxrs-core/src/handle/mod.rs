@@ -4,12 +4,14 @@
 //! [`Error::Mlx`](crate::Error::Mlx) carrying MLX's own message (captured by the error handler this
 //! module installs once per process in place of mlx-c's default, which calls `exit()`).
 mod array;
+mod f32mm;
 mod kernel;
 mod ops;
 mod q8;
 mod runtime;
 
 pub use array::{async_eval, async_eval_stage, eval, eval_epoch, eval_stage, Array, Dtype, Element};
+pub use f32mm::{small_matmul, small_matmul_calls, SMALL_MAX_ROWS};
 pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, MetalKernel, TemplateArg};
 pub use ops::*;
 pub use q8::{Q8Matrix, Q8_BLOCK};

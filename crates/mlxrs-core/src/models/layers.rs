@@ -176,10 +176,18 @@ impl Linear {
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match self {
-            Linear::Dense { wt, b, .. } => match b {
-                Some(b) => mx::addmm(b, x, wt, 1.0, 1.0),
-                None => mx::matmul(x, wt),
-            },
+            Linear::Dense { w, wt, b } => {
+                if let Some(y) = host_small_matmul(x, w)? {
+                    return match b {
+                        Some(b) => mx::add(&y, b),
+                        None => Ok(y),
+                    };
+                }
+                match b {
+                    Some(b) => mx::addmm(b, x, wt, 1.0, 1.0),
+                    None => mx::matmul(x, wt),
+                }
+            }
             Linear::Quant { w, scales, biases, b, q } => {
                 let y = quant_matmul(x, w, scales, biases.as_ref(), *q)?;
                 match b {
@@ -190,6 +198,36 @@ impl Linear {
             Linear::Lora(l) => l.forward(x),
         }
     }
+}
+
+/// `0`: a float32 projection of 2 to [`mx::SMALL_MAX_ROWS`] rows on the CPU backend (a batched decode
+/// step) runs as MLX's matmul (the BLAS's sgemm); otherwise through [`mx::small_matmul`] on the host,
+/// which reads the weight once instead of packing it per call. Read at each call.
+pub const CPU_SMALL_MATMUL_ENV: &str = "MLXRS_CPU_SMALL_MATMUL";
+
+/// `x Wᵀ` on the host ([`mx::small_matmul`]) where it applies: the CPU backend, float32 x and W,
+/// 2 to [`mx::SMALL_MAX_ROWS`] rows of x; None elsewhere (x stays lazy then). Evaluates x.
+fn host_small_matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
+    let cols = x.dim(-1).max(1) as usize;
+    let rows = x.size() / cols;
+    if !(2..=mx::SMALL_MAX_ROWS).contains(&rows)
+        || x.dtype() != Dtype::Float32
+        || w.dtype() != Dtype::Float32
+        || w.ndim() != 2
+        || w.dim(1) as usize != cols
+        || on_gpu()
+        || std::env::var(CPU_SMALL_MATMUL_ENV).is_ok_and(|v| v.trim() == "0")
+    {
+        return Ok(None);
+    }
+    let Some(wv) = w.f32_values()? else { return Ok(None) };
+    let xv = x.to_vec::<f32>()?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    let out = w.dim(0);
+    let y = mx::small_matmul(wv, out as usize, cols, &xv, threads)?;
+    let mut shape = x.shape();
+    *shape.last_mut().expect("x has a last axis") = out;
+    Ok(Some(Array::from_slice(&y, &shape)?))
 }
 
 /// Up to how many rows (tokens × sequences) a fused projection runs as one matmul: decode steps.
