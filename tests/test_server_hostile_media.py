@@ -215,3 +215,98 @@ def test_a_wav_claiming_gigabytes_is_a_400():
         data = wav_bytes(tone(0.5, 16000), 16000, claim_frames=1_000_000_000)
         part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
         _refused(s, part, "longer than the limit of 30 s", AUDIO)
+
+
+class _Hostile:
+    """A local HTTP server (a thread of this process) serving: /ok.png a small PNG (in 1000-byte
+    writes); /liar a
+    Content-Length of 1 GB (then a few bytes and a hang); /endless bytes without a length, past any
+    limit; /trickle a byte every 0.3 s, for ever."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        png = _pil("PNG", size=(96, 64))
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    if self.path == "/ok.png":  # in small writes: the fetch must read them all
+                        self.send_header("Content-Length", str(len(png)))
+                        self.end_headers()
+                        for i in range(0, len(png), 1000):
+                            self.wfile.write(png[i : i + 1000])
+                            self.wfile.flush()
+                            time.sleep(0.01)
+                    elif self.path == "/liar":
+                        self.send_header("Content-Length", str(1 << 30))
+                        self.end_headers()
+                        self.wfile.write(png[:100])
+                        time.sleep(30)
+                    elif self.path == "/endless":
+                        self.end_headers()
+                        for _ in range(10_000):
+                            self.wfile.write(bytes(64 << 10))
+                    elif self.path == "/trickle":
+                        self.end_headers()
+                        for _ in range(200):
+                            self.wfile.write(b"\x89")
+                            self.wfile.flush()
+                            time.sleep(0.3)
+                except OSError:  # the client gave up: what these are for
+                    pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+@pytest.mark.parametrize(
+    "path, needle",
+    [
+        ("/liar", "more than the limit of 1048576 bytes"),
+        ("/endless", "more than the limit of 1048576 bytes"),
+        ("/trickle", "failed: TimeoutError"),
+    ],
+)
+def test_remote_media_is_size_and_time_limited(remote_server, path, needle):
+    """With --allow-remote-media, an http URL that claims a gigabyte, one that never ends and one
+    that trickles a byte at a time are each a 400 naming the part within the fetch timeout (2 s
+    here) and the byte limit; a good URL is fetched and reaches the model."""
+    s, origin = remote_server
+    _refused(s, {"type": "image_url", "image_url": {"url": origin.url + path}}, needle)
+    r = _client(s).chat.completions.create(
+        model=VISION,
+        max_tokens=2,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "x"},
+                    {"type": "image_url", "image_url": {"url": origin.url + "/ok.png"}},
+                ],
+            }
+        ],
+    )
+    assert r.usage.prompt_tokens > 10
+
+
+@pytest.fixture(scope="module")
+def remote_server():
+    origin = _Hostile()
+    try:
+        args = ("--allow-remote-media", "--media-fetch-timeout", "2", "--max-image-bytes", str(1 << 20))
+        with Server(make_qwen3_5_vision(), *args) as s:
+            yield s, origin
+    finally:
+        origin.close()
