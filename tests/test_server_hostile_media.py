@@ -282,7 +282,8 @@ class _Hostile:
 def test_remote_media_is_size_and_time_limited(remote_server, path, needle):
     """With --allow-remote-media, an http URL that claims a gigabyte, one that never ends and one
     that trickles a byte at a time are each a 400 naming the part within the fetch timeout (2 s
-    here) and the byte limit; a good URL is fetched and reaches the model."""
+    here) and the byte limit; a good URL is fetched and reaches the model, through an OpenAI
+    image_url part and an Anthropic url image block alike."""
     s, origin = remote_server
     _refused(s, {"type": "image_url", "image_url": {"url": origin.url + path}}, needle)
     r = _client(s).chat.completions.create(
@@ -299,6 +300,24 @@ def test_remote_media_is_size_and_time_limited(remote_server, path, needle):
         ],
     )
     assert r.usage.prompt_tokens > 10
+    # the same image as an Anthropic url source block: the same prompt
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=s.url, api_key="unused", timeout=BOUND * 2, max_retries=0)
+    m = a.messages.create(
+        model=VISION,
+        max_tokens=2,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "x"},
+                    {"type": "image", "source": {"type": "url", "url": origin.url + "/ok.png"}},
+                ],
+            }
+        ],
+    )
+    assert m.usage.input_tokens == r.usage.prompt_tokens
 
 
 @pytest.fixture(scope="module")
