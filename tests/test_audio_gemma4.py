@@ -340,16 +340,24 @@ MID_AUDIO = {
 }
 
 
-@pytest.mark.parametrize("name, overrides", [("gemma4-audio-f32", None), ("gemma4-audio-mid-f32", MID_AUDIO)])
-def test_the_plan_counts_encoding_the_longest_clip(name, overrides):
+@pytest.mark.parametrize(
+    "name, overrides, dtype",
+    [
+        ("gemma4-audio-f32", None, "float32"),
+        ("gemma4-audio-mid-f32", MID_AUDIO, "float32"),
+        ("gemma4-audio-mid-bf16", MID_AUDIO, "bfloat16"),
+    ],
+)
+def test_the_plan_counts_encoding_the_longest_clip(name, overrides, dtype):
     """The memory plan's audioTransientBytes (plan.rs via vision::gemma4_audio::encode_transient_bytes,
     from the encoder's sizes and the feature extractor's max_length) is at least MLX's peak over
     encoding a clip of the longest length (30 s at 16 kHz: what the extractor keeps; CPU) and within
-    2× of it, for the tiny and a mid-sized encoder; transientBytes holds the larger of it and
+    2× of it, for the tiny and a mid-sized encoder (float32 weights and bfloat16: the encoder
+    computes in float32 either way); transientBytes holds the larger of it and
     the image's mediaTransientBytes, and `fit` shows both."""
     from mlxrs import _native, fit
 
-    d = make_gemma4_audio(name, audio_overrides=overrides)
+    d = make_gemma4_audio(name, dtype=dtype, audio_overrides=overrides)
     p = fit.plan(d, 512)
     formula = p["audioTransientBytes"]
     assert p["transientBytes"] > max(formula, p["mediaTransientBytes"]) > 0

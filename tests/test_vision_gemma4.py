@@ -381,25 +381,27 @@ MID_VISION = {
 
 
 @pytest.mark.parametrize(
-    "name, overrides, max_tokens, size",
+    "name, overrides, max_tokens, size, dtype",
     [
         # (height, width) of an image the processor keeps at max_soft_tokens exactly
-        ("gemma4-vision-f32", None, 16, (64, 64)),
-        ("gemma4-vision-mid-f32", MID_VISION, 128, (384, 768)),
+        ("gemma4-vision-f32", None, 16, (64, 64), "float32"),
+        ("gemma4-vision-mid-f32", MID_VISION, 128, (384, 768), "float32"),
+        ("gemma4-vision-mid-bf16", MID_VISION, 128, (384, 768), "bfloat16"),
     ],
 )
-def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides, max_tokens, size):
+def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides, max_tokens, size, dtype):
     """The memory plan's mediaTransientBytes for Gemma 4's tower (plan.rs via
     vision::gemma4::encode_transient_bytes, from the tower's sizes and max_soft_tokens) is at least
     MLX's peak over encoding one image of max_soft_tokens tokens (CPU) and within 2× of it, for the
-    tiny tower and a mid-sized one; it is part of transientBytes, and `fit` shows it."""
+    tiny tower and a mid-sized one (float32 and bfloat16); it is part of transientBytes, and `fit`
+    shows it."""
     import io
 
     from PIL import Image
 
     from mlxrs import _native, fit
 
-    d = make_gemma4_vision(name, vision_overrides=overrides, max_soft_tokens=max_tokens)
+    d = make_gemma4_vision(name, dtype=dtype, vision_overrides=overrides, max_soft_tokens=max_tokens)
     p = fit.plan(d, 512)
     formula = p["mediaTransientBytes"]
     assert p["transientBytes"] > formula > 0 and "audioTransientBytes" not in p
