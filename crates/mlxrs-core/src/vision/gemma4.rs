@@ -577,9 +577,18 @@ impl Tower {
     }
 
     /// The projected features `[1, total tokens, text_hidden]` of `pixels` (each image at its own
-    /// size), in `dtype` (the language model's).
+    /// size), in `dtype` (the language model's). Each image is evaluated before the next is built:
+    /// as one graph MLX kept several images' intermediates alive at once (4 mid-sized images peaked
+    /// at 2.4× one image's), past the plan's one-image transient.
     pub fn features(&self, pixels: &[&Pixels], dtype: Dtype) -> Result<Array> {
-        let feats = pixels.iter().map(|p| self.image_features(p, dtype)).collect::<Result<Vec<_>>>()?;
+        let feats = pixels
+            .iter()
+            .map(|p| {
+                let f = self.image_features(p, dtype)?;
+                f.eval()?;
+                Ok(f)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Array> = feats.iter().collect();
         mx::expand_dims(&mx::concatenate(&refs, 0)?, 0)
     }

@@ -543,7 +543,9 @@ impl AudioTower {
     pub fn features(&self, mels: &[&Mel], dtype: Dtype) -> Result<Array> {
         let mut parts = Vec::with_capacity(mels.len());
         for m in mels {
+            // evaluated clip by clip: the plan counts one clip's transient (as Tower::features' images)
             let f = self.clip_features(m, dtype)?;
+            f.eval()?;
             let frames = f.dim(0);
             let n = self.processor.tokens_for(m.samples) as i32;
             let idx: Vec<i32> = (0..n).map(|i| i % frames).collect();
