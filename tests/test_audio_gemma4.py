@@ -325,3 +325,80 @@ def test_a_missing_audio_tensor_or_bad_extractor_is_refused(model_dir, tmp_path)
     (d2 / "processor_config.json").write_text(json.dumps(proc))
     with pytest.raises(mlxrs.errors.MlxrsError, match="feature_extractor.feature_size = 80"):
         mlxrs.Session(d2)
+
+
+# a mid-sized encoder: hidden 256 in 4 heads, subsampling convolutions of 64 then 16 channels,
+# Gemma 4's chunking (12 frames, 12 frames of left context, none right)
+MID_AUDIO = {
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "subsampling_conv_channels": [64, 16],
+    "attention_chunk_size": 12,
+    "attention_context_left": 13,
+    "attention_context_right": 0,
+    "output_proj_dims": 128,
+}
+
+
+@pytest.mark.parametrize(
+    "name, overrides, dtype",
+    [
+        ("gemma4-audio-f32", None, "float32"),
+        pytest.param("gemma4-audio-mid-f32", MID_AUDIO, "float32", marks=pytest.mark.slow),
+        pytest.param("gemma4-audio-mid-bf16", MID_AUDIO, "bfloat16", marks=pytest.mark.slow),
+    ],
+)
+def test_the_plan_counts_encoding_the_longest_clip(name, overrides, dtype):
+    """The memory plan's audioTransientBytes (plan.rs via vision::gemma4_audio::encode_transient_bytes,
+    from the encoder's sizes and the feature extractor's max_length) is at least MLX's peak over
+    encoding a clip of the longest length (30 s at 16 kHz: what the extractor keeps; CPU) and within
+    2× of it, for the tiny and a mid-sized encoder (float32 weights and bfloat16: the encoder
+    computes in float32 either way); transientBytes holds the larger of it and
+    the image's mediaTransientBytes, and `fit` shows both."""
+    from mlxrs import _native, fit
+
+    d = make_gemma4_audio(name, dtype=dtype, audio_overrides=overrides)
+    p = fit.plan(d, 512)
+    formula = p["audioTransientBytes"]
+    assert p["transientBytes"] > max(formula, p["mediaTransientBytes"]) > 0
+    clip = wav_bytes(tone(30.0, 16000, 1, seed=8), 16000, 16)
+    with mlxrs.Session(d) as s:
+        s.audio_features([clip])  # once first: kernels and the allocator warmed
+        before = _native.memory_counters(reset_peak=True)
+        feats = s.audio_features([clip])
+        peak = _native.memory_counters()["peak"] - before["active"]
+    assert len(feats) > 0 and peak > 0
+    assert peak <= formula <= 2 * peak, (name, peak, formula)
+    # three clips in one prompt are encoded one after another: still within the one clip's
+    with mlxrs.Session(d) as s:
+        three = [
+            clip,
+            wav_bytes(tone(30.0, 16000, 1, seed=9), 16000, 16),
+            wav_bytes(tone(30.0, 16000, 2, seed=10), 16000, 16),
+        ]
+        s.audio_features(three)
+        before = _native.memory_counters(reset_peak=True)
+        assert len(s.audio_features(three)) == 3 * len(feats)
+        several = _native.memory_counters()["peak"] - before["active"]
+    assert several <= formula, (name, several, formula)
+    text = fit.describe(d, name, p, None, None)
+    assert "of encoding one audio clip of the longest length" in text and "of encoding one image" in text
+
+
+def test_the_plan_counts_every_tower_weight():
+    """`fit`'s weightsBytes for Gemma 4 with both towers is every tensor of the checkpoint — the
+    language model, the vision tower and embed_vision, the audio encoder and embed_audio — as
+    MLX's own loader reads them from the safetensors file."""
+    import mlx.core as mx
+
+    from mlxrs import fit
+
+    d = make_gemma4_audio()
+    tensors = mx.load(str(d / "model.safetensors"))
+    parts = {"vision_tower": 0, "embed_vision": 0, "audio_tower": 0, "embed_audio": 0}
+    for k, v in tensors.items():
+        for part in parts:
+            if f".{part}." in f".{k}":
+                parts[part] += v.nbytes
+    assert all(parts.values()), parts
+    assert fit.plan(d, 512)["weightsBytes"] == sum(v.nbytes for v in tensors.values())

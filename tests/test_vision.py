@@ -361,4 +361,17 @@ def test_the_plan_counts_encoding_one_image(kw):
         before = _native.memory_counters(reset_peak=True)
         s.image_features([buf.getvalue()])
         peak = _native.memory_counters()["peak"] - before["active"]
+        # four images in one prompt go through the tower one at a time: within one image's figure
+        four = []
+        for k in range(4):
+            b = io.BytesIO()
+            Image.fromarray(np.random.default_rng(10 + k).integers(0, 256, (300, 500, 3), dtype=np.uint8)).save(
+                b, "PNG"
+            )
+            four.append(b.getvalue())
+        s.image_features(four)
+        before = _native.memory_counters(reset_peak=True)
+        s.image_features(four)
+        peak4 = _native.memory_counters()["peak"] - before["active"]
     assert 0 < peak <= formula <= 2 * peak, (d.name, peak, formula)
+    assert peak4 <= formula, (d.name, peak4, formula)

@@ -363,3 +363,68 @@ def test_audio_and_video_parts_are_refused(session):
     ]:
         with pytest.raises(mlxrs.errors.InvalidArgumentError, match=rf"messages\[0\].content\[0\]: {kind} input"):
             session.chat([{"role": "user", "content": [part]}], max_tokens=2)
+
+
+# a mid-sized tower: 16×16 patches pooled 3×3, at most 128 image tokens (1152 patches), 256 wide,
+# 4 heads of 64, a 1024-wide MLP
+MID_VISION = {
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "patch_size": 16,
+    "pooling_kernel_size": 3,
+    "position_embedding_size": 512,
+    "default_output_length": 128,
+}
+
+
+@pytest.mark.parametrize(
+    "name, overrides, max_tokens, size, dtype",
+    [
+        # (height, width) of an image the processor keeps at max_soft_tokens exactly
+        ("gemma4-vision-f32", None, 16, (64, 64), "float32"),
+        pytest.param("gemma4-vision-mid-f32", MID_VISION, 128, (384, 768), "float32", marks=pytest.mark.slow),
+        pytest.param("gemma4-vision-mid-bf16", MID_VISION, 128, (384, 768), "bfloat16", marks=pytest.mark.slow),
+    ],
+)
+def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides, max_tokens, size, dtype):
+    """The memory plan's mediaTransientBytes for Gemma 4's tower (plan.rs via
+    vision::gemma4::encode_transient_bytes, from the tower's sizes and max_soft_tokens) is at least
+    MLX's peak over encoding one image of max_soft_tokens tokens (CPU) and within 2× of it, for the
+    tiny tower and a mid-sized one (float32 and bfloat16); it is part of transientBytes, and `fit`
+    shows it."""
+    import io
+
+    from PIL import Image
+
+    from mlxrs import _native, fit
+
+    d = make_gemma4_vision(name, dtype=dtype, vision_overrides=overrides, max_soft_tokens=max_tokens)
+    p = fit.plan(d, 512)
+    formula = p["mediaTransientBytes"]
+    assert p["transientBytes"] > formula > 0 and "audioTransientBytes" not in p
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, "PNG")
+    with mlxrs.Session(d) as s:
+        s.image_features([buf.getvalue()])  # once first: kernels and the allocator warmed
+        before = _native.memory_counters(reset_peak=True)
+        feats = s.image_features([buf.getvalue()])
+        peak = _native.memory_counters()["peak"] - before["active"]
+        hidden = json.loads((d / "config.json").read_text())["text_config"]["hidden_size"]
+    assert len(feats) == max_tokens * hidden and peak > 0
+    assert peak <= formula <= 2 * peak, (name, peak, formula)
+    assert "of encoding one image at the largest size" in fit.describe(d, name, p, None, None)
+    # several images in one prompt are encoded one after another: still within the one image's
+    bufs = []
+    for k in range(4):
+        b = io.BytesIO()
+        Image.fromarray(np.random.default_rng(10 + k).integers(0, 256, (*size, 3), dtype=np.uint8)).save(b, "PNG")
+        bufs.append(b.getvalue())
+    with mlxrs.Session(d) as s:
+        s.image_features(bufs)
+        before = _native.memory_counters(reset_peak=True)
+        assert len(s.image_features(bufs)) == 4 * max_tokens * hidden
+        four = _native.memory_counters()["peak"] - before["active"]
+    assert four <= formula, (name, four, formula)

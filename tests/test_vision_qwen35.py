@@ -450,6 +450,19 @@ def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides,
         before = _native.memory_counters(reset_peak=True)
         feats = s.image_features([buf.getvalue()])
         peak = _native.memory_counters()["peak"] - before["active"]
+        # four images in one prompt go through the tower one at a time: within one image's figure
+        four = []
+        for k in range(4):
+            b = io.BytesIO()
+            Image.fromarray(np.random.default_rng(10 + k).integers(0, 256, (900, 1300, 3), dtype=np.uint8)).save(
+                b, "PNG"
+            )
+            four.append(b.getvalue())
+        s.image_features(four)
+        before = _native.memory_counters(reset_peak=True)
+        s.image_features(four)
+        peak4 = _native.memory_counters()["peak"] - before["active"]
     assert len(feats) % max_tokens == 0 and peak > 0
     assert peak <= formula <= 2 * peak, (name, peak, formula)
+    assert peak4 <= formula, (name, peak4, formula)
     assert "of encoding one image at the largest size" in fit.describe(d, name, p, None, None)

@@ -946,13 +946,21 @@ GEMMA4_SPECIALS = {
 GEMMA4_CHAT_TEMPLATE = GEMMA3_CHAT_TEMPLATE.replace("<start_of_image>", "<|image|>")
 
 
-def make_gemma4_vision(name: str = "gemma4-vision-f32", *, dtype: str = "float32", seed: int = 0) -> Path:
+def make_gemma4_vision(
+    name: str = "gemma4-vision-f32",
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    vision_overrides: dict[str, Any] | None = None,
+    max_soft_tokens: int = 16,
+) -> Path:
     """Write (once) a tiny random Gemma 4 multimodal model in the Hugging Face layout (as
     transformers saves Gemma4ForConditionalGeneration): the text model (tests' gemma4_text shape,
     per-layer inputs, KV sharing) under `model.language_model.*`, a vision tower of 8×8 patches
     pooled 2×2 (at most 16 image tokens, standardized, clipped linears with bounds that clip) under
     `model.vision_tower.*`, `model.embed_vision.*`; processor_config.json for Gemma 4's processor
-    and a tokenizer with its image markers. mlx-vlm 0.7.10 loads it."""
+    and a tokenizer with its image markers. mlx-vlm 0.7.10 loads it. `vision_overrides` (another
+    name then) changes the tower's sizes, `max_soft_tokens` the largest image."""
     import mlx.core as mx
 
     d = ROOT / name
@@ -979,6 +987,7 @@ def make_gemma4_vision(name: str = "gemma4-vision-f32", *, dtype: str = "float32
         "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
         "use_clipped_linears": True,
         "standardize": True,
+        **(vision_overrides or {}),
     }
     write_tokenizer(d, text["vocab_size"], extra_specials=GEMMA4_SPECIALS, chat_template=GEMMA4_CHAT_TEMPLATE)
     tok = json.loads((d / "tokenizer.json").read_text())
@@ -994,7 +1003,7 @@ def make_gemma4_vision(name: str = "gemma4-vision-f32", *, dtype: str = "float32
         "boi_token_id": ids["<|image>"],
         "eoi_token_id": ids["<image|>"],
         "video_token_id": ids["<|video|>"],
-        "vision_soft_tokens_per_image": 16,
+        "vision_soft_tokens_per_image": max_soft_tokens,
         "eos_token_id": 0,
         "tie_word_embeddings": True,
         "torch_dtype": dtype,
@@ -1050,12 +1059,12 @@ def make_gemma4_vision(name: str = "gemma4-vision-f32", *, dtype: str = "float32
         json.dumps(
             {
                 "processor_class": "Gemma4Processor",
-                "image_seq_length": 16,
+                "image_seq_length": max_soft_tokens,
                 "image_processor": {
                     "image_processor_type": "Gemma4ImageProcessor",
                     "patch_size": p,
-                    "max_soft_tokens": 16,
-                    "pooling_kernel_size": 2,
+                    "max_soft_tokens": max_soft_tokens,
+                    "pooling_kernel_size": vision["pooling_kernel_size"],
                     "do_resize": True,
                     "do_rescale": True,
                     "rescale_factor": 1 / 255,
@@ -1096,13 +1105,20 @@ GEMMA4_AUDIO_SPECIALS = {
 GEMMA4_AUDIO_CHAT_TEMPLATE = GEMMA4_CHAT_TEMPLATE
 
 
-def make_gemma4_audio(name: str = "gemma4-audio-f32", *, dtype: str = "float32", seed: int = 1) -> Path:
+def make_gemma4_audio(
+    name: str = "gemma4-audio-f32",
+    *,
+    dtype: str = "float32",
+    seed: int = 1,
+    audio_overrides: dict[str, Any] | None = None,
+) -> Path:
     """Write (once) `make_gemma4_vision`'s layout plus a tiny random audio tower (mlx-vlm 0.7.10's
     Gemma 4 conformer: subsampling convs of 8 then 4 channels, hidden 32, 2 blocks of 4 heads,
     chunks of 4 with 5 frames of left context and 2 of right, clipped linears whose bounds clip,
     an output projection to 48) under `model.audio_tower.*` (Hugging Face's conv layouts) and
     `model.embed_audio.*`; the tokenizer with the audio markers; processor_config.json with
-    `audio_seq_length` 750 and `audio_ms_per_token` 40. mlx-vlm loads it."""
+    `audio_seq_length` 750 and `audio_ms_per_token` 40. mlx-vlm loads it. `audio_overrides`
+    (another name then) changes the encoder's sizes."""
     import mlx.core as mx
 
     d = ROOT / name
@@ -1135,6 +1151,7 @@ def make_gemma4_audio(name: str = "gemma4-audio-f32", *, dtype: str = "float32",
         "rms_norm_eps": 1e-6,
         "gradient_clipping": 1e10,
         "output_proj_dims": 48,
+        **(audio_overrides or {}),
     }
     cfg.update(
         {

@@ -249,6 +249,12 @@ def describe(model_path: Path, label: str, p: dict[str, Any], kv_bits: int | Non
                 if p.get("mediaTransientBytes")
                 else ""
             )
+            + (
+                f"; {human_bytes(p['audioTransientBytes'])} of encoding one audio clip of the longest length"
+                + (" (the larger counts)" if p.get("mediaTransientBytes") else "")
+                if p.get("audioTransientBytes")
+                else ""
+            )
             + ")",
         ],
         ["reserve", f"{human_bytes(p['reserveBytes'])}  (runtime, tokenizer, allocator slack)"],

@@ -174,7 +174,14 @@ async def load_async(ref: ImageRef, policy: MediaPolicy) -> bytes:
                 raise _err(ref.where, f"fetching {url} answered HTTP {r.status}")
             if (r.content_length or 0) > policy.max_bytes:
                 raise _err(ref.where, f"the file at {url} is more than the limit of {policy.max_bytes} bytes")
-            data = await r.content.read(policy.max_bytes + 1)
+            # read to the end (StreamReader.read(n) returns what has arrived, up to n), refusing
+            # as soon as the body passes the limit
+            buf = bytearray()
+            async for chunk in r.content.iter_chunked(64 << 10):
+                buf += chunk
+                if len(buf) > policy.max_bytes:
+                    raise _err(ref.where, f"the file at {url} is more than the limit of {policy.max_bytes} bytes")
+            data = bytes(buf)
     except InvalidArgumentError:
         raise
     except Exception as e:

@@ -6,9 +6,11 @@ Why OpenCV and not PyAV: docs/design/video.md.
 
 Untrusted input: the file's size is checked before anything decodes it (`max_bytes`), the header's
 frame size against `max_pixels` and every decoded frame against the header's size; at most
-`max_frames` frames are read (one seek each); a file OpenCV cannot open, whose header counts no
-frames, or of which a sampled frame does not decode (truncated) is an `InvalidArgumentError`
-naming the part.
+`max_frames` frames are read (one seek each), and their pixels together at most `max_total_pixels`
+(from the header, before any is read); the whole decoding has a wall-clock limit
+(`DEFAULT_DECODE_SECONDS`, `MLXRS_VIDEO_DECODE_SECONDS`); a file OpenCV cannot open, whose header
+counts no frames, of which a sampled frame does not decode (truncated, or a header that claims more
+frames than the file has), or that decodes too slowly is an `InvalidArgumentError` naming the part.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -32,6 +35,13 @@ DEFAULT_MAX_FRAME_PIXELS = 7680 * 4320
 FRAME_FACTOR = 2
 #: Seconds OpenCV may wait to open a file or read a frame (FFmpeg's own timeouts).
 DECODE_TIMEOUT_MS = 10_000
+#: Decoded pixels all of a video's sampled frames may have together (768 frames of 720p), checked
+#: from the header before any frame is read: the frames are held until the prompt is encoded.
+DEFAULT_MAX_VIDEO_PIXELS = 768 * 1280 * 720
+#: Seconds the decoding of one video file may take in all (checked before each sampled frame; a
+#: frame already being read still has FFmpeg's own DECODE_TIMEOUT_MS). `MLXRS_VIDEO_DECODE_SECONDS`
+#: overrides it.
+DEFAULT_DECODE_SECONDS = 60.0
 
 # OpenCV's FFmpeg backend is not safe to drive from several threads at once
 _lock = threading.Lock()
@@ -121,20 +131,25 @@ def decode(
     sampling: Sampling,
     *,
     max_pixels: int = DEFAULT_MAX_FRAME_PIXELS,
+    max_total_pixels: int = DEFAULT_MAX_VIDEO_PIXELS,
+    seconds: float | None = None,
 ) -> Video:
     """A video file's sampled frames, each PNG-encoded (lossless), and their times (source frame
     index / source fps, as mlx-vlm's processor times them). `InvalidArgumentError` naming `where`
-    for what cannot be decoded or is over the limits."""
+    for what cannot be decoded or is over the limits: `max_pixels` a frame, `max_total_pixels` the
+    sampled frames together, `seconds` of decoding (None: `decode_seconds()`)."""
     cv2 = _cv2(where)
     if not data:
         raise _err(where, "the video file is empty")
+    limit = decode_seconds() if seconds is None else seconds
+    deadline = Limits(max_pixels, max_total_pixels, limit, time.monotonic() + limit)
     fd, path = tempfile.mkstemp(prefix="mlxrs-video-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         with _lock:
             try:
-                return _decode_path(cv2, path, where, sampling, max_pixels)
+                return _decode_path(cv2, path, where, sampling, deadline)
             except cv2.error as e:  # OpenCV's own failures on a bad stream: the caller's error
                 raise _err(where, f"the video does not decode: {str(e).strip()[:200]}") from None
     finally:
@@ -144,10 +159,42 @@ def decode(
             pass
 
 
-def _decode_path(cv2: Any, path: str, where: str, s: Sampling, max_pixels: int) -> Video:
+def decode_seconds() -> float:
+    """The wall-clock limit on decoding one video file: `MLXRS_VIDEO_DECODE_SECONDS` (a positive
+    number) or `DEFAULT_DECODE_SECONDS`; a bad value is a ValueError naming the variable."""
+    raw = os.environ.get("MLXRS_VIDEO_DECODE_SECONDS", "").strip()
+    if not raw:
+        return DEFAULT_DECODE_SECONDS
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"MLXRS_VIDEO_DECODE_SECONDS={raw!r} is not a positive number of seconds")
+    return v
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One decoding's limits: pixels a frame, pixels all sampled frames, and its deadline
+    (`time.monotonic()`) with the seconds it stands for."""
+
+    max_pixels: int
+    max_total_pixels: int
+    seconds: float
+    deadline: float
+
+    def check_time(self, where: str, what: str) -> None:
+        if time.monotonic() > self.deadline:
+            raise _err(where, f"decoding the video took longer than the limit of {self.seconds:g} s ({what})")
+
+
+def _decode_path(cv2: Any, path: str, where: str, s: Sampling, lim: Limits) -> Video:
+    max_pixels = lim.max_pixels
     params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, DECODE_TIMEOUT_MS, cv2.CAP_PROP_READ_TIMEOUT_MSEC, DECODE_TIMEOUT_MS]
     cap = cv2.VideoCapture(path, cv2.CAP_FFMPEG, params)
     try:
+        lim.check_time(where, "opening the file")
         if not cap.isOpened():
             raise _err(where, "not a video file OpenCV can decode (a truncated, corrupt or unsupported container)")
         total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
@@ -163,8 +210,15 @@ def _decode_path(cv2: Any, path: str, where: str, s: Sampling, max_pixels: int) 
             indices = sample_indices(total, fps, s)
         except ValueError as e:
             raise _err(where, str(e)) from None
+        if len(indices) * w * h > lim.max_total_pixels:
+            raise _err(
+                where,
+                f"{len(indices)} sampled frames of {w}x{h} pixels are more than the limit of "
+                f"{lim.max_total_pixels} pixels a video",
+            )
         frames: list[tuple[bytes, str]] = []
         for k, idx in enumerate(indices):
+            lim.check_time(where, f"{k} of {len(indices)} sampled frames read")
             cap.set(cv2.CAP_PROP_POS_FRAMES, idx)
             ok, frame = cap.read()
             if not ok:  # (mlx-vlm goes on with the frames read so far; a partial video is refused here)

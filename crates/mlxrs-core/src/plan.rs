@@ -171,6 +171,10 @@ pub struct ModelFacts {
     /// tower ([`crate::vision::encode_transient_bytes`]); 0 without a modelled tower.
     #[serde(default)]
     pub media_transient_bytes: u64,
+    /// The peak transient of encoding one audio clip of the longest length the feature extractor
+    /// keeps with the audio encoder ([`crate::vision::audio_transient_bytes`]); 0 without one.
+    #[serde(default)]
+    pub audio_transient_bytes: u64,
 }
 
 fn dtype_bytes(name: &str) -> Option<u64> {
@@ -220,6 +224,7 @@ impl ModelFacts {
         let act = act.or_else(|| text_config(&config).get("torch_dtype").and_then(Value::as_str).and_then(dtype_bytes));
         let mut f = Self::from_config(&config, weights_bytes, act.unwrap_or(2))?;
         f.media_transient_bytes = crate::vision::encode_transient_bytes(&config, dir, f.act_bytes)?.unwrap_or(0);
+        f.audio_transient_bytes = crate::vision::audio_transient_bytes(&config, dir)?.unwrap_or(0);
         if f.moe.iter().any(|m| m.0 > 0) {
             f.expert_bytes =
                 tensors.iter().filter(|t| crate::models::experts::is_expert_tensor(&t.0)).map(|t| t.2).sum();
@@ -335,6 +340,7 @@ impl ModelFacts {
             expert_bytes: 0,
             moe,
             media_transient_bytes: 0,
+            audio_transient_bytes: 0,
         })
     }
 }
@@ -484,6 +490,11 @@ pub struct MemoryPlan {
     /// with its vision tower; absent for a model without a modelled tower.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub media_transient_bytes: Option<u64>,
+    /// Encoding one audio clip of the longest length the feature extractor keeps with the audio
+    /// encoder; absent for a model without one. `transient_bytes` holds the larger of this and
+    /// `media_transient_bytes` (a prompt's media are encoded one after another).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub audio_transient_bytes: Option<u64>,
 }
 
 /// The largest context considered when a model does not say its own.
@@ -556,7 +567,8 @@ impl ModelFacts {
     /// The sum is multiplied by [`TRANSIENT_SLACK`] for the allocator's rounding and the
     /// intermediates of norms and RoPE that the terms above do not name. A model with a vision
     /// tower adds the transient of encoding one image at its largest size
-    /// ([`ModelFacts::media_transient_bytes`]), which a prompt with an image allocates before its
+    /// ([`ModelFacts::media_transient_bytes`]) or, when larger, one audio clip of the longest length
+    /// ([`ModelFacts::audio_transient_bytes`]), which a prompt with media allocates before its
     /// prefill's own.
     ///
     /// Calibrated against MLX's peak memory: see [`TRANSIENT_SLACK`] (CPU) and [`GPU_LAYERS_IN_FLIGHT`] (CUDA).
@@ -580,7 +592,7 @@ impl ModelFacts {
         let regrow = self.kv_cache_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
         let logits = 2.0 * self.vocab_size as f64 * 4.0;
         ((layers * (hidden + qkv + scores + mlp + dequant) + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
-            + self.media_transient_bytes
+            + self.media_transient_bytes.max(self.audio_transient_bytes)
     }
 
     /// The model's own context limit.
@@ -691,12 +703,18 @@ impl ModelFacts {
             state_bytes: self.planned_state_bytes(),
             expert_cache_floor_bytes: floor,
             media_transient_bytes: self.planned_media_transient(),
+            audio_transient_bytes: self.planned_audio_transient(),
         }
     }
 
     /// The plan's `mediaTransientBytes`: one image's encoding, for a model with a modelled tower.
     fn planned_media_transient(&self) -> Option<u64> {
         Some(self.media_transient_bytes).filter(|&b| b > 0)
+    }
+
+    /// The plan's `audioTransientBytes`: one clip's encoding, for a model with an audio tower.
+    fn planned_audio_transient(&self) -> Option<u64> {
+        Some(self.audio_transient_bytes).filter(|&b| b > 0)
     }
 
     /// The plan's `stateBytes`: the recurrent state, for a model that has one.
@@ -736,6 +754,7 @@ impl ModelFacts {
             state_bytes: self.planned_state_bytes(),
             expert_cache_floor_bytes: None,
             media_transient_bytes: self.planned_media_transient(),
+            audio_transient_bytes: self.planned_audio_transient(),
         }
     }
 }

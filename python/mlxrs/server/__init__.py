@@ -142,6 +142,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr, flush=True)
         return 2
+    try:
+        from ..video import decode_seconds
+
+        decode_seconds()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     if args.chat_template is not None and _chat_template(args.chat_template) is None:
         from ..session import TEMPLATE_NAMES
 

@@ -369,6 +369,19 @@ impl FeatureConfig {
         })
     }
 
+    /// The samples a clip of `samples` is featurized as: cut at `max_length`, padded to a
+    /// multiple of `pad_to_multiple_of`.
+    fn padded_len(&self, samples: usize) -> usize {
+        samples.min(self.max_length).div_ceil(self.pad_to_multiple_of) * self.pad_to_multiple_of
+    }
+
+    /// The feature frames of a clip of `samples` ([`log_mel`]'s rows); None: too short for one.
+    pub fn frames(&self, samples: usize) -> Option<usize> {
+        let len = self.frame_length / 2 + self.padded_len(samples);
+        let unfold = self.frame_length + 1;
+        (len >= unfold).then(|| (len - unfold) / self.hop_length + 1)
+    }
+
     /// The HTK mel filter bank `[fft_length / 2 + 1][feature_size]` (float64, no norm), as
     /// transformers' `mel_filter_bank` builds it: each filter as the range of FFT bins it covers
     /// and their weights.
@@ -450,15 +463,13 @@ fn fft(re: &mut [f64], im: &mut [f64]) {
 pub fn log_mel(samples: &[f32], cfg: &FeatureConfig) -> Result<Mel> {
     let total = samples.len();
     let kept = total.min(cfg.max_length);
-    let mult = cfg.pad_to_multiple_of;
-    let padded = kept.div_ceil(mult) * mult;
+    let padded = cfg.padded_len(total);
     let pad_left = cfg.frame_length / 2;
     let unfold = cfg.frame_length + 1;
     let len = pad_left + padded;
-    if len < unfold {
-        return Err(Error::Invalid(format!("{total} samples of audio are too short for one feature frame")));
-    }
-    let frames = (len - unfold) / cfg.hop_length + 1;
+    let frames = cfg
+        .frames(total)
+        .ok_or_else(|| Error::Invalid(format!("{total} samples of audio are too short for one feature frame")))?;
     // the padded waveform (scaled), with pad_left zeros in front
     let scale = cfg.input_scale_factor as f32;
     let mut wave = vec![0f32; len];

@@ -108,27 +108,69 @@ impl Processor {
 /// The processor of a Gemma 4 model directory: processor_config.json's `image_processor` (else
 /// preprocessor_config.json's flat keys, as mlx-vlm reads them), checked against the tower's
 /// config; the tokenizer's boi/eoi/image tokens.
-pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
-    let v = config.get("vision_config").unwrap_or(&Value::Null);
-    let d = vision_dims(v)?;
-    let (name, proc_cfg) = match super::json_file(dir, "processor_config.json")? {
+/// The processor's settings as mlx-vlm reads them: (the file's name, its whole content,
+/// the image processor's name for errors, the image processor's settings) — processor_config.json's
+/// `image_processor`, else preprocessor_config.json's flat keys.
+pub(super) fn processor_files(dir: &Path) -> Result<(&'static str, Value, String, Value)> {
+    let (file, proc_cfg) = match super::json_file(dir, "processor_config.json")? {
         Some(p) => ("processor_config.json", p),
         None => ("preprocessor_config.json", super::json_file(dir, "preprocessor_config.json")?.unwrap_or(Value::Null)),
     };
-    let file = name;
     let (name, ip) = match proc_cfg.get("image_processor") {
-        Some(ip @ Value::Object(_)) => (format!("{name}: image_processor"), ip.clone()),
-        _ => (name.to_string(), proc_cfg.clone()),
+        Some(ip @ Value::Object(_)) => (format!("{file}: image_processor"), ip.clone()),
+        _ => (file.to_string(), proc_cfg.clone()),
     };
-    let uint = |k: &str, dflt: u32| -> Result<u32> {
-        match ip.get(k) {
-            None | Some(Value::Null) => Ok(dflt),
-            Some(x) => match x.as_u64() {
-                Some(n) if (1..=1 << 16).contains(&n) => Ok(n as u32),
-                _ => Err(Error::ModelLoad(format!("{name}.{k} = {x} is not a positive integer"))),
-            },
-        }
-    };
+    Ok((file, proc_cfg, name, ip))
+}
+
+/// The image processor's positive integer `k` (`dflt` where absent); `name` names it in errors.
+fn processor_uint(ip: &Value, name: &str, k: &str, dflt: u32) -> Result<u32> {
+    match ip.get(k) {
+        None | Some(Value::Null) => Ok(dflt),
+        Some(x) => match x.as_u64() {
+            Some(n) if (1..=1 << 16).contains(&n) => Ok(n as u32),
+            _ => Err(Error::ModelLoad(format!("{name}.{k} = {x} is not a positive integer"))),
+        },
+    }
+}
+
+/// The peak bytes the tower allocates while encoding one image at the processor's largest size
+/// (`max_soft_tokens` pooled tokens: N = max_soft_tokens·k² patches), in `a`-byte activations (the
+/// tower's dtype), on the CPU, where one layer's intermediates are live at a time. With hidden h,
+/// heads H (KV heads G), head width d, intermediate I, patch p, pooling k:
+/// - once: the pixels, float32, as given and patch-ordered, then cast: 3·N·p²·(2·4 + a); the patch
+///   embedding, the positions and their sum: 3·N·h·a; the 2-D rotary tables (float32 cos and sin
+///   per spatial dimension): 2·N·d·4; the pooling (float32 hidden states and the 1/k² weights
+///   `[N / k², N]`): N·h·4 + N²/k²·4
+/// - per layer: the residual, the normed input, the attention output and its projection, the MLP's
+///   normed input and output: 6·N·h·a; q, k and v and their float32 RMS norms: (H + 2G)·N·d·(a + 4);
+///   the rotated q and k: 2·(H + G)·N·d·a; the attention scores SDPA's general path materializes and
+///   its float32 softmax: H·N²·(a + 4); the GeGLU's gate, up and product: 3·N·I·a
+///
+/// `tests/test_vision_gemma4.py` measures MLX's peak over `image_features` of an image at the
+/// largest size against this (at least the measured peak, within 2× of it) for the tiny and a
+/// mid-sized tower.
+pub fn encode_transient_bytes(config: &Value, dir: &Path, a: u64) -> Result<u64> {
+    let d = vision_dims(config.get("vision_config").unwrap_or(&Value::Null))?;
+    let (_, _, name, ip) = processor_files(dir)?;
+    let k = d.pool as u64;
+    let n = processor_uint(&ip, &name, "max_soft_tokens", 280)? as u64 * k * k;
+    let (p, h, inter) = (d.patch as u64, d.hidden as u64, d.inter as u64);
+    let (heads, kv, hd) = (d.heads as u64, d.kv_heads as u64, d.head_dim as u64);
+    let once = 3 * n * p * p * (2 * 4 + a) + 3 * n * h * a + 2 * n * hd * 4 + n * h * 4 + n * n / (k * k) * 4;
+    let layer = 6 * n * h * a
+        + (heads + 2 * kv) * n * hd * (a + 4)
+        + 2 * (heads + kv) * n * hd * a
+        + heads * n * n * (a + 4)
+        + 3 * n * inter * a;
+    Ok(once + layer)
+}
+
+pub fn processor(config: &Value, dir: &Path, tokenizer: &crate::tokenizer::Tokenizer) -> Result<Processor> {
+    let v = config.get("vision_config").unwrap_or(&Value::Null);
+    let d = vision_dims(v)?;
+    let (file, proc_cfg, name, ip) = processor_files(dir)?;
+    let uint = |k: &str, dflt: u32| processor_uint(&ip, &name, k, dflt);
     let patch = uint("patch_size", 16)?;
     let pool = uint("pooling_kernel_size", 3)?;
     let max_soft_tokens = uint("max_soft_tokens", 280)?;
@@ -535,9 +577,18 @@ impl Tower {
     }
 
     /// The projected features `[1, total tokens, text_hidden]` of `pixels` (each image at its own
-    /// size), in `dtype` (the language model's).
+    /// size), in `dtype` (the language model's). Each image is evaluated before the next is built:
+    /// as one graph MLX kept several images' intermediates alive at once (4 mid-sized images peaked
+    /// at 2.4× one image's), past the plan's one-image transient.
     pub fn features(&self, pixels: &[&Pixels], dtype: Dtype) -> Result<Array> {
-        let feats = pixels.iter().map(|p| self.image_features(p, dtype)).collect::<Result<Vec<_>>>()?;
+        let feats = pixels
+            .iter()
+            .map(|p| {
+                let f = self.image_features(p, dtype)?;
+                f.eval()?;
+                Ok(f)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Array> = feats.iter().collect();
         mx::expand_dims(&mx::concatenate(&refs, 0)?, 0)
     }

@@ -205,6 +205,42 @@ fn audio_dims(config: &Value) -> Result<AudioDims> {
     Ok(d)
 }
 
+/// The peak bytes the encoder allocates while encoding one clip of the longest length the feature
+/// extractor keeps (`max_length` samples: T0 mel frames), on the CPU. The log-mel features are
+/// float32, so the encoder computes in float32 whatever its weights' dtype (4-byte activations).
+/// MLX evaluates the two convolutions as one graph and their intermediates add up (as measured);
+/// the peak is the features as given, both convolutions and one conformer block:
+/// - each stride-2 3×3 convolution (mel bins 128 → 64 → 32, channels 1 → c0 → c1) from X input bytes
+///   to Y output bytes: the input masked, padded and copied for the convolution: 3·X; MLX's CPU
+///   convolution unrolls its input patches (im2col): T_out·F_out·9·c_in·4; the output, its layer
+///   norm's intermediates and the ReLU: 6·Y
+/// - a conformer block over T2 frames of hidden h (H heads, chunks of W with C frames of context,
+///   U = ⌈T2 / W⌉ chunks): the feed-forward's expansion and its SiLU: 2·T2·4h·4; the residuals,
+///   norms, q, k, v and the light convolution's parts: 12·T2·h·4; k and v gathered into their
+///   chunks' context: 2·U·C·h·4; the logits (content and relative, shifted, capped, masked) and the
+///   softmax: 6·H·U·W·(C + 1)·4
+///
+/// `tests/test_audio_gemma4.py` measures MLX's peak over `audio_features` of the longest clip
+/// against this (at least the measured peak, within 2× of it) for the tiny and a mid-sized encoder.
+pub fn encode_transient_bytes(config: &Value, proc_cfg: &Value, name: &str) -> Result<u64> {
+    let d = audio_dims(config)?;
+    let fe = proc_cfg.get("feature_extractor").filter(|v| v.is_object()).unwrap_or(&Value::Null);
+    let features = FeatureConfig::from_json(fe, &format!("{name}: feature_extractor"))?;
+    let t0 = features.frames(features.max_length).unwrap_or(0) as u64;
+    let half = |t: u64| (t + 2 - 3) / 2 + 1;
+    let conv = |t_in: u64, f_in: u64, c_in: u64, c_out: u64| {
+        let (t, f) = (half(t_in), half(f_in));
+        3 * t_in * f_in * c_in * 4 + t * f * 9 * c_in * 4 + 6 * t * f * c_out * 4
+    };
+    let (c0, c1) = (d.channels[0] as u64, d.channels[1] as u64);
+    let (t1, t2) = (half(t0), half(half(t0)));
+    let (h, heads, w) = (d.hidden as u64, d.heads as u64, d.chunk as u64);
+    let ctx = w + (d.context_left as u64).saturating_sub(1) + d.context_right as u64;
+    let u = t2.div_ceil(w);
+    let block = 2 * t2 * 4 * h * 4 + 12 * t2 * h * 4 + 2 * u * ctx * h * 4 + 6 * heads * u * w * (ctx + 1) * 4;
+    Ok(t0 * 128 * 4 + conv(t0, 128, 1, c0) + conv(t1, 64, c0, c1) + block)
+}
+
 struct FeedForward {
     pre: RmsNorm,
     ffw1: ClipLinear,
@@ -507,7 +543,9 @@ impl AudioTower {
     pub fn features(&self, mels: &[&Mel], dtype: Dtype) -> Result<Array> {
         let mut parts = Vec::with_capacity(mels.len());
         for m in mels {
+            // evaluated clip by clip: the plan counts one clip's transient (as Tower::features' images)
             let f = self.clip_features(m, dtype)?;
+            f.eval()?;
             let frames = f.dim(0);
             let n = self.processor.tokens_for(m.samples) as i32;
             let idx: Vec<i32> = (0..n).map(|i| i % frames).collect();

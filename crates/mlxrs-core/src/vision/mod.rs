@@ -285,6 +285,19 @@ pub fn encode_transient_bytes(config: &Value, dir: &Path, act_bytes: u64) -> Res
     if qwen3_5::is_qwen3_5_vision(config) && qwen3_5::has_tower(dir)? {
         return qwen3_5::encode_transient_bytes(config, dir, act_bytes).map(Some);
     }
+    if gemma4::is_gemma4_vision(config) {
+        return gemma4::encode_transient_bytes(config, dir, act_bytes).map(Some);
+    }
+    Ok(None)
+}
+
+/// The peak bytes of encoding one audio clip of the longest length the model's feature extractor
+/// keeps with its audio encoder; None for a model without a modelled audio tower.
+pub fn audio_transient_bytes(config: &Value, dir: &Path) -> Result<Option<u64>> {
+    if gemma4_audio::has_audio(config) {
+        let (file, proc_cfg, _, _) = gemma4::processor_files(dir)?;
+        return gemma4_audio::encode_transient_bytes(config, &proc_cfg, file).map(Some);
+    }
     Ok(None)
 }
 

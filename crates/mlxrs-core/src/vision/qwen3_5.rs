@@ -833,7 +833,16 @@ impl Tower {
     /// The features `[1, total tokens, text_hidden]` of `pixels` (each image at its own size), in
     /// `dtype` (the language model's).
     pub fn features(&self, pixels: &[&Pixels], dtype: Dtype) -> Result<Array> {
-        let feats = pixels.iter().map(|p| self.encode(p, dtype)).collect::<Result<Vec<_>>>()?;
+        // each image evaluated before the next is built: as one graph four mid-sized images peaked
+        // at 2.4× one's, past the plan's one-image transient
+        let feats = pixels
+            .iter()
+            .map(|p| {
+                let f = self.encode(p, dtype)?;
+                f.eval()?;
+                Ok(f)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Array> = feats.iter().collect();
         mx::expand_dims(&mx::concatenate(&refs, 0)?, 0)
     }
