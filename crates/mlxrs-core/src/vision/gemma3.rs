@@ -7,7 +7,7 @@ use super::image::{Filter, ImageLimits, Pixels, Preprocess};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
 // mlx-vlm's SigLIP MLP is `nn.GELU(approx="precise")`, which in MLX is the tanh approximation
-use crate::models::layers::{gelu_approx, Linear, RmsNorm};
+use crate::models::layers::{gelu_approx_compiled, Linear, RmsNorm};
 use crate::models::{CausalLm, Cfg};
 use crate::weights::Weights;
 use serde_json::Value;
@@ -405,7 +405,7 @@ impl Tower {
             let o = mx::reshape(&mx::transpose_axes(&o, &[0, 2, 1, 3])?, &[b, l, d.hidden])?;
             h = mx::add(&h, &layer.o.forward(&o)?)?;
             let y = layer.fc1.forward(&layer.ln2.forward(&h)?)?;
-            h = mx::add(&h, &layer.fc2.forward(&gelu_approx(&y)?)?)?;
+            h = mx::add(&h, &layer.fc2.forward(&gelu_approx_compiled(&y)?)?)?;
         }
         let h = self.post_ln.forward(&h)?;
         // average pooling of the g×g grid in k×k windows to side×side tokens

@@ -15,7 +15,7 @@
 use super::image::{ImageLimits, Pixels, Preprocess};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
-use crate::models::layers::{gelu_approx, Linear, RmsNorm};
+use crate::models::layers::{gelu_approx_compiled, Linear, RmsNorm};
 use crate::models::{CausalLm, Cfg};
 use crate::weights::Weights;
 use serde_json::Value;
@@ -549,7 +549,7 @@ impl Tower {
             let o = mx::reshape(&mx::transpose_axes(&o, &[0, 2, 1, 3])?, &[1, l, d.heads * hd])?;
             h = mx::add(&h, &layer.post_attn_norm.forward(&layer.o.forward(&o)?)?)?;
             let y = layer.pre_ff_norm.forward(&h)?;
-            let g = mx::multiply(&gelu_approx(&layer.gate.forward(&y)?)?, &layer.up.forward(&y)?)?;
+            let g = mx::multiply(&gelu_approx_compiled(&layer.gate.forward(&y)?)?, &layer.up.forward(&y)?)?;
             h = mx::add(&h, &layer.post_ff_norm.forward(&layer.down.forward(&g)?)?)?;
         }
         // k×k average pooling as mlx-vlm's einsum with float32 weights 1/k² (row-major pooled grid)
