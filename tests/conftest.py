@@ -11,7 +11,7 @@ sys.path.insert(0, str(HERE))
 from buildlock import build_lock  # noqa: E402
 from oracle_server import ORACLE, Oracle  # noqa: E402
 
-pytest_plugins = ["server_fixtures"]  # the shared model and server fixtures
+pytest_plugins = ["server_fixtures", "xdist_schedule"]  # the shared fixtures; the parallel run's schedule
 
 
 @pytest.fixture(scope="session")
