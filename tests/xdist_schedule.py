@@ -20,9 +20,23 @@ from typing import Any
 
 import pytest
 
-# a serial run's slowest files, slowest first (`pytest --durations=0`; bench/RESULTS.md, "test time")
+# the slowest files, slowest first: the sums of their tests' times in a parallel run (junit XML,
+# 2026-12-01; bench/RESULTS.md, "test time"). test_wheel's one long fixture (maturin build, then a
+# venv) goes first: it is a single chain that cannot be shared out.
 FIRST = [
+    "test_wheel.py",
+    "test_gemma_real.py",
     "test_fit.py",
+    "test_parity.py",
+    "test_scheduler.py",
+    "test_chat.py",
+    "test_paged_experts.py",
+    "test_get.py",
+    "test_lora.py",
+    "test_session.py",
+    "test_gguf_import_gemma4.py",
+    "test_server_compat.py",
+    "test_oracle.py",
 ]
 # files of long, independent tests: each test is scheduled on its own
 SPREAD = {"test_fit.py"}
