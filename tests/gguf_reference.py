@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from buildlock import build_lock
+
 NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -27,6 +29,13 @@ NAMES = {
 
 
 def convert_gemma3(gguf_path: Path, out: Path, dtype: str = "float32") -> Path:
+    """mlx-lm's layout of the Gemma 3 GGUF at `gguf_path`, dequantized independently of mlxrs, written
+    once into `out`."""
+    with build_lock(out):
+        return _convert_gemma3(gguf_path, out, dtype)
+
+
+def _convert_gemma3(gguf_path: Path, out: Path, dtype: str) -> Path:
     import mlx.core as mx
     from gguf import GGUFReader
     from gguf.quants import dequantize

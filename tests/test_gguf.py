@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from buildlock import build_lock
 from mlxrs import _native
 from mlxrs.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 
@@ -189,7 +190,8 @@ def reference_tokenizer(path: Path, out: Path | None = None) -> tuple[Tokenizer,
 @pytest.fixture(scope="session")
 def gemma_ref(gemma_file: Path) -> tuple[Tokenizer, dict[str, Any], list[dict[str, Any]]]:
     pytest.importorskip("transformers")
-    return reference_tokenizer(gemma_file, REF_DIR)
+    with build_lock(REF_DIR):
+        return reference_tokenizer(gemma_file, REF_DIR)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ import pytest
 import mlxrs
 from mlxrs import models
 from mlxrs.errors import MlxrsError
+from buildlock import build_lock
 from tinymodels import ROOT, make_model
 
 pytest.importorskip("gguf")
@@ -54,13 +55,18 @@ MOE_KEPT = ["enable_moe_block", "num_experts", "top_k_experts", "moe_intermediat
 def hf_source(arch: str) -> Path:
     """`make_model(arch)`'s weights and config with a Gemma 4 tokenizer and chat template, written once
     as a new directory (the shared model files are linked, never changed)."""
+    d = ROOT / f"{arch}-llamacpp-src"
+    base = make_model(f"{arch}-float32", arch)
+    with build_lock(d):
+        if not (d / ".complete").exists():
+            _write_hf_source(d, base)
+    return d
+
+
+def _write_hf_source(d: Path, base: Path) -> None:
     from chat_templates import gemma4_template
     from llamacpp_convert import write_gemma4_tokenizer
 
-    d = ROOT / f"{arch}-llamacpp-src"
-    if (d / ".complete").exists():
-        return d
-    base = make_model(f"{arch}-float32", arch)
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     cfg = json.loads((base / "config.json").read_text())
@@ -69,7 +75,6 @@ def hf_source(arch: str) -> Path:
     os.symlink(base / "model.safetensors", d / "model.safetensors")
     write_gemma4_tokenizer(d, cfg["vocab_size"], gemma4_template())
     (d / ".complete").write_text("ok")
-    return d
 
 
 def gguf_of(arch: str, outtype: str) -> Path:
@@ -77,10 +82,11 @@ def gguf_of(arch: str, outtype: str) -> Path:
     from llamacpp_convert import convert
 
     g = ROOT / f"{arch}-llamacpp-{outtype}.gguf"
-    if not g.exists():
-        tmp = g.with_name(f".{g.name}.{os.getpid()}")
-        convert(hf_source(arch), tmp, outtype)
-        tmp.replace(g)
+    with build_lock(g):
+        if not g.exists():
+            tmp = g.with_name(f".{g.name}.{os.getpid()}")
+            convert(hf_source(arch), tmp, outtype)
+            tmp.replace(g)
     return g
 
 

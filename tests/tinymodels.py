@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from buildlock import built_under
+
 ROOT = Path(__file__).resolve().parent / ".models"
 
 CORPUS = (
@@ -694,6 +696,7 @@ def _qwen3_next_weights(arch: str, cfg: dict[str, Any], rnd: Any) -> dict[str, A
     return w
 
 
+@built_under(ROOT)
 def make_model(
     name: str,
     arch: str,
@@ -805,6 +808,7 @@ FIT_MODELS: dict[str, tuple[str, str, dict[str, int]]] = {
 }
 
 
+@built_under(ROOT)
 def make_fit_model(name: str) -> Path:
     """Write (once) and return one of FIT_MODELS."""
     arch, dtype, shape = FIT_MODELS[name]
@@ -823,6 +827,7 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 
+@built_under(ROOT)
 def make_gemma3_vision(
     name: str = "gemma3-vision-f32",
     *,
@@ -946,6 +951,7 @@ GEMMA4_SPECIALS = {
 GEMMA4_CHAT_TEMPLATE = GEMMA3_CHAT_TEMPLATE.replace("<start_of_image>", "<|image|>")
 
 
+@built_under(ROOT)
 def make_gemma4_vision(
     name: str = "gemma4-vision-f32",
     *,
@@ -1078,6 +1084,7 @@ def make_gemma4_vision(
     return d
 
 
+@built_under(ROOT)
 def make_gemma4_vision_q4(name: str = "gemma4-vision-q4") -> Path:
     """`make_gemma4_vision`'s model converted by mlx-vlm 0.7.10 to 4 bits (group 64): the language
     model quantized, the tower not (as mlx-vlm quantizes Gemma 4), saved in mlx-vlm's layout (no
@@ -1105,6 +1112,7 @@ GEMMA4_AUDIO_SPECIALS = {
 GEMMA4_AUDIO_CHAT_TEMPLATE = GEMMA4_CHAT_TEMPLATE
 
 
+@built_under(ROOT)
 def make_gemma4_audio(
     name: str = "gemma4-audio-f32",
     *,
@@ -1243,6 +1251,7 @@ QWEN35_CHAT_TEMPLATE = (
 )
 
 
+@built_under(ROOT)
 def make_qwen3_5_vision(
     name: str = "qwen3_5-vision-f32",
     *,
@@ -1375,6 +1384,7 @@ def make_qwen3_5_vision(
     return d
 
 
+@built_under(ROOT)
 def make_qwen3_5_vision_q4(name: str = "qwen3_5-vision-q4") -> Path:
     """`make_qwen3_5_vision`'s model converted by mlx-vlm 0.7.10 to 4 bits (group 64): the language
     model quantized, saved in mlx-vlm's layout (the tower as `vision_tower.*`, its Conv3d patch
