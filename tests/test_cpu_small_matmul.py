@@ -1,5 +1,5 @@
-"""The CPU backend's host kernel for float32 projections of 2-32 rows (handle/f32mm.rs, what a batched
-decode step runs instead of the BLAS's sgemm) against MLX's matmul: the same greedy tokens for every
+"""The CPU backend's host kernel for float32 projections of 2-4 rows (handle/f32mm.rs, what a decode step
+of a few sequences runs instead of the BLAS's sgemm) against MLX's matmul: the same greedy tokens for every
 row of a batch, with the kernel shown to have run (and not run when switched off)."""
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
-//! A host CPU kernel beside MLX: `y = x · Wᵀ` for a float32 matrix W `[rows, cols]` and a few float32
-//! rows x (2 to [`SMALL_MAX_ROWS`]): a decode step of a batch of sequences on the CPU backend.
+//! A host CPU kernel beside MLX: `y = x · Wᵀ` for a float32 matrix W `[rows, cols]` and 2 to
+//! [`SMALL_MAX_ROWS`] float32 rows x: a decode step of a few sequences at once on the CPU backend.
 //!
-//! Why: MLX's CPU backend sends such a product to the BLAS's `sgemm`, which packs W into panels on
-//! every call — for a decode step that is a second pass over every weight — and reaches a small part
-//! of the machine's arithmetic rate: measured on this 2-core x86 machine with OpenBLAS 0.3.21, 16 rows
-//! against a 4096 × 1024 W took 4.3 ms (31 GFLOP/s), 16 separate matrix-vector products 6.2 ms. This
-//! kernel reads W once, straight from MLX's buffer, four of its rows at a time (they stay in L1 while
-//! every x row passes over them), with 16-lane fused multiply-adds, over the cores. The sums run in
-//! another order than the BLAS's, so results equal `sgemm`'s up to float32 rounding. The kernel is
-//! safe Rust the compiler vectorizes; the only `unsafe` calls the copy compiled for the widest x86
+//! Why: MLX's CPU backend sends such a product to the BLAS's `sgemm`, whose per-call setup (packing W
+//! into panels) costs as much for 2 rows as for 16. Measured on this 2-core x86 machine (AVX-512,
+//! OpenBLAS 0.3.21, quiet; `cargo test --release -p mlxrs-core f32mm::bench -- --ignored --nocapture`),
+//! a 4096 × 1024 W: 2 rows 1.82 ms through MLX against 0.63 ms here, 4 rows 2.24 against 1.00; at 6–8
+//! rows the two tie and from 16 rows `sgemm` is faster (2.06 against 3.87 ms), so larger products stay
+//! with MLX. This kernel reads W once, straight from MLX's buffer, four of its rows at a time (they stay
+//! in L1 while every x row passes over them), with 16-lane fused multiply-adds, over the cores. The sums
+//! run in another order than the BLAS's, so results equal `sgemm`'s up to float32 rounding. The kernel
+//! is safe Rust the compiler vectorizes; the only `unsafe` calls the copy compiled for the widest x86
 //! instruction set the CPU reports at run time.
 use crate::error::{Error, Result};
 
 /// The most rows of x this kernel takes (more: MLX's matmul, whose packing pays off).
-pub const SMALL_MAX_ROWS: usize = 32;
+pub const SMALL_MAX_ROWS: usize = 4;
 
 /// W's rows handed to one thread at a time are multiples of this (4 rows interleaved per pass).
 const ROW_GROUP: usize = 4;
@@ -207,5 +208,40 @@ mod tests {
         assert!(small_matmul(&[0.0; 10], 3, 4, &[0.0; 4], 1).is_err());
         assert!(small_matmul(&[0.0; 12], 3, 4, &[0.0; 5], 1).is_err());
         assert_eq!(small_matmul(&[1.0; 8], 2, 4, &[1.0; 8], 2).unwrap(), vec![4.0; 4]);
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+    /// The timings in the module's comment (not a check: run by hand, on a quiet machine).
+    #[test]
+    #[ignore]
+    fn time_against_mlx() {
+        let (rows, cols) = (4096usize, 1024usize);
+        for n in [2usize, 3, 4, 6, 8, 16] {
+            let w: Vec<f32> = (0..rows * cols).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect();
+            let x: Vec<f32> = (0..n * cols).map(|i| ((i % 13) as f32 - 6.0) / 13.0).collect();
+            let wa = crate::handle::Array::from_slice(&w, &[rows as i32, cols as i32]).unwrap();
+            let xa = crate::handle::Array::from_slice(&x, &[n as i32, cols as i32]).unwrap();
+            let wt = crate::handle::transpose(&wa).unwrap();
+            wa.eval().unwrap();
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                crate::handle::matmul(&xa, &wt).unwrap().eval().unwrap();
+            }
+            let mlx = t.elapsed().as_secs_f64() / 20.0;
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                small_matmul(&w, rows, cols, &x, 2).unwrap();
+            }
+            let ours = t.elapsed().as_secs_f64() / 20.0;
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                small_matmul(&w, rows, cols, &x, 1).unwrap();
+            }
+            let one = t.elapsed().as_secs_f64() / 20.0;
+            eprintln!("n {n}: mlx {:.2} ms, ours {:.2} ms (1 thread {:.2} ms)", mlx * 1e3, ours * 1e3, one * 1e3);
+        }
     }
 }

@@ -200,9 +200,9 @@ impl Linear {
     }
 }
 
-/// `0`: a float32 projection of 2 to [`mx::SMALL_MAX_ROWS`] rows on the CPU backend (a batched decode
-/// step) runs as MLX's matmul (the BLAS's sgemm); otherwise through [`mx::small_matmul`] on the host,
-/// which reads the weight once instead of packing it per call. Read at each call.
+/// `0`: a float32 projection of 2 to [`mx::SMALL_MAX_ROWS`] rows on the CPU backend (a decode step of
+/// a few sequences) runs as MLX's matmul (the BLAS's sgemm); otherwise through [`mx::small_matmul`] on
+/// the host, 2–3× faster there (the measurements are in its module). Read at each call.
 pub const CPU_SMALL_MATMUL_ENV: &str = "MLXRS_CPU_SMALL_MATMUL";
 
 /// `x Wᵀ` on the host ([`mx::small_matmul`]) where it applies: the CPU backend, float32 x and W,
