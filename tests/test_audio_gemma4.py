@@ -16,6 +16,7 @@ import pytest
 import mlxrs
 from audio_util import tone, wav_bytes
 from test_vision import run_vlm
+from media_util import encoding_peak
 from tinymodels import make_gemma4_audio, make_gemma4_vision
 
 N_TOKENS = 32
@@ -355,7 +356,7 @@ def test_the_plan_counts_encoding_the_longest_clip(name, overrides, dtype):
     2× of it, for the tiny and a mid-sized encoder (float32 weights and bfloat16: the encoder
     computes in float32 either way); transientBytes holds the larger of it and
     the image's mediaTransientBytes, and `fit` shows both."""
-    from mlxrs import _native, fit
+    from mlxrs import fit
 
     d = make_gemma4_audio(name, dtype=dtype, audio_overrides=overrides)
     p = fit.plan(d, 512)
@@ -363,10 +364,7 @@ def test_the_plan_counts_encoding_the_longest_clip(name, overrides, dtype):
     assert p["transientBytes"] > max(formula, p["mediaTransientBytes"]) > 0
     clip = wav_bytes(tone(30.0, 16000, 1, seed=8), 16000, 16)
     with mlxrs.Session(d) as s:
-        s.audio_features([clip])  # once first: kernels and the allocator warmed
-        before = _native.memory_counters(reset_peak=True)
-        feats = s.audio_features([clip])
-        peak = _native.memory_counters()["peak"] - before["active"]
+        feats, peak = encoding_peak(s.audio_features, [clip])
     assert len(feats) > 0 and peak > 0
     assert peak <= formula <= 2 * peak, (name, peak, formula)
     # three clips in one prompt are encoded one after another: still within the one clip's
@@ -376,10 +374,8 @@ def test_the_plan_counts_encoding_the_longest_clip(name, overrides, dtype):
             wav_bytes(tone(30.0, 16000, 1, seed=9), 16000, 16),
             wav_bytes(tone(30.0, 16000, 2, seed=10), 16000, 16),
         ]
-        s.audio_features(three)
-        before = _native.memory_counters(reset_peak=True)
-        assert len(s.audio_features(three)) == 3 * len(feats)
-        several = _native.memory_counters()["peak"] - before["active"]
+        feats3, several = encoding_peak(s.audio_features, three)
+    assert len(feats3) == 3 * len(feats)
     assert several <= formula, (name, several, formula)
     text = fit.describe(d, name, p, None, None)
     assert "of encoding one audio clip of the longest length" in text and "of encoding one image" in text

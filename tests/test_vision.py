@@ -17,6 +17,7 @@ import pytest
 
 import mlxrs
 from oracle_server import ORACLE
+from media_util import encoding_peak, random_pngs
 from tinymodels import make_gemma3_vision, make_model
 
 N_TOKENS = 32
@@ -346,32 +347,16 @@ def test_the_plan_counts_encoding_one_image(kw):
     """The memory plan's mediaTransientBytes for Gemma 3's SigLIP tower (plan.rs, from the tower's
     sizes) is at least MLX's peak over encoding one image (CPU) and within 2× of it, for the tiny
     tower and a mid-sized one; it is part of transientBytes."""
-    from PIL import Image
 
-    from mlxrs import _native, fit
+    from mlxrs import fit
 
     d = make_gemma3_vision(**kw)
     p = fit.plan(d, 512)
     formula = p["mediaTransientBytes"]
     assert p["transientBytes"] > formula > 0
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(3).integers(0, 256, (300, 500, 3), dtype=np.uint8)).save(buf, "PNG")
     with mlxrs.Session(d) as s:
-        s.image_features([buf.getvalue()])  # once first: kernels and the allocator warmed
-        before = _native.memory_counters(reset_peak=True)
-        s.image_features([buf.getvalue()])
-        peak = _native.memory_counters()["peak"] - before["active"]
+        _, peak = encoding_peak(s.image_features, random_pngs(1, (300, 500), seed=3))
         # four images in one prompt go through the tower one at a time: within one image's figure
-        four = []
-        for k in range(4):
-            b = io.BytesIO()
-            Image.fromarray(np.random.default_rng(10 + k).integers(0, 256, (300, 500, 3), dtype=np.uint8)).save(
-                b, "PNG"
-            )
-            four.append(b.getvalue())
-        s.image_features(four)
-        before = _native.memory_counters(reset_peak=True)
-        s.image_features(four)
-        peak4 = _native.memory_counters()["peak"] - before["active"]
+        _, peak4 = encoding_peak(s.image_features, random_pngs(4, (300, 500)))
     assert 0 < peak <= formula <= 2 * peak, (d.name, peak, formula)
     assert peak4 <= formula, (d.name, peak4, formula)

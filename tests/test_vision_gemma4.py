@@ -17,6 +17,7 @@ import pytest
 
 import mlxrs
 from test_vision import BAD_MEDIA, image_logits, run_vlm, sized_image_ids
+from media_util import encoding_peak, random_pngs
 from tinymodels import make_gemma4_vision
 
 N_TOKENS = 32
@@ -395,36 +396,21 @@ def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides,
     MLX's peak over encoding one image of max_soft_tokens tokens (CPU) and within 2× of it, for the
     tiny tower and a mid-sized one (float32 and bfloat16); it is part of transientBytes, and `fit`
     shows it."""
-    import io
 
-    from PIL import Image
-
-    from mlxrs import _native, fit
+    from mlxrs import fit
 
     d = make_gemma4_vision(name, dtype=dtype, vision_overrides=overrides, max_soft_tokens=max_tokens)
     p = fit.plan(d, 512)
     formula = p["mediaTransientBytes"]
     assert p["transientBytes"] > formula > 0 and "audioTransientBytes" not in p
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(3).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, "PNG")
     with mlxrs.Session(d) as s:
-        s.image_features([buf.getvalue()])  # once first: kernels and the allocator warmed
-        before = _native.memory_counters(reset_peak=True)
-        feats = s.image_features([buf.getvalue()])
-        peak = _native.memory_counters()["peak"] - before["active"]
+        feats, peak = encoding_peak(s.image_features, random_pngs(1, size, seed=3))
         hidden = json.loads((d / "config.json").read_text())["text_config"]["hidden_size"]
     assert len(feats) == max_tokens * hidden and peak > 0
     assert peak <= formula <= 2 * peak, (name, peak, formula)
     assert "of encoding one image at the largest size" in fit.describe(d, name, p, None, None)
     # several images in one prompt are encoded one after another: still within the one image's
-    bufs = []
-    for k in range(4):
-        b = io.BytesIO()
-        Image.fromarray(np.random.default_rng(10 + k).integers(0, 256, (*size, 3), dtype=np.uint8)).save(b, "PNG")
-        bufs.append(b.getvalue())
     with mlxrs.Session(d) as s:
-        s.image_features(bufs)
-        before = _native.memory_counters(reset_peak=True)
-        assert len(s.image_features(bufs)) == 4 * max_tokens * hidden
-        four = _native.memory_counters()["peak"] - before["active"]
+        feats4, four = encoding_peak(s.image_features, random_pngs(4, size))
+    assert len(feats4) == 4 * max_tokens * hidden
     assert four <= formula, (name, four, formula)

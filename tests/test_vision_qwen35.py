@@ -18,6 +18,7 @@ import pytest
 
 import mlxrs
 from test_vision import image_logits, run_vlm, sized_image_ids
+from media_util import encoding_peak, random_pngs
 from tinymodels import make_qwen3_5_vision
 
 N_TOKENS = 32
@@ -435,7 +436,7 @@ def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides,
     2× of it; it is part of transientBytes, and `fit` shows it."""
     from PIL import Image
 
-    from mlxrs import _native, fit
+    from mlxrs import fit
 
     d = make_qwen3_5_vision(name, vision_overrides=overrides, max_image_tokens=max_tokens)
     p = fit.plan(d, 512)
@@ -446,22 +447,9 @@ def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides,
     big.save(buf, "PNG")
     with mlxrs.Session(d) as s:
         assert s.vision["max_tokens_per_image"] == max_tokens
-        s.image_features([buf.getvalue()])  # once first: kernels and the allocator warmed
-        before = _native.memory_counters(reset_peak=True)
-        feats = s.image_features([buf.getvalue()])
-        peak = _native.memory_counters()["peak"] - before["active"]
+        feats, peak = encoding_peak(s.image_features, [buf.getvalue()])
         # four images in one prompt go through the tower one at a time: within one image's figure
-        four = []
-        for k in range(4):
-            b = io.BytesIO()
-            Image.fromarray(np.random.default_rng(10 + k).integers(0, 256, (900, 1300, 3), dtype=np.uint8)).save(
-                b, "PNG"
-            )
-            four.append(b.getvalue())
-        s.image_features(four)
-        before = _native.memory_counters(reset_peak=True)
-        s.image_features(four)
-        peak4 = _native.memory_counters()["peak"] - before["active"]
+        _, peak4 = encoding_peak(s.image_features, random_pngs(4, (900, 1300)))
     assert len(feats) % max_tokens == 0 and peak > 0
     assert peak <= formula <= 2 * peak, (name, peak, formula)
     assert peak4 <= formula, (name, peak4, formula)

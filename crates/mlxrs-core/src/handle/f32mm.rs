@@ -11,6 +11,7 @@
 //! run in another order than the BLAS's, so results equal `sgemm`'s up to float32 rounding. The kernel
 //! is safe Rust the compiler vectorizes; the only `unsafe` calls the copy compiled for the widest x86
 //! instruction set the CPU reports at run time.
+use super::host::{detect, over_rows, sum_lanes, Isa, LANES};
 use crate::error::{Error, Result};
 
 /// The most rows of x this kernel takes (more: MLX's matmul, whose packing pays off).
@@ -18,31 +19,6 @@ pub const SMALL_MAX_ROWS: usize = 4;
 
 /// W's rows handed to one thread at a time are multiples of this (4 rows interleaved per pass).
 const ROW_GROUP: usize = 4;
-
-/// Lanes of the per-row accumulators (one AVX-512 register, two AVX2 ones).
-const LANES: usize = 16;
-
-#[derive(Clone, Copy)]
-enum Isa {
-    Generic,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-fn detect() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-            return Isa::Avx512;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return Isa::Avx2;
-        }
-    }
-    Isa::Generic
-}
 
 static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -63,36 +39,11 @@ pub fn small_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], threads: usi
         )));
     }
     let n = x.len() / cols;
-    let mut out = vec![0f32; n * rows];
-    if n == 0 || rows == 0 {
-        return Ok(out);
+    if n > 0 && rows > 0 {
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
-    CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    // [rows, n] while computing (each thread owns a range of W's rows), transposed at the end
-    let mut t = vec![0f32; n * rows];
     let isa = detect();
-    let threads = threads.clamp(1, rows.div_ceil(ROW_GROUP));
-    let per = rows.div_ceil(threads).div_ceil(ROW_GROUP) * ROW_GROUP;
-    std::thread::scope(|s| {
-        let mut chunks = t.chunks_mut(per * n).enumerate();
-        // the calling thread takes the first range itself
-        let first = chunks.next();
-        for (ci, y) in chunks {
-            let r0 = ci * per;
-            let r1 = r0 + y.len() / n;
-            s.spawn(move || run(isa, &w[r0 * cols..r1 * cols], cols, x, n, y));
-        }
-        if let Some((_, y)) = first {
-            let r1 = y.len() / n;
-            run(isa, &w[..r1 * cols], cols, x, n, y);
-        }
-    });
-    for r in 0..rows {
-        for i in 0..n {
-            out[i * rows + r] = t[r * n + i];
-        }
-    }
-    Ok(out)
+    Ok(over_rows(rows, n, threads, ROW_GROUP, |r0, r1, y| run(isa, &w[r0 * cols..r1 * cols], cols, x, n, y)))
 }
 
 /// `y[r * n + i] = Σ_k x[i, k] · w[r, k]` for the rows `r` of this range.
@@ -152,16 +103,7 @@ fn rows<const FMA: bool>(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f
                 for (j, cc) in (full..cols).enumerate() {
                     a[j] += w[(r + k) * cols + cc] * xi[cc];
                 }
-                // pairwise: 16 → 8 → 4 → 2 → 1
-                let mut v = *a;
-                let mut width = LANES;
-                while width > 1 {
-                    width /= 2;
-                    for j in 0..width {
-                        v[j] += v[j + width];
-                    }
-                }
-                y[(r + k) * n + i] = v[0];
+                y[(r + k) * n + i] = sum_lanes(*a);
             }
         }
         r += g;

@@ -5,6 +5,7 @@
 //! module installs once per process in place of mlx-c's default, which calls `exit()`).
 mod array;
 mod f32mm;
+mod host;
 mod kernel;
 mod ops;
 mod q8;

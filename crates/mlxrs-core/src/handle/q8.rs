@@ -4,6 +4,7 @@
 //! matmul is far below memory bandwidth (bench/RESULTS.md); this one streams W once per call over
 //! the cores. The kernel is safe Rust the compiler vectorizes; the only `unsafe` here calls the
 //! copy compiled for the widest x86 instruction set the CPU reports at run time.
+use super::host::{detect, over_rows, sum_lanes, Isa, LANES};
 use crate::error::{Error, Result};
 
 /// Values per Q8_0 block (one scale each).
@@ -20,28 +21,6 @@ pub struct Q8Matrix {
 
 /// Output rows handed to one thread at a time are multiples of this (4 rows interleaved per pass).
 const ROW_GROUP: usize = 4;
-
-#[derive(Clone, Copy)]
-enum Isa {
-    Generic,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-fn detect() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
-            return Isa::Avx512;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            return Isa::Avx2;
-        }
-    }
-    Isa::Generic
-}
 
 impl Q8Matrix {
     /// `q` holds `rows · cols` values, `d` `rows · cols / 32` scales; `cols` a multiple of 32.
@@ -90,40 +69,12 @@ impl Q8Matrix {
             return Err(Error::Invalid(format!("{} input values are not rows of {}", x.len(), self.cols)));
         }
         let n = x.len() / self.cols;
-        let mut out = vec![0f32; n * self.rows];
-        if n == 0 || self.rows == 0 {
-            return Ok(out);
-        }
-        // [rows, n] while computing (each thread owns a range of W's rows), transposed at the end
-        let mut t = if n == 1 { Vec::new() } else { vec![0f32; n * self.rows] };
-        let target: &mut [f32] = if n == 1 { &mut out } else { &mut t };
         let isa = detect();
-        let threads = threads.clamp(1, self.rows.div_ceil(ROW_GROUP));
-        let per = self.rows.div_ceil(threads).div_ceil(ROW_GROUP) * ROW_GROUP;
         let (q, d, cols) = (&self.q[..], &self.d[..], self.cols);
         let nb = cols / Q8_BLOCK;
-        std::thread::scope(|s| {
-            let mut chunks = target.chunks_mut(per * n).enumerate();
-            // the calling thread takes the first range itself
-            let first = chunks.next();
-            for (ci, y) in chunks {
-                let r0 = ci * per;
-                let r1 = r0 + y.len() / n;
-                s.spawn(move || run(isa, &q[r0 * cols..r1 * cols], &d[r0 * nb..r1 * nb], cols, x, n, y));
-            }
-            if let Some((_, y)) = first {
-                let r1 = y.len() / n;
-                run(isa, &q[..r1 * cols], &d[..r1 * nb], cols, x, n, y);
-            }
-        });
-        if n > 1 {
-            for r in 0..self.rows {
-                for i in 0..n {
-                    out[i * self.rows + r] = t[r * n + i];
-                }
-            }
-        }
-        Ok(out)
+        Ok(over_rows(self.rows, n, threads, ROW_GROUP, |r0, r1, y| {
+            run(isa, &q[r0 * cols..r1 * cols], &d[r0 * nb..r1 * nb], cols, x, n, y)
+        }))
     }
 }
 
@@ -156,9 +107,6 @@ fn rows_generic(q: &[i8], d: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [
     rows(q, d, cols, x, n, y)
 }
 
-/// Lanes of the per-row accumulators (one AVX-512 register, two AVX2 ones).
-const LANES: usize = 16;
-
 /// The kernel: four of W's rows at a time against each row of `x`, per block the 32 products in
 /// 16 lanes, then times the block's scale into the row's lanes; the lanes summed at the row's end.
 #[inline(always)]
@@ -188,16 +136,7 @@ fn rows(q: &[i8], d: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
                 }
             }
             for (k, a) in acc.iter().enumerate().take(g) {
-                // pairwise: 16 → 8 → 4 → 2 → 1
-                let mut v = *a;
-                let mut w = LANES;
-                while w > 1 {
-                    w /= 2;
-                    for j in 0..w {
-                        v[j] += v[j + w];
-                    }
-                }
-                y[(r + k) * n + i] = v[0];
+                y[(r + k) * n + i] = sum_lanes(*a);
             }
         }
         r += g;

@@ -1,0 +1,34 @@
+"""What the media tests share: random PNG images, and MLX's peak memory over one encoding."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+def random_pngs(count: int, size: tuple[int, int], seed: int = 10) -> list[bytes]:
+    """`count` PNG files of random pixels, `size` (height, width), seeds `seed`, `seed + 1`, …"""
+    from PIL import Image
+
+    out = []
+    for k in range(count):
+        b = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed + k).integers(0, 256, (*size, 3), dtype=np.uint8)).save(b, "PNG")
+        out.append(b.getvalue())
+    return out
+
+
+def encoding_peak(encode: Callable[[Any], T], items: Any) -> tuple[T, int]:
+    """`encode(items)` run once to warm kernels and the allocator, then again measured: its result and
+    the bytes MLX's peak rose above what was active before (`_native.memory_counters`)."""
+    from mlxrs import _native
+
+    encode(items)
+    before = _native.memory_counters(reset_peak=True)
+    result = encode(items)
+    return result, _native.memory_counters()["peak"] - before["active"]
