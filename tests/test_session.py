@@ -705,19 +705,29 @@ print(json.dumps(speeds))
 def test_second_session_decodes_as_fast_as_the_first(tmp_path: Path) -> None:
     """Two sessions opened in turn in one process decode within 10% of each other (issue #11: on an
     H200 a second session ran at 35-40% of the first's speed). In a fresh process, best of seven
-    each: the other tests' sessions must not be what is measured. A shared 2-core machine's noise
-    reaches 15% between two such measurements, so up to three attempts; the slowdown this guards
-    against fails all of them."""
+    each: the other tests' sessions must not be what is measured. The machine's load changes while
+    it runs (the parallel test run's other worker): each process's second session is held to the
+    slower of its own first session and the next process's, measured right after it under the same
+    load; up to three attempts. The slowdown this guards against makes every second session slower
+    than every first one, and fails them all."""
     import subprocess
     import sys
 
     d = make_model("llama-second-session", "llama", hidden=512, layers=4, inter=1024)
-    seen = []
-    for _ in range(3):
+
+    def speeds() -> tuple[float, float]:
         r = subprocess.run([sys.executable, "-c", SECOND_SESSION, str(d)], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         first, second = json.loads(r.stdout.strip().splitlines()[-1])
-        seen.append((round(first, 1), round(second, 1)))
-        if second >= 0.9 * first:
+        return float(first), float(second)
+
+    seen = []
+    now = speeds()
+    for _ in range(3):
+        after = speeds()
+        (first, second), next_first = now, after[0]
+        seen.append((round(first, 1), round(second, 1), round(next_first, 1)))
+        if second >= 0.9 * min(first, next_first):
             return
+        now = after
     raise AssertionError(f"second session slower than 90% of the first in every attempt (tok/s): {seen}")
