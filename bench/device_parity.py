@@ -76,6 +76,20 @@ MOE = {
 TOL = {"float32": 1e-3, "bfloat16": 5e-2}
 
 
+def run_oracle(script: str, job: dict) -> dict:
+    """One job through the tests' oracle script `script` (mlx-lm's or mlx-vlm's) in a process of its own."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / script)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if r.returncode:
+        raise RuntimeError(r.stderr[-2000:])
+    return json.loads(r.stdout)
+
+
 def oracle(d: Path, ids: list[int]) -> dict:
     job = {
         "model": str(d),
@@ -85,16 +99,7 @@ def oracle(d: Path, ids: list[int]) -> dict:
         "max_kv_size": None,
         "prefill_step_size": 2048,
     }
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "oracle_mlxlm.py")],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if r.returncode:
-        raise RuntimeError(r.stderr[-2000:])
-    return json.loads(r.stdout)
+    return run_oracle("oracle_mlxlm.py", job)
 
 
 def oracle_batch(d: Path, prompts: list[list[int]]) -> list[int | None]:
@@ -210,16 +215,7 @@ def media_files(d: Path) -> dict[str, list[Path]]:
 
 
 def vlm_oracle(job: dict) -> dict:
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "oracle_mlxvlm.py")],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if r.returncode:
-        raise RuntimeError(r.stderr[-2000:])
-    return json.loads(r.stdout)
+    return run_oracle("oracle_mlxvlm.py", job)
 
 
 def media_one(case: str, dtype: str, files: dict[str, list[Path]]) -> dict:
