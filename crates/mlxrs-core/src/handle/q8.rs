@@ -136,7 +136,7 @@ fn rows(q: &[i8], d: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
                 }
             }
             for (k, a) in acc.iter().enumerate().take(g) {
-                y[(r + k) * n + i] = sum_lanes(*a);
+                y[(r + k) * n + i] = sum_lanes(a);
             }
         }
         r += g;

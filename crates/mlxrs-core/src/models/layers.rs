@@ -200,9 +200,9 @@ impl Linear {
     }
 }
 
-/// `0`: a float32 projection of 2 to [`mx::SMALL_MAX_ROWS`] rows on the CPU backend (a decode step of
-/// a few sequences) runs as MLX's matmul (the BLAS's sgemm); otherwise through [`mx::small_matmul`] on
-/// the host, 2–3× faster there (the measurements are in its module). Read at each call.
+/// `0`: a float32 projection of 2 to [`mx::SMALL_MAX_ROWS`] rows on the CPU backend (a batched decode
+/// step, a short prompt) runs as MLX's matmul (the BLAS's sgemm); otherwise through [`mx::small_matmul`]
+/// on the host, faster there (the measurements are in its module). Read at each call.
 pub const CPU_SMALL_MATMUL_ENV: &str = "MLXRS_CPU_SMALL_MATMUL";
 
 /// `x Wᵀ` on the host ([`mx::small_matmul`]) where it applies: the CPU backend, float32 x and W,
@@ -247,24 +247,47 @@ pub fn fused_proj() -> bool {
 /// activation dtype and runs a plain matmul instead ([`dequant_rows`]).
 pub const DEQUANT_ROWS_ENV: &str = "MLXRS_DEQUANT_PREFILL_ROWS";
 
-/// From how many rows a quantized matmul goes through a dequantized weight:
-/// [`crate::plan::Backend::dequant_rows`] for the backend here (why, and the transient the planner
-/// counts for it, are there); [`DEQUANT_ROWS_ENV`] overrides it (0: never).
-pub fn dequant_rows() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| {
-        if let Some(n) = std::env::var(DEQUANT_ROWS_ENV).ok().and_then(|v| v.trim().parse::<usize>().ok()) {
-            return if n == 0 { usize::MAX } else { n };
-        }
-        usize::try_from(crate::plan::Backend::detect().dequant_rows()).unwrap_or(usize::MAX)
-    })
+/// From how many rows a matmul against `bits`-bit quantized weights goes through a dequantized
+/// weight: [`crate::plan::Backend::dequant_rows`] for the backend here (why, and the transient the
+/// planner counts for it, are there); [`DEQUANT_ROWS_ENV`] overrides it for every width (0: never).
+/// The variable as read by the last [`refresh_dequant_rows`] (the engine calls it per request), or at
+/// the first call.
+pub fn dequant_rows(bits: i32) -> usize {
+    let set = match DEQUANT_ROWS.load(std::sync::atomic::Ordering::Relaxed) {
+        UNREAD => refresh_dequant_rows(),
+        n => n,
+    };
+    if set != AUTO {
+        return set;
+    }
+    static DEFAULT: std::sync::OnceLock<crate::plan::Backend> = std::sync::OnceLock::new();
+    let backend = *DEFAULT.get_or_init(crate::plan::Backend::detect);
+    usize::try_from(backend.dequant_rows(bits)).unwrap_or(usize::MAX)
+}
+
+/// [`DEQUANT_ROWS_ENV`] as last read: [`UNREAD`], [`AUTO`] (unset: the backend's default), or rows
+/// (`usize::MAX`: never).
+static DEQUANT_ROWS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(UNREAD);
+const UNREAD: usize = 0;
+const AUTO: usize = usize::MAX - 1;
+
+/// Read [`DEQUANT_ROWS_ENV`] again: once per request, so that a process can compare settings between
+/// requests (bench/bench_device.py `--ab-env`, bench/bench_dequant_rows.py).
+pub fn refresh_dequant_rows() -> usize {
+    let n = match std::env::var(DEQUANT_ROWS_ENV).ok().and_then(|v| v.trim().parse::<usize>().ok()) {
+        Some(0) => usize::MAX,
+        Some(n) => n.min(AUTO - 1),
+        None => AUTO,
+    };
+    DEQUANT_ROWS.store(n, std::sync::atomic::Ordering::Relaxed);
+    n
 }
 
 /// `x W^T` for an MLX-quantized W: the packed kernel, or from [`dequant_rows`] rows of `x` on,
 /// W dequantized to x's dtype and a plain matmul (same values up to summation order).
 fn quant_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Array> {
     let rows = x.size() / (x.dim(-1).max(1) as usize);
-    if rows >= dequant_rows() {
+    if rows >= dequant_rows(q.bits) {
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         return mx::matmul(x, &mx::transpose(&wd)?);
