@@ -63,43 +63,37 @@ fn run(isa: Isa, w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
 // vectorize the nested accumulator arrays of the generic copy below): MR rows of x against NR = 4
 // rows of W, each pair's products in one register. AVX-512 (32 registers of 16 lanes): 4 × 4
 // accumulators plus the 4 + 1 loads; AVX2 (16 registers of 8 lanes): 2 × 4 plus 2 + 1.
+/// `$f::<$mr, NR>(args)` for the block's `$nr` rows of W (NR = 4, 3, 2 or 1).
+macro_rules! by_nr {
+    ($f:ident, $mr:literal, $nr:expr, $($a:expr),*) => {
+        match $nr {
+            4 => $f::<$mr, 4>($($a),*),
+            3 => $f::<$mr, 3>($($a),*),
+            2 => $f::<$mr, 2>($($a),*),
+            _ => $f::<$mr, 1>($($a),*),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn rows_avx2(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
-    walk::<2>(n, y, |mr, nr, r0, i0, y| match (mr, nr) {
-        // SAFETY (each arm): this function runs only where `detect` found AVX2 and FMA
-        (2, 4) => unsafe { block_avx2::<2, 4>(w, cols, x, n, y, r0, i0) },
-        (2, 3) => unsafe { block_avx2::<2, 3>(w, cols, x, n, y, r0, i0) },
-        (2, 2) => unsafe { block_avx2::<2, 2>(w, cols, x, n, y, r0, i0) },
-        (2, _) => unsafe { block_avx2::<2, 1>(w, cols, x, n, y, r0, i0) },
-        (_, 4) => unsafe { block_avx2::<1, 4>(w, cols, x, n, y, r0, i0) },
-        (_, 3) => unsafe { block_avx2::<1, 3>(w, cols, x, n, y, r0, i0) },
-        (_, 2) => unsafe { block_avx2::<1, 2>(w, cols, x, n, y, r0, i0) },
-        _ => unsafe { block_avx2::<1, 1>(w, cols, x, n, y, r0, i0) },
+    // SAFETY (each arm): this function runs only where `detect` found AVX2 and FMA
+    walk::<2>(n, y, |mr, nr, r0, i0, y| match mr {
+        2 => unsafe { by_nr!(block_avx2, 2, nr, w, cols, x, n, y, r0, i0) },
+        _ => unsafe { by_nr!(block_avx2, 1, nr, w, cols, x, n, y, r0, i0) },
     })
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn rows_avx512(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
-    walk::<4>(n, y, |mr, nr, r0, i0, y| match (mr, nr) {
-        // SAFETY (each arm): this function runs only where `detect` found AVX-512F
-        (4, 4) => unsafe { block_avx512::<4, 4>(w, cols, x, n, y, r0, i0) },
-        (4, 3) => unsafe { block_avx512::<4, 3>(w, cols, x, n, y, r0, i0) },
-        (4, 2) => unsafe { block_avx512::<4, 2>(w, cols, x, n, y, r0, i0) },
-        (4, _) => unsafe { block_avx512::<4, 1>(w, cols, x, n, y, r0, i0) },
-        (3, 4) => unsafe { block_avx512::<3, 4>(w, cols, x, n, y, r0, i0) },
-        (3, 3) => unsafe { block_avx512::<3, 3>(w, cols, x, n, y, r0, i0) },
-        (3, 2) => unsafe { block_avx512::<3, 2>(w, cols, x, n, y, r0, i0) },
-        (3, _) => unsafe { block_avx512::<3, 1>(w, cols, x, n, y, r0, i0) },
-        (2, 4) => unsafe { block_avx512::<2, 4>(w, cols, x, n, y, r0, i0) },
-        (2, 3) => unsafe { block_avx512::<2, 3>(w, cols, x, n, y, r0, i0) },
-        (2, 2) => unsafe { block_avx512::<2, 2>(w, cols, x, n, y, r0, i0) },
-        (2, _) => unsafe { block_avx512::<2, 1>(w, cols, x, n, y, r0, i0) },
-        (_, 4) => unsafe { block_avx512::<1, 4>(w, cols, x, n, y, r0, i0) },
-        (_, 3) => unsafe { block_avx512::<1, 3>(w, cols, x, n, y, r0, i0) },
-        (_, 2) => unsafe { block_avx512::<1, 2>(w, cols, x, n, y, r0, i0) },
-        _ => unsafe { block_avx512::<1, 1>(w, cols, x, n, y, r0, i0) },
+    // SAFETY (each arm): this function runs only where `detect` found AVX-512F
+    walk::<4>(n, y, |mr, nr, r0, i0, y| match mr {
+        4 => unsafe { by_nr!(block_avx512, 4, nr, w, cols, x, n, y, r0, i0) },
+        3 => unsafe { by_nr!(block_avx512, 3, nr, w, cols, x, n, y, r0, i0) },
+        2 => unsafe { by_nr!(block_avx512, 2, nr, w, cols, x, n, y, r0, i0) },
+        _ => unsafe { by_nr!(block_avx512, 1, nr, w, cols, x, n, y, r0, i0) },
     })
 }
 
@@ -167,15 +161,9 @@ x86_block!(block_avx512, "avx512f", 16, __m512, _mm512_setzero_ps, _mm512_loadu_
 x86_block!(block_avx2, "avx2,fma", 8, __m256, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_storeu_ps);
 
 fn rows_generic(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
-    walk::<2>(n, y, |mr, nr, r0, i0, y| match (mr, nr) {
-        (2, 4) => block::<2, 4>(w, cols, x, n, y, r0, i0),
-        (2, 3) => block::<2, 3>(w, cols, x, n, y, r0, i0),
-        (2, 2) => block::<2, 2>(w, cols, x, n, y, r0, i0),
-        (2, _) => block::<2, 1>(w, cols, x, n, y, r0, i0),
-        (_, 4) => block::<1, 4>(w, cols, x, n, y, r0, i0),
-        (_, 3) => block::<1, 3>(w, cols, x, n, y, r0, i0),
-        (_, 2) => block::<1, 2>(w, cols, x, n, y, r0, i0),
-        _ => block::<1, 1>(w, cols, x, n, y, r0, i0),
+    walk::<2>(n, y, |mr, nr, r0, i0, y| match mr {
+        2 => by_nr!(block, 2, nr, w, cols, x, n, y, r0, i0),
+        _ => by_nr!(block, 1, nr, w, cols, x, n, y, r0, i0),
     })
 }
 
