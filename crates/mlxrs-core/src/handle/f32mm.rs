@@ -1,20 +1,24 @@
 //! A host CPU kernel beside MLX: `y = x · Wᵀ` for a float32 matrix W `[rows, cols]` and 2 to
-//! [`SMALL_MAX_ROWS`] float32 rows x: a decode step of a few sequences at once on the CPU backend.
+//! [`SMALL_MAX_ROWS`] float32 rows x: a batched decode step (or a short prompt) on the CPU backend.
 //!
 //! Why: MLX's CPU backend sends such a product to the BLAS's `sgemm`, whose per-call setup (packing W
-//! into panels) costs as much for 2 rows as for 16. Measured on this 2-core x86 machine (AVX-512,
-//! OpenBLAS 0.3.21, quiet; `cargo test --release -p mlxrs-core f32mm::bench -- --ignored --nocapture`),
-//! a 4096 × 1024 W: 2 rows 1.82 ms through MLX against 0.63 ms here, 4 rows 2.24 against 1.00; at 6–8
-//! rows the two tie and from 16 rows `sgemm` is faster (2.06 against 3.87 ms), so larger products stay
-//! with MLX. This kernel reads W once, straight from MLX's buffer, four of its rows at a time (they stay
-//! in L1 while every x row passes over them), with 16-lane fused multiply-adds, over the cores. The sums
-//! run in another order than the BLAS's, so results equal `sgemm`'s up to float32 rounding. The kernel
-//! is safe Rust the compiler vectorizes; the only `unsafe` calls the copy compiled for the widest x86
-//! instruction set the CPU reports at run time.
+//! into panels) costs as much for 2 rows as for 32, and whose kernels reached about a third of this
+//! CPU's peak at 16 rows. This kernel reads W straight from MLX's buffer, four of its rows at a time
+//! (they stay in cache while every row of x passes over them), and computes register blocks of 4 rows
+//! of x × 4 rows of W (AVX-512: 16 accumulators of 16 lanes; AVX2: 2 × 4 of 8 lanes) with fused
+//! multiply-adds, over the cores. Its first version (one x row against four W rows, compiler-vectorized)
+//! lost to `sgemm` from 6–8 rows on (16 rows 3.87 against 2.06 ms on the quiet machine); the register
+//! blocks are in explicit intrinsics because the compiler left the nested accumulator arrays scalar.
+//! Timings: `cargo test --release -p mlxrs-core f32mm::bench -- --ignored --nocapture` (a 4096 × 1024 W,
+//! MLX's matmul against this kernel on 2 threads and on 1; bench/RESULTS.md). The sums run in another
+//! order than the BLAS's, so results equal `sgemm`'s up to float32 rounding. `unsafe` here: the copies
+//! for the x86 instruction sets the CPU reports at run time, reading through pointers after one bounds
+//! check per block.
 use super::host::{detect, over_rows, sum_lanes, Isa};
 use crate::error::{Error, Result};
 
-/// The most rows of x this kernel takes (more: MLX's matmul, whose packing pays off).
+/// The most rows of x this kernel takes (more: MLX's matmul): the scheduler's default decode batch
+/// (`engine::DEFAULT_MAX_CONCURRENCY`).
 pub const SMALL_MAX_ROWS: usize = 32;
 
 /// W's rows handed to one thread at a time are multiples of this (4 rows interleaved per pass).
