@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Set up (or refresh) a development checkout. Idempotent, and quick when nothing changed:
 #   1. .venv (python3 -m venv) if missing
-#   2. scripts/requirements-dev.txt into it (skipped while the file, Python and platform are unchanged)
+#   2. scripts/requirements-dev.txt into it (skipped while the file, Python and platform are unchanged);
+#      the extension's Rust build (step 5) starts first, in the background, so that it compiles
+#      while pip installs
 #   3. Linux: OpenBLAS from apt when missing (root only; a warning otherwise)
 #   4. libmlxc: python native/build.py (itself a no-op when nothing changed), in the background
 #      while step 5 runs
-#   5. the extension module: maturin develop --release --features testing (the test build: with the
-#      op dispatch `_native._op` the tests use, which the wheel leaves out; skipped while crates/,
-#      Cargo.toml, Cargo.lock and pyproject.toml are unchanged)
+#   5. the extension module: maturin develop --profile fasttest --features testing (the test build:
+#      Cargo.toml's release profile without LTO, with the op dispatch `_native._op` the tests use,
+#      which the wheel leaves out; skipped while crates/, Cargo.toml, Cargo.lock and pyproject.toml
+#      are unchanged)
 # Environment: PYTHON (interpreter for the venv, default python3);
 #              MLXRS_NATIVE_ARGS (extra arguments for native/build.py, e.g. --fetchcontent).
 set -euo pipefail
@@ -37,8 +40,46 @@ export VIRTUAL_ENV="$VENV"
 export PATH="$VENV/bin:$PATH"
 mkdir -p "$STAMP_DIR"
 
-# --- 2. Python dependencies -------------------------------------------------------------------
+# --- 5a. the extension's Rust build, in the background while pip installs ----------------------
+# `testing`: crates/mlxrs-py's op dispatch (`mlxrs._native._op`, tests/arrays_util.py); wheels are
+# built without it (.github/workflows/wheels.yml, tests/test_wheel.py). `fasttest`: Cargo.toml's
+# release profile without LTO, the one tests/test_wheel.py's wheel build reuses.
+FEATURES=testing
+PROFILE=fasttest
 REQS="$ROOT/scripts/requirements-dev.txt"
+command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs)"
+src_hash=$( {
+    { find crates -type f -not -path '*/target/*' -print0; printf '%s\0' Cargo.toml Cargo.lock pyproject.toml; } \
+        | LC_ALL=C sort -z | xargs -0 "${SHA[@]}"
+    rustc -V; python -V; echo "features: $FEATURES, profile: $PROFILE"
+} | sha )
+have_ext=$(ls python/mlxrs/_native*.so python/mlxrs/_native*.pyd 2>/dev/null | head -n1 || true)
+EXT_PID=
+EXT_LOG=$(mktemp "${TMPDIR:-/tmp}/mlxrs-ext.XXXXXX")
+EXT_OUT=$(mktemp -d "${TMPDIR:-/tmp}/mlxrs-ext-wheel.XXXXXX")
+NATIVE_PID=
+NATIVE_LOG=
+# leaving early (a failure below): stop the background builds rather than leave them running
+trap '[ -z "$EXT_PID" ] || kill "$EXT_PID" 2>/dev/null; [ -z "$NATIVE_PID" ] || kill "$NATIVE_PID" 2>/dev/null
+      rm -rf "$EXT_LOG" "$EXT_OUT" ${NATIVE_LOG:+"$NATIVE_LOG"}' EXIT
+if [ -z "$have_ext" ] || [ "$(cat "$STAMP_DIR/maturin" 2>/dev/null)" != "$src_hash" ]; then
+    BUILD_EXT=1
+    # `maturin build` runs the very cargo build step 5's `maturin develop` runs (same profile,
+    # features and interpreter), without installing anything: step 5 then finds it done. It needs
+    # only maturin, installed ahead of the rest (its line in requirements-dev.txt).
+    if ! python -c 'import maturin' 2>/dev/null; then
+        maturin_req=$(grep -E '^maturin' "$REQS") || die "no maturin line in $REQS"
+        python -m pip install --disable-pip-version-check -q "$maturin_req" || die "pip install $maturin_req failed"
+    fi
+    say "building the extension's Rust code in the background: maturin build --profile $PROFILE --features $FEATURES"
+    maturin build --profile "$PROFILE" --features "$FEATURES" --interpreter "$VENV/bin/python" \
+        --auditwheel skip --out "$EXT_OUT" >"$EXT_LOG" 2>&1 &
+    EXT_PID=$!
+else
+    BUILD_EXT=0
+fi
+
+# --- 2. Python dependencies -------------------------------------------------------------------
 req_hash=$( { cat "$REQS"; python -V; uname -sm; } | sha )
 if [ "$(cat "$STAMP_DIR/pip" 2>/dev/null)" != "$req_hash" ]; then
     say "installing Python dependencies (scripts/requirements-dev.txt)"
@@ -76,8 +117,6 @@ NATIVE_LOG=$(mktemp "${TMPDIR:-/tmp}/mlxrs-native.XXXXXX")
 # shellcheck disable=SC2086  # MLXRS_NATIVE_ARGS is a list of arguments
 python native/build.py ${MLXRS_NATIVE_ARGS:-} >"$NATIVE_LOG" 2>&1 &
 NATIVE_PID=$!
-# leaving early (a failure below): stop the background build rather than leave it running
-trap '[ -z "$NATIVE_PID" ] || kill "$NATIVE_PID" 2>/dev/null; rm -f "$NATIVE_LOG"' EXIT
 native_done() {  # wait for step 4, show its output, stop on its failure
     local rc=0
     wait "$NATIVE_PID" || rc=$?
@@ -88,19 +127,17 @@ native_done() {  # wait for step 4, show its output, stop on its failure
 }
 
 # --- 5. the extension module -------------------------------------------------------------------
-# `testing`: crates/mlxrs-py's op dispatch (`mlxrs._native._op`, tests/arrays_util.py); wheels are
-# built without it (.github/workflows/wheels.yml, tests/test_wheel.py).
-FEATURES=testing
-command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs)"
-src_hash=$( {
-    { find crates -type f -not -path '*/target/*' -print0; printf '%s\0' Cargo.toml Cargo.lock pyproject.toml; } \
-        | LC_ALL=C sort -z | xargs -0 "${SHA[@]}"
-    rustc -V; python -V; echo "features: $FEATURES"
-} | sha )
-have_ext=$(ls python/mlxrs/_native*.so python/mlxrs/_native*.pyd 2>/dev/null | head -n1 || true)
-if [ -z "$have_ext" ] || [ "$(cat "$STAMP_DIR/maturin" 2>/dev/null)" != "$src_hash" ]; then
-    say "building the extension module: maturin develop --release --features $FEATURES"
-    if ! maturin develop --release --features "$FEATURES"; then
+if [ "$BUILD_EXT" = 1 ]; then
+    rc=0
+    wait "$EXT_PID" || rc=$?
+    EXT_PID=
+    cat "$EXT_LOG"
+    if [ "$rc" -ne 0 ]; then
+        native_done
+        die "maturin build (the extension's Rust build) failed"
+    fi
+    say "installing the extension module: maturin develop --profile $PROFILE --features $FEATURES"
+    if ! maturin develop --profile "$PROFILE" --features "$FEATURES"; then
         native_done
         die "maturin develop failed"
     fi

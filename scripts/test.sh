@@ -57,5 +57,9 @@ stage "cargo test --workspace" cargo test --workspace --all-features
 # core), each file whole in one worker (--dist loadfile: a module's servers and sessions are made
 # once; tests/buildlock.py serializes the builds of the shared caches). Arguments after these win:
 # `bash scripts/test.sh -n 0` runs serially in this process.
+# One OpenBLAS thread per worker: the workers already take every core, and OpenBLAS's idle threads
+# spin (sched_yield) beside the other worker's (bench/RESULTS.md, "test time": sys time halved, the
+# wall time 3-8% less). OPENBLAS_NUM_THREADS from the environment wins.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 stage "pytest tests" python -m pytest -q -n "${MLXRS_TEST_WORKERS:-auto}" --dist loadfile --durations=20 tests ${1+"$@"}  # ${1+...}: bash 3.2 (macOS) with set -u
 printf '\n[test] all stages passed\n'

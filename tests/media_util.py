@@ -23,12 +23,14 @@ def random_pngs(count: int, size: tuple[int, int], seed: int = 10) -> list[bytes
     return out
 
 
-def encoding_peak(encode: Callable[[Any], T], items: Any) -> tuple[T, int]:
-    """`encode(items)` run once to warm kernels and the allocator, then again measured: its result and
-    the bytes MLX's peak rose above what was active before (`_native.memory_counters`)."""
+def encoding_peak(encode: Callable[[Any], T], items: list[Any]) -> tuple[T, int]:
+    """`encode(items)` measured after a warm-up (kernels, the allocator, whatever the session makes
+    on its first encoding) on the first item alone: the items are encoded one after another, each
+    at the same size, so one of them warms what all of them use. Its result and the bytes MLX's peak
+    rose above what was active before (`_native.memory_counters`)."""
     from mlxrs import _native
 
-    encode(items)
+    encode(items[:1])
     before = _native.memory_counters(reset_peak=True)
     result = encode(items)
     return result, _native.memory_counters()["peak"] - before["active"]

@@ -1,9 +1,13 @@
-"""The wheel as a user gets it: built by maturin (release, abi3), repaired for manylinux without
+"""The wheel as a user gets it: built by maturin (abi3), repaired for manylinux without
 vendoring libmlx, installed with its `cpu` extra into a fresh virtual environment, and run from a
 directory outside the checkout with nothing of the source tree on the path.
 
-- `maturin build --release` reuses target/ (the same profile, features and interpreter as
-  setup.sh's `maturin develop --release`), so this costs seconds when the extension is built;
+- `maturin build --profile fasttest` (Cargo.toml: the release profile without LTO) reuses target/,
+  where setup.sh's `maturin develop --profile fasttest` built every dependency with the same profile
+  and interpreter: only crates/mlxrs-py is compiled again, without the `testing` feature. What this
+  checks (the files, the metadata, the exported symbols, the op dispatch left out, the installed
+  wheel running) does not depend on LTO; the release wheels themselves (`--release`, thin LTO) are
+  tested by the wheels workflow through MLXRS_WHEEL;
 - Linux: `auditwheel repair --exclude libmlx.so` (libmlx comes from the `mlx` wheel);
 - the contents and the size are printed (visible with plain `pytest -q`);
 - smoke test: `python -m mlxrs --version` and `info`, a Session generation on a tiny model, and
@@ -94,7 +98,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         [
             _tool("maturin"),
             "build",
-            "--release",
+            "--profile",
+            "fasttest",
             "--interpreter",
             sys.executable,
             "--auditwheel",
@@ -106,7 +111,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         cwd=ROOT,
     )
     wheel = _only((out / "raw").glob("*.whl"))
-    log.append(f"maturin build --release: {time.monotonic() - t0:.0f}s -> {wheel.name}")
+    log.append(f"maturin build --profile fasttest: {time.monotonic() - t0:.0f}s -> {wheel.name}")
     if LINUX:
         t0 = time.monotonic()
         _run(
@@ -334,7 +339,7 @@ def _dispatch_only_strings() -> list[bytes]:
 def test_wheel_has_no_test_dispatch(wheel: Path, venv: Path, tmp_path: Path) -> None:
     """The op dispatch `_native._op` is the test build's (the `testing` feature, scripts/setup.sh):
     the installed wheel has no `_op`, and its extension module none of the dispatch's strings. (The
-    release profile strips symbols, so `nm` has nothing to tell; the strings are what remains of the
+    release profile, and fasttest after it, strips symbols, so `nm` has nothing to tell; the strings are what remains of the
     code.) The test build's extension, which has `_op`, shows the same scan finds them."""
     marks = _dispatch_only_strings()
     assert len(marks) >= 5, marks
