@@ -1,5 +1,6 @@
 //! A host CPU kernel beside MLX: `y = x · Wᵀ` for a float32 matrix W `[rows, cols]` and 2 to
-//! [`SMALL_MAX_ROWS`] float32 rows x: a batched decode step (or a short prompt) on the CPU backend.
+//! [`SMALL_MAX_ROWS`] float32 rows x: a batched decode step of a few sequences (or a short prompt) on
+//! the CPU backend.
 //!
 //! Why: MLX's CPU backend sends such a product to the BLAS's `sgemm`, whose per-call setup (packing W
 //! into panels) costs as much for 2 rows as for 32, and whose kernels reached about a third of this
@@ -17,9 +18,12 @@
 use super::host::{detect, over_rows, sum_lanes, Isa};
 use crate::error::{Error, Result};
 
-/// The most rows of x this kernel takes (more: MLX's matmul): the scheduler's default decode batch
-/// (`engine::DEFAULT_MAX_CONCURRENCY`).
-pub const SMALL_MAX_ROWS: usize = 32;
+/// The most rows of x this kernel takes (more: MLX's matmul). In a batched decode step on the quiet
+/// 2-core machine (bench/RESULTS.md) the kernel's step was 1.3–1.75× faster than `sgemm`'s at 4 rows,
+/// 1.05–1.1× at 8, 1.13–1.2× at 12, and no faster at 16 (0.92× serving 16 streams), though alone the
+/// product is faster up to 24 rows: in a step it pays for evaluating x, and OpenBLAS's idle threads
+/// spin beside it.
+pub const SMALL_MAX_ROWS: usize = 12;
 
 /// W's rows handed to one thread at a time are multiples of this (4 rows interleaved per pass).
 const ROW_GROUP: usize = 4;
