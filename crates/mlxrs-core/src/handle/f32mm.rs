@@ -87,9 +87,9 @@ macro_rules! by_nr {
 #[target_feature(enable = "avx2,fma")]
 fn rows_avx2(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
     // SAFETY (each arm): this function runs only where `detect` found AVX2 and FMA
-    walk::<2>(n, y, |mr, nr, r0, i0, y| match mr {
-        2 => unsafe { by_nr!(block_avx2, 2, nr, w, cols, x, n, y, r0, i0) },
-        _ => unsafe { by_nr!(block_avx2, 1, nr, w, cols, x, n, y, r0, i0) },
+    walk::<2>(w, cols, x, n, y, |mr, nr, b, y| match mr {
+        2 => unsafe { by_nr!(block_avx2, 2, nr, b, y) },
+        _ => unsafe { by_nr!(block_avx2, 1, nr, b, y) },
     })
 }
 
@@ -97,11 +97,11 @@ fn rows_avx2(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn rows_avx512(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
     // SAFETY (each arm): this function runs only where `detect` found AVX-512F
-    walk::<4>(n, y, |mr, nr, r0, i0, y| match mr {
-        4 => unsafe { by_nr!(block_avx512, 4, nr, w, cols, x, n, y, r0, i0) },
-        3 => unsafe { by_nr!(block_avx512, 3, nr, w, cols, x, n, y, r0, i0) },
-        2 => unsafe { by_nr!(block_avx512, 2, nr, w, cols, x, n, y, r0, i0) },
-        _ => unsafe { by_nr!(block_avx512, 1, nr, w, cols, x, n, y, r0, i0) },
+    walk::<4>(w, cols, x, n, y, |mr, nr, b, y| match mr {
+        4 => unsafe { by_nr!(block_avx512, 4, nr, b, y) },
+        3 => unsafe { by_nr!(block_avx512, 3, nr, b, y) },
+        2 => unsafe { by_nr!(block_avx512, 2, nr, b, y) },
+        _ => unsafe { by_nr!(block_avx512, 1, nr, b, y) },
     })
 }
 
@@ -115,16 +115,9 @@ macro_rules! x86_block {
         /// The CPU has the instruction set of `$feat`.
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $feat)]
-        unsafe fn $name<const MR: usize, const NR: usize>(
-            w: &[f32],
-            cols: usize,
-            x: &[f32],
-            n: usize,
-            y: &mut [f32],
-            r0: usize,
-            i0: usize,
-        ) {
+        unsafe fn $name<const MR: usize, const NR: usize>(b: &Block, y: &mut [f32]) {
             use std::arch::x86_64::*;
+            let Block { w, cols, x, n, r0, i0 } = *b;
             // the block's rows inside W (this thread's range), x and y: the reads below go through raw
             // pointers
             assert!(
@@ -150,18 +143,14 @@ macro_rules! x86_block {
                 }
                 c += $lanes;
             }
+            let mut lanes = [[[0f32; $lanes]; NR]; MR];
             for m in 0..MR {
                 for k in 0..NR {
-                    let mut lanes = [0f32; $lanes];
-                    // SAFETY: `lanes` holds one vector
-                    unsafe { $store(lanes.as_mut_ptr(), acc[m][k]) };
-                    let mut v = sum_lanes(&lanes);
-                    for cc in full..cols {
-                        v += w[(r0 + k) * cols + cc] * x[(i0 + m) * cols + cc];
-                    }
-                    y[(r0 + k) * n + i0 + m] = v;
+                    // SAFETY: `lanes[m][k]` holds one vector
+                    unsafe { $store(lanes[m][k].as_mut_ptr(), acc[m][k]) };
                 }
             }
+            b.finish(&lanes, full, y);
         }
     };
 }
@@ -169,43 +158,77 @@ x86_block!(block_avx512, "avx512f", 16, __m512, _mm512_setzero_ps, _mm512_loadu_
 x86_block!(block_avx2, "avx2,fma", 8, __m256, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_storeu_ps);
 
 fn rows_generic(w: &[f32], cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
-    walk::<2>(n, y, |mr, nr, r0, i0, y| match mr {
-        2 => by_nr!(block, 2, nr, w, cols, x, n, y, r0, i0),
-        _ => by_nr!(block, 1, nr, w, cols, x, n, y, r0, i0),
+    walk::<2>(w, cols, x, n, y, |mr, nr, b, y| match mr {
+        2 => by_nr!(block, 2, nr, b, y),
+        _ => by_nr!(block, 1, nr, b, y),
     })
 }
 
 /// The walk: W's rows [`ROW_GROUP`] at a time (they stay in cache while every row of x passes over
-/// them), x's rows `MR` at a time; `block(mr, nr, r0, i0, y)` computes x's rows `i0..i0 + mr` against
-/// W's rows `r0..r0 + nr` (smaller blocks at the edges).
+/// them), x's rows `MR` at a time; `block(mr, nr, b, y)` computes the [`Block`] `b`: x's rows
+/// `b.i0..b.i0 + mr` against W's rows `b.r0..b.r0 + nr` (smaller blocks at the edges).
 #[inline(always)]
-fn walk<const MR: usize>(n: usize, y: &mut [f32], mut block: impl FnMut(usize, usize, usize, usize, &mut [f32])) {
-    let nrows = y.len() / n;
-    let mut r = 0;
-    while r < nrows {
-        let g = ROW_GROUP.min(nrows - r);
-        let mut i = 0;
-        while i < n {
-            let m = MR.min(n - i);
-            block(m, g, r, i, y);
-            i += m;
-        }
-        r += g;
-    }
-}
-
-/// The portable block (CPUs without AVX2): as the x86 copies, in plain arrays of 8 lanes.
-#[inline(always)]
-fn block<const MR: usize, const NR: usize>(
+fn walk<const MR: usize>(
     w: &[f32],
     cols: usize,
     x: &[f32],
     n: usize,
     y: &mut [f32],
+    mut block: impl FnMut(usize, usize, &Block, &mut [f32]),
+) {
+    let nrows = y.len() / n;
+    let mut r0 = 0;
+    while r0 < nrows {
+        let g = ROW_GROUP.min(nrows - r0);
+        let mut i0 = 0;
+        while i0 < n {
+            let m = MR.min(n - i0);
+            block(m, g, &Block { w, cols, x, n, r0, i0 }, y);
+            i0 += m;
+        }
+        r0 += g;
+    }
+}
+
+/// What one register block reads: this thread's rows of W and all `n` rows of x (`cols` wide), the
+/// block starting at W's row `r0` and x's row `i0`.
+struct Block<'a> {
+    w: &'a [f32],
+    cols: usize,
+    x: &'a [f32],
+    n: usize,
     r0: usize,
     i0: usize,
-) {
+}
+
+impl Block<'_> {
+    /// The block's `MR · NR` outputs into y (`[rows, n]`): each pair's `L` accumulator lanes summed
+    /// pairwise, then the columns from `full` (past the last whole vector) added in order.
+    #[inline(always)]
+    fn finish<const L: usize, const MR: usize, const NR: usize>(
+        &self,
+        acc: &[[[f32; L]; NR]; MR],
+        full: usize,
+        y: &mut [f32],
+    ) {
+        let Block { w, cols, x, n, r0, i0 } = *self;
+        for (m, acc_m) in acc.iter().enumerate() {
+            for (k, lanes) in acc_m.iter().enumerate() {
+                let mut v = sum_lanes(lanes);
+                for cc in full..cols {
+                    v += w[(r0 + k) * cols + cc] * x[(i0 + m) * cols + cc];
+                }
+                y[(r0 + k) * n + i0 + m] = v;
+            }
+        }
+    }
+}
+
+/// The portable block (CPUs without AVX2): as the x86 copies, in plain arrays of 8 lanes.
+#[inline(always)]
+fn block<const MR: usize, const NR: usize>(b: &Block, y: &mut [f32]) {
     const L: usize = 8;
+    let Block { w, cols, x, r0, i0, .. } = *b;
     let mut acc = [[[0f32; L]; NR]; MR];
     let full = cols / L * L;
     let mut c = 0;
@@ -221,15 +244,7 @@ fn block<const MR: usize, const NR: usize>(
         }
         c += L;
     }
-    for m in 0..MR {
-        for k in 0..NR {
-            let mut v = sum_lanes(&acc[m][k]);
-            for cc in full..cols {
-                v += w[(r0 + k) * cols + cc] * x[(i0 + m) * cols + cc];
-            }
-            y[(r0 + k) * n + i0 + m] = v;
-        }
-    }
+    b.finish(&acc, full, y);
 }
 
 #[cfg(test)]
