@@ -91,15 +91,9 @@ def run_oracle(script: str, job: dict) -> dict:
 
 
 def oracle(d: Path, ids: list[int]) -> dict:
-    job = {
-        "model": str(d),
-        "prompt": ids,
-        "max_tokens": N,
-        "kv_bits": None,
-        "max_kv_size": None,
-        "prefill_step_size": 2048,
-    }
-    return run_oracle("oracle_mlxlm.py", job)
+    from oracle_server import mlxlm_job
+
+    return run_oracle("oracle_mlxlm.py", mlxlm_job(d, ids, N))
 
 
 def oracle_batch(d: Path, prompts: list[list[int]]) -> list[int | None]:

@@ -49,6 +49,30 @@ def blas_env() -> dict[str, str]:
 NAMES = {"mlxlm": "mlx-lm", "mlxvlm": "mlx-vlm"}
 
 
+def mlxlm_job(
+    model: str | Path,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    kv_bits: int | None = None,
+    max_kv_size: int | None = None,
+    prefill_step_size: int = 2048,
+    adapter_path: str | Path | None = None,
+) -> dict[str, Any]:
+    """tests/oracle_mlxlm.py's job, every field spelled out (the tests' defaults written once: mlx-lm's
+    plain KV cache, its 2048-token prefill chunks, no adapter): mlx-lm's greedy tokens for `prompt` and
+    its last-position logits."""
+    return {
+        "model": str(model),
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "kv_bits": kv_bits,
+        "max_kv_size": max_kv_size,
+        "prefill_step_size": prefill_step_size,
+        "adapter_path": str(adapter_path) if adapter_path else None,
+    }
+
+
 class Oracle:
     """The client: starts the oracle process on the first job, sends jobs one at a time (a lock),
     restarts it after a crash. `oracle(job)` runs an mlx-lm job, `oracle.vlm(job)` an mlx-vlm one."""
@@ -63,6 +87,10 @@ class Oracle:
 
     def __call__(self, job: dict[str, Any]) -> dict[str, Any]:
         return self.request("mlxlm", job)
+
+    def generate(self, model: str | Path, prompt: list[int], max_tokens: int, **opts: Any) -> dict[str, Any]:
+        """mlx-lm's answer to [`mlxlm_job`](model, prompt, max_tokens, **opts): {"tokens", "logits"}."""
+        return self(mlxlm_job(model, prompt, max_tokens, **opts))
 
     def vlm(self, job: dict[str, Any]) -> dict[str, Any]:
         return self.request("mlxvlm", job)

@@ -155,16 +155,7 @@ CASES = [("deepseek_v3", "block"), ("deepseek_v32", "block"), ("glm_moe_dsa", "b
 def test_fp8_checkpoint_gives_mlxlm_tokens(oracle, tmp_path, arch, scales):
     d = fp8_checkpoint(make_model(f"{arch}-float32", arch), tmp_path / "fp8", scales=scales)
     ids, got = _tokens(d)
-    ref = oracle(
-        {
-            "model": str(d),
-            "prompt": ids,
-            "max_tokens": N,
-            "kv_bits": None,
-            "max_kv_size": None,
-            "prefill_step_size": 2048,
-        }
-    )
+    ref = oracle.generate(d, ids, N)
     assert got == ref["tokens"]
     # the planner counts what the loaded model holds: the e4m3 weights as bfloat16, no scales (the
     # weights of the same checkpoint decoded by MLX and written as bfloat16)
@@ -180,16 +171,7 @@ def test_ministral3_fp8_per_tensor_scales(oracle, tmp_path, arch):
     d = fp8_checkpoint(make_model(f"{arch}-float32", arch), tmp_path / "fp8", scales="tensor")
     ref_dir = decoded_copy(d, tmp_path / "decoded")
     ids, got = _tokens(d)
-    ref = oracle(
-        {
-            "model": str(ref_dir),
-            "prompt": ids,
-            "max_tokens": N,
-            "kv_bits": None,
-            "max_kv_size": None,
-            "prefill_step_size": 2048,
-        }
-    )
+    ref = oracle.generate(ref_dir, ids, N)
     assert got == ref["tokens"]
 
 

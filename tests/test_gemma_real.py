@@ -63,10 +63,7 @@ def mlx_lm_runs(oracle, ours_f32, reference_f32) -> dict[str, tuple[list[int], d
     tokens on the independent conversion, asked once for the tests below."""
     with mlxrs.Session(ours_f32) as s:
         ids = {text: s.tokenize(text) for text in PROMPTS}
-    return {
-        text: (i, oracle({"model": str(reference_f32), "prompt": i, "max_tokens": 16, "prefill_step_size": 2048}))
-        for text, i in ids.items()
-    }
+    return {text: (i, oracle.generate(reference_f32, i, 16)) for text, i in ids.items()}
 
 
 def test_import_logits_match_independent_conversion(ours_f32, mlx_lm_runs):

@@ -198,7 +198,7 @@ def test_llama3_rope_scaling_survives_the_gguf_round_trip(oracle, tmp_path):
     old = got["original_max_position_embeddings"]
     assert abs(old / got["low_freq_factor"] - 256) < 1e-3 and abs(old / got["high_freq_factor"] - 64) < 1e-3, got
     prompt = list(range(5, 300))  # past the original context, where the scaling matters most
-    ref = oracle({"model": str(src), "prompt": prompt, "max_tokens": 16})
+    ref = oracle.generate(src, prompt, 16)
     with mlxrs.Session(out) as b:
         diff = float(np.max(np.abs(np.array(b.logits(prompt)) - np.array(ref["logits"]))))
         assert diff < 1e-4, diff
@@ -280,7 +280,7 @@ def test_q8_0_head_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
     with mlxrs.Session(out) as s:
         ids = s.tokenize("The quick brown fox")
     assert len(ids) <= 8, "a short prompt: its logits() runs through the Q8_0 head too"
-    ref = oracle({"model": str(out), "prompt": ids, "max_tokens": 24})
+    ref = oracle.generate(out, ids, 24)
     got = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", mode)

@@ -105,7 +105,7 @@ def compare(oracle, src: Path, out: Path, tol: float) -> None:
         ours = b.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(b.logits(ids), dtype=np.float32)
     assert len(ids) > 16, "past the sliding window (16)"
-    ref = oracle({"model": str(src), "prompt": ids, "max_tokens": N_TOKENS})
+    ref = oracle.generate(src, ids, N_TOKENS)
     diff = float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32))))
     assert diff <= tol, f"last-token logits differ from mlx-lm's on the HF original by {diff}"
     assert ours.tokens == ref["tokens"], f"greedy tokens differ:\n ours {ours.tokens}\n ref  {ref['tokens']}"

@@ -89,17 +89,7 @@ def _adapter(name: str, arch: str, **kw) -> Path:
 
 
 def _ref(oracle, model: Path, ids: list[int], adapter: Path | None) -> dict:
-    return oracle(
-        {
-            "model": str(model),
-            "prompt": ids,
-            "max_tokens": N_TOKENS,
-            "kv_bits": None,
-            "max_kv_size": None,
-            "prefill_step_size": 2048,
-            "adapter_path": str(adapter) if adapter else None,
-        }
-    )
+    return oracle.generate(model, ids, N_TOKENS, adapter_path=adapter)
 
 
 def _check_one(oracle, model: Path, adapter: Path) -> None:

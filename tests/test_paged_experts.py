@@ -68,7 +68,7 @@ def test_streamed_matches_mlx_lm_resident(oracle, case, prefetch):
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
         info = s.info
-    ref = oracle({"model": str(d), "prompt": ids, "max_tokens": N_TOKENS, "prefill_step_size": c["step"]})
+    ref = oracle.generate(d, ids, N_TOKENS, prefill_step_size=c["step"])
     diff = float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32))))
     assert diff <= c["tol"], f"last-token logits differ by {diff}"
     assert ours.tokens == ref["tokens"], f"greedy tokens differ:\n ours {ours.tokens}\n ref  {ref['tokens']}"
@@ -134,7 +134,7 @@ def test_zero_cache_reads_every_routed_expert(oracle):
         ids = s.tokenize(TEXT)
         ours = s.generate(ids, max_tokens=16, ignore_eos=True, temperature=0.0)
         x = s.info["experts"]
-    ref = oracle({"model": str(d), "prompt": ids, "max_tokens": 16})
+    ref = oracle.generate(d, ids, 16)
     assert ours.tokens == ref["tokens"]
     assert x["hits"] == 0 and x["cache_bytes"] == 0
     # each decode step routes 2 distinct experts in each of the 2 MoE layers
@@ -399,7 +399,7 @@ def test_batched_decode_streamed_matches_mlx_lm(oracle):
         got = s.generate_batch(prompts, max_tokens=16, ignore_eos=True, temperature=0.0)
         assert s.info["decode_steps"] < 3 * 16  # the rows were decoded together
     for ids, c in zip(prompts, got):
-        ref = oracle({"model": str(d), "prompt": ids, "max_tokens": 16})
+        ref = oracle.generate(d, ids, 16)
         assert c.tokens == ref["tokens"]
 
 
@@ -476,7 +476,7 @@ def test_every_moe_architecture_streams_as_mlx_lm(oracle, arch, quant):
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
         x = s.info["experts"]
-    ref = oracle({"model": str(d), "prompt": ids, "max_tokens": N_TOKENS, "prefill_step_size": 16})
+    ref = oracle.generate(d, ids, N_TOKENS, prefill_step_size=16)
     diff = float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32))))
     assert diff <= 1e-4, f"last-token logits differ by {diff}"
     assert ours.tokens == ref["tokens"], f"greedy tokens differ:\n ours {ours.tokens}\n ref  {ref['tokens']}"

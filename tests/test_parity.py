@@ -73,16 +73,7 @@ def _check(
         ids = s.tokenize(prompt_text) * repeat
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
-    ref = oracle(
-        {
-            "model": str(model_dir),
-            "prompt": ids,
-            "max_tokens": N_TOKENS,
-            "kv_bits": kv_bits,
-            "max_kv_size": max_kv_size,
-            "prefill_step_size": step,
-        }
-    )
+    ref = oracle.generate(model_dir, ids, N_TOKENS, kv_bits=kv_bits, max_kv_size=max_kv_size, prefill_step_size=step)
     ref_logits = np.array(ref["logits"], dtype=np.float32)
     diff = float(np.max(np.abs(logits - ref_logits)))
     assert diff <= _tol(dtype), f"last-token logits differ by {diff}"
@@ -321,16 +312,7 @@ def test_gemma4_past_window_and_shared_kv(oracle, arch):
 
 
 def _oracle_tokens(oracle, d, ids: list[int]) -> list[int]:
-    return oracle(
-        {
-            "model": str(d),
-            "prompt": ids,
-            "max_tokens": N_TOKENS,
-            "kv_bits": None,
-            "max_kv_size": None,
-            "prefill_step_size": 2048,
-        }
-    )["tokens"]
+    return oracle.generate(d, ids, N_TOKENS)["tokens"]
 
 
 # the stacked KV (MLXRS_BATCH_KV=1) only where every layer is global
@@ -380,16 +362,7 @@ def test_recurrent_prefix_hit_matches_mlxlm(oracle, arch, quant):
     step = 16
 
     def ref(ids):
-        return oracle(
-            {
-                "model": str(d),
-                "prompt": ids,
-                "max_tokens": 24,
-                "kv_bits": None,
-                "max_kv_size": None,
-                "prefill_step_size": step,
-            }
-        )["tokens"]
+        return oracle.generate(d, ids, 24, prefill_step_size=step)["tokens"]
 
     with mlxrs.Session(d, prefill_step_size=step) as s:
         ids = s.tokenize(TEXT) * 2
@@ -474,7 +447,7 @@ def test_gpt_oss_released_mxfp4_layout(oracle, tmp_path, stream):
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
         logits = np.array(s.logits(ids), dtype=np.float32)
         x = s.info["experts"]
-    ref = oracle({"model": str(d), "prompt": ids, "max_tokens": N_TOKENS, "prefill_step_size": 16})
+    ref = oracle.generate(d, ids, N_TOKENS, prefill_step_size=16)
     assert float(np.max(np.abs(logits - np.array(ref["logits"], dtype=np.float32)))) <= _tol("float32")
     assert ours.tokens == ref["tokens"]
     assert x["misses"] > 0 and x["evictions"] > 0 and 0 < x["cache_bytes"] <= x["cache_budget_bytes"]
@@ -634,9 +607,8 @@ def test_sparse_indexer_selects_a_strict_subset(oracle, arch, tmp_path):
         ids = s.tokenize(TEXT)
         ours = np.array(s.logits(ids), dtype=np.float32)
     assert len(ids) > 16
-    job = {"prompt": ids, "max_tokens": 1}
-    sparse_ref = np.array(oracle({"model": str(src), **job})["logits"], dtype=np.float32)
-    dense_ref = np.array(oracle({"model": str(dense), **job})["logits"], dtype=np.float32)
+    sparse_ref = np.array(oracle.generate(src, ids, 1)["logits"], dtype=np.float32)
+    dense_ref = np.array(oracle.generate(dense, ids, 1)["logits"], dtype=np.float32)
     assert float(np.max(np.abs(ours - sparse_ref))) <= 1e-4
     assert float(np.max(np.abs(sparse_ref - dense_ref))) > 1e-2
 
@@ -651,7 +623,7 @@ def test_mla_batch_of_mixed_lengths_chunked_equals_mlx_lm(oracle, arch):
         ps = [ids[:n] for n in (5, 47, 23)]
         batch = [r.tokens for r in s.generate_batch(ps, max_tokens=24, ignore_eos=True, temperature=0.0)]
     for p, got in zip(ps, batch):
-        ref = oracle({"model": str(d), "prompt": p, "max_tokens": 24, "prefill_step_size": 16})
+        ref = oracle.generate(d, p, 24, prefill_step_size=16)
         assert got == ref["tokens"], f"{len(p)}-token prompt: batched tokens differ from mlx-lm's"
 
 
@@ -809,7 +781,7 @@ def test_mistral4_query_scale_is_exercised(oracle, tmp_path, arch):
     (d / "config.json").write_text(json.dumps(cfg))
     with mlxrs.Session(src) as s:
         ids = s.tokenize(TEXT) * 2  # past original_max_position_embeddings (32)
-    a = np.array(oracle({"model": str(src), "prompt": ids, "max_tokens": 1})["logits"], dtype=np.float32)
-    b = np.array(oracle({"model": str(d), "prompt": ids, "max_tokens": 1})["logits"], dtype=np.float32)
+    a = np.array(oracle.generate(src, ids, 1)["logits"], dtype=np.float32)
+    b = np.array(oracle.generate(d, ids, 1)["logits"], dtype=np.float32)
     assert len(ids) > cfg["rope_parameters"]["original_max_position_embeddings"]
     assert float(np.max(np.abs(a - b))) > 1e-3

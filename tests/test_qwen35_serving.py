@@ -19,16 +19,7 @@ N = 20
 
 def _ref(oracle, d, ids: list[int], *, eos: bool = False) -> list[int]:
     """mlx-lm's greedy tokens (with `eos`: up to its end-of-sequence token, id 0, as a server stops)."""
-    toks = oracle(
-        {
-            "model": str(d),
-            "prompt": ids,
-            "max_tokens": N,
-            "kv_bits": None,
-            "max_kv_size": None,
-            "prefill_step_size": 2048,
-        }
-    )["tokens"]
+    toks = oracle.generate(d, ids, N)["tokens"]
     return toks[: toks.index(0)] if eos and 0 in toks else toks
 
 
