@@ -43,7 +43,10 @@ def home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ours_f32(gguf_file: Path) -> Path:
-    out = ROOT / "gemma3-270m-mlxrs-f32"
+    """The import as the CPU default makes it (IMPORT_VERSION 4 on): f32 plus head_q8_0.safetensors, the
+    tied head's Q8_0 blocks. One directory for every test here (the name is not the older
+    gemma3-270m-mlxrs-f32, which a checkout's tests/.models may hold from before the head file)."""
+    out = ROOT / "gemma3-270m-mlxrs-f32-q8head"
     with build_lock(out):
         if not (out / "config.json").exists():
             models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
@@ -78,27 +81,16 @@ def test_import_logits_match_independent_conversion(ours_f32, mlx_lm_runs):
             assert got == ref["tokens"], f"{text!r}: greedy continuations differ\n ours {got}\n ref  {ref['tokens']}"
 
 
-@pytest.fixture(scope="module")
-def ours_f32_q8(gguf_file: Path) -> Path:
-    """The import as the CPU default makes it since the Q8_0 head (IMPORT_VERSION 4): f32 plus
-    head_q8_0.safetensors (its own directory: gemma3-270m-mlxrs-f32 above predates the head file)."""
-    out = ROOT / "gemma3-270m-mlxrs-f32-q8head"
-    with build_lock(out):
-        if not (out / "config.json").exists():
-            models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
-    return out
-
-
-def test_q8_head_gives_the_f32_heads_and_mlx_lms_tokens(ours_f32_q8, mlx_lm_runs, monkeypatch):
+def test_q8_head_gives_the_f32_heads_and_mlx_lms_tokens(ours_f32, mlx_lm_runs, monkeypatch):
     """The tied head as the file's Q8_0 blocks through the host gemv (the CPU default) against the
     f32 head through MLX (MLXRS_CPU_Q8_HEAD=0) and mlx-lm on the independent conversion: identical
     greedy tokens; a short prompt's logits (which the Q8_0 head computes) within float32 rounding of
     the f32 head's, and not bit-equal to them (the other path really ran)."""
-    assert (ours_f32_q8 / "head_q8_0.safetensors").is_file()
+    assert (ours_f32 / "head_q8_0.safetensors").is_file()
     got: dict[str, tuple[list[list[int]], np.ndarray]] = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", mode)
-        with mlxrs.Session(ours_f32_q8) as s:
+        with mlxrs.Session(ours_f32) as s:
             short = s.tokenize("The quick brown fox")
             assert len(short) <= 8
             assert [s.tokenize(t) for t in PROMPTS] == [mlx_lm_runs[t][0] for t in PROMPTS]
