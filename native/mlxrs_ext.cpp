@@ -4,7 +4,211 @@
    Compiled into libmlxc by native/CMakeLists.txt, so they share mlx-c's private handle helpers. */
 #include "mlx/c/error.h"
 #include "mlx/c/private/mlx.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/fast.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <thread>
+#include <vector>
+
+/* y = x · Wᵀ (float32, x [n, cols], W [rows, cols], y [n, rows], all row-major) computed by the
+   caller's kernel: mlxrs's host matmul (crates/mlxrs-core/src/handle/f32mm.rs). */
+typedef void (*mlxrs_host_matmul_kernel)(
+    const float* w,
+    size_t rows,
+    size_t cols,
+    const float* x,
+    size_t n,
+    float* y);
+
+namespace {
+
+using namespace mlx::core;
+
+/* The kernel as a node of MLX's graph on the CPU stream: it runs in order with the other CPU ops of
+   the step (no evaluation of x first, no return to the caller's thread per projection). */
+class HostMatmul : public UnaryPrimitive {
+ public:
+  HostMatmul(Stream stream, mlxrs_host_matmul_kernel kernel)
+      : UnaryPrimitive(stream), kernel_(kernel) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    out.set_data(allocator::malloc(out.nbytes()));
+    size_t rows = w.shape(0), cols = w.shape(1), n = x.size() / cols;
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    encoder.dispatch([kernel = kernel_,
+                      wp = w.data<float>(),
+                      xp = x.data<float>(),
+                      yp = out.data<float>(),
+                      rows,
+                      cols,
+                      n]() { kernel(wp, rows, cols, xp, n, yp); });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[mlxrs_host_matmul] the host kernel runs on the CPU stream only");
+  }
+
+  const char* name() const override {
+    return "MlxrsHostMatmul";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    return kernel_ == static_cast<const HostMatmul&>(other).kernel_;
+  }
+
+ private:
+  mlxrs_host_matmul_kernel kernel_;
+};
+
+/* One decode step's attention for rows that each have their own cache: queries [B, heads, 1, D]
+   and, per row b, keys and values [1, kv_heads, L_b, D] (views of the row's cache buffer: any
+   strides but a unit last one). softmax(scale · q kᵀ) v over exactly the row's keys (a single query
+   sees every key: no mask), grouped-query heads sharing their kv head. The rows' (row, head) pairs
+   are spread over the cores; MLX's own path makes a BLAS call per row and kv head, plus a few
+   ops per row. */
+class RowsDecodeAttention : public UnaryPrimitive {
+ public:
+  RowsDecodeAttention(Stream stream, float scale)
+      : UnaryPrimitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& q = inputs[0];
+    out.set_data(allocator::malloc(out.nbytes()));
+    const int B = q.shape(0), H = q.shape(1), D = q.shape(3);
+    struct Row {
+      const float* k;
+      const float* v;
+      int64_t ks1, ks2, ks3, vs1, vs2, vs3;
+      int len;
+    };
+    std::vector<Row> rows(B);
+    int kvh = 1;
+    for (int b = 0; b < B; b++) {
+      const array& k = inputs[1 + 2 * b];
+      const array& v = inputs[2 + 2 * b];
+      kvh = k.shape(1);
+      rows[b] = Row{k.data<float>(), v.data<float>(), k.strides(1), k.strides(2),
+                    k.strides(3), v.strides(1), v.strides(2), v.strides(3), k.shape(2)};
+    }
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([rows = std::move(rows), qp = q.data<float>(), op = out.data<float>(),
+                      B, H, D, kvh, scale = scale_]() {
+      const int rep = H / kvh;
+      const int items = B * H;
+      auto work = [&](int i0, int i1) {
+        std::vector<float> qs(D), acc(D), p;
+        for (int i = i0; i < i1; i++) {
+          const int b = i / H, h = i % H;
+          const Row& r = rows[b];
+          const float* qi = qp + (size_t)i * D;
+          for (int d = 0; d < D; d++) {
+            qs[d] = qi[d] * scale;
+          }
+          const float* kb = r.k + (h / rep) * r.ks1;
+          const float* vb = r.v + (h / rep) * r.vs1;
+          p.resize(r.len);
+          float m = -std::numeric_limits<float>::infinity();
+          for (int j = 0; j < r.len; j++) {
+            const float* kj = kb + j * r.ks2;
+            float s = 0.0f;
+            if (r.ks3 == 1) {
+              // eight partial sums (vectorizable without reassociating one sum), then in order
+              float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+              const int full = D / 8 * 8;
+              for (int d = 0; d < full; d += 8) {
+                for (int u = 0; u < 8; u++) {
+                  part[u] += qs[d + u] * kj[d + u];
+                }
+              }
+              for (int u = 0; u < 8; u++) {
+                s += part[u];
+              }
+              for (int d = full; d < D; d++) {
+                s += qs[d] * kj[d];
+              }
+            } else {
+              for (int d = 0; d < D; d++) {
+                s += qs[d] * kj[d * r.ks3];
+              }
+            }
+            p[j] = s;
+            m = std::max(m, s);
+          }
+          float sum = 0.0f;
+          for (int j = 0; j < r.len; j++) {
+            p[j] = std::exp(p[j] - m);
+            sum += p[j];
+          }
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int j = 0; j < r.len; j++) {
+            const float* vj = vb + j * r.vs2;
+            const float w = p[j];
+            if (r.vs3 == 1) {
+              for (int d = 0; d < D; d++) {
+                acc[d] += w * vj[d];
+              }
+            } else {
+              for (int d = 0; d < D; d++) {
+                acc[d] += w * vj[d * r.vs3];
+              }
+            }
+          }
+          float* oi = op + (size_t)i * D;
+          const float inv = r.len > 0 ? 1.0f / sum : 0.0f;
+          for (int d = 0; d < D; d++) {
+            oi[d] = acc[d] * inv;
+          }
+        }
+      };
+      int threads = (int)std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), 8u);
+      threads = std::max(1, std::min(threads, items / 8));
+      const int per = (items + threads - 1) / threads;
+      std::vector<std::thread> pool;
+      for (int t = 1; t < threads; t++) {
+        const int i0 = t * per, i1 = std::min(items, i0 + per);
+        if (i0 < i1) {
+          pool.emplace_back(work, i0, i1);
+        }
+      }
+      work(0, std::min(items, per));
+      for (auto& t : pool) {
+        t.join();
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[mlxrs_rows_decode_attention] runs on the CPU stream only");
+  }
+
+  const char* name() const override {
+    return "MlxrsRowsDecodeAttention";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    return scale_ == static_cast<const RowsDecodeAttention&>(other).scale_;
+  }
+
+ private:
+  float scale_;
+};
+
+} // namespace
 
 extern "C" {
 
@@ -70,6 +274,84 @@ int mlxrs_fast_gated_delta_update(
             (mask.ctx ? std::make_optional(mlx_array_get_(mask))
                       : std::nullopt),
             mlx_stream_get_(s)));
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return 1;
+  }
+  return 0;
+}
+
+/* x · Wᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols] and
+   W [rows, cols] float32 (made row-contiguous here; a contiguous array is shared, not copied),
+   the result [..., rows]. */
+int mlxrs_host_matmul(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_array w,
+    mlxrs_host_matmul_kernel kernel,
+    const mlx_stream s) {
+  try {
+    auto st = mlx_stream_get_(s);
+    const array& xa = mlx_array_get_(x);
+    const array& wa = mlx_array_get_(w);
+    if (kernel == nullptr || xa.dtype() != float32 || wa.dtype() != float32 ||
+        wa.ndim() != 2 || xa.ndim() < 1 || xa.shape(-1) != wa.shape(1) ||
+        st.device != Device::cpu) {
+      throw std::invalid_argument(
+          "[mlxrs_host_matmul] needs float32 x [..., k] and W [n, k] on a CPU stream");
+    }
+    Shape shape = xa.shape();
+    shape.back() = wa.shape(0);
+    mlx_array_set_(
+        *res,
+        array(
+            std::move(shape),
+            float32,
+            std::make_shared<HostMatmul>(st, kernel),
+            {contiguous(xa, false, st), contiguous(wa, false, st)}));
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return 1;
+  }
+  return 0;
+}
+
+/* RowsDecodeAttention: queries [B, heads, 1, D] and 2·B arrays keys_0, values_0, keys_1, ...
+   ([1, kv_heads, L_b, D] each), float32 on a CPU stream; the result [B, heads, 1, D]. */
+int mlxrs_rows_decode_attention(
+    mlx_array* res,
+    const mlx_array queries,
+    const mlx_vector_array keys_values,
+    float scale,
+    const mlx_stream s) {
+  try {
+    auto st = mlx_stream_get_(s);
+    const array& q = mlx_array_get_(queries);
+    const std::vector<array>& kv = mlx_vector_array_get_(keys_values);
+    if (st.device != Device::cpu || q.dtype() != float32 || q.ndim() != 4 ||
+        q.shape(2) != 1 || (int)kv.size() != 2 * q.shape(0)) {
+      throw std::invalid_argument(
+          "[mlxrs_rows_decode_attention] needs float32 queries [B, heads, 1, D] and a key and a value array per row, on a CPU stream");
+    }
+    std::vector<array> inputs{contiguous(q, false, st)};
+    for (size_t i = 0; i < kv.size(); i++) {
+      const array& a = kv[i];
+      const array& k = kv[i - i % 2];
+      if (a.dtype() != float32 || a.ndim() != 4 || a.shape(0) != 1 ||
+          a.shape(3) != q.shape(3) || a.shape(2) != k.shape(2) ||
+          a.shape(1) != kv[0].shape(1) || q.shape(1) % a.shape(1) != 0) {
+        throw std::invalid_argument(
+            "[mlxrs_rows_decode_attention] a row's keys or values are not float32 [1, kv_heads, L, D] with the queries' D");
+      }
+      inputs.push_back(a);
+    }
+    mlx_array_set_(
+        *res,
+        array(
+            q.shape(),
+            float32,
+            std::make_shared<RowsDecodeAttention>(st, scale),
+            std::move(inputs)));
   } catch (std::exception& e) {
     mlx_error(e.what());
     return 1;

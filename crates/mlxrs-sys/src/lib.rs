@@ -68,7 +68,34 @@ pub struct ExtraApi {
             s: mlx_stream,
         ) -> c_int,
     >,
+    /// native/mlxrs_ext.cpp: `x · Wᵀ` (float32) through the caller's host kernel, as one op of MLX's
+    /// graph on a CPU stream.
+    pub mlxrs_host_matmul: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_array,
+            x: mlx_array,
+            w: mlx_array,
+            kernel: HostMatmulKernel,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
+    /// native/mlxrs_ext.cpp: one decode step's attention for rows with caches of their own (float32,
+    /// CPU stream): queries `[B, heads, 1, D]`, keys and values of each row in turn.
+    pub mlxrs_rows_decode_attention: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_array,
+            queries: mlx_array,
+            keys_values: mlx_vector_array,
+            scale: f32,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
 }
+
+/// The kernel [`ExtraApi::mlxrs_host_matmul`] calls on MLX's CPU thread: `y [n, rows] = x [n, cols] ·
+/// Wᵀ` for `w` `[rows, cols]`, all row-major float32.
+pub type HostMatmulKernel =
+    unsafe extern "C" fn(w: *const f32, rows: usize, cols: usize, x: *const f32, n: usize, y: *mut f32);
 
 impl ExtraApi {
     unsafe fn resolve(lib: &libloading::Library) -> Result<Self, String> {
@@ -88,6 +115,8 @@ impl ExtraApi {
                     .ok()
                     .map(|s| *s),
                 mlxrs_fast_gated_delta_update: lib.get(b"mlxrs_fast_gated_delta_update\0").ok().map(|s| *s),
+                mlxrs_host_matmul: lib.get(b"mlxrs_host_matmul\0").ok().map(|s| *s),
+                mlxrs_rows_decode_attention: lib.get(b"mlxrs_rows_decode_attention\0").ok().map(|s| *s),
             })
         }
     }

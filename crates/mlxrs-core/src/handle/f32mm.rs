@@ -18,11 +18,17 @@
 use super::host::{detect, over_rows, sum_lanes, Isa};
 use crate::error::{Error, Result};
 
-/// The most rows of x this kernel takes (more: MLX's matmul). In a batched decode step on the quiet
-/// 2-core machine (bench/RESULTS.md) the kernel's step was 1.3–1.75× faster than `sgemm`'s at 4 rows,
-/// 1.05–1.1× at 8, 1.13–1.2× at 12, and no faster at 16 (0.92× serving 16 streams), though alone the
-/// product is faster up to 24 rows: in a step it pays for evaluating x, and OpenBLAS's idle threads
-/// spin beside it.
+/// The most rows of x this kernel takes as an op of MLX's graph ([`host_matmul`]; more: MLX's matmul).
+/// A 16-row decode step of the 88M float32 model (bench/RESULTS.md, 2026-12-01 evening): 63 against
+/// 77–90 ms with sgemm; 8 rows 40 against 61 ms; at 32 rows no faster than sgemm (the kernel alone is
+/// slower there: 3.83 against 2.74 ms for a 4096 × 1024 W).
+pub const GRAPH_MAX_ROWS: usize = 24;
+
+/// The most rows of x this kernel takes where it must evaluate x first and return here (a libmlxc
+/// without [`host_matmul`]'s op). In a batched decode step on the quiet 2-core machine
+/// (bench/RESULTS.md) that path was 1.3–1.75× faster than `sgemm`'s at 4 rows, 1.05–1.1× at 8,
+/// 1.13–1.2× at 12, and no faster at 16 (0.92× serving 16 streams), though alone the product is faster
+/// up to 24 rows: it paid for evaluating x, and OpenBLAS's idle threads spun beside it.
 pub const SMALL_MAX_ROWS: usize = 12;
 
 /// W's rows handed to one thread at a time are multiples of this (4 rows interleaved per pass).
@@ -52,6 +58,47 @@ pub fn small_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], threads: usi
     }
     let isa = detect();
     Ok(over_rows(rows, n, threads, ROW_GROUP, |r0, r1, y| run(isa, &w[r0 * cols..r1 * cols], cols, x, n, y)))
+}
+
+/// The kernel MLX's CPU thread calls for [`host_matmul`]'s op (native/mlxrs_ext.cpp `HostMatmul`).
+///
+/// # Safety
+/// `w` points at `rows · cols`, `x` at `n · cols` and `y` at `n · rows` float32 values, `y` not
+/// overlapping the others: the primitive passes its inputs' and its fresh output's buffers.
+unsafe extern "C" fn graph_kernel(w: *const f32, rows: usize, cols: usize, x: *const f32, n: usize, y: *mut f32) {
+    if rows == 0 || cols == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the extents above (the caller's contract)
+    let (w, x, y) = unsafe {
+        (
+            std::slice::from_raw_parts(w, rows * cols),
+            std::slice::from_raw_parts(x, n * cols),
+            std::slice::from_raw_parts_mut(y, n * rows),
+        )
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(8);
+    match small_matmul(w, rows, cols, x, threads) {
+        Ok(out) => y.copy_from_slice(&out),
+        // the shapes were checked when the op was built: unreachable, but never leave y unwritten
+        Err(_) => y.fill(f32::NAN),
+    }
+}
+
+/// `x · Wᵀ` (float32 `x [..., cols]`, `w [rows, cols]`) as one op of MLX's graph on the current stream
+/// (a CPU stream), computed by [`small_matmul`] when MLX evaluates it: no evaluation of x here, nothing
+/// returns to this thread. None where the loaded libmlxc lacks the entry point (one not built by
+/// native/).
+pub fn host_matmul(x: &super::Array, w: &super::Array) -> Result<Option<super::Array>> {
+    let Some(f) = mlxrs_sys::extra().mlxrs_host_matmul else { return Ok(None) };
+    super::ops::count_op();
+    let mut r = super::Array::empty_raw();
+    // SAFETY: mlx-c's calling convention (handles in, result through the pointer); the kernel's
+    // contract is kept by the primitive (its inputs made row-contiguous, a fresh output)
+    let rc = unsafe { f(&mut r, x.0, w.0, graph_kernel, super::runtime::current_stream()) };
+    let a = super::Array::from_raw(r);
+    super::check(rc)?;
+    Ok(Some(a))
 }
 
 /// `y[r * n + i] = Σ_k x[i, k] · w[r, k]` for the rows `r` of this range.
@@ -280,6 +327,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The kernel as an op of MLX's graph ([`host_matmul`]) against MLX's matmul, on a CPU stream: 2 to
+    /// 24 rows, x with batch axes and x as a transposed view (made contiguous by the op), W of
+    /// columns not a multiple of the lanes; lazily built (nothing evaluated until the result is).
+    #[test]
+    fn graph_op_equals_mlx_matmul() {
+        use crate::handle as mx;
+        let cpu = mx::Stream::new(&mx::Device::new(mx::DeviceKind::Cpu, 0).unwrap()).unwrap();
+        mx::with_stream(&cpu, || {
+            let key = mx::random_key(3).unwrap();
+            for (n, rows, cols) in [(2, 37, 64), (5, 300, 200), (16, 64, 1024), (24, 9, 33)] {
+                let w = mx::random_normal(&[rows, cols], mx::Dtype::Float32, &key).unwrap();
+                let x = mx::random_normal(&[1, n, cols], mx::Dtype::Float32, &mx::random_key(n as u64).unwrap()).unwrap();
+                let xt = mx::swapaxes(
+                    &mx::random_normal(&[1, cols, n], mx::Dtype::Float32, &mx::random_key(9).unwrap()).unwrap(),
+                    1,
+                    2,
+                )
+                .unwrap();
+                for x in [x, xt] {
+                    let before = small_matmul_calls();
+                    let ours = host_matmul(&x, &w).unwrap().expect("the libmlxc built by native/ has the op");
+                    assert_eq!(ours.shape(), vec![1, n, rows]);
+                    let theirs = mx::matmul(&x, &mx::transpose(&w).unwrap()).unwrap();
+                    let d = mx::max(
+                        &mx::reshape(&mx::abs(&mx::subtract(&ours, &theirs).unwrap()).unwrap(), &[-1]).unwrap(),
+                        &[0],
+                        false,
+                    )
+                    .unwrap()
+                    .item_f32()
+                    .unwrap();
+                    assert!(small_matmul_calls() > before, "evaluated through the host kernel");
+                    assert!(d <= 1e-6 * cols as f32 * 4.0, "[{n} x {cols}] · [{rows} x {cols}]ᵀ: max |Δ| {d}");
+                }
+            }
+            let w16 = mx::astype(&mx::random_normal(&[8, 16], mx::Dtype::Float32, &key).unwrap(), mx::Dtype::Bfloat16)
+                .unwrap();
+            let x = mx::random_normal(&[2, 16], mx::Dtype::Float32, &key).unwrap();
+            assert!(host_matmul(&x, &w16).is_err(), "a bfloat16 W is refused");
+        });
     }
 
     #[test]

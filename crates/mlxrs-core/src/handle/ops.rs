@@ -648,6 +648,20 @@ pub fn rope_rows(
 }
 
 /// Attention mask for [`scaled_dot_product_attention`].
+/// One decode step's attention (float32, the CPU stream) for rows that each have their own keys and
+/// values: `q` `[B, heads, 1, D]` (rotated), `kv` the rows' `(keys, values)` `[1, kv_heads, L_b, D]`
+/// (views of their caches), every key of a row seen (one query per row: the causal mask hides
+/// nothing). One op of the graph (native/mlxrs_ext.cpp `RowsDecodeAttention`, the (row, head) pairs
+/// over the cores) where MLX's path builds a few ops and a BLAS call per row and kv head. None where
+/// the loaded libmlxc lacks it.
+pub fn rows_decode_attention(q: &Array, kv: &[(&Array, &Array)], scale: f32) -> Result<Option<Array>> {
+    let Some(f) = sys::extra().mlxrs_rows_decode_attention else { return Ok(None) };
+    let flat: Vec<&Array> = kv.iter().flat_map(|(k, v)| [*k, *v]).collect();
+    let vec = VecArray::new(&flat);
+    // SAFETY: mlx-c's calling convention; the entry point checks shapes and dtypes
+    out1(|r| unsafe { f(r, q.0, vec.0, scale, s()) }).map(Some)
+}
+
 pub enum AttnMask<'a> {
     None,
     Causal,

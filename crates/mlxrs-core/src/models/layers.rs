@@ -200,17 +200,35 @@ impl Linear {
     }
 }
 
-/// `0`: a float32 projection of 2 to [`mx::SMALL_MAX_ROWS`] rows on the CPU backend (a batched decode
+/// Whether a decode step's per-row attention goes through [`mx::rows_decode_attention`]: the CPU,
+/// float32 queries, no attention sinks, no row with a mask array (one query per row: `None` and
+/// `Causal` hide nothing), and `MLXRS_CPU_ROWS_ATTENTION` not `0`.
+fn rows_attention_applies(q: &Array, sinks: Option<&Array>, masks: &[Mask]) -> bool {
+    q.dtype() == Dtype::Float32
+        && sinks.is_none()
+        && !on_gpu()
+        && masks.iter().all(|m| matches!(m, Mask::None | Mask::Causal))
+        && !std::env::var(CPU_ROWS_ATTENTION_ENV).is_ok_and(|v| v.trim() == "0")
+}
+
+/// `0`: a CPU decode step's per-row attention runs as MLX's ops per row (the reference path);
+/// otherwise as one op for all rows ([`mx::rows_decode_attention`]). Read at each step.
+pub const CPU_ROWS_ATTENTION_ENV: &str = "MLXRS_CPU_ROWS_ATTENTION";
+
+/// `0`: a float32 projection of 2 to [`mx::GRAPH_MAX_ROWS`] rows on the CPU backend (a batched decode
 /// step, a short prompt) runs as MLX's matmul (the BLAS's sgemm); otherwise through [`mx::small_matmul`]
-/// on the host, faster there (the measurements are in its module). Read at each call.
+/// (as an op of the graph, [`mx::host_matmul`]), faster there (the measurements are in its module).
+/// Read at each call.
 pub const CPU_SMALL_MATMUL_ENV: &str = "MLXRS_CPU_SMALL_MATMUL";
 
-/// `x Wᵀ` on the host ([`mx::small_matmul`]) where it applies: the CPU backend, float32 x and W,
-/// 2 to [`mx::SMALL_MAX_ROWS`] rows of x; None elsewhere (x stays lazy then). Evaluates x.
+/// `x Wᵀ` on the host ([`mx::small_matmul`]) where it applies: the CPU backend, float32 x and W, 2 to
+/// [`mx::GRAPH_MAX_ROWS`] rows of x as one op of MLX's graph ([`mx::host_matmul`]); where the loaded
+/// libmlxc lacks that op, 2 to [`mx::SMALL_MAX_ROWS`] rows computed here after evaluating x. None
+/// elsewhere (x stays lazy then).
 fn host_small_matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
     let cols = x.dim(-1).max(1) as usize;
     let rows = x.size() / cols;
-    if !(2..=mx::SMALL_MAX_ROWS).contains(&rows)
+    if !(2..=mx::GRAPH_MAX_ROWS).contains(&rows)
         || x.dtype() != Dtype::Float32
         || w.dtype() != Dtype::Float32
         || w.ndim() != 2
@@ -218,6 +236,12 @@ fn host_small_matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
         || on_gpu()
         || std::env::var(CPU_SMALL_MATMUL_ENV).is_ok_and(|v| v.trim() == "0")
     {
+        return Ok(None);
+    }
+    if let Some(y) = mx::host_matmul(x, w)? {
+        return Ok(Some(y));
+    }
+    if rows > mx::SMALL_MAX_ROWS {
         return Ok(None);
     }
     let Some(wv) = w.f32_values()? else { return Ok(None) };
@@ -964,6 +988,31 @@ impl Attention {
             (q, k, false)
         };
         let (qs, ks, vs) = (mx::split(&q, n, 0)?, mx::split(&k, n, 0)?, mx::split(&v, n, 0)?);
+        if roped && rows_attention_applies(&q, sinks, masks) {
+            // float32 on the CPU: every row's cache updated, then one op attends for all rows
+            let fetched: Vec<Fetched> =
+                caches.iter_mut().zip(ks).zip(vs).map(|((c, k), v)| c.update_and_fetch(k, v)).collect::<Result<_>>()?;
+            let dense: Option<Vec<(&Array, &Array)>> = fetched
+                .iter()
+                .map(|f| match f {
+                    Fetched::Dense(k, v) if k.dtype() == Dtype::Float32 && v.dtype() == Dtype::Float32 => Some((k, v)),
+                    _ => None,
+                })
+                .collect();
+            if let Some(pairs) = dense {
+                if let Some(o) = mx::rows_decode_attention(&q, &pairs, self.scale)? {
+                    return Ok(o);
+                }
+            }
+            let outs: Vec<Array> = qs
+                .iter()
+                .zip(&fetched)
+                .zip(masks)
+                .map(|((q, f), m)| attend_fetched(q, f, self.scale, m, sinks))
+                .collect::<Result<_>>()?;
+            let refs: Vec<&Array> = outs.iter().collect();
+            return mx::concatenate(&refs, 0);
+        }
         let mut outs = Vec::with_capacity(caches.len());
         for (i, (((cache, mask), (q, k)), v)) in
             caches.iter_mut().zip(masks).zip(qs.into_iter().zip(ks)).zip(vs).enumerate()

@@ -279,6 +279,58 @@ mod tests {
         }
     }
 
+    /// One decode step's attention for rows with caches of their own, as one op
+    /// (`mx::rows_decode_attention`), against MLX's attention of each row alone, on a CPU stream:
+    /// rows of 1 to 300 keys, grouped and plain heads, head sizes that are and are not a multiple of
+    /// the kernel's 8 partial sums, keys and values as views of larger cache buffers (as a cache
+    /// returns them) and as transposed views (a last axis that is not contiguous).
+    #[test]
+    fn rows_decode_attention_equals_mlx_per_row() {
+        let cpu = mx::Stream::new(&mx::Device::new(mx::DeviceKind::Cpu, 0).unwrap()).unwrap();
+        mx::with_stream(&cpu, || {
+            for (nq, nkv, d) in [(4, 4, 16), (8, 2, 20), (6, 3, 64)] {
+                let lens = [1, 9, 300, 37];
+                let q = rand(&[lens.len() as i32, nq, 1, d], Dtype::Float32, 7);
+                let mut kv = Vec::new();
+                for (i, &l) in lens.iter().enumerate() {
+                    let seed = 100 + 2 * i as u64;
+                    let (k, v) = if i == 3 {
+                        // [1, kv, D, L] transposed to [1, kv, L, D]: the last axis strided
+                        let kt = rand(&[1, nkv, d, l], Dtype::Float32, seed);
+                        let vt = rand(&[1, nkv, d, l], Dtype::Float32, seed + 1);
+                        (mx::swapaxes(&kt, 2, 3).unwrap(), mx::swapaxes(&vt, 2, 3).unwrap())
+                    } else {
+                        // the first l positions of a buffer of 512 (a cache's capacity)
+                        let kb = rand(&[1, nkv, 512, d], Dtype::Float32, seed);
+                        let vb = rand(&[1, nkv, 512, d], Dtype::Float32, seed + 1);
+                        (mx::slice_axis(&kb, 2, 0, l).unwrap(), mx::slice_axis(&vb, 2, 0, l).unwrap())
+                    };
+                    kv.push((k, v));
+                }
+                let pairs: Vec<(&Array, &Array)> = kv.iter().map(|(k, v)| (k, v)).collect();
+                let ours = mx::rows_decode_attention(&q, &pairs, 0.125)
+                    .unwrap()
+                    .expect("the libmlxc built by native/ has the op");
+                assert_eq!(ours.shape(), q.shape());
+                for (b, (k, v)) in kv.iter().enumerate() {
+                    let qb = mx::slice_axis(&q, 0, b as i32, b as i32 + 1).unwrap();
+                    let theirs = mx::scaled_dot_product_attention(&qb, k, v, 0.125, AttnMask::None, None).unwrap();
+                    let mine = mx::slice_axis(&ours, 0, b as i32, b as i32 + 1).unwrap();
+                    let diff = max_abs_diff(&mine, &theirs);
+                    assert!(diff <= 2e-6, "heads {nq}/{nkv} D {d} row {b} (L {}): max |Δ| {diff}", lens[b]);
+                }
+            }
+            // shapes it does not take are refused with MLX's error, not computed
+            let q = rand(&[2, 4, 1, 16], Dtype::Float32, 1);
+            let k = rand(&[1, 4, 5, 16], Dtype::Float32, 2);
+            assert!(mx::rows_decode_attention(&q, &[(&k, &k)], 0.25).is_err(), "one row's keys for two rows");
+            let k8 = rand(&[1, 4, 5, 8], Dtype::Float32, 3);
+            assert!(mx::rows_decode_attention(&q, &[(&k, &k), (&k8, &k8)], 0.25).is_err(), "another head size");
+            let qb = rand(&[2, 4, 1, 16], Dtype::Bfloat16, 4);
+            assert!(mx::rows_decode_attention(&qb, &[(&k, &k), (&k, &k)], 0.25).is_err(), "bfloat16");
+        });
+    }
+
     fn mask_name(m: &AttnMask<'_>) -> &'static str {
         match m {
             AttnMask::None => "none",
