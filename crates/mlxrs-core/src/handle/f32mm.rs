@@ -4,7 +4,11 @@
 //!
 //! Why: MLX's CPU backend sends such a product to the BLAS's `sgemm`, whose per-call setup (packing W
 //! into panels) costs as much for 2 rows as for 32, and whose kernels reached about a third of this
-//! CPU's peak at 16 rows. This kernel reads W straight from MLX's buffer, four of its rows at a time
+//! CPU's peak at 16 rows (a 16-row step's profile: two thirds of sgemm's time is that packing).
+//! [`host_matmul`] builds the product as one op of MLX's graph (native/mlxrs_ext.cpp `HostMatmul`,
+//! run in order on MLX's CPU stream, which calls back into this kernel): nothing is evaluated at the
+//! call and the step's other ops stay queued around it; [`small_matmul`] alone is the older path (x
+//! evaluated, the product computed on the caller's thread) for a libmlxc without that op. This kernel reads W straight from MLX's buffer, four of its rows at a time
 //! (they stay in cache while every row of x passes over them), and computes register blocks of 4 rows
 //! of x × 4 rows of W (AVX-512: 16 accumulators of 16 lanes; AVX2: 2 × 4 of 8 lanes) with fused
 //! multiply-adds, over the cores. Its first version (one x row against four W rows, compiler-vectorized)
