@@ -1,7 +1,7 @@
 """The CPU backend's two ops of a batched decode step (native/mlxrs_ext.cpp), each against MLX's own path:
-the host kernel for float32 projections of 2-24 rows (handle/f32mm.rs, instead of the BLAS's sgemm) and
+the host kernel for float32 projections of 2-32 rows (handle/f32mm.rs, instead of the BLAS's sgemm) and
 the per-row decode attention as one op for all rows (instead of MLX's attention per row). The same greedy
-tokens for every row of a batch of 3, 9 and 20 sequences (whole 4-row blocks and edge blocks), with
+tokens for every row of a batch of 3, 9 and 30 sequences (whole 4-row blocks and edge blocks), with
 each op shown to have run (and not run when switched off); cache kinds it does not take (quantized)
 keep MLX's path."""
 
@@ -32,7 +32,7 @@ def ops_of_batch(d, monkeypatch, attention: str, rows: int, **opts: int) -> tupl
     return toks, _native._op_count() - before
 
 
-@pytest.mark.parametrize("rows", [3, 9, 20])
+@pytest.mark.parametrize("rows", [3, 9, 30])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_host_kernel_gives_mlx_tokens(arch, rows, monkeypatch):
     d = make_model(f"{arch}-float32", arch)

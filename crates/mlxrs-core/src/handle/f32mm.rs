@@ -23,10 +23,11 @@ use super::host::{detect, over_rows, sum_lanes, Isa};
 use crate::error::{Error, Result};
 
 /// The most rows of x this kernel takes as an op of MLX's graph ([`host_matmul`]; more: MLX's matmul).
-/// A 16-row decode step of the 88M float32 model (bench/RESULTS.md, 2026-12-01 evening): 63 against
-/// 77–90 ms with sgemm; 8 rows 40 against 61 ms; at 32 rows no faster than sgemm (the kernel alone is
-/// slower there: 3.83 against 2.74 ms for a 4096 × 1024 W).
-pub const GRAPH_MAX_ROWS: usize = 24;
+/// Decode steps of the 88M float32 model (`python bench/cpu_step.py --rows 8,16,32`, bench/RESULTS.md,
+/// 2026-12-01 evening; the per-row attention op on in both): 8 rows 31 against 53 ms with sgemm, 16
+/// rows 47 against 66, 32 rows 95–99 against 107–110. Alone the kernel is about as fast as sgemm at 32
+/// rows (arithmetic-bound there); in a step it also saves sgemm's packing and its idle threads' spinning.
+pub const GRAPH_MAX_ROWS: usize = 32;
 
 /// The most rows of x this kernel takes where it must evaluate x first and return here (a libmlxc
 /// without [`host_matmul`]'s op). In a batched decode step on the quiet 2-core machine
@@ -334,7 +335,7 @@ mod tests {
     }
 
     /// The kernel as an op of MLX's graph ([`host_matmul`]) against MLX's matmul, on a CPU stream: 2 to
-    /// 24 rows, x with batch axes and x as a transposed view (made contiguous by the op), W of
+    /// 32 rows, x with batch axes and x as a transposed view (made contiguous by the op), W of
     /// columns not a multiple of the lanes; lazily built (nothing evaluated until the result is).
     #[test]
     fn graph_op_equals_mlx_matmul() {
@@ -342,7 +343,7 @@ mod tests {
         let cpu = mx::Stream::new(&mx::Device::new(mx::DeviceKind::Cpu, 0).unwrap()).unwrap();
         mx::with_stream(&cpu, || {
             let key = mx::random_key(3).unwrap();
-            for (n, rows, cols) in [(2, 37, 64), (5, 300, 200), (16, 64, 1024), (24, 9, 33)] {
+            for (n, rows, cols) in [(2, 37, 64), (5, 300, 200), (16, 64, 1024), (32, 9, 33)] {
                 let w = mx::random_normal(&[rows, cols], mx::Dtype::Float32, &key).unwrap();
                 let x = mx::random_normal(&[1, n, cols], mx::Dtype::Float32, &mx::random_key(n as u64).unwrap()).unwrap();
                 let xt = mx::swapaxes(
