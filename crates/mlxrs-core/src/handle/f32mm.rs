@@ -345,7 +345,8 @@ mod tests {
             let key = mx::random_key(3).unwrap();
             for (n, rows, cols) in [(2, 37, 64), (5, 300, 200), (16, 64, 1024), (32, 9, 33)] {
                 let w = mx::random_normal(&[rows, cols], mx::Dtype::Float32, &key).unwrap();
-                let x = mx::random_normal(&[1, n, cols], mx::Dtype::Float32, &mx::random_key(n as u64).unwrap()).unwrap();
+                let x =
+                    mx::random_normal(&[1, n, cols], mx::Dtype::Float32, &mx::random_key(n as u64).unwrap()).unwrap();
                 let xt = mx::swapaxes(
                     &mx::random_normal(&[1, cols, n], mx::Dtype::Float32, &mx::random_key(9).unwrap()).unwrap(),
                     1,
