@@ -22,7 +22,8 @@
 use super::host::{detect, over_rows, sum_lanes, Isa};
 use crate::error::{Error, Result};
 
-/// The most rows of x this kernel takes as an op of MLX's graph ([`host_matmul`]; more: MLX's matmul).
+/// The most rows of x this kernel takes as an op of MLX's graph ([`host_matmul`]: a decode step's rows;
+/// more: MLX's matmul).
 /// Decode steps of the 88M float32 model (`python bench/cpu_step.py --rows 8,16,32`, bench/RESULTS.md,
 /// 2026-12-01 evening; the per-row attention op on in both): 8 rows 31 against 53 ms with sgemm, 16
 /// rows 47 against 66, 32 rows 95–99 against 107–110. Alone the kernel is about as fast as sgemm at 32

@@ -215,16 +215,16 @@ fn rows_attention_applies(q: &Array, sinks: Option<&Array>, masks: &[Mask]) -> b
 /// otherwise as one op for all rows ([`mx::rows_decode_attention`]). Read at each step.
 pub const CPU_ROWS_ATTENTION_ENV: &str = "MLXRS_CPU_ROWS_ATTENTION";
 
-/// `0`: a float32 projection of 2 to [`mx::GRAPH_MAX_ROWS`] rows on the CPU backend (a batched decode
-/// step, a short prompt) runs as MLX's matmul (the BLAS's sgemm); otherwise through [`mx::small_matmul`]
-/// (as an op of the graph, [`mx::host_matmul`]), faster there (the measurements are in its module).
-/// Read at each call.
+/// `0`: a float32 projection of a batched decode step of 2 to [`mx::GRAPH_MAX_ROWS`] rows, or of a
+/// short prompt of 2 to [`mx::SMALL_MAX_ROWS`] tokens, on the CPU backend runs as MLX's matmul (the
+/// BLAS's sgemm); otherwise through [`mx::small_matmul`] (in a decode step as an op of the graph,
+/// [`mx::host_matmul`]), faster there (the measurements are in its module). Read at each call.
 pub const CPU_SMALL_MATMUL_ENV: &str = "MLXRS_CPU_SMALL_MATMUL";
 
-/// `x Wᵀ` on the host ([`mx::small_matmul`]) where it applies: the CPU backend, float32 x and W, 2 to
-/// [`mx::GRAPH_MAX_ROWS`] rows of x as one op of MLX's graph ([`mx::host_matmul`]); where the loaded
-/// libmlxc lacks that op, 2 to [`mx::SMALL_MAX_ROWS`] rows computed here after evaluating x. None
-/// elsewhere (x stays lazy then).
+/// `x Wᵀ` on the host ([`mx::small_matmul`]) where it applies: the CPU backend, float32 x and W; a
+/// decode step of 2 to [`mx::GRAPH_MAX_ROWS`] rows (`[B, 1, cols]`) as one op of MLX's graph
+/// ([`mx::host_matmul`]); otherwise (a short prompt, or a libmlxc without that op) 2 to
+/// [`mx::SMALL_MAX_ROWS`] rows computed here after evaluating x. None elsewhere (x stays lazy then).
 fn host_small_matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
     let cols = x.dim(-1).max(1) as usize;
     let rows = x.size() / cols;
@@ -238,8 +238,14 @@ fn host_small_matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
     {
         return Ok(None);
     }
-    if let Some(y) = mx::host_matmul(x, w)? {
-        return Ok(Some(y));
+    // one position per row: a batched decode step. Not prefill chunks: a row's chunk must be computed
+    // as it is alone whatever the pass's row count (sgemm gives each row the same sums at any count;
+    // this kernel's differ from sgemm's in the last bits, which a quantized KV cache can round into
+    // another level: engine::sched's batched-prefill test)
+    if x.ndim() == 3 && x.dim(1) == 1 {
+        if let Some(y) = mx::host_matmul(x, w)? {
+            return Ok(Some(y));
+        }
     }
     if rows > mx::SMALL_MAX_ROWS {
         return Ok(None);
