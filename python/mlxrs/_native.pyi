@@ -143,8 +143,8 @@ def _op_count() -> int:
     custom kernel counts once): the difference over generated tokens is the ops per decode step."""
 
 def _host_matmul_count() -> int:
-    """Float32 projections of 2-32 rows the CPU backend computed with mlxrs's host kernel
-    (MLXRS_CPU_SMALL_MATMUL) since the process started."""
+    """Float32 projections the CPU backend computed with mlxrs's host kernel (MLXRS_CPU_SMALL_MATMUL:
+    decode steps of 2-32 rows, prompts of 2-12 tokens) since the process started."""
 
 # ---- test hooks: raw arrays as (bytes, shape, MLX dtype name) ---------------------------------
 
