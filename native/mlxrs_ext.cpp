@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -182,7 +183,11 @@ class RowsDecodeAttention : public UnaryPrimitive {
       for (int t = 1; t < threads; t++) {
         const int i0 = t * per, i1 = std::min(items, i0 + per);
         if (i0 < i1) {
-          pool.emplace_back(work, i0, i1);
+          try {
+            pool.emplace_back(work, i0, i1);
+          } catch (const std::system_error&) {
+            work(i0, i1); // no thread to be had: this range on this thread
+          }
         }
       }
       work(0, std::min(items, per));

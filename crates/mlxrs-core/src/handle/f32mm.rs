@@ -84,7 +84,11 @@ unsafe extern "C" fn graph_kernel(w: *const f32, rows: usize, cols: usize, x: *c
         )
     };
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(8);
-    match small_matmul(w, rows, cols, x, threads) {
+    // a panic must not unwind into MLX's C++ (it would abort the process): the only one possible here
+    // is the OS refusing a thread, and then the product runs on this thread alone
+    let out = std::panic::catch_unwind(|| small_matmul(w, rows, cols, x, threads))
+        .unwrap_or_else(|_| small_matmul(w, rows, cols, x, 1));
+    match out {
         Ok(out) => y.copy_from_slice(&out),
         // the shapes were checked when the op was built: unreachable, but never leave y unwritten
         Err(_) => y.fill(f32::NAN),
