@@ -246,7 +246,7 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>, String
         GgmlType::Q6K => q6_k,
         GgmlType::Other(_) => unreachable!("block() is None"),
     };
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(8);
+    let threads = crate::handle::host_threads();
     let per = blocks.div_ceil(threads).max(1);
     std::thread::scope(|s| {
         for (ci, chunk) in out.chunks_mut(per * be).enumerate() {

@@ -8,7 +8,9 @@
 //! [`host_matmul`] builds the product as one op of MLX's graph (native/mlxrs_ext.cpp `HostMatmul`,
 //! run in order on MLX's CPU stream, which calls back into this kernel): nothing is evaluated at the
 //! call and the step's other ops stay queued around it; [`small_matmul`] alone is the older path (x
-//! evaluated, the product computed on the caller's thread) for a libmlxc without that op. This kernel reads W straight from MLX's buffer, four of its rows at a time
+//! evaluated, the product computed on the caller's thread) for a libmlxc without that op.
+//!
+//! This kernel reads W straight from MLX's buffer, four of its rows at a time
 //! (they stay in cache while every row of x passes over them), and computes register blocks of 4 rows
 //! of x × 4 rows of W (AVX-512: 16 accumulators of 16 lanes; AVX2: 2 × 4 of 8 lanes) with fused
 //! multiply-adds, over the cores. Its first version (one x row against four W rows, compiler-vectorized)
@@ -83,7 +85,7 @@ unsafe extern "C" fn graph_kernel(w: *const f32, rows: usize, cols: usize, x: *c
             std::slice::from_raw_parts_mut(y, n * rows),
         )
     };
-    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(8);
+    let threads = super::host::host_threads();
     // a panic must not unwind into MLX's C++ (it would abort the process): the only one possible here
     // is the OS refusing a thread, and then the product runs on this thread alone
     let out = std::panic::catch_unwind(|| small_matmul(w, rows, cols, x, threads))

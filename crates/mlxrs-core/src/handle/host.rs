@@ -12,6 +12,12 @@ pub(super) enum Isa {
     Avx512,
 }
 
+/// Threads mlxrs's own CPU loops beside MLX (the host kernels, GGUF dequantization) spread their work
+/// over: the cores, at most 8.
+pub fn host_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(8)
+}
+
 pub(super) fn detect() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {

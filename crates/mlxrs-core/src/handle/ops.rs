@@ -647,7 +647,6 @@ pub fn rope_rows(
     })
 }
 
-/// Attention mask for [`scaled_dot_product_attention`].
 /// One decode step's attention (float32, the CPU stream) for rows that each have their own keys and
 /// values: `q` `[B, heads, 1, D]` (rotated), `kv` the rows' `(keys, values)` `[1, kv_heads, L_b, D]`
 /// (views of their caches), every key of a row seen (one query per row: the causal mask hides
@@ -662,6 +661,7 @@ pub fn rows_decode_attention(q: &Array, kv: &[(&Array, &Array)], scale: f32) -> 
     out1(|r| unsafe { f(r, q.0, vec.0, scale, s()) }).map(Some)
 }
 
+/// Attention mask for [`scaled_dot_product_attention`].
 pub enum AttnMask<'a> {
     None,
     Causal,

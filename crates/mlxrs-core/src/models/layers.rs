@@ -252,7 +252,7 @@ fn host_small_matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
     }
     let Some(wv) = w.f32_values()? else { return Ok(None) };
     let xv = x.to_vec::<f32>()?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    let threads = mx::host_threads();
     let out = w.dim(0);
     let y = mx::small_matmul(wv, out as usize, cols, &xv, threads)?;
     let mut shape = x.shape();
@@ -383,7 +383,7 @@ impl Q8Head {
             return Ok(None);
         }
         let x = h.to_vec::<f32>()?;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+        let threads = mx::host_threads();
         let y = self.m.matvec(&x, threads)?;
         let mut shape = h.shape();
         *shape.last_mut().expect("h has a last axis") = self.m.rows() as i32;
