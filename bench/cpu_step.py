@@ -2,6 +2,7 @@
 
     python bench/cpu_step.py --rows 16 --rounds 2            # fit-llama-f32 (tests/tinymodels.py)
     python bench/cpu_step.py --rows 8,16,32 --model tiny
+    python bench/cpu_step.py --confs "both (default),spawned=MLXRS_HOST_POOL=0"   # an env A/B
 
 Each configuration runs in a process of its own (the switches, and OPENBLAS_NUM_THREADS where a
 configuration sets it, are read there) per round, in the same order each round: `rows` prompts of
@@ -29,6 +30,8 @@ CONFS: dict[str, dict[str, str]] = {
     "both (default)": {},
 }
 
+SWITCHES = ("MLXRS_CPU_SMALL_MATMUL", "MLXRS_CPU_ROWS_ATTENTION")
+
 CHILD = r"""
 import hashlib, json, sys, time
 sys.path.insert(0, sys.argv[3] + "/tests"); sys.path.insert(0, sys.argv[3] + "/bench")
@@ -55,17 +58,24 @@ def main() -> None:
     ap.add_argument("--model", default="fit-llama-f32")
     ap.add_argument("--rows", default="16", help="comma-separated batch sizes")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--confs",
+        help="comma-separated configurations to run (default: all); NAME=VAR=VALUE[;VAR=VALUE] adds one "
+        "(the default settings plus those variables)",
+    )
     args = ap.parse_args()
+    confs = CONFS
+    if args.confs:
+        confs = {}
+        for c in args.confs.split(","):
+            name, _, env = c.partition("=")
+            confs[name] = dict(kv.split("=", 1) for kv in env.split(";")) if env else CONFS[name]
     for rows in [int(r) for r in args.rows.split(",")]:
-        res: dict[str, list[float]] = {k: [] for k in CONFS}
+        res: dict[str, list[float]] = {k: [] for k in confs}
         toks: dict[str, str] = {}
         for _ in range(args.rounds):
-            for name, env in CONFS.items():
-                e = {
-                    k: v
-                    for k, v in os.environ.items()
-                    if k not in ("MLXRS_CPU_SMALL_MATMUL", "MLXRS_CPU_ROWS_ATTENTION")
-                }
+            for name, env in confs.items():
+                e = {k: v for k, v in os.environ.items() if k not in SWITCHES}
                 e.update(env)
                 p = subprocess.run(
                     [sys.executable, "-c", CHILD, args.model, str(rows), str(ROOT)],

@@ -51,19 +51,17 @@ where
     let target: &mut [f32] = if n == 1 { &mut out } else { &mut t };
     let threads = threads.clamp(1, rows.div_ceil(group));
     let per = rows.div_ceil(threads).div_ceil(group) * group;
-    let kernel = &kernel;
-    std::thread::scope(|s| {
-        let mut chunks = target.chunks_mut(per * n).enumerate();
-        let first = chunks.next();
-        for (ci, y) in chunks {
+    // each part's slice of the output, taken by the part that fills it
+    let parts: Vec<std::sync::Mutex<Option<&mut [f32]>>> =
+        target.chunks_mut(per * n).map(|y| std::sync::Mutex::new(Some(y))).collect();
+    let part = |ci: usize| {
+        let y = parts[ci].lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(y) = y {
             let r0 = ci * per;
-            let r1 = r0 + y.len() / n;
-            s.spawn(move || kernel(r0, r1, y));
+            kernel(r0, r0 + y.len() / n, y);
         }
-        if let Some((_, y)) = first {
-            kernel(0, y.len() / n, y);
-        }
-    });
+    };
+    split(parts.len(), &part);
     if n > 1 {
         for r in 0..rows {
             for i in 0..n {
@@ -89,4 +87,202 @@ pub(super) fn sum_lanes<const L: usize>(v: &[f32; L]) -> f32 {
         }
     }
     v[0]
+}
+
+/// `part(0)` … `part(count - 1)`, each once, `part(0)` on the calling thread and the others on the
+/// parked workers of [`Workers`] (started once per process, `host_threads() - 1` of them); returns when
+/// every part has. While another thread holds the workers (two kernels at once), or where the OS gave
+/// none, the parts run on threads of their own (spawned and joined here), as they all did before: a
+/// spawn and join costs 50 µs on a 2-core VM, ~40 kernel calls a decode step.
+pub(super) fn split(count: usize, part: &(dyn Fn(usize) + Sync)) {
+    if count <= 1 {
+        if count == 1 {
+            part(0);
+        }
+        return;
+    }
+    let pool = std::env::var("MLXRS_HOST_POOL").as_deref() != Ok("0");
+    if let Some(w) = Workers::get().filter(|w| pool && count <= w.n + 1) {
+        if w.run(count, part) {
+            return;
+        }
+    }
+    std::thread::scope(|s| {
+        for ci in 1..count {
+            s.spawn(move || part(ci));
+        }
+        part(0);
+    });
+}
+
+/// Threads parked between host kernel calls (a futex wait, no spinning: MLX's thread and the engine's
+/// run beside them), handed one split at a time.
+struct Workers {
+    n: usize,
+    busy: std::sync::atomic::AtomicBool,
+    state: std::sync::Mutex<Job>,
+    wake: std::sync::Condvar,
+    done: std::sync::Condvar,
+}
+
+struct Job {
+    epoch: u64,
+    /// the split in progress; its borrow outlives the job: [`Workers::run`] clears it before returning
+    part: Option<&'static (dyn Fn(usize) + Sync)>,
+    count: usize,
+    pending: usize,
+    panicked: bool,
+}
+
+impl Workers {
+    fn get() -> Option<&'static Workers> {
+        static WORKERS: std::sync::OnceLock<Option<&'static Workers>> = std::sync::OnceLock::new();
+        *WORKERS.get_or_init(|| {
+            let n = host_threads().saturating_sub(1);
+            if n == 0 {
+                return None;
+            }
+            let w: &'static Workers = Box::leak(Box::new(Workers {
+                n,
+                busy: std::sync::atomic::AtomicBool::new(false),
+                state: std::sync::Mutex::new(Job { epoch: 0, part: None, count: 0, pending: 0, panicked: false }),
+                wake: std::sync::Condvar::new(),
+                done: std::sync::Condvar::new(),
+            }));
+            for i in 0..n {
+                let spawned = std::thread::Builder::new()
+                    .name(format!("mlxrs-host-{i}"))
+                    .stack_size(256 << 10)
+                    .spawn(move || w.work(i + 1));
+                if spawned.is_err() {
+                    // a worker that never started would leave a split waiting for it forever
+                    return None;
+                }
+            }
+            Some(w)
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Job> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Worker `index`'s loop: each new job's part `index`, if the job has one.
+    fn work(&self, index: usize) {
+        let mut seen = 0;
+        let mut job = self.lock();
+        loop {
+            while job.epoch == seen {
+                job = self.wake.wait(job).unwrap_or_else(|e| e.into_inner());
+            }
+            seen = job.epoch;
+            if index >= job.count {
+                continue;
+            }
+            let Some(part) = job.part else { continue };
+            drop(job);
+            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| part(index))).is_ok();
+            job = self.lock();
+            job.panicked |= !ok;
+            job.pending -= 1;
+            if job.pending == 0 {
+                self.done.notify_one();
+            }
+        }
+    }
+
+    /// The split on the workers; false (nothing run) while another thread's split holds them.
+    fn run(&self, count: usize, part: &(dyn Fn(usize) + Sync)) -> bool {
+        use std::sync::atomic::Ordering;
+        if self.busy.swap(true, Ordering::Acquire) {
+            return false;
+        }
+        // SAFETY: the workers call `part` only while `job.part` holds it, and this function clears it
+        // after every worker's call has returned (`pending` back at 0), before `part`'s borrow ends,
+        // also when a part panics (caught on both sides, then re-raised here)
+        let part_static: &'static (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(part) };
+        {
+            let mut job = self.lock();
+            job.epoch += 1;
+            job.part = Some(part_static);
+            job.count = count;
+            job.pending = count - 1;
+            job.panicked = false;
+        }
+        self.wake.notify_all();
+        let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| part(0)));
+        let panicked = {
+            let mut job = self.lock();
+            while job.pending > 0 {
+                job = self.done.wait(job).unwrap_or_else(|e| e.into_inner());
+            }
+            job.part = None;
+            job.panicked
+        };
+        self.busy.store(false, Ordering::Release);
+        if let Err(e) = mine {
+            std::panic::resume_unwind(e);
+        }
+        assert!(!panicked, "a host kernel's part panicked on a worker thread");
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Every part runs exactly once, on the parked workers and on the fallback threads alike, from
+    /// several threads at once (one holds the workers, the others fall back), and the outputs of
+    /// `over_rows` equal a plain loop's.
+    #[test]
+    fn split_runs_every_part_once_from_many_threads() {
+        let max = host_threads() + 2; // counts past the workers take the spawning path
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                s.spawn(move || {
+                    for round in 0..200 {
+                        let count = 1 + (round + t) % max;
+                        let hits: Vec<AtomicUsize> = (0..count).map(|_| AtomicUsize::new(0)).collect();
+                        split(count, &|i| {
+                            hits[i].fetch_add(1, Ordering::Relaxed);
+                        });
+                        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "count {count}");
+                    }
+                });
+            }
+        });
+        let (rows, n) = (37, 3);
+        let got = over_rows(rows, n, 4, 4, |r0, r1, y| {
+            for r in r0..r1 {
+                for i in 0..n {
+                    y[(r - r0) * n + i] = (r * 10 + i) as f32;
+                }
+            }
+        });
+        let want: Vec<f32> = (0..n).flat_map(|i| (0..rows).map(move |r| (r * 10 + i) as f32)).collect();
+        assert_eq!(got, want);
+    }
+
+    /// A part that panics, on the caller's thread or on a worker, re-raises on the caller once every
+    /// part has returned, and the workers serve the next split.
+    #[test]
+    fn split_reraises_a_part_panic_and_recovers() {
+        for bad in [0, 1] {
+            let r = std::panic::catch_unwind(|| {
+                split(2, &|i| {
+                    if i == bad {
+                        panic!("part {i}");
+                    }
+                })
+            });
+            assert!(r.is_err(), "part {bad}'s panic must reach the caller");
+            let hits = AtomicUsize::new(0);
+            split(2, &|_| {
+                hits.fetch_add(1, Ordering::Relaxed);
+            });
+            assert_eq!(hits.load(Ordering::Relaxed), 2);
+        }
+    }
 }
