@@ -3,6 +3,7 @@
 request mix, one server at a time in one run, and the ratios.
 
     python bench/bench_serve.py --model tiny --concurrency 16,32 --tokens 128
+    python bench/bench_serve.py --model fit-llama-f32 --concurrency 16,32 --engines "mlx_lm.server,mlxrs" --rounds 3
     python bench/bench_serve.py --model tiny --engines "mlxrs,mlxrs (batch prefill off)"
     python bench/bench_serve.py --model tiny --engines "mlxrs,mlxrs MLXRS_SDPA_NEW_SHAPES=fused"  # env A/B
     python bench/bench_serve.py --model fit-llama-f32 --agent-turns 10 --agent-start 2000 --agent-end 8000
@@ -229,45 +230,34 @@ async def agent(port: int, turns: int, start_tokens: int, end_tokens: int) -> di
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--concurrency", default="16,32")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--agent-turns", type=int, default=0)
-    ap.add_argument("--agent-start", type=int, default=2000)
-    ap.add_argument("--agent-end", type=int, default=8000)
-    ap.add_argument("--engines", default="mlx_lm.server,mlxrs,mlxrs (cache off)")
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    d = model_dir(args.model)
-    engines = args.engines.split(",")
-    out: dict[str, Any] = {"model": str(d), "date": time.strftime("%Y-%m-%d"), "args": vars(args), "engines": {}}
-    for eng in engines:
-        if eng == "mlxrs (cache off)" and not args.agent_turns:
-            continue
-        MODEL_NAME[0] = "default_model" if eng == "mlx_lm.server" else d.name
-        p = start(eng, d)
-        try:
-            r: dict[str, Any] = {}
-            asyncio.run(wave(p.port, 2, 8))  # warm-up
-            if eng != "mlxrs (cache off)":
-                for n in [int(x) for x in args.concurrency.split(",") if x]:
-                    r[f"concurrency_{n}"] = asyncio.run(wave(p.port, n, args.tokens))
-                    print(eng, n, json.dumps(r[f"concurrency_{n}"]), flush=True)
-            if args.agent_turns:
-                r["agent"] = asyncio.run(agent(p.port, args.agent_turns, args.agent_start, args.agent_end))
-                print(eng, "agent", json.dumps(r["agent"]), flush=True)
-            out["engines"][eng] = r
-        finally:
-            p.stop()
-    ref = out["engines"].get("mlx_lm.server", {})
-    ours = out["engines"].get("mlxrs", {})
-    ratios = {}
+def run_engine(eng: str, d: Path, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    """One server of `eng` started, warmed up, each scenario run, stopped."""
+    MODEL_NAME[0] = "default_model" if eng == "mlx_lm.server" else d.name
+    p = start(eng, d)
+    try:
+        r: dict[str, Any] = {}
+        asyncio.run(wave(p.port, 2, 8))  # warm-up
+        if eng != "mlxrs (cache off)":
+            for n in [int(x) for x in args.concurrency.split(",") if x]:
+                r[f"concurrency_{n}"] = asyncio.run(wave(p.port, n, args.tokens))
+                print(tag + eng, n, json.dumps(r[f"concurrency_{n}"]), flush=True)
+        if args.agent_turns:
+            r["agent"] = asyncio.run(agent(p.port, args.agent_turns, args.agent_start, args.agent_end))
+            print(tag + eng, "agent", json.dumps(r["agent"]), flush=True)
+        return r
+    finally:
+        p.stop()
+
+
+def ratios_of(engines: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """mlxrs over its references in one round's results."""
+    ref = engines.get("mlx_lm.server", {})
+    ours = engines.get("mlxrs", {})
+    ratios: dict[str, dict[str, float]] = {}
     for k, v in ours.items():
         if k.startswith("concurrency_") and k in ref:
             ratios[k] = {"tok_s": v["tok_s"] / ref[k]["tok_s"], "ttft_p99": v["ttft_p99_s"] / ref[k]["ttft_p99_s"]}
-    nobatch = out["engines"].get("mlxrs (batch prefill off)", {})
+    nobatch = engines.get("mlxrs (batch prefill off)", {})
     for k, v in ours.items():
         if k.startswith("concurrency_") and k in nobatch:
             off = nobatch[k]
@@ -277,7 +267,7 @@ def main() -> int:
                 "ttft_p99": v["ttft_p99_s"] / off["ttft_p99_s"],
             }
     if "agent" in ours:
-        off = out["engines"].get("mlxrs (cache off)", {}).get("agent")
+        off = engines.get("mlxrs (cache off)", {}).get("agent")
         a = {}
         if off:
             a["cache_off_over_on_ttft"] = off["mean_ttft_after_first_s"] / ours["agent"]["mean_ttft_after_first_s"]
@@ -286,6 +276,47 @@ def main() -> int:
                 ref["agent"]["mean_ttft_after_first_s"] / ours["agent"]["mean_ttft_after_first_s"]
             )
         ratios["agent"] = a
+    return ratios
+
+
+def median_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    keys = {k: sorted({m for r in rounds for m in r.get(k, {})}) for r in rounds for k in r}
+    return {
+        k: {m: statistics.median(r[k][m] for r in rounds if m in r.get(k, {})) for m in ms} for k, ms in keys.items()
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--concurrency", default="16,32")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--agent-turns", type=int, default=0)
+    ap.add_argument("--agent-start", type=int, default=2000)
+    ap.add_argument("--agent-end", type=int, default=8000)
+    ap.add_argument("--engines", default="mlx_lm.server,mlxrs,mlxrs (cache off)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every engine this many times, alternating")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    d = model_dir(args.model)
+    engines = args.engines.split(",")
+    out: dict[str, Any] = {"model": str(d), "date": time.strftime("%Y-%m-%d"), "args": vars(args), "rounds": []}
+    for rnd in range(args.rounds):
+        res: dict[str, Any] = {}
+        for eng in engines:
+            if eng == "mlxrs (cache off)" and not args.agent_turns:
+                continue
+            res[eng] = run_engine(eng, d, args, f"round {rnd + 1}: " if args.rounds > 1 else "")
+        out["rounds"].append({"engines": res, "ratios": ratios_of(res)})
+    out["engines"] = out["rounds"][0]["engines"]
+    ratios = out["rounds"][0]["ratios"]
+    if args.rounds > 1:
+        # the median of each ratio over the rounds (each round restarts every server: the engines
+        # alternate, so a drift of the machine reaches both sides)
+        ratios = median_ratios([r["ratios"] for r in out["rounds"]])
+        for k, v in ratios.items():
+            per = [r["ratios"].get(k, {}) for r in out["rounds"]]
+            v["per_round"] = {m: [round(x[m], 3) for x in per if m in x] for m in v}
     out["ratios"] = ratios
     print(json.dumps(ratios, indent=2))
     if args.out:

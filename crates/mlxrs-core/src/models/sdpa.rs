@@ -378,4 +378,50 @@ mod tests {
         let big_k = mx::zeros(&[1, 8, 1025, 16], Dtype::Bfloat16).unwrap();
         assert!(!first_seen(&big_q, &big_k, &big_k, &AttnMask::Causal));
     }
+
+    /// The attention op's time for a 16-row step of fit-llama-f32's shape (8 heads of 128) over
+    /// 64–512 keys a row, views of 1024-slot buffers, against MLX's attention per row (not a check:
+    /// run by hand, `cargo test --release -p mlxrs-core rows_attention_time -- --ignored --nocapture`).
+    #[test]
+    #[ignore]
+    fn rows_attention_time() {
+        let cpu = mx::Stream::new(&mx::Device::new(mx::DeviceKind::Cpu, 0).unwrap()).unwrap();
+        mx::with_stream(&cpu, || {
+            let (rows, heads, d) = (16, 8, 128);
+            for len in [64, 256, 512] {
+                let q = rand(&[rows, heads, 1, d], Dtype::Float32, 7);
+                let kv: Vec<(Array, Array)> = (0..rows)
+                    .map(|i| {
+                        let kb = rand(&[1, heads, 1024, d], Dtype::Float32, 100 + i as u64);
+                        let vb = rand(&[1, heads, 1024, d], Dtype::Float32, 300 + i as u64);
+                        (mx::slice_axis(&kb, 2, 0, len).unwrap(), mx::slice_axis(&vb, 2, 0, len).unwrap())
+                    })
+                    .collect();
+                let pairs: Vec<(&Array, &Array)> = kv.iter().map(|(k, v)| (k, v)).collect();
+                let mut all: Vec<&Array> = kv.iter().flat_map(|(k, v)| [k, v]).collect();
+                all.push(&q);
+                mx::eval(&all).unwrap();
+                let reps = 20;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    mx::rows_decode_attention(&q, &pairs, 0.088).unwrap().unwrap().eval().unwrap();
+                }
+                let ours = t.elapsed().as_secs_f64() / reps as f64;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    let outs: Vec<Array> = kv
+                        .iter()
+                        .enumerate()
+                        .map(|(b, (k, v))| {
+                            let qb = mx::slice_axis(&q, 0, b as i32, b as i32 + 1).unwrap();
+                            mx::scaled_dot_product_attention(&qb, k, v, 0.088, AttnMask::None, None).unwrap()
+                        })
+                        .collect();
+                    mx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
+                }
+                let mlx = t.elapsed().as_secs_f64() / reps as f64;
+                eprintln!("{rows} rows x {len} keys: op {:.3} ms, MLX per row {:.3} ms", ours * 1e3, mlx * 1e3);
+            }
+        });
+    }
 }
