@@ -11,6 +11,7 @@
 #include "mlx/primitives.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <system_error>
@@ -27,9 +28,63 @@ typedef void (*mlxrs_host_matmul_kernel)(
     size_t n,
     float* y);
 
+/* Runs body(ctx, begin, end) over ranges covering [0, items) (each at least `grain` long, but for
+   the last) on the caller's thread and the caller's workers, returning when all have; body must not
+   throw. mlxrs passes its host kernels' parked threads (crates/mlxrs-core/src/handle/host.rs) through
+   mlxrs_set_parallel_for, so the CPU primitives here and mlxrs's own kernels share one pool and one
+   thread count; until then a primitive spawns threads of its own. */
+typedef void (*mlxrs_range_body)(void* ctx, int64_t begin, int64_t end);
+typedef void (*mlxrs_parallel_for)(int64_t items, int64_t grain, mlxrs_range_body body, void* ctx);
+
 namespace {
 
 using namespace mlx::core;
+
+std::atomic<mlxrs_parallel_for> g_parallel_for{nullptr};
+
+/* work(i0, i1) over [0, items) through the registered pool, else on up to 8 threads of our own. */
+template <typename F>
+void parallel_ranges(int items, int grain, F& work) {
+  if (auto pf = g_parallel_for.load(std::memory_order_acquire)) {
+    bool failed = false;
+    struct Ctx {
+      F* work;
+      bool* failed;
+    } ctx{&work, &failed};
+    pf(items, grain,
+       [](void* c, int64_t i0, int64_t i1) {
+         auto* x = static_cast<Ctx*>(c);
+         try {
+           (*x->work)((int)i0, (int)i1);
+         } catch (...) {
+           *x->failed = true; // never unwind through the pool's (Rust) frames
+         }
+       },
+       &ctx);
+    if (failed) {
+      throw std::runtime_error("[mlxrs] a CPU primitive's range failed");
+    }
+    return;
+  }
+  int threads = (int)std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), 8u);
+  threads = std::max(1, std::min(threads, items / grain));
+  const int per = (items + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; t++) {
+    const int i0 = t * per, i1 = std::min(items, i0 + per);
+    if (i0 < i1) {
+      try {
+        pool.emplace_back([&work, i0, i1] { work(i0, i1); });
+      } catch (const std::system_error&) {
+        work(i0, i1); // no thread to be had: this range on this thread
+      }
+    }
+  }
+  work(0, std::min(items, per));
+  for (auto& t : pool) {
+    t.join();
+  }
+}
 
 /* The kernel as a node of MLX's graph on the CPU stream: it runs in order with the other CPU ops of
    the step (no evaluation of x first, no return to the caller's thread per projection). */
@@ -192,24 +247,7 @@ class RowsDecodeAttention : public UnaryPrimitive {
       auto work = [&](int i0, int i1) {
         attend_range(rows.data(), qp, op, H, D, kvh, scale, i0, i1);
       };
-      int threads = (int)std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), 8u);
-      threads = std::max(1, std::min(threads, items / 8));
-      const int per = (items + threads - 1) / threads;
-      std::vector<std::thread> pool;
-      for (int t = 1; t < threads; t++) {
-        const int i0 = t * per, i1 = std::min(items, i0 + per);
-        if (i0 < i1) {
-          try {
-            pool.emplace_back(work, i0, i1);
-          } catch (const std::system_error&) {
-            work(i0, i1); // no thread to be had: this range on this thread
-          }
-        }
-      }
-      work(0, std::min(items, per));
-      for (auto& t : pool) {
-        t.join();
-      }
+      parallel_ranges(items, 8, work);
     });
   }
 
@@ -232,6 +270,11 @@ class RowsDecodeAttention : public UnaryPrimitive {
 } // namespace
 
 extern "C" {
+
+/* The pool the CPU primitives here split their work over (nullptr: threads of their own). */
+void mlxrs_set_parallel_for(mlxrs_parallel_for f) {
+  g_parallel_for.store(f, std::memory_order_release);
+}
 
 /* fast::scaled_dot_product_attention with MLX 0.32's force_fused: true asks for the fused kernel
    even where MLX would materialize the scores (long prompts), trading speed for peak memory. */

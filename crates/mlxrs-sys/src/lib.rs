@@ -90,7 +90,17 @@ pub struct ExtraApi {
             s: mlx_stream,
         ) -> c_int,
     >,
+    /// native/mlxrs_ext.cpp: the pool its CPU primitives split their work over (None: threads of
+    /// their own).
+    pub mlxrs_set_parallel_for: Option<unsafe extern "C" fn(f: Option<ParallelFor>)>,
 }
+
+/// What [`ExtraApi::mlxrs_set_parallel_for`] registers: `body(ctx, begin, end)` over ranges covering
+/// `0..items`, each at least `grain` long but the last, returning when every range has run.
+pub type ParallelFor = unsafe extern "C" fn(items: i64, grain: i64, body: RangeBody, ctx: *mut c_void);
+
+/// One range of a [`ParallelFor`] (it does not unwind).
+pub type RangeBody = unsafe extern "C" fn(ctx: *mut c_void, begin: i64, end: i64);
 
 /// The kernel [`ExtraApi::mlxrs_host_matmul`] calls on MLX's CPU thread: `y [n, rows] = x [n, cols] ·
 /// Wᵀ` for `w` `[rows, cols]`, all row-major float32.
@@ -117,6 +127,7 @@ impl ExtraApi {
                 mlxrs_fast_gated_delta_update: lib.get(b"mlxrs_fast_gated_delta_update\0").ok().map(|s| *s),
                 mlxrs_host_matmul: lib.get(b"mlxrs_host_matmul\0").ok().map(|s| *s),
                 mlxrs_rows_decode_attention: lib.get(b"mlxrs_rows_decode_attention\0").ok().map(|s| *s),
+                mlxrs_set_parallel_for: lib.get(b"mlxrs_set_parallel_for\0").ok().map(|s| *s),
             })
         }
     }

@@ -115,6 +115,46 @@ pub(super) fn split(count: usize, part: &(dyn Fn(usize) + Sync)) {
     });
 }
 
+/// Calls of [`parallel_for`] so far (the tests check the primitives reach it).
+pub static PARALLEL_FOR_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// [`split`] for native/mlxrs_ext.cpp's CPU primitives (registered at load through
+/// `mlxrs_set_parallel_for`): `body` over ranges of `0..items` at least `grain` long, one per part, on
+/// the same threads as mlxrs's host kernels. The body (C++) catches its own exceptions and may run a
+/// range again (it writes each output once, from its inputs alone): if the OS refuses the fallback's
+/// threads, every range runs again on this thread, rather than unwinding into MLX.
+pub(super) unsafe extern "C" fn parallel_for(
+    items: i64,
+    grain: i64,
+    body: mlxrs_sys::RangeBody,
+    ctx: *mut std::ffi::c_void,
+) {
+    struct Ctx(*mut std::ffi::c_void);
+    // SAFETY: the C++ caller's context is read by every range at once, as its body expects
+    unsafe impl Sync for Ctx {}
+    impl Ctx {
+        fn get(&self) -> *mut std::ffi::c_void {
+            self.0
+        }
+    }
+    PARALLEL_FOR_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let ctx = Ctx(ctx);
+    let items = usize::try_from(items).unwrap_or(0);
+    let grain = usize::try_from(grain).unwrap_or(1).max(1);
+    let parts = host_threads().min(items / grain).max(1);
+    let per = items.div_ceil(parts);
+    let run = |p: usize| {
+        let (a, b) = (p * per, ((p + 1) * per).min(items));
+        if a < b {
+            // SAFETY: the caller's body and context, called with a range inside 0..items
+            unsafe { body(ctx.get(), a as i64, b as i64) };
+        }
+    };
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| split(parts, &run))).is_err() {
+        (0..parts).for_each(run);
+    }
+}
+
 /// Threads parked between host kernel calls (a futex wait, no spinning: MLX's thread and the engine's
 /// run beside them), handed one split at a time.
 struct Workers {

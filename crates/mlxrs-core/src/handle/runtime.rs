@@ -13,6 +13,10 @@ pub fn init() -> Result<&'static sys::Runtime> {
     let rt = crate::native_pack::load()?;
     INIT.get_or_init(|| {
         install_error_handler();
+        if let Some(set) = sys::extra().mlxrs_set_parallel_for {
+            // SAFETY: a plain function of the handle layer, registered once for the process
+            unsafe { set(Some(super::host::parallel_for)) };
+        }
         Ok(())
     })
     .clone()

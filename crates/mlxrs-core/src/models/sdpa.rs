@@ -308,9 +308,15 @@ mod tests {
                     kv.push((k, v));
                 }
                 let pairs: Vec<(&Array, &Array)> = kv.iter().map(|(k, v)| (k, v)).collect();
+                let pool_calls = mx::PARALLEL_FOR_CALLS.load(std::sync::atomic::Ordering::Relaxed);
                 let ours = mx::rows_decode_attention(&q, &pairs, 0.125)
                     .unwrap()
                     .expect("the libmlxc built by native/ has the op");
+                ours.eval().unwrap();
+                assert!(
+                    mx::PARALLEL_FOR_CALLS.load(std::sync::atomic::Ordering::Relaxed) > pool_calls,
+                    "the op splits its rows over mlxrs's pool"
+                );
                 assert_eq!(ours.shape(), q.shape());
                 for (b, (k, v)) in kv.iter().enumerate() {
                     let qb = mx::slice_axis(&q, 0, b as i32, b as i32 + 1).unwrap();
