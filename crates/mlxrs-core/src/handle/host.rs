@@ -102,7 +102,8 @@ pub(super) fn split(count: usize, part: &(dyn Fn(usize) + Sync)) {
         return;
     }
     let pool = std::env::var("MLXRS_HOST_POOL").as_deref() != Ok("0");
-    if let Some(w) = Workers::get().filter(|w| pool && count <= w.n + 1) {
+    // a forked child has the pool's state but not its threads
+    if let Some(w) = Workers::get().filter(|w| pool && count <= w.n + 1 && w.pid == std::process::id()) {
         if w.run(count, part) {
             return;
         }
@@ -159,6 +160,8 @@ pub(super) unsafe extern "C" fn parallel_for(
 /// run beside them), handed one split at a time.
 struct Workers {
     n: usize,
+    /// the process that started the threads
+    pid: u32,
     busy: std::sync::atomic::AtomicBool,
     state: std::sync::Mutex<Job>,
     wake: std::sync::Condvar,
@@ -184,6 +187,7 @@ impl Workers {
             }
             let w: &'static Workers = Box::leak(Box::new(Workers {
                 n,
+                pid: std::process::id(),
                 busy: std::sync::atomic::AtomicBool::new(false),
                 state: std::sync::Mutex::new(Job { epoch: 0, part: None, count: 0, pending: 0, panicked: false }),
                 wake: std::sync::Condvar::new(),
