@@ -3,6 +3,7 @@
 Runs on the GPU test machine with only the MLX CUDA bundle (no mlxrs needed):
 
     PYTHONPATH=/tmp/site LD_LIBRARY_PATH=/tmp/site/mlx/lib python3 bench/qmv_kernel_dev.py
+    PYTHONPATH=... python3 bench/qmv_kernel_dev.py --step 64    # host vs step time of a decode-shaped step
 
 For each bit width and each 8B-shaped matrix, the kernel's output is compared with
 `mx.quantized_matmul` on the same packed weights (max |diff| relative to max |y|), then a whole 8B-shaped
@@ -88,9 +89,12 @@ SOURCE = """
     }
 """
 
-KERNEL = mx.fast.cuda_kernel(
-    name="mlxrs_qmv", input_names=["x", "w", "scales", "biases"], output_names=["y"], source=SOURCE, header=HEADER
-)
+try:  # CUDA only (the step mode's other variants also run on a CPU, to check the script)
+    KERNEL = mx.fast.cuda_kernel(
+        name="mlxrs_qmv", input_names=["x", "w", "scales", "biases"], output_names=["y"], source=SOURCE, header=HEADER
+    )
+except RuntimeError:
+    KERNEL = None
 
 
 ROWS = 2
@@ -149,7 +153,10 @@ DENSE_SOURCE = """
         }
 """
 
-DENSE = mx.fast.cuda_kernel(name="mlxrs_gemv_dev", input_names=["x", "w"], output_names=["y"], source=DENSE_SOURCE)
+try:
+    DENSE = mx.fast.cuda_kernel(name="mlxrs_gemv_dev", input_names=["x", "w"], output_names=["y"], source=DENSE_SOURCE)
+except RuntimeError:
+    DENSE = None
 
 
 def gemv(x: mx.array, w: mx.array, rows: int) -> mx.array:
@@ -198,6 +205,84 @@ def dense_bench(reps: int) -> None:
         print(f"dense m={m}: " + "  ".join(f"{k} {nbytes / v / 1e9:.0f} GB/s" for k, v in med.items()), flush=True)
 
 
+# An 8B decode step's matmuls as mlxrs fuses them: q/k/v (6144 rows), o, gate/up (28672), down.
+STEP_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def step_split(bits: int, layers: int, steps: int, out: dict) -> None:
+    """Host time against step time for a decode-shaped chain (32 layers of 8B shapes, rms norms,
+    residual adds, SwiGLU, a 128256-row head, the argmax feeding the next step's embedding), its
+    matmuls through MLX's quantized kernel, through ours (`mx.fast.cuda_kernel`), or replaced by a
+    trivial op of the same output shape (the host's floor with no matmul work on the GPU). Host time =
+    building the step and `mx.async_eval` returning (MLX encodes and launches on the calling thread);
+    step time = the average over a pipelined loop as mlx-lm's (step n+1 built while n runs)."""
+
+    def qparams(n: int, k: int) -> tuple[mx.array, mx.array, mx.array]:
+        w = mx.random.randint(0, 2**31 - 1, (n, k * bits // 32)).astype(mx.uint32)
+        s = (mx.random.normal((n, k // 64)) * 0.01).astype(mx.bfloat16)
+        b = (mx.random.normal((n, k // 64)) * 0.01).astype(mx.bfloat16)
+        return w, s, b
+
+    mats = [[qparams(n, k) for n, k in STEP_SHAPES] for _ in range(layers)]
+    head = qparams(128256, 4096)
+    emb = (mx.random.normal((128256, 4096)) * 0.02).astype(mx.bfloat16)
+    norm = mx.ones((4096,), dtype=mx.bfloat16)
+    ones = {n: mx.ones((1, n), dtype=mx.bfloat16) for n, _ in STEP_SHAPES + [(128256, 0)]}
+    mx.eval(mats, head, emb, norm, ones)
+
+    def mm(kind: str, x: mx.array, p: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+        w, s, b = p
+        if kind == "mlx":
+            return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits)
+        if kind == "ours":
+            return qmv(x, w, s, b, bits, 64)
+        return x[:, :1] * ones[w.shape[0]]
+
+    def step(kind: str, tok: mx.array) -> mx.array:
+        x = emb[tok]
+        for qkv, o, gu, d in mats:
+            h = mx.fast.rms_norm(x, norm, 1e-5)
+            a = mm(kind, h, qkv)[:, :4096]
+            x = x + mm(kind, a, o)
+            h = mx.fast.rms_norm(x, norm, 1e-5)
+            g, u = mx.split(mm(kind, h, gu), 2, axis=-1)
+            x = x + mm(kind, nn_silu(g) * u, d)
+        logits = mm(kind, mx.fast.rms_norm(x, norm, 1e-5), head)
+        return mx.argmax(logits, axis=-1)
+
+    for kind in ("mlx", "ours", "none") if KERNEL is not None else ("mlx", "none"):
+        tok = mx.array([1])
+        for _ in range(3):  # warm-up (kernel compilation)
+            tok = step(kind, tok)
+            mx.eval(tok)
+        host = []
+        mx.synchronize()
+        t0 = time.perf_counter()
+        nxt = step(kind, tok)
+        mx.async_eval(nxt)
+        for _ in range(steps):
+            t = time.perf_counter()
+            after = step(kind, nxt)
+            mx.async_eval(after)
+            host.append(time.perf_counter() - t)
+            nxt.item()
+            nxt = after
+        nxt.item()
+        total = (time.perf_counter() - t0) / (steps + 1)
+        h = sorted(host)[len(host) // 2]
+        row = dict(kind=kind, bits=bits, host_ms=h * 1e3, step_ms=total * 1e3, tok_s=1 / total)
+        out.setdefault("step", []).append(row)
+        print(
+            f"step bits={bits} {kind}: host {h * 1e3:.2f} ms (build + async_eval), step {total * 1e3:.2f} ms"
+            f" = {1 / total:.0f} tok/s",
+            flush=True,
+        )
+
+
+def nn_silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
 SHAPES_8B = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
 
 
@@ -211,12 +296,21 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true", help="time a chain of tiny ops per op")
     ap.add_argument("--dense", action="store_true", help="bf16 gemv kernel vs x @ w.T only")
     ap.add_argument("--rows", type=int, default=2, help="output rows per warp")
+    ap.add_argument("--step", type=int, default=0, help="host vs step time of N decode-shaped steps, then stop")
     a = ap.parse_args()
     global ROWS
     ROWS = a.rows
     mx.random.seed(0)
     if a.dense:
         dense_bench(a.reps)
+        return
+    if a.step:
+        res_step: dict = {}
+        for bits in (4, 8):
+            step_split(bits, a.layers, a.step, res_step)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res_step, f, indent=1)
         return
     res: dict = {"check": [], "speed": []}
     if a.overhead:

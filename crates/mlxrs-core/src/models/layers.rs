@@ -304,6 +304,7 @@ const AUTO: usize = usize::MAX - 1;
 /// Read [`DEQUANT_ROWS_ENV`] again: once per request, so that a process can compare settings between
 /// requests (bench/bench_device.py `--ab-env`, bench/bench_dequant_rows.py).
 pub fn refresh_dequant_rows() -> usize {
+    super::qmv::refresh();
     let n = match std::env::var(DEQUANT_ROWS_ENV).ok().and_then(|v| v.trim().parse::<usize>().ok()) {
         Some(0) => usize::MAX,
         Some(n) => n.min(AUTO - 1),
@@ -321,6 +322,9 @@ fn quant_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q:
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         return mx::matmul(x, &mx::transpose(&wd)?);
+    }
+    if let Some(b) = biases.filter(|_| super::qmv::takes(x, w, biases, q)) {
+        return super::qmv::qmv(x, w, scales, b, q);
     }
     mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)
 }

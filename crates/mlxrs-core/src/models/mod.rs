@@ -16,6 +16,7 @@ pub mod ministral3;
 pub mod mistral3;
 pub mod mistral4;
 pub mod mixtral;
+pub mod qmv;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_5;

@@ -1,0 +1,176 @@
+//! A quantized matrix-vector product of our own on CUDA (MLX's affine 4- and 8-bit layout), for the
+//! one to four rows of a decode step: MLX 0.32's quantized matvec reads an 8B 4-bit model's weights
+//! at ~870 GB/s, this kernel at ~1460 (bench/RESULTS-gpu.md, `bench/qmv_kernel_dev.py`: one warp per
+//! two output rows, 16-byte reads, the packed value turned into a float by OR-ing it into 2^23's bits,
+//! float32 sums). A decode-shaped chain of 32 8B layers is GPU-bound through MLX's kernel (4-bit: host
+//! 1.66 ms of a 5.02 ms step) and ran at 2.97 ms through this one (`qmv_kernel_dev.py --step`).
+//! `MLXRS_CUDA_QMV=1` turns it on, `0` off (MLX's kernel, the reference); read per request with the
+//! dequantization threshold (`layers::refresh_dequant_rows`).
+use crate::error::{Error, Result};
+use crate::handle::{self as mx, Array, CudaKernel, Dtype, QuantMode, TemplateArg};
+use crate::weights::QuantSpec;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+/// `0`: MLX's quantized matvec always.
+pub const ENV: &str = "MLXRS_CUDA_QMV";
+
+/// Output rows per warp (the kernel's `R`).
+const ROWS_PER_WARP: i32 = 2;
+/// Up to how many rows of x (the kernel's `M`, unrolled).
+pub const MAX_ROWS: usize = 4;
+
+static SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
+const UNREAD: u8 = 0;
+const ON: u8 = 1;
+const OFF: u8 = 2;
+
+/// Whether the kernel runs when [`ENV`] is unset.
+const DEFAULT_ON: bool = false;
+
+/// Read [`ENV`] again (the engine does per request): `0` off, `1` on, unset [`DEFAULT_ON`].
+pub fn refresh() {
+    let on = match std::env::var(ENV).as_deref().map(str::trim) {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => DEFAULT_ON,
+    };
+    SWITCH.store(if on { ON } else { OFF }, Ordering::Relaxed);
+}
+
+fn enabled() -> bool {
+    if SWITCH.load(Ordering::Relaxed) == UNREAD {
+        refresh();
+    }
+    if SWITCH.load(Ordering::Relaxed) != ON {
+        return false;
+    }
+    static CUDA: OnceLock<bool> = OnceLock::new();
+    *CUDA.get_or_init(|| crate::plan::Backend::detect() == crate::plan::Backend::Cuda && mx::cuda_is_available())
+}
+
+/// Whether [`qmv`] takes this product: CUDA, the switch on, 1 to [`MAX_ROWS`] rows of 16-bit x,
+/// affine 4- or 8-bit weights with biases whose 16-byte reads stay inside one group.
+pub fn takes(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool {
+    let k = x.dim(-1);
+    let rows = x.size() / (k.max(1) as usize);
+    let per_read = 4 * 32 / q.bits.max(1); // values in one 16-byte read
+    (1..=MAX_ROWS).contains(&rows)
+        && q.mode == QuantMode::Affine
+        && (q.bits == 4 || q.bits == 8)
+        && biases.is_some()
+        && matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16)
+        && q.group_size % per_read == 0
+        && k % q.group_size == 0
+        && k % per_read == 0
+        && w.ndim() == 2
+        && w.dim(1) * (32 / q.bits) == k
+        && enabled()
+}
+
+/// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`), x
+/// `[..., K]` of [`takes`]' kind: the result `[..., N]` in x's dtype.
+pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: &Array, q: QuantSpec) -> Result<Array> {
+    static KERNEL: OnceLock<std::result::Result<CudaKernel, String>> = OnceLock::new();
+    let kern = KERNEL
+        .get_or_init(|| {
+            CudaKernel::new("mlxrs_qmv", &["x", "w", "scales", "biases"], &["y"], SOURCE, "", true)
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| Error::Mlx(e.clone()))?;
+    let k = x.dim(-1);
+    let m = (x.size() / k as usize) as i32;
+    let n = w.dim(0);
+    let warps = (n + ROWS_PER_WARP - 1) / ROWS_PER_WARP;
+    let template = [
+        ("T", TemplateArg::Dtype(x.dtype())),
+        ("M", TemplateArg::Int(m)),
+        ("K", TemplateArg::Int(k)),
+        ("N", TemplateArg::Int(n)),
+        ("GS", TemplateArg::Int(q.group_size)),
+        ("BITS", TemplateArg::Int(q.bits)),
+        ("R", TemplateArg::Int(ROWS_PER_WARP)),
+    ];
+    // the result in x's leading shape directly (the kernel writes it flat): no reshape op after it
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("x has an axis") = n;
+    let mut out = kern.apply(
+        &[x, w, scales, biases],
+        &[(&shape, x.dtype())],
+        (warps * 32, 1, 1),
+        (256, 1, 1),
+        &template,
+    )?;
+    out.pop().ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
+}
+
+/// bench/qmv_kernel_dev.py's kernel: `y[m, n] = Σ_k x[m, k] · (scale[n, g] · q[n, k] + bias[n, g])`,
+/// g = k / GS (MLX's affine mode).
+const SOURCE: &str = r#"
+    // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
+    constexpr int PER_U32 = 32 / BITS;
+    constexpr unsigned MASK = (1u << BITS) - 1u;
+    constexpr int WPR = K / PER_U32;            // packed uint32 per weight row
+    constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte read
+    constexpr int NG = K / GS;                  // groups per row
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+    if (row0 >= (unsigned)N) return;
+    float acc[R][M];
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    const uint4* wbase = reinterpret_cast<const uint4*>(w);
+    #pragma unroll 2
+    for (int i = lane; i < WPR / 4; i += 32) {
+        const int k0 = i * VPU4;
+        uint4 q[R];
+        float s[R], b[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const unsigned row = min(row0 + r, (unsigned)N - 1u);
+            q[r] = wbase[(size_t)row * (WPR / 4) + i];
+            s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
+            b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
+        }
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const uint4* xv4 = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
+            float xf[VPU4];
+            float xs = 0.f;
+            #pragma unroll
+            for (int c = 0; c < VPU4 / 8; ++c) {
+                const uint4 xr = xv4[c];
+                const T* xe = reinterpret_cast<const T*>(&xr);
+                #pragma unroll
+                for (int t = 0; t < 8; ++t) { xf[c * 8 + t] = static_cast<float>(xe[t]); xs += xf[c * 8 + t]; }
+            }
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const unsigned qs[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+                float dot = 0.f;
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    #pragma unroll
+                    for (int t = 0; t < PER_U32; ++t) {
+                        const float qf = __uint_as_float(((qs[j] >> (t * BITS)) & MASK) | 0x4B000000u) - 8388608.f;
+                        dot = fmaf(xf[j * PER_U32 + t], qf, dot);
+                    }
+                }
+                acc[r][m] = fmaf(s[r], dot, fmaf(b[r], xs, acc[r][m]));
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float v = acc[r][m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && row0 + r < (unsigned)N) y[(size_t)m * N + row0 + r] = static_cast<T>(v);
+        }
+    }
+"#;
