@@ -101,13 +101,8 @@ pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: &Array, q: QuantSpec) -
     // the result in x's leading shape directly (the kernel writes it flat): no reshape op after it
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("x has an axis") = n;
-    let mut out = kern.apply(
-        &[x, w, scales, biases],
-        &[(&shape, x.dtype())],
-        (warps * 32, 1, 1),
-        (256, 1, 1),
-        &template,
-    )?;
+    let mut out =
+        kern.apply(&[x, w, scales, biases], &[(&shape, x.dtype())], (warps * 32, 1, 1), (256, 1, 1), &template)?;
     out.pop().ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
 }
 
