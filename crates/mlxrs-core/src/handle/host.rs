@@ -317,7 +317,7 @@ mod tests {
             let r = std::panic::catch_unwind(|| {
                 split(2, &|i| {
                     if i == bad {
-                        panic!("part {i}");
+                        panic!("part {i}: the panic this test raises on purpose");
                     }
                 })
             });
