@@ -16,78 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
 HEADER = ""
 
-SOURCE = """
-    // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
-    constexpr int PER_U32 = 32 / BITS;
-    constexpr unsigned MASK = (1u << BITS) - 1u;
-    constexpr int WPR = K / PER_U32;            // packed uint32 per weight row
-    constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte read
-    constexpr int NG = K / GS;                  // groups per row
-    const unsigned lane = threadIdx.x & 31u;
-    const unsigned row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (row0 >= (unsigned)N) return;
-    float acc[R][M];
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-    const uint4* wbase = reinterpret_cast<const uint4*>(w);
-    #pragma unroll 2
-    for (int i = lane; i < WPR / 4; i += 32) {
-        const int k0 = i * VPU4;
-        uint4 q[R];
-        float s[R], b[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const unsigned row = min(row0 + r, (unsigned)N - 1u);
-            q[r] = wbase[(size_t)row * (WPR / 4) + i];
-            s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
-            b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
-        }
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const uint4* xv4 = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
-            float xf[VPU4];
-            float xs = 0.f;
-            #pragma unroll
-            for (int c = 0; c < VPU4 / 8; ++c) {
-                const uint4 xr = xv4[c];
-                const T* xe = reinterpret_cast<const T*>(&xr);
-                #pragma unroll
-                for (int t = 0; t < 8; ++t) { xf[c * 8 + t] = static_cast<float>(xe[t]); xs += xf[c * 8 + t]; }
-            }
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const unsigned qs[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
-                float dot = 0.f;
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    #pragma unroll
-                    for (int t = 0; t < PER_U32; ++t) {
-                        const float qf = __uint_as_float(((qs[j] >> (t * BITS)) & MASK) | 0x4B000000u) - 8388608.f;
-                        dot = fmaf(xf[j * PER_U32 + t], qf, dot);
-                    }
-                }
-                acc[r][m] = fmaf(s[r], dot, fmaf(b[r], xs, acc[r][m]));
-            }
-        }
-    }
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float v = acc[r][m];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && row0 + r < (unsigned)N) y[(size_t)m * N + row0 + r] = static_cast<T>(v);
-        }
-    }
-"""
+
+def _engine_source() -> str:
+    """The kernel as the engine runs it: `const SOURCE` of crates/mlxrs-core/src/models/qmv.rs (one copy)."""
+    text = (Path(__file__).resolve().parent.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text()
+    start = text.index('const SOURCE: &str = r#"') + len('const SOURCE: &str = r#"')
+    return text[start : text.index('"#;', start)]
+
+
+# y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]), g = k / GS (MLX's affine mode);
+# template T, M, K, N, GS, BITS, R (output rows per warp)
+SOURCE = _engine_source()
 
 try:  # CUDA only (the step mode's other variants also run on a CPU, to check the script)
     KERNEL = mx.fast.cuda_kernel(

@@ -106,8 +106,8 @@ pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: &Array, q: QuantSpec) -
     out.pop().ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
 }
 
-/// bench/qmv_kernel_dev.py's kernel: `y[m, n] = Σ_k x[m, k] · (scale[n, g] · q[n, k] + bias[n, g])`,
-/// g = k / GS (MLX's affine mode).
+/// `y[m, n] = Σ_k x[m, k] · (scale[n, g] · q[n, k] + bias[n, g])`, g = k / GS (MLX's affine mode);
+/// bench/qmv_kernel_dev.py reads this text from here to check and time it on the device.
 const SOURCE: &str = r#"
     // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
     constexpr int PER_U32 = 32 / BITS;
