@@ -280,9 +280,10 @@ def ratios_of(engines: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def median_ratios(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, Any]]:
-    keys = {k: sorted({m for r in rounds for m in r.get(k, {})}) for r in rounds for k in r}
+    """Each ratio's median over the rounds that have it."""
+    metrics = {k: sorted({m for r in rounds for m in r.get(k, {})}) for k in {k for r in rounds for k in r}}
     return {
-        k: {m: statistics.median(r[k][m] for r in rounds if m in r.get(k, {})) for m in ms} for k, ms in keys.items()
+        k: {m: statistics.median(r[k][m] for r in rounds if m in r.get(k, {})) for m in ms} for k, ms in metrics.items()
     }
 
 

@@ -461,6 +461,7 @@ impl<'a> Scheduler<'a> {
     ) -> Result<Seq> {
         let adapter = self.adapter_of(&req)?;
         crate::models::layers::refresh_dequant_rows();
+        crate::models::qmv::refresh();
         // one adapter fused into the weights is the model itself: its prefixes are as reusable
         let no_prefix =
             !req.images.is_empty() || !req.audio.is_empty() || (adapter.is_some() && self.opts.adapters.len() > 1);

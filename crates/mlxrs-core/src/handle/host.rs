@@ -117,7 +117,8 @@ pub(super) fn split(count: usize, part: &(dyn Fn(usize) + Sync)) {
 }
 
 /// Calls of [`parallel_for`] so far (the tests check the primitives reach it).
-pub static PARALLEL_FOR_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+#[cfg(test)]
+pub(crate) static PARALLEL_FOR_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// [`split`] for native/mlxrs_ext.cpp's CPU primitives (registered at load through
 /// `mlxrs_set_parallel_for`): `body` over ranges of `0..items` at least `grain` long, one per part, on
@@ -138,6 +139,7 @@ pub(super) unsafe extern "C" fn parallel_for(
             self.0
         }
     }
+    #[cfg(test)]
     PARALLEL_FOR_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let ctx = Ctx(ctx);
     let items = usize::try_from(items).unwrap_or(0);

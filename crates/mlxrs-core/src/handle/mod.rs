@@ -13,7 +13,9 @@ mod runtime;
 
 pub use array::{async_eval, async_eval_stage, eval, eval_epoch, eval_stage, Array, Dtype, Element};
 pub use f32mm::{host_matmul, small_matmul, small_matmul_calls, GRAPH_MAX_ROWS, SMALL_MAX_ROWS};
-pub use host::{host_threads, PARALLEL_FOR_CALLS};
+pub use host::host_threads;
+#[cfg(test)]
+pub(crate) use host::PARALLEL_FOR_CALLS;
 pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, MetalKernel, TemplateArg};
 pub use ops::*;
 pub use q8::{Q8Matrix, Q8_BLOCK};

@@ -304,7 +304,6 @@ const AUTO: usize = usize::MAX - 1;
 /// Read [`DEQUANT_ROWS_ENV`] again: once per request, so that a process can compare settings between
 /// requests (bench/bench_device.py `--ab-env`, bench/bench_dequant_rows.py).
 pub fn refresh_dequant_rows() -> usize {
-    super::qmv::refresh();
     let n = match std::env::var(DEQUANT_ROWS_ENV).ok().and_then(|v| v.trim().parse::<usize>().ok()) {
         Some(0) => usize::MAX,
         Some(n) => n.min(AUTO - 1),
@@ -323,8 +322,8 @@ fn quant_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q:
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         return mx::matmul(x, &mx::transpose(&wd)?);
     }
-    if let Some(b) = biases.filter(|_| super::qmv::takes(x, w, biases, q)) {
-        return super::qmv::qmv(x, w, scales, b, q);
+    if let Some(y) = super::qmv::qmv(x, w, scales, biases, q)? {
+        return Ok(y);
     }
     mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)
 }

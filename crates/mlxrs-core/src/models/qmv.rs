@@ -4,8 +4,8 @@
 //! two output rows, 16-byte reads, the packed value turned into a float by OR-ing it into 2^23's bits,
 //! float32 sums). A decode-shaped chain of 32 8B layers is GPU-bound through MLX's kernel (4-bit: host
 //! 1.66 ms of a 5.02 ms step) and ran at 2.97 ms through this one (`qmv_kernel_dev.py --step`).
-//! `MLXRS_CUDA_QMV=1` turns it on, `0` off (MLX's kernel, the reference); read per request with the
-//! dequantization threshold (`layers::refresh_dequant_rows`).
+//! `MLXRS_CUDA_QMV=1` turns it on, `0` off (MLX's kernel, the reference); read per request
+//! ([`refresh`], called by the engine beside `layers::refresh_dequant_rows`).
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, CudaKernel, Dtype, QuantMode, TemplateArg};
 use crate::weights::QuantSpec;
@@ -51,11 +51,6 @@ fn enabled() -> bool {
     *CUDA.get_or_init(|| crate::plan::Backend::detect() == crate::plan::Backend::Cuda && mx::cuda_is_available())
 }
 
-/// Whether [`qmv`] takes this product: CUDA, the switch on, and a product it [`fits`].
-pub fn takes(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool {
-    fits(x, w, biases, q) && enabled()
-}
-
 /// 1 to [`MAX_ROWS`] rows of 16-bit x, affine 4- or 8-bit weights with biases, whose 16-byte reads stay
 /// inside one group and whose rows are whole 16-byte reads.
 pub fn fits(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool {
@@ -75,8 +70,10 @@ pub fn fits(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool 
 }
 
 /// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`), x
-/// `[..., K]` of [`takes`]' kind: the result `[..., N]` in x's dtype.
-pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: &Array, q: QuantSpec) -> Result<Array> {
+/// `[..., K]`: the result `[..., N]` in x's dtype where the kernel takes it (CUDA, the switch on, a
+/// product it [`fits`]); None elsewhere.
+pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Option<Array>> {
+    let Some(biases) = biases.filter(|_| fits(x, w, biases, q) && enabled()) else { return Ok(None) };
     static KERNEL: OnceLock<std::result::Result<CudaKernel, String>> = OnceLock::new();
     let kern = KERNEL
         .get_or_init(|| {
@@ -103,7 +100,7 @@ pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: &Array, q: QuantSpec) -
     *shape.last_mut().expect("x has an axis") = n;
     let mut out =
         kern.apply(&[x, w, scales, biases], &[(&shape, x.dtype())], (warps * 32, 1, 1), (256, 1, 1), &template)?;
-    out.pop().ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
+    out.pop().map(Some).ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
 }
 
 /// `y[m, n] = Σ_k x[m, k] · (scale[n, g] · q[n, k] + bias[n, g])`, g = k / GS (MLX's affine mode);
@@ -211,7 +208,7 @@ mod tests {
         assert!(!fits(&x, &w4, Some(&b), mx4), "microscaling modes keep MLX's kernel");
         // on the CPU the kernel is never taken
         if crate::plan::Backend::detect() == crate::plan::Backend::Cpu {
-            assert!(!takes(&x, &w4, Some(&b), q4));
+            assert!(qmv(&x, &w4, &b, Some(&b), q4).unwrap().is_none());
         }
     }
 }
