@@ -1,10 +1,10 @@
 //! A quantized matrix-vector product of our own on CUDA (MLX's affine 4- and 8-bit layout), for the
-//! one to four rows of a decode step: MLX 0.32's quantized matvec reads an 8B 4-bit model's weights
-//! at ~870 GB/s, this kernel at ~1460 (bench/RESULTS-gpu.md, `bench/qmv_kernel_dev.py`: one warp per
-//! two output rows, 16-byte reads, the packed value turned into a float by OR-ing it into 2^23's bits,
-//! float32 sums). A decode-shaped chain of 32 8B layers is GPU-bound through MLX's kernel (4-bit: host
-//! 1.66 ms of a 5.02 ms step) and ran at 2.97 ms through this one (`qmv_kernel_dev.py --step`).
-//! `MLXRS_CUDA_QMV=1` turns it on, `0` off (MLX's kernel, the reference); read per request
+//! one to four rows of a decode step. One warp per two output rows, 16-byte reads, float32 sums; 4-bit
+//! values decoded by moving each nibble into a float's mantissa (1.5 integer ops a value, see SOURCE).
+//! Nsight Compute on the H200 (bench/RESULTS-gpu.md, `bench/device_qmv_variants.sh`): an 8B 4-bit decode
+//! step's matvecs take 2.37 ms of GPU time (MLX 0.32's kernel reads these weights at ~870 GB/s, this one
+//! at 1.2–2.3 TB/s by shape); 8B 4-bit decode through it: 229 tokens/s (runs of 199 and 259) against 154
+//! through MLX's kernel and 148 for mlx-lm in the same process. `MLXRS_CUDA_QMV=1` turns it on, `0` off (MLX's kernel, the reference); read per request
 //! ([`refresh`], called by the engine beside `layers::refresh_dequant_rows`).
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, CudaKernel, Dtype, QuantMode, TemplateArg};
@@ -104,9 +104,16 @@ pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: Quan
 }
 
 /// `y[m, n] = Σ_k x[m, k] · (scale[n, g] · q[n, k] + bias[n, g])`, g = k / GS (MLX's affine mode);
-/// bench/qmv_kernel_dev.py reads this text from here to check and time it on the device.
+/// bench/qmv_kernel_dev.py and bench/qmv_variants.py read this text from here to check and time it on
+/// the device.
 const SOURCE: &str = r#"
     // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
+    // Per 16-byte read of a row (VPU4 values of one group): the dot of q with x, times the scale, plus
+    // the bias times the sum of x. x is converted 8 values at a time (few registers: occupancy).
+    // 4-bit: four shifts of a packed word bring each nibble to bits 12-15 or 16-19 of a float whose
+    // exponent is 1's, so a mask-or alone makes it 1 + q/2048 (class B) or 1 + q/128 (class A); the dot
+    // is then 128 (sum_A x (1 + q/128) - sum_A x) + 2048 (sum_B ... - sum_B x). 8-bit: q as the float
+    // 2^23 + q through its bits, minus 2^23.
     constexpr int PER_U32 = 32 / BITS;
     constexpr unsigned MASK = (1u << BITS) - 1u;
     constexpr int WPR = K / PER_U32;            // packed uint32 per weight row
@@ -136,27 +143,52 @@ const SOURCE: &str = r#"
         #pragma unroll
         for (int m = 0; m < M; ++m) {
             const uint4* xv4 = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
-            float xf[VPU4];
-            float xs = 0.f;
+            float xs = 0.f, xa = 0.f;   // sum of x; (4-bit) over class A
+            float da[R], db[R];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) { da[r] = 0.f; db[r] = 0.f; }
             #pragma unroll
             for (int c = 0; c < VPU4 / 8; ++c) {
                 const uint4 xr = xv4[c];
                 const T* xe = reinterpret_cast<const T*>(&xr);
+                float xf[8];
                 #pragma unroll
-                for (int t = 0; t < 8; ++t) { xf[c * 8 + t] = static_cast<float>(xe[t]); xs += xf[c * 8 + t]; }
+                for (int t = 0; t < 8; ++t) { xf[t] = static_cast<float>(xe[t]); xs += xf[t]; }
+                if (BITS == 4) xa += xf[0] + xf[2] + xf[4] + xf[6] + xf[7];
+                #pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const unsigned qs[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+                    if (BITS == 4) {
+                        // nibble t at bits 4t..4t+3: A = {0, 2, 4, 6, 7} to bits 16-19, B = {1, 3, 5} to 12-15
+                        const unsigned w0 = qs[c & 3], l8 = w0 << 8, r8 = w0 >> 8, l16 = w0 << 16, r12 = w0 >> 12;
+                        float a = da[r], bb = db[r];
+                        a = fmaf(xf[0], __uint_as_float((l16 & 0x000F0000u) | 0x3F800000u), a);
+                        bb = fmaf(xf[1], __uint_as_float((l8 & 0x0000F000u) | 0x3F800000u), bb);
+                        a = fmaf(xf[2], __uint_as_float((l8 & 0x000F0000u) | 0x3F800000u), a);
+                        bb = fmaf(xf[3], __uint_as_float((w0 & 0x0000F000u) | 0x3F800000u), bb);
+                        a = fmaf(xf[4], __uint_as_float((w0 & 0x000F0000u) | 0x3F800000u), a);
+                        bb = fmaf(xf[5], __uint_as_float((r8 & 0x0000F000u) | 0x3F800000u), bb);
+                        a = fmaf(xf[6], __uint_as_float((r8 & 0x000F0000u) | 0x3F800000u), a);
+                        a = fmaf(xf[7], __uint_as_float((r12 & 0x000F0000u) | 0x3F800000u), a);
+                        da[r] = a;
+                        db[r] = bb;
+                    } else {
+                        // 8 x values: two words of four bytes
+                        #pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const unsigned wv = qs[(2 * c + h) & 3];
+                            #pragma unroll
+                            for (int t = 0; t < 4; ++t) {
+                                const float qf = __uint_as_float(((wv >> (8 * t)) & MASK) | 0x4B000000u) - 8388608.f;
+                                da[r] = fmaf(xf[4 * h + t], qf, da[r]);
+                            }
+                        }
+                    }
+                }
             }
             #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const unsigned qs[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
-                float dot = 0.f;
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    #pragma unroll
-                    for (int t = 0; t < PER_U32; ++t) {
-                        const float qf = __uint_as_float(((qs[j] >> (t * BITS)) & MASK) | 0x4B000000u) - 8388608.f;
-                        dot = fmaf(xf[j * PER_U32 + t], qf, dot);
-                    }
-                }
+                const float dot = BITS == 4 ? 128.f * (da[r] - xa) + 2048.f * (db[r] - (xs - xa)) : da[r];
                 acc[r][m] = fmaf(s[r], dot, fmaf(b[r], xs, acc[r][m]));
             }
         }
