@@ -198,6 +198,21 @@ impl Linear {
             Linear::Lora(l) => l.forward(x),
         }
     }
+
+    /// `res + forward(x)`: one kernel where the CUDA quantized matvec takes the product
+    /// ([`super::qmv::qmv_add`]: a decode step's residual add after the output or down projection),
+    /// the two ops elsewhere.
+    pub fn forward_add(&self, x: &Array, res: &Array) -> Result<Array> {
+        if let Linear::Quant { w, scales, biases, b: None, q } = self {
+            let rows = x.size() / (x.dim(-1).max(1) as usize);
+            if rows < dequant_rows(q.bits) {
+                if let Some(y) = super::qmv::qmv_add(x, w, scales, biases.as_ref(), *q, res)? {
+                    return Ok(y);
+                }
+            }
+        }
+        mx::add(res, &self.forward(x)?)
+    }
 }
 
 /// Whether a decode step's per-row attention goes through [`mx::rows_decode_attention`]: the CPU,
@@ -929,6 +944,22 @@ impl Attention {
         self.output(&out, b, l)
     }
 
+    /// `res + forward_many_sinks(..)`, the residual added by the output projection
+    /// ([`Linear::forward_add`]).
+    pub fn forward_many_sinks_add(
+        &self,
+        x: &Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        sinks: Option<&Array>,
+        res: &Array,
+    ) -> Result<Array> {
+        let (b, l) = (x.dim(0), x.dim(1));
+        let (q, k, v) = self.project(x)?;
+        let out = self.attend_many(q, k, v, masks, caches, sinks)?;
+        self.output_add(&out, b, l, res)
+    }
+
     /// The attention of [`Attention::forward_many`] for q, k, v already projected (`[B, heads, L,
     /// head_dim]`, before the rotary embedding): `[B, heads, L, head_dim]`, before the output
     /// projection. For architectures that project (or gate) differently.
@@ -1145,10 +1176,18 @@ impl Attention {
 
     /// The heads `[B, heads, L, head_dim]` back to `[B, L, hidden]` through the output projection.
     pub(crate) fn output(&self, out: &Array, b: i32, l: i32) -> Result<Array> {
+        self.o_proj.forward(&Self::merge_heads(out, b, l)?)
+    }
+
+    /// [`Attention::output`] plus `res` ([`Linear::forward_add`]).
+    pub(crate) fn output_add(&self, out: &Array, b: i32, l: i32, res: &Array) -> Result<Array> {
+        self.o_proj.forward_add(&Self::merge_heads(out, b, l)?, res)
+    }
+
+    fn merge_heads(out: &Array, b: i32, l: i32) -> Result<Array> {
         // one token: [B, heads, 1, head_dim] has [B, 1, heads, head_dim]'s order, a reshape alone
         let out = if l == 1 { out.clone() } else { mx::transpose_axes(out, &[0, 2, 1, 3])? };
-        let out = mx::reshape(&out, &[b, l, -1])?;
-        self.o_proj.forward(&out)
+        mx::reshape(&out, &[b, l, -1])
     }
 }
 
@@ -1291,6 +1330,16 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        self.down.forward(&self.activated(x)?)
+    }
+
+    /// `res + forward(x)`, the residual added by the down projection ([`Linear::forward_add`]).
+    pub fn forward_add(&self, x: &Array, res: &Array) -> Result<Array> {
+        self.down.forward_add(&self.activated(x)?, res)
+    }
+
+    /// The activation of the gate and up projections: the down projection's input.
+    fn activated(&self, x: &Array) -> Result<Array> {
         let (g, u) = match &self.gate_up {
             GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
             GateUp::Fused(f) if x.size() / (x.dim(-1).max(1) as usize) > FUSED_MAX_ROWS as usize => {
@@ -1306,7 +1355,7 @@ impl Mlp {
                 let y = f.forward(x)?;
                 let rows = y.size() / (y.dim(-1).max(1) as usize);
                 if matches!(self.act, Activation::Silu) && rows <= COMPILED_NORM_MAX_ROWS {
-                    return self.down.forward(&compiled_as(&SPLIT_SWIGLU, split_swiglu, &[&y], false)?);
+                    return compiled_as(&SPLIT_SWIGLU, split_swiglu, &[&y], false);
                 }
                 let mut parts = mx::split(&y, 2, -1)?.into_iter();
                 let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
@@ -1315,12 +1364,11 @@ impl Mlp {
                 (g, u)
             }
         };
-        let h = match self.act {
-            Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u])?,
-            Activation::GeluApprox => geglu(&g, &u)?,
-            Activation::Geglu => geglu_fused(&g, &u)?,
-        };
-        self.down.forward(&h)
+        match self.act {
+            Activation::Silu => compiled(&SWIGLU, swiglu, &[&g, &u]),
+            Activation::GeluApprox => geglu(&g, &u),
+            Activation::Geglu => geglu_fused(&g, &u),
+        }
     }
 }
 
@@ -1470,6 +1518,14 @@ impl Ffn {
         match self {
             Ffn::Dense(m) => m.forward(x),
             Ffn::Moe(m) => m.forward(x),
+        }
+    }
+
+    /// `res + forward(x)` ([`Mlp::forward_add`] for a dense FFN).
+    pub fn forward_add(&self, x: &Array, res: &Array) -> Result<Array> {
+        match self {
+            Ffn::Dense(m) => m.forward_add(x, res),
+            Ffn::Moe(m) => mx::add(res, &m.forward(x)?),
         }
     }
 }

@@ -275,7 +275,9 @@ impl CausalLm for Model {
         let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
             let layer = &self.layers[i];
             let mask = masks.get(layer.sliding)?;
-            let mixer = |x: &Array| match &q_scale {
+            // each sub-layer adds the residual itself: with the output and down projections on CUDA's
+            // quantized matvec, in the same kernel (layers::Linear::forward_add)
+            let mixer = |x: &Array, res: &Array| match &q_scale {
                 Some(s) => {
                     let (q, k, v) = layer.attn.project(x)?;
                     let out = layer.attn.attend_many_scaled(
@@ -287,11 +289,13 @@ impl CausalLm for Model {
                         layer.sinks.as_ref(),
                         Some(s),
                     )?;
-                    layer.attn.output(&out, x.dim(0), n)
+                    layer.attn.output_add(&out, x.dim(0), n, res)
                 }
-                None => layer.attn.forward_many_sinks(x, mask, caches.layer_mut(i), layer.sinks.as_ref()),
+                None => layer.attn.forward_many_sinks_add(x, mask, caches.layer_mut(i), layer.sinks.as_ref(), res),
             };
-            super::pre_norm_residual(h, &layer.in_norm, mixer, &layer.post_norm, |x| layer.mlp.forward(x))
+            super::pre_norm_residual_add(h, &layer.in_norm, mixer, &layer.post_norm, |x, res| {
+                layer.mlp.forward_add(x, res)
+            })
         })?;
         self.norm.forward(&h)
     }

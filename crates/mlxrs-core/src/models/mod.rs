@@ -275,9 +275,26 @@ pub fn pre_norm_residual(
     post_norm: &layers::RmsNorm,
     ffn: impl FnOnce(&Array) -> Result<Array>,
 ) -> Result<Array> {
-    let hh = crate::handle::add(h, &mixer(&in_norm.forward(h)?)?)?;
-    let r = ffn(&post_norm.forward(&hh)?)?;
-    crate::handle::add(&hh, &r)
+    pre_norm_residual_add(
+        h,
+        in_norm,
+        |x, res| crate::handle::add(res, &mixer(x)?),
+        post_norm,
+        |x, res| crate::handle::add(res, &ffn(x)?),
+    )
+}
+
+/// [`pre_norm_residual`] whose mixer and FFN add the residual themselves (`f(x, res) = res + f(x)`:
+/// [`layers::Linear::forward_add`], one kernel on CUDA for a quantized decode step).
+pub fn pre_norm_residual_add(
+    h: &Array,
+    in_norm: &layers::RmsNorm,
+    mixer: impl FnOnce(&Array, &Array) -> Result<Array>,
+    post_norm: &layers::RmsNorm,
+    ffn: impl FnOnce(&Array, &Array) -> Result<Array>,
+) -> Result<Array> {
+    let hh = mixer(&in_norm.forward(h)?, h)?;
+    ffn(&post_norm.forward(&hh)?, &hh)
 }
 
 /// The architecture table: one line per architecture, each declared in its own file.

@@ -73,13 +73,51 @@ pub fn fits(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool 
 /// `[..., K]`: the result `[..., N]` in x's dtype where the kernel takes it (CUDA, the switch on, a
 /// product it [`fits`]); None elsewhere.
 pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Option<Array>> {
+    run(x, w, scales, biases, q, None)
+}
+
+/// `res + x · Wᵀ` in one kernel (a decode step's residual add after the output and down projections:
+/// one launch instead of two), where [`qmv`] applies and `res` has the result's shape and x's dtype;
+/// None elsewhere. The sum is rounded once, to x's dtype (the two ops round the product first).
+pub fn qmv_add(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    q: QuantSpec,
+    res: &Array,
+) -> Result<Option<Array>> {
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("x has an axis") = w.dim(0);
+    if res.dtype() != x.dtype() || res.shape() != shape {
+        return Ok(None);
+    }
+    run(x, w, scales, biases, q, Some(res))
+}
+
+fn run(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    q: QuantSpec,
+    res: Option<&Array>,
+) -> Result<Option<Array>> {
     let Some(biases) = biases.filter(|_| fits(x, w, biases, q) && enabled()) else { return Ok(None) };
-    static KERNEL: OnceLock<std::result::Result<CudaKernel, String>> = OnceLock::new();
-    let kern = KERNEL
-        .get_or_init(|| {
-            CudaKernel::new("mlxrs_qmv", &["x", "w", "scales", "biases"], &["y"], SOURCE, "", true)
-                .map_err(|e| e.to_string())
-        })
+    type Slot = OnceLock<std::result::Result<CudaKernel, String>>;
+    static KERNEL: Slot = OnceLock::new();
+    static KERNEL_RES: Slot = OnceLock::new();
+    let (slot, name, inputs, header): (&Slot, &str, &[&str], &str) = match res {
+        None => (&KERNEL, "mlxrs_qmv", &["x", "w", "scales", "biases"], ""),
+        Some(_) => (
+            &KERNEL_RES,
+            "mlxrs_qmv_res",
+            &["x", "w", "scales", "biases", "res"],
+            "#define MLXRS_RES(i) static_cast<float>(res[i])\n",
+        ),
+    };
+    let kern = slot
+        .get_or_init(|| CudaKernel::new(name, inputs, &["y"], SOURCE, header, true).map_err(|e| e.to_string()))
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
     let k = x.dim(-1);
@@ -98,8 +136,9 @@ pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: Quan
     // the result in x's leading shape directly (the kernel writes it flat): no reshape op after it
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("x has an axis") = n;
-    let mut out =
-        kern.apply(&[x, w, scales, biases], &[(&shape, x.dtype())], (warps * 32, 1, 1), (256, 1, 1), &template)?;
+    let mut args = vec![x, w, scales, biases];
+    args.extend(res);
+    let mut out = kern.apply(&args, &[(&shape, x.dtype())], (warps * 32, 1, 1), (256, 1, 1), &template)?;
     out.pop().map(Some).ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
 }
 
@@ -107,6 +146,10 @@ pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: Quan
 /// bench/qmv_kernel_dev.py and bench/qmv_variants.py read this text from here to check and time it on
 /// the device.
 const SOURCE: &str = r#"
+    // MLXRS_RES(i): what is added to output i (the residual of `qmv_add`; nothing otherwise)
+#ifndef MLXRS_RES
+#define MLXRS_RES(i) 0.f
+#endif
     // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
     // Per 16-byte read of a row (VPU4 values of one group): the dot of q with x, times the scale, plus
     // the bias times the sum of x. x is converted 8 values at a time (few registers: occupancy).
@@ -200,7 +243,10 @@ const SOURCE: &str = r#"
             float v = acc[r][m];
             #pragma unroll
             for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && row0 + r < (unsigned)N) y[(size_t)m * N + row0 + r] = static_cast<T>(v);
+            if (lane == 0 && row0 + r < (unsigned)N) {
+                const size_t i = (size_t)m * N + row0 + r;
+                y[i] = static_cast<T>(v + MLXRS_RES(i));
+            }
         }
     }
 "#;
