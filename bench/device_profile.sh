@@ -6,13 +6,8 @@
 # MLXRS_PROFILE_ENVS="A=1 B=0;C=2": also mlxrs under each ';'-separated environment.
 # Reports (text and JSON) go to $OUT (or /tmp/prof).
 set -euo pipefail
-SITE=/tmp/site
-if [ ! -d "$SITE/mlxrs" ]; then
-    mkdir -p "$SITE"
-    tar xJf .device/mlx-cuda13-*-cp312.tar.xz -C "$SITE"
-    python3 -m pip install -q --no-deps --target "$SITE" .device/mlxrs-*.whl
-fi
-export PYTHONPATH="$SITE:bench:tests" LD_LIBRARY_PATH="$SITE/mlx/lib:${LD_LIBRARY_PATH:-}"
+. bench/device_site.sh
+export PYTHONPATH="$SITE:bench:tests"
 NCU=$(command -v ncu || ls -d /usr/local/cuda*/bin/ncu 2>/dev/null | head -1 || true)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }
 O=${OUT:-/tmp/prof}; mkdir -p "$O"

