@@ -284,9 +284,16 @@ mod tests {
         let mut mx4 = q4;
         mx4.mode = QuantMode::Mxfp4;
         assert!(!fits(&x, &w4, Some(&b), mx4), "microscaling modes keep MLX's kernel");
+        // a residual of another shape or dtype than the product's is never fused (any backend)
+        for res in
+            [arr(&[1, 1, 255], Dtype::Bfloat16), arr(&[1, 256], Dtype::Bfloat16), arr(&[1, 1, 256], Dtype::Float16)]
+        {
+            assert!(qmv_add(&x, &w4, &b, Some(&b), q4, &res).unwrap().is_none(), "{:?}", res.shape());
+        }
         // on the CPU the kernel is never taken
         if crate::plan::Backend::detect() == crate::plan::Backend::Cpu {
             assert!(qmv(&x, &w4, &b, Some(&b), q4).unwrap().is_none());
+            assert!(qmv_add(&x, &w4, &b, Some(&b), q4, &arr(&[1, 1, 256], Dtype::Bfloat16)).unwrap().is_none());
         }
     }
 }
