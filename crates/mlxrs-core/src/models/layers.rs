@@ -2099,6 +2099,28 @@ mod tests {
         }
     }
 
+    /// `forward_add(x, res)` is `res + forward(x)`: for dense and quantized linears, with and without
+    /// biases, one decode row and a prefill chunk (bit for bit: on the CPU the same two ops run).
+    #[test]
+    fn forward_add_is_the_residual_plus_the_product() {
+        let cases = [
+            ("dense", dense(96, 128, false, 1)),
+            ("dense+bias", dense(96, 128, true, 2)),
+            ("q4", quant(96, 128, false, 4, 3)),
+            ("q8+bias", quant(96, 128, true, 8, 4)),
+        ];
+        for (name, lin) in &cases {
+            for shape in [[1, 1, 128], [2, 5, 128]] {
+                let x = rnd(&shape, 11);
+                let res = rnd(&[shape[0], shape[1], 96], 12);
+                let got = lin.forward_add(&x, &res).unwrap();
+                let want = mx::add(&res, &lin.forward(&x).unwrap()).unwrap();
+                assert_eq!(got.shape(), want.shape(), "{name} {shape:?}");
+                assert_eq!(got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap(), "{name} {shape:?}");
+            }
+        }
+    }
+
     /// Parts that differ in form come back unchanged, in order.
     #[test]
     fn unlike_linears_are_not_concatenated() {
