@@ -156,7 +156,7 @@ impl Linear {
                 }
                 Linear::Quant { w, scales, biases, b, q } => {
                     let qb = biases.as_ref().map(part).transpose()?;
-                    let y = quant_matmul(x, &part(w)?, &part(scales)?, qb.as_ref(), *q)?;
+                    let y = quant_matmul(x, &part(w)?, &part(scales)?, qb.as_ref(), *q, None)?;
                     match b {
                         Some(b) => mx::add(&y, &part(b)?)?,
                         None => y,
@@ -189,7 +189,7 @@ impl Linear {
                 }
             }
             Linear::Quant { w, scales, biases, b, q } => {
-                let y = quant_matmul(x, w, scales, biases.as_ref(), *q)?;
+                let y = quant_matmul(x, w, scales, biases.as_ref(), *q, None)?;
                 match b {
                     Some(b) => mx::add(&y, b),
                     None => Ok(y),
@@ -200,18 +200,15 @@ impl Linear {
     }
 
     /// `res + forward(x)`: one kernel where the CUDA quantized matvec takes the product
-    /// ([`super::qmv::qmv_add`]: a decode step's residual add after the output or down projection),
-    /// the two ops elsewhere.
+    /// ([`quant_matmul`]: a decode step's residual add after the output or down projection), the two
+    /// ops elsewhere.
     pub fn forward_add(&self, x: &Array, res: &Array) -> Result<Array> {
-        if let Linear::Quant { w, scales, biases, b: None, q } = self {
-            let rows = x.size() / (x.dim(-1).max(1) as usize);
-            if rows < dequant_rows(q.bits) {
-                if let Some(y) = super::qmv::qmv_add(x, w, scales, biases.as_ref(), *q, res)? {
-                    return Ok(y);
-                }
+        match self {
+            Linear::Quant { w, scales, biases, b: None, q } => {
+                quant_matmul(x, w, scales, biases.as_ref(), *q, Some(res))
             }
+            _ => mx::add(res, &self.forward(x)?),
         }
-        mx::add(res, &self.forward(x)?)
     }
 }
 
@@ -330,17 +327,31 @@ pub fn refresh_dequant_rows() -> usize {
 
 /// `x W^T` for an MLX-quantized W: the packed kernel, or from [`dequant_rows`] rows of `x` on,
 /// W dequantized to x's dtype and a plain matmul (same values up to summation order).
-fn quant_matmul(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Array> {
+///
+/// Plus `res` where given (`res + x Wᵀ`): in the same kernel where [`super::qmv::qmv`] takes the
+/// product, an add after it elsewhere.
+fn quant_matmul(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    q: QuantSpec,
+    res: Option<&Array>,
+) -> Result<Array> {
     let rows = x.size() / (x.dim(-1).max(1) as usize);
-    if rows >= dequant_rows(q.bits) {
+    let y = if rows >= dequant_rows(q.bits) {
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
-        return mx::matmul(x, &mx::transpose(&wd)?);
-    }
-    if let Some(y) = super::qmv::qmv(x, w, scales, biases, q)? {
+        mx::matmul(x, &mx::transpose(&wd)?)?
+    } else if let Some(y) = super::qmv::qmv(x, w, scales, biases, q, res)? {
         return Ok(y);
+    } else {
+        mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)?
+    };
+    match res {
+        Some(r) => mx::add(r, &y),
+        None => Ok(y),
     }
-    mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)
 }
 
 /// The file of a GGUF import (f32, the CPU default) that holds the output head as the GGUF stored it,
@@ -464,7 +475,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
             Embedding::Dense { wt, .. } => mx::matmul(x, wt),
-            Embedding::Quant { w, scales, biases, q } => quant_matmul(x, w, scales, biases.as_ref(), *q),
+            Embedding::Quant { w, scales, biases, q } => quant_matmul(x, w, scales, biases.as_ref(), *q, None),
         }
     }
 

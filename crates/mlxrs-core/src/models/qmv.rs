@@ -3,9 +3,10 @@
 //! values decoded by moving each nibble into a float's mantissa (1.5 integer ops a value, see SOURCE).
 //! Nsight Compute on the H200 (bench/RESULTS-gpu.md, `bench/device_qmv_variants.sh`): an 8B 4-bit decode
 //! step's matvecs take 2.37 ms of GPU time (MLX 0.32's kernel reads these weights at ~870 GB/s, this one
-//! at 1.2–2.3 TB/s by shape); 8B 4-bit decode through it: 229 tokens/s (runs of 199 and 259) against 154
-//! through MLX's kernel and 148 for mlx-lm in the same process. `MLXRS_CUDA_QMV=1` turns it on, `0` off (MLX's kernel, the reference); read per request
-//! ([`refresh`], called by the engine beside `layers::refresh_dequant_rows`).
+//! at 1.2–2.3 TB/s by shape); 8B 4-bit decode through it: 229 tokens/s (runs of 199 and 259) against
+//! 154 through MLX's kernel and 148 for mlx-lm in the same process. `MLXRS_CUDA_QMV=1` turns it on,
+//! `0` off (MLX's kernel, the reference); read per request ([`refresh`], called by the engine beside
+//! `layers::refresh_dequant_rows`).
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, CudaKernel, Dtype, QuantMode, TemplateArg};
 use crate::weights::QuantSpec;
@@ -70,32 +71,11 @@ pub fn fits(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool 
 }
 
 /// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`), x
-/// `[..., K]`: the result `[..., N]` in x's dtype where the kernel takes it (CUDA, the switch on, a
-/// product it [`fits`]); None elsewhere.
-pub fn qmv(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Option<Array>> {
-    run(x, w, scales, biases, q, None)
-}
-
-/// `res + x · Wᵀ` in one kernel (a decode step's residual add after the output and down projections:
-/// one launch instead of two), where [`qmv`] applies and `res` has the result's shape and x's dtype;
-/// None elsewhere. The sum is rounded once, to x's dtype (the two ops round the product first).
-pub fn qmv_add(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: Option<&Array>,
-    q: QuantSpec,
-    res: &Array,
-) -> Result<Option<Array>> {
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("x has an axis") = w.dim(0);
-    if res.dtype() != x.dtype() || res.shape() != shape {
-        return Ok(None);
-    }
-    run(x, w, scales, biases, q, Some(res))
-}
-
-fn run(
+/// `[..., K]`, plus `res` where given (a decode step's residual after the output or down projection,
+/// added in the same kernel and rounded once): the result `[..., N]` in x's dtype where the kernel
+/// takes it (CUDA, the switch on, a product it [`fits`], a residual of the result's shape and x's
+/// dtype); None elsewhere.
+pub fn qmv(
     x: &Array,
     w: &Array,
     scales: &Array,
@@ -103,6 +83,13 @@ fn run(
     q: QuantSpec,
     res: Option<&Array>,
 ) -> Result<Option<Array>> {
+    let n = w.dim(0);
+    // the result in x's leading shape directly (the kernel writes it flat): no reshape op after it
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("x has an axis") = n;
+    if res.is_some_and(|r| r.dtype() != x.dtype() || r.shape() != shape) {
+        return Ok(None);
+    }
     let Some(biases) = biases.filter(|_| fits(x, w, biases, q) && enabled()) else { return Ok(None) };
     type Slot = OnceLock<std::result::Result<CudaKernel, String>>;
     static KERNEL: Slot = OnceLock::new();
@@ -122,7 +109,6 @@ fn run(
         .map_err(|e| Error::Mlx(e.clone()))?;
     let k = x.dim(-1);
     let m = (x.size() / k as usize) as i32;
-    let n = w.dim(0);
     let warps = (n + ROWS_PER_WARP - 1) / ROWS_PER_WARP;
     let template = [
         ("T", TemplateArg::Dtype(x.dtype())),
@@ -133,9 +119,6 @@ fn run(
         ("BITS", TemplateArg::Int(q.bits)),
         ("R", TemplateArg::Int(ROWS_PER_WARP)),
     ];
-    // the result in x's leading shape directly (the kernel writes it flat): no reshape op after it
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("x has an axis") = n;
     let mut args = vec![x, w, scales, biases];
     args.extend(res);
     let mut out = kern.apply(&args, &[(&shape, x.dtype())], (warps * 32, 1, 1), (256, 1, 1), &template)?;
@@ -146,7 +129,7 @@ fn run(
 /// bench/qmv_kernel_dev.py and bench/qmv_variants.py read this text from here to check and time it on
 /// the device.
 const SOURCE: &str = r#"
-    // MLXRS_RES(i): what is added to output i (the residual of `qmv_add`; nothing otherwise)
+    // MLXRS_RES(i): what is added to output i (the residual `res` where given; nothing otherwise)
 #ifndef MLXRS_RES
 #define MLXRS_RES(i) 0.f
 #endif
@@ -288,12 +271,12 @@ mod tests {
         for res in
             [arr(&[1, 1, 255], Dtype::Bfloat16), arr(&[1, 256], Dtype::Bfloat16), arr(&[1, 1, 256], Dtype::Float16)]
         {
-            assert!(qmv_add(&x, &w4, &b, Some(&b), q4, &res).unwrap().is_none(), "{:?}", res.shape());
+            assert!(qmv(&x, &w4, &b, Some(&b), q4, Some(&res)).unwrap().is_none(), "{:?}", res.shape());
         }
         // on the CPU the kernel is never taken
         if crate::plan::Backend::detect() == crate::plan::Backend::Cpu {
-            assert!(qmv(&x, &w4, &b, Some(&b), q4).unwrap().is_none());
-            assert!(qmv_add(&x, &w4, &b, Some(&b), q4, &arr(&[1, 1, 256], Dtype::Bfloat16)).unwrap().is_none());
+            assert!(qmv(&x, &w4, &b, Some(&b), q4, None).unwrap().is_none());
+            assert!(qmv(&x, &w4, &b, Some(&b), q4, Some(&arr(&[1, 1, 256], Dtype::Bfloat16))).unwrap().is_none());
         }
     }
 }
