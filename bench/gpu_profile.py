@@ -94,8 +94,10 @@ def _short(name: str) -> str:
     return s.split(" ")[-1][:80] or name[:80]
 
 
-def report(args: argparse.Namespace) -> None:
-    lines = Path(args.log).read_text().splitlines()
+def ncu_kernel_times(log: str | Path) -> list[tuple[str, float]]:
+    """(kernel name, µs) of each kernel launch in an `ncu --metrics gpu__time_duration.sum --csv
+    --log-file LOG` log, in launch order (bench/qmv_variants.py reads its logs with this too)."""
+    lines = Path(log).read_text().splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
     kern: list[tuple[str, float]] = []
     for r in csv.DictReader(lines[head:]):
@@ -105,6 +107,11 @@ def report(args: argparse.Namespace) -> None:
         v = float(r["Metric Value"].replace(",", ""))
         us = v / 1e3 if unit in ("nsecond", "ns") else v * 1e3 if unit in ("msecond", "ms") else v
         kern.append((r["Kernel Name"], us))
+    return kern
+
+
+def report(args: argparse.Namespace) -> None:
+    kern = ncu_kernel_times(args.log)
     if not kern:
         raise SystemExit("no kernels in the window")
     steps = args.steps

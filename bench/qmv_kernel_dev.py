@@ -16,23 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import mlx.core as mx
+from qmv_variants import engine_source
 
 HEADER = ""
 
 
-def _engine_source() -> str:
-    """The kernel as the engine runs it: `const SOURCE` of crates/mlxrs-core/src/models/qmv.rs (one copy)."""
-    text = (Path(__file__).resolve().parent.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text()
-    start = text.index('const SOURCE: &str = r#"') + len('const SOURCE: &str = r#"')
-    return text[start : text.index('"#;', start)]
-
-
 # y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]), g = k / GS (MLX's affine mode);
 # template T, M, K, N, GS, BITS, R (output rows per warp)
-SOURCE = _engine_source()
+SOURCE = engine_source()  # the engine's kernel (crates/mlxrs-core/src/models/qmv.rs), one copy
 
 try:  # CUDA only (the step mode's other variants also run on a CPU, to check the script)
     KERNEL = mx.fast.cuda_kernel(

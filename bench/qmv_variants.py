@@ -27,7 +27,6 @@ Variants (4-bit unless said):
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
@@ -46,6 +45,8 @@ def _kernel_of(text: str) -> str:
 
 
 def engine_source() -> str:
+    """The kernel as the engine runs it: `const SOURCE` of crates/mlxrs-core/src/models/qmv.rs (also
+    what bench/qmv_kernel_dev.py runs)."""
     return _kernel_of((HERE.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text())
 
 
@@ -207,37 +208,18 @@ def _bytes(name: str, bits: int) -> int:
 
 
 def report(args: argparse.Namespace) -> None:
-    lines = Path(args.report).read_text().splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    from gpu_profile import ncu_kernel_times
+
     times: dict[tuple[str, int, str], list[float]] = defaultdict(list)
-    for r in csv.DictReader(lines[head:]):
-        if r.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        v = float(r["Metric Value"].replace(",", ""))
-        us = (
-            v / 1e3
-            if r.get("Metric Unit") in ("nsecond", "ns")
-            else v * 1e3
-            if r.get("Metric Unit") in ("msecond", "ms")
-            else v
-        )
-        kn = r["Kernel Name"]
+    for kn, us in ncu_kernel_times(args.report):
         mk = re.search(r"qmv_(\w+?)_bfloat16_t_(\d+)_(\d+)_(\d+)_64_(\d)_2", kn)
-        if mk:
-            var, m, k, n, bits = mk.group(1), int(mk.group(2)), int(mk.group(3)), int(mk.group(4)), int(mk.group(5))
-        elif "qmv" in kn:  # MLX's own quantized matvec
-            var, m, k, n, bits = "mlx", 1, 0, 0, 0
-        else:
+        if not mk or int(mk.group(2)) != 1:  # MLX's own kernel (its name carries no shape), or m > 1
             continue
-        if m != 1:
-            continue
+        var, k, n, bits = mk.group(1), int(mk.group(3)), int(mk.group(4)), int(mk.group(5))
         times[(var, bits, f"{n}x{k}")].append(us)
-    # MLX's kernel names carry no shape: assign its launches in order (timing loop: shapes in SHAPES order)
     out = []
     shape_of = {f"{n}x{k}": name for name, (n, k) in SHAPES.items()}
     for (var, bits, nk), ts in sorted(times.items()):
-        if var == "mlx":
-            continue
         t = sorted(ts)[len(ts) // 2]
         name = shape_of.get(nk, nk)
         out.append({"variant": var, "bits": bits, "shape": name, "us": t, "GB_s": _bytes(name, bits) / t / 1e3})
