@@ -116,8 +116,12 @@ def test_bad_audio_is_a_400_naming_the_part(server, data, fmt, needle):
     with pytest.raises(openai.BadRequestError) as e:
         oa(server).chat.completions.create(model=MODEL, messages=_msgs(data(), fmt), max_tokens=2)
     assert "messages[0].content[1]" in str(e.value) and needle in str(e.value)
+    # the server still answers: two tokens, or fewer where the random model samples its end token
     r = oa(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert r.usage.completion_tokens == 2
+    c = r.choices[0]
+    assert (c.finish_reason, r.usage.completion_tokens) == ("length", 2) or (
+        c.finish_reason == "stop" and 1 <= r.usage.completion_tokens <= 2
+    ), (c.finish_reason, r.usage)
 
 
 def test_anthropic_audio_block_names_the_openai_endpoint(server):
