@@ -18,9 +18,9 @@ import json
 import time
 
 import mlx.core as mx
-from qmv_variants import engine_source
+from qmv_variants import engine_header, engine_source
 
-HEADER = ""
+HEADER = engine_header()
 
 
 # y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]), g = k / GS (MLX's affine mode);

@@ -22,6 +22,8 @@ Variants (4-bit unless said):
   nibble to bits 12–15 or 16–19, where a mask-or alone makes it 1 + q/2048 or 1 + q/128.)
 - `unroll4`: `base` with the loop unrolled 4 times (more loads in flight per lane).
 - `onep_u4`: `onep` unrolled 4 times.
+- `q8x`: the engine's 4-bit kernel (`SOURCE_Q8X`: x rounded to int8 per 32 values, dp4a); `q8x4`: the same
+  with four output rows a warp (both also run for 8-bit, where the engine keeps the float kernel).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _kernel_of(text: str) -> str:
-    """`const SOURCE` of a qmv.rs."""
-    start = text.index('const SOURCE: &str = r#"') + len('const SOURCE: &str = r#"')
+def _kernel_of(text: str, const: str = "SOURCE") -> str:
+    """`const SOURCE` (or another kernel text) of a qmv.rs."""
+    start = text.index(f'const {const}: &str = r#"') + len(f'const {const}: &str = r#"')
     return text[start : text.index('"#;', start)]
 
 
@@ -105,123 +107,15 @@ ONEP_DOT = """                // q as 1 + q / 2^BITS: the value's bits moved to 
                 acc[r][m] = fmaf(s[r] * (float)(1u << BITS), dot - xs, fmaf(b[r], xs, acc[r][m]));"""
 
 
-# `q8x`: x rounded to int8 per 16-byte read's worth of values (32 for 4-bit, 16 for 8-bit), one thread per
-# block of x into shared memory before any weight is read (the scale d = max|x|/127 and d·Σq_x per block);
-# then each packed word is a dp4a or two (4-bit: the low and high nibbles masked into bytes against x
-# stored as [x0 x2 x4 x6 | x1 x3 x5 x7] per eight; 8-bit: the bytes unsigned against x signed), one
-# integer dot I per read and row, then d·(s·I + b·Σq_x) in float: the dequantized weights against the
-# rounded x. llama.cpp's mmvq does the same with q8_1 blocks of 32. x's int8 copy takes M·K bytes of
-# shared memory (M·K ≤ 32768 here). `q8x4`: four output rows a warp instead of two.
-Q8X = r"""
-#ifndef MLXRS_RES
-#define MLXRS_RES(i) 0.f
-#endif
-    constexpr int PER_U32 = 32 / BITS;
-    constexpr int WPR = K / PER_U32;            // packed uint32 per weight row
-    constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte read = one x block
-    constexpr int NB = K / VPU4;                // x blocks per row of x
-    constexpr int NG = K / GS;
-    __shared__ __align__(16) int xq[M * K / 4];
-    __shared__ float xd[M * NB];
-    __shared__ float xsum[M * NB];
-    const unsigned lane = threadIdx.x & 31u;
-    // one thread per x block: its values converted, max |x|, rounded to int8 (4-bit: stored as
-    // [x0 x2 x4 x6 | x1 x3 x5 x7] per eight), the scale d and d * (sum of the int8 values), so that the
-    // dequantized weights meet the rounded x throughout: y = sum_blocks d (s I + b sum q_x)
-    for (int bi = threadIdx.x; bi < M * NB; bi += blockDim.x) {
-        const int m = bi / NB, blk = bi % NB;
-        const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K + blk * VPU4);
-        float v[VPU4];
-        float amax = 0.f;
-        #pragma unroll
-        for (int c = 0; c < VPU4 / 8; ++c) {
-            const uint4 raw = src[c];
-            const T* e = reinterpret_cast<const T*>(&raw);
-            #pragma unroll
-            for (int u = 0; u < 8; ++u) { v[8 * c + u] = static_cast<float>(e[u]); amax = fmaxf(amax, fabsf(v[8 * c + u])); }
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int packed[VPU4 / 4];
-        #pragma unroll
-        for (int u = 0; u < VPU4 / 4; ++u) packed[u] = 0;
-        int qsum = 0;
-        #pragma unroll
-        for (int e = 0; e < VPU4; ++e) {
-            const int qv = __float2int_rn(v[e] * inv);
-            qsum += qv;
-            const int te = e & 7;
-            const int pos = BITS == 4 ? (e & ~7) | ((te & 1) ? 4 + (te >> 1) : (te >> 1)) : e;
-            packed[pos >> 2] |= (qv & 0xff) << (8 * (pos & 3));
-        }
-        int4* dst = reinterpret_cast<int4*>(xq + ((size_t)m * K + blk * VPU4) / 4);
-        #pragma unroll
-        for (int c = 0; c < VPU4 / 16; ++c) dst[c] = make_int4(packed[4 * c], packed[4 * c + 1], packed[4 * c + 2], packed[4 * c + 3]);
-        xd[bi] = amax * (1.f / 127.f);
-        xsum[bi] = amax * (1.f / 127.f) * (float)qsum;
-    }
-    __syncthreads();
-    const unsigned row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (row0 >= (unsigned)N) return;
-    float acc[R][M];
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-    const uint4* wbase = reinterpret_cast<const uint4*>(w);
-    #pragma unroll 2
-    for (int i = lane; i < WPR / 4; i += 32) {
-        const int k0 = i * VPU4;
-        uint4 q[R];
-        float s[R], b[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const unsigned row = min(row0 + r, (unsigned)N - 1u);
-            q[r] = wbase[(size_t)row * (WPR / 4) + i];
-            s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
-            b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
-        }
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const int4* xv = reinterpret_cast<const int4*>(xq + ((size_t)m * K + k0) / 4);
-            int xw[VPU4 / 4];
-            #pragma unroll
-            for (int c = 0; c < VPU4 / 16; ++c) {
-                const int4 t = xv[c];
-                xw[4 * c] = t.x; xw[4 * c + 1] = t.y; xw[4 * c + 2] = t.z; xw[4 * c + 3] = t.w;
-            }
-            const float d = xd[m * NB + i], xs = xsum[m * NB + i];
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const unsigned qs[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
-                int dot = 0;
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if (BITS == 4) {
-                        const unsigned lo = qs[j] & 0x0F0F0F0Fu, hi = (qs[j] >> 4) & 0x0F0F0F0Fu;
-                        asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(dot) : "r"(lo), "r"(xw[2 * j]));
-                        asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(dot) : "r"(hi), "r"(xw[2 * j + 1]));
-                    } else {
-                        asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(dot) : "r"(qs[j]), "r"(xw[j]));
-                    }
-                }
-                acc[r][m] = fmaf(s[r] * d, (float)dot, fmaf(b[r], xs, acc[r][m]));
-            }
-        }
-    }
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float v = acc[r][m];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && row0 + r < (unsigned)N) {
-                const size_t i = (size_t)m * N + row0 + r;
-                y[i] = static_cast<T>(v + MLXRS_RES(i));
-            }
-        }
-    }
-"""
+# `q8x`: the engine's int8-activation kernel (`SOURCE_Q8X` of qmv.rs: x rounded to int8 per 32 values in
+# shared memory, dp4a); `q8x4`: the same with four output rows a warp instead of two.
+def engine_header() -> str:
+    """`const HEADER` of qmv.rs (the row mapping and the store that `engine` and `q8x` use)."""
+    return _kernel_of((HERE.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text(), "HEADER")
+
+
+def engine_q8x_source() -> str:
+    return _kernel_of((HERE.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text(), "SOURCE_Q8X")
 
 
 def variant(name: str) -> str:
@@ -229,7 +123,7 @@ def variant(name: str) -> str:
     if name == "engine":
         return engine_source()
     if name.startswith("q8x"):
-        return Q8X
+        return engine_q8x_source()
     if BASE_DOT not in src:
         raise SystemExit(f"variant {name}: no copy of the kernel of {PREVIOUS_COMMIT} (see previous_source)")
     if name.startswith("onep"):
@@ -258,7 +152,11 @@ def run(args: argparse.Namespace) -> None:
     for v in args.variants.split(","):
         src = variant(v)
         kernels[v] = mx.fast.cuda_kernel(
-            name=f"qmv_{v}", input_names=["x", "w", "scales", "biases"], output_names=["y"], source=src
+            name=f"qmv_{v}",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["y"],
+            source=src,
+            header=engine_header() if v in ("engine",) or v.startswith("q8x") else "",
         )
 
     def call(v: str, x, w, s, b, bits: int):

@@ -1,6 +1,7 @@
 //! Building blocks shared by the architectures: linear (dense or MLX-quantized), embedding,
 //! RMSNorm, rotary embedding, attention over an external KV cache, gated MLPs.
 pub use super::experts::{ExpertStore, StreamedExperts};
+use super::qmv::Epilogue;
 use crate::cache::{Fetched, LayerCache, LayerCaches, Mask, Masks};
 use crate::error::Result;
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
@@ -210,6 +211,20 @@ impl Linear {
             _ => mx::add(res, &self.forward(x)?),
         }
     }
+
+    /// The product through CUDA's quantized matvec with its [`Epilogue`] and in `shape`
+    /// ([`super::qmv::qmv`]) where it takes it: a quantized linear without a bias, a decode step's
+    /// rows. None elsewhere (then the caller builds the ops it saves).
+    pub fn qmv_into(&self, x: &Array, epilogue: Epilogue, shape: Option<&[i32]>) -> Result<Option<Array>> {
+        match self {
+            Linear::Quant { w, scales, biases, b: None, q }
+                if x.size() / ((w.dim(-1) * 32 / q.bits.max(1)).max(1) as usize) < dequant_rows(q.bits) =>
+            {
+                super::qmv::qmv(x, w, scales, biases.as_ref(), *q, epilogue, shape)
+            }
+            _ => Ok(None),
+        }
+    }
 }
 
 /// Whether a decode step's per-row attention goes through [`mx::rows_decode_attention`]: the CPU,
@@ -343,7 +358,9 @@ fn quant_matmul(
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         mx::matmul(x, &mx::transpose(&wd)?)?
-    } else if let Some(y) = super::qmv::qmv(x, w, scales, biases, q, res)? {
+    } else if let Some(y) =
+        super::qmv::qmv(x, w, scales, biases, q, res.map_or(Epilogue::Plain, Epilogue::Residual), None)?
+    {
         return Ok(y);
     } else {
         mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)?
@@ -1140,7 +1157,11 @@ impl Attention {
         // (one token: the transpose moves a length-1 axis, a reshape alone gives it)
         let all = self.n_heads + 2 * self.n_kv_heads;
         let y = if l == 1 {
-            mx::reshape(&f.forward(x)?, &[b, all, 1, self.head_dim])?
+            let heads = [b, all, 1, self.head_dim];
+            match f.qmv_into(x, Epilogue::Plain, Some(&heads))? {
+                Some(y) => y,
+                None => mx::reshape(&f.forward(x)?, &heads)?,
+            }
         } else {
             mx::transpose_axes(&mx::reshape(&f.forward(x)?, &[b, l, all, self.head_dim])?, &perm)?
         };
@@ -1192,6 +1213,12 @@ impl Attention {
 
     /// [`Attention::output`] plus `res` ([`Linear::forward_add`]).
     pub(crate) fn output_add(&self, out: &Array, b: i32, l: i32, res: &Array) -> Result<Array> {
+        // one token: the heads `[B, heads, 1, head_dim]` are already the projection's rows in order
+        if l == 1 {
+            if let Some(y) = self.o_proj.qmv_into(out, Epilogue::Residual(res), Some(&res.shape()))? {
+                return Ok(y);
+            }
+        }
         self.o_proj.forward_add(&Self::merge_heads(out, b, l)?, res)
     }
 
@@ -1363,6 +1390,12 @@ impl Mlp {
                 }
             }
             GateUp::Fused(f) => {
+                // CUDA's quantized matvec: the product and the SwiGLU in one kernel
+                if matches!(self.act, Activation::Silu) {
+                    if let Some(y) = f.qmv_into(x, Epilogue::SwiGlu, None)? {
+                        return Ok(y);
+                    }
+                }
                 let y = f.forward(x)?;
                 let rows = y.size() / (y.dim(-1).max(1) as usize);
                 if matches!(self.act, Activation::Silu) && rows <= COMPILED_NORM_MAX_ROWS {

@@ -1,11 +1,13 @@
 //! A quantized matrix-vector product of our own on CUDA (MLX's affine 4- and 8-bit layout), for the
-//! one to four rows of a decode step. One warp per two output rows, 16-byte reads, float32 sums; 4-bit
-//! values decoded by moving each nibble into a float's mantissa (1.5 integer ops a value, see SOURCE).
+//! one to four rows of a decode step. One warp per two output rows, 16-byte reads, float32 sums. 4-bit
+//! weights: x rounded to int8 per 32 values and integer dot products (`dp4a`, [`SOURCE_Q8X`]), as
+//! llama.cpp does; 8-bit weights (and 4-bit with `MLXRS_CUDA_QMV=float`): float products, each 4-bit
+//! value decoded by moving its nibble into a float's mantissa ([`SOURCE`]).
 //! Nsight Compute on the H200 (bench/RESULTS-gpu.md, `bench/device_qmv_variants.sh`): an 8B 4-bit decode
-//! step's matvecs take 2.37 ms of GPU time (MLX 0.32's kernel reads these weights at ~870 GB/s, this one
-//! at 1.2–2.3 TB/s by shape); 8B 4-bit decode through it: 229 tokens/s (runs of 199 and 259) against
-//! 154 through MLX's kernel and 148 for mlx-lm in the same process. `MLXRS_CUDA_QMV=1` turns it on,
-//! `0` off (MLX's kernel, the reference); read per request ([`refresh`], called by the engine beside
+//! step's matvecs take 1.77 ms of GPU time through the int8 kernel, 2.39 through the float one (MLX
+//! 0.32's kernel reads these weights at ~870 GB/s, the int8 kernel at 1.4–3.5 TB/s by shape).
+//! `MLXRS_CUDA_QMV=1` (the default) turns it on, `float` on without the int8 rounding, `0` off (MLX's
+//! kernel, the reference); read per request ([`refresh`], called by the engine beside
 //! `layers::refresh_dequant_rows`).
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, CudaKernel, Dtype, QuantMode, TemplateArg};
@@ -25,91 +27,160 @@ static SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
 const UNREAD: u8 = 0;
 const ON: u8 = 1;
 const OFF: u8 = 2;
+/// On, with 4-bit weights through the float kernel too (the int8-activation kernel's reference).
+const FLOAT: u8 = 3;
 
 /// Whether the kernel runs when [`ENV`] is unset: on (measured on the H200, bench/RESULTS-gpu.md:
 /// 8B 4-bit decode 221 against 152 tokens/s through MLX's kernel, 8-bit 215 against 179, 1B 4-bit
 /// 421 against 427, alternating in one process).
 const DEFAULT_ON: bool = true;
 
-/// Read [`ENV`] again (the engine does per request): `0` off, `1` on, unset [`DEFAULT_ON`].
+/// Read [`ENV`] again (the engine does per request): `0` off, `1` on, `float` on with every product
+/// through the float kernel, unset [`DEFAULT_ON`].
 pub fn refresh() {
-    let on = match std::env::var(ENV).as_deref().map(str::trim) {
-        Ok("0") => false,
-        Ok("1") => true,
-        _ => DEFAULT_ON,
+    let state = match std::env::var(ENV).as_deref().map(str::trim) {
+        Ok("0") => OFF,
+        Ok("1") => ON,
+        Ok("float") => FLOAT,
+        _ if DEFAULT_ON => ON,
+        _ => OFF,
     };
-    SWITCH.store(if on { ON } else { OFF }, Ordering::Relaxed);
+    SWITCH.store(state, Ordering::Relaxed);
 }
 
-fn enabled() -> bool {
+/// The switch's state ([`ON`], [`OFF`] or [`FLOAT`]); OFF wherever the backend is not CUDA.
+fn state() -> u8 {
     if SWITCH.load(Ordering::Relaxed) == UNREAD {
         refresh();
     }
-    if SWITCH.load(Ordering::Relaxed) != ON {
-        return false;
+    let s = SWITCH.load(Ordering::Relaxed);
+    if s == OFF {
+        return OFF;
     }
     static CUDA: OnceLock<bool> = OnceLock::new();
-    *CUDA.get_or_init(|| crate::plan::Backend::detect() == crate::plan::Backend::Cuda && mx::cuda_is_available())
+    let cuda =
+        *CUDA.get_or_init(|| crate::plan::Backend::detect() == crate::plan::Backend::Cuda && mx::cuda_is_available());
+    if cuda {
+        s
+    } else {
+        OFF
+    }
 }
 
-/// 1 to [`MAX_ROWS`] rows of 16-bit x, affine 4- or 8-bit weights with biases, whose 16-byte reads stay
-/// inside one group and whose rows are whole 16-byte reads.
+/// Up to how many values of x (rows × K) the int8-activation kernel takes: its int8 copy of x lives in
+/// the block's static shared memory (48 KiB at most, with the per-block scales and sums beside it).
+pub const Q8X_MAX_VALUES: usize = 32768;
+
+/// Which kernel a product that [`fits`] takes: 4-bit weights with at most [`Q8X_MAX_VALUES`] values of
+/// x the int8-activation one ([`SOURCE_Q8X`]) unless the switch says `float`; everything else the
+/// float one ([`SOURCE`]).
+fn int8_activations(x: &Array, q: QuantSpec, state: u8) -> bool {
+    state == ON && q.bits == 4 && x.size() <= Q8X_MAX_VALUES
+}
+
+/// The values per row of W (its K: `w [N, K·bits/32]`).
+fn k_of(w: &Array, q: QuantSpec) -> i32 {
+    w.dim(-1) * (32 / q.bits.max(1))
+}
+
+/// 1 to [`MAX_ROWS`] rows of 16-bit x (x's values, rows × W's K, in any shape), affine 4- or 8-bit
+/// weights with biases, whose 16-byte reads stay inside one group and whose rows are whole 16-byte
+/// reads.
 pub fn fits(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool {
-    let k = x.dim(-1);
+    if w.ndim() != 2 || !(q.bits == 4 || q.bits == 8) {
+        return false;
+    }
+    let k = k_of(w, q);
     let rows = x.size() / (k.max(1) as usize);
-    let per_read = 4 * 32 / q.bits.max(1); // values in one 16-byte read
+    let per_read = 4 * 32 / q.bits; // values in one 16-byte read
     (1..=MAX_ROWS).contains(&rows)
+        && x.size() == rows * k as usize
         && q.mode == QuantMode::Affine
-        && (q.bits == 4 || q.bits == 8)
         && biases.is_some()
         && matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16)
         && q.group_size % per_read == 0
         && k % q.group_size == 0
         && k % per_read == 0
-        && w.ndim() == 2
-        && w.dim(1) * (32 / q.bits) == k
 }
 
-/// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`), x
-/// `[..., K]`, plus `res` where given (a decode step's residual after the output or down projection,
-/// added in the same kernel and rounded once): the result `[..., N]` in x's dtype where the kernel
-/// takes it (CUDA, the switch on, a product it [`fits`], a residual of the result's shape and x's
-/// dtype); None elsewhere.
+/// What the kernel does with a product before writing it.
+#[derive(Clone, Copy)]
+pub enum Epilogue<'a> {
+    /// `x · Wᵀ`.
+    Plain,
+    /// `res + x · Wᵀ` (a decode step's residual after the output or down projection), rounded once.
+    Residual(&'a Array),
+    /// W the gate's rows then up's (a fused gate/up projection, `N = 2·inter`): `silu(g) · u` of the
+    /// two halves, `[..., inter]`, each half rounded to x's dtype first (as the separate products are).
+    SwiGlu,
+}
+
+/// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`) and x of
+/// rows × K values, through [`Epilogue`], in `shape` (default x's leading axes and the output width,
+/// where x's last axis is K): where the kernel takes it (CUDA, the switch on, a product it [`fits`], a
+/// residual of the result's shape and x's dtype); None elsewhere. A given shape saves the reshape
+/// around the product: the fused q/k/v's heads `[B, heads, 1, head_dim]` straight out, the attention's
+/// heads straight into the output projection.
 pub fn qmv(
     x: &Array,
     w: &Array,
     scales: &Array,
     biases: Option<&Array>,
     q: QuantSpec,
-    res: Option<&Array>,
+    epilogue: Epilogue,
+    shape: Option<&[i32]>,
 ) -> Result<Option<Array>> {
     let n = w.dim(0);
-    // the result in x's leading shape directly (the kernel writes it flat): no reshape op after it
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("x has an axis") = n;
-    if res.is_some_and(|r| r.dtype() != x.dtype() || r.shape() != shape) {
-        return Ok(None);
-    }
-    let Some(biases) = biases.filter(|_| fits(x, w, biases, q) && enabled()) else { return Ok(None) };
-    type Slot = OnceLock<std::result::Result<CudaKernel, String>>;
-    static KERNEL: Slot = OnceLock::new();
-    static KERNEL_RES: Slot = OnceLock::new();
-    let (slot, name, inputs, header): (&Slot, &str, &[&str], &str) = match res {
-        None => (&KERNEL, "mlxrs_qmv", &["x", "w", "scales", "biases"], ""),
-        Some(_) => (
-            &KERNEL_RES,
-            "mlxrs_qmv_res",
-            &["x", "w", "scales", "biases", "res"],
-            "#define MLXRS_RES(i) static_cast<float>(res[i])\n",
-        ),
+    let k = k_of(w, q);
+    let outs = match epilogue {
+        Epilogue::SwiGlu if n % 2 != 0 => return Ok(None),
+        Epilogue::SwiGlu => n / 2,
+        _ => n,
     };
-    let kern = slot
-        .get_or_init(|| CudaKernel::new(name, inputs, &["y"], SOURCE, header, true).map_err(|e| e.to_string()))
+    let m = x.size() / (k.max(1) as usize);
+    let shape = match shape {
+        Some(s) if s.iter().map(|&d| d as i64).product::<i64>() == (m as i64) * outs as i64 => s.to_vec(),
+        Some(_) => return Ok(None),
+        None if x.ndim() > 0 && x.dim(-1) == k => {
+            let mut s = x.shape().to_vec();
+            *s.last_mut().expect("x has an axis") = outs;
+            s
+        }
+        None => return Ok(None),
+    };
+    if let Epilogue::Residual(r) = epilogue {
+        if r.dtype() != x.dtype() || r.shape() != shape {
+            return Ok(None);
+        }
+    }
+    let state = state();
+    let Some(biases) = biases.filter(|_| state != OFF && fits(x, w, biases, q)) else { return Ok(None) };
+    type Slot = OnceLock<std::result::Result<CudaKernel, String>>;
+    // [float, int8 x] × [plain, residual, swiglu]
+    static KERNELS: [[Slot; 3]; 2] =
+        [[OnceLock::new(), OnceLock::new(), OnceLock::new()], [OnceLock::new(), OnceLock::new(), OnceLock::new()]];
+    let q8x = int8_activations(x, q, state);
+    let (source, stem) = if q8x { (SOURCE_Q8X, "mlxrs_qmv_q8x") } else { (SOURCE, "mlxrs_qmv") };
+    let (slot, inputs, defines, suffix): (usize, &[&str], &str, &str) = match epilogue {
+        Epilogue::Plain => (0, &["x", "w", "scales", "biases"], "", ""),
+        Epilogue::Residual(_) => {
+            (1, &["x", "w", "scales", "biases", "res"], "#define MLXRS_RES(i) static_cast<float>(res[i])\n", "_res")
+        }
+        Epilogue::SwiGlu => (2, &["x", "w", "scales", "biases"], "#define MLXRS_SWIGLU\n", "_swiglu"),
+    };
+    let kern = KERNELS[q8x as usize][slot]
+        .get_or_init(|| {
+            CudaKernel::new(&format!("{stem}{suffix}"), inputs, &["y"], source, &format!("{defines}{HEADER}"), true)
+                .map_err(|e| e.to_string())
+        })
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
-    let k = x.dim(-1);
-    let m = (x.size() / k as usize) as i32;
-    let warps = (n + ROWS_PER_WARP - 1) / ROWS_PER_WARP;
+    let m = m as i32;
+    // a warp per ROWS_PER_WARP rows of W; with the SwiGLU epilogue a warp per output (its gate and up rows)
+    let warps = match epilogue {
+        Epilogue::SwiGlu => outs,
+        _ => (n + ROWS_PER_WARP - 1) / ROWS_PER_WARP,
+    };
     let template = [
         ("T", TemplateArg::Dtype(x.dtype())),
         ("M", TemplateArg::Int(m)),
@@ -120,19 +191,42 @@ pub fn qmv(
         ("R", TemplateArg::Int(ROWS_PER_WARP)),
     ];
     let mut args = vec![x, w, scales, biases];
-    args.extend(res);
+    if let Epilogue::Residual(r) = epilogue {
+        args.push(r);
+    }
     let mut out = kern.apply(&args, &[(&shape, x.dtype())], (warps * 32, 1, 1), (256, 1, 1), &template)?;
     out.pop().map(Some).ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
 }
+
+/// What both kernels share, ahead of the kernel function: which rows of W a warp reads and how a
+/// warp's sums are written (`MLXRS_SWIGLU`: a warp per output, reading its gate row and its up row
+/// `N/2` further; otherwise `R` consecutive rows, plus `MLXRS_RES(i)`, the residual where defined).
+const HEADER: &str = r#"
+#ifndef MLXRS_RES
+#define MLXRS_RES(i) 0.f
+#endif
+#ifdef MLXRS_SWIGLU
+#define MLXRS_OUTS (N / 2)
+#define MLXRS_FIRST(warp) (warp)
+#define MLXRS_ROW(first, r) ((first) + (unsigned)(r) * (unsigned)(N / 2))
+#define MLXRS_STORE(m, first, v) { \
+    const float g_ = static_cast<float>(static_cast<T>(v[0])), u_ = static_cast<float>(static_cast<T>(v[1])); \
+    y[(size_t)(m) * (N / 2) + (first)] = static_cast<T>(g_ / (1.f + __expf(-g_)) * u_); }
+#else
+#define MLXRS_OUTS N
+#define MLXRS_FIRST(warp) ((warp) * R)
+#define MLXRS_ROW(first, r) min((first) + (unsigned)(r), (unsigned)N - 1u)
+#define MLXRS_STORE(m, first, v) \
+    for (int r_ = 0; r_ < R; ++r_) if ((first) + r_ < (unsigned)N) { \
+        const size_t i_ = (size_t)(m) * N + (first) + r_; y[i_] = static_cast<T>(v[r_] + MLXRS_RES(i_)); }
+#endif
+"#;
 
 /// `y[m, n] = Σ_k x[m, k] · (scale[n, g] · q[n, k] + bias[n, g])`, g = k / GS (MLX's affine mode);
 /// bench/qmv_kernel_dev.py and bench/qmv_variants.py read this text from here to check and time it on
 /// the device.
 const SOURCE: &str = r#"
-    // MLXRS_RES(i): what is added to output i (the residual `res` where given; nothing otherwise)
-#ifndef MLXRS_RES
-#define MLXRS_RES(i) 0.f
-#endif
+    // rows read and results written through HEADER's MLXRS_FIRST / MLXRS_ROW / MLXRS_STORE
     // y[m, n] = sum_k x[m, k] * (scale[n, g] * q[n, k] + bias[n, g]),  g = k / GS (MLX's affine mode).
     // Per 16-byte read of a row (VPU4 values of one group): the dot of q with x, times the scale, plus
     // the bias times the sum of x. x is converted 8 values at a time (few registers: occupancy).
@@ -146,8 +240,8 @@ const SOURCE: &str = r#"
     constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte read
     constexpr int NG = K / GS;                  // groups per row
     const unsigned lane = threadIdx.x & 31u;
-    const unsigned row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-    if (row0 >= (unsigned)N) return;
+    const unsigned first = MLXRS_FIRST((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    if (first >= (unsigned)MLXRS_OUTS) return;
     float acc[R][M];
     #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -161,7 +255,7 @@ const SOURCE: &str = r#"
         float s[R], b[R];
         #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const unsigned row = min(row0 + r, (unsigned)N - 1u);
+            const unsigned row = MLXRS_ROW(first, r);
             q[r] = wbase[(size_t)row * (WPR / 4) + i];
             s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
             b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
@@ -220,17 +314,130 @@ const SOURCE: &str = r#"
         }
     }
     #pragma unroll
-    for (int r = 0; r < R; ++r) {
+    for (int m = 0; m < M; ++m) {
+        float v[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            v[r] = acc[r][m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
+        }
+        if (lane == 0) MLXRS_STORE(m, first, v);
+    }
+"#;
+
+/// The same product for 4-bit weights with x rounded to int8 on the way (llama.cpp's mmvq does the
+/// same with its q8_1 blocks): the block's threads first round x to int8 per 16-byte read's worth of
+/// values (32), a thread per block of x, into shared memory with the scale d = max|x|/127 and d·Σq_x;
+/// then each packed word is two `dp4a` (the low and high nibbles masked into bytes, against x stored as
+/// [x0 x2 x4 x6 | x1 x3 x5 x7] per eight), one integer dot I per read and row, and d·(s·I + b·Σq_x) in
+/// float: the dequantized weights against the rounded x, so the rounding's error is Σ w·e, not
+/// Σ (w − b)·e. Three times fewer instructions a weight than [`SOURCE`]: on the H200 an 8B 4-bit step's
+/// matvecs 1.77 instead of 2.39 ms, at 0.5–0.6% of max |y| against the float kernel's 0.3% and MLX's
+/// 0.35–0.67% (bench/RESULTS-gpu.md). Also written for 8-bit, where it is no faster and not used.
+const SOURCE_Q8X: &str = r#"
+    constexpr int PER_U32 = 32 / BITS;
+    constexpr int WPR = K / PER_U32;            // packed uint32 per weight row
+    constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte read = one x block
+    constexpr int NB = K / VPU4;                // x blocks per row of x
+    constexpr int NG = K / GS;
+    __shared__ __align__(16) int xq[M * K / 4];
+    __shared__ float xd[M * NB];
+    __shared__ float xsum[M * NB];
+    const unsigned lane = threadIdx.x & 31u;
+    // one thread per x block: its values converted, max |x|, rounded to int8 (4-bit: stored as
+    // [x0 x2 x4 x6 | x1 x3 x5 x7] per eight), the scale d and d * (sum of the int8 values), so that the
+    // dequantized weights meet the rounded x throughout: y = sum_blocks d (s I + b sum q_x)
+    for (int bi = threadIdx.x; bi < M * NB; bi += blockDim.x) {
+        const int m = bi / NB, blk = bi % NB;
+        const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K + blk * VPU4);
+        float v[VPU4];
+        float amax = 0.f;
+        #pragma unroll
+        for (int c = 0; c < VPU4 / 8; ++c) {
+            const uint4 raw = src[c];
+            const T* e = reinterpret_cast<const T*>(&raw);
+            #pragma unroll
+            for (int u = 0; u < 8; ++u) { v[8 * c + u] = static_cast<float>(e[u]); amax = fmaxf(amax, fabsf(v[8 * c + u])); }
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int packed[VPU4 / 4];
+        #pragma unroll
+        for (int u = 0; u < VPU4 / 4; ++u) packed[u] = 0;
+        int qsum = 0;
+        #pragma unroll
+        for (int e = 0; e < VPU4; ++e) {
+            const int qv = __float2int_rn(v[e] * inv);
+            qsum += qv;
+            const int te = e & 7;
+            const int pos = BITS == 4 ? (e & ~7) | ((te & 1) ? 4 + (te >> 1) : (te >> 1)) : e;
+            packed[pos >> 2] |= (qv & 0xff) << (8 * (pos & 3));
+        }
+        int4* dst = reinterpret_cast<int4*>(xq + ((size_t)m * K + blk * VPU4) / 4);
+        #pragma unroll
+        for (int c = 0; c < VPU4 / 16; ++c) dst[c] = make_int4(packed[4 * c], packed[4 * c + 1], packed[4 * c + 2], packed[4 * c + 3]);
+        xd[bi] = amax * (1.f / 127.f);
+        xsum[bi] = amax * (1.f / 127.f) * (float)qsum;
+    }
+    __syncthreads();
+    const unsigned first = MLXRS_FIRST((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    if (first >= (unsigned)MLXRS_OUTS) return;
+    float acc[R][M];
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+    const uint4* wbase = reinterpret_cast<const uint4*>(w);
+    #pragma unroll 2
+    for (int i = lane; i < WPR / 4; i += 32) {
+        const int k0 = i * VPU4;
+        uint4 q[R];
+        float s[R], b[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const unsigned row = MLXRS_ROW(first, r);
+            q[r] = wbase[(size_t)row * (WPR / 4) + i];
+            s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
+            b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
+        }
         #pragma unroll
         for (int m = 0; m < M; ++m) {
-            float v = acc[r][m];
+            const int4* xv = reinterpret_cast<const int4*>(xq + ((size_t)m * K + k0) / 4);
+            int xw[VPU4 / 4];
             #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0 && row0 + r < (unsigned)N) {
-                const size_t i = (size_t)m * N + row0 + r;
-                y[i] = static_cast<T>(v + MLXRS_RES(i));
+            for (int c = 0; c < VPU4 / 16; ++c) {
+                const int4 t = xv[c];
+                xw[4 * c] = t.x; xw[4 * c + 1] = t.y; xw[4 * c + 2] = t.z; xw[4 * c + 3] = t.w;
+            }
+            const float d = xd[m * NB + i], xs = xsum[m * NB + i];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const unsigned qs[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+                int dot = 0;
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (BITS == 4) {
+                        const unsigned lo = qs[j] & 0x0F0F0F0Fu, hi = (qs[j] >> 4) & 0x0F0F0F0Fu;
+                        asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(dot) : "r"(lo), "r"(xw[2 * j]));
+                        asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(dot) : "r"(hi), "r"(xw[2 * j + 1]));
+                    } else {
+                        asm("dp4a.u32.s32 %0, %1, %2, %0;" : "+r"(dot) : "r"(qs[j]), "r"(xw[j]));
+                    }
+                }
+                acc[r][m] = fmaf(s[r] * d, (float)dot, fmaf(b[r], xs, acc[r][m]));
             }
         }
+    }
+    #pragma unroll
+    for (int m = 0; m < M; ++m) {
+        float v[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            v[r] = acc[r][m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
+        }
+        if (lane == 0) MLXRS_STORE(m, first, v);
     }
 "#;
 
@@ -267,16 +474,36 @@ mod tests {
         let mut mx4 = q4;
         mx4.mode = QuantMode::Mxfp4;
         assert!(!fits(&x, &w4, Some(&b), mx4), "microscaling modes keep MLX's kernel");
-        // a residual of another shape or dtype than the product's is never fused (any backend)
+        // x in any shape of rows × K values (the attention's heads straight into the output projection)
+        assert!(fits(&arr(&[1, 32, 1, 128], Dtype::Bfloat16), &w4, Some(&b), q4));
+        assert!(!fits(&arr(&[1, 32, 1, 127], Dtype::Bfloat16), &w4, Some(&b), q4), "not whole rows of K");
+        // a residual of another shape or dtype than the product's is never fused, a shape of another
+        // size never taken, nor a SwiGLU over an odd number of rows (any backend)
         for res in
             [arr(&[1, 1, 255], Dtype::Bfloat16), arr(&[1, 256], Dtype::Bfloat16), arr(&[1, 1, 256], Dtype::Float16)]
         {
-            assert!(qmv(&x, &w4, &b, Some(&b), q4, Some(&res)).unwrap().is_none(), "{:?}", res.shape());
+            let r = qmv(&x, &w4, &b, Some(&b), q4, Epilogue::Residual(&res), None).unwrap();
+            assert!(r.is_none(), "{:?}", res.shape());
         }
+        assert!(qmv(&x, &w4, &b, Some(&b), q4, Epilogue::Plain, Some(&[1, 2, 64])).unwrap().is_none());
+        let odd = arr(&[255, 4096 / 8], Dtype::Uint32);
+        assert!(qmv(&x, &odd, &b, Some(&b), q4, Epilogue::SwiGlu, None).unwrap().is_none());
+        // heads-shaped x without a shape for the result: nothing to infer it from
+        let heads = arr(&[1, 32, 1, 128], Dtype::Bfloat16);
+        assert!(qmv(&heads, &w4, &b, Some(&b), q4, Epilogue::Plain, None).unwrap().is_none());
+        // 4-bit x of up to Q8X_MAX_VALUES values takes the int8-activation kernel when on, not `float`;
+        // 8-bit never
+        let big = arr(&[1, 8, 4096 + 512], Dtype::Bfloat16);
+        assert!(int8_activations(&x, q4, ON) && !int8_activations(&x, q4, FLOAT) && !int8_activations(&x, q8, ON));
+        assert!(!int8_activations(&big, q4, ON), "{} values", big.size());
         // on the CPU the kernel is never taken
         if crate::plan::Backend::detect() == crate::plan::Backend::Cpu {
-            assert!(qmv(&x, &w4, &b, Some(&b), q4, None).unwrap().is_none());
-            assert!(qmv(&x, &w4, &b, Some(&b), q4, Some(&arr(&[1, 1, 256], Dtype::Bfloat16))).unwrap().is_none());
+            assert_eq!(state(), OFF);
+            let res = arr(&[1, 1, 256], Dtype::Bfloat16);
+            for e in [Epilogue::Plain, Epilogue::Residual(&res), Epilogue::SwiGlu] {
+                assert!(qmv(&x, &w4, &b, Some(&b), q4, e, None).unwrap().is_none());
+            }
+            assert!(qmv(&heads, &w4, &b, Some(&b), q4, Epilogue::Plain, Some(&[1, 1, 256])).unwrap().is_none());
         }
     }
 }
