@@ -1,7 +1,7 @@
 //! Building blocks shared by the architectures: linear (dense or MLX-quantized), embedding,
 //! RMSNorm, rotary embedding, attention over an external KV cache, gated MLPs.
 pub use super::experts::{ExpertStore, StreamedExperts};
-use super::qmv::{Epilogue, Io};
+use super::qmv::Epilogue;
 use crate::cache::{Fetched, LayerCache, LayerCaches, Mask, Masks};
 use crate::error::Result;
 use crate::handle::{self as mx, Array, AttnMask, Dtype};
@@ -212,15 +212,15 @@ impl Linear {
         }
     }
 
-    /// The product through CUDA's quantized matvec as [`Io`] says ([`super::qmv::qmv`]: an epilogue, the
-    /// result's shape, the input's RMS norm) where it takes it: a quantized linear without a bias, a
-    /// decode step's rows. None elsewhere (then the caller builds the ops it saves).
-    pub fn qmv_into(&self, x: &Array, io: Io) -> Result<Option<Array>> {
+    /// The product through CUDA's quantized matvec with its [`Epilogue`] and in `shape`
+    /// ([`super::qmv::qmv`]) where it takes it: a quantized linear without a bias, a decode step's
+    /// rows. None elsewhere (then the caller builds the ops it saves).
+    pub fn qmv_into(&self, x: &Array, epilogue: Epilogue, shape: Option<&[i32]>) -> Result<Option<Array>> {
         match self {
             Linear::Quant { w, scales, biases, b: None, q }
                 if x.size() / ((w.dim(-1) * 32 / q.bits.max(1)).max(1) as usize) < dequant_rows(q.bits) =>
             {
-                super::qmv::qmv(x, w, scales, biases.as_ref(), *q, io)
+                super::qmv::qmv(x, w, scales, biases.as_ref(), *q, epilogue, shape)
             }
             _ => Ok(None),
         }
@@ -358,14 +358,9 @@ fn quant_matmul(
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         mx::matmul(x, &mx::transpose(&wd)?)?
-    } else if let Some(y) = super::qmv::qmv(
-        x,
-        w,
-        scales,
-        biases,
-        q,
-        Io { epilogue: res.map_or(Epilogue::Plain, Epilogue::Residual), ..Io::default() },
-    )? {
+    } else if let Some(y) =
+        super::qmv::qmv(x, w, scales, biases, q, res.map_or(Epilogue::Plain, Epilogue::Residual), None)?
+    {
         return Ok(y);
     } else {
         mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)?
@@ -528,26 +523,6 @@ impl Embedding {
 pub struct RmsNorm {
     pub weight: Array,
     pub eps: f32,
-}
-
-/// A pre-norm sub-layer's input: the residual stream `h` and the RMS norm in front of the sub-layer.
-/// The norm's op is built only where the product cannot take it (CUDA's int8 quantized matvec norms x
-/// in its kernel, [`super::qmv::Io::norm`]).
-#[derive(Clone, Copy)]
-pub struct Normed<'a> {
-    pub h: &'a Array,
-    pub norm: &'a RmsNorm,
-}
-
-impl Normed<'_> {
-    /// `norm(h)`.
-    pub fn get(&self) -> Result<Array> {
-        self.norm.forward(self.h)
-    }
-
-    fn io(&self) -> (&Array, f32) {
-        (&self.norm.weight, self.norm.eps)
-    }
 }
 
 impl RmsNorm {
@@ -997,20 +972,20 @@ impl Attention {
         self.output(&out, b, l)
     }
 
-    /// `h + forward_many_sinks(norm(h))` for `x` = (h, norm), the residual added by the output projection
-    /// ([`Attention::output_add`]) and the norm inside the q/k/v product where it can be
-    /// ([`Attention::project_normed`]).
-    pub fn forward_many_sinks_norm_add(
+    /// `res + forward_many_sinks(..)`, the residual added by the output projection
+    /// ([`Linear::forward_add`]).
+    pub fn forward_many_sinks_add(
         &self,
-        x: Normed,
+        x: &Array,
         masks: &Masks,
         caches: LayerCaches,
         sinks: Option<&Array>,
+        res: &Array,
     ) -> Result<Array> {
-        let (b, l) = (x.h.dim(0), x.h.dim(1));
-        let (q, k, v) = self.project_normed(x)?;
+        let (b, l) = (x.dim(0), x.dim(1));
+        let (q, k, v) = self.project(x)?;
         let out = self.attend_many(q, k, v, masks, caches, sinks)?;
-        self.output_add(&out, b, l, x.h)
+        self.output_add(&out, b, l, res)
     }
 
     /// The attention of [`Attention::forward_many`] for q, k, v already projected (`[B, heads, L,
@@ -1183,20 +1158,14 @@ impl Attention {
         let all = self.n_heads + 2 * self.n_kv_heads;
         let y = if l == 1 {
             let heads = [b, all, 1, self.head_dim];
-            match f.qmv_into(x, Io { shape: Some(&heads), ..Io::default() })? {
+            match f.qmv_into(x, Epilogue::Plain, Some(&heads))? {
                 Some(y) => y,
                 None => mx::reshape(&f.forward(x)?, &heads)?,
             }
         } else {
             mx::transpose_axes(&mx::reshape(&f.forward(x)?, &[b, l, all, self.head_dim])?, &perm)?
         };
-        self.split_heads(&y)
-    }
-
-    /// The fused q/k/v's output `[B, all heads, L, head_dim]` split into q, k, v (the per-head norms
-    /// applied where the architecture has them).
-    fn split_heads(&self, y: &Array) -> Result<(Array, Array, Array)> {
-        let mut parts = mx::split_sections(y, &[self.n_heads, self.n_heads + self.n_kv_heads], 1)?.into_iter();
+        let mut parts = mx::split_sections(&y, &[self.n_heads, self.n_heads + self.n_kv_heads], 1)?.into_iter();
         let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(crate::Error::Mlx("the split of the fused q/k/v did not give three parts".into()));
         };
@@ -1206,19 +1175,6 @@ impl Attention {
             k = n.k.forward(&k)?;
         }
         Ok((q, k, v))
-    }
-
-    /// [`Attention::project`] of the normed residual stream: one token through CUDA's int8 quantized
-    /// matvec, which norms x itself (no norm op); everything else from the norm's output.
-    fn project_normed(&self, x: Normed) -> Result<(Array, Array, Array)> {
-        let (b, l) = (x.h.dim(0), x.h.dim(1));
-        if let (Qkv::Fused(f), 1) = (&self.qkv, l) {
-            let heads = [b, self.n_heads + 2 * self.n_kv_heads, 1, self.head_dim];
-            if let Some(y) = f.qmv_into(x.h, Io { shape: Some(&heads), norm: Some(x.io()), ..Io::default() })? {
-                return self.split_heads(&y);
-            }
-        }
-        self.project(&x.get()?)
     }
 
     /// Rotary embedding at the cache's offset, cache update, attention: `[B, heads, L, head_dim]`.
@@ -1259,8 +1215,7 @@ impl Attention {
     pub(crate) fn output_add(&self, out: &Array, b: i32, l: i32, res: &Array) -> Result<Array> {
         // one token: the heads `[B, heads, 1, head_dim]` are already the projection's rows in order
         if l == 1 {
-            let io = Io { epilogue: Epilogue::Residual(res), shape: Some(&res.shape()), ..Io::default() };
-            if let Some(y) = self.o_proj.qmv_into(out, io)? {
+            if let Some(y) = self.o_proj.qmv_into(out, Epilogue::Residual(res), Some(&res.shape()))? {
                 return Ok(y);
             }
         }
@@ -1421,18 +1376,6 @@ impl Mlp {
         self.down.forward_add(&self.activated(x)?, res)
     }
 
-    /// `h + forward(norm(h))` for `x` = (h, norm): the norm and the SwiGLU inside the fused gate/up
-    /// product where CUDA's int8 quantized matvec takes it, [`Mlp::forward_add`] of the norm otherwise.
-    pub fn forward_norm_add(&self, x: Normed) -> Result<Array> {
-        if let (GateUp::Fused(f), Activation::Silu) = (&self.gate_up, self.act) {
-            let io = Io { epilogue: Epilogue::SwiGlu, norm: Some(x.io()), ..Io::default() };
-            if let Some(a) = f.qmv_into(x.h, io)? {
-                return self.down.forward_add(&a, x.h);
-            }
-        }
-        self.forward_add(&x.get()?, x.h)
-    }
-
     /// The activation of the gate and up projections: the down projection's input.
     fn activated(&self, x: &Array) -> Result<Array> {
         let (g, u) = match &self.gate_up {
@@ -1449,7 +1392,7 @@ impl Mlp {
             GateUp::Fused(f) => {
                 // CUDA's quantized matvec: the product and the SwiGLU in one kernel
                 if matches!(self.act, Activation::Silu) {
-                    if let Some(y) = f.qmv_into(x, Io { epilogue: Epilogue::SwiGlu, ..Io::default() })? {
+                    if let Some(y) = f.qmv_into(x, Epilogue::SwiGlu, None)? {
                         return Ok(y);
                     }
                 }
@@ -1622,11 +1565,11 @@ impl Ffn {
         }
     }
 
-    /// `h + forward(norm(h))` for `x` = (h, norm) ([`Mlp::forward_norm_add`] for a dense FFN).
-    pub fn forward_norm_add(&self, x: Normed) -> Result<Array> {
+    /// `res + forward(x)` ([`Mlp::forward_add`] for a dense FFN).
+    pub fn forward_add(&self, x: &Array, res: &Array) -> Result<Array> {
         match self {
-            Ffn::Dense(m) => m.forward_norm_add(x),
-            Ffn::Moe(m) => mx::add(x.h, &m.forward(&x.get()?)?),
+            Ffn::Dense(m) => m.forward_add(x, res),
+            Ffn::Moe(m) => mx::add(res, &m.forward(x)?),
         }
     }
 }
@@ -2216,34 +2159,6 @@ mod tests {
                 let res = rnd(&[shape[0], shape[1], 96], 12);
                 let got = lin.forward_add(&x, &res).unwrap();
                 let want = mx::add(&res, &lin.forward(&x).unwrap()).unwrap();
-                assert_eq!(got.shape(), want.shape(), "{name} {shape:?}");
-                assert_eq!(got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap(), "{name} {shape:?}");
-            }
-        }
-    }
-
-    /// `Mlp::forward_norm_add((h, norm))` is `h + forward(norm(h))`: a fused quantized gate/up (whose
-    /// SwiGLU and norm CUDA's int8 matvec takes) and dense separate ones, a decode row and a chunk
-    /// (bit for bit here: on the CPU the same ops run).
-    #[test]
-    fn forward_norm_add_is_the_residual_plus_the_normed_mlp() {
-        let norm = RmsNorm {
-            weight: mx::add(&rnd(&[128], 7), &mx::scalar_as(1.0, Dtype::Float32).unwrap()).unwrap(),
-            eps: 1e-5,
-        };
-        let mlp = |q: bool| Mlp {
-            gate_up: GateUp::Separate {
-                gate: if q { quant(64, 128, false, 4, 1) } else { dense(64, 128, false, 1) },
-                up: if q { quant(64, 128, false, 4, 2) } else { dense(64, 128, false, 2) },
-            },
-            down: if q { quant(128, 64, false, 4, 3) } else { dense(128, 64, false, 3) },
-            act: Activation::Silu,
-        };
-        for (name, m) in [("q4 fused", mlp(true).fuse().unwrap()), ("dense", mlp(false))] {
-            for shape in [[1, 1, 128], [2, 5, 128]] {
-                let h = rnd(&shape, 11);
-                let got = m.forward_norm_add(Normed { h: &h, norm: &norm }).unwrap();
-                let want = mx::add(&h, &m.forward(&norm.forward(&h).unwrap()).unwrap()).unwrap();
                 assert_eq!(got.shape(), want.shape(), "{name} {shape:?}");
                 assert_eq!(got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap(), "{name} {shape:?}");
             }

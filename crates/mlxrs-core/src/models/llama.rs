@@ -277,9 +277,9 @@ impl CausalLm for Model {
             let mask = masks.get(layer.sliding)?;
             // each sub-layer adds the residual itself: with the output and down projections on CUDA's
             // quantized matvec, in the same kernel (layers::Linear::forward_add)
-            let mixer = |x: super::layers::Normed| match &q_scale {
+            let mixer = |x: &Array, res: &Array| match &q_scale {
                 Some(s) => {
-                    let (q, k, v) = layer.attn.project(&x.get()?)?;
+                    let (q, k, v) = layer.attn.project(x)?;
                     let out = layer.attn.attend_many_scaled(
                         q,
                         k,
@@ -289,12 +289,12 @@ impl CausalLm for Model {
                         layer.sinks.as_ref(),
                         Some(s),
                     )?;
-                    layer.attn.output_add(&out, x.h.dim(0), n, x.h)
+                    layer.attn.output_add(&out, x.dim(0), n, res)
                 }
-                None => layer.attn.forward_many_sinks_norm_add(x, mask, caches.layer_mut(i), layer.sinks.as_ref()),
+                None => layer.attn.forward_many_sinks_add(x, mask, caches.layer_mut(i), layer.sinks.as_ref(), res),
             };
-            super::pre_norm_residual_normed(h, &layer.in_norm, mixer, &layer.post_norm, |x| {
-                layer.mlp.forward_norm_add(x)
+            super::pre_norm_residual_add(h, &layer.in_norm, mixer, &layer.post_norm, |x, res| {
+                layer.mlp.forward_add(x, res)
             })
         })?;
         self.norm.forward(&h)

@@ -293,21 +293,8 @@ pub fn pre_norm_residual_add(
     post_norm: &layers::RmsNorm,
     ffn: impl FnOnce(&Array, &Array) -> Result<Array>,
 ) -> Result<Array> {
-    pre_norm_residual_normed(h, in_norm, |x| mixer(&x.get()?, x.h), post_norm, |x| ffn(&x.get()?, x.h))
-}
-
-/// [`pre_norm_residual_add`] whose sub-layers take the residual stream and their norm
-/// ([`layers::Normed`]) and build the norm themselves where a product cannot take it: each returns
-/// `h + sublayer(norm(h))`.
-pub fn pre_norm_residual_normed(
-    h: &Array,
-    in_norm: &layers::RmsNorm,
-    mixer: impl FnOnce(layers::Normed) -> Result<Array>,
-    post_norm: &layers::RmsNorm,
-    ffn: impl FnOnce(layers::Normed) -> Result<Array>,
-) -> Result<Array> {
-    let hh = mixer(layers::Normed { h, norm: in_norm })?;
-    ffn(layers::Normed { h: &hh, norm: post_norm })
+    let hh = mixer(&in_norm.forward(h)?, h)?;
+    ffn(&post_norm.forward(&hh)?, &hh)
 }
 
 /// The architecture table: one line per architecture, each declared in its own file.

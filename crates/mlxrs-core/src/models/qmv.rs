@@ -104,10 +104,9 @@ pub fn fits(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool 
 }
 
 /// What the kernel does with a product before writing it.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub enum Epilogue<'a> {
     /// `x · Wᵀ`.
-    #[default]
     Plain,
     /// `res + x · Wᵀ` (a decode step's residual after the output or down projection), rounded once.
     Residual(&'a Array),
@@ -116,32 +115,21 @@ pub enum Epilogue<'a> {
     SwiGlu,
 }
 
-/// What a product does beyond `x · Wᵀ` (each saves the ops it replaces; the default: nothing).
-#[derive(Clone, Copy, Default)]
-pub struct Io<'a> {
-    pub epilogue: Epilogue<'a>,
-    /// The result's shape (default x's leading axes and the output width, where x's last axis is K).
-    pub shape: Option<&'a [i32]>,
-    /// x is the residual stream and the product's input is its RMS norm with this weight `[K]` and
-    /// epsilon (`x · rsqrt(mean(x²) + eps) · weight` per row), computed in the kernel: 4-bit weights
-    /// through the int8-activation kernel only (None elsewhere: the caller norms first).
-    pub norm: Option<(&'a Array, f32)>,
-}
-
 /// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`) and x of
-/// rows × K values, as [`Io`] says: where the kernel takes it (CUDA, the switch on, a product it
-/// [`fits`], a residual of the result's shape and x's dtype); None elsewhere. A given shape saves the
-/// reshape around the product: the fused q/k/v's heads `[B, heads, 1, head_dim]` straight out, the
-/// attention's heads straight into the output projection.
+/// rows × K values, through [`Epilogue`], in `shape` (default x's leading axes and the output width,
+/// where x's last axis is K): where the kernel takes it (CUDA, the switch on, a product it [`fits`], a
+/// residual of the result's shape and x's dtype); None elsewhere. A given shape saves the reshape
+/// around the product: the fused q/k/v's heads `[B, heads, 1, head_dim]` straight out, the attention's
+/// heads straight into the output projection.
 pub fn qmv(
     x: &Array,
     w: &Array,
     scales: &Array,
     biases: Option<&Array>,
     q: QuantSpec,
-    io: Io,
+    epilogue: Epilogue,
+    shape: Option<&[i32]>,
 ) -> Result<Option<Array>> {
-    let Io { epilogue, shape, norm } = io;
     let n = w.dim(0);
     let k = k_of(w, q);
     let outs = match epilogue {
@@ -172,47 +160,21 @@ pub fn qmv(
     static KERNELS: [[Slot; 3]; 2] =
         [[OnceLock::new(), OnceLock::new(), OnceLock::new()], [OnceLock::new(), OnceLock::new(), OnceLock::new()]];
     let q8x = int8_activations(x, q, state);
-    if norm.is_some_and(|(nw, _)| !q8x || matches!(epilogue, Epilogue::Residual(_)) || nw.size() != k as usize) {
-        return Ok(None);
-    }
     let (source, stem) = if q8x { (SOURCE_Q8X, "mlxrs_qmv_q8x") } else { (SOURCE, "mlxrs_qmv") };
-    let (slot, mut inputs, defines, suffix): (usize, Vec<&str>, &str, &str) = match epilogue {
-        Epilogue::Plain => (0, vec!["x", "w", "scales", "biases"], "", ""),
+    let (slot, inputs, defines, suffix): (usize, &[&str], &str, &str) = match epilogue {
+        Epilogue::Plain => (0, &["x", "w", "scales", "biases"], "", ""),
         Epilogue::Residual(_) => {
-            (1, vec!["x", "w", "scales", "biases", "res"], "#define MLXRS_RES(i) static_cast<float>(res[i])\n", "_res")
+            (1, &["x", "w", "scales", "biases", "res"], "#define MLXRS_RES(i) static_cast<float>(res[i])\n", "_res")
         }
-        Epilogue::SwiGlu => (2, vec!["x", "w", "scales", "biases"], "#define MLXRS_SWIGLU\n", "_swiglu"),
+        Epilogue::SwiGlu => (2, &["x", "w", "scales", "biases"], "#define MLXRS_SWIGLU\n", "_swiglu"),
     };
-    let build = |name: &str, inputs: &[&str], header: &str| {
-        CudaKernel::new(name, inputs, &["y"], source, header, true).map_err(|e| e.to_string())
-    };
-    // the normed variants (int8 kernel only): one kernel per (epilogue, epsilon), the epsilon a
-    // constant of its source
-    type Normed = std::sync::Mutex<Vec<((usize, u32), std::result::Result<CudaKernel, String>)>>;
-    static NORMED: Normed = std::sync::Mutex::new(Vec::new());
-    let normed;
-    let kern = match norm {
-        None => KERNELS[q8x as usize][slot]
-            .get_or_init(|| build(&format!("{stem}{suffix}"), &inputs, &format!("{defines}{HEADER}"))),
-        Some((_, eps)) => {
-            inputs.push("nw");
-            let key = (slot, eps.to_bits());
-            let mut g = NORMED.lock().unwrap_or_else(|e| e.into_inner());
-            let at = match g.iter().position(|(k, _)| *k == key) {
-                Some(at) => at,
-                None => {
-                    let header = format!("{defines}#define MLXRS_RMS_EPS {eps:e}f\n{HEADER}");
-                    let name = format!("{stem}{suffix}_rms{}", g.len());
-                    g.push((key, build(&name, &inputs, &header)));
-                    g.len() - 1
-                }
-            };
-            normed = (g, at);
-            &normed.0[normed.1].1
-        }
-    }
-    .as_ref()
-    .map_err(|e| Error::Mlx(e.clone()))?;
+    let kern = KERNELS[q8x as usize][slot]
+        .get_or_init(|| {
+            CudaKernel::new(&format!("{stem}{suffix}"), inputs, &["y"], source, &format!("{defines}{HEADER}"), true)
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| Error::Mlx(e.clone()))?;
     let m = m as i32;
     // a warp per ROWS_PER_WARP rows of W; with the SwiGLU epilogue a warp per output (its gate and up rows)
     let warps = match epilogue {
@@ -231,9 +193,6 @@ pub fn qmv(
     let mut args = vec![x, w, scales, biases];
     if let Epilogue::Residual(r) = epilogue {
         args.push(r);
-    }
-    if let Some((nw, _)) = norm {
-        args.push(nw);
     }
     let mut out = kern.apply(&args, &[(&shape, x.dtype())], (warps * 32, 1, 1), (256, 1, 1), &template)?;
     out.pop().map(Some).ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
@@ -386,41 +345,6 @@ const SOURCE_Q8X: &str = r#"
     __shared__ float xd[M * NB];
     __shared__ float xsum[M * NB];
     const unsigned lane = threadIdx.x & 31u;
-#ifdef MLXRS_RMS_EPS
-    // x is the residual stream: each row's 1 / rms first (the block reads x twice; x is small)
-    __shared__ float rms_part[M][32];
-    __shared__ float rms_inv[M];
-    {
-        float ss[M];
-        #pragma unroll
-        for (int m = 0; m < M; ++m) ss[m] = 0.f;
-        for (int e = threadIdx.x * 8; e < K; e += blockDim.x * 8) {
-            #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const uint4 raw = *reinterpret_cast<const uint4*>(x + (size_t)m * K + e);
-                const T* xe = reinterpret_cast<const T*>(&raw);
-                #pragma unroll
-                for (int u = 0; u < 8; ++u) { const float f = static_cast<float>(xe[u]); ss[m] = fmaf(f, f, ss[m]); }
-            }
-        }
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
-            if (lane == 0) rms_part[m][threadIdx.x >> 5] = ss[m];
-        }
-        __syncthreads();
-        if (threadIdx.x < M) {
-            float s = 0.f;
-            for (unsigned wi = 0; wi < (blockDim.x >> 5); ++wi) s += rms_part[threadIdx.x][wi];
-            rms_inv[threadIdx.x] = rsqrtf(s / (float)K + MLXRS_RMS_EPS);
-        }
-        __syncthreads();
-    }
-#define MLXRS_XN(m, k, f) ((f) * rms_inv[m] * static_cast<float>(nw[k]))
-#else
-#define MLXRS_XN(m, k, f) (f)
-#endif
     // one thread per x block: its values converted, max |x|, rounded to int8 (4-bit: stored as
     // [x0 x2 x4 x6 | x1 x3 x5 x7] per eight), the scale d and d * (sum of the int8 values), so that the
     // dequantized weights meet the rounded x throughout: y = sum_blocks d (s I + b sum q_x)
@@ -434,10 +358,7 @@ const SOURCE_Q8X: &str = r#"
             const uint4 raw = src[c];
             const T* e = reinterpret_cast<const T*>(&raw);
             #pragma unroll
-            for (int u = 0; u < 8; ++u) {
-                v[8 * c + u] = MLXRS_XN(m, blk * VPU4 + 8 * c + u, static_cast<float>(e[u]));
-                amax = fmaxf(amax, fabsf(v[8 * c + u]));
-            }
+            for (int u = 0; u < 8; ++u) { v[8 * c + u] = static_cast<float>(e[u]); amax = fmaxf(amax, fabsf(v[8 * c + u])); }
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int packed[VPU4 / 4];
@@ -561,30 +482,15 @@ mod tests {
         for res in
             [arr(&[1, 1, 255], Dtype::Bfloat16), arr(&[1, 256], Dtype::Bfloat16), arr(&[1, 1, 256], Dtype::Float16)]
         {
-            let r =
-                qmv(&x, &w4, &b, Some(&b), q4, Io { epilogue: Epilogue::Residual(&res), shape: None, ..Io::default() })
-                    .unwrap();
+            let r = qmv(&x, &w4, &b, Some(&b), q4, Epilogue::Residual(&res), None).unwrap();
             assert!(r.is_none(), "{:?}", res.shape());
         }
-        assert!(qmv(
-            &x,
-            &w4,
-            &b,
-            Some(&b),
-            q4,
-            Io { epilogue: Epilogue::Plain, shape: Some(&[1, 2, 64]), ..Io::default() }
-        )
-        .unwrap()
-        .is_none());
+        assert!(qmv(&x, &w4, &b, Some(&b), q4, Epilogue::Plain, Some(&[1, 2, 64])).unwrap().is_none());
         let odd = arr(&[255, 4096 / 8], Dtype::Uint32);
-        assert!(qmv(&x, &odd, &b, Some(&b), q4, Io { epilogue: Epilogue::SwiGlu, shape: None, ..Io::default() })
-            .unwrap()
-            .is_none());
+        assert!(qmv(&x, &odd, &b, Some(&b), q4, Epilogue::SwiGlu, None).unwrap().is_none());
         // heads-shaped x without a shape for the result: nothing to infer it from
         let heads = arr(&[1, 32, 1, 128], Dtype::Bfloat16);
-        assert!(qmv(&heads, &w4, &b, Some(&b), q4, Io { epilogue: Epilogue::Plain, shape: None, ..Io::default() })
-            .unwrap()
-            .is_none());
+        assert!(qmv(&heads, &w4, &b, Some(&b), q4, Epilogue::Plain, None).unwrap().is_none());
         // 4-bit x of up to Q8X_MAX_VALUES values takes the int8-activation kernel when on, not `float`;
         // 8-bit never
         let big = arr(&[1, 8, 4096 + 512], Dtype::Bfloat16);
@@ -595,20 +501,9 @@ mod tests {
             assert_eq!(state(), OFF);
             let res = arr(&[1, 1, 256], Dtype::Bfloat16);
             for e in [Epilogue::Plain, Epilogue::Residual(&res), Epilogue::SwiGlu] {
-                assert!(qmv(&x, &w4, &b, Some(&b), q4, Io { epilogue: e, shape: None, ..Io::default() })
-                    .unwrap()
-                    .is_none());
+                assert!(qmv(&x, &w4, &b, Some(&b), q4, e, None).unwrap().is_none());
             }
-            assert!(qmv(
-                &heads,
-                &w4,
-                &b,
-                Some(&b),
-                q4,
-                Io { epilogue: Epilogue::Plain, shape: Some(&[1, 1, 256]), ..Io::default() }
-            )
-            .unwrap()
-            .is_none());
+            assert!(qmv(&heads, &w4, &b, Some(&b), q4, Epilogue::Plain, Some(&[1, 1, 256])).unwrap().is_none());
         }
     }
 }
