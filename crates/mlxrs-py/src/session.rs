@@ -106,16 +106,7 @@ impl Session {
         params: &Value,
         images: Vec<(Vec<u8>, String)>,
     ) -> PyResult<Vec<Arc<mlxrs_core::vision::Pixels>>> {
-        let v = e.vision.clone().ok_or_else(|| {
-            to_py(
-                py,
-                Error::Invalid(format!(
-                    "model {} ({}) has no vision tower: it cannot take image input",
-                    e.model_name(),
-                    e.shape.model_type
-                )),
-            )
-        })?;
+        let v = e.vision_processor("image").py(py)?.clone();
         let limits = media_limits(params);
         crate::native(py, move || {
             images.iter().map(|(b, what)| v.pixels(b, &limits, what).map(Arc::new)).collect::<Result<Vec<_>, Error>>()
@@ -130,16 +121,7 @@ impl Session {
         params: &Value,
         frames: Vec<(Vec<u8>, String)>,
     ) -> PyResult<Arc<mlxrs_core::vision::Pixels>> {
-        let v = e.vision.clone().ok_or_else(|| {
-            to_py(
-                py,
-                Error::Invalid(format!(
-                    "model {} ({}) has no vision tower: it cannot take video input",
-                    e.model_name(),
-                    e.shape.model_type
-                )),
-            )
-        })?;
+        let v = e.vision_processor("video").py(py)?.clone();
         if v.video_marker().is_none() {
             return Err(to_py(
                 py,
@@ -446,16 +428,7 @@ impl Session {
         videos: Vec<(u32, u32, u32, Option<Vec<f64>>)>,
     ) -> PyResult<String> {
         let e = self.engine(py)?;
-        let v = e.vision.as_ref().ok_or_else(|| {
-            to_py(
-                py,
-                Error::Invalid(format!(
-                    "model {} ({}) has no vision tower: it cannot take video input",
-                    e.model_name(),
-                    e.shape.model_type
-                )),
-            )
-        })?;
+        let v = e.vision_processor("video").py(py)?;
         let shapes: Vec<_> = videos
             .into_iter()
             .map(|(frames, height, width, times)| mlxrs_core::vision::qwen3_5::VideoShape {
@@ -480,16 +453,7 @@ impl Session {
         sizes: Option<Vec<(u32, u32)>>,
     ) -> PyResult<String> {
         let e = self.engine(py)?;
-        let v = e.vision.as_ref().ok_or_else(|| {
-            to_py(
-                py,
-                Error::Invalid(format!(
-                    "model {} ({}) has no vision tower: it cannot take image input",
-                    e.model_name(),
-                    e.shape.model_type
-                )),
-            )
-        })?;
+        let v = e.vision_processor("image").py(py)?;
         v.expand(text, images, sizes.as_deref()).py(py)
     }
 

@@ -480,13 +480,7 @@ impl Engine {
         }
         req.sampling.validate(vocab)?;
         if !req.images.is_empty() {
-            let Some(v) = &self.vision else {
-                return Err(Error::Invalid(format!(
-                    "model {} ({}) has no vision tower: it cannot take image input",
-                    self.model_name(),
-                    self.shape.model_type
-                )));
-            };
+            let v = self.vision_processor("image")?;
             let (img, vid) = (v.image_token_id(), v.video_token_id());
             let n = req.prompt.iter().filter(|&&t| t == img || Some(t) == vid).count();
             let want: usize = req.images.iter().map(|p| v.tokens_of(p)).sum();
@@ -563,6 +557,17 @@ impl Engine {
         audio: Vec<Arc<crate::vision::audio::Mel>>,
     ) -> Result<Vec<f32>> {
         self.ask(prompt, |prompt, reply| Cmd::Logits { prompt, images, audio, reply })
+    }
+
+    /// The vision processor, or the error naming the model and what it cannot take (`image`, `video`).
+    pub fn vision_processor(&self, what: &str) -> Result<&crate::vision::Processor> {
+        self.vision.as_ref().ok_or_else(|| {
+            Error::Invalid(format!(
+                "model {} ({}) has no vision tower: it cannot take {what} input",
+                self.model_name(),
+                self.shape.model_type
+            ))
+        })
     }
 
     /// The audio processor, or the error naming the model and the modality.
