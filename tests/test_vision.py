@@ -121,10 +121,7 @@ def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
 def test_tower_embeddings_match(session, images, oracle_two):
     """The projected embeddings of two images (values up to ~25): float32 rounding apart (the
     tolerance of the fp32 logits parity, 1e-4, relative to their scale)."""
-    ours = np.array(session.image_features([images["b"], images["a"]]), dtype=np.float32)
-    theirs = np.array(oracle_two["features"], dtype=np.float32)
-    assert ours.shape == theirs.shape == (2 * 16 * 128,)
-    assert float(np.max(np.abs(ours - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
+    assert features_match(session, [images["b"], images["a"]], oracle_two).shape == (2 * 16 * 128,)
 
 
 def _ids(session, prompt: str, n: int) -> list[int]:
@@ -142,19 +139,33 @@ def sized_image_ids(session, prompt: str, imgs: list[Path]) -> list[int]:
     return session.tokenize(session._s.expand_image_markers(prompt, len(imgs), sizes))
 
 
-def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
-    ids = _ids(session, ONE, 1)
-    assert ids == oracle_one["input_ids"]
-    out = session.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
-    assert out.tokens == oracle_one["tokens"]
-    assert out.usage.prompt_tokens == len(oracle_one["input_ids"])
-    # the whole last-position distribution, which the image moves (greedy tokens of a random tiny
-    # model say little alone)
-    ours = image_logits(session, ids, [images["a"]])
-    ref = np.array(oracle_one["logits"], dtype=np.float32)
+def features_match(session, imgs: list[Path], oracle: dict) -> np.ndarray:
+    """The towers' output for `imgs` against mlx-vlm's (the towers' tests share it): float32 rounding
+    apart (1e-4 relative to their scale). Ours, for further checks."""
+    ours = np.array(session.image_features(imgs), dtype=np.float32)
+    theirs = np.array(oracle["features"], dtype=np.float32)
+    assert ours.shape == theirs.shape
+    assert float(np.max(np.abs(ours - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
+    return ours
+
+
+def one_image_matches(session, prompt: str, ids: list[int], image: Path, other: Path, oracle: dict) -> None:
+    """One image against mlx-vlm's answer (the towers' tests share it): the prompt's ids and token count,
+    the greedy tokens, and the whole last-position distribution within 1e-4 — which `other`, an image
+    of the same size, moves (greedy tokens of a random tiny model say little alone)."""
+    assert ids == oracle["input_ids"]
+    out = session.generate(prompt, images=[image], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
+    assert out.tokens == oracle["tokens"]
+    assert out.usage.prompt_tokens == len(oracle["input_ids"])
+    ours = image_logits(session, ids, [image])
+    ref = np.array(oracle["logits"], dtype=np.float32)
     assert float(np.max(np.abs(ours - ref))) <= 1e-4
-    other = image_logits(session, ids, [images["b"]])
-    assert float(np.max(np.abs(other - ours))) > 100 * 1e-4
+    moved = image_logits(session, ids, [other])
+    assert float(np.max(np.abs(moved - ours))) > 100 * 1e-4
+
+
+def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
+    one_image_matches(session, ONE, _ids(session, ONE, 1), images["a"], images["b"], oracle_one)
 
 
 def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two):

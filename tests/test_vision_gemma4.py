@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mlxrs
-from test_vision import BAD_MEDIA, image_logits, run_vlm, sized_image_ids
+from test_vision import BAD_MEDIA, features_match, image_logits, one_image_matches, run_vlm, sized_image_ids
 from media_util import encoding_peak, random_pngs
 from tinymodels import make_gemma4_vision
 
@@ -147,24 +147,12 @@ def test_jpeg_pixel_values_within_decoder_rounding(session, model_dir, images):
 def test_tower_embeddings_match(session, images, oracle_two):
     """The projected embeddings of two images of different sizes (16 + 5 tokens), concatenated:
     float32 rounding apart (1e-4 relative to their scale, as for Gemma 3)."""
-    ours = np.array(session.image_features([images["tall"], images["wide"]]), dtype=np.float32)
-    theirs = np.array(oracle_two["features"], dtype=np.float32)
-    assert ours.shape == theirs.shape
-    assert float(np.max(np.abs(ours - theirs))) <= 1e-4 * float(np.max(np.abs(theirs)))
+    features_match(session, [images["tall"], images["wide"]], oracle_two)
 
 
 def test_one_image_greedy_tokens_and_logits(session, images, oracle_one):
     ids = sized_image_ids(session, ONE, [images["a"]])
-    assert ids == oracle_one["input_ids"]
-    out = session.generate(ONE, images=[images["a"]], max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
-    assert out.tokens == oracle_one["tokens"]
-    assert out.usage.prompt_tokens == len(oracle_one["input_ids"])
-    ours = image_logits(session, ids, [images["a"]])
-    ref = np.array(oracle_one["logits"], dtype=np.float32)
-    assert float(np.max(np.abs(ours - ref))) <= 1e-4
-    # the image moves the distribution (another image of the same size: the same prompt ids)
-    other = image_logits(session, ids, [images["other"]])
-    assert float(np.max(np.abs(other - ours))) > 100 * 1e-4
+    one_image_matches(session, ONE, ids, images["a"], images["other"], oracle_one)
 
 
 def test_two_images_greedy_tokens_chunked_prefill(model_dir, images, oracle_two):
