@@ -46,10 +46,13 @@ def _kernel_of(text: str, const: str = "SOURCE") -> str:
     return text[start : text.index('"#;', start)]
 
 
+QMV_RS = HERE.parent / "crates/mlxrs-core/src/models/qmv.rs"
+
+
 def engine_source() -> str:
     """The kernel as the engine runs it: `const SOURCE` of crates/mlxrs-core/src/models/qmv.rs (also
     what bench/qmv_kernel_dev.py runs)."""
-    return _kernel_of((HERE.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text())
+    return _kernel_of(QMV_RS.read_text())
 
 
 PREVIOUS_COMMIT = "2b49d4c"
@@ -111,11 +114,11 @@ ONEP_DOT = """                // q as 1 + q / 2^BITS: the value's bits moved to 
 # shared memory, dp4a); `q8x4`: the same with four output rows a warp instead of two.
 def engine_header() -> str:
     """`const HEADER` of qmv.rs (the row mapping and the store that `engine` and `q8x` use)."""
-    return _kernel_of((HERE.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text(), "HEADER")
+    return _kernel_of(QMV_RS.read_text(), "HEADER")
 
 
 def engine_q8x_source() -> str:
-    return _kernel_of((HERE.parent / "crates/mlxrs-core/src/models/qmv.rs").read_text(), "SOURCE_Q8X")
+    return _kernel_of(QMV_RS.read_text(), "SOURCE_Q8X")
 
 
 def variant(name: str) -> str:
@@ -156,7 +159,7 @@ def run(args: argparse.Namespace) -> None:
             input_names=["x", "w", "scales", "biases"],
             output_names=["y"],
             source=src,
-            header=engine_header() if v in ("engine",) or v.startswith("q8x") else "",
+            header=engine_header() if v == "engine" or v.startswith("q8x") else "",
         )
 
     def call(v: str, x, w, s, b, bits: int):

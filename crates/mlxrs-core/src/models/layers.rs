@@ -217,9 +217,7 @@ impl Linear {
     /// rows. None elsewhere (then the caller builds the ops it saves).
     pub fn qmv_into(&self, x: &Array, epilogue: Epilogue, shape: Option<&[i32]>) -> Result<Option<Array>> {
         match self {
-            Linear::Quant { w, scales, biases, b: None, q }
-                if x.size() / ((w.dim(-1) * 32 / q.bits.max(1)).max(1) as usize) < dequant_rows(q.bits) =>
-            {
+            Linear::Quant { w, scales, biases, b: None, q } if packed_rows(x, w, *q) => {
                 super::qmv::qmv(x, w, scales, biases.as_ref(), *q, epilogue, shape)
             }
             _ => Ok(None),
@@ -340,6 +338,13 @@ pub fn refresh_dequant_rows() -> usize {
     n
 }
 
+/// Whether a product of `x` (its values as rows of W's K) with the MLX-quantized `w` keeps the packed
+/// kernels (CUDA's [`super::qmv::qmv`] or MLX's): fewer rows than [`dequant_rows`], from which on W is
+/// dequantized for a plain matmul ([`quant_matmul`]).
+fn packed_rows(x: &Array, w: &Array, q: QuantSpec) -> bool {
+    x.size() / (super::qmv::k_of(w, q).max(1) as usize) < dequant_rows(q.bits)
+}
+
 /// `x W^T` for an MLX-quantized W: the packed kernel, or from [`dequant_rows`] rows of `x` on,
 /// W dequantized to x's dtype and a plain matmul (same values up to summation order).
 ///
@@ -353,8 +358,7 @@ fn quant_matmul(
     q: QuantSpec,
     res: Option<&Array>,
 ) -> Result<Array> {
-    let rows = x.size() / (x.dim(-1).max(1) as usize);
-    let y = if rows >= dequant_rows(q.bits) {
+    let y = if !packed_rows(x, w, q) {
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         mx::matmul(x, &mx::transpose(&wd)?)?

@@ -79,7 +79,7 @@ fn int8_activations(x: &Array, q: QuantSpec, state: u8) -> bool {
 }
 
 /// The values per row of W (its K: `w [N, K·bits/32]`).
-fn k_of(w: &Array, q: QuantSpec) -> i32 {
+pub(crate) fn k_of(w: &Array, q: QuantSpec) -> i32 {
     w.dim(-1) * (32 / q.bits.max(1))
 }
 
