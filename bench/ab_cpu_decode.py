@@ -1,11 +1,11 @@
 """Decode ms/token of one model directory under the CPU decode switches, alternating in one process.
 
-    python bench/ab_cpu_decode.py ~/.cache/mlxrs/gguf/<digest>-f32-v4 6
+    python bench/ab_cpu_decode.py ~/.cache/mlxrs/gguf/<digest>-f32-v5 6
 
-Three configurations (MLXRS_CPU_Q8_HEAD, MLXRS_CPU_COMPILED_NORM: both off, the Q8_0 head only, both
-on), one session each per round, the order rotated each round; a 64-token prompt, a 4-token warm-up,
-then 33 greedy tokens timed by the engine (`timings.generation_tps`). Prints the medians and whether all
-configurations decoded the same tokens.
+Three configurations (MLXRS_CPU_Q8_HEAD, MLXRS_CPU_HOST_BLOCKS: both off — every product from the
+f32 weights —, the Q8_0 head only, both on — the default), one session each per round, the order
+rotated each round; a 64-token prompt, a 4-token warm-up, then 33 greedy tokens timed by the engine
+(`timings.generation_tps`). Prints the medians and whether all configurations decoded the same tokens.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 import mlxrs
 
 CONFS = {
-    "before (f32 head, plain norms)": {"MLXRS_CPU_Q8_HEAD": "0", "MLXRS_CPU_COMPILED_NORM": "0"},
-    "q8 head": {"MLXRS_CPU_Q8_HEAD": "1", "MLXRS_CPU_COMPILED_NORM": "0"},
-    "q8 head + compiled norms": {"MLXRS_CPU_Q8_HEAD": "1", "MLXRS_CPU_COMPILED_NORM": "1"},
+    "f32 (no blocks)": {"MLXRS_CPU_Q8_HEAD": "0", "MLXRS_CPU_HOST_BLOCKS": "0"},
+    "q8 head": {"MLXRS_CPU_Q8_HEAD": "1", "MLXRS_CPU_HOST_BLOCKS": "0"},
+    "q8 head + projections' blocks (default)": {"MLXRS_CPU_Q8_HEAD": "1", "MLXRS_CPU_HOST_BLOCKS": "1"},
 }
 
 

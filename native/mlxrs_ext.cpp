@@ -28,6 +28,20 @@ typedef void (*mlxrs_host_matmul_kernel)(
     size_t n,
     float* y);
 
+/* y = x · dequant(W)ᵀ for W in blocks along its rows (int8 q [rows, cols], float32 s and b — b null
+   for none — [rows, cols / group]: dequant(W)[r, k] = s[r, k/group] · q[r, k] + b[r, k/group]), x
+   [n, cols] and y [n, rows] float32, all row-major: mlxrs's kernel (crates/mlxrs-core/src/handle/blocks.rs). */
+typedef void (*mlxrs_host_blocks_kernel)(
+    const int8_t* q,
+    const float* s,
+    const float* b,
+    size_t rows,
+    size_t cols,
+    size_t group,
+    const float* x,
+    size_t n,
+    float* y);
+
 /* Runs body(ctx, begin, end) over ranges covering [0, items) (each at least `grain` long, but for
    the last) on the caller's thread and the caller's workers, returning when all have; body must not
    throw. mlxrs passes its host kernels' parked threads (crates/mlxrs-core/src/handle/host.rs) through
@@ -125,6 +139,52 @@ class HostMatmul : public UnaryPrimitive {
 
  private:
   mlxrs_host_matmul_kernel kernel_;
+};
+
+/* HostMatmul for a matrix in blocks: inputs x, q, s and (when it has them) b. */
+class HostBlocksMatmul : public UnaryPrimitive {
+ public:
+  HostBlocksMatmul(Stream stream, mlxrs_host_blocks_kernel kernel)
+      : UnaryPrimitive(stream), kernel_(kernel) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    const array& q = inputs[1];
+    const array& s = inputs[2];
+    out.set_data(allocator::malloc(out.nbytes()));
+    size_t rows = q.shape(0), cols = q.shape(1), n = x.size() / cols;
+    size_t group = cols / s.shape(1);
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([kernel = kernel_,
+                      qp = q.data<int8_t>(),
+                      sp = s.data<float>(),
+                      bp = inputs.size() > 3 ? inputs[3].data<float>() : nullptr,
+                      xp = x.data<float>(),
+                      yp = out.data<float>(),
+                      rows,
+                      cols,
+                      group,
+                      n]() { kernel(qp, sp, bp, rows, cols, group, xp, n, yp); });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[mlxrs_host_blocks_matmul] the host kernel runs on the CPU stream only");
+  }
+
+  const char* name() const override {
+    return "MlxrsHostBlocksMatmul";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    return kernel_ == static_cast<const HostBlocksMatmul&>(other).kernel_;
+  }
+
+ private:
+  mlxrs_host_blocks_kernel kernel_;
 };
 
 /* A row's keys and values for RowsDecodeAttention: [1, kv_heads, len, D] views, strides in elements. */
@@ -373,6 +433,52 @@ int mlxrs_host_matmul(
             float32,
             std::make_shared<HostMatmul>(st, kernel),
             {contiguous(xa, false, st), contiguous(wa, false, st)}));
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return 1;
+  }
+  return 0;
+}
+
+/* x · dequant(W)ᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols]
+   float32, q [rows, cols] int8, scales (and biases, unless an empty handle) [rows, cols / group]
+   float32 with group a multiple of 16; the result [..., rows]. */
+int mlxrs_host_blocks_matmul(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_array q,
+    const mlx_array scales,
+    const mlx_array biases,
+    mlxrs_host_blocks_kernel kernel,
+    const mlx_stream s) {
+  try {
+    auto st = mlx_stream_get_(s);
+    const array& xa = mlx_array_get_(x);
+    const array& qa = mlx_array_get_(q);
+    const array& sa = mlx_array_get_(scales);
+    const bool has_b = biases.ctx != nullptr;
+    if (kernel == nullptr || xa.dtype() != float32 || qa.dtype() != int8 || sa.dtype() != float32 ||
+        qa.ndim() != 2 || sa.ndim() != 2 || xa.ndim() < 1 || xa.shape(-1) != qa.shape(1) ||
+        sa.shape(0) != qa.shape(0) || sa.shape(1) < 1 || qa.shape(1) % sa.shape(1) != 0 ||
+        (qa.shape(1) / sa.shape(1)) % 16 != 0 || st.device != Device::cpu) {
+      throw std::invalid_argument(
+          "[mlxrs_host_blocks_matmul] needs float32 x [..., k], int8 q [n, k] and float32 scales "
+          "[n, k / group] (group a multiple of 16) on a CPU stream");
+    }
+    std::vector<array> inputs = {
+        contiguous(xa, false, st), contiguous(qa, false, st), contiguous(sa, false, st)};
+    if (has_b) {
+      const array& ba = mlx_array_get_(biases);
+      if (ba.dtype() != float32 || ba.shape() != sa.shape()) {
+        throw std::invalid_argument("[mlxrs_host_blocks_matmul] biases must be float32 and shaped as the scales");
+      }
+      inputs.push_back(contiguous(ba, false, st));
+    }
+    Shape shape = xa.shape();
+    shape.back() = qa.shape(0);
+    mlx_array_set_(
+        *res,
+        array(std::move(shape), float32, std::make_shared<HostBlocksMatmul>(st, kernel), std::move(inputs)));
   } catch (std::exception& e) {
     mlx_error(e.what());
     return 1;

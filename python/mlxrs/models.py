@@ -21,7 +21,7 @@ DEFAULT_MODEL_NAME = "Gemma 3 270M (google/gemma-3-270m base, GGUF Q4_K_M import
 #: cache as `default_import_dtype()` instead
 DEFAULT_DTYPE = "bf16"
 # bump when the importer's output changes, so cached imports are redone
-IMPORT_VERSION = 4
+IMPORT_VERSION = 5
 
 
 def mlxrs_home() -> Path:

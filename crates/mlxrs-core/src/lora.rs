@@ -346,7 +346,8 @@ impl Registry {
                     fused = mx::astype(&mx::multiply(&mx::expand_dims(&k, 1)?, &fused)?, w.dtype())?;
                 }
                 fused.eval()?;
-                return Ok(Linear::Dense { wt: mx::transpose(&fused)?, w: fused, b: b.clone() });
+                // the weights changed: no blocks of the old ones
+                return Ok(Linear::Dense { wt: mx::transpose(&fused)?, w: fused, b: b.clone(), host: None });
             }
         }
         let (base, bias) = base.without_bias();

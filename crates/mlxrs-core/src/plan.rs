@@ -249,8 +249,10 @@ impl ModelFacts {
         let elems: u64 =
             f.header.tensors.iter().filter(|t| t.name != "rope_freqs.weight").map(|t| t.n_elements()).sum();
         let b = dtype.float_bytes();
-        // plus the output head kept as the file's Q8_0 blocks too (the CPU's f32 import)
-        Self::from_config(&cfg, elems * b + crate::gguf::import::q8_head_bytes(&f.header, dtype), b)
+        // plus the output head and the linear projections kept as the file's blocks too (the CPU's f32
+        // import)
+        use crate::gguf::import::{host_blocks_bytes, q8_head_bytes};
+        Self::from_config(&cfg, elems * b + q8_head_bytes(&f.header, dtype) + host_blocks_bytes(&f.header, dtype), b)
     }
 
     /// Facts from a model directory or a `.gguf` file (planned as its import here).

@@ -79,6 +79,20 @@ pub struct ExtraApi {
             s: mlx_stream,
         ) -> c_int,
     >,
+    /// native/mlxrs_ext.cpp: `x · dequant(W)ᵀ` (float32 x; W as int8 values with float32 scales and
+    /// optional biases per group along its rows) through the caller's host kernel, as one op of MLX's
+    /// graph on a CPU stream. `biases` an empty handle (null ctx) for none.
+    pub mlxrs_host_blocks_matmul: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_array,
+            x: mlx_array,
+            q: mlx_array,
+            scales: mlx_array,
+            biases: mlx_array,
+            kernel: HostBlocksKernel,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
     /// native/mlxrs_ext.cpp: one decode step's attention for rows with caches of their own (float32,
     /// CPU stream): queries `[B, heads, 1, D]`, keys and values of each row in turn.
     pub mlxrs_rows_decode_attention: Option<
@@ -107,6 +121,21 @@ pub type RangeBody = unsafe extern "C" fn(ctx: *mut c_void, begin: i64, end: i64
 pub type HostMatmulKernel =
     unsafe extern "C" fn(w: *const f32, rows: usize, cols: usize, x: *const f32, n: usize, y: *mut f32);
 
+/// The kernel [`ExtraApi::mlxrs_host_blocks_matmul`] calls on MLX's CPU thread: `y [n, rows] = x [n,
+/// cols] · dequant(W)ᵀ`, `q` `[rows, cols]` int8, `s` and `b` (null: none) `[rows, cols / group]`
+/// float32, all row-major.
+pub type HostBlocksKernel = unsafe extern "C" fn(
+    q: *const i8,
+    s: *const f32,
+    b: *const f32,
+    rows: usize,
+    cols: usize,
+    group: usize,
+    x: *const f32,
+    n: usize,
+    y: *mut f32,
+);
+
 impl ExtraApi {
     unsafe fn resolve(lib: &libloading::Library) -> Result<Self, String> {
         // SAFETY: the symbol types match mlx-c's declarations in error.h and closure.h.
@@ -126,6 +155,7 @@ impl ExtraApi {
                     .map(|s| *s),
                 mlxrs_fast_gated_delta_update: lib.get(b"mlxrs_fast_gated_delta_update\0").ok().map(|s| *s),
                 mlxrs_host_matmul: lib.get(b"mlxrs_host_matmul\0").ok().map(|s| *s),
+                mlxrs_host_blocks_matmul: lib.get(b"mlxrs_host_blocks_matmul\0").ok().map(|s| *s),
                 mlxrs_rows_decode_attention: lib.get(b"mlxrs_rows_decode_attention\0").ok().map(|s| *s),
                 mlxrs_set_parallel_for: lib.get(b"mlxrs_set_parallel_for\0").ok().map(|s| *s),
             })

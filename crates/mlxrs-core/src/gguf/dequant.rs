@@ -206,19 +206,140 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// `n` values of Q8_0 as they are stored: the int8 values, and each 32-value block's float16 scale
-/// widened to float32 (exact). `q8_0` above dequantizes the same blocks: `d · q`.
-pub fn split_q8_0(raw: &[u8], n: usize) -> Result<(Vec<i8>, Vec<f32>), String> {
-    if !n.is_multiple_of(32) || raw.len() < n / 32 * 34 {
-        return Err(format!("{} bytes cannot hold {n} values of Q8_0 in whole blocks", raw.len()));
+/// A tensor's values as int8 values with one float32 scale, and for the formats with a minimum one
+/// float32 bias, per `group` consecutive values ([`crate::handle::BlocksRef`]'s layout, which the CPU
+/// decodes from): [`dequantize`] gives `q as f32 · s + b` for each value, bit for bit.
+pub struct Blocks {
+    pub q: Vec<i8>,
+    pub s: Vec<f32>,
+    pub b: Option<Vec<f32>>,
+    pub group: usize,
+}
+
+/// One ggml block as [`Blocks`]: its values into `q`, a scale per group into `s` and a bias into `m`.
+type BlockSplit = fn(&[u8], &mut [i8], &mut [f32], &mut [f32]);
+
+fn b_q4_0(b: &[u8], q: &mut [i8], s: &mut [f32], _: &mut [f32]) {
+    s[0] = f16_at(b, 0);
+    for j in 0..16 {
+        q[j] = (b[2 + j] & 0x0F) as i8 - 8;
+        q[j + 16] = (b[2 + j] >> 4) as i8 - 8;
     }
-    let mut q = Vec::with_capacity(n);
-    let mut d = Vec::with_capacity(n / 32);
-    for b in raw[..n / 32 * 34].chunks_exact(34) {
-        d.push(f16_at(b, 0));
-        q.extend(b[2..].iter().map(|&v| v as i8));
+}
+
+fn b_q4_1(b: &[u8], q: &mut [i8], s: &mut [f32], m: &mut [f32]) {
+    (s[0], m[0]) = (f16_at(b, 0), f16_at(b, 2));
+    for j in 0..16 {
+        q[j] = (b[4 + j] & 0x0F) as i8;
+        q[j + 16] = (b[4 + j] >> 4) as i8;
     }
-    Ok((q, d))
+}
+
+fn b_q5_0(b: &[u8], q: &mut [i8], s: &mut [f32], _: &mut [f32]) {
+    s[0] = f16_at(b, 0);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    for j in 0..16 {
+        let xh0 = ((qh >> j) << 4) & 0x10;
+        let xh1 = (qh >> (j + 12)) & 0x10;
+        q[j] = ((b[6 + j] as u32 & 0x0F) | xh0) as i8 - 16;
+        q[j + 16] = ((b[6 + j] as u32 >> 4) | xh1) as i8 - 16;
+    }
+}
+
+fn b_q5_1(b: &[u8], q: &mut [i8], s: &mut [f32], m: &mut [f32]) {
+    (s[0], m[0]) = (f16_at(b, 0), f16_at(b, 2));
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    for j in 0..16 {
+        let xh0 = ((qh >> j) << 4) & 0x10;
+        let xh1 = (qh >> (j + 12)) & 0x10;
+        q[j] = ((b[8 + j] as u32 & 0x0F) | xh0) as i8;
+        q[j + 16] = ((b[8 + j] as u32 >> 4) | xh1) as i8;
+    }
+}
+
+fn b_q8_0(b: &[u8], q: &mut [i8], s: &mut [f32], _: &mut [f32]) {
+    s[0] = f16_at(b, 0);
+    for j in 0..32 {
+        q[j] = b[2 + j] as i8;
+    }
+}
+
+/// Q4_K and Q5_K (`high`: the fifth bits): eight groups of 32, each `d·sc · q − dmin·m`.
+fn k_quant_4_5(b: &[u8], q: &mut [i8], s: &mut [f32], m: &mut [f32], high: bool) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = &b[4..16];
+    let (qh, qs) = if high { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+    for blk in 0..4 {
+        let ql = &qs[32 * blk..32 * blk + 32];
+        for half in 0..2 {
+            let (sc, mn) = scale_min_k4(2 * blk + half, scales);
+            s[2 * blk + half] = d * sc as f32;
+            m[2 * blk + half] = -(dmin * mn as f32);
+            let bit = 1u8 << (2 * blk + half);
+            for l in 0..32 {
+                let low = if half == 0 { ql[l] & 0x0F } else { ql[l] >> 4 };
+                let h = if high && qh[l] & bit != 0 { 16 } else { 0 };
+                q[64 * blk + 32 * half + l] = (low + h) as i8;
+            }
+        }
+    }
+}
+
+fn b_q4_k(b: &[u8], q: &mut [i8], s: &mut [f32], m: &mut [f32]) {
+    k_quant_4_5(b, q, s, m, false)
+}
+
+fn b_q5_k(b: &[u8], q: &mut [i8], s: &mut [f32], m: &mut [f32]) {
+    k_quant_4_5(b, q, s, m, true)
+}
+
+/// Q6_K: sixteen groups of 16, each `d·sc · (q − 32)`.
+fn b_q6_k(b: &[u8], q: &mut [i8], s: &mut [f32], _: &mut [f32]) {
+    let d = f16_at(b, 208);
+    for (g, &sc) in b[192..208].iter().enumerate() {
+        s[g] = d * (sc as i8) as f32;
+    }
+    for n in 0..2 {
+        let ql = &b[64 * n..];
+        let qh = &b[128 + 32 * n..];
+        let qo = &mut q[128 * n..128 * n + 128];
+        for l in 0..32 {
+            qo[l] = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i8 - 32;
+            qo[l + 32] = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+            qo[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+            qo[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+        }
+    }
+}
+
+/// `n` values of `ty` as [`Blocks`]; None for the types that are not of that form (the float types,
+/// Q2_K and Q3_K: their groups' scales are products of two levels in another order).
+pub fn blocks(ty: GgmlType, raw: &[u8], n: usize) -> Result<Option<Blocks>, String> {
+    let (group, bias, split): (usize, bool, BlockSplit) = match ty {
+        GgmlType::Q4_0 => (32, false, b_q4_0),
+        GgmlType::Q4_1 => (32, true, b_q4_1),
+        GgmlType::Q5_0 => (32, false, b_q5_0),
+        GgmlType::Q5_1 => (32, true, b_q5_1),
+        GgmlType::Q8_0 => (32, false, b_q8_0),
+        GgmlType::Q4K => (32, true, b_q4_k),
+        GgmlType::Q5K => (32, true, b_q5_k),
+        GgmlType::Q6K => (16, false, b_q6_k),
+        _ => return Ok(None),
+    };
+    let (be, bb) = ty.block().ok_or_else(|| format!("{} has no blocks", ty.name()))?;
+    let (be, bb) = (be as usize, bb as usize);
+    if !n.is_multiple_of(be) || raw.len() < n / be * bb {
+        return Err(format!("{} bytes cannot hold {n} values of {} in whole blocks", raw.len(), ty.name()));
+    }
+    let (mut q, mut s) = (vec![0i8; n], vec![0f32; n / group]);
+    let mut m = vec![0f32; if bias { n / group } else { 0 }];
+    let gb = be / group; // groups per ggml block
+    let mut none = [0f32; 16];
+    for (k, b) in raw[..n / be * bb].chunks_exact(bb).enumerate() {
+        let mk = if bias { &mut m[k * gb..(k + 1) * gb] } else { &mut none[..gb] };
+        split(b, &mut q[k * be..(k + 1) * be], &mut s[k * gb..(k + 1) * gb], mk);
+    }
+    Ok(Some(Blocks { q, s, b: bias.then_some(m), group }))
 }
 
 /// Dequantize `n` values of type `ty` from `raw` into f32 (in parallel over blocks).
@@ -261,4 +382,45 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>, String
     });
     out.truncate(n);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every format [`blocks`] takes, over random bytes (scales of every magnitude, NaN and infinity
+    /// included): `q · s + b` is [`dequantize`]'s value, bit for bit (NaN where it gives NaN).
+    #[test]
+    fn blocks_are_the_dequantized_values() {
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut byte = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 56) as u8
+        };
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ] {
+            let (be, bb) = ty.block().unwrap();
+            let n = 3 * be as usize;
+            let raw: Vec<u8> = (0..3 * bb as usize).map(|_| byte()).collect();
+            let want = dequantize(ty, &raw, n).unwrap();
+            let got = blocks(ty, &raw, n).unwrap().expect("a format with blocks");
+            assert_eq!((got.q.len(), got.s.len()), (n, n / got.group), "{}", ty.name());
+            for (i, w) in want.iter().enumerate() {
+                let g = i / got.group;
+                let v = got.q[i] as f32 * got.s[g] + got.b.as_ref().map_or(0.0, |b| b[g]);
+                assert!(v == *w || (v.is_nan() && w.is_nan()), "{} value {i}: {v} vs {w}", ty.name());
+            }
+            assert!(blocks(ty, &raw[..raw.len() - 1], n).is_err(), "{}: a short buffer", ty.name());
+        }
+        assert!(blocks(GgmlType::Q2K, &[0; 84], 256).unwrap().is_none());
+        assert!(blocks(GgmlType::F32, &[0; 4], 1).unwrap().is_none());
+    }
 }

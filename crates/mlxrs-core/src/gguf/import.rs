@@ -26,7 +26,7 @@ pub fn metadata_json(h: &GgufHeader) -> Value {
     Value::Object(h.metadata.iter().map(|(k, v)| (k.clone(), meta_to_json(v))).collect())
 }
 
-use super::dequant::{dequantize, split_q8_0};
+use super::dequant::{blocks, dequantize};
 use super::reader::{GgmlType, GgufFile};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, Dtype};
@@ -637,9 +637,9 @@ fn hf_name(name: &str, model_type: &str) -> Option<String> {
 
 /// Undo llama.cpp's q/k row permutation (llama family): rows grouped as (head, 2, half) were
 /// reordered to (head, half, 2).
-fn unpermute(data: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+fn unpermute<T: Copy + Default>(data: &[T], rows: usize, cols: usize, heads: usize) -> Vec<T> {
     let half = rows / heads / 2;
-    let mut out = vec![0f32; data.len()];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..heads {
         for i in 0..half {
             for two in 0..2 {
@@ -682,6 +682,47 @@ pub fn q8_head(h: &GgufHeader, dtype: OutDtype) -> Option<&super::reader::Tensor
 /// Bytes the Q8_0 head of [`q8_head`] takes in memory (int8 values, a float32 scale per 32).
 pub fn q8_head_bytes(h: &GgufHeader, dtype: OutDtype) -> u64 {
     q8_head(h, dtype).map_or(0, |t| t.n_elements() + t.n_elements() / 32 * 4)
+}
+
+/// Whether an import as `dtype` also keeps the GGUF tensor `t` (its HF name `name`) as its blocks
+/// ([`crate::models::layers::HOST_BLOCKS_FILE`], which the CPU decodes a linear's one-token rows
+/// from): an f32 import (the CPU default), a linear projection's matrix, in a format with blocks
+/// ([`super::dequant::blocks`]).
+pub fn keeps_blocks(t: &super::reader::TensorInfo, name: &str, dtype: OutDtype) -> bool {
+    dtype == OutDtype::F32
+        && name.ends_with("_proj.weight")
+        && t.shape().len() == 2
+        && matches!(
+            t.ty,
+            GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Q8_0
+                | GgmlType::Q4K
+                | GgmlType::Q5K
+                | GgmlType::Q6K
+        )
+}
+
+/// Bytes the blocks of [`keeps_blocks`] take in memory (int8 values, a float32 scale per group and,
+/// for the formats with a minimum, a float32 bias per group).
+pub fn host_blocks_bytes(h: &GgufHeader, dtype: OutDtype) -> u64 {
+    let arch = h.get("general.architecture").and_then(MetaValue::as_str).unwrap_or_default();
+    let model_type = importable().iter().find(|(a, _)| *a == arch).map_or("", |(_, m)| *m);
+    h.tensors
+        .iter()
+        .filter(|t| hf_name(&t.name, model_type).is_some_and(|name| keeps_blocks(t, &name, dtype)))
+        .map(|t| {
+            let n = t.n_elements();
+            let (group, bias) = match t.ty {
+                GgmlType::Q6K => (16, false),
+                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => (32, true),
+                _ => (32, false),
+            };
+            n + n / group * 4 * (1 + bias as u64)
+        })
+        .sum()
 }
 
 /// Build the architecture from the imported tensors (lazily: nothing is computed) so that a file the
@@ -815,6 +856,8 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     let mut done = 0u64;
     let mut tensors: BTreeMap<String, Array> = BTreeMap::new();
     let mut head_q8: BTreeMap<String, Array> = BTreeMap::new();
+    // the linear projections' own blocks beside their f32 values (keeps_blocks)
+    let mut host: BTreeMap<String, Array> = BTreeMap::new();
     // HF name → the GGUF tensor it came from, to name the file's tensor in an error
     let mut gguf_names: BTreeMap<String, String> = BTreeMap::new();
     let head_name = q8_head(h, dtype).map(|t| t.name.clone());
@@ -828,12 +871,43 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         let raw = f.read_raw(t)?;
         let n = t.n_elements() as usize;
         let dims = t.shape();
-        if head_name.as_deref() == Some(t.name.as_str()) {
-            use crate::models::layers::{Q8_HEAD_SCALES, Q8_HEAD_VALUES};
-            let (q, d) = split_q8_0(&raw, n).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
-            let (rows, cols) = (dims[0] as i32, dims[1] as i32);
-            head_q8.insert(Q8_HEAD_VALUES.into(), Array::from_slice(&q, &[rows, cols])?);
-            head_q8.insert(Q8_HEAD_SCALES.into(), Array::from_slice(&d, &[rows, cols / 32])?);
+        let is_head = head_name.as_deref() == Some(t.name.as_str());
+        if is_head || keeps_blocks(t, &name, dtype) {
+            let bl = blocks(t.ty, &raw, n)
+                .map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?
+                .ok_or_else(|| Error::ModelLoad(format!("{}: {} has no blocks", t.name, t.ty.name())))?;
+            let (rows, cols) = (dims[0] as usize, dims[1] as usize);
+            let g = cols / bl.group;
+            let shape = [rows as i32, cols as i32];
+            let gshape = [rows as i32, g as i32];
+            if is_head {
+                use crate::models::layers::{Q8_HEAD_SCALES, Q8_HEAD_VALUES};
+                head_q8.insert(Q8_HEAD_VALUES.into(), Array::from_slice(&bl.q, &shape)?);
+                head_q8.insert(Q8_HEAD_SCALES.into(), Array::from_slice(&bl.s, &gshape)?);
+            } else {
+                use crate::models::layers::HostBlocks;
+                let base = name.trim_end_matches(".weight");
+                // the same rows as the f32 values below: llama's q/k heads un-permuted
+                let heads = match name.as_str() {
+                    _ if !permute_qk => None,
+                    n if n.ends_with("q_proj.weight") => Some(heads),
+                    n if n.ends_with("k_proj.weight") => Some(kv_heads),
+                    _ => None,
+                };
+                let rows_of = |v: Vec<f32>, width: usize| match heads {
+                    Some(h) => unpermute(&v, rows, width, h),
+                    None => v,
+                };
+                let q = match heads {
+                    Some(h) => unpermute(&bl.q, rows, cols, h),
+                    None => bl.q,
+                };
+                host.insert(HostBlocks::values_name(base), Array::from_slice(&q, &shape)?);
+                host.insert(HostBlocks::scales_name(base), Array::from_slice(&rows_of(bl.s, g), &gshape)?);
+                if let Some(b) = bl.b {
+                    host.insert(HostBlocks::biases_name(base), Array::from_slice(&rows_of(b, g), &gshape)?);
+                }
+            }
         }
         let mut v = dequantize(t.ty, &raw, n).map_err(|e| Error::ModelLoad(format!("{}: {e}", t.name)))?;
         drop(raw);
@@ -903,9 +977,12 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
     let meta: BTreeMap<String, String> = [("format".to_string(), "mlx".to_string())].into();
     mx::save_safetensors(&out.join("model.safetensors"), &tensors, &meta)?;
     drop(tensors);
+    // not model*.safetensors: mlx-lm, which reads only those, loads the directory unchanged
     if !head_q8.is_empty() {
-        // not model*.safetensors: mlx-lm, which reads only those, loads the directory unchanged
         mx::save_safetensors(&out.join(crate::models::layers::Q8_HEAD_FILE), &head_q8, &meta)?;
+    }
+    if !host.is_empty() {
+        mx::save_safetensors(&out.join(crate::models::layers::HOST_BLOCKS_FILE), &host, &meta)?;
     }
     let (tok, mut tok_cfg) = super::tokenizer::build_tokenizer_json(h)?;
     let write = |name: &str, v: &Value| -> Result<()> {

@@ -4,13 +4,14 @@
 //! [`Error::Mlx`](crate::Error::Mlx) carrying MLX's own message (captured by the error handler this
 //! module installs once per process in place of mlx-c's default, which calls `exit()`).
 mod array;
+mod blocks;
 mod f32mm;
 mod host;
 mod kernel;
 mod ops;
-mod q8;
 mod runtime;
 
+pub use blocks::{host_blocks_matmul, BlocksRef, GROUP_STEP};
 pub use array::{async_eval, async_eval_stage, eval, eval_epoch, eval_stage, Array, Dtype, Element};
 pub use f32mm::{host_matmul, small_matmul, small_matmul_calls, GRAPH_MAX_ROWS, SMALL_MAX_ROWS};
 pub use host::host_threads;
@@ -18,7 +19,6 @@ pub use host::host_threads;
 pub(crate) use host::PARALLEL_FOR_CALLS;
 pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, MetalKernel, TemplateArg};
 pub use ops::*;
-pub use q8::{Q8Matrix, Q8_BLOCK};
 pub use runtime::{
     active_memory, cache_memory, clear_cache, default_device, device_memory_size, init, memory_limit, peak_memory,
     reset_peak_memory, set_memory_limit, synchronize, with_stream, Device, DeviceKind, Stream,

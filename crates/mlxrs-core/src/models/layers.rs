@@ -11,10 +11,13 @@ use crate::weights::{Matrix, QuantSpec, Weights};
 pub enum Linear {
     /// `wt` is `W^T`, a view of W's buffer made once at load (no copy): the matmul sees the same
     /// strides as with a per-call transpose, without one more graph node per call.
+    /// `host`: the weights' own blocks for the CPU's decode steps ([`HostBlocks`]), where an import
+    /// kept them.
     Dense {
         w: Array,
         wt: Array,
         b: Option<Array>,
+        host: Option<Box<HostBlocks>>,
     },
     Quant {
         w: Array,
@@ -32,9 +35,10 @@ impl Linear {
     pub fn load(ws: &mut Weights, prefix: &str, bias: bool, out: i32, inp: i32) -> Result<Linear> {
         let bname = format!("{prefix}.bias");
         let b = if bias || ws.contains(&bname) { Some(ws.take_shaped(&bname, &[out])?) } else { None };
+        let host = HostBlocks::take(ws, prefix, out, inp)?.map(Box::new);
         let base = match ws.take_matrix(prefix, out, inp)? {
             Matrix::Quant { w, scales, biases, q } => Linear::Quant { w, scales, biases, b, q },
-            Matrix::Dense(w) => Linear::Dense { wt: mx::transpose(&w)?, w, b },
+            Matrix::Dense(w) => Linear::Dense { wt: mx::transpose(&w)?, w, b, host },
         };
         match ws.lora() {
             Some(reg) => reg.apply(prefix, base, out, inp),
@@ -45,7 +49,7 @@ impl Linear {
     /// The same linear without its bias, and the bias.
     pub fn without_bias(self) -> (Linear, Option<Array>) {
         match self {
-            Linear::Dense { w, wt, b } => (Linear::Dense { w, wt, b: None }, b),
+            Linear::Dense { w, wt, b, host } => (Linear::Dense { w, wt, b: None, host }, b),
             Linear::Quant { w, scales, biases, b, q } => (Linear::Quant { w, scales, biases, b: None, q }, b),
             Linear::Lora(l) => (Linear::Lora(l), None),
         }
@@ -93,18 +97,27 @@ impl Linear {
         };
         let fused = match &parts[0] {
             Linear::Dense { .. } => {
-                let (mut ws, mut bs) = (Vec::new(), Vec::new());
+                let (mut ws, mut bs, mut hs) = (Vec::new(), Vec::new(), Vec::new());
                 for p in &parts {
-                    if let Linear::Dense { w, b, .. } = p {
+                    if let Linear::Dense { w, b, host, .. } = p {
                         ws.push(w);
                         bs.push(b.as_ref());
+                        hs.push(host.as_deref());
                     }
                 }
                 let (w, b) = (cat(ws)?, bias(bs)?);
+                // the blocks too where every part has them
+                let host = match hs.into_iter().collect::<Option<Vec<_>>>() {
+                    Some(hs) => Some(Box::new(HostBlocks::concat(&hs)?)),
+                    None => None,
+                };
                 let mut all = vec![&w];
                 all.extend(b.as_ref());
+                if let Some(h) = &host {
+                    all.extend(h.arrays());
+                }
                 mx::eval(&all)?;
-                Linear::Dense { wt: mx::transpose(&w)?, w, b }
+                Linear::Dense { wt: mx::transpose(&w)?, w, b, host }
             }
             Linear::Quant { q, .. } => {
                 let q = *q;
@@ -177,8 +190,16 @@ impl Linear {
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match self {
-            Linear::Dense { w, wt, b } => {
-                if let Some(y) = host_small_matmul(x, w)? {
+            Linear::Dense { w, wt, b, host } => {
+                let y = match host {
+                    Some(h) => h.matmul(x)?,
+                    None => None,
+                };
+                let y = match y {
+                    Some(y) => Some(y),
+                    None => host_small_matmul(x, w)?,
+                };
+                if let Some(y) = y {
                     return match b {
                         Some(b) => mx::add(&y, b),
                         None => Ok(y),
@@ -383,17 +404,140 @@ pub const Q8_HEAD_FILE: &str = "head_q8_0.safetensors";
 pub const Q8_HEAD_VALUES: &str = "head_q8_0.weight";
 pub const Q8_HEAD_SCALES: &str = "head_q8_0.scales";
 /// `0` turns the Q8_0 output head off (the f32 head through MLX's matmul then); on by default
-/// on the CPU backend where an import has [`Q8_HEAD_FILE`].
+/// on the CPU backend where an import has [`Q8_HEAD_FILE`]. Read at every load.
 pub const Q8_HEAD_ENV: &str = "MLXRS_CPU_Q8_HEAD";
-/// Up to how many rows of hidden states (tokens × sequences) the Q8_0 head computes: decode steps.
-/// Longer inputs (a prefill chunk, whose logits the engine never reads, or `logits()` of a prompt)
-/// stay lazy graphs through the f32 head.
-const Q8_HEAD_MAX_ROWS: usize = 8;
 
-/// The output head as Q8_0 blocks, run on the host by [`mx::Q8Matrix`] at memory bandwidth: for
-/// the real Gemma 3 270M's 262144 × 640 tied head 178 MB per token instead of 671 MB of float32.
+/// An f32 import's linear projections as the GGUF's own blocks too ([`HostBlocks`]; the file holds
+/// `{module}.host_q`, `.host_scales` and, for formats with a minimum, `.host_biases`). mlx-lm reads
+/// only `model*.safetensors`, so the directory stays its model.
+pub const HOST_BLOCKS_FILE: &str = "host_blocks.safetensors";
+/// `0`: the CPU's decode steps run every f32 projection from its f32 weights (OpenBLAS's gemv, the
+/// reference path); otherwise those with blocks ([`HOST_BLOCKS_FILE`]) run from the blocks through
+/// [`mx::host_blocks_matmul`], reading 1–1.5 bytes a weight instead of 4. Read at every load.
+pub const HOST_BLOCKS_ENV: &str = "MLXRS_CPU_HOST_BLOCKS";
+
+/// Up to how many rows of x (tokens × sequences) a product runs from blocks: decode steps. Longer
+/// inputs (prefill chunks; `logits()` of a prompt) stay lazy graphs over the f32 weights.
+const HOST_BLOCKS_MAX_ROWS: usize = 8;
+
+/// A matrix `[out, inp]` as int8 values with a float32 scale (and bias) per group along its rows,
+/// equal value for value to the f32 weights beside it ([`crate::gguf::dequant::blocks`]): the CPU's
+/// decode-step products run from these ([`mx::host_blocks_matmul`], an op of MLX's graph).
+pub struct HostBlocks {
+    q: Array,
+    s: Array,
+    b: Option<Array>,
+}
+
+impl HostBlocks {
+    pub fn values_name(base: &str) -> String {
+        format!("{base}.host_q")
+    }
+
+    pub fn scales_name(base: &str) -> String {
+        format!("{base}.host_scales")
+    }
+
+    pub fn biases_name(base: &str) -> String {
+        format!("{base}.host_biases")
+    }
+
+    /// `{base}`'s blocks when the weights have them (taken out of `ws` either way): None when
+    /// [`HOST_BLOCKS_ENV`] is `0` or MLX runs on a GPU. Shapes checked against `[out, inp]`.
+    fn take(ws: &mut Weights, base: &str, out: i32, inp: i32) -> Result<Option<HostBlocks>> {
+        let q = ws.remove(&Self::values_name(base));
+        let s = ws.remove(&Self::scales_name(base));
+        let b = ws.remove(&Self::biases_name(base));
+        let (Some(q), Some(s)) = (q, s) else { return Ok(None) };
+        if std::env::var(HOST_BLOCKS_ENV).is_ok_and(|v| v.trim() == "0") || on_gpu() {
+            return Ok(None);
+        }
+        HostBlocks::checked(q, s, b, out, inp, &format!("{base} ({HOST_BLOCKS_FILE})")).map(Some)
+    }
+
+    /// The blocks after checking them against `[out, inp]`: int8 values of that shape, float32
+    /// scales (and biases) `[out, groups]` with groups of a multiple of 16 values.
+    fn checked(q: Array, s: Array, b: Option<Array>, out: i32, inp: i32, what: &str) -> Result<HostBlocks> {
+        if q.dtype() != Dtype::Int8 || q.shape() != [out, inp] {
+            return Err(crate::Error::ModelLoad(format!(
+                "the blocks of {what} are {} {:?}, not int8 [{out}, {inp}]",
+                q.dtype().name(),
+                q.shape()
+            )));
+        }
+        let groups = s.dim(-1);
+        let step = mx::GROUP_STEP as i32;
+        let good = |a: &Array| a.dtype() == Dtype::Float32 && a.ndim() == 2 && a.dim(0) == out && a.dim(1) == groups;
+        if !good(&s) || groups < 1 || inp % groups != 0 || (inp / groups) % step != 0 || !b.as_ref().is_none_or(good) {
+            return Err(crate::Error::ModelLoad(format!(
+                "the scales (or biases) of {what} are {} {:?}: not float32 [{out}, groups] over groups of a multiple \
+                 of {step} of its {inp} columns",
+                s.dtype().name(),
+                s.shape()
+            )));
+        }
+        Ok(HostBlocks { q, s, b })
+    }
+
+    /// The arrays held (to evaluate after building them).
+    fn arrays(&self) -> Vec<&Array> {
+        let mut v = vec![&self.q, &self.s];
+        v.extend(self.b.as_ref());
+        v
+    }
+
+    /// Group width in values.
+    fn group(&self) -> i32 {
+        self.q.dim(1) / self.s.dim(1)
+    }
+
+    /// The parts' rows stacked (for [`Linear::concat`]), in the smallest group of them (a group's
+    /// scale repeated over its halves: the same values) and with zero biases for the parts without.
+    fn concat(parts: &[&HostBlocks]) -> Result<HostBlocks> {
+        let group = parts.iter().map(|p| p.group()).min().unwrap_or(mx::GROUP_STEP as i32);
+        let widen = |a: &Array, f: i32| -> Result<Array> {
+            if f == 1 {
+                return Ok(a.clone());
+            }
+            let (r, g) = (a.dim(0), a.dim(1));
+            let e = mx::broadcast_to(&mx::expand_dims(a, 2)?, &[r, g, f])?;
+            mx::reshape(&e, &[r, g * f])
+        };
+        let any_b = parts.iter().any(|p| p.b.is_some());
+        let (mut qs, mut ss, mut bs) = (Vec::new(), Vec::new(), Vec::new());
+        for p in parts {
+            let f = p.group() / group;
+            if p.group() % group != 0 {
+                return Err(crate::Error::Invalid(format!("groups of {} and {group} values", p.group())));
+            }
+            qs.push(p.q.clone());
+            ss.push(widen(&p.s, f)?);
+            if any_b {
+                bs.push(match &p.b {
+                    Some(b) => widen(b, f)?,
+                    None => mx::zeros(&[p.s.dim(0), p.s.dim(1) * f], Dtype::Float32)?,
+                });
+            }
+        }
+        let cat = |xs: &[Array]| mx::concatenate(&xs.iter().collect::<Vec<_>>(), 0);
+        Ok(HostBlocks { q: cat(&qs)?, s: cat(&ss)?, b: if any_b { Some(cat(&bs)?) } else { None } })
+    }
+
+    /// `x · dequant(W)ᵀ` for float32 `x` `[..., inp]` of up to [`HOST_BLOCKS_MAX_ROWS`] rows (a decode
+    /// step); None elsewhere, or where the loaded libmlxc lacks the op.
+    pub fn matmul(&self, x: &Array) -> Result<Option<Array>> {
+        let cols = self.q.dim(1);
+        if x.dtype() != Dtype::Float32 || x.dim(-1) != cols || x.size() / cols.max(1) as usize > HOST_BLOCKS_MAX_ROWS {
+            return Ok(None);
+        }
+        mx::host_blocks_matmul(x, &self.q, &self.s, self.b.as_ref())
+    }
+}
+
+/// The output head as Q8_0 blocks ([`HostBlocks`] of groups of 32, no biases): for the real Gemma 3
+/// 270M's 262144 × 640 tied head 178 MB per token instead of 671 MB of float32.
 pub struct Q8Head {
-    m: mx::Q8Matrix,
+    m: HostBlocks,
 }
 
 impl Q8Head {
@@ -403,41 +547,17 @@ impl Q8Head {
     pub fn take(ws: &mut Weights, rows: i32, hidden: i32) -> Result<Option<Q8Head>> {
         let (Some(q), Some(d)) = (ws.remove(Q8_HEAD_VALUES), ws.remove(Q8_HEAD_SCALES)) else { return Ok(None) };
         let off = std::env::var(Q8_HEAD_ENV).is_ok_and(|v| v.trim() == "0");
-        if off || crate::plan::Backend::detect() != crate::plan::Backend::Cpu {
+        if off || on_gpu() {
             return Ok(None);
         }
-        let want_d = [rows, hidden / mx::Q8_BLOCK as i32];
-        if q.dtype() != Dtype::Int8 || q.shape() != [rows, hidden] || hidden % mx::Q8_BLOCK as i32 != 0 {
-            return Err(crate::Error::ModelLoad(format!(
-                "weight {Q8_HEAD_VALUES} ({Q8_HEAD_FILE}) is {} {:?}, not int8 [{rows}, {hidden}] (the output head's shape)",
-                q.dtype().name(),
-                q.shape()
-            )));
-        }
-        if d.dtype() != Dtype::Float32 || d.shape() != want_d {
-            return Err(crate::Error::ModelLoad(format!(
-                "weight {Q8_HEAD_SCALES} ({Q8_HEAD_FILE}) is {} {:?}, not float32 {want_d:?}",
-                d.dtype().name(),
-                d.shape()
-            )));
-        }
-        let m = mx::Q8Matrix::new(q.to_vec::<i8>()?, d.to_vec::<f32>()?, rows as usize, hidden as usize)?;
+        let m = HostBlocks::checked(q, d, None, rows, hidden, &format!("the output head ({Q8_HEAD_FILE})"))?;
         Ok(Some(Q8Head { m }))
     }
 
-    /// The logits of float32 hidden states `h` `[..., hidden]` (evaluated here), or None where this
-    /// head does not apply (more than [`Q8_HEAD_MAX_ROWS`] rows, another dtype).
+    /// The logits of float32 hidden states `h` `[..., hidden]`, or None where this head does not
+    /// apply (more than [`HOST_BLOCKS_MAX_ROWS`] rows, another dtype).
     pub fn logits(&self, h: &Array) -> Result<Option<Array>> {
-        let rows = h.size() / self.m.cols().max(1);
-        if h.dtype() != Dtype::Float32 || h.dim(-1) as usize != self.m.cols() || rows > Q8_HEAD_MAX_ROWS {
-            return Ok(None);
-        }
-        let x = h.to_vec::<f32>()?;
-        let threads = mx::host_threads();
-        let y = self.m.matvec(&x, threads)?;
-        let mut shape = h.shape();
-        *shape.last_mut().expect("h has a last axis") = self.m.rows() as i32;
-        Ok(Some(Array::from_slice(&y, &shape)?))
+        self.m.matmul(h)
     }
 }
 
@@ -1207,7 +1327,20 @@ impl Attention {
         cache: &mut LayerCache,
         sinks: Option<&Array>,
     ) -> Result<Array> {
-        attend_fetched(&q, &cache.update_and_fetch(k, v)?, self.scale, mask, sinks)
+        let fetched = cache.update_and_fetch(k, v)?;
+        // one sequence's decode step on the CPU: the rows op too (MLX's attention of one query makes
+        // two BLAS products per head, each waking OpenBLAS's threads, which then spin beside the host
+        // kernels' threads)
+        if q.dim(0) == 1 && q.dim(2) == 1 && rows_attention_applies(&q, sinks, std::slice::from_ref(mask)) {
+            if let Fetched::Dense(k, v) = &fetched {
+                if k.dtype() == Dtype::Float32 && v.dtype() == Dtype::Float32 {
+                    if let Some(o) = mx::rows_decode_attention(&q, &[(k, v)], self.scale)? {
+                        return Ok(o);
+                    }
+                }
+            }
+        }
+        attend_fetched(&q, &fetched, self.scale, mask, sinks)
     }
 
     /// The heads `[B, heads, L, head_dim]` back to `[B, L, hidden]` through the output projection.
@@ -2102,7 +2235,7 @@ mod tests {
 
     fn dense(out: i32, inp: i32, bias: bool, seed: u64) -> Linear {
         let w = rnd(&[out, inp], seed);
-        Linear::Dense { wt: mx::transpose(&w).unwrap(), w, b: bias.then(|| rnd(&[out], seed + 100)) }
+        Linear::Dense { wt: mx::transpose(&w).unwrap(), w, b: bias.then(|| rnd(&[out], seed + 100)), host: None }
     }
 
     fn quant(out: i32, inp: i32, bias: bool, bits: i32, seed: u64) -> Linear {
