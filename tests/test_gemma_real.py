@@ -43,10 +43,11 @@ def home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ours_f32(gguf_file: Path) -> Path:
-    """The import as the CPU default makes it (IMPORT_VERSION 4 on): f32 plus head_q8_0.safetensors, the
-    tied head's Q8_0 blocks. One directory for every test here (the name is not the older
-    gemma3-270m-mlxrs-f32, which a checkout's tests/.models may hold from before the head file)."""
-    out = ROOT / "gemma3-270m-mlxrs-f32-q8head"
+    """The import as the CPU default makes it (IMPORT_VERSION 5 on): f32 plus head_q8_0.safetensors, the
+    tied head's Q8_0 blocks, and host_blocks.safetensors, the projections' Q4_K/Q5_0/Q6_K/Q8_0 blocks. One
+    directory for every test here (named for the import version: a checkout's tests/.models may hold
+    an older import)."""
+    out = ROOT / "gemma3-270m-mlxrs-f32-v5"
     with build_lock(out):
         if not (out / "config.json").exists():
             models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
@@ -81,25 +82,27 @@ def test_import_logits_match_independent_conversion(ours_f32, mlx_lm_runs):
             assert got == ref["tokens"], f"{text!r}: greedy continuations differ\n ours {got}\n ref  {ref['tokens']}"
 
 
-def test_q8_head_gives_the_f32_heads_and_mlx_lms_tokens(ours_f32, mlx_lm_runs, monkeypatch):
-    """The tied head as the file's Q8_0 blocks through the host gemv (the CPU default) against the
-    f32 head through MLX (MLXRS_CPU_Q8_HEAD=0) and mlx-lm on the independent conversion: identical
-    greedy tokens; a short prompt's logits (which the Q8_0 head computes) within float32 rounding of
-    the f32 head's, and not bit-equal to them (the other path really ran)."""
-    assert (ours_f32 / "head_q8_0.safetensors").is_file()
+def test_blocks_give_the_f32_weights_and_mlx_lms_tokens(ours_f32, mlx_lm_runs, monkeypatch):
+    """The tied head as the file's Q8_0 blocks and the projections as theirs, through the host kernel
+    (the CPU default), against every product from the f32 weights through MLX (MLXRS_CPU_Q8_HEAD=0,
+    MLXRS_CPU_HOST_BLOCKS=0) and mlx-lm on the independent conversion: identical greedy tokens; a
+    short prompt's logits (which the blocks compute) within float32 rounding of the f32 path's, and
+    not bit-equal to them (the other path really ran)."""
+    assert (ours_f32 / "head_q8_0.safetensors").is_file() and (ours_f32 / "host_blocks.safetensors").is_file()
     got: dict[str, tuple[list[list[int]], np.ndarray]] = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", mode)
+        monkeypatch.setenv("MLXRS_CPU_HOST_BLOCKS", mode)
         with mlxrs.Session(ours_f32) as s:
             short = s.tokenize("The quick brown fox")
             assert len(short) <= 8
             assert [s.tokenize(t) for t in PROMPTS] == [mlx_lm_runs[t][0] for t in PROMPTS]
             tokens = [s.generate(mlx_lm_runs[t][0], max_tokens=16, ignore_eos=True).tokens for t in PROMPTS]
             got[mode] = (tokens, np.array(s.logits(short), dtype=np.float32))
-    assert got["1"][0] == got["0"][0], "the Q8_0 and f32 heads decode different tokens"
+    assert got["1"][0] == got["0"][0], "the blocks and the f32 weights decode different tokens"
     for text, toks in zip(PROMPTS, got["1"][0]):
         ref = mlx_lm_runs[text][1]
-        assert toks == ref["tokens"], f"{text!r}: the Q8_0 head's greedy tokens differ from mlx-lm's"
+        assert toks == ref["tokens"], f"{text!r}: the blocks' greedy tokens differ from mlx-lm's"
     q8, f32 = got["1"][1], got["0"][1]
     diff = float(np.max(np.abs(q8 - f32)))
     assert 0 < diff <= 1e-4 * float(np.max(np.abs(f32))), diff

@@ -104,9 +104,11 @@ def write_header(w: "gguf.GGUFWriter", cfg: dict, src: Path) -> None:
     w.add_add_bos_token(False)
 
 
-def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
+def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = (), quants: dict[str, str] | None = None) -> None:
     """`src` as a llama.cpp GGUF, all float32 but the tensors named in `q8_0` (GGUF names), which
-    gguf-py quantizes to Q8_0 as llama.cpp's converter does."""
+    gguf-py quantizes to Q8_0 as llama.cpp's converter does, and those of `quants` (GGUF name → a type
+    gguf-py quantizes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
+    types = {g: "Q8_0" for g in q8_0} | (quants or {})
     import mlx.core as mx
 
     cfg = json.loads((src / "config.json").read_text())
@@ -133,12 +135,9 @@ def write_gguf(src: Path, out: Path, q8_0: tuple[str, ...] = ()) -> None:
         if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             a = llamacpp_permute(a, heads)
-        if g in q8_0:
-            w.add_tensor(
-                g,
-                gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0),
-                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
-            )
+        if g in types:
+            ty = gguf.GGMLQuantizationType[types[g]]
+            w.add_tensor(g, gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), ty), raw_dtype=ty)
         else:
             w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
     if cfg.get("rope_scaling", {}).get("rope_type") == "llama3":
@@ -311,3 +310,64 @@ def test_q8_0_head_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
     )
     with pytest.raises(MlxrsError, match="head_q8_0.weight"):
         mlxrs.Session(doubled)
+
+
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # llama: q/k rows permuted in the file
+def test_projection_blocks_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
+    """A GGUF whose projections are in block formats (gguf-py's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 cycled
+    over the matrices: q/k/v and gate/up of different formats, fused into one product) imports to f32
+    plus host_blocks.safetensors, which the CPU's decode steps read (MLXRS_CPU_HOST_BLOCKS, on by
+    default): the same greedy tokens as mlx-lm on the imported directory (it reads the dequantized f32
+    weights of model.safetensors) and as the f32 path (MLXRS_CPU_HOST_BLOCKS=0); a short prompt's logits
+    within float32 rounding of mlx-lm's, and not bit-equal to the f32 path's (the blocks really ran);
+    the blocks are what is read (one matrix's scales zeroed there changes the logits); blocks that do
+    not fit the model are refused naming the module."""
+    import shutil
+
+    import mlx.core as mx
+    from mlxrs.errors import MlxrsError
+
+    src = make_model(f"{arch}-float32", arch)
+    g = tmp_path / f"{arch}.gguf"
+    projs = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    cfg = json.loads((src / "config.json").read_text())
+    names = [f"blk.{l}.{p}.weight" for l in range(cfg["num_hidden_layers"]) for p in projs]
+    write_gguf(src, g, quants={n: BLOCK_TYPES[i % len(BLOCK_TYPES)] for i, n in enumerate(names)})
+    out = models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)
+    hb = out / "host_blocks.safetensors"
+    t = mx.load(str(hb))
+    assert {k.rsplit(".", 1)[1] for k in t} == {"host_q", "host_scales", "host_biases"}
+    assert len([k for k in t if k.endswith(".host_q")]) == len(names)
+    with mlxrs.Session(out) as s:
+        ids = s.tokenize("The quick brown fox")
+    assert len(ids) <= 8, "a short prompt: its logits() runs through the blocks too"
+    ref = oracle.generate(out, ids, 24)
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("MLXRS_CPU_HOST_BLOCKS", mode)
+        with mlxrs.Session(out) as s:
+            got[mode] = (
+                s.generate(ids, max_tokens=24, ignore_eos=True).tokens,
+                np.array(s.logits(ids), dtype=np.float32),
+            )
+        assert got[mode][0] == ref["tokens"], f"MLXRS_CPU_HOST_BLOCKS={mode}: greedy tokens differ from mlx-lm's"
+        diff = float(np.max(np.abs(got[mode][1] - np.array(ref["logits"], dtype=np.float32))))
+        assert diff < 1e-4, f"MLXRS_CPU_HOST_BLOCKS={mode}: logits differ from mlx-lm's by {diff}"
+    assert not np.array_equal(got["1"][1], got["0"][1]), "the blocks' products are not the f32 path's"
+    # the blocks are the file's: one matrix's scales zeroed, the logits move (the f32 weights are untouched)
+    changed = tmp_path / "changed"
+    shutil.copytree(out, changed)
+    key = "model.layers.0.mlp.down_proj.host_scales"
+    mx.save_safetensors(str(changed / hb.name), {**t, key: t[key] * 0})
+    monkeypatch.setenv("MLXRS_CPU_HOST_BLOCKS", "1")
+    with mlxrs.Session(changed) as s:
+        moved = np.array(s.logits(ids), dtype=np.float32)
+    assert float(np.max(np.abs(moved - got["1"][1]))) > 1e-3
+    # blocks that do not fit the model
+    key = "model.layers.0.self_attn.q_proj.host_q"
+    mx.save_safetensors(str(changed / hb.name), {**t, key: t[key][:-1]})
+    with pytest.raises(MlxrsError, match="q_proj"):
+        mlxrs.Session(changed)

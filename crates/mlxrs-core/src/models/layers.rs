@@ -550,7 +550,7 @@ impl Q8Head {
         if off || on_gpu() {
             return Ok(None);
         }
-        let m = HostBlocks::checked(q, d, None, rows, hidden, &format!("the output head ({Q8_HEAD_FILE})"))?;
+        let m = HostBlocks::checked(q, d, None, rows, hidden, &format!("{Q8_HEAD_VALUES} ({Q8_HEAD_FILE})"))?;
         Ok(Some(Q8Head { m }))
     }
 
