@@ -252,7 +252,10 @@ macro_rules! x86_block {
                         for k in 0..R {
                             if i == 0 && (c % 64) == 0 {
                                 // the rows PREFETCH_ROWS ahead (a hint: an address past W faults nothing)
-                                _mm_prefetch(qp.wrapping_add((r + k + PREFETCH_ROWS) * cols + c) as *const i8, _MM_HINT_T0);
+                                _mm_prefetch(
+                                    qp.wrapping_add((r + k + PREFETCH_ROWS) * cols + c) as *const i8,
+                                    _MM_HINT_T0,
+                                );
                             }
                             // SAFETY: row r + k < rows, c + lanes <= cols
                             let $p = unsafe { qp.add((r + k) * cols + c) };
@@ -276,11 +279,28 @@ macro_rules! x86_block {
         }
     };
 }
-x86_block!(block_avx512, "avx512f,avx512bw,avx512vl,avx2,fma", 16, _mm512_setzero_ps, _mm512_loadu_ps,
-    _mm512_fmadd_ps, _mm512_set1_ps, _mm512_storeu_ps,
-    |p| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))));
-x86_block!(block_avx2, "avx2,fma", 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_set1_ps,
-    _mm256_storeu_ps, |p| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))));
+x86_block!(
+    block_avx512,
+    "avx512f,avx512bw,avx512vl,avx2,fma",
+    16,
+    _mm512_setzero_ps,
+    _mm512_loadu_ps,
+    _mm512_fmadd_ps,
+    _mm512_set1_ps,
+    _mm512_storeu_ps,
+    |p| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+);
+x86_block!(
+    block_avx2,
+    "avx2,fma",
+    8,
+    _mm256_setzero_ps,
+    _mm256_loadu_ps,
+    _mm256_fmadd_ps,
+    _mm256_set1_ps,
+    _mm256_storeu_ps,
+    |p| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+);
 
 /// The kernel MLX's CPU thread calls for [`host_blocks_matmul`]'s op (native/mlxrs_ext.cpp
 /// `HostBlocksMatmul`).
@@ -347,15 +367,7 @@ pub fn host_blocks_matmul(
     // through the pointer); the kernel's contract is kept by the primitive (shapes and dtypes checked,
     // inputs made row-contiguous, a fresh output)
     let rc = unsafe {
-        f(
-            &mut r,
-            x.0,
-            q.0,
-            scales.0,
-            biases.map_or(none, |b| b.0),
-            graph_kernel,
-            super::runtime::current_stream(),
-        )
+        f(&mut r, x.0, q.0, scales.0, biases.map_or(none, |b| b.0), graph_kernel, super::runtime::current_stream())
     };
     let a = super::Array::from_raw(r);
     super::check(rc)?;
@@ -463,7 +475,8 @@ mod tests {
         use crate::handle as mx;
         let cpu = mx::Stream::new(&mx::Device::new(mx::DeviceKind::Cpu, 0).unwrap()).unwrap();
         mx::with_stream(&cpu, || {
-            for (n, rows, cols, group, bias) in [(1, 37, 64, 32, false), (3, 300, 640, 16, true), (8, 64, 256, 32, true)]
+            for (n, rows, cols, group, bias) in
+                [(1, 37, 64, 32, false), (3, 300, 640, 16, true), (8, 64, 256, 32, true)]
             {
                 let (q, d, b, _) = random(rows, cols, group, bias, 1, (rows + cols) as u64);
                 let m = BlocksRef::new(&q, &d, b.as_deref(), rows, cols, group).unwrap();
@@ -514,7 +527,9 @@ mod tests {
     #[test]
     #[ignore]
     fn blocks_timing() {
-        for (rows, cols, group, bias) in [(256usize, 640usize, 32usize, false), (262144, 640, 32, false), (2048 * 18 * 4, 640, 32, true)] {
+        for (rows, cols, group, bias) in
+            [(256usize, 640usize, 32usize, false), (262144, 640, 32, false), (2048 * 18 * 4, 640, 32, true)]
+        {
             let q: Vec<i8> = (0..rows * cols).map(|i| (i % 251) as i8).collect();
             let ng = rows * cols / group;
             let d: Vec<f32> = (0..ng).map(|i| (i % 7) as f32 * 1e-3).collect();

@@ -11,8 +11,8 @@ mod kernel;
 mod ops;
 mod runtime;
 
-pub use blocks::{host_blocks_matmul, BlocksRef, GROUP_STEP};
 pub use array::{async_eval, async_eval_stage, eval, eval_epoch, eval_stage, Array, Dtype, Element};
+pub use blocks::{host_blocks_matmul, BlocksRef, GROUP_STEP};
 pub use f32mm::{host_matmul, small_matmul, small_matmul_calls, GRAPH_MAX_ROWS, SMALL_MAX_ROWS};
 pub use host::host_threads;
 #[cfg(test)]
