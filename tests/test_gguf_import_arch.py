@@ -255,6 +255,29 @@ def test_qwen3moe_gguf_import_quantized_experts(oracle, tmp_path):
     _check(oracle, out, TEXT, dtype="float32")
 
 
+def _on_and_off(
+    oracle, out: Path, switch: str, monkeypatch
+) -> tuple[list[int], dict[str, tuple[list[int], np.ndarray]]]:
+    """A short prompt (<= 8 tokens: its logits() runs through the decode-step paths too) decoded and
+    scored with `switch` on and off: both mlx-lm's greedy tokens and its logits within 1e-4."""
+    with mlxrs.Session(out) as s:
+        ids = s.tokenize("The quick brown fox")
+    assert len(ids) <= 8
+    ref = oracle.generate(out, ids, 24)
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv(switch, mode)
+        with mlxrs.Session(out) as s:
+            got[mode] = (
+                s.generate(ids, max_tokens=24, ignore_eos=True).tokens,
+                np.array(s.logits(ids), dtype=np.float32),
+            )
+        assert got[mode][0] == ref["tokens"], f"{switch}={mode}: greedy tokens differ from mlx-lm's"
+        diff = float(np.max(np.abs(got[mode][1] - np.array(ref["logits"], dtype=np.float32))))
+        assert diff < 1e-4, f"{switch}={mode}: logits differ from mlx-lm's by {diff}"
+    return ids, got
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # a tied head, an untied one
 def test_q8_0_head_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
     """A GGUF whose output head is Q8_0 imports to f32 plus the head's own Q8_0 blocks
@@ -276,21 +299,7 @@ def test_q8_0_head_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
     out = models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)
     hf = out / "head_q8_0.safetensors"
     assert hf.is_file()
-    with mlxrs.Session(out) as s:
-        ids = s.tokenize("The quick brown fox")
-    assert len(ids) <= 8, "a short prompt: its logits() runs through the Q8_0 head too"
-    ref = oracle.generate(out, ids, 24)
-    got = {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("MLXRS_CPU_Q8_HEAD", mode)
-        with mlxrs.Session(out) as s:
-            got[mode] = (
-                s.generate(ids, max_tokens=24, ignore_eos=True).tokens,
-                np.array(s.logits(ids), dtype=np.float32),
-            )
-        assert got[mode][0] == ref["tokens"], f"MLXRS_CPU_Q8_HEAD={mode}: greedy tokens differ from mlx-lm's"
-        diff = float(np.max(np.abs(got[mode][1] - np.array(ref["logits"], dtype=np.float32))))
-        assert diff < 1e-4, f"MLXRS_CPU_Q8_HEAD={mode}: logits differ from mlx-lm's by {diff}"
+    ids, got = _on_and_off(oracle, out, "MLXRS_CPU_Q8_HEAD", monkeypatch)
     # the Q8_0 head is the file's: its scales doubled, the logits double (the f32 head is untouched)
     doubled = tmp_path / "doubled"
     shutil.copytree(out, doubled)
@@ -341,21 +350,7 @@ def test_projection_blocks_on_the_cpu(oracle, arch, tmp_path, monkeypatch):
     t = mx.load(str(hb))
     assert {k.rsplit(".", 1)[1] for k in t} == {"host_q", "host_scales", "host_biases"}
     assert len([k for k in t if k.endswith(".host_q")]) == len(names)
-    with mlxrs.Session(out) as s:
-        ids = s.tokenize("The quick brown fox")
-    assert len(ids) <= 8, "a short prompt: its logits() runs through the blocks too"
-    ref = oracle.generate(out, ids, 24)
-    got = {}
-    for mode in ("1", "0"):
-        monkeypatch.setenv("MLXRS_CPU_HOST_BLOCKS", mode)
-        with mlxrs.Session(out) as s:
-            got[mode] = (
-                s.generate(ids, max_tokens=24, ignore_eos=True).tokens,
-                np.array(s.logits(ids), dtype=np.float32),
-            )
-        assert got[mode][0] == ref["tokens"], f"MLXRS_CPU_HOST_BLOCKS={mode}: greedy tokens differ from mlx-lm's"
-        diff = float(np.max(np.abs(got[mode][1] - np.array(ref["logits"], dtype=np.float32))))
-        assert diff < 1e-4, f"MLXRS_CPU_HOST_BLOCKS={mode}: logits differ from mlx-lm's by {diff}"
+    ids, got = _on_and_off(oracle, out, "MLXRS_CPU_HOST_BLOCKS", monkeypatch)
     assert not np.array_equal(got["1"][1], got["0"][1]), "the blocks' products are not the f32 path's"
     # the blocks are the file's: one matrix's scales zeroed, the logits move (the f32 weights are untouched)
     changed = tmp_path / "changed"
