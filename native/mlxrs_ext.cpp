@@ -30,17 +30,20 @@ typedef void (*mlxrs_host_matmul_kernel)(
 
 /* y = x · dequant(W)ᵀ for W in blocks along its rows (int8 q [rows, cols], float32 s and b — b null
    for none — [rows, cols / group]: dequant(W)[r, k] = s[r, k/group] · q[r, k] + b[r, k/group]), x
-   [n, cols] and y [n, rows] float32, all row-major: mlxrs's kernel (crates/mlxrs-core/src/handle/blocks.rs). */
-typedef void (*mlxrs_host_blocks_kernel)(
-    const int8_t* q,
-    const float* s,
-    const float* b,
-    size_t rows,
-    size_t cols,
-    size_t group,
-    const float* x,
-    size_t n,
-    float* y);
+   [n, cols] and y [n, rows] float32, all row-major: mlxrs's kernel (crates/mlxrs-core/src/handle/blocks.rs),
+   called with these fields (crates/mlxrs-sys's HostBlocksArgs, field for field). */
+struct mlxrs_host_blocks_args {
+  const int8_t* q;
+  const float* s;
+  const float* b;
+  size_t rows;
+  size_t cols;
+  size_t group;
+  const float* x;
+  size_t n;
+  float* y;
+};
+typedef void (*mlxrs_host_blocks_kernel)(const mlxrs_host_blocks_args* args);
 
 /* Runs body(ctx, begin, end) over ranges covering [0, items) (each at least `grain` long, but for
    the last) on the caller's thread and the caller's workers, returning when all have; body must not
@@ -159,16 +162,17 @@ class HostBlocksMatmul : public UnaryPrimitive {
       encoder.set_input_array(a);
     }
     encoder.set_output_array(out);
-    encoder.dispatch([kernel = kernel_,
-                      qp = q.data<int8_t>(),
-                      sp = s.data<float>(),
-                      bp = inputs.size() > 3 ? inputs[3].data<float>() : nullptr,
-                      xp = x.data<float>(),
-                      yp = out.data<float>(),
-                      rows,
-                      cols,
-                      group,
-                      n]() { kernel(qp, sp, bp, rows, cols, group, xp, n, yp); });
+    const mlxrs_host_blocks_args args{
+        q.data<int8_t>(),
+        s.data<float>(),
+        inputs.size() > 3 ? inputs[3].data<float>() : nullptr,
+        rows,
+        cols,
+        group,
+        x.data<float>(),
+        n,
+        out.data<float>()};
+    encoder.dispatch([kernel = kernel_, args]() { kernel(&args); });
   }
 
   void eval_gpu(const std::vector<array>&, array&) override {

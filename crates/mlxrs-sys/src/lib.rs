@@ -121,20 +121,24 @@ pub type RangeBody = unsafe extern "C" fn(ctx: *mut c_void, begin: i64, end: i64
 pub type HostMatmulKernel =
     unsafe extern "C" fn(w: *const f32, rows: usize, cols: usize, x: *const f32, n: usize, y: *mut f32);
 
-/// The kernel [`ExtraApi::mlxrs_host_blocks_matmul`] calls on MLX's CPU thread: `y [n, rows] = x [n,
-/// cols] · dequant(W)ᵀ`, `q` `[rows, cols]` int8, `s` and `b` (null: none) `[rows, cols / group]`
-/// float32, all row-major.
-pub type HostBlocksKernel = unsafe extern "C" fn(
-    q: *const i8,
-    s: *const f32,
-    b: *const f32,
-    rows: usize,
-    cols: usize,
-    group: usize,
-    x: *const f32,
-    n: usize,
-    y: *mut f32,
-);
+/// What [`ExtraApi::mlxrs_host_blocks_matmul`]'s kernel computes (native/mlxrs_ext.cpp's
+/// `mlxrs_host_blocks_args`, field for field): `y [n, rows] = x [n, cols] · dequant(W)ᵀ`, `q` `[rows,
+/// cols]` int8, `s` and `b` (null: none) `[rows, cols / group]` float32, all row-major.
+#[repr(C)]
+pub struct HostBlocksArgs {
+    pub q: *const i8,
+    pub s: *const f32,
+    pub b: *const f32,
+    pub rows: usize,
+    pub cols: usize,
+    pub group: usize,
+    pub x: *const f32,
+    pub n: usize,
+    pub y: *mut f32,
+}
+
+/// The kernel [`ExtraApi::mlxrs_host_blocks_matmul`] calls on MLX's CPU thread.
+pub type HostBlocksKernel = unsafe extern "C" fn(args: *const HostBlocksArgs);
 
 impl ExtraApi {
     unsafe fn resolve(lib: &libloading::Library) -> Result<Self, String> {

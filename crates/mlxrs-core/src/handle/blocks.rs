@@ -306,20 +306,13 @@ x86_block!(
 /// `HostBlocksMatmul`).
 ///
 /// # Safety
-/// `q` points at `rows · cols` int8 values, `s` (and `b` unless null) at `rows · cols / group` float32
-/// values, `x` at `n · cols` and `y` at `n · rows` float32 values, `y` not overlapping the others: the
-/// primitive passes its inputs' and its fresh output's buffers after checking their shapes.
-unsafe extern "C" fn graph_kernel(
-    q: *const i8,
-    s: *const f32,
-    b: *const f32,
-    rows: usize,
-    cols: usize,
-    group: usize,
-    x: *const f32,
-    n: usize,
-    y: *mut f32,
-) {
+/// `args` points at a [`mlxrs_sys::HostBlocksArgs`] whose `q` points at `rows · cols` int8 values, `s`
+/// (and `b` unless null) at `rows · cols / group` float32 values, `x` at `n · cols` and `y` at `n ·
+/// rows` float32 values, `y` not overlapping the others: the primitive passes its inputs' and its
+/// fresh output's buffers after checking their shapes.
+unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostBlocksArgs) {
+    // SAFETY: the caller's contract
+    let mlxrs_sys::HostBlocksArgs { q, s, b, rows, cols, group, x, n, y } = unsafe { std::ptr::read(args) };
     if rows == 0 || cols == 0 || n == 0 || group == 0 {
         return;
     }
