@@ -200,8 +200,41 @@ pub fn qmv(
 
 /// What both kernels share, ahead of the kernel function: which rows of W a warp reads and how a
 /// warp's sums are written (`MLXRS_SWIGLU`: a warp per output, reading its gate row and its up row
-/// `N/2` further; otherwise `R` consecutive rows, plus `MLXRS_RES(i)`, the residual where defined).
+/// `N/2` further; otherwise `R` consecutive rows, plus `MLXRS_RES(i)`, the residual where defined);
+/// the warp's rows and accumulators (`MLXRS_WARP_ROWS`), one 16-byte read of each row with its group's
+/// scale and bias (`MLXRS_READ_ROWS`), and the warp's sums reduced and stored (`MLXRS_SUM_STORE`).
 const HEADER: &str = r#"
+#define MLXRS_WARP_ROWS \
+    const unsigned first = MLXRS_FIRST((blockIdx.x * blockDim.x + threadIdx.x) >> 5); \
+    if (first >= (unsigned)MLXRS_OUTS) return; \
+    float acc[R][M]; \
+    _Pragma("unroll") \
+    for (int r = 0; r < R; ++r) \
+        _Pragma("unroll") \
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.f; \
+    const uint4* wbase = reinterpret_cast<const uint4*>(w);
+#define MLXRS_READ_ROWS(i, k0) \
+    uint4 q[R]; \
+    float s[R], b[R]; \
+    _Pragma("unroll") \
+    for (int r = 0; r < R; ++r) { \
+        const unsigned row = MLXRS_ROW(first, r); \
+        q[r] = wbase[(size_t)row * (WPR / 4) + (i)]; \
+        s[r] = static_cast<float>(scales[(size_t)row * NG + (k0) / GS]); \
+        b[r] = static_cast<float>(biases[(size_t)row * NG + (k0) / GS]); \
+    }
+#define MLXRS_SUM_STORE \
+    _Pragma("unroll") \
+    for (int m = 0; m < M; ++m) { \
+        float v[R]; \
+        _Pragma("unroll") \
+        for (int r = 0; r < R; ++r) { \
+            v[r] = acc[r][m]; \
+            _Pragma("unroll") \
+            for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o); \
+        } \
+        if (lane == 0) MLXRS_STORE(m, first, v); \
+    }
 #ifndef MLXRS_RES
 #define MLXRS_RES(i) 0.f
 #endif
@@ -240,26 +273,11 @@ const SOURCE: &str = r#"
     constexpr int VPU4 = 4 * PER_U32;           // values per 16-byte read
     constexpr int NG = K / GS;                  // groups per row
     const unsigned lane = threadIdx.x & 31u;
-    const unsigned first = MLXRS_FIRST((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-    if (first >= (unsigned)MLXRS_OUTS) return;
-    float acc[R][M];
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-    const uint4* wbase = reinterpret_cast<const uint4*>(w);
+    MLXRS_WARP_ROWS
     #pragma unroll 2
     for (int i = lane; i < WPR / 4; i += 32) {
         const int k0 = i * VPU4;
-        uint4 q[R];
-        float s[R], b[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const unsigned row = MLXRS_ROW(first, r);
-            q[r] = wbase[(size_t)row * (WPR / 4) + i];
-            s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
-            b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
-        }
+        MLXRS_READ_ROWS(i, k0)
         #pragma unroll
         for (int m = 0; m < M; ++m) {
             const uint4* xv4 = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
@@ -313,17 +331,7 @@ const SOURCE: &str = r#"
             }
         }
     }
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        float v[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            v[r] = acc[r][m];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
-        }
-        if (lane == 0) MLXRS_STORE(m, first, v);
-    }
+    MLXRS_SUM_STORE
 "#;
 
 /// The same product for 4-bit weights with x rounded to int8 on the way (llama.cpp's mmvq does the
@@ -380,26 +388,11 @@ const SOURCE_Q8X: &str = r#"
         xsum[bi] = amax * (1.f / 127.f) * (float)qsum;
     }
     __syncthreads();
-    const unsigned first = MLXRS_FIRST((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-    if (first >= (unsigned)MLXRS_OUTS) return;
-    float acc[R][M];
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-    const uint4* wbase = reinterpret_cast<const uint4*>(w);
+    MLXRS_WARP_ROWS
     #pragma unroll 2
     for (int i = lane; i < WPR / 4; i += 32) {
         const int k0 = i * VPU4;
-        uint4 q[R];
-        float s[R], b[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const unsigned row = MLXRS_ROW(first, r);
-            q[r] = wbase[(size_t)row * (WPR / 4) + i];
-            s[r] = static_cast<float>(scales[(size_t)row * NG + k0 / GS]);
-            b[r] = static_cast<float>(biases[(size_t)row * NG + k0 / GS]);
-        }
+        MLXRS_READ_ROWS(i, k0)
         #pragma unroll
         for (int m = 0; m < M; ++m) {
             const int4* xv = reinterpret_cast<const int4*>(xq + ((size_t)m * K + k0) / 4);
@@ -428,17 +421,7 @@ const SOURCE_Q8X: &str = r#"
             }
         }
     }
-    #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        float v[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            v[r] = acc[r][m];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
-        }
-        if (lane == 0) MLXRS_STORE(m, first, v);
-    }
+    MLXRS_SUM_STORE
 "#;
 
 #[cfg(test)]
