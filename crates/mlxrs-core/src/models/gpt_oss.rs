@@ -25,22 +25,18 @@ pub const ARCH: Arch = Arch {
 
 /// The config with mlx-lm's `ModelArgs` defaults for the fields it may leave out.
 fn args(config: &Value) -> Value {
-    let mut c = config.clone();
-    if let Some(o) = c.as_object_mut() {
-        for (k, v) in [
+    super::with_defaults(
+        config,
+        &[],
+        &[
             ("num_local_experts", Value::from(128)),
             ("num_experts_per_tok", Value::from(4)),
             ("rms_norm_eps", Value::from(1e-5)),
             ("head_dim", Value::from(64)),
             ("sliding_window", Value::from(128)),
             ("rope_theta", Value::from(150000)),
-        ] {
-            if o.get(k).is_none_or(Value::is_null) {
-                o.insert(k.to_string(), v);
-            }
-        }
-    }
-    c
+        ],
+    )
 }
 
 /// mlx-lm's sanitize for the Hugging Face layout: the experts' interleaved `gate_up_proj` (and

@@ -19,25 +19,44 @@ use serde_json::Value;
 
 pub const ARCH: Arch = Arch { name: "ministral3", model_types: &["ministral3"], sanitize, load, layout, gguf: None };
 
+/// A Mistral 3-era config's `rope_parameters` (ministral3, mistral4): the object, its numbers checked
+/// where read, and the Llama 4 query scale's `(beta, original_max_position_embeddings)`.
+pub(crate) struct RopeParameters<'a> {
+    pub params: &'a Value,
+    pub llama4: (f64, f64),
+}
+
+impl<'a> RopeParameters<'a> {
+    pub fn of(config: &'a Value, arch: &str) -> Result<RopeParameters<'a>> {
+        let params = config.get("rope_parameters").filter(|p| p.is_object()).ok_or_else(|| {
+            Error::ModelLoad(format!("config.json: rope_parameters is missing or not an object ({arch})"))
+        })?;
+        let mut r = RopeParameters { params, llama4: (0.0, 0.0) };
+        r.llama4 = (r.num("llama_4_scaling_beta", false)?, r.num("original_max_position_embeddings", true)?);
+        Ok(r)
+    }
+
+    /// `rope_parameters.{k}`: a finite number (`positive`: above 0).
+    pub fn num(&self, k: &str, positive: bool) -> Result<f64> {
+        self.params.get(k).and_then(Value::as_f64).filter(|v| v.is_finite() && (!positive || *v > 0.0)).ok_or_else(
+            || {
+                Error::ModelLoad(format!(
+                    "config.json: rope_parameters.{k} is missing or not a {}number",
+                    if positive { "positive " } else { "" }
+                ))
+            },
+        )
+    }
+}
+
 /// The config as the llama loader reads it (`rope_theta` and `rope_scaling` from
 /// `rope_parameters`), and the query scale's `(beta, original_max_position_embeddings)`.
 fn remap(config: &Value) -> Result<(Value, (f64, f64))> {
-    let params = config.get("rope_parameters").filter(|p| p.is_object()).ok_or_else(|| {
-        Error::ModelLoad("config.json: rope_parameters is missing or not an object (ministral3)".into())
-    })?;
-    let num = |k: &str, positive: bool| -> Result<f64> {
-        params.get(k).and_then(Value::as_f64).filter(|v| v.is_finite() && (!positive || *v > 0.0)).ok_or_else(|| {
-            Error::ModelLoad(format!(
-                "config.json: rope_parameters.{k} is missing or not a {}number",
-                if positive { "positive " } else { "" }
-            ))
-        })
-    };
-    let llama4 = (num("llama_4_scaling_beta", false)?, num("original_max_position_embeddings", true)?);
+    let rp = RopeParameters::of(config, "ministral3")?;
     let mut c = config.clone();
-    c["rope_theta"] = num("rope_theta", true)?.into();
-    c["rope_scaling"] = params.clone();
-    Ok((c, llama4))
+    c["rope_theta"] = rp.num("rope_theta", true)?.into();
+    c["rope_scaling"] = rp.params.clone();
+    Ok((c, rp.llama4))
 }
 
 /// mlx-lm's sanitize: rotary buffers and a tied `lm_head` dropped (llama's); an FP8 checkpoint's

@@ -41,21 +41,11 @@ pub const ARCH: Arch = Arch {
 /// `mscale_all_dim` dropped for a `default` rope (mlx-lm's `apply_yarn_mscale` ignores it there).
 /// Also the Llama 4 query scale's `(beta, original_max_position_embeddings)`.
 fn remap(config: &Value) -> Result<(Value, (f64, f64))> {
-    let params = config.get("rope_parameters").filter(|p| p.is_object()).ok_or_else(|| {
-        Error::ModelLoad("config.json: rope_parameters is missing or not an object (mistral4)".into())
-    })?;
-    let num = |k: &str, positive: bool| -> Result<f64> {
-        params.get(k).and_then(Value::as_f64).filter(|v| v.is_finite() && (!positive || *v > 0.0)).ok_or_else(|| {
-            Error::ModelLoad(format!(
-                "config.json: rope_parameters.{k} is missing or not a {}number",
-                if positive { "positive " } else { "" }
-            ))
-        })
-    };
-    let llama4 = (num("llama_4_scaling_beta", false)?, num("original_max_position_embeddings", true)?);
+    let rp = super::ministral3::RopeParameters::of(config, "mistral4")?;
+    let (params, llama4) = (rp.params, rp.llama4);
     let theta = match params.get("rope_theta") {
         None => 100000.0,
-        Some(_) => num("rope_theta", true)?,
+        Some(_) => rp.num("rope_theta", true)?,
     };
     let mut scaling = params.clone();
     let ty = params.get("type").or_else(|| params.get("rope_type")).and_then(Value::as_str).unwrap_or("default");

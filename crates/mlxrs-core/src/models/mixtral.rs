@@ -22,22 +22,17 @@ pub const ARCH: Arch = Arch {
 /// The config as mlx-lm's `ModelArgs` reads it: its defaults for the fields a config may leave
 /// out, and no `head_dim` (mixtral's attention derives it).
 fn args(config: &Value) -> Value {
-    let mut c = config.clone();
-    if let Some(o) = c.as_object_mut() {
-        o.remove("head_dim");
-        for (k, v) in [
+    super::with_defaults(
+        config,
+        &["head_dim"],
+        &[
             ("num_local_experts", Value::from(8)),
             ("num_experts_per_tok", Value::from(2)),
             ("rms_norm_eps", Value::from(1e-5)),
             ("rope_theta", Value::from(1e6)),
             ("tie_word_embeddings", Value::from(false)),
-        ] {
-            if o.get(k).is_none_or(Value::is_null) {
-                o.insert(k.to_string(), v);
-            }
-        }
-    }
-    c
+        ],
+    )
 }
 
 /// mlx-lm's sanitize: a tied lm_head dropped; the per-expert `block_sparse_moe.experts.{e}.w1/w2/w3`

@@ -320,6 +320,23 @@ pub static ARCHS: &[Arch] = &[
 ];
 
 /// Every supported `model_type`, aliases included (from [`ARCHS`]).
+/// `config` as an architecture's `ModelArgs` reads it: the fields of `drop` removed, and each of
+/// `defaults` set where the config leaves it out (absent or null).
+pub(crate) fn with_defaults(config: &Value, drop: &[&str], defaults: &[(&str, Value)]) -> Value {
+    let mut c = config.clone();
+    if let Some(o) = c.as_object_mut() {
+        for k in drop {
+            o.remove(*k);
+        }
+        for (k, v) in defaults {
+            if o.get(*k).is_none_or(Value::is_null) {
+                o.insert(k.to_string(), v.clone());
+            }
+        }
+    }
+    c
+}
+
 pub fn supported() -> Vec<&'static str> {
     arch::supported()
 }
