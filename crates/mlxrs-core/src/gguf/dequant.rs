@@ -98,6 +98,9 @@ pub struct Blocks {
     pub group: usize,
 }
 
+/// One ggml block dequantized into `y` (the formats that are not [`Blocks`]).
+type Dequant = fn(&[u8], &mut [f32]);
+
 /// One ggml block as [`Blocks`]: its values into `q`, a scale per group into `s` and a bias into `m`.
 type BlockSplit = fn(&[u8], &mut [i8], &mut [f32], &mut [f32]);
 
@@ -252,7 +255,7 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Result<Vec<f32>, String
         return Err(format!("{} bytes cannot hold {n} values of {}", raw.len(), ty.name()));
     }
     let mut out = vec![0f32; blocks * be];
-    let direct: Option<fn(&[u8], &mut [f32])> = match ty {
+    let direct: Option<Dequant> = match ty {
         GgmlType::F32 => Some(|b, y| y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
         GgmlType::F16 => Some(|b, y| y[0] = f16::from_le_bytes([b[0], b[1]]).to_f32()),
         GgmlType::BF16 => Some(|b, y| y[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
