@@ -257,6 +257,23 @@ fn rows_attention_applies(q: &Array, sinks: Option<&Array>, masks: &[Mask]) -> b
         && !std::env::var(CPU_ROWS_ATTENTION_ENV).is_ok_and(|v| v.trim() == "0")
 }
 
+/// One decode step's attention of the rows of `q` (`[rows, heads, 1, head_dim]`), row `i` over
+/// `fetched[i]`, as one [`mx::rows_decode_attention`] op: where every row's keys and values are dense
+/// float32 (the caller has checked [`rows_attention_applies`]); None elsewhere.
+fn rows_op(q: &Array, fetched: &[Fetched], scale: f32) -> Result<Option<Array>> {
+    let dense: Option<Vec<(&Array, &Array)>> = fetched
+        .iter()
+        .map(|f| match f {
+            Fetched::Dense(k, v) if k.dtype() == Dtype::Float32 && v.dtype() == Dtype::Float32 => Some((k, v)),
+            _ => None,
+        })
+        .collect();
+    match dense {
+        Some(pairs) => mx::rows_decode_attention(q, &pairs, scale),
+        None => Ok(None),
+    }
+}
+
 /// `0`: a CPU decode step's per-row attention runs as MLX's ops per row (the reference path);
 /// otherwise as one op for all rows ([`mx::rows_decode_attention`]). Read at each step.
 pub const CPU_ROWS_ATTENTION_ENV: &str = "MLXRS_CPU_ROWS_ATTENTION";
@@ -1184,17 +1201,8 @@ impl Attention {
             // float32 on the CPU: every row's cache updated, then one op attends for all rows
             let fetched: Vec<Fetched> =
                 caches.iter_mut().zip(ks).zip(vs).map(|((c, k), v)| c.update_and_fetch(k, v)).collect::<Result<_>>()?;
-            let dense: Option<Vec<(&Array, &Array)>> = fetched
-                .iter()
-                .map(|f| match f {
-                    Fetched::Dense(k, v) if k.dtype() == Dtype::Float32 && v.dtype() == Dtype::Float32 => Some((k, v)),
-                    _ => None,
-                })
-                .collect();
-            if let Some(pairs) = dense {
-                if let Some(o) = mx::rows_decode_attention(&q, &pairs, self.scale)? {
-                    return Ok(o);
-                }
+            if let Some(o) = rows_op(&q, &fetched, self.scale)? {
+                return Ok(o);
             }
             let outs: Vec<Array> = qs
                 .iter()
@@ -1332,12 +1340,8 @@ impl Attention {
         // two BLAS products per head, each waking OpenBLAS's threads, which then spin beside the host
         // kernels' threads)
         if q.dim(0) == 1 && q.dim(2) == 1 && rows_attention_applies(&q, sinks, std::slice::from_ref(mask)) {
-            if let Fetched::Dense(k, v) = &fetched {
-                if k.dtype() == Dtype::Float32 && v.dtype() == Dtype::Float32 {
-                    if let Some(o) = mx::rows_decode_attention(&q, &[(k, v)], self.scale)? {
-                        return Ok(o);
-                    }
-                }
+            if let Some(o) = rows_op(&q, std::slice::from_ref(&fetched), self.scale)? {
+                return Ok(o);
             }
         }
         attend_fetched(&q, &fetched, self.scale, mask, sinks)
