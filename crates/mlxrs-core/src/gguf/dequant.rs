@@ -214,6 +214,12 @@ fn block_form(ty: GgmlType) -> Option<(usize, bool, BlockSplit)> {
     })
 }
 
+/// A format's [`Blocks`] layout: values per group and whether groups have a bias; None for the types
+/// that are not of that form.
+pub fn block_layout(ty: GgmlType) -> Option<(usize, bool)> {
+    block_form(ty).map(|(group, bias, _)| (group, bias))
+}
+
 /// One ggml block of a [`block_form`] format dequantized: `q · s` per value, `+ b` where the format
 /// has biases (not `+ 0`: a product of −0 stays −0, as in ggml).
 fn from_blocks<const BE: usize>(group: usize, bias: bool, split: BlockSplit, b: &[u8], y: &mut [f32]) {

@@ -26,7 +26,7 @@ pub fn metadata_json(h: &GgufHeader) -> Value {
     Value::Object(h.metadata.iter().map(|(k, v)| (k.clone(), meta_to_json(v))).collect())
 }
 
-use super::dequant::{blocks, dequantize};
+use super::dequant::{block_layout, blocks, dequantize};
 use super::reader::{GgmlType, GgufFile};
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, Dtype};
@@ -689,20 +689,7 @@ pub fn q8_head_bytes(h: &GgufHeader, dtype: OutDtype) -> u64 {
 /// from): an f32 import (the CPU default), a linear projection's matrix, in a format with blocks
 /// ([`super::dequant::blocks`]).
 pub fn keeps_blocks(t: &super::reader::TensorInfo, name: &str, dtype: OutDtype) -> bool {
-    dtype == OutDtype::F32
-        && name.ends_with("_proj.weight")
-        && t.shape().len() == 2
-        && matches!(
-            t.ty,
-            GgmlType::Q4_0
-                | GgmlType::Q4_1
-                | GgmlType::Q5_0
-                | GgmlType::Q5_1
-                | GgmlType::Q8_0
-                | GgmlType::Q4K
-                | GgmlType::Q5K
-                | GgmlType::Q6K
-        )
+    dtype == OutDtype::F32 && name.ends_with("_proj.weight") && t.shape().len() == 2 && block_layout(t.ty).is_some()
 }
 
 /// Bytes the blocks of [`keeps_blocks`] take in memory (int8 values, a float32 scale per group and,
@@ -713,14 +700,9 @@ pub fn host_blocks_bytes(h: &GgufHeader, dtype: OutDtype) -> u64 {
     h.tensors
         .iter()
         .filter(|t| hf_name(&t.name, model_type).is_some_and(|name| keeps_blocks(t, &name, dtype)))
-        .map(|t| {
-            let n = t.n_elements();
-            let (group, bias) = match t.ty {
-                GgmlType::Q6K => (16, false),
-                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => (32, true),
-                _ => (32, false),
-            };
-            n + n / group * 4 * (1 + bias as u64)
+        .filter_map(|t| {
+            let (n, (group, bias)) = (t.n_elements(), block_layout(t.ty)?);
+            Some(n + n / group as u64 * 4 * (1 + bias as u64))
         })
         .sum()
 }
@@ -871,6 +853,13 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
         let raw = f.read_raw(t)?;
         let n = t.n_elements() as usize;
         let dims = t.shape();
+        // llama's q/k rows as llama.cpp's converter permuted them: the heads to undo it over
+        let qk_heads = match name.as_str() {
+            _ if !permute_qk || dims.len() != 2 => None,
+            n if n.ends_with("q_proj.weight") => Some(heads),
+            n if n.ends_with("k_proj.weight") => Some(kv_heads),
+            _ => None,
+        };
         let is_head = head_name.as_deref() == Some(t.name.as_str());
         if is_head || keeps_blocks(t, &name, dtype) {
             let bl = blocks(t.ty, &raw, n)
@@ -887,18 +876,12 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
             } else {
                 use crate::models::layers::HostBlocks;
                 let base = name.trim_end_matches(".weight");
-                // the same rows as the f32 values below: llama's q/k heads un-permuted
-                let heads = match name.as_str() {
-                    _ if !permute_qk => None,
-                    n if n.ends_with("q_proj.weight") => Some(heads),
-                    n if n.ends_with("k_proj.weight") => Some(kv_heads),
-                    _ => None,
-                };
-                let rows_of = |v: Vec<f32>, width: usize| match heads {
+                // the same rows as the f32 values below
+                let rows_of = |v: Vec<f32>, width: usize| match qk_heads {
                     Some(h) => unpermute(&v, rows, width, h),
                     None => v,
                 };
-                let q = match heads {
+                let q = match qk_heads {
                     Some(h) => unpermute(&bl.q, rows, cols, h),
                     None => bl.q,
                 };
@@ -917,9 +900,8 @@ pub fn import(gguf: &Path, out: &Path, dtype: OutDtype, progress: ImportProgress
             // llama.cpp stores Gemma's norm weights as w + 1
             v.iter_mut().for_each(|x| *x -= 1.0);
         }
-        if permute_qk && shape.len() == 2 && (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
-            let hds = if name.ends_with("q_proj.weight") { heads } else { kv_heads };
-            v = unpermute(&v, shape[0] as usize, shape[1] as usize, hds);
+        if let Some(h) = qk_heads {
+            v = unpermute(&v, shape[0] as usize, shape[1] as usize, h);
         }
         let a = Array::from_slice(&v, &shape)?;
         drop(v);
