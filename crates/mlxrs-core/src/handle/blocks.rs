@@ -18,7 +18,7 @@ const ROW_GROUP: usize = 4;
 
 /// How far ahead of the rows being read (in W's rows) the x86 copies ask for W's next lines: the
 /// hardware prefetcher alone left the kernel at ~10 GB/s on 2 threads (four interleaved row streams);
-/// 16 rows ahead 14.7, 48 rows 16.7, 128 rows 15.6 GB/s (262144 × 640, `blocks_timing` below).
+/// 16 rows ahead 14.7, 48 rows 16.7, 128 rows 15.6 GB/s (262144 × 640, crates/mlxrs-core/examples/blocks_timing.rs).
 const PREFETCH_ROWS: usize = 48;
 
 /// Values of a group are a multiple of this (one AVX-512 register of int8 widened to float32).
@@ -81,13 +81,26 @@ impl<'a> BlocksRef<'a> {
     /// threads (each a contiguous range of W's rows). Equal to the float32 product with the
     /// dequantized matrix up to float32 rounding and summation order.
     pub fn matvec(&self, x: &[f32], threads: usize) -> Result<Vec<f32>> {
-        if !x.len().is_multiple_of(self.cols) {
-            return Err(Error::Invalid(format!("{} input values are not rows of {}", x.len(), self.cols)));
-        }
-        Ok(self.matvec_with(detect(), x, threads))
+        let mut y = vec![0f32; x.len() / self.cols * self.rows];
+        self.matvec_into(x, threads, &mut y)?;
+        Ok(y)
     }
 
-    fn matvec_with(&self, isa: Isa, x: &[f32], threads: usize) -> Vec<f32> {
+    /// [`BlocksRef::matvec`] into `y` (`[n, rows]`).
+    pub fn matvec_into(&self, x: &[f32], threads: usize, y: &mut [f32]) -> Result<()> {
+        if !x.len().is_multiple_of(self.cols) || y.len() != x.len() / self.cols * self.rows {
+            return Err(Error::Invalid(format!(
+                "{} input values are not rows of {}, or {} outputs not theirs",
+                x.len(),
+                self.cols,
+                y.len()
+            )));
+        }
+        self.matvec_with(detect(), x, threads, y);
+        Ok(())
+    }
+
+    fn matvec_with(&self, isa: Isa, x: &[f32], threads: usize, out: &mut [f32]) {
         let n = x.len() / self.cols;
         let (cols, group) = (self.cols, self.group);
         let ng = cols / group;
@@ -96,7 +109,7 @@ impl<'a> BlocksRef<'a> {
             Some(_) => x.chunks_exact(group).map(|c| c.iter().sum()).collect(),
             None => Vec::new(),
         };
-        over_rows(self.rows, n, threads, ROW_GROUP, |r0, r1, y| {
+        over_rows(self.rows, n, threads, ROW_GROUP, out, |r0, r1, y| {
             let part = BlocksRef {
                 q: &self.q[r0 * cols..r1 * cols],
                 s: &self.s[r0 * ng..r1 * ng],
@@ -106,7 +119,7 @@ impl<'a> BlocksRef<'a> {
                 group,
             };
             run(isa, &part, x, &xs, n, y)
-        })
+        });
     }
 }
 
@@ -333,12 +346,13 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostBlocksArgs) {
         return;
     };
     let threads = super::host::host_threads();
-    // a panic must not unwind into MLX's C++ (it would abort the process): the only one possible here
-    // is the OS refusing a thread, and then the product runs on this thread alone
-    let out = std::panic::catch_unwind(|| w.matvec(x, threads)).unwrap_or_else(|_| w.matvec(x, 1));
-    match out {
-        Ok(out) => y.copy_from_slice(&out),
-        Err(_) => y.fill(f32::NAN),
+    // straight into MLX's output. A panic must not unwind into MLX's C++ (it would abort the process):
+    // the only one possible here is the OS refusing a thread, and then the product runs again on this
+    // thread alone (every output is written from the inputs alone)
+    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.matvec_into(x, threads, y)))
+        .unwrap_or_else(|_| w.matvec_into(x, 1, y));
+    if done.is_err() {
+        y.fill(f32::NAN);
     }
 }
 
@@ -434,7 +448,8 @@ mod tests {
                 }
             }
             for (name, isa) in isas {
-                let got = m.matvec_with(isa, &x, threads);
+                let mut got = vec![0f32; want.len()];
+                m.matvec_with(isa, &x, threads, &mut got);
                 assert_eq!(got.len(), want.len());
                 for (k, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!(
@@ -513,39 +528,5 @@ mod tests {
             let qf = mx::astype(&q, mx::Dtype::Float32).unwrap();
             assert!(host_blocks_matmul(&x, &qf, &s, None).is_err(), "float values are refused");
         });
-    }
-
-    /// `cargo test -p mlxrs-core --profile fasttest blocks_timing -- --ignored --nocapture`: the real
-    /// Gemma 3 270M head's shape (262144 × 640, Q8_0) and a Q4_K-shaped body matrix.
-    #[test]
-    #[ignore]
-    fn blocks_timing() {
-        for (rows, cols, group, bias) in
-            [(256usize, 640usize, 32usize, false), (262144, 640, 32, false), (2048 * 18 * 4, 640, 32, true)]
-        {
-            let q: Vec<i8> = (0..rows * cols).map(|i| (i % 251) as i8).collect();
-            let ng = rows * cols / group;
-            let d: Vec<f32> = (0..ng).map(|i| (i % 7) as f32 * 1e-3).collect();
-            let b: Option<Vec<f32>> = bias.then(|| (0..ng).map(|i| (i % 5) as f32 * 1e-3).collect());
-            let m = BlocksRef::new(&q, &d, b.as_deref(), rows, cols, group).unwrap();
-            let x: Vec<f32> = (0..cols).map(|i| (i % 13) as f32 * 0.1).collect();
-            let bytes = (q.len() + 4 * d.len() + b.as_ref().map_or(0, |b| 4 * b.len())) as f64;
-            for threads in [1, 2] {
-                let mut best = f64::MAX;
-                let reps = if rows < 1024 { 1000 } else { 1 };
-                for _ in 0..10 {
-                    let t = std::time::Instant::now();
-                    for _ in 0..reps {
-                        std::hint::black_box(m.matvec(&x, threads).unwrap());
-                    }
-                    best = best.min(t.elapsed().as_secs_f64() / reps as f64);
-                }
-                println!(
-                    "[{rows} x {cols}] groups {group} bias {bias}, {threads} threads: {:.2} ms, {:.1} GB/s",
-                    best * 1e3,
-                    bytes / best / 1e9
-                );
-            }
-        }
     }
 }

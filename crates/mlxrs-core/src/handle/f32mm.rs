@@ -53,11 +53,20 @@ pub fn small_matmul_calls() -> u64 {
 /// `x · Wᵀ` for `w` `[rows, cols]` and `x` `[n, cols]`, both row-major: `[n, rows]` row-major, on up to
 /// `threads` threads (each a contiguous range of W's rows).
 pub fn small_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], threads: usize) -> Result<Vec<f32>> {
-    if cols == 0 || w.len() != rows * cols || !x.len().is_multiple_of(cols) {
+    let mut y = vec![0f32; x.len().checked_div(cols).unwrap_or(0) * rows];
+    small_matmul_into(w, rows, cols, x, threads, &mut y)?;
+    Ok(y)
+}
+
+/// [`small_matmul`] into `y` (`[n, rows]`).
+fn small_matmul_into(w: &[f32], rows: usize, cols: usize, x: &[f32], threads: usize, y: &mut [f32]) -> Result<()> {
+    if cols == 0 || w.len() != rows * cols || !x.len().is_multiple_of(cols) || y.len() != x.len() / cols * rows {
         return Err(Error::Invalid(format!(
-            "small_matmul: W of {} values is not [{rows}, {cols}], or {} input values are not rows of {cols}",
+            "small_matmul: W of {} values is not [{rows}, {cols}], or {} input values are not rows of {cols}, or \
+             {} outputs not theirs",
             w.len(),
-            x.len()
+            x.len(),
+            y.len()
         )));
     }
     let n = x.len() / cols;
@@ -65,7 +74,8 @@ pub fn small_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], threads: usi
         CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     let isa = detect();
-    Ok(over_rows(rows, n, threads, ROW_GROUP, |r0, r1, y| run(isa, &w[r0 * cols..r1 * cols], cols, x, n, y)))
+    over_rows(rows, n, threads, ROW_GROUP, y, |r0, r1, y| run(isa, &w[r0 * cols..r1 * cols], cols, x, n, y));
+    Ok(())
 }
 
 /// The kernel MLX's CPU thread calls for [`host_matmul`]'s op (native/mlxrs_ext.cpp `HostMatmul`).
@@ -86,14 +96,15 @@ unsafe extern "C" fn graph_kernel(w: *const f32, rows: usize, cols: usize, x: *c
         )
     };
     let threads = super::host::host_threads();
-    // a panic must not unwind into MLX's C++ (it would abort the process): the only one possible here
-    // is the OS refusing a thread, and then the product runs on this thread alone
-    let out = std::panic::catch_unwind(|| small_matmul(w, rows, cols, x, threads))
-        .unwrap_or_else(|_| small_matmul(w, rows, cols, x, 1));
-    match out {
-        Ok(out) => y.copy_from_slice(&out),
+    // straight into MLX's output. A panic must not unwind into MLX's C++ (it would abort the process):
+    // the only one possible here is the OS refusing a thread, and then the product runs again on this
+    // thread alone (every output is written from the inputs alone)
+    let done =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| small_matmul_into(w, rows, cols, x, threads, y)))
+            .unwrap_or_else(|_| small_matmul_into(w, rows, cols, x, 1, y));
+    if done.is_err() {
         // the shapes were checked when the op was built: unreachable, but never leave y unwritten
-        Err(_) => y.fill(f32::NAN),
+        y.fill(f32::NAN);
     }
 }
 

@@ -35,20 +35,21 @@ pub(super) fn detect() -> Isa {
     Isa::Generic
 }
 
-/// The `[n, rows]` row-major outputs of `kernel` over W's `rows`, on up to `threads` threads, each a
-/// contiguous range of W's rows in multiples of `group` (the calling thread takes the first):
-/// `kernel(r0, r1, y)` fills `y[(r - r0) * n + i]` for W's rows `r0..r1` and x's rows `i < n`.
-pub(super) fn over_rows<K>(rows: usize, n: usize, threads: usize, group: usize, kernel: K) -> Vec<f32>
+/// The `[n, rows]` row-major outputs of `kernel` over W's `rows` into `out` (`n · rows` values: the
+/// caller's buffer, MLX's output for the ops), on up to `threads` threads, each a contiguous range of
+/// W's rows in multiples of `group` (the calling thread takes the first): `kernel(r0, r1, y)` fills
+/// `y[(r - r0) * n + i]` for W's rows `r0..r1` and x's rows `i < n`.
+pub(super) fn over_rows<K>(rows: usize, n: usize, threads: usize, group: usize, out: &mut [f32], kernel: K)
 where
     K: Fn(usize, usize, &mut [f32]) + Sync,
 {
-    let mut out = vec![0f32; n * rows];
+    assert_eq!(out.len(), n * rows, "over_rows: an output of {} values for [{n}, {rows}]", out.len());
     if n == 0 || rows == 0 {
-        return out;
+        return;
     }
     // [rows, n] while computing (each thread owns a range of W's rows), transposed at the end
     let mut t = if n == 1 { Vec::new() } else { vec![0f32; n * rows] };
-    let target: &mut [f32] = if n == 1 { &mut out } else { &mut t };
+    let target: &mut [f32] = if n == 1 { &mut *out } else { &mut t };
     let threads = threads.clamp(1, rows.div_ceil(group));
     let per = rows.div_ceil(threads).div_ceil(group) * group;
     // each part's slice of the output, taken by the part that fills it
@@ -69,7 +70,6 @@ where
             }
         }
     }
-    out
 }
 
 /// Lanes of the kernels' per-row accumulators (one AVX-512 register, two AVX2 ones).
@@ -300,7 +300,8 @@ mod tests {
             }
         });
         let (rows, n) = (37, 3);
-        let got = over_rows(rows, n, 4, 4, |r0, r1, y| {
+        let mut got = vec![0f32; rows * n];
+        over_rows(rows, n, 4, 4, &mut got, |r0, r1, y| {
             for r in r0..r1 {
                 for i in 0..n {
                     y[(r - r0) * n + i] = (r * 10 + i) as f32;
