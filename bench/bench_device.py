@@ -62,7 +62,9 @@ SHAPES = {
 BITS = {"bf16": None, "q8": 8, "q4": 4}
 
 
-def make_model(d: Path, shape: str, bits: int | None) -> tuple[Path, int]:
+def make_model(d: Path, shape: str, bits: int | None, extra: dict | None = None) -> tuple[Path, int]:
+    """A random-weight llama of `shape` (bf16, or quantized to `bits`) in `d`; `extra`: more config
+    (rope_scaling, rope_traditional)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -78,6 +80,7 @@ def make_model(d: Path, shape: str, bits: int | None) -> tuple[Path, int]:
         rope_theta=500000.0,
         max_position_embeddings=8192,
         **SHAPES[shape],
+        **(extra or {}),
     )
     mx.random.seed(0)
     m = llama.Model(llama.ModelArgs(**cfg))
@@ -223,6 +226,25 @@ def run_mlxrs(sess, prompt, gen):
     return len(prompt) / (first - t0), (len(toks) - 1) / max(t1 - first, 1e-9), toks
 
 
+def host_split(sess, prompt: list[int], gen: int) -> dict | None:
+    """Where a decode step's host time goes (`info["decode_host_seconds"]` over one generation of
+    `gen` tokens, per decode step, ms): building the graph, submitting it, reading back and emitting
+    (the wait for the device). None for builds before the split existed."""
+    before = sess.info
+    if "decode_host_seconds" not in before:
+        return None
+    t0 = time.perf_counter()
+    run_mlxrs(sess, prompt, gen)
+    wall = time.perf_counter() - t0
+    after = sess.info
+    steps = max(after["decode_steps"] - before["decode_steps"], 1)
+    ms = {
+        k: 1e3 * (after["decode_host_seconds"][k] - before["decode_host_seconds"][k]) / steps
+        for k in ("build", "submit", "read")
+    }
+    return {**ms, "steps": steps, "wall_ms_per_step": 1e3 * wall / steps}
+
+
 def open_session(d: Path):
     """A session whose every run prefills (no prompt-cache hits); builds before the prompt cache
     existed take no such option."""
@@ -345,7 +367,10 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
         "runs": rows,
         "first_divergence": div,
     }
+    res["decode"]["host_ms_per_step"] = host_split(sess, prompts[args.prompt], args.gen)
     if unfused is not None:
+        with env(alt_env):
+            res["decode"]["host_ms_per_step_unfused"] = host_split(unfused, prompts[args.prompt], args.gen)
         res["decode"]["mlxrs_unfused_tps"] = med["mlxrs unfused"]
         res["decode"]["fused_over_unfused"] = med["mlxrs"] / med["mlxrs unfused"]
         res["decode"]["first_divergence_fused_vs_unfused"] = same_unfused

@@ -95,6 +95,9 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
         not sliding and arch not in RECURRENT + unstackable and not opts and os.environ.get("MLXRS_BATCH_KV") == "1"
     )
     assert info["decode_steps"] > 0
+    # the decode steps' host time, by phase: each measured, none more than the wall time of the run
+    host = info["decode_host_seconds"]
+    assert set(host) == {"build", "submit", "read"} and all(0 < v < 600 for v in host.values()), host
     assert (info["stacked_decode_steps"] > N // 2) if stacked else (info["stacked_decode_steps"] == 0)
     # the 8 prompts were admitted together and prefilled in shared passes
     assert info["prefill_max_rows"] >= (5 if step else 7), info

@@ -524,6 +524,16 @@ pub enum LayerCaches<'b> {
     Batch(&'b mut BatchKv, usize),
 }
 
+impl LayerCaches<'_> {
+    /// Each row's offset (the position of its next token).
+    pub fn offsets(&self) -> Vec<i32> {
+        match self {
+            LayerCaches::Rows(rows) => rows.iter().map(|c| c.offset()).collect(),
+            LayerCaches::Batch(kv, _) => kv.offsets().to_vec(),
+        }
+    }
+}
+
 /// One layer's attention masks for a forward pass.
 pub enum Masks {
     /// One per row.

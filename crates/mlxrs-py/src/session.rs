@@ -581,6 +581,11 @@ impl Session {
         d.set_item("generated_tokens_total", n(&s.generated_tokens))?;
         d.set_item("decode_steps", n(&s.decode_steps))?;
         d.set_item("stacked_decode_steps", n(&s.stacked_steps))?;
+        let host = PyDict::new(py);
+        host.set_item("build", n(&s.decode_build_ns) as f64 * 1e-9)?;
+        host.set_item("submit", n(&s.decode_submit_ns) as f64 * 1e-9)?;
+        host.set_item("read", n(&s.decode_read_ns) as f64 * 1e-9)?;
+        d.set_item("decode_host_seconds", host)?;
         d.set_item("prefill_steps", n(&s.prefill_steps))?;
         d.set_item("prefill_rows", n(&s.prefill_rows))?;
         d.set_item("prefill_max_rows", n(&s.prefill_max_rows))?;

@@ -224,6 +224,12 @@ pub struct Stats {
     /// Batched decode steps run, and how many of them over the stacked KV (`BatchKv`).
     pub decode_steps: AtomicU64,
     pub stacked_steps: AtomicU64,
+    /// Host time of the decode steps, in nanoseconds: building the step's graph (the forward pass and
+    /// the sampling), submitting it (`async_eval`), and reading the step before back and emitting it
+    /// (where the host waits for the device): where a step's time goes when decode is host-bound.
+    pub decode_build_ns: AtomicU64,
+    pub decode_submit_ns: AtomicU64,
+    pub decode_read_ns: AtomicU64,
     /// Prefill forward passes run, the sequences' chunks they covered together (rows summed over
     /// the passes) and the most rows one pass covered: rows / steps is the mean prefill batch.
     pub prefill_steps: AtomicU64,

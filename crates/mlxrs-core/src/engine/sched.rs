@@ -675,6 +675,8 @@ impl<'a> Scheduler<'a> {
     /// One decode step for every running sequence past its prefill: queue step n+1 for all of them
     /// in one batched forward pass, then read back step n's tokens (mlx-lm's double buffering).
     fn decode_step(&mut self) -> Result<()> {
+        let started = std::time::Instant::now();
+        let mut submitted = started;
         // who gets a new step: decoding, and not at max_tokens once the pending token is counted
         let mut rows: Vec<usize> = Vec::new();
         for (i, s) in self.running.iter().enumerate() {
@@ -843,7 +845,12 @@ impl<'a> Scheduler<'a> {
                 queued[i] = Some(Step::Own(y, lp));
             }
             let refs: Vec<&Array> = outs.iter().collect();
+            let built = std::time::Instant::now();
             mx::async_eval(&refs)?;
+            submitted = std::time::Instant::now();
+            let ns = |a: std::time::Instant, b: std::time::Instant| b.duration_since(a).as_nanos() as u64;
+            self.stats.decode_build_ns.fetch_add(ns(started, built), Ordering::Relaxed);
+            self.stats.decode_submit_ns.fetch_add(ns(built, submitted), Ordering::Relaxed);
         }
         // read back the previous step's tokens; emit; stop where a sequence is done
         let mut i = 0;
@@ -882,6 +889,7 @@ impl<'a> Scheduler<'a> {
                 None => i += 1,
             }
         }
+        self.stats.decode_read_ns.fetch_add(submitted.elapsed().as_nanos() as u64, Ordering::Relaxed);
         if !self.waiting.is_empty() || self.running.iter().any(|s| !s.decoding()) {
             self.emit_now()?;
         }

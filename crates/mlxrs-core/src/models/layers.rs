@@ -244,6 +244,17 @@ impl Linear {
             _ => Ok(None),
         }
     }
+
+    /// A fused q/k/v projection with the rotary embedding of q and k in the same kernel
+    /// ([`super::qmv::qkv_rope`]) where it takes it (as [`Linear::qmv_into`]); None elsewhere.
+    pub fn qkv_rope_into(&self, x: &Array, rope: &super::qmv::QkvRope) -> Result<Option<(Array, Array, Array)>> {
+        match self {
+            Linear::Quant { w, scales, biases, b: None, q } if packed_rows(x, w, *q) => {
+                super::qmv::qkv_rope(x, w, scales, biases.as_ref(), *q, rope)
+            }
+            _ => Ok(None),
+        }
+    }
 }
 
 /// Whether a decode step's per-row attention goes through [`mx::rows_decode_attention`]: the CPU,
@@ -1085,8 +1096,13 @@ impl Attention {
         sinks: Option<&Array>,
     ) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
-        let (q, k, v) = self.project(x)?;
-        let out = self.attend(q, k, v, mask, cache, sinks)?;
+        let out = match self.project_roped(x, &[cache.offset()])? {
+            Some((q, k, v)) => self.attend_roped(q, k, v, mask, cache, sinks)?,
+            None => {
+                let (q, k, v) = self.project(x)?;
+                self.attend(q, k, v, mask, cache, sinks)?
+            }
+        };
         self.output(&out, b, l)
     }
 
@@ -1108,8 +1124,7 @@ impl Attention {
         sinks: Option<&Array>,
     ) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
-        let (q, k, v) = self.project(x)?;
-        let out = self.attend_many(q, k, v, masks, caches, sinks)?;
+        let out = self.project_attend_many(x, masks, caches, sinks)?;
         self.output(&out, b, l)
     }
 
@@ -1124,9 +1139,53 @@ impl Attention {
         res: &Array,
     ) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
-        let (q, k, v) = self.project(x)?;
-        let out = self.attend_many(q, k, v, masks, caches, sinks)?;
+        let out = self.project_attend_many(x, masks, caches, sinks)?;
         self.output_add(&out, b, l, res)
+    }
+
+    /// The projections and [`Attention::attend_many`]: q and k rotated by the projection's kernel
+    /// where [`Attention::project_roped`] applies.
+    fn project_attend_many(&self, x: &Array, masks: &Masks, caches: LayerCaches, sinks: Option<&Array>) -> Result<Array> {
+        if let Some((q, k, v)) = self.project_roped(x, &caches.offsets())? {
+            return self.attend_many_inner(q, k, v, masks, caches, sinks, None, true);
+        }
+        let (q, k, v) = self.project(x)?;
+        self.attend_many(q, k, v, masks, caches, sinks)
+    }
+
+    /// q and k rotated at each row's position (`offsets`, one token per row: a decode step) and v,
+    /// `[B, heads, 1, head_dim]`, from one kernel: CUDA's quantized matvec of the fused q/k/v with the
+    /// rotary embedding as its epilogue ([`super::qmv::qkv_rope`]; 3 ops a layer fewer than
+    /// [`Attention::project`] and the two ropes). Where it takes them: a GPU, fused q/k/v without a
+    /// per-head norm, a rope over the whole head without YaRN's scaling. None elsewhere.
+    fn project_roped(&self, x: &Array, offsets: &[i32]) -> Result<Option<(Array, Array, Array)>> {
+        let Qkv::Fused(f) = &self.qkv else { return Ok(None) };
+        let rope = &self.rope;
+        if !on_gpu()
+            || x.ndim() != 3
+            || x.dim(1) != 1
+            || x.dim(0) as usize != offsets.len()
+            || self.qk_norm.is_some()
+            || rope.dims != self.head_dim
+            || rope.mscale != 1.0
+            || offsets.iter().any(|&o| o < 0)
+        {
+            return Ok(None);
+        }
+        let positions = Array::from_slice(offsets, &[offsets.len() as i32])?;
+        f.qkv_rope_into(
+            x,
+            &super::qmv::QkvRope {
+                positions: &positions,
+                freqs: rope.freqs.as_ref(),
+                base: rope.base,
+                scale: rope.scale,
+                traditional: rope.traditional,
+                n_heads: self.n_heads,
+                n_kv_heads: self.n_kv_heads,
+                head_dim: self.head_dim,
+            },
+        )
     }
 
     /// The attention of [`Attention::forward_many`] for q, k, v already projected (`[B, heads, L,
@@ -1158,6 +1217,23 @@ impl Attention {
         sinks: Option<&Array>,
         q_scale: Option<&Array>,
     ) -> Result<Array> {
+        self.attend_many_inner(q, k, v, masks, caches, sinks, q_scale, false)
+    }
+
+    /// [`Attention::attend_many_scaled`], with q and k already rotated where `roped` (then without
+    /// `q_scale`: [`Attention::project_roped`]).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_many_inner(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        sinks: Option<&Array>,
+        q_scale: Option<&Array>,
+        roped: bool,
+    ) -> Result<Array> {
         // the scale of batch row `row` (all rows: None)
         let scaled = |q: Array, row: Option<usize>| -> Result<Array> {
             match (q_scale, row) {
@@ -1170,8 +1246,11 @@ impl Attention {
         let (caches, masks) = match (caches, masks) {
             (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
                 // every row's keys in one stacked buffer: the same few ops for any batch size
-                let q = scaled(self.rope.forward_rows(&q, kv.offsets())?, None)?;
-                let k = self.rope.forward_rows(&k, kv.offsets())?;
+                let (q, k) = if roped {
+                    (q, k)
+                } else {
+                    (scaled(self.rope.forward_rows(&q, kv.offsets())?, None)?, self.rope.forward_rows(&k, kv.offsets())?)
+                };
                 let (kk, vv) = kv.update_and_fetch(layer, &k, &v)?;
                 return super::sdpa::attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), sinks);
             }
@@ -1180,6 +1259,9 @@ impl Attention {
         };
         let mut caches = caches;
         if caches.len() == 1 {
+            if roped {
+                return self.attend_roped(q, k, v, &masks[0], caches[0], sinks);
+            }
             if q_scale.is_none() {
                 return self.attend(q, k, v, &masks[0], caches[0], sinks);
             }
@@ -1191,7 +1273,9 @@ impl Attention {
         let n = caches.len() as i32;
         let offsets: Vec<i32> = caches.iter().map(|c| c.offset()).collect();
         // one token per row (a decode step): the rotary embedding for all rows at once
-        let (q, k, roped) = if l == 1 {
+        let (q, k, roped) = if roped {
+            (q, k, true)
+        } else if l == 1 {
             (scaled(self.rope.forward_rows(&q, &offsets)?, None)?, self.rope.forward_rows(&k, &offsets)?, true)
         } else {
             (q, k, false)

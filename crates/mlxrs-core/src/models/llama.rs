@@ -264,10 +264,7 @@ impl CausalLm for Model {
         // `cache[0].offset`), multiplying the rotated queries
         let q_scale = match self.llama4_scale {
             Some(p) => {
-                let offsets: Vec<i32> = match caches.layer_mut(0) {
-                    crate::cache::LayerCaches::Rows(rows) => rows.iter().map(|c| c.offset()).collect(),
-                    crate::cache::LayerCaches::Batch(kv, _) => kv.offsets().to_vec(),
-                };
+                let offsets = caches.layer_mut(0).offsets();
                 Some(super::deepseek_v3::llama4_scale(&offsets, n, p, h.dtype())?)
             }
             None => None,

@@ -36,7 +36,7 @@ const FLOAT: u8 = 3;
 const DEFAULT_ON: bool = true;
 
 /// Read [`ENV`] again (the engine does per request): `0` off, `1` on, `float` on with every product
-/// through the float kernel, unset [`DEFAULT_ON`].
+/// through the float kernel, unset [`DEFAULT_ON`]; and [`ROPE_ENV`].
 pub fn refresh() {
     let state = match std::env::var(ENV).as_deref().map(str::trim) {
         Ok("0") => OFF,
@@ -46,6 +46,8 @@ pub fn refresh() {
         _ => OFF,
     };
     SWITCH.store(state, Ordering::Relaxed);
+    let rope = if std::env::var(ROPE_ENV).is_ok_and(|v| v.trim() == "0") { OFF } else { ON };
+    ROPE_SWITCH.store(rope, Ordering::Relaxed);
 }
 
 /// The switch's state ([`ON`], [`OFF`] or [`FLOAT`]); OFF wherever the backend is not CUDA.
@@ -115,12 +117,33 @@ pub enum Epilogue<'a> {
     SwiGlu,
 }
 
+/// The rotary embedding of one token per row ([`qkv_rope`]): MLX's `fast::rope` of the q and k heads
+/// of a fused q/k/v product, at position `positions[row]` (int32 `[rows]`), over the whole head.
+#[derive(Clone, Copy)]
+pub struct QkvRope<'a> {
+    pub positions: &'a Array,
+    /// Per-pair periods (MLX's `freqs`, float32 `[head_dim / 2]`); None: `base`'s.
+    pub freqs: Option<&'a Array>,
+    pub base: f32,
+    pub scale: f32,
+    pub traditional: bool,
+    pub n_heads: i32,
+    pub n_kv_heads: i32,
+    pub head_dim: i32,
+}
+
+/// What a launch writes: an [`Epilogue`]'s one output, or [`qkv_rope`]'s three.
+#[derive(Clone, Copy)]
+enum Kind<'a> {
+    Epilogue(Epilogue<'a>),
+    Rope(&'a QkvRope<'a>),
+}
+
 /// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`) and x of
 /// rows × K values, through [`Epilogue`], in `shape` (default x's leading axes and the output width,
 /// where x's last axis is K): where the kernel takes it (CUDA, the switch on, a product it [`fits`], a
 /// residual of the result's shape and x's dtype); None elsewhere. A given shape saves the reshape
-/// around the product: the fused q/k/v's heads `[B, heads, 1, head_dim]` straight out, the attention's
-/// heads straight into the output projection.
+/// around the product: the attention's heads straight into the output projection.
 pub fn qmv(
     x: &Array,
     w: &Array,
@@ -153,35 +176,115 @@ pub fn qmv(
             return Ok(None);
         }
     }
+    Ok(launch(x, w, scales, biases, q, Kind::Epilogue(epilogue), &[shape])?.and_then(|mut o| o.pop()))
+}
+
+/// The fused q/k/v projection of one token per row (W's rows q's heads, then k's, then v's) with
+/// the rotary embedding of q and k in the same kernel: q `[rows, n_heads, 1, head_dim]`, k and v
+/// `[rows, n_kv_heads, 1, head_dim]`, each product rounded to x's dtype before it is rotated (as
+/// the separate ops round it). A warp computes a rotation pair's two rows. Where the kernel takes
+/// the product and [`ROPE_ENV`] is not `0`; None elsewhere.
+pub fn qkv_rope(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    q: QuantSpec,
+    rope: &QkvRope,
+) -> Result<Option<(Array, Array, Array)>> {
+    let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
+    let k = k_of(w, q);
+    let m = x.size() / (k.max(1) as usize);
+    if !rope_on()
+        || hd <= 0
+        || hd % 2 != 0
+        || w.dim(0) != (hq + 2 * hkv) * hd
+        || rope.positions.dtype() != Dtype::Int32
+        || rope.positions.size() != m
+        || rope.freqs.is_some_and(|f| f.dtype() != Dtype::Float32 || f.size() != (hd / 2) as usize)
+    {
+        return Ok(None);
+    }
+    let m = m as i32;
+    let shapes = [vec![m, hq, 1, hd], vec![m, hkv, 1, hd], vec![m, hkv, 1, hd]];
+    let Some(out) = launch(x, w, scales, biases, q, Kind::Rope(rope), &shapes)? else { return Ok(None) };
+    let mut it = out.into_iter();
+    match (it.next(), it.next(), it.next()) {
+        (Some(q), Some(k), Some(v)) => Ok(Some((q, k, v))),
+        _ => Err(Error::Mlx("qkv_rope kernel: not three outputs".into())),
+    }
+}
+
+/// Turns [`qkv_rope`] off with `0` (the rotary embedding then runs as MLX's op after the product).
+pub const ROPE_ENV: &str = "MLXRS_CUDA_QKV_ROPE";
+
+static ROPE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
+
+fn rope_on() -> bool {
+    if ROPE_SWITCH.load(Ordering::Relaxed) == UNREAD {
+        refresh();
+    }
+    ROPE_SWITCH.load(Ordering::Relaxed) == ON
+}
+
+/// One launch of a kernel ([`SOURCE`] or [`SOURCE_Q8X`] with `kind`'s epilogue) with outputs of
+/// `shapes` in x's dtype: None where it does not take the product.
+fn launch(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    q: QuantSpec,
+    kind: Kind,
+    shapes: &[Vec<i32>],
+) -> Result<Option<Vec<Array>>> {
     let state = state();
     let Some(biases) = biases.filter(|_| state != OFF && fits(x, w, biases, q)) else { return Ok(None) };
+    let (n, k) = (w.dim(0), k_of(w, q));
     type Slot = OnceLock<std::result::Result<CudaKernel, String>>;
-    // [float, int8 x] × [plain, residual, swiglu]
-    static KERNELS: [[Slot; 3]; 2] =
-        [[OnceLock::new(), OnceLock::new(), OnceLock::new()], [OnceLock::new(), OnceLock::new(), OnceLock::new()]];
+    // [float, int8 x] × [plain, residual, swiglu, rope, rope with freqs]
+    #[allow(clippy::declare_interior_mutable_const)]
+    const EMPTY: Slot = OnceLock::new();
+    static KERNELS: [[Slot; 5]; 2] = [[EMPTY; 5], [EMPTY; 5]];
     let q8x = int8_activations(x, q, state);
     let (source, stem) = if q8x { (SOURCE_Q8X, "mlxrs_qmv_q8x") } else { (SOURCE, "mlxrs_qmv") };
-    let (slot, inputs, defines, suffix): (usize, &[&str], &str, &str) = match epilogue {
-        Epilogue::Plain => (0, &["x", "w", "scales", "biases"], "", ""),
-        Epilogue::Residual(_) => {
-            (1, &["x", "w", "scales", "biases", "res"], "#define MLXRS_RES(i) static_cast<float>(res[i])\n", "_res")
+    let (slot, inputs, outputs, defines, suffix): (usize, &[&str], &[&str], &str, &str) = match kind {
+        Kind::Epilogue(Epilogue::Plain) => (0, &["x", "w", "scales", "biases"], &["y"], "", ""),
+        Kind::Epilogue(Epilogue::Residual(_)) => (
+            1,
+            &["x", "w", "scales", "biases", "res"],
+            &["y"],
+            "#define MLXRS_RES(i) static_cast<float>(res[i])\n",
+            "_res",
+        ),
+        Kind::Epilogue(Epilogue::SwiGlu) => (2, &["x", "w", "scales", "biases"], &["y"], "#define MLXRS_SWIGLU\n", "_swiglu"),
+        Kind::Rope(QkvRope { freqs: None, .. }) => {
+            (3, &["x", "w", "scales", "biases", "pos"], &["q_out", "k_out", "v_out"], "#define MLXRS_ROPE\n", "_rope")
         }
-        Epilogue::SwiGlu => (2, &["x", "w", "scales", "biases"], "#define MLXRS_SWIGLU\n", "_swiglu"),
+        Kind::Rope(QkvRope { freqs: Some(_), .. }) => (
+            4,
+            &["x", "w", "scales", "biases", "pos", "freqs"],
+            &["q_out", "k_out", "v_out"],
+            "#define MLXRS_ROPE\n#define MLXRS_FREQS\n",
+            "_rope_freqs",
+        ),
     };
     let kern = KERNELS[q8x as usize][slot]
         .get_or_init(|| {
-            CudaKernel::new(&format!("{stem}{suffix}"), inputs, &["y"], source, &format!("{defines}{HEADER}"), true)
+            CudaKernel::new(&format!("{stem}{suffix}"), inputs, outputs, source, &format!("{defines}{HEADER}"), true)
                 .map_err(|e| e.to_string())
         })
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
-    let m = m as i32;
-    // a warp per ROWS_PER_WARP rows of W; with the SwiGLU epilogue a warp per output (its gate and up rows)
-    let warps = match epilogue {
-        Epilogue::SwiGlu => outs,
-        _ => (n + ROWS_PER_WARP - 1) / ROWS_PER_WARP,
+    let m = (x.size() / (k.max(1) as usize)) as i32;
+    // a warp per ROWS_PER_WARP rows of W; with the SwiGLU epilogue a warp per output (its gate and up
+    // rows), with the rotary one a warp per rotation pair (or two rows of v)
+    let warps = match kind {
+        Kind::Epilogue(Epilogue::SwiGlu) => n / 2,
+        Kind::Rope(_) => n / 2,
+        Kind::Epilogue(_) => (n + ROWS_PER_WARP - 1) / ROWS_PER_WARP,
     };
-    let template = [
+    let mut template = vec![
         ("T", TemplateArg::Dtype(x.dtype())),
         ("M", TemplateArg::Int(m)),
         ("K", TemplateArg::Int(k)),
@@ -191,11 +294,31 @@ pub fn qmv(
         ("R", TemplateArg::Int(ROWS_PER_WARP)),
     ];
     let mut args = vec![x, w, scales, biases];
-    if let Epilogue::Residual(r) = epilogue {
-        args.push(r);
+    match kind {
+        Kind::Epilogue(Epilogue::Residual(r)) => args.push(r),
+        Kind::Epilogue(_) => {}
+        Kind::Rope(r) => {
+            args.push(r.positions);
+            if let Some(f) = r.freqs {
+                args.push(f);
+            }
+            // floats as their bits (template arguments are integers): MLX's rope takes log2(base)
+            template.extend([
+                ("HD", TemplateArg::Int(r.head_dim)),
+                ("QR", TemplateArg::Int(r.n_heads * r.head_dim)),
+                ("KR", TemplateArg::Int(r.n_kv_heads * r.head_dim)),
+                ("TRAD", TemplateArg::Int(r.traditional as i32)),
+                ("SCALE_BITS", TemplateArg::Int(r.scale.to_bits() as i32)),
+                ("LOG2B_BITS", TemplateArg::Int(r.base.log2().to_bits() as i32)),
+            ]);
+        }
     }
-    let mut out = kern.apply(&args, &[(&shape, x.dtype())], (warps * 32, 1, 1), (256, 1, 1), &template)?;
-    out.pop().map(Some).ok_or_else(|| Error::Mlx("qmv kernel: no output".into()))
+    let outs: Vec<(&[i32], Dtype)> = shapes.iter().map(|s| (s.as_slice(), x.dtype())).collect();
+    let out = kern.apply(&args, &outs, (warps * 32, 1, 1), (256, 1, 1), &template)?;
+    if out.len() != shapes.len() {
+        return Err(Error::Mlx(format!("qmv kernel: {} outputs, not {}", out.len(), shapes.len())));
+    }
+    Ok(Some(out))
 }
 
 /// What both kernels share, ahead of the kernel function: which rows of W a warp reads and how a
@@ -245,6 +368,36 @@ const HEADER: &str = r#"
 #define MLXRS_STORE(m, first, v) { \
     const float g_ = static_cast<float>(static_cast<T>(v[0])), u_ = static_cast<float>(static_cast<T>(v[1])); \
     y[(size_t)(m) * (N / 2) + (first)] = static_cast<T>(g_ / (1.f + __expf(-g_)) * u_); }
+#elif defined(MLXRS_ROPE)
+// a warp per two rows: a rotation pair of a q or k head (rows j and j + HD/2 of the head; TRAD: 2j and
+// 2j + 1), or two consecutive rows of v; QR, KR: q's and k's rows (outputs q_out, k_out, v_out: `v` is
+// MLXRS_SUM_STORE's sums). Each sum rounded to T, then
+// rotated as MLX's rope_single does: theta = (scale * position) * inv_freq, inv_freq = 2^(-j/(HD/2)
+// * log2(base)) or 1 / freqs[j]
+#define MLXRS_OUTS (N / 2)
+#define MLXRS_FIRST(warp) (warp)
+#define MLXRS_ROW(w, r) ((!TRAD && 2u * (w) < (unsigned)(QR + KR)) \
+    ? (2u * (w) / HD) * HD + (2u * (w) % HD) / 2 + (unsigned)(r) * (unsigned)(HD / 2) : 2u * (w) + (unsigned)(r))
+#ifdef MLXRS_FREQS
+#define MLXRS_INV_FREQ(j) static_cast<float>(1.0 / freqs[j])
+#else
+#define MLXRS_INV_FREQ(j) exp2(-(static_cast<float>(j) / static_cast<float>(HD / 2)) * __int_as_float(LOG2B_BITS))
+#endif
+#define MLXRS_STORE(m, w, v) { \
+    const unsigned b_ = 2u * (w); \
+    const float x1_ = static_cast<float>(static_cast<T>(v[0])), x2_ = static_cast<float>(static_cast<T>(v[1])); \
+    if (b_ < (unsigned)(QR + KR)) { \
+        const unsigned h_ = b_ / HD, j_ = (b_ % HD) / 2; \
+        const float th_ = (__int_as_float(SCALE_BITS) * static_cast<float>(pos[m])) * MLXRS_INV_FREQ(j_); \
+        const float c_ = cos(th_), s_ = sin(th_); \
+        T* o_ = b_ < (unsigned)QR ? q_out + (size_t)(m) * QR + h_ * HD : k_out + (size_t)(m) * KR + (h_ - QR / HD) * HD; \
+        o_[TRAD ? 2 * j_ : j_] = static_cast<T>(x1_ * c_ - x2_ * s_); \
+        o_[TRAD ? 2 * j_ + 1 : j_ + HD / 2] = static_cast<T>(x1_ * s_ + x2_ * c_); \
+    } else { \
+        T* o_ = v_out + (size_t)(m) * KR + (b_ - QR - KR); \
+        o_[0] = static_cast<T>(x1_); \
+        o_[1] = static_cast<T>(x2_); \
+    } }
 #else
 #define MLXRS_OUTS N
 #define MLXRS_FIRST(warp) ((warp) * R)
