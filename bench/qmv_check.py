@@ -7,8 +7,9 @@ process each, on a model directory (bench_device.py's random-weight models):
 Prints, per prompt length, the largest logit difference relative to the largest |logit| and whether
 the argmax agrees.
 
-`--rope` instead checks the fused q/k/v kernel's rotary epilogue (`qmv::qkv_rope`) against the
-rotary embedding as MLX's op after the product (`MLXRS_CUDA_QKV_ROPE=0`), both with the kernel on:
+`--rope` instead checks the fused q/k/v kernel's rotary epilogue (`qmv::qkv_rope`) and the RMSNorm in
+the 4-bit kernel's prologue (`qmv::Norm`) against MLX's rope and rms_norm ops around the product
+(`MLXRS_CUDA_QKV_ROPE=0 MLXRS_CUDA_QMV_NORM=0`), both with the kernel on:
 48 greedy decode steps of one prompt and of a batch of three (every step's q/k/v through it), and
 prints where the tokens first part and the largest difference of the chosen tokens' log-probabilities
 before that:
@@ -51,8 +52,9 @@ print(json.dumps([[c.tokens, [lp.logprob for lp in c.logprobs]] for c in [one, *
 """
 
 
-def decode(model: str, rope: bool) -> list:
-    env = dict(os.environ, MLXRS_CUDA_QMV="1", MLXRS_CUDA_QKV_ROPE="1" if rope else "0")
+def decode(model: str, fused: bool) -> list:
+    on = "1" if fused else "0"
+    env = dict(os.environ, MLXRS_CUDA_QMV="1", MLXRS_CUDA_QKV_ROPE=on, MLXRS_CUDA_QMV_NORM=on)
     p = subprocess.run([sys.executable, "-c", DECODE, model], env=env, capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"{model}: {p.stderr[-3000:]}")

@@ -36,6 +36,55 @@ pub enum TemplateArg {
     Dtype(Dtype),
 }
 
+/// Kernel text without its comments, indentation and blank lines (newlines kept, for the
+/// preprocessor). MLX builds a custom kernel's whole source text on every call and hashes it on every
+/// evaluation (`CustomKernel::eval_gpu`'s module name), so its length is host time on every step.
+pub(crate) fn compact(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut in_block = false;
+    for line in text.lines() {
+        let mut kept = String::new();
+        let mut chars = line.chars().peekable();
+        let mut in_str = false;
+        while let Some(c) = chars.next() {
+            if in_block {
+                if c == '*' && chars.peek() == Some(&'/') {
+                    chars.next();
+                    in_block = false;
+                }
+                continue;
+            }
+            if in_str {
+                kept.push(c);
+                if c == '\\' {
+                    kept.extend(chars.next());
+                } else if c == '"' {
+                    in_str = false;
+                }
+                continue;
+            }
+            match (c, chars.peek()) {
+                ('/', Some('/')) => break,
+                ('/', Some('*')) => {
+                    chars.next();
+                    in_block = true;
+                }
+                ('"', _) => {
+                    in_str = true;
+                    kept.push(c);
+                }
+                _ => kept.push(c),
+            }
+        }
+        let kept = kept.trim();
+        if !kept.is_empty() {
+            out.push_str(kept);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 struct Strings(sys::mlx_vector_string);
 
 impl Strings {
@@ -95,7 +144,7 @@ macro_rules! user_kernel {
                 init()?;
                 let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
                 let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("kernel {name}: text contains NUL")));
-                let (n, src, hdr) = (c(name)?, c(source)?, c(header)?);
+                let (n, src, hdr) = (c(name)?, c(&compact(source))?, c(&compact(header))?);
                 // SAFETY: every pointer is valid for the call; mlx-c copies what it keeps.
                 let k = unsafe {
                     $new(n.as_ptr(), ins.0, outs.0, src.as_ptr(), hdr.as_ptr(), ensure_row_contiguous, $last_new_arg)
@@ -182,3 +231,17 @@ user_kernel!(
     sys::mlx_fast_metal_kernel_config_set_thread_group, sys::mlx_fast_metal_kernel_config_add_template_arg_int,
     sys::mlx_fast_metal_kernel_config_add_template_arg_bool, sys::mlx_fast_metal_kernel_config_add_template_arg_dtype
 );
+
+#[cfg(test)]
+mod compact_tests {
+    use super::compact;
+
+    #[test]
+    fn compact_drops_comments_and_indentation_only() {
+        let src = "  // a comment line\n    int a = 1; // trailing\n\n#define M(x) \\\n    (x) /* inline */ + 1\n  asm(\"dp4a // not a comment\" : \"+r\"(a));\n/* block\n   over lines */ int b;\n";
+        assert_eq!(
+            compact(src),
+            "int a = 1;\n#define M(x) \\\n(x)  + 1\nasm(\"dp4a // not a comment\" : \"+r\"(a));\nint b;\n"
+        );
+    }
+}

@@ -7,7 +7,7 @@ mod array;
 mod blocks;
 mod f32mm;
 mod host;
-mod kernel;
+pub(crate) mod kernel;
 mod ops;
 mod runtime;
 

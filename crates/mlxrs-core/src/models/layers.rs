@@ -237,20 +237,40 @@ impl Linear {
     /// ([`super::qmv::qmv`]) where it takes it: a quantized linear without a bias, a decode step's
     /// rows. None elsewhere (then the caller builds the ops it saves).
     pub fn qmv_into(&self, x: &Array, epilogue: Epilogue, shape: Option<&[i32]>) -> Result<Option<Array>> {
+        self.qmv_normed_into(x, None, epilogue, shape)
+    }
+
+    /// [`Linear::qmv_into`] of `norm(x)` where given, the norm in the kernel's prologue
+    /// ([`super::qmv::Norm`]; None where the kernel does not take it).
+    pub fn qmv_normed_into(
+        &self,
+        x: &Array,
+        norm: Option<&RmsNorm>,
+        epilogue: Epilogue,
+        shape: Option<&[i32]>,
+    ) -> Result<Option<Array>> {
         match self {
             Linear::Quant { w, scales, biases, b: None, q } if packed_rows(x, w, *q) => {
-                super::qmv::qmv(x, w, scales, biases.as_ref(), *q, epilogue, shape)
+                let wt = super::qmv::QWeight { w, scales, biases: biases.as_ref(), q: *q };
+                super::qmv::qmv(x, wt, epilogue, norm.map(RmsNorm::as_kernel), shape)
             }
             _ => Ok(None),
         }
     }
 
-    /// A fused q/k/v projection with the rotary embedding of q and k in the same kernel
-    /// ([`super::qmv::qkv_rope`]) where it takes it (as [`Linear::qmv_into`]); None elsewhere.
-    pub fn qkv_rope_into(&self, x: &Array, rope: &super::qmv::QkvRope) -> Result<Option<(Array, Array, Array)>> {
+    /// A fused q/k/v projection of `norm(x)` (x where no norm is given) with the rotary embedding of
+    /// q and k in the same kernel ([`super::qmv::qkv_rope`]) where it takes it (as
+    /// [`Linear::qmv_normed_into`]); None elsewhere.
+    pub fn qkv_rope_into(
+        &self,
+        x: &Array,
+        norm: Option<&RmsNorm>,
+        rope: &super::qmv::QkvRope,
+    ) -> Result<Option<(Array, Array, Array)>> {
         match self {
             Linear::Quant { w, scales, biases, b: None, q } if packed_rows(x, w, *q) => {
-                super::qmv::qkv_rope(x, w, scales, biases.as_ref(), *q, rope)
+                let wt = super::qmv::QWeight { w, scales, biases: biases.as_ref(), q: *q };
+                super::qmv::qkv_rope(x, wt, rope, norm.map(RmsNorm::as_kernel))
             }
             _ => Ok(None),
         }
@@ -411,9 +431,13 @@ fn quant_matmul(
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         mx::matmul(x, &mx::transpose(&wd)?)?
-    } else if let Some(y) =
-        super::qmv::qmv(x, w, scales, biases, q, res.map_or(Epilogue::Plain, Epilogue::Residual), None)?
-    {
+    } else if let Some(y) = super::qmv::qmv(
+        x,
+        super::qmv::QWeight { w, scales, biases, q },
+        res.map_or(Epilogue::Plain, Epilogue::Residual),
+        None,
+        None,
+    )? {
         return Ok(y);
     } else {
         mx::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits, q.mode)?
@@ -688,6 +712,11 @@ impl RmsNorm {
         let one = mx::scalar_as(1.0, w.dtype())?;
         Ok(RmsNorm { weight: mx::add(&one, &w)?, eps })
     }
+    /// The norm as the CUDA matvec's prologue takes it ([`super::qmv::Norm`]).
+    fn as_kernel(&self) -> super::qmv::Norm<'_> {
+        super::qmv::Norm { weight: &self.weight, eps: self.eps }
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         // compiled for decode-sized inputs only: the compiled function is traced once per input
         // shape, and prefill chunks come in every length
@@ -1096,7 +1125,7 @@ impl Attention {
         sinks: Option<&Array>,
     ) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
-        let out = match self.project_roped(x, &[cache.offset()])? {
+        let out = match self.project_roped(x, None, &[cache.offset()])? {
             Some((q, k, v)) => self.attend_roped(q, k, v, mask, cache, sinks)?,
             None => {
                 let (q, k, v) = self.project(x)?;
@@ -1143,10 +1172,34 @@ impl Attention {
         self.output_add(&out, b, l, res)
     }
 
+    /// `h + forward_many_sinks(norm(h), ..)`, a pre-norm block's attention with its residual: in a
+    /// decode step on CUDA the norm in the q/k/v kernel's prologue and the rotary embedding in its
+    /// epilogue ([`Attention::project_roped`]); elsewhere the norm first.
+    pub fn forward_normed_add(
+        &self,
+        h: &Array,
+        norm: &RmsNorm,
+        masks: &Masks,
+        caches: LayerCaches,
+        sinks: Option<&Array>,
+    ) -> Result<Array> {
+        if let Some((q, k, v)) = self.project_roped(h, Some(norm), &caches.offsets())? {
+            let out = self.attend_many_inner(q, k, v, masks, caches, sinks, None, true)?;
+            return self.output_add(&out, h.dim(0), h.dim(1), h);
+        }
+        self.forward_many_sinks_add(&norm.forward(h)?, masks, caches, sinks, h)
+    }
+
     /// The projections and [`Attention::attend_many`]: q and k rotated by the projection's kernel
     /// where [`Attention::project_roped`] applies.
-    fn project_attend_many(&self, x: &Array, masks: &Masks, caches: LayerCaches, sinks: Option<&Array>) -> Result<Array> {
-        if let Some((q, k, v)) = self.project_roped(x, &caches.offsets())? {
+    fn project_attend_many(
+        &self,
+        x: &Array,
+        masks: &Masks,
+        caches: LayerCaches,
+        sinks: Option<&Array>,
+    ) -> Result<Array> {
+        if let Some((q, k, v)) = self.project_roped(x, None, &caches.offsets())? {
             return self.attend_many_inner(q, k, v, masks, caches, sinks, None, true);
         }
         let (q, k, v) = self.project(x)?;
@@ -1158,7 +1211,12 @@ impl Attention {
     /// rotary embedding as its epilogue ([`super::qmv::qkv_rope`]; 3 ops a layer fewer than
     /// [`Attention::project`] and the two ropes). Where it takes them: a GPU, fused q/k/v without a
     /// per-head norm, a rope over the whole head without YaRN's scaling. None elsewhere.
-    fn project_roped(&self, x: &Array, offsets: &[i32]) -> Result<Option<(Array, Array, Array)>> {
+    fn project_roped(
+        &self,
+        x: &Array,
+        norm: Option<&RmsNorm>,
+        offsets: &[i32],
+    ) -> Result<Option<(Array, Array, Array)>> {
         let Qkv::Fused(f) = &self.qkv else { return Ok(None) };
         let rope = &self.rope;
         if !on_gpu()
@@ -1175,6 +1233,7 @@ impl Attention {
         let positions = Array::from_slice(offsets, &[offsets.len() as i32])?;
         f.qkv_rope_into(
             x,
+            norm,
             &super::qmv::QkvRope {
                 positions: &positions,
                 freqs: rope.freqs.as_ref(),
@@ -1249,7 +1308,10 @@ impl Attention {
                 let (q, k) = if roped {
                     (q, k)
                 } else {
-                    (scaled(self.rope.forward_rows(&q, kv.offsets())?, None)?, self.rope.forward_rows(&k, kv.offsets())?)
+                    (
+                        scaled(self.rope.forward_rows(&q, kv.offsets())?, None)?,
+                        self.rope.forward_rows(&k, kv.offsets())?,
+                    )
                 };
                 let (kk, vv) = kv.update_and_fetch(layer, &k, &v)?;
                 return super::sdpa::attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), sinks);
@@ -1601,6 +1663,18 @@ impl Mlp {
         self.down.forward_add(&self.activated(x)?, res)
     }
 
+    /// `h + forward(norm(h))`, a pre-norm block's MLP with its residual: in a decode step on CUDA
+    /// the norm in the fused gate/up kernel's prologue (with its SwiGLU epilogue); elsewhere the norm
+    /// first.
+    pub fn forward_normed_add(&self, h: &Array, norm: &RmsNorm) -> Result<Array> {
+        if let (GateUp::Fused(f), Activation::Silu) = (&self.gate_up, &self.act) {
+            if let Some(a) = f.qmv_normed_into(h, Some(norm), Epilogue::SwiGlu, None)? {
+                return self.down.forward_add(&a, h);
+            }
+        }
+        self.forward_add(&norm.forward(h)?, h)
+    }
+
     /// The activation of the gate and up projections: the down projection's input.
     fn activated(&self, x: &Array) -> Result<Array> {
         let (g, u) = match &self.gate_up {
@@ -1795,6 +1869,14 @@ impl Ffn {
         match self {
             Ffn::Dense(m) => m.forward_add(x, res),
             Ffn::Moe(m) => mx::add(res, &m.forward(x)?),
+        }
+    }
+
+    /// `h + forward(norm(h))` ([`Mlp::forward_normed_add`] for a dense FFN).
+    pub fn forward_normed_add(&self, h: &Array, norm: &RmsNorm) -> Result<Array> {
+        match self {
+            Ffn::Dense(m) => m.forward_normed_add(h, norm),
+            Ffn::Moe(m) => mx::add(h, &m.forward(&norm.forward(h)?)?),
         }
     }
 }

@@ -272,11 +272,12 @@ impl CausalLm for Model {
         let h = super::run_layers(self.layers.len(), h, caches, staging, |i, h, caches| {
             let layer = &self.layers[i];
             let mask = masks.get(layer.sliding)?;
-            // each sub-layer adds the residual itself: with the output and down projections on CUDA's
-            // quantized matvec, in the same kernel (layers::Linear::forward_add)
-            let mixer = |x: &Array, res: &Array| match &q_scale {
+            // pre-norm sub-layers, each adding its residual itself: on CUDA's quantized matvec the
+            // norm in the next product's prologue and the residual in the output or down projection's
+            // epilogue (layers::Attention::forward_normed_add, layers::Ffn::forward_normed_add)
+            let h = match &q_scale {
                 Some(s) => {
-                    let (q, k, v) = layer.attn.project(x)?;
+                    let (q, k, v) = layer.attn.project(&layer.in_norm.forward(h)?)?;
                     let out = layer.attn.attend_many_scaled(
                         q,
                         k,
@@ -286,13 +287,13 @@ impl CausalLm for Model {
                         layer.sinks.as_ref(),
                         Some(s),
                     )?;
-                    layer.attn.output_add(&out, x.dim(0), n, res)
+                    layer.attn.output_add(&out, h.dim(0), n, h)?
                 }
-                None => layer.attn.forward_many_sinks_add(x, mask, caches.layer_mut(i), layer.sinks.as_ref(), res),
+                None => {
+                    layer.attn.forward_normed_add(h, &layer.in_norm, mask, caches.layer_mut(i), layer.sinks.as_ref())?
+                }
             };
-            super::pre_norm_residual_add(h, &layer.in_norm, mixer, &layer.post_norm, |x, res| {
-                layer.mlp.forward_add(x, res)
-            })
+            layer.mlp.forward_normed_add(&h, &layer.post_norm)
         })?;
         self.norm.forward(&h)
     }

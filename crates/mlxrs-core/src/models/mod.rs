@@ -266,8 +266,9 @@ pub fn run_layers(
     Ok(h)
 }
 
-/// The pre-norm residual layer of Llama, DeepSeek-V3 and Qwen3-Next: `h + mixer(in_norm(h))`, then
-/// that plus `ffn(post_norm(·))` (`mixer` is the layer's attention, or linear attention).
+/// The pre-norm residual layer of DeepSeek-V3 and Qwen3-Next: `h + mixer(in_norm(h))`, then that
+/// plus `ffn(post_norm(·))` (`mixer` is the layer's attention, or linear attention). Llama's layers
+/// add their residuals in the products' kernels instead (`layers::Attention::forward_normed_add`).
 pub fn pre_norm_residual(
     h: &Array,
     in_norm: &layers::RmsNorm,
@@ -275,26 +276,8 @@ pub fn pre_norm_residual(
     post_norm: &layers::RmsNorm,
     ffn: impl FnOnce(&Array) -> Result<Array>,
 ) -> Result<Array> {
-    pre_norm_residual_add(
-        h,
-        in_norm,
-        |x, res| crate::handle::add(res, &mixer(x)?),
-        post_norm,
-        |x, res| crate::handle::add(res, &ffn(x)?),
-    )
-}
-
-/// [`pre_norm_residual`] whose mixer and FFN add the residual themselves (`f(x, res) = res + f(x)`:
-/// [`layers::Linear::forward_add`], one kernel on CUDA for a quantized decode step).
-pub fn pre_norm_residual_add(
-    h: &Array,
-    in_norm: &layers::RmsNorm,
-    mixer: impl FnOnce(&Array, &Array) -> Result<Array>,
-    post_norm: &layers::RmsNorm,
-    ffn: impl FnOnce(&Array, &Array) -> Result<Array>,
-) -> Result<Array> {
-    let hh = mixer(&in_norm.forward(h)?, h)?;
-    ffn(&post_norm.forward(&hh)?, &hh)
+    let hh = crate::handle::add(h, &mixer(&in_norm.forward(h)?)?)?;
+    crate::handle::add(&hh, &ffn(&post_norm.forward(&hh)?)?)
 }
 
 /// The architecture table: one line per architecture, each declared in its own file.

@@ -36,7 +36,7 @@ const FLOAT: u8 = 3;
 const DEFAULT_ON: bool = true;
 
 /// Read [`ENV`] again (the engine does per request): `0` off, `1` on, `float` on with every product
-/// through the float kernel, unset [`DEFAULT_ON`]; and [`ROPE_ENV`].
+/// through the float kernel, unset [`DEFAULT_ON`]; and [`ROPE_ENV`], [`NORM_ENV`].
 pub fn refresh() {
     let state = match std::env::var(ENV).as_deref().map(str::trim) {
         Ok("0") => OFF,
@@ -48,6 +48,8 @@ pub fn refresh() {
     SWITCH.store(state, Ordering::Relaxed);
     let rope = if std::env::var(ROPE_ENV).is_ok_and(|v| v.trim() == "0") { OFF } else { ON };
     ROPE_SWITCH.store(rope, Ordering::Relaxed);
+    let norm = if std::env::var(NORM_ENV).is_ok_and(|v| v.trim() == "0") { OFF } else { ON };
+    NORM_SWITCH.store(norm, Ordering::Relaxed);
 }
 
 /// The switch's state ([`ON`], [`OFF`] or [`FLOAT`]); OFF wherever the backend is not CUDA.
@@ -132,6 +134,35 @@ pub struct QkvRope<'a> {
     pub head_dim: i32,
 }
 
+/// An RMSNorm of x done in the kernel's prologue (MLX's `fast::rms_norm(x, weight, eps)`, each value
+/// rounded as it writes it): the int8-activation kernel only.
+#[derive(Clone, Copy)]
+pub struct Norm<'a> {
+    pub weight: &'a Array,
+    pub eps: f32,
+}
+
+/// Turns the norm in the prologue ([`Norm`]) off with `0` (MLX's rms_norm op before the product).
+pub const NORM_ENV: &str = "MLXRS_CUDA_QMV_NORM";
+
+static NORM_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
+
+fn norm_on() -> bool {
+    if NORM_SWITCH.load(Ordering::Relaxed) == UNREAD {
+        refresh();
+    }
+    NORM_SWITCH.load(Ordering::Relaxed) == ON
+}
+
+/// An MLX-quantized weight: `w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`.
+#[derive(Clone, Copy)]
+pub struct QWeight<'a> {
+    pub w: &'a Array,
+    pub scales: &'a Array,
+    pub biases: Option<&'a Array>,
+    pub q: QuantSpec,
+}
+
 /// What a launch writes: an [`Epilogue`]'s one output, or [`qkv_rope`]'s three.
 #[derive(Clone, Copy)]
 enum Kind<'a> {
@@ -146,13 +177,12 @@ enum Kind<'a> {
 /// around the product: the attention's heads straight into the output projection.
 pub fn qmv(
     x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: Option<&Array>,
-    q: QuantSpec,
+    wt: QWeight,
     epilogue: Epilogue,
+    norm: Option<Norm>,
     shape: Option<&[i32]>,
 ) -> Result<Option<Array>> {
+    let (w, q) = (wt.w, wt.q);
     let n = w.dim(0);
     let k = k_of(w, q);
     let outs = match epilogue {
@@ -176,7 +206,7 @@ pub fn qmv(
             return Ok(None);
         }
     }
-    Ok(launch(x, w, scales, biases, q, Kind::Epilogue(epilogue), &[shape])?.and_then(|mut o| o.pop()))
+    Ok(launch(x, wt, Kind::Epilogue(epilogue), norm, &[shape])?.and_then(|mut o| o.pop()))
 }
 
 /// The fused q/k/v projection of one token per row (W's rows q's heads, then k's, then v's) with
@@ -184,14 +214,8 @@ pub fn qmv(
 /// `[rows, n_kv_heads, 1, head_dim]`, each product rounded to x's dtype before it is rotated (as
 /// the separate ops round it). A warp computes a rotation pair's two rows. Where the kernel takes
 /// the product and [`ROPE_ENV`] is not `0`; None elsewhere.
-pub fn qkv_rope(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: Option<&Array>,
-    q: QuantSpec,
-    rope: &QkvRope,
-) -> Result<Option<(Array, Array, Array)>> {
+pub fn qkv_rope(x: &Array, wt: QWeight, rope: &QkvRope, norm: Option<Norm>) -> Result<Option<(Array, Array, Array)>> {
+    let (w, q) = (wt.w, wt.q);
     let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
     let k = k_of(w, q);
     let m = x.size() / (k.max(1) as usize);
@@ -207,7 +231,7 @@ pub fn qkv_rope(
     }
     let m = m as i32;
     let shapes = [vec![m, hq, 1, hd], vec![m, hkv, 1, hd], vec![m, hkv, 1, hd]];
-    let Some(out) = launch(x, w, scales, biases, q, Kind::Rope(rope), &shapes)? else { return Ok(None) };
+    let Some(out) = launch(x, wt, Kind::Rope(rope), norm, &shapes)? else { return Ok(None) };
     let mut it = out.into_iter();
     match (it.next(), it.next(), it.next()) {
         (Some(q), Some(k), Some(v)) => Ok(Some((q, k, v))),
@@ -229,24 +253,25 @@ fn rope_on() -> bool {
 
 /// One launch of a kernel ([`SOURCE`] or [`SOURCE_Q8X`] with `kind`'s epilogue) with outputs of
 /// `shapes` in x's dtype: None where it does not take the product.
-fn launch(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: Option<&Array>,
-    q: QuantSpec,
-    kind: Kind,
-    shapes: &[Vec<i32>],
-) -> Result<Option<Vec<Array>>> {
+fn launch(x: &Array, wt: QWeight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<i32>]) -> Result<Option<Vec<Array>>> {
+    let QWeight { w, scales, biases, q } = wt;
     let state = state();
     let Some(biases) = biases.filter(|_| state != OFF && fits(x, w, biases, q)) else { return Ok(None) };
     let (n, k) = (w.dim(0), k_of(w, q));
+    let q8x = int8_activations(x, q, state);
+    // the norm in the prologue: the int8-activation kernel only, over a weight of x's dtype and K
+    if let Some(nm) = norm {
+        if !q8x || !norm_on() || nm.weight.dtype() != x.dtype() || nm.weight.ndim() != 1 || nm.weight.dim(0) != k {
+            return Ok(None);
+        }
+    }
     type Slot = OnceLock<std::result::Result<CudaKernel, String>>;
-    // [float, int8 x] × [plain, residual, swiglu, rope, rope with freqs]
+    // [float, int8 x] × [plain, residual, swiglu, rope, rope with freqs] × [x, the norm of x]
     #[allow(clippy::declare_interior_mutable_const)]
     const EMPTY: Slot = OnceLock::new();
-    static KERNELS: [[Slot; 5]; 2] = [[EMPTY; 5], [EMPTY; 5]];
-    let q8x = int8_activations(x, q, state);
+    #[allow(clippy::declare_interior_mutable_const)]
+    const ROW: [[Slot; 2]; 5] = [[EMPTY, EMPTY], [EMPTY, EMPTY], [EMPTY, EMPTY], [EMPTY, EMPTY], [EMPTY, EMPTY]];
+    static KERNELS: [[[Slot; 2]; 5]; 2] = [ROW, ROW];
     let (source, stem) = if q8x { (SOURCE_Q8X, "mlxrs_qmv_q8x") } else { (SOURCE, "mlxrs_qmv") };
     let (slot, inputs, outputs, defines, suffix): (usize, &[&str], &[&str], &str, &str) = match kind {
         Kind::Epilogue(Epilogue::Plain) => (0, &["x", "w", "scales", "biases"], &["y"], "", ""),
@@ -257,7 +282,9 @@ fn launch(
             "#define MLXRS_RES(i) static_cast<float>(res[i])\n",
             "_res",
         ),
-        Kind::Epilogue(Epilogue::SwiGlu) => (2, &["x", "w", "scales", "biases"], &["y"], "#define MLXRS_SWIGLU\n", "_swiglu"),
+        Kind::Epilogue(Epilogue::SwiGlu) => {
+            (2, &["x", "w", "scales", "biases"], &["y"], "#define MLXRS_SWIGLU\n", "_swiglu")
+        }
         Kind::Rope(QkvRope { freqs: None, .. }) => {
             (3, &["x", "w", "scales", "biases", "pos"], &["q_out", "k_out", "v_out"], "#define MLXRS_ROPE\n", "_rope")
         }
@@ -269,9 +296,15 @@ fn launch(
             "_rope_freqs",
         ),
     };
-    let kern = KERNELS[q8x as usize][slot]
+    let kern = KERNELS[q8x as usize][slot][norm.is_some() as usize]
         .get_or_init(|| {
-            CudaKernel::new(&format!("{stem}{suffix}"), inputs, outputs, source, &format!("{defines}{HEADER}"), true)
+            let (mut inputs, mut defines, mut name) = (inputs.to_vec(), defines.to_string(), format!("{stem}{suffix}"));
+            if norm.is_some() {
+                inputs.push("nw");
+                defines.push_str("#define MLXRS_NORM\n");
+                name.push_str("_norm");
+            }
+            CudaKernel::new(&name, &inputs, outputs, source, &format!("{defines}{HEADER}"), true)
                 .map_err(|e| e.to_string())
         })
         .as_ref()
@@ -312,6 +345,10 @@ fn launch(
                 ("LOG2B_BITS", TemplateArg::Int(r.base.log2().to_bits() as i32)),
             ]);
         }
+    }
+    if let Some(nm) = norm {
+        args.push(nm.weight);
+        template.push(("EPS_BITS", TemplateArg::Int(nm.eps.to_bits() as i32)));
     }
     let outs: Vec<(&[i32], Dtype)> = shapes.iter().map(|s| (s.as_slice(), x.dtype())).collect();
     let out = kern.apply(&args, &outs, (warps * 32, 1, 1), (256, 1, 1), &template)?;
@@ -506,6 +543,43 @@ const SOURCE_Q8X: &str = r#"
     __shared__ float xd[M * NB];
     __shared__ float xsum[M * NB];
     const unsigned lane = threadIdx.x & 31u;
+#ifdef MLXRS_NORM
+    // x is the norm's input: each row's 1/rms first (MLX's rms_norm: rsqrt(mean(x^2) + eps)), then each
+    // value as rms_norm writes it, nw * T(x / rms), before it is rounded to int8
+    __shared__ float xinv[M];
+    __shared__ float part[M * 32];
+    {
+        float ss[M];
+        #pragma unroll
+        for (int m = 0; m < M; ++m) ss[m] = 0.f;
+        for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const uint4 raw = reinterpret_cast<const uint4*>(x + (size_t)m * K)[i];
+                const T* e = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int u = 0; u < 8; ++u) { const float f = static_cast<float>(e[u]); ss[m] += f * f; }
+            }
+        }
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float t = ss[m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+            if (lane == 0) part[m * 32 + (threadIdx.x >> 5)] = t;
+        }
+        __syncthreads();
+        if (threadIdx.x < M) {
+            float t = 0.f;
+            for (unsigned w_ = 0; w_ < (blockDim.x + 31) / 32; ++w_) t += part[threadIdx.x * 32 + w_];
+            xinv[threadIdx.x] = rsqrt(t / K + __int_as_float(EPS_BITS));
+        }
+        __syncthreads();
+    }
+#define MLXRS_XN(m, k, f) static_cast<float>(nw[k] * static_cast<T>((f) * xinv[m]))
+#else
+#define MLXRS_XN(m, k, f) (f)
+#endif
     // one thread per x block: its values converted, max |x|, rounded to int8 (4-bit: stored as
     // [x0 x2 x4 x6 | x1 x3 x5 x7] per eight), the scale d and d * (sum of the int8 values), so that the
     // dequantized weights meet the rounded x throughout: y = sum_blocks d (s I + b sum q_x)
@@ -519,7 +593,10 @@ const SOURCE_Q8X: &str = r#"
             const uint4 raw = src[c];
             const T* e = reinterpret_cast<const T*>(&raw);
             #pragma unroll
-            for (int u = 0; u < 8; ++u) { v[8 * c + u] = static_cast<float>(e[u]); amax = fmaxf(amax, fabsf(v[8 * c + u])); }
+            for (int u = 0; u < 8; ++u) {
+                v[8 * c + u] = MLXRS_XN(m, blk * VPU4 + 8 * c + u, static_cast<float>(e[u]));
+                amax = fmaxf(amax, fabsf(v[8 * c + u]));
+            }
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int packed[VPU4 / 4];
@@ -588,6 +665,18 @@ mod tests {
     /// The products the kernel is given: decode rows of bf16/f16 against affine 4/8-bit weights with
     /// biases; not prefill chunks, float32 x, other bit widths or modes, groups a read would cross,
     /// or no biases. (The kernel itself runs on CUDA only: bench/qmv_check.py on the device.)
+    /// The text MLX rebuilds and hashes per call ([`crate::handle::kernel::compact`]): a fifth or more
+    /// shorter than the commented source.
+    #[test]
+    fn the_kernels_text_is_compacted() {
+        for src in [SOURCE, SOURCE_Q8X] {
+            let full = format!("#define MLXRS_ROPE\n{HEADER}{src}");
+            let short = crate::handle::kernel::compact(&full);
+            assert!(short.len() * 5 < full.len() * 4, "{} of {}", short.len(), full.len());
+            assert!(short.contains("MLXRS_SUM_STORE") && !short.contains("//"));
+        }
+    }
+
     #[test]
     fn fits_decode_rows_of_affine_4_and_8_bit() {
         let (w4, w8) = (arr(&[256, 4096 / 8], Dtype::Uint32), arr(&[256, 4096 / 4], Dtype::Uint32));
@@ -618,15 +707,29 @@ mod tests {
         for res in
             [arr(&[1, 1, 255], Dtype::Bfloat16), arr(&[1, 256], Dtype::Bfloat16), arr(&[1, 1, 256], Dtype::Float16)]
         {
-            let r = qmv(&x, &w4, &b, Some(&b), q4, Epilogue::Residual(&res), None).unwrap();
+            let r =
+                qmv(&x, QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 }, Epilogue::Residual(&res), None, None)
+                    .unwrap();
             assert!(r.is_none(), "{:?}", res.shape());
         }
-        assert!(qmv(&x, &w4, &b, Some(&b), q4, Epilogue::Plain, Some(&[1, 2, 64])).unwrap().is_none());
+        assert!(qmv(
+            &x,
+            QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 },
+            Epilogue::Plain,
+            None,
+            Some(&[1, 2, 64])
+        )
+        .unwrap()
+        .is_none());
         let odd = arr(&[255, 4096 / 8], Dtype::Uint32);
-        assert!(qmv(&x, &odd, &b, Some(&b), q4, Epilogue::SwiGlu, None).unwrap().is_none());
+        assert!(qmv(&x, QWeight { w: &odd, scales: &b, biases: Some(&b), q: q4 }, Epilogue::SwiGlu, None, None)
+            .unwrap()
+            .is_none());
         // heads-shaped x without a shape for the result: nothing to infer it from
         let heads = arr(&[1, 32, 1, 128], Dtype::Bfloat16);
-        assert!(qmv(&heads, &w4, &b, Some(&b), q4, Epilogue::Plain, None).unwrap().is_none());
+        assert!(qmv(&heads, QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 }, Epilogue::Plain, None, None)
+            .unwrap()
+            .is_none());
         // 4-bit x of up to Q8X_MAX_VALUES values takes the int8-activation kernel when on, not `float`;
         // 8-bit never
         let big = arr(&[1, 8, 4096 + 512], Dtype::Bfloat16);
@@ -637,9 +740,19 @@ mod tests {
             assert_eq!(state(), OFF);
             let res = arr(&[1, 1, 256], Dtype::Bfloat16);
             for e in [Epilogue::Plain, Epilogue::Residual(&res), Epilogue::SwiGlu] {
-                assert!(qmv(&x, &w4, &b, Some(&b), q4, e, None).unwrap().is_none());
+                assert!(qmv(&x, QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 }, e, None, None)
+                    .unwrap()
+                    .is_none());
             }
-            assert!(qmv(&heads, &w4, &b, Some(&b), q4, Epilogue::Plain, Some(&[1, 1, 256])).unwrap().is_none());
+            assert!(qmv(
+                &heads,
+                QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 },
+                Epilogue::Plain,
+                None,
+                Some(&[1, 1, 256])
+            )
+            .unwrap()
+            .is_none());
         }
     }
 }
