@@ -1099,6 +1099,16 @@ impl Qkv {
     }
 }
 
+/// How [`Attention::attend_many_rotated`] rotates q and k.
+#[derive(Clone, Copy)]
+pub enum Rotation<'a> {
+    /// The rotary embedding at each row's position; then the queries times the scale where given
+    /// (`[rows or 1, 1, L, 1]`, in the queries' dtype).
+    Rope(Option<&'a Array>),
+    /// None: q and k come rotated ([`Attention::project_roped`]).
+    Done,
+}
+
 /// Multi-head attention with grouped KV heads over an external cache.
 pub struct Attention {
     pub qkv: Qkv,
@@ -1184,7 +1194,7 @@ impl Attention {
         sinks: Option<&Array>,
     ) -> Result<Array> {
         if let Some((q, k, v)) = self.project_roped(h, Some(norm), &caches.offsets())? {
-            let out = self.attend_many_inner(q, k, v, masks, caches, sinks, None, true)?;
+            let out = self.attend_many_rotated(q, k, v, masks, caches, sinks, Rotation::Done)?;
             return self.output_add(&out, h.dim(0), h.dim(1), h);
         }
         self.forward_many_sinks_add(&norm.forward(h)?, masks, caches, sinks, h)
@@ -1200,7 +1210,7 @@ impl Attention {
         sinks: Option<&Array>,
     ) -> Result<Array> {
         if let Some((q, k, v)) = self.project_roped(x, None, &caches.offsets())? {
-            return self.attend_many_inner(q, k, v, masks, caches, sinks, None, true);
+            return self.attend_many_rotated(q, k, v, masks, caches, sinks, Rotation::Done);
         }
         let (q, k, v) = self.project(x)?;
         self.attend_many(q, k, v, masks, caches, sinks)
@@ -1259,14 +1269,14 @@ impl Attention {
         caches: LayerCaches,
         sinks: Option<&Array>,
     ) -> Result<Array> {
-        self.attend_many_scaled(q, k, v, masks, caches, sinks, None)
+        self.attend_many_rotated(q, k, v, masks, caches, sinks, Rotation::Rope(None))
     }
 
-    /// [`Attention::attend_many`] with the rotated queries times `q_scale` (`[rows or 1, 1, L, 1]`,
-    /// in the queries' dtype: Llama 4's position-dependent scale, ministral3), multiplied after the
-    /// rotary embedding as mlx-lm does.
+    /// [`Attention::attend_many`] with the rotation `rot`: the rotary embedding, with the rotated
+    /// queries times a scale where given (Llama 4's position-dependent scale, ministral3: multiplied
+    /// after the rotary embedding as mlx-lm does), or none (q and k rotated by the projection's kernel).
     #[allow(clippy::too_many_arguments)]
-    pub fn attend_many_scaled(
+    pub fn attend_many_rotated(
         &self,
         q: Array,
         k: Array,
@@ -1274,25 +1284,12 @@ impl Attention {
         masks: &Masks,
         caches: LayerCaches,
         sinks: Option<&Array>,
-        q_scale: Option<&Array>,
+        rot: Rotation,
     ) -> Result<Array> {
-        self.attend_many_inner(q, k, v, masks, caches, sinks, q_scale, false)
-    }
-
-    /// [`Attention::attend_many_scaled`], with q and k already rotated where `roped` (then without
-    /// `q_scale`: [`Attention::project_roped`]).
-    #[allow(clippy::too_many_arguments)]
-    fn attend_many_inner(
-        &self,
-        q: Array,
-        k: Array,
-        v: Array,
-        masks: &Masks,
-        caches: LayerCaches,
-        sinks: Option<&Array>,
-        q_scale: Option<&Array>,
-        roped: bool,
-    ) -> Result<Array> {
+        let (q_scale, roped) = match rot {
+            Rotation::Rope(s) => (s, false),
+            Rotation::Done => (None, true),
+        };
         // the scale of batch row `row` (all rows: None)
         let scaled = |q: Array, row: Option<usize>| -> Result<Array> {
             match (q_scale, row) {

@@ -278,14 +278,14 @@ impl CausalLm for Model {
             let h = match &q_scale {
                 Some(s) => {
                     let (q, k, v) = layer.attn.project(&layer.in_norm.forward(h)?)?;
-                    let out = layer.attn.attend_many_scaled(
+                    let out = layer.attn.attend_many_rotated(
                         q,
                         k,
                         v,
                         mask,
                         caches.layer_mut(i),
                         layer.sinks.as_ref(),
-                        Some(s),
+                        super::layers::Rotation::Rope(Some(s)),
                     )?;
                     layer.attn.output_add(&out, h.dim(0), n, h)?
                 }

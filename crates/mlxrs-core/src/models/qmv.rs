@@ -46,18 +46,15 @@ pub fn refresh() {
         _ => OFF,
     };
     SWITCH.store(state, Ordering::Relaxed);
-    let rope = if std::env::var(ROPE_ENV).is_ok_and(|v| v.trim() == "0") { OFF } else { ON };
-    ROPE_SWITCH.store(rope, Ordering::Relaxed);
-    let norm = if std::env::var(NORM_ENV).is_ok_and(|v| v.trim() == "0") { OFF } else { ON };
-    NORM_SWITCH.store(norm, Ordering::Relaxed);
+    for (switch, env) in [(&ROPE_SWITCH, ROPE_ENV), (&NORM_SWITCH, NORM_ENV)] {
+        let off = std::env::var(env).is_ok_and(|v| v.trim() == "0");
+        switch.store(if off { OFF } else { ON }, Ordering::Relaxed);
+    }
 }
 
 /// The switch's state ([`ON`], [`OFF`] or [`FLOAT`]); OFF wherever the backend is not CUDA.
 fn state() -> u8 {
-    if SWITCH.load(Ordering::Relaxed) == UNREAD {
-        refresh();
-    }
-    let s = SWITCH.load(Ordering::Relaxed);
+    let s = read(&SWITCH);
     if s == OFF {
         return OFF;
     }
@@ -147,11 +144,12 @@ pub const NORM_ENV: &str = "MLXRS_CUDA_QMV_NORM";
 
 static NORM_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
 
-fn norm_on() -> bool {
-    if NORM_SWITCH.load(Ordering::Relaxed) == UNREAD {
+/// A switch's state, the environment read first ([`refresh`]) while it is unread.
+fn read(switch: &AtomicU8) -> u8 {
+    if switch.load(Ordering::Relaxed) == UNREAD {
         refresh();
     }
-    NORM_SWITCH.load(Ordering::Relaxed) == ON
+    switch.load(Ordering::Relaxed)
 }
 
 /// An MLX-quantized weight: `w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`.
@@ -215,20 +213,11 @@ pub fn qmv(
 /// the separate ops round it). A warp computes a rotation pair's two rows. Where the kernel takes
 /// the product and [`ROPE_ENV`] is not `0`; None elsewhere.
 pub fn qkv_rope(x: &Array, wt: QWeight, rope: &QkvRope, norm: Option<Norm>) -> Result<Option<(Array, Array, Array)>> {
-    let (w, q) = (wt.w, wt.q);
-    let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
-    let k = k_of(w, q);
-    let m = x.size() / (k.max(1) as usize);
-    if !rope_on()
-        || hd <= 0
-        || hd % 2 != 0
-        || w.dim(0) != (hq + 2 * hkv) * hd
-        || rope.positions.dtype() != Dtype::Int32
-        || rope.positions.size() != m
-        || rope.freqs.is_some_and(|f| f.dtype() != Dtype::Float32 || f.size() != (hd / 2) as usize)
-    {
+    if read(&ROPE_SWITCH) != ON || !rope_fits(x, wt, rope) {
         return Ok(None);
     }
+    let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
+    let m = x.size() / (k_of(wt.w, wt.q).max(1) as usize);
     let m = m as i32;
     let shapes = [vec![m, hq, 1, hd], vec![m, hkv, 1, hd], vec![m, hkv, 1, hd]];
     let Some(out) = launch(x, wt, Kind::Rope(rope), norm, &shapes)? else { return Ok(None) };
@@ -239,17 +228,23 @@ pub fn qkv_rope(x: &Array, wt: QWeight, rope: &QkvRope, norm: Option<Norm>) -> R
     }
 }
 
+/// Whether [`qkv_rope`]'s arguments agree: W's rows the heads' (q, k, v) of an even head_dim, one
+/// int32 position per row of x, head_dim / 2 float32 frequencies where given.
+fn rope_fits(x: &Array, wt: QWeight, rope: &QkvRope) -> bool {
+    let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
+    let m = x.size() / (k_of(wt.w, wt.q).max(1) as usize);
+    hd > 0
+        && hd % 2 == 0
+        && wt.w.dim(0) == (hq + 2 * hkv) * hd
+        && rope.positions.dtype() == Dtype::Int32
+        && rope.positions.size() == m
+        && rope.freqs.is_none_or(|f| f.dtype() == Dtype::Float32 && f.size() == (hd / 2) as usize)
+}
+
 /// Turns [`qkv_rope`] off with `0` (the rotary embedding then runs as MLX's op after the product).
 pub const ROPE_ENV: &str = "MLXRS_CUDA_QKV_ROPE";
 
 static ROPE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
-
-fn rope_on() -> bool {
-    if ROPE_SWITCH.load(Ordering::Relaxed) == UNREAD {
-        refresh();
-    }
-    ROPE_SWITCH.load(Ordering::Relaxed) == ON
-}
 
 /// One launch of a kernel ([`SOURCE`] or [`SOURCE_Q8X`] with `kind`'s epilogue) with outputs of
 /// `shapes` in x's dtype: None where it does not take the product.
@@ -261,7 +256,12 @@ fn launch(x: &Array, wt: QWeight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<
     let q8x = int8_activations(x, q, state);
     // the norm in the prologue: the int8-activation kernel only, over a weight of x's dtype and K
     if let Some(nm) = norm {
-        if !q8x || !norm_on() || nm.weight.dtype() != x.dtype() || nm.weight.ndim() != 1 || nm.weight.dim(0) != k {
+        if !q8x
+            || read(&NORM_SWITCH) != ON
+            || nm.weight.dtype() != x.dtype()
+            || nm.weight.ndim() != 1
+            || nm.weight.dim(0) != k
+        {
             return Ok(None);
         }
     }
@@ -704,32 +704,48 @@ mod tests {
         assert!(!fits(&arr(&[1, 32, 1, 127], Dtype::Bfloat16), &w4, Some(&b), q4), "not whole rows of K");
         // a residual of another shape or dtype than the product's is never fused, a shape of another
         // size never taken, nor a SwiGLU over an odd number of rows (any backend)
+        let wt = QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 };
         for res in
             [arr(&[1, 1, 255], Dtype::Bfloat16), arr(&[1, 256], Dtype::Bfloat16), arr(&[1, 1, 256], Dtype::Float16)]
         {
-            let r =
-                qmv(&x, QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 }, Epilogue::Residual(&res), None, None)
-                    .unwrap();
+            let r = qmv(&x, wt, Epilogue::Residual(&res), None, None).unwrap();
             assert!(r.is_none(), "{:?}", res.shape());
         }
-        assert!(qmv(
-            &x,
-            QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 },
-            Epilogue::Plain,
-            None,
-            Some(&[1, 2, 64])
-        )
-        .unwrap()
-        .is_none());
+        assert!(qmv(&x, wt, Epilogue::Plain, None, Some(&[1, 2, 64])).unwrap().is_none());
         let odd = arr(&[255, 4096 / 8], Dtype::Uint32);
-        assert!(qmv(&x, QWeight { w: &odd, scales: &b, biases: Some(&b), q: q4 }, Epilogue::SwiGlu, None, None)
-            .unwrap()
-            .is_none());
+        assert!(qmv(&x, QWeight { w: &odd, ..wt }, Epilogue::SwiGlu, None, None).unwrap().is_none());
         // heads-shaped x without a shape for the result: nothing to infer it from
         let heads = arr(&[1, 32, 1, 128], Dtype::Bfloat16);
-        assert!(qmv(&heads, QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 }, Epilogue::Plain, None, None)
-            .unwrap()
-            .is_none());
+        assert!(qmv(&heads, wt, Epilogue::Plain, None, None).unwrap().is_none());
+        // the rotary epilogue: W's rows must be the heads' (q, k, v), one int32 position per row of x,
+        // head_dim / 2 float32 frequencies where given (any backend)
+        let pos = Array::from_slice(&[5i32], &[1]).unwrap();
+        let (f32s, f16s) = (arr(&[32], Dtype::Float32), arr(&[32], Dtype::Float16));
+        let rope = QkvRope {
+            positions: &pos,
+            freqs: None,
+            base: 10000.0,
+            scale: 1.0,
+            traditional: false,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 64, // (2 + 2·1) · 64 = W's 256 rows
+        };
+        assert!(rope_fits(&x, wt, &rope) && rope_fits(&x, wt, &QkvRope { freqs: Some(&f32s), ..rope }));
+        let two = Array::from_slice(&[5i32, 6], &[2]).unwrap();
+        let f32pos = Array::from_slice(&[5f32], &[1]).unwrap();
+        let short = arr(&[16], Dtype::Float32);
+        for (why, bad) in [
+            ("rows not the heads'", QkvRope { n_heads: 3, ..rope }),
+            ("two positions for one row", QkvRope { positions: &two, ..rope }),
+            ("float positions", QkvRope { positions: &f32pos, ..rope }),
+            ("16 frequencies for 32 pairs", QkvRope { freqs: Some(&short), ..rope }),
+            ("float16 frequencies", QkvRope { freqs: Some(&f16s), ..rope }),
+            ("an odd head_dim", QkvRope { head_dim: 1, n_heads: 254, n_kv_heads: 1, ..rope }),
+        ] {
+            assert!(!rope_fits(&x, wt, &bad), "{why}");
+            assert!(qkv_rope(&x, wt, &bad, None).unwrap().is_none(), "{why}");
+        }
         // 4-bit x of up to Q8X_MAX_VALUES values takes the int8-activation kernel when on, not `float`;
         // 8-bit never
         let big = arr(&[1, 8, 4096 + 512], Dtype::Bfloat16);
@@ -739,20 +755,15 @@ mod tests {
         if crate::plan::Backend::detect() == crate::plan::Backend::Cpu {
             assert_eq!(state(), OFF);
             let res = arr(&[1, 1, 256], Dtype::Bfloat16);
+            let nw = arr(&[4096], Dtype::Bfloat16);
+            let norm = Norm { weight: &nw, eps: 1e-5 };
             for e in [Epilogue::Plain, Epilogue::Residual(&res), Epilogue::SwiGlu] {
-                assert!(qmv(&x, QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 }, e, None, None)
-                    .unwrap()
-                    .is_none());
+                assert!(qmv(&x, wt, e, None, None).unwrap().is_none());
+                assert!(qmv(&x, wt, e, Some(norm), None).unwrap().is_none());
             }
-            assert!(qmv(
-                &heads,
-                QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 },
-                Epilogue::Plain,
-                None,
-                Some(&[1, 1, 256])
-            )
-            .unwrap()
-            .is_none());
+            assert!(qmv(&heads, wt, Epilogue::Plain, None, Some(&[1, 1, 256])).unwrap().is_none());
+            assert!(qkv_rope(&x, wt, &rope, None).unwrap().is_none());
+            assert!(qkv_rope(&x, wt, &rope, Some(norm)).unwrap().is_none());
         }
     }
 }
