@@ -83,7 +83,10 @@ fi
 req_hash=$( { cat "$REQS"; python -V; uname -sm; } | sha )
 if [ "$(cat "$STAMP_DIR/pip" 2>/dev/null)" != "$req_hash" ]; then
     say "installing Python dependencies (scripts/requirements-dev.txt)"
-    python -m pip install --disable-pip-version-check -q -r "$REQS" || die "pip install failed"
+    # --no-compile: no bytecode for the ~18,000 modules installed (~200 MB of source, most never imported:
+    # transformers' model files, pandas, scipy), compiled by pip on the core the Rust build wants; Python
+    # compiles and caches what is imported, on first import
+    python -m pip install --disable-pip-version-check --no-compile -q -r "$REQS" || die "pip install failed"
     echo "$req_hash" > "$STAMP_DIR/pip"
 else
     say "Python dependencies up to date"

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from .app import KEEPALIVE_SECONDS, STATE, Generation, ServerState, read_json, sse, start_sse, steps
-from .common import bad, common_sampling, content_parts, opt_bool, opt_int, stop_list, type_name
+from .common import bad, common_sampling, content_parts, message_objects, opt_bool, opt_int, stop_list, type_name
 from .constrain import anthropic_output_config, combine, extension, naming, tool_call_schema
 from .. import media
 from ..errors import InvalidArgumentError
@@ -126,15 +126,8 @@ def convert_messages(
         if text:
             out.append({"role": "system", "content": text})
     msgs = body.get("messages")
-    if not isinstance(msgs, list):
-        raise bad("messages", f"expected an array, got {type_name(msgs)}" if msgs is not None else "is required")
-    if not msgs:
-        raise bad("messages", "must contain at least one message")
     names: dict[str, str] = {}
-    for i, m in enumerate(msgs):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(w, f"expected a message object, got {type_name(m)}")
+    for i, w, m in message_objects(msgs):
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise bad(

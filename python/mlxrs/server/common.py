@@ -128,6 +128,21 @@ def bad(param: str, msg: str) -> ApiError:
     return ApiError(400, f"{param}: {msg}", param=param)
 
 
+def message_objects(msgs: Any) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(index, param path, message) of each element of a request's `messages`, checked to be a
+    non-empty array of objects (a 400 naming the field or the element otherwise): how both protocols
+    walk their messages."""
+    if not isinstance(msgs, list):
+        raise bad("messages", f"expected an array, got {type_name(msgs)}" if msgs is not None else "is required")
+    if not msgs:
+        raise bad("messages", "must contain at least one message")
+    for i, m in enumerate(msgs):
+        w = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(w, f"expected a message object, got {type_name(m)}")
+        yield i, w, m
+
+
 def content_parts(content: list[Any], where: str, noun: str) -> Iterator[tuple[str, dict[str, Any], str]]:
     """(type, part, its param path) of each element of a content array, each checked to be an object
     with a string `type` (a 400 naming the element otherwise): how both protocols walk their content

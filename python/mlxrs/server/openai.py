@@ -17,6 +17,7 @@ from .common import (
     check_json,
     common_sampling,
     content_parts,
+    message_objects,
     logit_bias,
     opt_bool,
     opt_int,
@@ -150,16 +151,9 @@ def convert_messages(
     """OpenAI messages → the Hugging Face chat-template form (arguments as objects); image parts
     (a model with a vision tower) become image markers, their sources appended to `images`; a video
     part (a model whose tower takes video) the video marker, its frames appended to `videos`."""
-    if not isinstance(msgs, list):
-        raise bad("messages", f"expected an array, got {type_name(msgs)}")
-    if not msgs:
-        raise bad("messages", "must contain at least one message")
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}
-    for i, m in enumerate(msgs):
-        w = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(w, f"expected a message object, got {type_name(m)}")
+    for i, w, m in message_objects(msgs):
         role = m.get("role")
         if not isinstance(role, str):
             raise bad(f"{w}.role", "is required (system, developer, user, assistant or tool)")
