@@ -175,3 +175,6 @@ def test_concurrent_prompts_share_prefill_passes_at_stats():
     steps, rows = e["prefill_steps"] - base["prefill_steps"], e["prefill_rows"] - base["prefill_rows"]
     assert rows >= len(prompts)  # every prompt in at least one pass
     assert e["prefill_max_rows"] >= 2 and rows > steps, e  # some passes were shared
+    # the decode steps' host time grew by phase with the 8 generations' decode steps
+    host, host0 = e["decode_host_seconds"], base["decode_host_seconds"]
+    assert e["decode_steps"] > base["decode_steps"] and all(host[k] > host0[k] for k in ("build", "submit")), e

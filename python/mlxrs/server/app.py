@@ -505,6 +505,7 @@ class ServerState:
                         "prefill_steps",
                         "prefill_rows",
                         "prefill_max_rows",
+                        "decode_host_seconds",
                     )
                 },
                 **self.engine(),
