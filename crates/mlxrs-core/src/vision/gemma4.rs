@@ -89,10 +89,8 @@ impl Processor {
         if let Some(why) = &self.refuse {
             return Err(Error::Unsupported(format!("{what}: {why}")));
         }
-        let img = super::image::decode(bytes, limits, what)?;
-        let size = self.target_size(img.height, img.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
-        let pre = Preprocess::bicubic_f32(size, self.rescale, self.normalize);
-        Ok(pre.run(&img))
+        let size = |h, w| self.target_size(h, w);
+        Preprocess::bicubic_f32_pixels(bytes, limits, what, size, self.rescale, self.normalize)
     }
 
     /// Gemma 4's expansion: the `i`-th image token of `text` becomes

@@ -356,6 +356,21 @@ impl Preprocess {
         Preprocess { size: Some(size), filter: Filter::Bicubic, rescale, rescale_f32: true, normalize }
     }
 
+    /// An encoded image decoded, then [`Preprocess::bicubic_f32`] to the size `size` gives for its
+    /// (height, width) (Gemma 4's and Qwen3.5's processors; `what` names the image in errors).
+    pub fn bicubic_f32_pixels(
+        bytes: &[u8],
+        limits: &ImageLimits,
+        what: &str,
+        size: impl FnOnce(u32, u32) -> Result<(u32, u32)>,
+        rescale: Option<f64>,
+        normalize: Option<([f32; 3], [f32; 3])>,
+    ) -> Result<Pixels> {
+        let img = decode(bytes, limits, what)?;
+        let size = size(img.height, img.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
+        Ok(Preprocess::bicubic_f32(size, rescale, normalize).run(&img))
+    }
+
     /// Resize, rescale (`uint8 as float64 * factor`, then float32; or in float32) and normalize (`(x - mean) /
     /// std` in float32), as Hugging Face's image processors do with numpy.
     pub fn run(&self, img: &Rgb) -> Pixels {

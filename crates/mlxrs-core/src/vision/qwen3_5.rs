@@ -180,10 +180,8 @@ impl Processor {
 
     /// Pixel values `[3, H, W]` of an encoded image (`what` names it in errors).
     pub fn pixels(&self, bytes: &[u8], limits: &ImageLimits, what: &str) -> Result<Pixels> {
-        let img = super::image::decode(bytes, limits, what)?;
-        let size = self.target_size(img.height, img.width).map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
-        let pre = Preprocess::bicubic_f32(size, self.rescale, self.normalize);
-        Ok(pre.run(&img))
+        let size = |h, w| self.target_size(h, w);
+        Preprocess::bicubic_f32_pixels(bytes, limits, what, size, self.rescale, self.normalize)
     }
 
     /// The processor's expansion: the `i`-th image token of `text` becomes `n_i` image tokens,
