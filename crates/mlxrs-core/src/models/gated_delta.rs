@@ -22,7 +22,7 @@
 //! the default on Metal; `MLXRS_GDN_KERNEL=metal` opts in on a Metal GPU (for checking it there
 //! against the reference, e.g. with `bench/check_gdn_kernel.py`'s comparisons).
 use crate::error::{Error, Result};
-use crate::handle::{self as mx, Array, CudaKernel, MetalKernel, TemplateArg};
+use crate::handle::{self as mx, Array, CudaKernel, Dtype, MetalKernel, TemplateArg};
 use std::sync::OnceLock;
 
 /// Which implementation of the recurrence runs.
@@ -142,14 +142,7 @@ pub fn kernel(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: &
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
     let (in_t, st_t) = (q.dtype(), state.dtype());
-    let template = [
-        ("InT", TemplateArg::Dtype(in_t)),
-        ("StT", TemplateArg::Dtype(st_t)),
-        ("Dk", TemplateArg::Int(dk)),
-        ("Dv", TemplateArg::Int(dv)),
-        ("Hk", TemplateArg::Int(hk)),
-        ("Hv", TemplateArg::Int(hv)),
-    ];
+    let template = template_args(in_t, st_t, [dk, dv, hk, hv]);
     let mut out = kern.apply(
         &[q, k, v, g, beta, state],
         &[(&[b, t, hv, dv], in_t), (&[b, hv, dv, dk], st_t)],
@@ -250,14 +243,7 @@ pub fn metal_kernel(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, st
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
     let (in_t, st_t) = (q.dtype(), state.dtype());
-    let template = [
-        ("InT", TemplateArg::Dtype(in_t)),
-        ("StT", TemplateArg::Dtype(st_t)),
-        ("Dk", TemplateArg::Int(dk)),
-        ("Dv", TemplateArg::Int(dv)),
-        ("Hk", TemplateArg::Int(hk)),
-        ("Hv", TemplateArg::Int(hv)),
-    ];
+    let template = template_args(in_t, st_t, [dk, dv, hk, hv]);
     let t_arr = Array::scalar(t)?;
     let mut out = kern.apply(
         &[q, k, v, g, beta, state, &t_arr],
@@ -274,6 +260,18 @@ pub fn metal_kernel(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, st
 
 /// `(y, state)`.
 pub type Array2 = (Array, Array);
+
+/// Both kernels' compile-time constants: the inputs' and the state's dtypes, then Dk, Dv, Hk, Hv.
+fn template_args(in_t: Dtype, st_t: Dtype, [dk, dv, hk, hv]: [i32; 4]) -> [(&'static str, TemplateArg); 6] {
+    [
+        ("InT", TemplateArg::Dtype(in_t)),
+        ("StT", TemplateArg::Dtype(st_t)),
+        ("Dk", TemplateArg::Int(dk)),
+        ("Dv", TemplateArg::Int(dv)),
+        ("Hk", TemplateArg::Int(hk)),
+        ("Hv", TemplateArg::Int(hv)),
+    ]
+}
 
 /// [`kernel`]'s and [`metal_kernel`]'s shape checks: `(B, T, Hk, Dk, Hv, Dv)`.
 fn check_shapes(
