@@ -44,7 +44,7 @@ import math
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 
 @dataclass
@@ -647,10 +647,6 @@ class OutputParser:
         if not self.buf:
             return False
         st = self.state
-        if st == "start":
-            return self._start(out, final)
-        if st == "text":
-            return self._text(out, final)
         if st == "after":
             # between and after tool calls: whitespace is not content
             s = self.buf.lstrip()
@@ -669,21 +665,10 @@ class OutputParser:
             self.after_json = False
             self.state = "start"
             return True
-        if st == "reasoning":
-            return self._reasoning(out, final)
-        if st == "block":
-            return self._block(out, final)
-        if st == "mistral":
-            return self._mistral(out, final)
-        if st == "h_header":
-            return self._h_header(out, final)
-        if st == "h_body":
-            return self._h_body(out, final)
-        if st == "json":
-            return self._json(out, final)
-        if st == "fenced":
-            return self._fenced(out, final)
-        raise AssertionError(st)
+        # every other state has its method: start, text, reasoning, block, mistral, h_header, h_body,
+        # json, fenced
+        step: Callable[[list[Event], bool], bool] = getattr(self, f"_{st}")
+        return step(out, final)
 
     def _start(self, out: list[Event], final: bool) -> bool:
         s = self.buf.lstrip()
