@@ -1135,7 +1135,7 @@ impl Attention {
         sinks: Option<&Array>,
     ) -> Result<Array> {
         let (b, l) = (x.dim(0), x.dim(1));
-        let out = match self.project_roped(x, None, &[cache.offset()])? {
+        let out = match self.project_roped(x, None, || vec![cache.offset()])? {
             Some((q, k, v)) => self.attend_roped(q, k, v, mask, cache, sinks)?,
             None => {
                 let (q, k, v) = self.project(x)?;
@@ -1193,7 +1193,7 @@ impl Attention {
         caches: LayerCaches,
         sinks: Option<&Array>,
     ) -> Result<Array> {
-        if let Some((q, k, v)) = self.project_roped(h, Some(norm), &caches.offsets())? {
+        if let Some((q, k, v)) = self.project_roped(h, Some(norm), || caches.offsets())? {
             let out = self.attend_many_rotated(q, k, v, masks, caches, sinks, Rotation::Done)?;
             return self.output_add(&out, h.dim(0), h.dim(1), h);
         }
@@ -1209,14 +1209,15 @@ impl Attention {
         caches: LayerCaches,
         sinks: Option<&Array>,
     ) -> Result<Array> {
-        if let Some((q, k, v)) = self.project_roped(x, None, &caches.offsets())? {
+        if let Some((q, k, v)) = self.project_roped(x, None, || caches.offsets())? {
             return self.attend_many_rotated(q, k, v, masks, caches, sinks, Rotation::Done);
         }
         let (q, k, v) = self.project(x)?;
         self.attend_many(q, k, v, masks, caches, sinks)
     }
 
-    /// q and k rotated at each row's position (`offsets`, one token per row: a decode step) and v,
+    /// q and k rotated at each row's position (`offsets()`, asked only where the rest applies; one
+    /// token per row: a decode step) and v,
     /// `[B, heads, 1, head_dim]`, from one kernel: CUDA's quantized matvec of the fused q/k/v with the
     /// rotary embedding as its epilogue ([`super::qmv::qkv_rope`]; 3 ops a layer fewer than
     /// [`Attention::project`] and the two ropes). Where it takes them: a GPU, fused q/k/v without a
@@ -1225,27 +1226,28 @@ impl Attention {
         &self,
         x: &Array,
         norm: Option<&RmsNorm>,
-        offsets: &[i32],
+        offsets: impl FnOnce() -> Vec<i32>,
     ) -> Result<Option<(Array, Array, Array)>> {
         let Qkv::Fused(f) = &self.qkv else { return Ok(None) };
         let rope = &self.rope;
         if !on_gpu()
             || x.ndim() != 3
             || x.dim(1) != 1
-            || x.dim(0) as usize != offsets.len()
             || self.qk_norm.is_some()
             || rope.dims != self.head_dim
             || rope.mscale != 1.0
-            || offsets.iter().any(|&o| o < 0)
         {
             return Ok(None);
         }
-        let positions = Array::from_slice(offsets, &[offsets.len() as i32])?;
+        let offsets = offsets();
+        if x.dim(0) as usize != offsets.len() || offsets.iter().any(|&o| o < 0) {
+            return Ok(None);
+        }
         f.qkv_rope_into(
             x,
             norm,
             &super::qmv::QkvRope {
-                positions: &positions,
+                positions: &offsets,
                 freqs: rope.freqs.as_ref(),
                 base: rope.base,
                 scale: rope.scale,

@@ -302,7 +302,6 @@ pub static ARCHS: &[Arch] = &[
     ministral3::ARCH,
 ];
 
-/// Every supported `model_type`, aliases included (from [`ARCHS`]).
 /// `config` as an architecture's `ModelArgs` reads it: the fields of `drop` removed, and each of
 /// `defaults` set where the config leaves it out (absent or null).
 pub(crate) fn with_defaults(config: &Value, drop: &[&str], defaults: &[(&str, Value)]) -> Value {
@@ -320,6 +319,7 @@ pub(crate) fn with_defaults(config: &Value, drop: &[&str], defaults: &[(&str, Va
     c
 }
 
+/// Every supported `model_type`, aliases included (from [`ARCHS`]).
 pub fn supported() -> Vec<&'static str> {
     arch::supported()
 }

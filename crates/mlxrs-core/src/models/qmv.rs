@@ -90,6 +90,11 @@ pub(crate) fn k_of(w: &Array, q: QuantSpec) -> i32 {
     w.dim(-1) * (32 / q.bits.max(1))
 }
 
+/// How many rows of W's K values x holds.
+fn rows_of(x: &Array, w: &Array, q: QuantSpec) -> usize {
+    x.size() / (k_of(w, q).max(1) as usize)
+}
+
 /// 1 to [`MAX_ROWS`] rows of 16-bit x (x's values, rows × W's K, in any shape), affine 4- or 8-bit
 /// weights with biases, whose 16-byte reads stay inside one group and whose rows are whole 16-byte
 /// reads.
@@ -98,7 +103,7 @@ pub fn fits(x: &Array, w: &Array, biases: Option<&Array>, q: QuantSpec) -> bool 
         return false;
     }
     let k = k_of(w, q);
-    let rows = x.size() / (k.max(1) as usize);
+    let rows = rows_of(x, w, q);
     let per_read = 4 * 32 / q.bits; // values in one 16-byte read
     (1..=MAX_ROWS).contains(&rows)
         && x.size() == rows * k as usize
@@ -123,10 +128,11 @@ pub enum Epilogue<'a> {
 }
 
 /// The rotary embedding of one token per row ([`qkv_rope`]): MLX's `fast::rope` of the q and k heads
-/// of a fused q/k/v product, at position `positions[row]` (int32 `[rows]`), over the whole head.
+/// of a fused q/k/v product, at position `positions[row]`, over the whole head.
 #[derive(Clone, Copy)]
 pub struct QkvRope<'a> {
-    pub positions: &'a Array,
+    /// One per row of x (the kernel's int32 input, made only when it launches).
+    pub positions: &'a [i32],
     /// Per-pair periods (MLX's `freqs`, float32 `[head_dim / 2]`); None: `base`'s.
     pub freqs: Option<&'a Array>,
     pub base: f32,
@@ -194,7 +200,7 @@ pub fn qmv(
         Epilogue::SwiGlu => n / 2,
         _ => n,
     };
-    let m = x.size() / (k.max(1) as usize);
+    let m = rows_of(x, w, q);
     let shape = match shape {
         Some(s) if s.iter().map(|&d| d as i64).product::<i64>() == (m as i64) * outs as i64 => s.to_vec(),
         Some(_) => return Ok(None),
@@ -223,8 +229,7 @@ pub fn qkv_rope(x: &Array, wt: QWeight, rope: &QkvRope, norm: Option<Norm>) -> R
         return Ok(None);
     }
     let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
-    let m = x.size() / (k_of(wt.w, wt.q).max(1) as usize);
-    let m = m as i32;
+    let m = rows_of(x, wt.w, wt.q) as i32;
     let shapes = [vec![m, hq, 1, hd], vec![m, hkv, 1, hd], vec![m, hkv, 1, hd]];
     let Some(out) = launch(x, wt, Kind::Rope(rope), norm, &shapes)? else { return Ok(None) };
     let mut it = out.into_iter();
@@ -235,15 +240,13 @@ pub fn qkv_rope(x: &Array, wt: QWeight, rope: &QkvRope, norm: Option<Norm>) -> R
 }
 
 /// Whether [`qkv_rope`]'s arguments agree: W's rows the heads' (q, k, v) of an even head_dim, one
-/// int32 position per row of x, head_dim / 2 float32 frequencies where given.
+/// position per row of x, head_dim / 2 float32 frequencies where given.
 fn rope_fits(x: &Array, wt: QWeight, rope: &QkvRope) -> bool {
     let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
-    let m = x.size() / (k_of(wt.w, wt.q).max(1) as usize);
     hd > 0
         && hd % 2 == 0
         && wt.w.dim(0) == (hq + 2 * hkv) * hd
-        && rope.positions.dtype() == Dtype::Int32
-        && rope.positions.size() == m
+        && rope.positions.len() == rows_of(x, wt.w, wt.q)
         && rope.freqs.is_none_or(|f| f.dtype() == Dtype::Float32 && f.size() == (hd / 2) as usize)
 }
 
@@ -315,12 +318,11 @@ fn launch(x: &Array, wt: QWeight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<
         })
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
-    let m = (x.size() / (k.max(1) as usize)) as i32;
+    let m = rows_of(x, w, q) as i32;
     // a warp per ROWS_PER_WARP rows of W; with the SwiGLU epilogue a warp per output (its gate and up
     // rows), with the rotary one a warp per rotation pair (or two rows of v)
     let warps = match kind {
-        Kind::Epilogue(Epilogue::SwiGlu) => n / 2,
-        Kind::Rope(_) => n / 2,
+        Kind::Epilogue(Epilogue::SwiGlu) | Kind::Rope(_) => n / 2,
         Kind::Epilogue(_) => (n + ROWS_PER_WARP - 1) / ROWS_PER_WARP,
     };
     let mut template = vec![
@@ -332,12 +334,16 @@ fn launch(x: &Array, wt: QWeight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<
         ("BITS", TemplateArg::Int(q.bits)),
         ("R", TemplateArg::Int(ROWS_PER_WARP)),
     ];
+    let positions = match kind {
+        Kind::Rope(r) => Some(Array::from_slice(r.positions, &[m])?),
+        Kind::Epilogue(_) => None,
+    };
     let mut args = vec![x, w, scales, biases];
     match kind {
         Kind::Epilogue(Epilogue::Residual(r)) => args.push(r),
         Kind::Epilogue(_) => {}
         Kind::Rope(r) => {
-            args.push(r.positions);
+            args.extend(positions.as_ref());
             if let Some(f) = r.freqs {
                 args.push(f);
             }
@@ -723,12 +729,12 @@ mod tests {
         // heads-shaped x without a shape for the result: nothing to infer it from
         let heads = arr(&[1, 32, 1, 128], Dtype::Bfloat16);
         assert!(qmv(&heads, wt, Epilogue::Plain, None, None).unwrap().is_none());
-        // the rotary epilogue: W's rows must be the heads' (q, k, v), one int32 position per row of x,
-        // head_dim / 2 float32 frequencies where given (any backend)
-        let pos = Array::from_slice(&[5i32], &[1]).unwrap();
+        // the rotary epilogue: W's rows must be the heads' (q, k, v), one position per row of x (an
+        // int32 slice: float positions do not type-check), head_dim / 2 float32 frequencies where
+        // given (any backend)
         let (f32s, f16s) = (arr(&[32], Dtype::Float32), arr(&[32], Dtype::Float16));
         let rope = QkvRope {
-            positions: &pos,
+            positions: &[5],
             freqs: None,
             base: 10000.0,
             scale: 1.0,
@@ -738,13 +744,11 @@ mod tests {
             head_dim: 64, // (2 + 2·1) · 64 = W's 256 rows
         };
         assert!(rope_fits(&x, wt, &rope) && rope_fits(&x, wt, &QkvRope { freqs: Some(&f32s), ..rope }));
-        let two = Array::from_slice(&[5i32, 6], &[2]).unwrap();
-        let f32pos = Array::from_slice(&[5f32], &[1]).unwrap();
         let short = arr(&[16], Dtype::Float32);
         for (why, bad) in [
             ("rows not the heads'", QkvRope { n_heads: 3, ..rope }),
-            ("two positions for one row", QkvRope { positions: &two, ..rope }),
-            ("float positions", QkvRope { positions: &f32pos, ..rope }),
+            ("two positions for one row", QkvRope { positions: &[5, 6], ..rope }),
+            ("no position", QkvRope { positions: &[], ..rope }),
             ("16 frequencies for 32 pairs", QkvRope { freqs: Some(&short), ..rope }),
             ("float16 frequencies", QkvRope { freqs: Some(&f16s), ..rope }),
             ("an odd head_dim", QkvRope { head_dim: 1, n_heads: 254, n_kv_heads: 1, ..rope }),
