@@ -76,20 +76,28 @@ VARIANTS = {
 }
 
 
+def bench_device():  # noqa: ANN201
+    """bench/bench_device.py (its models and `first_divergence`), with tests/ importable as it needs."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path[:0] = [here, os.path.join(here, "..", "tests")]
+    import bench_device
+
+    return bench_device
+
+
 def model_dir(spec: str) -> str:
     """A directory as given, else bench_device.py's model SHAPE_KIND with VARIANTS[variant], made once."""
     if os.path.isdir(spec):
         return spec
     from pathlib import Path
 
-    sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(os.path.dirname(__file__), "..", "tests")]
-    from bench_device import BITS, make_model
-
+    bd = bench_device()
     name, _, variant = spec.partition("+")
     shape, kind = name.split("_")
     d = Path("/tmp/qmv-check") / spec.replace("+", "-")
     if not (d / "config.json").exists():
-        make_model(d, shape, BITS[kind], VARIANTS[variant])
+        bd.make_model(d, shape, bd.BITS[kind], VARIANTS[variant])
     return str(d)
 
 
@@ -98,7 +106,7 @@ def check_rope(specs: list[str]) -> None:
         ours, ref = decode(model, True), decode(model, False)
         for name, (a, b) in zip(["alone", "batch row 0", "batch row 1", "batch row 2"], zip(ours, ref)):
             (ta, la), (tb, lb) = a, b
-            part = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+            part = bench_device().first_divergence(ta, tb)
             upto = len(ta) if part is None else part
             d = max((abs(x - y) for x, y in zip(la[:upto], lb[:upto])), default=0.0)
             where = "never" if part is None else f"at step {part}"
