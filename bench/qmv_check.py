@@ -117,7 +117,7 @@ def main() -> None:
     if sys.argv[1] == "--rope":
         check_rope(sys.argv[2:])
         return
-    model = sys.argv[1]
+    model = model_dir(sys.argv[1])
     ours, ref = run(model, True), run(model, False)
     for n, (a, b) in enumerate(zip(ours, ref), start=1):
         scale = max(abs(v) for v in b)

@@ -50,9 +50,10 @@ QMV_RS = HERE.parent / "crates/mlxrs-core/src/models/qmv.rs"
 
 
 def engine_source() -> str:
-    """The kernel as the engine runs it: `const SOURCE` of crates/mlxrs-core/src/models/qmv.rs (also
-    what bench/qmv_kernel_dev.py runs)."""
-    return _kernel_of(QMV_RS.read_text())
+    """The kernel as the engine runs it: `const SOURCE` of crates/mlxrs-core/src/models/qmv.rs after
+    its norm prologue (also what bench/qmv_kernel_dev.py runs)."""
+    text = QMV_RS.read_text()
+    return _kernel_of(text, "NORM_PROLOGUE") + _kernel_of(text, "NORM_STAGE") + _kernel_of(text)
 
 
 PREVIOUS_COMMIT = "2b49d4c"
@@ -118,7 +119,8 @@ def engine_header() -> str:
 
 
 def engine_q8x_source() -> str:
-    return _kernel_of(QMV_RS.read_text(), "SOURCE_Q8X")
+    text = QMV_RS.read_text()
+    return _kernel_of(text, "NORM_PROLOGUE") + _kernel_of(text, "SOURCE_Q8X")
 
 
 def variant(name: str) -> str:

@@ -207,7 +207,10 @@ impl Linear {
                 }
                 match b {
                     Some(b) => mx::addmm(b, x, wt, 1.0, 1.0),
-                    None => mx::matmul(x, wt),
+                    None => match self.qmv_into(x, Epilogue::Plain, None)? {
+                        Some(y) => Ok(y),
+                        None => mx::matmul(x, wt),
+                    },
                 }
             }
             Linear::Quant { w, scales, biases, b, q } => {
@@ -229,6 +232,10 @@ impl Linear {
             Linear::Quant { w, scales, biases, b: None, q } => {
                 quant_matmul(x, w, scales, biases.as_ref(), *q, Some(res))
             }
+            Linear::Dense { b: None, host: None, .. } => match self.qmv_into(x, Epilogue::Residual(res), None)? {
+                Some(y) => Ok(y),
+                None => mx::add(res, &self.forward(x)?),
+            },
             _ => mx::add(res, &self.forward(x)?),
         }
     }
@@ -249,12 +256,9 @@ impl Linear {
         epilogue: Epilogue,
         shape: Option<&[i32]>,
     ) -> Result<Option<Array>> {
-        match self {
-            Linear::Quant { w, scales, biases, b: None, q } if packed_rows(x, w, *q) => {
-                let wt = super::qmv::QWeight { w, scales, biases: biases.as_ref(), q: *q };
-                super::qmv::qmv(x, wt, epilogue, norm.map(RmsNorm::as_kernel), shape)
-            }
-            _ => Ok(None),
+        match self.kernel_weight(x) {
+            Some(wt) => super::qmv::qmv(x, wt, epilogue, norm.map(RmsNorm::as_kernel), shape),
+            None => Ok(None),
         }
     }
 
@@ -267,12 +271,21 @@ impl Linear {
         norm: Option<&RmsNorm>,
         rope: &super::qmv::QkvRope,
     ) -> Result<Option<(Array, Array, Array)>> {
+        match self.kernel_weight(x) {
+            Some(wt) => super::qmv::qkv_rope(x, wt, rope, norm.map(RmsNorm::as_kernel)),
+            None => Ok(None),
+        }
+    }
+
+    /// The weight as CUDA's matvec kernels take it ([`super::qmv::Weight`]): a linear without a bias
+    /// (quantized: for fewer rows of x than [`dequant_rows`]; dense: without the CPU's blocks).
+    fn kernel_weight(&self, x: &Array) -> Option<super::qmv::Weight<'_>> {
         match self {
             Linear::Quant { w, scales, biases, b: None, q } if packed_rows(x, w, *q) => {
-                let wt = super::qmv::QWeight { w, scales, biases: biases.as_ref(), q: *q };
-                super::qmv::qkv_rope(x, wt, rope, norm.map(RmsNorm::as_kernel))
+                Some(super::qmv::QWeight { w, scales, biases: biases.as_ref(), q: *q }.into())
             }
-            _ => Ok(None),
+            Linear::Dense { w, b: None, host: None, .. } => Some(super::qmv::Weight::Dense(w)),
+            _ => None,
         }
     }
 }
@@ -433,7 +446,7 @@ fn quant_matmul(
         mx::matmul(x, &mx::transpose(&wd)?)?
     } else if let Some(y) = super::qmv::qmv(
         x,
-        super::qmv::QWeight { w, scales, biases, q },
+        super::qmv::QWeight { w, scales, biases, q }.into(),
         res.map_or(Epilogue::Plain, Epilogue::Residual),
         None,
         None,
@@ -667,7 +680,12 @@ impl Embedding {
 
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
-            Embedding::Dense { wt, .. } => mx::matmul(x, wt),
+            Embedding::Dense { w, wt, .. } => {
+                match super::qmv::qmv(x, super::qmv::Weight::Dense(w), Epilogue::Plain, None, None)? {
+                    Some(y) => Ok(y),
+                    None => mx::matmul(x, wt),
+                }
+            }
             Embedding::Quant { w, scales, biases, q } => quant_matmul(x, w, scales, biases.as_ref(), *q, None),
         }
     }

@@ -1,5 +1,7 @@
-//! A quantized matrix-vector product of our own on CUDA (MLX's affine 4- and 8-bit layout), for the
-//! one to four rows of a decode step. One warp per two output rows, 16-byte reads, float32 sums. 4-bit
+//! A quantized matrix-vector product of our own on CUDA (MLX's affine 4- and 8-bit layout), and a
+//! dense one for 16-bit weights ([`Weight::Dense`], [`SOURCE_DENSE`], [`DENSE_ENV`]), for the one to
+//! four rows of a decode step. One warp per two output rows (the dense kernel's plain and residual
+//! products one), 16-byte reads, float32 sums. 4-bit
 //! weights: x rounded to int8 per 32 values and integer dot products (`dp4a`, [`SOURCE_Q8X`]), as
 //! llama.cpp does; 8-bit weights (and 4-bit with `MLXRS_CUDA_QMV=float`): float products, each 4-bit
 //! value decoded by moving its nibble into a float's mantissa ([`SOURCE`]).
@@ -13,8 +15,8 @@
 //! Each MLX op costs a decode step host time (~6.5 µs on the H200's host: the step waits on the host,
 //! `info["decode_host_seconds"]`), so the kernel also does the ops around the product: after it
 //! ([`Epilogue`]) a residual add, the fused gate/up's SwiGLU, or the fused q/k/v's rotary embedding
-//! with q, k and v written as three arrays ([`qkv_rope`], [`ROPE_ENV`]); before it, in the 4-bit
-//! kernel, the RMSNorm of x ([`Norm`], [`NORM_ENV`]). 8B 4-bit: 309 ops a step instead of 629.
+//! with q, k and v written as three arrays ([`qkv_rope`], [`ROPE_ENV`]); before it the RMSNorm of x
+//! ([`Norm`], [`NORM_ENV`]). 8B 4-bit: 309 ops a step instead of 629; 1B bf16 158 instead of 318.
 use crate::error::{Error, Result};
 use crate::handle::{self as mx, Array, CudaKernel, Dtype, QuantMode, TemplateArg};
 use crate::weights::QuantSpec;
@@ -24,8 +26,20 @@ use std::sync::OnceLock;
 /// `0`: MLX's quantized matvec always.
 pub const ENV: &str = "MLXRS_CUDA_QMV";
 
-/// Output rows per warp (the kernel's `R`).
+/// Output rows per warp (the kernel's `R`) of the quantized kernels, and of every kernel whose
+/// epilogue pairs rows (SwiGLU's gate and up, a rotation pair).
 const ROWS_PER_WARP: i32 = 2;
+
+/// The dense kernel's rows per warp and loop steps in flight for a plain or residual epilogue:
+/// measured on the H200 (Nsight Compute, `bench/dense_mv_variants.py --profile`, an 8B step's
+/// matvecs): one row a warp with 8 steps in flight 3.81 ms against MLX's gemv 3.90 and two rows with
+/// 4 steps 4.18.
+const DENSE_ROWS_PER_WARP: i32 = 1;
+const DENSE_UNROLL: &str = "#define MLXRS_DENSE_UNROLL 8\n";
+
+/// Up to how many values of x (rows × K) the dense and float kernels take with the norm in their
+/// prologue: the normed x lives in the block's static shared memory (x's dtype, 32 KiB).
+pub const NORM_STAGE_MAX_VALUES: usize = 16384;
 /// Up to how many rows of x (the kernel's `M`, unrolled).
 pub const MAX_ROWS: usize = 4;
 
@@ -42,7 +56,7 @@ const FLOAT: u8 = 3;
 const DEFAULT_ON: bool = true;
 
 /// Read [`ENV`] again (the engine does per request): `0` off, `1` on, `float` on with every product
-/// through the float kernel, unset [`DEFAULT_ON`]; and [`ROPE_ENV`], [`NORM_ENV`].
+/// through the float kernel, unset [`DEFAULT_ON`]; and [`ROPE_ENV`], [`NORM_ENV`], [`DENSE_ENV`].
 pub fn refresh() {
     let state = match std::env::var(ENV).as_deref().map(str::trim) {
         Ok("0") => OFF,
@@ -52,7 +66,7 @@ pub fn refresh() {
         _ => OFF,
     };
     SWITCH.store(state, Ordering::Relaxed);
-    for (switch, env) in [(&ROPE_SWITCH, ROPE_ENV), (&NORM_SWITCH, NORM_ENV)] {
+    for (switch, env) in [(&ROPE_SWITCH, ROPE_ENV), (&NORM_SWITCH, NORM_ENV), (&DENSE_SWITCH, DENSE_ENV)] {
         let off = std::env::var(env).is_ok_and(|v| v.trim() == "0");
         switch.store(if off { OFF } else { ON }, Ordering::Relaxed);
     }
@@ -144,7 +158,8 @@ pub struct QkvRope<'a> {
 }
 
 /// An RMSNorm of x done in the kernel's prologue (MLX's `fast::rms_norm(x, weight, eps)`, each value
-/// rounded as it writes it): the int8-activation kernel only.
+/// rounded as it writes it): every kernel (the dense and float ones for up to
+/// [`NORM_STAGE_MAX_VALUES`] values of x).
 #[derive(Clone, Copy)]
 pub struct Norm<'a> {
     pub weight: &'a Array,
@@ -173,6 +188,66 @@ pub struct QWeight<'a> {
     pub q: QuantSpec,
 }
 
+/// The weight of a product: MLX-quantized, or dense in x's dtype (`w [N, K]`, bf16 or f16: the
+/// [`SOURCE_DENSE`] kernel, with the same prologue and epilogues).
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    Quant(QWeight<'a>),
+    Dense(&'a Array),
+}
+
+impl<'a> From<QWeight<'a>> for Weight<'a> {
+    fn from(q: QWeight<'a>) -> Self {
+        Weight::Quant(q)
+    }
+}
+
+impl Weight<'_> {
+    /// W's rows (the product's N).
+    fn rows(&self) -> i32 {
+        match self {
+            Weight::Quant(q) => q.w.dim(0),
+            Weight::Dense(w) => w.dim(0),
+        }
+    }
+
+    /// The values per row of W (the product's K).
+    fn k(&self) -> i32 {
+        match self {
+            Weight::Quant(q) => k_of(q.w, q.q),
+            Weight::Dense(w) => w.dim(-1),
+        }
+    }
+
+    /// How many rows of W's K values x holds.
+    fn rows_of(&self, x: &Array) -> usize {
+        x.size() / (self.k().max(1) as usize)
+    }
+
+    /// Whether a kernel takes `x · Wᵀ`: [`fits`] for quantized W; for dense W, 1 to [`MAX_ROWS`]
+    /// rows of x in W's dtype (bf16 or f16) and rows of whole 16-byte reads.
+    fn fits(&self, x: &Array) -> bool {
+        match self {
+            Weight::Quant(q) => fits(x, q.w, q.biases, q.q),
+            Weight::Dense(w) => {
+                let (k, rows) = (w.dim(-1), self.rows_of(x));
+                w.ndim() == 2
+                    && (1..=MAX_ROWS).contains(&rows)
+                    && x.size() == rows * k as usize
+                    && matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16)
+                    && w.dtype() == x.dtype()
+                    && k % 8 == 0
+            }
+        }
+    }
+}
+
+/// Turns the dense kernel ([`Weight::Dense`], [`SOURCE_DENSE`]) off with `0`: MLX's matmul for
+/// 16-bit weights (the reference), while the quantized kernels stay on.
+pub const DENSE_ENV: &str = "MLXRS_CUDA_DENSE_MV";
+
+static DENSE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
+
 /// What a launch writes: an [`Epilogue`]'s one output, or [`qkv_rope`]'s three.
 #[derive(Clone, Copy)]
 enum Kind<'a> {
@@ -180,27 +255,29 @@ enum Kind<'a> {
     Rope(&'a QkvRope<'a>),
 }
 
-/// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`) and x of
-/// rows × K values, through [`Epilogue`], in `shape` (default x's leading axes and the output width,
-/// where x's last axis is K): where the kernel takes it (CUDA, the switch on, a product it [`fits`], a
-/// residual of the result's shape and x's dtype); None elsewhere. A given shape saves the reshape
-/// around the product: the attention's heads straight into the output projection.
+/// `x · Wᵀ` for MLX-quantized W (`w [N, K·bits/32]` uint32, `scales`/`biases` `[N, K/group]`) or
+/// dense W (`[N, K]` in x's dtype) and x of rows × K values, through [`Epilogue`], in `shape` (default
+/// x's leading axes and the output width, where x's last axis is K): where the kernel takes it (CUDA,
+/// the switch on, a product it [`fits`], a residual of the result's shape and x's dtype); None
+/// elsewhere. A given shape saves the reshape around the product: the attention's heads straight into
+/// the output projection.
 pub fn qmv(
     x: &Array,
-    wt: QWeight,
+    wt: Weight,
     epilogue: Epilogue,
     norm: Option<Norm>,
     shape: Option<&[i32]>,
 ) -> Result<Option<Array>> {
-    let (w, q) = (wt.w, wt.q);
-    let n = w.dim(0);
-    let k = k_of(w, q);
+    if state() == OFF {
+        return Ok(None); // (the CPU: before any shape is worked out)
+    }
+    let (n, k) = (wt.rows(), wt.k());
     let outs = match epilogue {
         Epilogue::SwiGlu if n % 2 != 0 => return Ok(None),
         Epilogue::SwiGlu => n / 2,
         _ => n,
     };
-    let m = rows_of(x, w, q);
+    let m = wt.rows_of(x);
     let shape = match shape {
         Some(s) if s.iter().map(|&d| d as i64).product::<i64>() == (m as i64) * outs as i64 => s.to_vec(),
         Some(_) => return Ok(None),
@@ -224,12 +301,12 @@ pub fn qmv(
 /// `[rows, n_kv_heads, 1, head_dim]`, each product rounded to x's dtype before it is rotated (as
 /// the separate ops round it). A warp computes a rotation pair's two rows. Where the kernel takes
 /// the product and [`ROPE_ENV`] is not `0`; None elsewhere.
-pub fn qkv_rope(x: &Array, wt: QWeight, rope: &QkvRope, norm: Option<Norm>) -> Result<Option<(Array, Array, Array)>> {
+pub fn qkv_rope(x: &Array, wt: Weight, rope: &QkvRope, norm: Option<Norm>) -> Result<Option<(Array, Array, Array)>> {
     if read(&ROPE_SWITCH) != ON || !rope_fits(x, wt, rope) {
         return Ok(None);
     }
     let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
-    let m = rows_of(x, wt.w, wt.q) as i32;
+    let m = wt.rows_of(x) as i32;
     let shapes = [vec![m, hq, 1, hd], vec![m, hkv, 1, hd], vec![m, hkv, 1, hd]];
     let Some(out) = launch(x, wt, Kind::Rope(rope), norm, &shapes)? else { return Ok(None) };
     let mut it = out.into_iter();
@@ -241,12 +318,12 @@ pub fn qkv_rope(x: &Array, wt: QWeight, rope: &QkvRope, norm: Option<Norm>) -> R
 
 /// Whether [`qkv_rope`]'s arguments agree: W's rows the heads' (q, k, v) of an even head_dim, one
 /// position per row of x, head_dim / 2 float32 frequencies where given.
-fn rope_fits(x: &Array, wt: QWeight, rope: &QkvRope) -> bool {
+fn rope_fits(x: &Array, wt: Weight, rope: &QkvRope) -> bool {
     let (hd, hq, hkv) = (rope.head_dim, rope.n_heads, rope.n_kv_heads);
     hd > 0
         && hd % 2 == 0
-        && wt.w.dim(0) == (hq + 2 * hkv) * hd
-        && rope.positions.len() == rows_of(x, wt.w, wt.q)
+        && wt.rows() == (hq + 2 * hkv) * hd
+        && rope.positions.len() == wt.rows_of(x)
         && rope.freqs.is_none_or(|f| f.dtype() == Dtype::Float32 && f.size() == (hd / 2) as usize)
 }
 
@@ -255,90 +332,124 @@ pub const ROPE_ENV: &str = "MLXRS_CUDA_QKV_ROPE";
 
 static ROPE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
 
-/// One launch of a kernel ([`SOURCE`] or [`SOURCE_Q8X`] with `kind`'s epilogue) with outputs of
+/// The kernel a launch takes: [`SOURCE`] (float products of quantized W), [`SOURCE_Q8X`] (4-bit W
+/// against x rounded to int8) or [`SOURCE_DENSE`] (16-bit W).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Source {
+    Float = 0,
+    Q8x = 1,
+    Dense = 2,
+}
+
+/// Which kernel takes `x · Wᵀ` (None: none does): dense W where [`DENSE_ENV`] is not `0`; quantized
+/// W through [`int8_activations`]'s choice.
+fn source_for(x: &Array, wt: Weight, state: u8) -> Option<Source> {
+    if state == OFF || !wt.fits(x) {
+        return None;
+    }
+    match wt {
+        Weight::Dense(_) if read(&DENSE_SWITCH) != ON => None,
+        Weight::Dense(_) => Some(Source::Dense),
+        Weight::Quant(q) if int8_activations(x, q.q, state) => Some(Source::Q8x),
+        Weight::Quant(_) => Some(Source::Float),
+    }
+}
+
+/// One launch of a kernel ([`Source`] with `kind`'s epilogue and `norm`'s prologue) with outputs of
 /// `shapes` in x's dtype: None where it does not take the product.
-fn launch(x: &Array, wt: QWeight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<i32>]) -> Result<Option<Vec<Array>>> {
-    let QWeight { w, scales, biases, q } = wt;
-    let state = state();
-    let Some(biases) = biases.filter(|_| state != OFF && fits(x, w, biases, q)) else { return Ok(None) };
-    let (n, k) = (w.dim(0), k_of(w, q));
-    let q8x = int8_activations(x, q, state);
-    // the norm in the prologue: the int8-activation kernel only, over a weight of x's dtype and K
+fn launch(x: &Array, wt: Weight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<i32>]) -> Result<Option<Vec<Array>>> {
+    let Some(src) = source_for(x, wt, state()) else { return Ok(None) };
+    let (n, k) = (wt.rows(), wt.k());
+    // the norm in the prologue: over a weight of x's dtype and K
     if let Some(nm) = norm {
-        if !q8x
-            || read(&NORM_SWITCH) != ON
+        if read(&NORM_SWITCH) != ON
             || nm.weight.dtype() != x.dtype()
             || nm.weight.ndim() != 1
             || nm.weight.dim(0) != k
+            || (src != Source::Q8x && x.size() > NORM_STAGE_MAX_VALUES)
         {
             return Ok(None);
         }
     }
+    // one row a warp for the dense kernel's plain and residual products (more steps in flight)
+    let (rows_per_warp, unroll) = match (src, kind) {
+        (Source::Dense, Kind::Epilogue(Epilogue::Plain | Epilogue::Residual(_))) => (DENSE_ROWS_PER_WARP, DENSE_UNROLL),
+        _ => (ROWS_PER_WARP, ""),
+    };
     type Slot = OnceLock<std::result::Result<CudaKernel, String>>;
-    // [float, int8 x] × [plain, residual, swiglu, rope, rope with freqs] × [x, the norm of x]
+    // [float, int8 x, dense] × [plain, residual, swiglu, rope, rope with freqs] × [x, the norm of x]
     #[allow(clippy::declare_interior_mutable_const)]
     const EMPTY: Slot = OnceLock::new();
     #[allow(clippy::declare_interior_mutable_const)]
     const ROW: [[Slot; 2]; 5] = [[EMPTY, EMPTY], [EMPTY, EMPTY], [EMPTY, EMPTY], [EMPTY, EMPTY], [EMPTY, EMPTY]];
-    static KERNELS: [[[Slot; 2]; 5]; 2] = [ROW, ROW];
-    let (source, stem) = if q8x { (SOURCE_Q8X, "mlxrs_qmv_q8x") } else { (SOURCE, "mlxrs_qmv") };
-    let (slot, inputs, outputs, defines, suffix): (usize, &[&str], &[&str], &str, &str) = match kind {
-        Kind::Epilogue(Epilogue::Plain) => (0, &["x", "w", "scales", "biases"], &["y"], "", ""),
-        Kind::Epilogue(Epilogue::Residual(_)) => (
-            1,
-            &["x", "w", "scales", "biases", "res"],
-            &["y"],
-            "#define MLXRS_RES(i) static_cast<float>(res[i])\n",
-            "_res",
-        ),
-        Kind::Epilogue(Epilogue::SwiGlu) => {
-            (2, &["x", "w", "scales", "biases"], &["y"], "#define MLXRS_SWIGLU\n", "_swiglu")
+    static KERNELS: [[[Slot; 2]; 5]; 3] = [ROW, ROW, ROW];
+    let (body, stem, weight_inputs): (&str, &str, &[&str]) = match src {
+        Source::Float => (SOURCE, "mlxrs_qmv", &["x", "w", "scales", "biases"]),
+        Source::Q8x => (SOURCE_Q8X, "mlxrs_qmv_q8x", &["x", "w", "scales", "biases"]),
+        Source::Dense => (SOURCE_DENSE, "mlxrs_mv", &["x", "w"]),
+    };
+    let (slot, extra, outputs, defines, suffix): (usize, &[&str], &[&str], &str, &str) = match kind {
+        Kind::Epilogue(Epilogue::Plain) => (0, &[], &["y"], "", ""),
+        Kind::Epilogue(Epilogue::Residual(_)) => {
+            (1, &["res"], &["y"], "#define MLXRS_RES(i) static_cast<float>(res[i])\n", "_res")
         }
+        Kind::Epilogue(Epilogue::SwiGlu) => (2, &[], &["y"], "#define MLXRS_SWIGLU\n", "_swiglu"),
         Kind::Rope(QkvRope { freqs: None, .. }) => {
-            (3, &["x", "w", "scales", "biases", "pos"], &["q_out", "k_out", "v_out"], "#define MLXRS_ROPE\n", "_rope")
+            (3, &["pos"], &["q_out", "k_out", "v_out"], "#define MLXRS_ROPE\n", "_rope")
         }
         Kind::Rope(QkvRope { freqs: Some(_), .. }) => (
             4,
-            &["x", "w", "scales", "biases", "pos", "freqs"],
+            &["pos", "freqs"],
             &["q_out", "k_out", "v_out"],
             "#define MLXRS_ROPE\n#define MLXRS_FREQS\n",
             "_rope_freqs",
         ),
     };
-    let kern = KERNELS[q8x as usize][slot][norm.is_some() as usize]
+    let kern = KERNELS[src as usize][slot][norm.is_some() as usize]
         .get_or_init(|| {
-            let (mut inputs, mut defines, mut name) = (inputs.to_vec(), defines.to_string(), format!("{stem}{suffix}"));
+            let mut inputs = [weight_inputs, extra].concat();
+            let (mut defines, mut name) = (format!("{defines}{unroll}"), format!("{stem}{suffix}"));
             if norm.is_some() {
                 inputs.push("nw");
                 defines.push_str("#define MLXRS_NORM\n");
                 name.push_str("_norm");
             }
-            CudaKernel::new(&name, &inputs, outputs, source, &format!("{defines}{HEADER}"), true)
+            // the dense and float kernels read the normed x from shared memory (NORM_STAGE), the int8
+            // one normalizes as it rounds x
+            let stage = if src == Source::Q8x { "" } else { NORM_STAGE };
+            let source = format!("{NORM_PROLOGUE}{stage}{body}");
+            CudaKernel::new(&name, &inputs, outputs, &source, &format!("{defines}{HEADER}"), true)
                 .map_err(|e| e.to_string())
         })
         .as_ref()
         .map_err(|e| Error::Mlx(e.clone()))?;
-    let m = rows_of(x, w, q) as i32;
-    // a warp per ROWS_PER_WARP rows of W; with the SwiGLU epilogue a warp per output (its gate and up
+    let m = wt.rows_of(x) as i32;
+    // a warp per rows_per_warp rows of W; with the SwiGLU epilogue a warp per output (its gate and up
     // rows), with the rotary one a warp per rotation pair (or two rows of v)
     let warps = match kind {
         Kind::Epilogue(Epilogue::SwiGlu) | Kind::Rope(_) => n / 2,
-        Kind::Epilogue(_) => (n + ROWS_PER_WARP - 1) / ROWS_PER_WARP,
+        Kind::Epilogue(_) => (n + rows_per_warp - 1) / rows_per_warp,
     };
     let mut template = vec![
         ("T", TemplateArg::Dtype(x.dtype())),
         ("M", TemplateArg::Int(m)),
         ("K", TemplateArg::Int(k)),
         ("N", TemplateArg::Int(n)),
-        ("GS", TemplateArg::Int(q.group_size)),
-        ("BITS", TemplateArg::Int(q.bits)),
-        ("R", TemplateArg::Int(ROWS_PER_WARP)),
+        ("R", TemplateArg::Int(rows_per_warp)),
     ];
+    let mut args = vec![x];
+    match wt {
+        Weight::Quant(QWeight { w, scales, biases: Some(biases), q }) => {
+            args.extend([w, scales, biases]);
+            template.extend([("GS", TemplateArg::Int(q.group_size)), ("BITS", TemplateArg::Int(q.bits))]);
+        }
+        Weight::Quant(QWeight { biases: None, .. }) => return Ok(None), // (fits says no first)
+        Weight::Dense(w) => args.push(w),
+    }
     let positions = match kind {
         Kind::Rope(r) => Some(Array::from_slice(r.positions, &[m])?),
         Kind::Epilogue(_) => None,
     };
-    let mut args = vec![x, w, scales, biases];
     match kind {
         Kind::Epilogue(Epilogue::Residual(r)) => args.push(r),
         Kind::Epilogue(_) => {}
@@ -370,7 +481,76 @@ fn launch(x: &Array, wt: QWeight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<
     Ok(Some(out))
 }
 
-/// What both kernels share, ahead of the kernel function: which rows of W a warp reads and how a
+/// Every kernel's prologue: where `MLXRS_NORM` is defined, x is the input of an RMSNorm (weight `nw`,
+/// epsilon `EPS_BITS`) whose output the product takes: the block first finds each row's 1/rms, and
+/// `MLXRS_XN(m, k, f)` turns x's value f at row m, column k into what MLX's `rms_norm` writes there;
+/// otherwise `MLXRS_XN` is f.
+const NORM_PROLOGUE: &str = r#"
+#ifdef MLXRS_NORM
+    // x is the norm's input: each row's 1/rms first (MLX's rms_norm: rsqrt(mean(x^2) + eps)), then each
+    // value as rms_norm writes it, nw * T(x / rms), before it is rounded to int8
+    __shared__ float xinv[M];
+    __shared__ float part[M * 32];
+    {
+        float ss[M];
+        #pragma unroll
+        for (int m = 0; m < M; ++m) ss[m] = 0.f;
+        for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
+            #pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const uint4 raw = reinterpret_cast<const uint4*>(x + (size_t)m * K)[i];
+                const T* e = reinterpret_cast<const T*>(&raw);
+                #pragma unroll
+                for (int u = 0; u < 8; ++u) { const float f = static_cast<float>(e[u]); ss[m] += f * f; }
+            }
+        }
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float t = ss[m];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+            if ((threadIdx.x & 31u) == 0) part[m * 32 + (threadIdx.x >> 5)] = t;
+        }
+        __syncthreads();
+        if (threadIdx.x < M) {
+            float t = 0.f;
+            for (unsigned w_ = 0; w_ < (blockDim.x + 31) / 32; ++w_) t += part[threadIdx.x * 32 + w_];
+            xinv[threadIdx.x] = rsqrt(t / K + __int_as_float(EPS_BITS));
+        }
+        __syncthreads();
+    }
+#define MLXRS_XN(m, k, f) static_cast<float>(nw[k] * static_cast<T>((f) * xinv[m]))
+#else
+#define MLXRS_XN(m, k, f) (f)
+#endif
+"#;
+
+/// After [`NORM_PROLOGUE`] in the dense and float kernels: where `MLXRS_NORM` is defined, the block
+/// writes the normed x (each value as MLX's `rms_norm` writes it) to shared memory once, and
+/// `MLXRS_X(m)` is where the product reads row m of x from (there, or x itself). Measured on the
+/// H200: normalizing each value where the product reads it instead cost an 8B step's matvecs 27% more
+/// GPU time (`bench/dense_mv_variants.py --profile`, `engine_norm`).
+const NORM_STAGE: &str = r#"
+#ifdef MLXRS_NORM
+    __shared__ __align__(16) T xn_[M * K];
+    for (int i = threadIdx.x; i < M * K / 8; i += blockDim.x) {
+        const int m = i / (K / 8), k0 = 8 * (i % (K / 8));
+        const uint4 raw = reinterpret_cast<const uint4*>(x)[i];
+        const T* e = reinterpret_cast<const T*>(&raw);
+        uint4 o;
+        T* oe = reinterpret_cast<T*>(&o);
+        #pragma unroll
+        for (int u = 0; u < 8; ++u) oe[u] = static_cast<T>(MLXRS_XN(m, k0 + u, static_cast<float>(e[u])));
+        reinterpret_cast<uint4*>(xn_)[i] = o;
+    }
+    __syncthreads();
+#define MLXRS_X(m) (xn_ + (size_t)(m) * K)
+#else
+#define MLXRS_X(m) (x + (size_t)(m) * K)
+#endif
+"#;
+
+/// What the kernels share, ahead of the kernel function: which rows of W a warp reads and how a
 /// warp's sums are written (`MLXRS_SWIGLU`: a warp per output, reading its gate row and its up row
 /// `N/2` further; otherwise `R` consecutive rows, plus `MLXRS_RES(i)`, the residual where defined);
 /// the warp's rows and accumulators (`MLXRS_WARP_ROWS`), one 16-byte read of each row with its group's
@@ -409,6 +589,20 @@ const HEADER: &str = r#"
     }
 #ifndef MLXRS_RES
 #define MLXRS_RES(i) 0.f
+#endif
+#define MLXRS_STR(x) #x
+#define MLXRS_UNROLL(n) _Pragma(MLXRS_STR(unroll n))
+#ifndef MLXRS_DENSE_UNROLL
+#define MLXRS_DENSE_UNROLL 4
+#endif
+__device__ __forceinline__ uint4 mlxrs_ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+#ifndef MLXRS_LDW
+#define MLXRS_LDW(p) (*(p))
 #endif
 #ifdef MLXRS_SWIGLU
 #define MLXRS_OUTS (N / 2)
@@ -482,7 +676,7 @@ const SOURCE: &str = r#"
         MLXRS_READ_ROWS(i, k0)
         #pragma unroll
         for (int m = 0; m < M; ++m) {
-            const uint4* xv4 = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
+            const uint4* xv4 = reinterpret_cast<const uint4*>(MLXRS_X(m) + k0);
             float xs = 0.f, xa = 0.f;   // sum of x; (4-bit) over class A
             float da[R], db[R];
             #pragma unroll
@@ -555,43 +749,6 @@ const SOURCE_Q8X: &str = r#"
     __shared__ float xd[M * NB];
     __shared__ float xsum[M * NB];
     const unsigned lane = threadIdx.x & 31u;
-#ifdef MLXRS_NORM
-    // x is the norm's input: each row's 1/rms first (MLX's rms_norm: rsqrt(mean(x^2) + eps)), then each
-    // value as rms_norm writes it, nw * T(x / rms), before it is rounded to int8
-    __shared__ float xinv[M];
-    __shared__ float part[M * 32];
-    {
-        float ss[M];
-        #pragma unroll
-        for (int m = 0; m < M; ++m) ss[m] = 0.f;
-        for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
-            #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                const uint4 raw = reinterpret_cast<const uint4*>(x + (size_t)m * K)[i];
-                const T* e = reinterpret_cast<const T*>(&raw);
-                #pragma unroll
-                for (int u = 0; u < 8; ++u) { const float f = static_cast<float>(e[u]); ss[m] += f * f; }
-            }
-        }
-        #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float t = ss[m];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-            if (lane == 0) part[m * 32 + (threadIdx.x >> 5)] = t;
-        }
-        __syncthreads();
-        if (threadIdx.x < M) {
-            float t = 0.f;
-            for (unsigned w_ = 0; w_ < (blockDim.x + 31) / 32; ++w_) t += part[threadIdx.x * 32 + w_];
-            xinv[threadIdx.x] = rsqrt(t / K + __int_as_float(EPS_BITS));
-        }
-        __syncthreads();
-    }
-#define MLXRS_XN(m, k, f) static_cast<float>(nw[k] * static_cast<T>((f) * xinv[m]))
-#else
-#define MLXRS_XN(m, k, f) (f)
-#endif
     // one thread per x block: its values converted, max |x|, rounded to int8 (4-bit: stored as
     // [x0 x2 x4 x6 | x1 x3 x5 x7] per eight), the scale d and d * (sum of the int8 values), so that the
     // dequantized weights meet the rounded x throughout: y = sum_blocks d (s I + b sum q_x)
@@ -666,6 +823,38 @@ const SOURCE_Q8X: &str = r#"
     MLXRS_SUM_STORE
 "#;
 
+/// `y[m, n] = Σ_k x[m, k] · w[n, k]` for dense 16-bit W of x's dtype ([`Weight::Dense`]), float32
+/// sums: each lane reads 16 bytes (8 values) of each of its warp's R rows per step, several steps in
+/// flight (`MLXRS_DENSE_UNROLL`; `MLXRS_LDW` the load, bench/dense_mv_variants.py's variants). The
+/// same rows, prologue and epilogues as the quantized kernels (HEADER): a decode
+/// step's dense projections, norms, rotary embeddings, SwiGLU and residual adds in 4 kernels a layer.
+const SOURCE_DENSE: &str = r#"
+    constexpr int RD = K / 8;                   // 16-byte reads per row of W
+    const unsigned lane = threadIdx.x & 31u;
+    MLXRS_WARP_ROWS
+    MLXRS_UNROLL(MLXRS_DENSE_UNROLL)
+    for (int i = lane; i < RD; i += 32) {
+        uint4 wv[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) wv[r] = MLXRS_LDW(wbase + (size_t)MLXRS_ROW(first, r) * RD + i);
+        #pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const uint4 xr = reinterpret_cast<const uint4*>(MLXRS_X(m))[i];
+            const T* xe = reinterpret_cast<const T*>(&xr);
+            float xf[8];
+            #pragma unroll
+            for (int t = 0; t < 8; ++t) xf[t] = static_cast<float>(xe[t]);
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const T* we = reinterpret_cast<const T*>(&wv[r]);
+                #pragma unroll
+                for (int t = 0; t < 8; ++t) acc[r][m] = fmaf(xf[t], static_cast<float>(we[t]), acc[r][m]);
+            }
+        }
+    }
+    MLXRS_SUM_STORE
+"#;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -681,8 +870,8 @@ mod tests {
     /// shorter than the commented source.
     #[test]
     fn the_kernels_text_is_compacted() {
-        for src in [SOURCE, SOURCE_Q8X] {
-            let full = format!("#define MLXRS_ROPE\n{HEADER}{src}");
+        for src in [SOURCE, SOURCE_Q8X, SOURCE_DENSE] {
+            let full = format!("#define MLXRS_ROPE\n{HEADER}{NORM_PROLOGUE}{NORM_STAGE}{src}");
             let short = crate::handle::kernel::compact(&full);
             assert!(short.len() * 5 < full.len() * 4, "{} of {}", short.len(), full.len());
             assert!(short.contains("MLXRS_SUM_STORE") && !short.contains("//"));
@@ -716,7 +905,8 @@ mod tests {
         assert!(!fits(&arr(&[1, 32, 1, 127], Dtype::Bfloat16), &w4, Some(&b), q4), "not whole rows of K");
         // a residual of another shape or dtype than the product's is never fused, a shape of another
         // size never taken, nor a SwiGLU over an odd number of rows (any backend)
-        let wt = QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 };
+        let qw = QWeight { w: &w4, scales: &b, biases: Some(&b), q: q4 };
+        let wt = Weight::Quant(qw);
         for res in
             [arr(&[1, 1, 255], Dtype::Bfloat16), arr(&[1, 256], Dtype::Bfloat16), arr(&[1, 1, 256], Dtype::Float16)]
         {
@@ -725,7 +915,7 @@ mod tests {
         }
         assert!(qmv(&x, wt, Epilogue::Plain, None, Some(&[1, 2, 64])).unwrap().is_none());
         let odd = arr(&[255, 4096 / 8], Dtype::Uint32);
-        assert!(qmv(&x, QWeight { w: &odd, ..wt }, Epilogue::SwiGlu, None, None).unwrap().is_none());
+        assert!(qmv(&x, QWeight { w: &odd, ..qw }.into(), Epilogue::SwiGlu, None, None).unwrap().is_none());
         // heads-shaped x without a shape for the result: nothing to infer it from
         let heads = arr(&[1, 32, 1, 128], Dtype::Bfloat16);
         assert!(qmv(&heads, wt, Epilogue::Plain, None, None).unwrap().is_none());
@@ -756,6 +946,27 @@ mod tests {
             assert!(!rope_fits(&x, wt, &bad), "{why}");
             assert!(qkv_rope(&x, wt, &bad, None).unwrap().is_none(), "{why}");
         }
+        // dense W: 1 to MAX_ROWS rows of x in W's own 16-bit dtype, rows of whole 16-byte reads; the
+        // rotary epilogue's checks as for quantized W
+        let wd = arr(&[256, 4096], Dtype::Bfloat16);
+        let dense = Weight::Dense(&wd);
+        for rows in 1..=MAX_ROWS as i32 {
+            assert!(dense.fits(&arr(&[rows, 1, 4096], Dtype::Bfloat16)), "{rows} rows, dense");
+        }
+        assert!(dense.fits(&heads) && (dense.rows(), dense.k()) == (256, 4096));
+        for (why, bad) in [
+            ("a prefill chunk", arr(&[1, 5, 4096], Dtype::Bfloat16)),
+            ("x in float16 against bf16 W", arr(&[1, 1, 4096], Dtype::Float16)),
+            ("float32 x", arr(&[1, 1, 4096], Dtype::Float32)),
+            ("not whole rows of K", arr(&[1, 1, 4000], Dtype::Bfloat16)),
+        ] {
+            assert!(!dense.fits(&bad), "{why}");
+        }
+        let odd_k = arr(&[256, 4092], Dtype::Bfloat16);
+        assert!(!Weight::Dense(&odd_k).fits(&arr(&[1, 4092], Dtype::Bfloat16)), "a row not of 16-byte reads");
+        let w32 = arr(&[256, 4096], Dtype::Float32);
+        assert!(!Weight::Dense(&w32).fits(&arr(&[1, 4096], Dtype::Float32)), "float32 W: MLX's matmul");
+        assert!(rope_fits(&x, dense, &rope) && !rope_fits(&x, dense, &QkvRope { n_heads: 3, ..rope }));
         // 4-bit x of up to Q8X_MAX_VALUES values takes the int8-activation kernel when on, not `float`;
         // 8-bit never
         let big = arr(&[1, 8, 4096 + 512], Dtype::Bfloat16);
@@ -774,6 +985,8 @@ mod tests {
             assert!(qmv(&heads, wt, Epilogue::Plain, None, Some(&[1, 1, 256])).unwrap().is_none());
             assert!(qkv_rope(&x, wt, &rope, None).unwrap().is_none());
             assert!(qkv_rope(&x, wt, &rope, Some(norm)).unwrap().is_none());
+            assert!(qmv(&x, dense, Epilogue::Plain, Some(norm), None).unwrap().is_none());
+            assert!(qkv_rope(&x, dense, &rope, None).unwrap().is_none());
         }
     }
 }
