@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, cargo fmt
+# Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, run beside setup; cargo fmt
 # --check, ruff with pyproject.toml's rules, ruff format --check, mypy --strict on python/mlxrs), then the Rust tests (cargo test --workspace)
 # and the Python tests (pytest tests/, in parallel: pytest-xdist). Stops at the first failing stage.
 # Extra arguments go to pytest:
@@ -19,6 +19,28 @@ stage() {  # stage NAME CMD...: run CMD, stop everything with a clear line if it
         exit "$rc"
     fi
     printf '[test] ok: %s (%ds)\n' "$name" $((SECONDS - start))
+}
+
+# cargo clippy's check build shares nothing with setup's optimized build (another profile, other
+# outputs), so it runs beside it, in a target directory of its own (in the same one cargo would wait on
+# the other's lock): it takes the cores the build leaves idle (cmake's configure, pip's downloads, a
+# crate's single-threaded front end, the links). Its result is the first lint stage below.
+CLIPPY_LOG=$(mktemp "${TMPDIR:-/tmp}/mlxrs-clippy.XXXXXX")
+(
+    export CARGO_TARGET_DIR="$ROOT/target/clippy"
+    # --all-features: crates/mlxrs-py's `testing` (the op dispatch) is linted and tested too; the
+    # extension as the wheel builds it (no features) is linted on its own
+    cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings \
+        && cargo clippy -p mlxrs-py --quiet -- -D warnings
+) >"$CLIPPY_LOG" 2>&1 &
+CLIPPY_PID=$!
+trap '[ -z "$CLIPPY_PID" ] || kill "$CLIPPY_PID" 2>/dev/null; rm -f "$CLIPPY_LOG"' EXIT
+clippy_result() {  # wait for the clippy run started above; its output; its exit status
+    local rc=0
+    wait "$CLIPPY_PID" || rc=$?
+    CLIPPY_PID=
+    cat "$CLIPPY_LOG"
+    return "$rc"
 }
 
 stage "setup (scripts/setup.sh)" bash scripts/setup.sh
@@ -43,10 +65,7 @@ export MLXRS_LIBMLXC="$ROOT/python/mlxrs/$LIBMLXC"
 export VIRTUAL_ENV="$ROOT/.venv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
 
-# --all-features: crates/mlxrs-py's `testing` (the op dispatch) is linted and tested too; the
-# extension as the wheel builds it (no features) is linted on its own
-stage "lint: cargo clippy (warnings are errors)" cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
-stage "lint: cargo clippy, the wheel's features" cargo clippy -p mlxrs-py --quiet -- -D warnings
+stage "lint: cargo clippy, all features and the wheel's (warnings are errors; run beside setup)" clippy_result
 stage "lint: cargo fmt --check (rustfmt.toml)" cargo fmt --all -- --check
 stage "lint: ruff" ruff check python tests bench scripts
 stage "lint: ruff format --check" ruff format --check python tests bench scripts

