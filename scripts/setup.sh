@@ -99,8 +99,8 @@ if [ "$(uname -s)" = Linux ]; then
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
             say "installing libopenblas0-pthread (MLX's CPU wheel links reference BLAS; mlxrs preloads OpenBLAS)"
             export DEBIAN_FRONTEND=noninteractive
-            apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 \
-                || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1; } \
+            apt-get -o DPkg::Lock::Timeout=600 install -y -q libopenblas0-pthread >/dev/null 2>&1 \
+                || { apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null 2>&1 && apt-get -o DPkg::Lock::Timeout=600 install -y -q libopenblas0-pthread >/dev/null 2>&1; } \
                 || warn "could not install libopenblas0-pthread; matmuls will use MLX's reference BLAS (slow)"
         else
             warn "OpenBLAS not found; matmuls will use MLX's reference BLAS (slow)." \

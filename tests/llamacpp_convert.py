@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -53,9 +54,15 @@ def torch_dir() -> Path | None:
             return d
         if os.environ.get("MLXRS_TEST_NO_TORCH") == "1":
             return None
+        for stale in d.parent.glob(f".{d.name}.*.tmp"):  # an install that was cut off (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = d.with_name(f".{d.name}.{os.getpid()}.tmp")
+        # no copy in pip's cache (a second ~3 GB on disk: this directory is the cache) and no bytecode
+        # (~9,000 modules compiled on a core the other tests want; Python compiles what is imported)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(tmp), f"torch=={TORCH}"], check=True
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--no-compile"]
+            + ["--disable-pip-version-check", "--target", str(tmp), f"torch=={TORCH}"],
+            check=True,
         )
         (tmp / ".complete").write_text(TORCH)
         tmp.replace(d)
