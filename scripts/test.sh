@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, run beside setup; cargo fmt
-# --check, ruff with pyproject.toml's rules, ruff format --check, mypy --strict on python/mlxrs), then the Rust tests (cargo test --workspace)
-# and the Python tests (pytest tests/, in parallel: pytest-xdist). Stops at the first failing stage.
+# Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, inside the builds
+# below; cargo fmt --check, ruff with pyproject.toml's rules, ruff format --check, mypy --strict on
+# python/mlxrs), then the Rust tests (cargo test --workspace) and the Python tests (pytest tests/, in
+# parallel: pytest-xdist). Stops at the first failing stage.
 # Extra arguments go to pytest:
 #   bash scripts/test.sh -k matmul -x
 #   bash scripts/test.sh -n 0          # the Python tests serially, in one process
@@ -21,19 +22,22 @@ stage() {  # stage NAME CMD...: run CMD, stop everything with a clear line if it
     printf '[test] ok: %s (%ds)\n' "$name" $((SECONDS - start))
 }
 
-# cargo clippy's check build shares nothing with setup's optimized build (another profile, other
-# outputs), so it runs beside it, in a target directory of its own (in the same one cargo would wait on
-# the other's lock): it takes the cores the build leaves idle (cmake's configure, pip's downloads, a
-# crate's single-threaded front end, the links). Its result is the first lint stage below.
-CLIPPY_LOG=$(mktemp "${TMPDIR:-/tmp}/mlxrs-clippy.XXXXXX")
-(
-    export CARGO_TARGET_DIR="$ROOT/target/clippy"
-    # --all-features: crates/mlxrs-py's `testing` (the op dispatch) is linted and tested too; the
-    # extension as the wheel builds it (no features) is linted on its own
-    cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings \
-        && cargo clippy -p mlxrs-py --quiet -- -D warnings
-) >"$CLIPPY_LOG" 2>&1 &
-CLIPPY_PID=$!
+# cargo clippy's lints run inside the builds the tests need anyway: clippy-driver as cargo's
+# RUSTC_WORKSPACE_WRAPPER (what `cargo clippy` sets up over `cargo check`, for the workspace's crates
+# only) compiles the workspace's crates and lints them, warnings as errors (RUSTFLAGS; the dependencies'
+# lints are capped by cargo). Setup's build of the extension lints the libraries (the test build's
+# `testing` feature), `cargo test --workspace --all-features` the libraries, tests and examples with
+# every feature, and the stage after it the extension as the wheel builds it (no features): what
+# `cargo clippy --workspace --all-targets --all-features` and `cargo clippy -p mlxrs-py` check, without
+# clippy's own check build of every dependency beside setup's (~80 CPU-seconds; bench/RESULTS.md).
+# setup.sh counts the wrapper and RUSTFLAGS in its build stamp: a build made without them is redone.
+CLIPPY_DRIVER=$(command -v clippy-driver || true)
+if [ -z "$CLIPPY_DRIVER" ]; then
+    echo "[test] FAILED: clippy-driver not found (rustup component add clippy)" >&2
+    exit 1
+fi
+export RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER"
+export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-D warnings"
 
 # Downloads the tests need start now too, niced, to overlap setup's CPU-bound builds instead of a
 # pytest worker's time: Chromium for the chat page's tests (a test-only dependency, so installed here
@@ -65,23 +69,16 @@ fi
         || echo '[test] tests/prefetch.py failed: the tests that need its downloads fetch them themselves'
 ) >>"$BG_LOG" 2>&1 &
 BG_PIDS+=($!)
-trap '[ -z "$CLIPPY_PID" ] || kill "$CLIPPY_PID" 2>/dev/null; for p in "${BG_PIDS[@]}"; do pkill -P "$p" 2>/dev/null; kill "$p" 2>/dev/null; done
-      rm -f "$CLIPPY_LOG" "$BG_LOG"' EXIT
+trap 'for p in "${BG_PIDS[@]}"; do pkill -P "$p"; kill "$p"; done 2>/dev/null || true
+      rm -f "$BG_LOG"' EXIT
 background_report() {  # what the background downloads said so far; whether they are still running
     local p running=0
     for p in "${BG_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && running=1; done
     cat "$BG_LOG"
     [ "$running" = 0 ] || echo '[test] downloads still running (the tests that need them wait for them)'
 }
-clippy_result() {  # wait for the clippy run started above; its output; its exit status
-    local rc=0
-    wait "$CLIPPY_PID" || rc=$?
-    CLIPPY_PID=
-    cat "$CLIPPY_LOG"
-    return "$rc"
-}
 
-stage "setup (scripts/setup.sh)" bash scripts/setup.sh
+stage "setup (scripts/setup.sh; its build of the extension runs clippy's lints)" bash scripts/setup.sh
 
 # Rust tests load the native runtime the way an installed mlxrs does, pointed at this checkout's build.
 case "$(uname -s)" in Darwin) LIBMLXC=libmlxc.dylib ;; *) LIBMLXC=libmlxc.so ;; esac
@@ -89,7 +86,6 @@ export MLXRS_LIBMLXC="$ROOT/python/mlxrs/$LIBMLXC"
 export VIRTUAL_ENV="$ROOT/.venv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
 
-stage "lint: cargo clippy, all features and the wheel's (warnings are errors; run beside setup)" clippy_result
 stage "lint: cargo fmt --check (rustfmt.toml)" cargo fmt --all -- --check
 stage "lint: ruff" ruff check python tests bench scripts
 stage "lint: ruff format --check" ruff format --check python tests bench scripts
@@ -97,7 +93,14 @@ stage "lint: mypy --strict (the package)" python -m mypy --strict python/mlxrs
 # in setup.sh's profile (fasttest: release without LTO): the dependencies are the extension's build's,
 # already compiled, so only the workspace's test harnesses compile (a clean clone: ~60 s here instead of
 # ~100 s for the test profile's own build of every dependency), and the tests run optimized, as shipped
-stage "cargo test --workspace" cargo test --workspace --all-features --profile fasttest
+stage "cargo test --workspace (with clippy's lints of every target, all features)" \
+    cargo test --workspace --all-features --profile fasttest
+# the extension as the wheel builds it: crates/mlxrs-py alone is compiled again (maturin's environment,
+# as setup's build; tests/test_wheel.py's build of the same then finds it done)
+WHEEL_OUT=$(mktemp -d "${TMPDIR:-/tmp}/mlxrs-lint-wheel.XXXXXX")
+stage "lint: cargo clippy, the extension without features (as the wheel builds it)" \
+    maturin build --quiet --profile fasttest --interpreter "$VIRTUAL_ENV/bin/python" --auditwheel skip --out "$WHEEL_OUT"
+rm -rf "$WHEEL_OUT"
 [ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
 # pytest-xdist spreads the test files over MLXRS_TEST_WORKERS processes (default `auto`: one per
 # core), each file whole in one worker (--dist loadfile: a module's servers and sessions are made
