@@ -52,7 +52,7 @@ src_hash=$( {
     { find crates -type f -not -path '*/target/*' -print0; printf '%s\0' Cargo.toml Cargo.lock pyproject.toml; } \
         | LC_ALL=C sort -z | xargs -0 "${SHA[@]}"
     rustc -V; python -V; echo "features: $FEATURES, profile: $PROFILE"
-    # scripts/test.sh builds with clippy-driver as the workspace's rustc and warnings as errors
+    # scripts/test.sh builds the workspace's crates through clippy (scripts/clippy-driver.sh)
     echo "wrapper: ${RUSTC_WORKSPACE_WRAPPER:-}, rustflags: ${RUSTFLAGS:-}"
 } | sha )
 have_ext=$(ls python/mlxrs/_native*.so python/mlxrs/_native*.pyd 2>/dev/null | head -n1 || true)

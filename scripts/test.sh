@@ -22,22 +22,20 @@ stage() {  # stage NAME CMD...: run CMD, stop everything with a clear line if it
     printf '[test] ok: %s (%ds)\n' "$name" $((SECONDS - start))
 }
 
-# cargo clippy's lints run inside the builds the tests need anyway: clippy-driver as cargo's
-# RUSTC_WORKSPACE_WRAPPER (what `cargo clippy` sets up over `cargo check`, for the workspace's crates
-# only) compiles the workspace's crates and lints them, warnings as errors (RUSTFLAGS; the dependencies'
-# lints are capped by cargo). Setup's build of the extension lints the libraries (the test build's
-# `testing` feature), `cargo test --workspace --all-features` the libraries, tests and examples with
-# every feature, and the stage after it the extension as the wheel builds it (no features): what
-# `cargo clippy --workspace --all-targets --all-features` and `cargo clippy -p mlxrs-py` check, without
-# clippy's own check build of every dependency beside setup's (~80 CPU-seconds; bench/RESULTS.md).
-# setup.sh counts the wrapper and RUSTFLAGS in its build stamp: a build made without them is redone.
-CLIPPY_DRIVER=$(command -v clippy-driver || true)
-if [ -z "$CLIPPY_DRIVER" ]; then
+# cargo clippy's lints run inside the builds the tests need anyway: clippy-driver, warnings as errors
+# (scripts/clippy-driver.sh), is cargo's RUSTC_WORKSPACE_WRAPPER — what `cargo clippy` sets up over
+# `cargo check` — so it compiles the workspace's own crates and lints them; the dependencies are built
+# as always. Setup's build of the extension lints the libraries (the test build's `testing` feature),
+# `cargo test --workspace --all-features` the libraries, tests and examples with every feature, and the
+# stage after it the extension as the wheel builds it (no features): what `cargo clippy --workspace
+# --all-targets --all-features` and `cargo clippy -p mlxrs-py` check, without clippy's own check build
+# of every dependency beside setup's (~100 CPU-seconds; bench/RESULTS.md). setup.sh counts the wrapper
+# in its build stamp: an extension built without it is rebuilt (the workspace's crates only).
+if ! command -v clippy-driver >/dev/null; then
     echo "[test] FAILED: clippy-driver not found (rustup component add clippy)" >&2
     exit 1
 fi
-export RUSTC_WORKSPACE_WRAPPER="$CLIPPY_DRIVER"
-export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-D warnings"
+export RUSTC_WORKSPACE_WRAPPER="$ROOT/scripts/clippy-driver.sh"
 
 # Downloads the tests need start now too, niced, to overlap setup's CPU-bound builds instead of a
 # pytest worker's time: Chromium for the chat page's tests (a test-only dependency, so installed here
