@@ -101,8 +101,9 @@ if [ "$(uname -s)" = Linux ]; then
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
             say "installing libopenblas0-pthread (MLX's CPU wheel links reference BLAS; mlxrs preloads OpenBLAS)"
             export DEBIAN_FRONTEND=noninteractive
-            apt-get -o DPkg::Lock::Timeout=600 install -y -q libopenblas0-pthread >/dev/null 2>&1 \
-                || { apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null 2>&1 && apt-get -o DPkg::Lock::Timeout=600 install -y -q libopenblas0-pthread >/dev/null 2>&1; } \
+            apt=(apt-get -o DPkg::Lock::Timeout=600 -y -q)  # waits for scripts/test.sh's chromium install
+            "${apt[@]}" install libopenblas0-pthread >/dev/null 2>&1 \
+                || { "${apt[@]}" update >/dev/null 2>&1 && "${apt[@]}" install libopenblas0-pthread >/dev/null 2>&1; } \
                 || warn "could not install libopenblas0-pthread; matmuls will use MLX's reference BLAS (slow)"
         else
             warn "OpenBLAS not found; matmuls will use MLX's reference BLAS (slow)." \

@@ -67,8 +67,9 @@ fi
         || echo '[test] tests/prefetch.py failed: the tests that need its downloads fetch them themselves'
 ) >>"$BG_LOG" 2>&1 &
 BG_PIDS+=($!)
+WHEEL_OUT=  # the wheel lint's output directory, below
 trap 'for p in "${BG_PIDS[@]}"; do pkill -P "$p"; kill "$p"; done 2>/dev/null || true
-      rm -f "$BG_LOG"' EXIT
+      rm -rf "$BG_LOG" ${WHEEL_OUT:+"$WHEEL_OUT"}' EXIT
 background_report() {  # what the background downloads said so far; whether they are still running
     local p running=0
     for p in "${BG_PIDS[@]}"; do kill -0 "$p" 2>/dev/null && running=1; done

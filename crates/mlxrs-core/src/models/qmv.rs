@@ -71,7 +71,7 @@ pub fn refresh() {
         let off = std::env::var(env).is_ok_and(|v| v.trim() == "0");
         switch.store(if off { OFF } else { ON }, Ordering::Relaxed);
     }
-    POSITIONS_SWITCH.store(Positions::from_env(), Ordering::Relaxed);
+    POSITIONS_SWITCH.store(Positions::from_env() as u8, Ordering::Relaxed);
 }
 
 /// The switch's state ([`ON`], [`OFF`] or [`FLOAT`]); OFF wherever the backend is not CUDA.
@@ -345,12 +345,13 @@ static ROPE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
 /// so that MLX allocates it in device memory; the kernel reads its first rows only.
 pub const POSITIONS_ENV: &str = "MLXRS_CUDA_ROPE_POSITIONS";
 
-/// [`POSITIONS_ENV`]'s settings.
+/// [`POSITIONS_ENV`]'s settings (kept in [`POSITIONS_SWITCH`] as their discriminants; 0 is unread).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
 pub enum Positions {
-    Host,
-    Shared,
-    Device,
+    Host = 1,
+    Shared = 2,
+    Device = 3,
 }
 
 static POSITIONS_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
@@ -359,17 +360,17 @@ impl Positions {
     /// [`POSITIONS_ENV`] as [`refresh`] last read it (anything but `shared` or `device` is `host`).
     pub fn current() -> Self {
         match read(&POSITIONS_SWITCH) {
-            2 => Positions::Shared,
-            3 => Positions::Device,
+            s if s == Positions::Shared as u8 => Positions::Shared,
+            s if s == Positions::Device as u8 => Positions::Device,
             _ => Positions::Host,
         }
     }
 
-    fn from_env() -> u8 {
+    fn from_env() -> Self {
         match std::env::var(POSITIONS_ENV).as_deref().map(str::trim) {
-            Ok("shared") => 2,
-            Ok("device") => 3,
-            _ => 1,
+            Ok("shared") => Positions::Shared,
+            Ok("device") => Positions::Device,
+            _ => Positions::Host,
         }
     }
 }
