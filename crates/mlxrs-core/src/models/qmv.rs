@@ -56,8 +56,7 @@ const FLOAT: u8 = 3;
 const DEFAULT_ON: bool = true;
 
 /// Read [`ENV`] again (the engine does per request): `0` off, `1` on, `float` on with every product
-/// through the float kernel, unset [`DEFAULT_ON`]; and [`ROPE_ENV`], [`NORM_ENV`], [`DENSE_ENV`],
-/// [`POSITIONS_ENV`].
+/// through the float kernel, unset [`DEFAULT_ON`]; and [`ROPE_ENV`], [`NORM_ENV`], [`DENSE_ENV`].
 pub fn refresh() {
     let state = match std::env::var(ENV).as_deref().map(str::trim) {
         Ok("0") => OFF,
@@ -71,7 +70,6 @@ pub fn refresh() {
         let off = std::env::var(env).is_ok_and(|v| v.trim() == "0");
         switch.store(if off { OFF } else { ON }, Ordering::Relaxed);
     }
-    POSITIONS_SWITCH.store(Positions::from_env() as u8, Ordering::Relaxed);
 }
 
 /// The switch's state ([`ON`], [`OFF`] or [`FLOAT`]); OFF wherever the backend is not CUDA.
@@ -334,80 +332,6 @@ pub const ROPE_ENV: &str = "MLXRS_CUDA_QKV_ROPE";
 
 static ROPE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
 
-/// Where [`qkv_rope`]'s positions array comes from — an experiment, not yet measured (no device time
-/// was left; bench/RESULTS-gpu.md, eighteenth session: the fused q/k/v with the rotary epilogue takes
-/// 33.8 µs in the 8B bf16 step against 15–19 alone). `host` (unset: the default) makes an int32 array
-/// from the host's values for each launch, every layer of every step; on CUDA MLX puts an array made from
-/// host data in managed memory (8 bytes and less in a pool advised read-mostly), which the host writes and
-/// the kernel then reads, so each launch may pay a page's migration. `shared`: one such array for a set of
-/// positions, shared by every layer of the step. `device`: the same, made on the GPU by MLX's `arange`
-/// where the positions run one by one (one row, a decode step at batch 1), padded to more than 8 bytes
-/// so that MLX allocates it in device memory; the kernel reads its first rows only.
-pub const POSITIONS_ENV: &str = "MLXRS_CUDA_ROPE_POSITIONS";
-
-/// [`POSITIONS_ENV`]'s settings (kept in [`POSITIONS_SWITCH`] as their discriminants; 0 is unread).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-#[repr(u8)]
-pub enum Positions {
-    Host = 1,
-    Shared = 2,
-    Device = 3,
-}
-
-static POSITIONS_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
-
-impl Positions {
-    /// [`POSITIONS_ENV`] as [`refresh`] last read it (anything but `shared` or `device` is `host`).
-    pub fn current() -> Self {
-        match read(&POSITIONS_SWITCH) {
-            s if s == Positions::Shared as u8 => Positions::Shared,
-            s if s == Positions::Device as u8 => Positions::Device,
-            _ => Positions::Host,
-        }
-    }
-
-    fn from_env() -> Self {
-        match std::env::var(POSITIONS_ENV).as_deref().map(str::trim) {
-            Ok("shared") => Positions::Shared,
-            Ok("device") => Positions::Device,
-            _ => Positions::Host,
-        }
-    }
-}
-
-thread_local! {
-    /// The last positions array made under [`Positions::Shared`] or [`Positions::Device`], with its
-    /// values and mode: the next layer of the same step asks for the same positions.
-    static LAST_POSITIONS: std::cell::RefCell<Option<(Vec<i32>, Positions, Array)>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// The int32 positions input of a rotary launch: at least `positions.len()` values, of which the first
-/// are `positions` (the kernel reads `pos[row]` for its rows only), made as `mode` says.
-pub fn positions_array(positions: &[i32], mode: Positions) -> Result<Array> {
-    let n = positions.len();
-    if mode == Positions::Host {
-        return Array::from_slice(positions, &[n as i32]);
-    }
-    LAST_POSITIONS.with(|last| {
-        if let Some((p, m, a)) = last.borrow().as_ref() {
-            if *m == mode && p == positions {
-                return Ok(a.clone());
-            }
-        }
-        let consecutive = n > 0 && positions.windows(2).all(|w| w[1] == w[0] + 1);
-        let a = if mode == Positions::Device && consecutive {
-            // 3 int32 values at least: 12 bytes, past MLX's pool of 8-byte blocks in managed memory
-            let start = positions[0] as f64;
-            mx::arange(start, start + n.max(3) as f64, 1.0, Dtype::Int32)?
-        } else {
-            Array::from_slice(positions, &[n as i32])?
-        };
-        *last.borrow_mut() = Some((positions.to_vec(), mode, a.clone()));
-        Ok(a)
-    })
-}
-
 /// The kernel a launch takes: [`SOURCE`] (float products of quantized W), [`SOURCE_Q8X`] (4-bit W
 /// against x rounded to int8) or [`SOURCE_DENSE`] (16-bit W).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -523,7 +447,7 @@ fn launch(x: &Array, wt: Weight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<i
         Weight::Dense(w) => args.push(w),
     }
     let positions = match kind {
-        Kind::Rope(r) => Some(positions_array(r.positions, Positions::current())?),
+        Kind::Rope(r) => Some(Array::from_slice(r.positions, &[m])?),
         Kind::Epilogue(_) => None,
     };
     match kind {
@@ -948,34 +872,6 @@ mod tests {
             let short = crate::handle::kernel::compact(&full);
             assert!(short.len() * 5 < full.len() * 4, "{} of {}", short.len(), full.len());
             assert!(short.contains("MLXRS_SUM_STORE") && !short.contains("//"));
-        }
-    }
-
-    /// The rotary epilogue's positions input ([`positions_array`]) in each [`POSITIONS_ENV`] mode: int32,
-    /// its first values the rows' positions; `device` makes positions that run one by one with
-    /// arange, padded to 3 values (past MLX's 8-byte pool), and others from the host; `shared` and
-    /// `device` keep the array they made for the next launch with the same positions (a step's next
-    /// layer), and make a new one for new positions. (The kernel reads them on CUDA only.)
-    #[test]
-    fn positions_arrays_hold_the_rows_positions_in_every_mode() {
-        let last = || LAST_POSITIONS.with(|l| l.borrow().as_ref().map(|(p, m, _)| (p.clone(), *m)));
-        for mode in [Positions::Host, Positions::Shared, Positions::Device] {
-            for p in [&[7][..], &[7, 8, 9], &[3, 11], &[0, 1, 2, 3], &[40, 40]] {
-                let before = last();
-                let a = positions_array(p, mode).unwrap();
-                assert_eq!(a.dtype(), Dtype::Int32);
-                let v: Vec<i32> = a.to_vec().unwrap();
-                let arange = mode == Positions::Device && p.windows(2).all(|w| w[1] == w[0] + 1);
-                let want: Vec<i32> = if arange { (p[0]..p[0] + p.len().max(3) as i32).collect() } else { p.to_vec() };
-                assert_eq!(v, want, "{mode:?} {p:?}");
-                if mode == Positions::Host {
-                    assert_eq!(last(), before, "host arrays are not kept");
-                } else {
-                    assert_eq!(last(), Some((p.to_vec(), mode)));
-                    let again: Vec<i32> = positions_array(p, mode).unwrap().to_vec().unwrap();
-                    assert_eq!(again, want);
-                }
-            }
         }
     }
 
