@@ -20,30 +20,23 @@ from typing import Any
 
 import pytest
 
-# the slowest files, slowest first: the sums of their tests' times in a parallel run (`--durations=0`,
-# 2026-12-06; bench/RESULTS.md, "where the CPU goes now"). test_wheel's one long fixture (maturin build,
-# then a venv) goes first: it is a single chain that cannot be shared out; test_fit's tests are spread.
+# the slowest files, slowest first: the sums of their tests' times in a parallel run (junit XML,
+# 2026-12-01; bench/RESULTS.md, "test time"). test_wheel's one long fixture (maturin build, then a
+# venv) goes first: it is a single chain that cannot be shared out.
 FIRST = [
     "test_wheel.py",
-    "test_parity.py",
     "test_gemma_real.py",
     "test_fit.py",
+    "test_parity.py",
     "test_scheduler.py",
-    "test_vision_gemma4.py",
-    "test_audio_gemma4.py",
-    "test_vision_qwen35.py",
     "test_chat.py",
-    "test_get.py",
     "test_paged_experts.py",
-    "test_gguf_import_gemma4.py",
+    "test_get.py",
     "test_lora.py",
-    "test_oracle.py",
-    "test_sampling.py",
-    "test_server_compat.py",
-    "test_cpu_small_matmul.py",
-    "test_fastpaths.py",
     "test_session.py",
-    "test_server_hostile_media.py",
+    "test_gguf_import_gemma4.py",
+    "test_server_compat.py",
+    "test_oracle.py",
 ]
 # files of long, independent tests: each test is scheduled on its own
 SPREAD = {"test_fit.py"}
