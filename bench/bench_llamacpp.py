@@ -92,11 +92,10 @@ def extract_sources(sdist: Path, src: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def pack_build(device: str, dest: Path) -> None:
+def pack_build(root: Path, dest: Path) -> None:
     """The finished build's `build/bin` (llama-bench, llama-quantize and their shared libraries) and its
     facts as a tar.xz: the GPU machine builds llama.cpp in ~6 of a lease's 30 minutes, so a build that
-    came back from one lease is carried to the next (`MLXRS_LLAMACPP_PREBUILT`)."""
-    root, _ = build_root(device)
+    came back from one lease is carried to the next (`MLXRS_LLAMACPP_PREBUILT`). `root`: `build_root`'s."""
     if not (root / ".complete").exists():
         raise SystemExit(f"no finished build under {root}")
     with tarfile.open(dest, "w:xz", preset=6) as tar:
@@ -107,11 +106,10 @@ def pack_build(device: str, dest: Path) -> None:
     print(f"[bench] packed {root / 'build' / 'bin'} into {dest} ({dest.stat().st_size / 2**20:.1f} MiB)", flush=True)
 
 
-def unpack_prebuilt(tarball: Path, device: str) -> bool:
+def unpack_prebuilt(tarball: Path, root: Path, info: dict[str, Any]) -> bool:
     """A build packed by `pack_build` put in place of building, where it was built from the same sdist
     for the same device (its binaries find their libraries by the build's absolute run path, so it is
-    unpacked where it was built: the same MLXRS_BENCH_CACHE)."""
-    root, info = build_root(device)
+    unpacked where it was built: the same MLXRS_BENCH_CACHE). `root`, `info`: `build_root`'s."""
     with tarfile.open(tarball, mode="r:xz") as tar:
         f = tar.extractfile("build.json")
         packed = json.loads(f.read()) if f else {}
@@ -153,7 +151,7 @@ def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90")
     if done():
         return exe, info
     prebuilt = os.environ.get("MLXRS_LLAMACPP_PREBUILT")
-    if prebuilt and Path(prebuilt).is_file() and unpack_prebuilt(Path(prebuilt), device) and done():
+    if prebuilt and Path(prebuilt).is_file() and unpack_prebuilt(Path(prebuilt), root, info) and done():
         return exe, info
     src = root / "src"
     extract_sources(llama_templates.sdist(), src)
@@ -278,7 +276,7 @@ def main() -> None:
 
     exe, build = build_llama_bench(a.device, a.jobs, a.cuda_arch)
     if a.pack:
-        pack_build(a.device, a.pack)
+        pack_build(Path(build["dir"]), a.pack)
     if a.build_only:
         print(exe)
         return
