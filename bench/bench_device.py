@@ -135,9 +135,10 @@ def write_gguf_bf16(src: Path, out: Path) -> None:
     w.close()
 
 
-def llamacpp_model(tmp: Path, shape: str, kind: str) -> Path:
+def llamacpp_model(tmp: Path, shape: str, kind: str, hf: Path | None = None) -> Path:
     """A GGUF of the shape for llama.cpp: BF16 from a bf16 model of bench's own weights, quantized by
-    llama-quantize for q8/q4 (the bf16 files removed on the way)."""
+    llama-quantize for q8/q4 (the bf16 files removed on the way). `hf`: that bf16 model where the caller
+    already wrote it (make_model's seed makes the same weights; the caller removes it)."""
     import shutil
     import subprocess
 
@@ -145,11 +146,14 @@ def llamacpp_model(tmp: Path, shape: str, kind: str) -> Path:
 
     exe, info = build_llama_bench("cuda", jobs=os.cpu_count() or 8)
     sys.path.insert(0, str(Path(info["dir"]) / "src" / "gguf-py"))  # gguf-py of the same llama.cpp
-    hf, _ = make_model(tmp / f"{shape}_bf16_for_gguf", shape, None)
+    own = hf is None
+    if hf is None:
+        hf, _ = make_model(tmp / f"{shape}_bf16_for_gguf", shape, None)
     bf16 = tmp / f"{shape}-bf16.gguf"
     t0 = time.perf_counter()
     write_gguf_bf16(hf, bf16)
-    shutil.rmtree(hf)
+    if own:
+        shutil.rmtree(hf)
     print(f"{shape}: GGUF BF16 written in {time.perf_counter() - t0:.0f} s", flush=True)
     qtype = LLAMACPP_TYPE[kind]
     if qtype is None:
@@ -539,11 +543,10 @@ def main() -> int:
                 res = {"error": f"{type(e).__name__}: {e}"}
             out["models"][name] = res
             print(name, json.dumps({k: v for k, v in res.items() if k != "runs"}), flush=True)
-            for f in d.glob("*.safetensors"):
-                f.unlink()
             if args.llamacpp:
                 try:
-                    g = llamacpp_model(Path(tmp), shape, kind)
+                    # a bf16 model is the GGUF's source as it is (the same seed would write it again)
+                    g = llamacpp_model(Path(tmp), shape, kind, d if kind == "bf16" else None)
                     lc = bench_llamacpp_gguf(g, args)
                     g.unlink()
                     ours = res.get("decode", {}).get("mlxrs_tps")
@@ -554,6 +557,8 @@ def main() -> int:
                     lc = {"error": f"{type(e).__name__}: {e}"}
                 res["llamacpp"] = lc
                 print(name, "llama.cpp", json.dumps(lc), flush=True)
+            for f in d.glob("*.safetensors"):
+                f.unlink()
             if args.out:
                 Path(args.out).write_text(json.dumps(out, indent=2))
     return 0
