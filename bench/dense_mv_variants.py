@@ -11,7 +11,9 @@ products (max |diff| / max |y|, one row and four; with the RMSNorm prologue agai
 then timed over the decode step's matrices of an 8B (or 1B) model, every layer its own weights (so the
 50 MB L2 does not serve them), one launch per matrix as a decode step makes them: GB/s of weights read,
 medians of `--reps`. Wall time includes MLX's host cost per launch (larger for custom kernels), so
-`--profile` under Nsight Compute gives each kernel's own GPU time:
+`--profile` under Nsight Compute gives each kernel's own GPU time (and, on the q/k/v shape, the engine's
+fused q/k/v kernel with the norm and rotary epilogue, its positions made from host data or on the GPU:
+`ROPE`):
 
     ncu --kernel-name regex:'mlxrs_mv|gemv|gemm' --metrics gpu__time_duration.sum --clock-control none \
         --csv --log-file /tmp/d.csv python3 bench/dense_mv_variants.py --profile --reps 3
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import struct
 import time
 
@@ -44,6 +47,13 @@ VARIANTS = {  # name: (defines, rows a warp)
 }
 # profiled besides the variants: the engine's kernels with the RMSNorm prologue (its cost)
 NORMED = ["engine_norm", "r2_norm"]
+# and the engine's fused q/k/v kernel itself (norm prologue, rotary epilogue, q/k/v as three outputs) on
+# the q/k/v shape only, its positions input made two ways: from host data for each launch (the engine's
+# way: MLX puts it in managed memory) or on the GPU by arange. In the 8B step this kernel takes ~34-36 us
+# against ~19 for r2_norm alone (bench/RESULTS-gpu.md): which of the epilogue and the positions it is.
+ROPE = ["rope_norm_hostpos", "rope_norm_devpos"]
+ROPE_HEADS = (32, 8, 128)  # an 8B model's q heads, kv heads, head_dim (the qkv shape's 6144 rows)
+ROPE_BASE = 500000.0
 
 # A read of every byte once, nothing else: the ceiling a matvec could reach
 READ_SOURCE = """
@@ -93,6 +103,81 @@ def mv(name: str, x: mx.array, w: mx.array, nw: mx.array | None = None, eps: flo
     )[0]
 
 
+ROPE_KERNEL: list[object] = []
+
+
+def f32_bits(f: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", f))[0]
+
+
+def mv_rope(x: mx.array, w: mx.array, nw: mx.array, pos: mx.array, eps: float = 1e-5) -> list[mx.array]:
+    """The engine's q/k/v kernel as `qmv::launch` makes it for `Kind::Rope` with a norm (two rows a warp,
+    4 steps, `MLXRS_ROPE`, base rope without `freqs`): q, k, v as `[M, heads * head_dim]`."""
+    if not ROPE_KERNEL:
+        ROPE_KERNEL.append(
+            mx.fast.cuda_kernel(
+                name="mlxrs_mv_rope_norm",
+                input_names=["x", "w", "pos", "nw"],
+                output_names=["q_out", "k_out", "v_out"],
+                source=SOURCE,
+                header="#define MLXRS_ROPE\n#define MLXRS_NORM\n" + HEADER,
+            )
+        )
+    m, k = x.shape
+    n = w.shape[0]
+    hq, hkv, hd = ROPE_HEADS
+    template = [("T", x.dtype), ("M", m), ("K", k), ("N", n), ("R", 2)]
+    template += [("HD", hd), ("QR", hq * hd), ("KR", hkv * hd), ("TRAD", 0), ("SCALE_BITS", f32_bits(1.0))]
+    template += [("LOG2B_BITS", f32_bits(math.log2(ROPE_BASE))), ("EPS_BITS", f32_bits(eps))]
+    return ROPE_KERNEL[0](  # type: ignore[operator]
+        inputs=[x, w, pos, nw],
+        template=template,
+        grid=(n // 2 * 32, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(m, hq * hd), (m, hkv * hd), (m, hkv * hd)],
+        output_dtypes=[x.dtype] * 3,
+    )
+
+
+def rope_positions(kind: str, p: int, m: int) -> mx.array:
+    """Positions p.. for m rows: from host data, or made on the GPU (at least 3 values: past MLX's pool of
+    8-byte blocks)."""
+    if kind == "rope_norm_hostpos":
+        return mx.array(list(range(p, p + m)), dtype=mx.int32)
+    return mx.arange(p, p + max(m, 3), dtype=mx.int32)
+
+
+def check_rope(out: dict) -> None:
+    """The rope kernel against MLX's ops: rms_norm, the product, the heads split, `fast.rope` at p."""
+    hq, hkv, hd = ROPE_HEADS
+    w = (mx.random.normal(((hq + 2 * hkv) * hd, 4096)) * 0.02).astype(mx.bfloat16)
+    nw = (1.0 + 0.1 * mx.random.normal((4096,))).astype(mx.bfloat16)
+    for m in (1, 4):
+        x = mx.random.normal((m, 4096)).astype(mx.bfloat16)
+        y = mx.fast.rms_norm(x, nw, 1e-5) @ w.T
+        q, kk, v = mx.split(y, [hq * hd, (hq + hkv) * hd], axis=-1)
+        ref = []
+        for t, h in ((q, hq), (kk, hkv)):
+            heads = t.reshape(m, h, 1, hd)  # one token a row: rope each row at its own position
+            ref.append(
+                mx.concatenate(
+                    [
+                        mx.fast.rope(heads[i : i + 1], hd, traditional=False, base=ROPE_BASE, scale=1.0, offset=700 + i)
+                        for i in range(m)
+                    ]
+                ).reshape(m, h * hd)
+            )
+        ref.append(v)
+        for kind in ROPE:
+            got = mv_rope(x, w, nw, rope_positions(kind, 700, m))
+            err = max(
+                (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max() / mx.abs(b.astype(mx.float32)).max()).item()
+                for a, b in zip(got, ref)
+            )
+            out[f"check_{kind}_m{m}"] = err
+            print(f"check {kind} m={m}: max |diff| / max |y| {err:.2e}", flush=True)
+
+
 def check(out: dict) -> None:
     w = (mx.random.normal((6144, 4096)) * 0.02).astype(mx.bfloat16)
     nw = (1.0 + 0.1 * mx.random.normal((4096,))).astype(mx.bfloat16)
@@ -109,6 +194,7 @@ def check(out: dict) -> None:
             row[name + "_norm"] = mx.abs(mv(name, x, w, nw).astype(mx.float32) - exact_n).max().item() / scn
         out[f"check_m{m}"] = row
         print(f"check m={m}: " + "  ".join(f"{k} {v:.2e}" for k, v in row.items()), flush=True)
+    check_rope(out)
 
 
 def read_ceiling(mats: list[mx.array], reps: int) -> float:
@@ -176,8 +262,11 @@ PROFILE_SHAPES = {
 
 def profile_launches(reps: int) -> list[tuple[str, str]]:
     """(variant, shape) of each launch `--profile` makes, in order: each variant (MLX's `x @ w.T` first)
-    over every 8B decode shape, `reps` times, each time on its own weights."""
-    return [(v, s) for v in ["mlx", *VARIANTS, *NORMED] for _ in range(reps) for s in PROFILE_SHAPES]
+    over every 8B decode shape, `reps` times, each time on its own weights; then the ROPE kernels on the
+    q/k/v shape."""
+    return [(v, s) for v in ["mlx", *VARIANTS, *NORMED] for _ in range(reps) for s in PROFILE_SHAPES] + [
+        (v, "qkv") for v in ROPE for _ in range(reps)
+    ]
 
 
 def profile(reps: int) -> None:
@@ -201,6 +290,10 @@ def profile(reps: int) -> None:
                     mx.eval(mv(v.removesuffix("_norm"), x, w, nws[w.shape[1]]))
                 else:
                     mx.eval(mv(v, x, w))
+    for v in ROPE:
+        for r in range(reps):
+            w = mats["qkv"][r]
+            mx.eval(mv_rope(xs[4096], w, nws[4096], rope_positions(v, 700 + r, 1)))
 
 
 def report(log: str, reps: int, out: dict) -> None:
@@ -228,6 +321,11 @@ def report(log: str, reps: int, out: dict) -> None:
             + f"step {row['step_ms']:.3f} ms",
             flush=True,
         )
+    n, k = PROFILE_SHAPES["qkv"]
+    for v in ROPE:
+        t = sorted(times[(v, "qkv")])[reps // 2]
+        out[v] = {"qkv": {"us": t, "GB_s": n * k * 2 / t / 1e3}}
+        print(f"{v:18} qkv {t:7.1f} us ({n * k * 2 / t / 1e3:4.0f})", flush=True)
 
 
 def main() -> None:
