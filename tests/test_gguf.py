@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from buildlock import build_lock
+from buildlock import build_lock, cached_build
 from mlxrs import _native
 from mlxrs.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 
@@ -190,8 +190,13 @@ def reference_tokenizer(path: Path, out: Path | None = None) -> tuple[Tokenizer,
 @pytest.fixture(scope="session")
 def gemma_ref(gemma_file: Path) -> tuple[Tokenizer, dict[str, Any], list[dict[str, Any]]]:
     pytest.importorskip("transformers")
-    with build_lock(REF_DIR):
-        return reference_tokenizer(gemma_file, REF_DIR)
+    with build_lock(REF_DIR):  # the test cache keyed by this module's source (reference_tokenizer)
+        return cached_build(
+            REF_DIR,
+            lambda: reference_tokenizer(gemma_file, REF_DIR),
+            Path(__file__).read_bytes(),
+            gemma_file.stat().st_size,
+        )
 
 
 @pytest.fixture(scope="session")

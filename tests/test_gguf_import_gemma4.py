@@ -21,7 +21,7 @@ import pytest
 import mlxrs
 from mlxrs import models
 from mlxrs.errors import MlxrsError
-from buildlock import build_lock
+from buildlock import build_lock, cached_build
 from tinymodels import ROOT, make_model
 
 pytest.importorskip("gguf")
@@ -82,12 +82,16 @@ def gguf_of(arch: str, outtype: str) -> Path:
     from llamacpp_convert import convert
 
     g = ROOT / f"{arch}-llamacpp-{outtype}.gguf"
-    with build_lock(g):
+
+    def build() -> Path:
         if not g.exists():
             tmp = g.with_name(f".{g.name}.{os.getpid()}")
             convert(hf_source(arch), tmp, outtype)
             tmp.replace(g)
-    return g
+        return g
+
+    with build_lock(g):  # the test cache keyed by this module's source too (_write_hf_source)
+        return cached_build(g, build, Path(__file__).read_bytes(), arch, outtype)
 
 
 def gguf_tensor_types(g: Path) -> dict[str, str]:
