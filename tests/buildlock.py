@@ -12,8 +12,8 @@ process, so a builder may call another one on the same target (make_fit_model ->
 
 `cached_build` puts the user-level test cache (`MLXRS_TEST_CACHE`, default `~/.cache/mlxrs-tests`) in
 front of a builder, so that a fresh clone restores the tiny models instead of writing them again (a
-clean clone's pytest stage 598 -> 540 s, bench/RESULTS.md): an artefact is stored there once its builder has made it, under the
-digest of everything its builder reads besides its arguments — the source of every test helper module
+clean clone's pytest stage 598 -> 540 s, bench/RESULTS.md): an artefact is stored there once its
+builder has made it, under the digest of everything its builder reads besides its arguments — the source of every test helper module
 (tests/*.py but the test modules; a builder in a test module passes that module's source as key), the
 installed distributions' versions and the Python build — and its arguments. So a changed helper,
 argument or pinned package makes a new entry, and no builder may read the code under test (none imports

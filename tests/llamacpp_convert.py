@@ -18,14 +18,14 @@ import tarfile
 from pathlib import Path
 
 import llama_templates
-from buildlock import build_lock
+from buildlock import build_lock, cache_root
 
 TORCH = "2.15.0"
 
 
 def source_dir() -> Path:
     """The converter's files (convert_hf_to_gguf.py, conversion/, gguf-py/), unpacked once."""
-    d = llama_templates.cache_root() / f"llama-cpp-convert-{llama_templates.VERSION}"
+    d = cache_root() / f"llama-cpp-convert-{llama_templates.VERSION}"
     with build_lock(d):
         if (d / ".complete").exists():
             return d
@@ -48,7 +48,7 @@ def source_dir() -> Path:
 
 def torch_dir() -> Path | None:
     """A directory holding torch (installed with pip on first use); None when the caller opted out."""
-    d = llama_templates.cache_root() / f"torch-{TORCH}"
+    d = cache_root() / f"torch-{TORCH}"
     with build_lock(d):
         if (d / ".complete").exists():
             return d
