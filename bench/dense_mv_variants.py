@@ -51,7 +51,17 @@ NORMED = ["engine_norm", "r2_norm"]
 # the q/k/v shape only, its positions input made two ways: from host data for each launch (the engine's
 # way: MLX puts it in managed memory) or on the GPU by arange. In the 8B step this kernel takes ~34-36 us
 # against ~19 for r2_norm alone (bench/RESULTS-gpu.md): which of the epilogue and the positions it is.
-ROPE = ["rope_norm_hostpos", "rope_norm_devpos"]
+TRIG = "const float c_ = cos(th_), s_ = sin(th_);"
+ROPE = {  # name: (positions from the host, traditional pairs, the header's trigonometry replaced by)
+    "rope_norm_hostpos": (True, False, None),  # the engine's
+    "rope_norm_devpos": (False, False, None),
+    # sincosf's fast intrinsic (not MLX's precise cos/sin: checked, not for the engine as is)
+    "rope_norm_devpos_fasttrig": (False, False, "float s_, c_; __sincosf(th_, &s_, &c_);"),
+    # no trigonometry at all (c = 1, s = theta * 1e-30: the product and the stores alone; not checked)
+    "rope_norm_devpos_notrig": (False, False, "const float c_ = 1.f, s_ = th_ * 1e-30f;"),
+    # adjacent rows a warp (rows 2j, 2j + 1: MLX's traditional rope) instead of j, j + head_dim/2
+    "rope_norm_devpos_trad": (False, True, None),
+}
 ROPE_HEADS = (32, 8, 128)  # an 8B model's q heads, kv heads, head_dim (the qkv shape's 6144 rows)
 ROPE_BASE = 500000.0
 
@@ -108,29 +118,39 @@ def mv(name: str, x: mx.array, w: mx.array, nw: mx.array | None = None, eps: flo
     )[0]
 
 
-ROPE_KERNEL: list[object] = []
+ROPE_KERNELS: dict[str | None, object] = {}
 
 
-def mv_rope(x: mx.array, w: mx.array, nw: mx.array, pos: mx.array, eps: float = 1e-5) -> list[mx.array]:
+def mv_rope(
+    x: mx.array,
+    w: mx.array,
+    nw: mx.array,
+    pos: mx.array,
+    eps: float = 1e-5,
+    trad: bool = False,
+    trig: str | None = None,
+) -> list[mx.array]:
     """The engine's q/k/v kernel as `qmv::launch` makes it for `Kind::Rope` with a norm (two rows a warp,
-    4 steps, `MLXRS_ROPE`, base rope without `freqs`): q, k, v as `[M, heads * head_dim]`."""
-    if not ROPE_KERNEL:
-        ROPE_KERNEL.append(
-            mx.fast.cuda_kernel(
-                name="mlxrs_mv_rope_norm",
-                input_names=["x", "w", "pos", "nw"],
-                output_names=["q_out", "k_out", "v_out"],
-                source=SOURCE,
-                header="#define MLXRS_ROPE\n#define MLXRS_NORM\n" + HEADER,
-            )
+    4 steps, `MLXRS_ROPE`, base rope without `freqs`): q, k, v as `[M, heads * head_dim]`; `trig` replaces
+    the header's cos/sin line (ROPE's variants)."""
+    if trig not in ROPE_KERNELS:
+        if TRIG not in HEADER:
+            raise SystemExit(f"qmv.rs's HEADER no longer has {TRIG!r}: update ROPE")
+        ROPE_KERNELS[trig] = mx.fast.cuda_kernel(
+            name=f"mlxrs_mv_rope_norm{len(ROPE_KERNELS)}",
+            input_names=["x", "w", "pos", "nw"],
+            output_names=["q_out", "k_out", "v_out"],
+            source=SOURCE,
+            header="#define MLXRS_ROPE\n#define MLXRS_NORM\n"
+            + (HEADER if trig is None else HEADER.replace(TRIG, trig)),
         )
     m, k = x.shape
     n = w.shape[0]
     hq, hkv, hd = ROPE_HEADS
     template = [("T", x.dtype), ("M", m), ("K", k), ("N", n), ("R", 2)]
-    template += [("HD", hd), ("QR", hq * hd), ("KR", hkv * hd), ("TRAD", 0), ("SCALE_BITS", f32_bits(1.0))]
+    template += [("HD", hd), ("QR", hq * hd), ("KR", hkv * hd), ("TRAD", int(trad)), ("SCALE_BITS", f32_bits(1.0))]
     template += [("LOG2B_BITS", f32_bits(math.log2(ROPE_BASE))), ("EPS_BITS", f32_bits(eps))]
-    return ROPE_KERNEL[0](  # type: ignore[operator]
+    return ROPE_KERNELS[trig](  # type: ignore[operator]
         inputs=[x, w, pos, nw],
         template=template,
         grid=(n // 2 * 32, 1, 1),
@@ -140,10 +160,16 @@ def mv_rope(x: mx.array, w: mx.array, nw: mx.array, pos: mx.array, eps: float = 
     )
 
 
-def rope_positions(kind: str, p: int, m: int) -> mx.array:
+def rope_run(kind: str, x: mx.array, w: mx.array, nw: mx.array, p: int) -> list[mx.array]:
+    """ROPE's variant `kind` at positions p.. for x's rows."""
+    host, trad, trig = ROPE[kind]
+    return mv_rope(x, w, nw, rope_positions(host, p, x.shape[0]), trad=trad, trig=trig)
+
+
+def rope_positions(host: bool, p: int, m: int) -> mx.array:
     """Positions p.. for m rows: from host data, or made on the GPU (at least 3 values: past MLX's pool of
     8-byte blocks)."""
-    if kind == "rope_norm_hostpos":
+    if host:
         return mx.array(list(range(p, p + m)), dtype=mx.int32)
     return mx.arange(p, p + max(m, 3), dtype=mx.int32)
 
@@ -157,23 +183,30 @@ def check_rope(out: dict) -> None:
         x = mx.random.normal((m, 4096)).astype(mx.bfloat16)
         y = mx.fast.rms_norm(x, nw, 1e-5) @ w.T
         q, kk, v = mx.split(y, [hq * hd, (hq + hkv) * hd], axis=-1)
-        ref = []
-        for t, h in ((q, hq), (kk, hkv)):
-            heads = t.reshape(m, h, 1, hd)  # one token a row: rope each row at its own position
-            ref.append(
-                mx.concatenate(
-                    [
-                        mx.fast.rope(heads[i : i + 1], hd, traditional=False, base=ROPE_BASE, scale=1.0, offset=700 + i)
-                        for i in range(m)
-                    ]
-                ).reshape(m, h * hd)
-            )
-        ref.append(v)
-        for kind in ROPE:
-            got = mv_rope(x, w, nw, rope_positions(kind, 700, m))
+        refs = {}
+        for trad in (False, True):
+            ref = []
+            for t, h in ((q, hq), (kk, hkv)):
+                heads = t.reshape(m, h, 1, hd)  # one token a row: rope each row at its own position
+                ref.append(
+                    mx.concatenate(
+                        [
+                            mx.fast.rope(
+                                heads[i : i + 1], hd, traditional=trad, base=ROPE_BASE, scale=1.0, offset=700 + i
+                            )
+                            for i in range(m)
+                        ]
+                    ).reshape(m, h * hd)
+                )
+            ref.append(v)
+            refs[trad] = ref
+        for kind, (_, trad, trig) in ROPE.items():
+            if trig is not None and "1e-30" in trig:
+                continue  # no rotation: nothing to check
+            got = rope_run(kind, x, w, nw, 700)
             err = max(
                 (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max() / mx.abs(b.astype(mx.float32)).max()).item()
-                for a, b in zip(got, ref)
+                for a, b in zip(got, refs[trad])
             )
             out[f"check_{kind}_m{m}"] = err
             print(f"check {kind} m={m}: max |diff| / max |y| {err:.2e}", flush=True)
@@ -294,7 +327,7 @@ def profile(reps: int) -> None:
     for v in ROPE:
         for r in range(reps):
             w = mats["qkv"][r]
-            mx.eval(mv_rope(xs[4096], w, nws[4096], rope_positions(v, 700 + r, 1)))
+            mx.eval(rope_run(v, xs[4096], w, nws[4096], 700 + r))
 
 
 def report(log: str, reps: int, out: dict) -> None:

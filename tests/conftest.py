@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import mlxrs  # noqa: E402, F401  (first: its BLAS goes ahead of libmlx before the helpers import mlx.core)
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 

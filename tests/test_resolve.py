@@ -178,3 +178,45 @@ def test_gemv_router_matches_numpy_and_plain_openblas(tmp_path: Path) -> None:
     assert on["calls"] == 9, on["calls"]
     assert on["tokens"] == off["tokens"]
     np.testing.assert_allclose(np.array(on["logits"]), np.array(off["logits"]), atol=1e-4, rtol=0)
+
+
+ORDER_SCRIPT = r"""
+import ctypes, json, sys, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    if sys.argv[1] == "mlx-first":
+        import mlx.core as mx
+        import mlxrs
+    else:
+        import mlxrs
+        import mlx.core as mx
+# MLX's own op first (a float32 matrix-vector product), before mlxrs loads its runtime
+a = mx.array([[1.0, 2.0, 3.0]] * 64)
+y = a @ mx.ones((3, 1))
+mx.eval(y)
+info = mlxrs.runtime_info()
+calls = ctypes.CDLL(info["blas_gemv"]).mlxrs_blas_gemv_calls() if info["blas_gemv"] else None
+print(json.dumps({"blas": info["blas"], "blas_gemv": info["blas_gemv"], "first": info["mlx_loaded_first"],
+                  "calls": calls, "sum": float(y.sum()), "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_mlx_imported_after_mlxrs_uses_its_blas_and_before_it_is_told() -> None:
+    """`import mlxrs` puts the BLAS and the gemv router ahead of libmlx, so an `import mlx.core` after it
+    (before mlxrs loads its runtime: tests/conftest.py's order, a notebook's) binds MLX's products to
+    them; `import mlx.core` first leaves MLX on its bundled BLAS, which runtime_info and a
+    RuntimeWarning say (the BLAS is not reported as in use)."""
+    default = info_in_subprocess()
+    if sys.platform != "linux" or default["backend"] != "cpu" or not default["blas_gemv"]:
+        pytest.skip("the BLAS preload applies to Linux CPU builds with an optimized BLAS")
+    res = {}
+    for order in ("mlxrs-first", "mlx-first"):
+        r = run_py(["-c", ORDER_SCRIPT, order])
+        assert r.returncode == 0, r.stderr
+        res[order] = json.loads(r.stdout.strip().splitlines()[-1])
+        assert res[order]["sum"] == 64 * 6.0
+    after, before = res["mlxrs-first"], res["mlx-first"]
+    assert after["blas"] == default["blas"] and after["first"] is False and after["warnings"] == []
+    assert after["calls"] == 1, after  # MLX's own product went through the router
+    assert before["first"] is True and before["blas"] is None and before["blas_gemv"] is None, before
+    assert any("imported before mlxrs" in w for w in before["warnings"]), before["warnings"]

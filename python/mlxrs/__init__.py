@@ -8,12 +8,23 @@ True
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from . import _loader, errors
 from . import _native
 
 _loader.register(_native)
+# the BLAS into the process ahead of libmlx, so that an `import mlx.core` after this one binds MLX's
+# CPU matrix products to it as mlxrs's own load does (Linux CPU; nothing elsewhere)
+if _native._preload_blas():
+    warnings.warn(
+        "mlx.core was imported before mlxrs: MLX's CPU matrix products run on MLX's bundled reference "
+        "BLAS in this process, not the optimized one mlxrs loads (slower; float32 results can differ in "
+        "the last bits). Import mlxrs first.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 __version__: str = _native.__version__
 

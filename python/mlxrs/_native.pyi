@@ -20,6 +20,7 @@ __all__ = [
     "BUILT_FOR_MLXC",
     "runtime_info",
     "_register_mlx_lib_dir",
+    "_preload_blas",
     "_resolution_order",
     "_tiny_matmul",
     "describe",
@@ -79,6 +80,7 @@ class _RuntimeInfo(TypedDict):
     libmlx: str | None
     blas: str | None
     blas_gemv: str | None  # libmlxrs_blas: float32 matrix-vector products as BLAS gemv (Linux CPU)
+    mlx_loaded_first: bool  # mlx.core was imported before mlxrs: MLX's own BLAS serves this process
     memory_size: int | None
     active_memory: int
     peak_memory: int
@@ -91,6 +93,10 @@ def runtime_info() -> _RuntimeInfo:
 
 def _register_mlx_lib_dir(dir: str | os.PathLike[str]) -> None:
     """Tell the resolver about a directory that may hold libmlx (before the first load)."""
+
+def _preload_blas() -> bool:
+    """Put the optimized BLAS ahead of libmlx now (Linux CPU, where libmlxc is found locally): True
+    when libmlx was loaded already (mlx.core imported first), whose BLAS calls then stay MLX's own."""
 
 def _resolution_order() -> list[str]:
     """Where the resolver finds libmlxc ("<source>: <path>"), or its explanation of every place it tried."""

@@ -25,7 +25,10 @@ def _version_text() -> str:
         f"libmlx: {info['libmlx'] or 'resolved by the dynamic linker'}",
     ]
     if info["backend"] == "cpu":
-        lines.append(f"BLAS: {info['blas'] or 'reference (as linked by MLX)'}")
+        if info["mlx_loaded_first"]:
+            lines.append("BLAS: reference (as linked by MLX: mlx.core was imported before mlxrs)")
+        else:
+            lines.append(f"BLAS: {info['blas'] or 'reference (as linked by MLX)'}")
         if info["blas_gemv"]:
             lines.append(f"gemv router: {info['blas_gemv']}")
     return "\n".join(lines)

@@ -16,6 +16,9 @@ pub struct RuntimeInfo {
     pub blas: Option<String>,
     /// libmlxrs_blas, routing float32 matrix-vector products to the BLAS's gemv (Linux CPU).
     pub blas_gemv: Option<String>,
+    /// libmlx was loaded before mlxrs could put the BLAS ahead of it (`mlx.core` imported first):
+    /// MLX's CPU matrix products then run on MLX's own reference BLAS in this process.
+    pub mlx_loaded_first: bool,
     pub memory_size: Option<usize>,
     pub active_memory: usize,
     pub peak_memory: usize,
@@ -55,6 +58,7 @@ pub fn runtime_info() -> Result<RuntimeInfo> {
         libmlx: rt.libmlx.as_ref().map(|p| p.display().to_string()),
         blas: rt.blas.as_ref().map(|p| p.display().to_string()),
         blas_gemv: rt.blas_gemv.as_ref().map(|p| p.display().to_string()),
+        mlx_loaded_first: rt.mlx_loaded_first,
         memory_size: handle::device_memory_size(&dev),
         active_memory: handle::active_memory(),
         peak_memory: handle::peak_memory(),

@@ -63,6 +63,14 @@ fn _register_mlx_lib_dir(dir: std::path::PathBuf) {
     mlxrs_sys::register_mlx_lib_dir(dir);
 }
 
+/// Put the BLAS ahead of libmlx now, where the runtime is found locally (the package calls this when
+/// it is imported, before anything may import `mlx.core`): whether libmlx was loaded already
+/// (`mlx.core` imported first), so that MLX's own BLAS serves it in this process.
+#[pyfunction]
+fn _preload_blas() -> bool {
+    mlxrs_sys::preload_blas_early().is_some_and(|p| p.mlx_loaded_first)
+}
+
 /// Load the native runtime and describe it (paths, versions, backend, BLAS, memory).
 #[pyfunction]
 fn runtime_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -79,6 +87,7 @@ fn runtime_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
                     .transpose()?
                     .unwrap_or_else(|| py.None()),
                 serde_json::Value::String(s) => s.into_pyobject(py)?.into_any().unbind(),
+                serde_json::Value::Bool(b) => pyo3::types::PyBool::new(py, b).to_owned().into_any().unbind(),
                 other => other.to_string().into_pyobject(py)?.into_any().unbind(),
             };
             d.set_item(k, val)?;
@@ -387,6 +396,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BUILT_FOR_MLXC", mlxrs_sys::BUILT_FOR_MLXC)?;
     m.add_function(wrap_pyfunction!(runtime_info, m)?)?;
     m.add_function(wrap_pyfunction!(_register_mlx_lib_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(_preload_blas, m)?)?;
     m.add_function(wrap_pyfunction!(_resolution_order, m)?)?;
     m.add_function(wrap_pyfunction!(_tiny_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;

@@ -13,8 +13,9 @@ pub mod types;
 
 pub use generated::*;
 pub use resolve::{
-    candidate_backends, mlx_version_near, mlxrs_home, native_pack_dir, register_mlx_lib_dir, this_module_dir,
-    LoadError, Resolver, Runtime, Source, BUILT_FOR_MLX, BUILT_FOR_MLXC, LIBMLX, LIBMLXC, NATIVE_PACK_VERSION,
+    candidate_backends, mlx_version_near, mlxrs_home, native_pack_dir, preload_blas_early, register_mlx_lib_dir,
+    this_module_dir, BlasPreload, LoadError, Resolver, Runtime, Source, BUILT_FOR_MLX, BUILT_FOR_MLXC, LIBMLX, LIBMLXC,
+    NATIVE_PACK_VERSION,
 };
 pub use types::*;
 

@@ -60,6 +60,27 @@ pub struct Runtime {
     /// `libmlxrs_blas` (native/blas_gemv.c), loaded ahead of the BLAS so that MLX's float32
     /// matrix-vector products run as gemv; None when absent, disabled or not applicable.
     pub blas_gemv: Option<PathBuf>,
+    /// libmlx was in the process before mlxrs could put the BLAS ahead of it (Python's `mlx.core`
+    /// imported before `mlxrs`): its BLAS calls were bound to MLX's own reference BLAS then, so
+    /// nothing was preloaded ([`Resolver::preload_blas`]).
+    pub mlx_loaded_first: bool,
+}
+
+/// What [`Resolver::preload_blas`] put in the process's global scope (once per process).
+#[derive(Clone, Debug, Default)]
+pub struct BlasPreload {
+    pub blas: Option<PathBuf>,
+    pub blas_gemv: Option<PathBuf>,
+    pub mlx_loaded_first: bool,
+}
+
+static BLAS_PRELOAD: std::sync::Mutex<Option<BlasPreload>> = std::sync::Mutex::new(None);
+
+/// Whether a libmlx is mapped into this process already (Linux: /proc/self/maps).
+fn libmlx_mapped() -> bool {
+    std::fs::read_to_string("/proc/self/maps").is_ok_and(|m| {
+        m.lines().filter_map(|l| l.split_whitespace().nth(5)).any(|p| Path::new(p).file_name() == Some(LIBMLX.as_ref()))
+    })
 }
 
 #[derive(Debug)]
@@ -220,38 +241,60 @@ impl Resolver {
             .find(|p| p.is_file())
     }
 
-    /// Find and open: BLAS (Linux CPU), then libmlx, then libmlxc.
+    /// Put an optimized BLAS (Linux CPU), with the gemv router ahead of it, into the global scope
+    /// before libmlx loads, so that libmlx — opened by [`crate::load`] or by Python's `import
+    /// mlx.core` afterwards — binds `cblas_sgemm` to the router and everything else to the BLAS.
+    /// Once per process: later calls return what the first successful one did. Nothing where
+    /// libmlx is mapped already (`mlx_loaded_first`: bound to MLX's own BLAS, which nothing can
+    /// change now), on a CUDA build of MLX, off Linux or with `MLXRS_BLAS=off`. The extension calls
+    /// this when it is imported ([`preload_blas_early`]); loading calls it again.
+    pub fn preload_blas(&self, libmlxc: &Path, libmlx: Option<&Path>) -> Result<BlasPreload, LoadError> {
+        let mut done = BLAS_PRELOAD.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = &*done {
+            return Ok(d.clone());
+        }
+        let state = if is_cuda_mlx(libmlx) || !cfg!(target_os = "linux") || blas_disabled(self.blas.as_deref()) {
+            BlasPreload::default()
+        } else if libmlx_mapped() {
+            BlasPreload { mlx_loaded_first: true, ..BlasPreload::default() }
+        } else {
+            // The BLAS opens locally first; the gemv router (when present) goes into the global
+            // scope, then the BLAS is promoted after it.
+            let blas = open_blas_local(self.blas.as_deref())?;
+            let router = blas_gemv_candidates(libmlxc).into_iter().find(|p| p.is_file());
+            let blas_gemv = match (&blas, router) {
+                (Some((_, _, local)), Some(p)) if !self.blas_gemv_off => {
+                    let lib = open_global(&p).map_err(|detail| LoadError::Open {
+                        path: p.clone(),
+                        detail: format!("{detail} (set MLXRS_BLAS_GEMV=off to skip it)"),
+                    })?;
+                    bind_gemv(&lib, local);
+                    std::mem::forget(lib);
+                    Some(p)
+                }
+                _ => None,
+            };
+            let blas = match blas {
+                Some((path, name, local)) => {
+                    let global = open_global(Path::new(&name))
+                        .map_err(|detail| LoadError::Open { path: path.clone(), detail })?;
+                    std::mem::forget(global);
+                    std::mem::forget(local);
+                    Some(path)
+                }
+                None => None,
+            };
+            BlasPreload { blas, blas_gemv, mlx_loaded_first: false }
+        };
+        *done = Some(state.clone());
+        Ok(state)
+    }
+
+    /// Find and open: BLAS (Linux CPU, [`Resolver::preload_blas`]), then libmlx, then libmlxc.
     pub(crate) fn open(&self) -> Result<(Runtime, libloading::Library), LoadError> {
         let (source, libmlxc) = self.find()?;
         let libmlx = self.find_libmlx(&libmlxc);
-        // The BLAS opens locally first; the gemv router (when present) goes into the global scope,
-        // then the BLAS is promoted after it, so that libmlx binds cblas_sgemm to the router and
-        // everything else to the BLAS.
-        // (preload_blas opens nothing off Linux or with MLXRS_BLAS=off)
-        let blas = if is_cuda_mlx(libmlx.as_deref()) { None } else { preload_blas(self.blas.as_deref())? };
-        let router = blas_gemv_candidates(&libmlxc).into_iter().find(|p| p.is_file());
-        let blas_gemv = match (&blas, router) {
-            (Some((_, _, local)), Some(p)) if !self.blas_gemv_off => {
-                let lib = open_global(&p).map_err(|detail| LoadError::Open {
-                    path: p.clone(),
-                    detail: format!("{detail} (set MLXRS_BLAS_GEMV=off to skip it)"),
-                })?;
-                bind_gemv(&lib, local);
-                std::mem::forget(lib);
-                Some(p)
-            }
-            _ => None,
-        };
-        let blas = match blas {
-            Some((path, name, local)) => {
-                let global =
-                    open_global(Path::new(&name)).map_err(|detail| LoadError::Open { path: path.clone(), detail })?;
-                std::mem::forget(global);
-                std::mem::forget(local);
-                Some(path)
-            }
-            None => None,
-        };
+        let BlasPreload { blas, blas_gemv, mlx_loaded_first } = self.preload_blas(&libmlxc, libmlx.as_deref())?;
         if let Some(m) = &libmlx {
             let lib = open_global(m).map_err(|detail| LoadError::Open { path: m.clone(), detail })?;
             std::mem::forget(lib);
@@ -264,8 +307,19 @@ impl Resolver {
                 detail
             },
         })?;
-        Ok((Runtime { source, libmlxc, libmlx, blas, blas_gemv }, lib))
+        Ok((Runtime { source, libmlxc, libmlx, blas, blas_gemv, mlx_loaded_first }, lib))
     }
+}
+
+/// [`Resolver::preload_blas`] with the default resolver, where libmlxc is found without fetching
+/// anything (the extension calls this when Python imports it, before anything may import
+/// `mlx.core`): what it did, or None where it could not tell yet (nothing found, or a failure, which
+/// loading reports).
+pub fn preload_blas_early() -> Option<BlasPreload> {
+    let r = Resolver::from_env();
+    let (_, libmlxc) = r.find().ok()?;
+    let libmlx = r.find_libmlx(&libmlxc);
+    r.preload_blas(&libmlxc, libmlx.as_deref()).ok()
 }
 
 /// Directories registered by the embedding program (the Python module registers the `mlx` package's).
@@ -316,7 +370,7 @@ fn blas_disabled(choice: Option<&std::ffi::OsStr>) -> bool {
 /// Open an optimized BLAS (Linux) with local scope: `MLXRS_BLAS=off` disables it, a path chooses
 /// it (and must load), unset tries OpenBLAS's usual names. Returns the file, the name it was opened
 /// by, and the handle; the caller promotes it to the global scope.
-fn preload_blas(
+fn open_blas_local(
     choice: Option<&std::ffi::OsStr>,
 ) -> Result<Option<(PathBuf, std::ffi::OsString, libloading::Library)>, LoadError> {
     if !cfg!(target_os = "linux") || blas_disabled(choice) {
