@@ -150,7 +150,8 @@ def test_fused_projections_match_the_separate_ones(name, arch, kw, monkeypatch):
     assert fused["long"] == ref["long"]
     for k in ("logits", "long_logits"):
         diff = float(np.max(np.abs(fused[k] - ref[k])))
-        assert diff < 1e-5, f"fused projections move the {k} by {diff}"
+        # OpenBLAS's sgemm blocks a wider product otherwise: the fused one sums in another order
+        assert diff < 1e-4, f"fused projections move the {k} by {diff}"
     # every layer's q/k/v at least (gate/up: one matmul and a split for two matmuls)
     assert fused["ops"] < ref["ops"], (fused["ops"], ref["ops"])
     # the parts were dropped: no more resident bytes than the separate projections

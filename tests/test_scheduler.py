@@ -1,6 +1,7 @@
 """The engine's scheduler, against its own single-sequence runs (which test_parity.py holds to
 mlx-lm): batched prefill (prompts admitted together share prefill passes) and batched decoding give
-each sequence exactly the greedy tokens it gets alone, for every architecture and cache kind; a prompt-prefix cache hit gives exactly the cold run's tokens; a
+each sequence the greedy tokens it gets alone, for every architecture and cache kind (parting only at
+a near-tie, `same_or_parting_at_a_tie`); a prompt-prefix cache hit gives exactly the cold run's tokens; a
 cancelled sequence leaves the others untouched; a cancel during a long prefill ends within a chunk;
 close() cancels promptly; the queue refuses past its bound."""
 
@@ -30,6 +31,25 @@ def prompts(s: mlxrs.Session) -> list[list[int]]:
     ids = s.tokenize(TEXT)
     lengths = [3, 70, 11, 25, 5, 48, 17, 33]
     return [(ids * 3)[i : i + n] for i, n in enumerate(lengths)]
+
+
+def same_or_parting_at_a_tie(alone: mlxrs.Completion, batch: mlxrs.Completion, what: str, tol: float) -> None:
+    """The batched run's greedy tokens are alone's, each at a log-probability within `tol` of alone's;
+    or they part at a step where alone's own top log-probabilities hold the batched token within `tol`
+    of alone's choice (a near-tie), after which the two sequences differ. On Linux CPU a float32 row
+    decoded alone goes through BLAS gemv and a batch through sgemm, which sum in another order, so
+    rows agree to the last bits only, not bit for bit (a quantized KV cache turns those bits into a
+    rounding step now and then: hence its larger `tol`); a row mixed up with another's state is off by
+    far more than a tie."""
+    assert alone.logprobs is not None and batch.logprobs is not None
+    for j, (a, b) in enumerate(zip(alone.logprobs, batch.logprobs)):
+        if a.id != b.id:
+            top = dict(a.top)
+            assert b.id in top and top[a.id] - top[b.id] <= tol, f"{what}: tokens part at {j}, not at a tie: {a} {b}"
+            return
+        assert a.logprob is not None and b.logprob is not None
+        assert abs(a.logprob - b.logprob) <= tol, f"{what}: token {j}'s log-probability {b.logprob} vs {a.logprob}"
+    assert len(batch.tokens) == len(alone.tokens), what
 
 
 CASES = [
@@ -82,11 +102,13 @@ def test_batch_equals_alone(arch, opts, monkeypatch):
     d = make_model(f"{arch}-float32", arch)
     with mlxrs.Session(d, prompt_cache_bytes=0, prefill_batch_tokens=2048, **step, **opts) as s:
         ps = prompts(s)
-        alone = [s.generate(p, max_tokens=N, ignore_eos=True, temperature=0.0).tokens for p in ps]
-        batch = s.generate_batch(ps, max_tokens=N, ignore_eos=True, temperature=0.0)
+        greedy = dict(max_tokens=N, ignore_eos=True, temperature=0.0, top_logprobs=3)
+        alone = [s.generate(p, **greedy) for p in ps]
+        batch = s.generate_batch(ps, **greedy)
         info = s.info
+    tol = 5e-2 if "kv_bits" in opts else 1e-3  # measured: 3.2e-2 and 1.6e-5 at most (float32 weights)
     for i, (a, b) in enumerate(zip(alone, batch)):
-        assert b.tokens == a, f"prompt {i} ({len(ps[i])} tokens): batched tokens differ from alone"
+        same_or_parting_at_a_tie(a, b, f"prompt {i} ({len(ps[i])} tokens)", tol)
         assert b.finish_reason == "length" and b.usage.completion_tokens == N
     # which attention ran: the stacked KV exactly where asked for and every layer keeps a full cache
     sliding = arch in ("gemma3_text", "gemma4_text", "gemma4_text_moe", "gpt_oss")
