@@ -57,6 +57,8 @@ ROPE = {  # name: (positions from the host, traditional pairs, the header's trig
     "rope_norm_devpos": (False, False, None),
     # sincosf's fast intrinsic (not MLX's precise cos/sin: checked, not for the engine as is)
     "rope_norm_devpos_fasttrig": (False, False, "float s_, c_; __sincosf(th_, &s_, &c_);"),
+    # the precise sincosf (one range reduction for both; no stack frame, where cos and sin have 32 bytes)
+    "rope_norm_devpos_sincosf": (False, False, "float s_, c_; sincosf(th_, &s_, &c_);"),
     # no trigonometry at all (c = 1, s = theta * 1e-30: the product and the stores alone; not checked)
     "rope_norm_devpos_notrig": (False, False, "const float c_ = 1.f, s_ = th_ * 1e-30f;"),
     # adjacent rows a warp (rows 2j, 2j + 1: MLX's traditional rope) instead of j, j + head_dim/2

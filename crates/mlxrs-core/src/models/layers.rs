@@ -2457,7 +2457,9 @@ mod tests {
             for (i, (p, want)) in fused.forward_parts(&x, &[64, 32, 32]).unwrap().iter().zip(&outs).enumerate() {
                 let (p, want) = (p.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
                 let diff = p.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(p.len() == want.len() && diff < 1e-5, "{name} part {i}: {diff}");
+                // float32 rounding: the BLAS may block a slice of the fused weight otherwise than the
+                // part's own matrix (1.3e-5 with OpenBLAS's AMD Zen kernels)
+                assert!(p.len() == want.len() && diff < 1e-4, "{name} part {i}: {diff}");
             }
             let got = fused.forward(&x).unwrap();
             assert_eq!(got.shape(), vec![2, 3, 128], "{name}");
