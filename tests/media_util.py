@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import gc
 import io
-from collections.abc import Callable
-from typing import Any, TypeVar
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
-
-T = TypeVar("T")
 
 
 def random_pngs(count: int, size: tuple[int, int], seed: int = 10) -> list[bytes]:
@@ -24,17 +24,47 @@ def random_pngs(count: int, size: tuple[int, int], seed: int = 10) -> list[bytes
     return out
 
 
-def encoding_peak(encode: Callable[[Any], T], items: list[Any]) -> tuple[T, int]:
-    """`encode(items)` measured after a warm-up (kernels, the allocator, whatever the session makes
-    on its first encoding) on the first item alone: the items are encoded one after another, each
-    at the same size, so one of them warms what all of them use. Its result and the bytes MLX's peak
-    rose above what was active before (`_native.memory_counters`)."""
-    from mlxrs import _native
+PEAKS_SCRIPT = r"""
+import gc, json, sys
+import mlxrs
+from mlxrs import _native
+d, method, groups = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = []
+with mlxrs.Session(d) as s:
+    encode = getattr(s, method)
+    for paths in groups:
+        items = [open(p, "rb").read() for p in paths]
+        encode(items[:1])
+        gc.collect()
+        before = _native.memory_counters(reset_peak=True)
+        result = encode(items)
+        out.append([len(result), _native.memory_counters()["peak"] - before["active"]])
+        del result
+print(json.dumps(out))
+"""
 
-    encode(items[:1])
-    # what an earlier test left for the garbage collector freed now, not inside the measurement (its
-    # frees would lower `active` under `before`'s figure and the peak's rise with it)
-    gc.collect()
-    before = _native.memory_counters(reset_peak=True)
-    result = encode(items)
-    return result, _native.memory_counters()["peak"] - before["active"]
+
+def encoding_peaks(model: Path, method: str, groups: list[list[bytes]]) -> list[tuple[int, int]]:
+    """For each group of media items (encoded files), in turn in one session of `model`:
+    `len(session.<method>(items))` and the bytes MLX's peak rose above what was active before it,
+    after a warm-up (kernels, the allocator, whatever the session makes on its first encoding) on the
+    group's first item alone (the items are encoded one after another, each at the same size, so
+    one of them warms what all of them use). Measured in a fresh process: MLX's counters are the
+    process's, and in a test worker another test's session or in-process server can free memory
+    during the measurement (an in-process figure came out 14 MB low now and then)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for g, items in enumerate(groups):
+            paths.append([])
+            for i, data in enumerate(items):
+                p = Path(tmp) / f"{g}-{i}"
+                p.write_bytes(data)
+                paths[-1].append(str(p))
+        r = subprocess.run(
+            [sys.executable, "-c", PEAKS_SCRIPT, str(model), method, json.dumps(paths)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    assert r.returncode == 0, r.stderr
+    return [(int(n), int(peak)) for n, peak in json.loads(r.stdout.strip().splitlines()[-1])]

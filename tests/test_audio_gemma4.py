@@ -16,7 +16,7 @@ import pytest
 import mlxrs
 from audio_util import tone, wav_bytes
 from test_vision import run_vlm
-from media_util import encoding_peak
+from media_util import encoding_peaks
 from tinymodels import make_gemma4_audio, make_gemma4_vision
 
 N_TOKENS = 32
@@ -363,19 +363,16 @@ def test_the_plan_counts_encoding_the_longest_clip(name, overrides, dtype):
     formula = p["audioTransientBytes"]
     assert p["transientBytes"] > max(formula, p["mediaTransientBytes"]) > 0
     clip = wav_bytes(tone(30.0, 16000, 1, seed=8), 16000, 16)
-    with mlxrs.Session(d) as s:
-        feats, peak = encoding_peak(s.audio_features, [clip])
-    assert len(feats) > 0 and peak > 0
-    assert peak <= formula <= 2 * peak, (name, peak, formula)
+    three = [
+        clip,
+        wav_bytes(tone(30.0, 16000, 1, seed=9), 16000, 16),
+        wav_bytes(tone(30.0, 16000, 2, seed=10), 16000, 16),
+    ]
     # three clips in one prompt are encoded one after another: still within the one clip's
-    with mlxrs.Session(d) as s:
-        three = [
-            clip,
-            wav_bytes(tone(30.0, 16000, 1, seed=9), 16000, 16),
-            wav_bytes(tone(30.0, 16000, 2, seed=10), 16000, 16),
-        ]
-        feats3, several = encoding_peak(s.audio_features, three)
-    assert len(feats3) == 3 * len(feats)
+    (feats, peak), (feats3, several) = encoding_peaks(d, "audio_features", [[clip], three])
+    assert feats > 0 and peak > 0
+    assert peak <= formula <= 2 * peak, (name, peak, formula)
+    assert feats3 == 3 * feats
     assert several <= formula, (name, several, formula)
     text = fit.describe(d, name, p, None, None)
     assert "of encoding one audio clip of the longest length" in text and "of encoding one image" in text

@@ -17,7 +17,7 @@ import pytest
 
 import mlxrs
 from oracle_server import ORACLE
-from media_util import encoding_peak, random_pngs
+from media_util import encoding_peaks, random_pngs
 from tinymodels import make_gemma3_vision, make_model
 
 N_TOKENS = 32
@@ -365,9 +365,9 @@ def test_the_plan_counts_encoding_one_image(kw):
     p = fit.plan(d, 512)
     formula = p["mediaTransientBytes"]
     assert p["transientBytes"] > formula > 0
-    with mlxrs.Session(d) as s:
-        _, peak = encoding_peak(s.image_features, random_pngs(1, (300, 500), seed=3))
-        # four images in one prompt go through the tower one at a time: within one image's figure
-        _, peak4 = encoding_peak(s.image_features, random_pngs(4, (300, 500)))
+    # four images in one prompt go through the tower one at a time: within one image's figure
+    (_, peak), (_, peak4) = encoding_peaks(
+        d, "image_features", [random_pngs(1, (300, 500), seed=3), random_pngs(4, (300, 500))]
+    )
     assert 0 < peak <= formula <= 2 * peak, (d.name, peak, formula)
     assert peak4 <= formula, (d.name, peak4, formula)

@@ -17,7 +17,7 @@ import pytest
 
 import mlxrs
 from test_vision import BAD_MEDIA, features_match, image_logits, one_image_matches, run_vlm, sized_image_ids
-from media_util import encoding_peak, random_pngs
+from media_util import encoding_peaks, random_pngs
 from tinymodels import make_gemma4_vision
 
 N_TOKENS = 32
@@ -391,14 +391,13 @@ def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides,
     p = fit.plan(d, 512)
     formula = p["mediaTransientBytes"]
     assert p["transientBytes"] > formula > 0 and "audioTransientBytes" not in p
-    with mlxrs.Session(d) as s:
-        feats, peak = encoding_peak(s.image_features, random_pngs(1, size, seed=3))
-        hidden = json.loads((d / "config.json").read_text())["text_config"]["hidden_size"]
-    assert len(feats) == max_tokens * hidden and peak > 0
+    # several images in one prompt are encoded one after another: still within the one image's
+    (feats, peak), (feats4, four) = encoding_peaks(
+        d, "image_features", [random_pngs(1, size, seed=3), random_pngs(4, size)]
+    )
+    hidden = json.loads((d / "config.json").read_text())["text_config"]["hidden_size"]
+    assert feats == max_tokens * hidden and peak > 0
     assert peak <= formula <= 2 * peak, (name, peak, formula)
     assert "of encoding one image at the largest size" in fit.describe(d, name, p, None, None)
-    # several images in one prompt are encoded one after another: still within the one image's
-    with mlxrs.Session(d) as s:
-        feats4, four = encoding_peak(s.image_features, random_pngs(4, size))
-    assert len(feats4) == 4 * max_tokens * hidden
+    assert feats4 == 4 * max_tokens * hidden
     assert four <= formula, (name, four, formula)

@@ -18,7 +18,7 @@ import pytest
 
 import mlxrs
 from test_vision import features_match, image_logits, one_image_matches, run_vlm, sized_image_ids
-from media_util import encoding_peak, random_pngs
+from media_util import encoding_peaks, random_pngs
 from tinymodels import make_qwen3_5_vision
 
 N_TOKENS = 32
@@ -435,10 +435,9 @@ def test_the_plan_counts_encoding_one_image_at_the_largest_size(name, overrides,
     big.save(buf, "PNG")
     with mlxrs.Session(d) as s:
         assert s.vision["max_tokens_per_image"] == max_tokens
-        feats, peak = encoding_peak(s.image_features, [buf.getvalue()])
-        # four images in one prompt go through the tower one at a time: within one image's figure
-        _, peak4 = encoding_peak(s.image_features, random_pngs(4, (900, 1300)))
-    assert len(feats) % max_tokens == 0 and peak > 0
+    # four images in one prompt go through the tower one at a time: within one image's figure
+    (feats, peak), (_, peak4) = encoding_peaks(d, "image_features", [[buf.getvalue()], random_pngs(4, (900, 1300))])
+    assert feats % max_tokens == 0 and peak > 0
     assert peak <= formula <= 2 * peak, (name, peak, formula)
     assert peak4 <= formula, (name, peak4, formula)
     assert "of encoding one image at the largest size" in fit.describe(d, name, p, None, None)
