@@ -519,9 +519,9 @@ def main() -> int:
     args = ap.parse_args()
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     args.batch = [int(x) for x in args.batch.split(",") if x]
-    import mlx.core as mx
+    import mlxrs  # first: its BLAS ahead of libmlx where MLX runs on the CPU (mlxrs/__init__.py)
 
-    import mlxrs
+    import mlx.core as mx
 
     info = mlxrs.runtime_info()
     out: dict = {"runtime": info, "mlx_device": str(mx.default_device()), "args": vars(args), "models": {}}
