@@ -25,10 +25,25 @@ def random_pngs(count: int, size: tuple[int, int], seed: int = 10) -> list[bytes
 
 
 PEAKS_SCRIPT = r"""
-import gc, json, sys
+import gc, json, sys, time
 import mlxrs
 from mlxrs import _native
 d, method, groups = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+
+
+def settled():
+    # what a finished encoding retained is freed on MLX's executor after the result is back: wait
+    # until the active bytes stop moving (under load that took long enough to halve a peak's rise)
+    last, still = _native.memory_counters()["active"], 0
+    for _ in range(1000):
+        time.sleep(0.005)
+        now = _native.memory_counters()["active"]
+        still = still + 1 if now == last else 0
+        if still == 20:  # 100 ms without a change
+            return
+        last = now
+
+
 out = []
 with mlxrs.Session(d) as s:
     encode = getattr(s, method)
@@ -36,6 +51,7 @@ with mlxrs.Session(d) as s:
         items = [open(p, "rb").read() for p in paths]
         encode(items[:1])
         gc.collect()
+        settled()
         before = _native.memory_counters(reset_peak=True)
         result = encode(items)
         out.append([len(result), _native.memory_counters()["peak"] - before["active"]])
