@@ -66,12 +66,13 @@ pub fn refresh() {
         _ => OFF,
     };
     SWITCH.store(state, Ordering::Relaxed);
-    for (switch, env) in
-        [(&ROPE_SWITCH, ROPE_ENV), (&NORM_SWITCH, NORM_ENV), (&DENSE_SWITCH, DENSE_ENV), (&TABLE_SWITCH, POSITIONS_ENV)]
-    {
+    for (switch, env) in [(&ROPE_SWITCH, ROPE_ENV), (&NORM_SWITCH, NORM_ENV), (&DENSE_SWITCH, DENSE_ENV)] {
         let off = std::env::var(env).is_ok_and(|v| v.trim() == "0");
         switch.store(if off { OFF } else { ON }, Ordering::Relaxed);
     }
+    // off unless asked for (not yet checked on a device in the engine: see POSITIONS_ENV)
+    let table = std::env::var(POSITIONS_ENV).is_ok_and(|v| v.trim() == "1");
+    TABLE_SWITCH.store(if table { ON } else { OFF }, Ordering::Relaxed);
 }
 
 /// The switch's state ([`ON`], [`OFF`] or [`FLOAT`]); OFF wherever the backend is not CUDA.
@@ -159,13 +160,15 @@ pub struct QkvRope<'a> {
     pub head_dim: i32,
 }
 
-/// `0`: the rotary kernel's positions always as an array of host data made at each launch (the
-/// reference); otherwise consecutive positions (one sequence's decode step or chunk) are a view into
-/// [`position_table`]. Measured on an H100 (`bench/dense_mv_variants.py --profile`, `ROPE`, Nsight
-/// Compute): an 8B model's q/k/v kernel takes 34.6 µs with its 4-byte positions array made from host
-/// data, which MLX's CUDA allocator keeps in host-visible memory that every warp then reads across
-/// the bus, and 23.2 µs with positions made on the GPU — as much as the same product without the
-/// rotary epilogue (23.1).
+/// `1`: the rotary kernel's consecutive positions (one sequence's decode step or chunk) are a view
+/// into [`position_table`] instead of an array of host data made at each launch (the default, the
+/// reference). Measured on an H100 (`bench/dense_mv_variants.py --profile`, `ROPE`, Nsight Compute):
+/// an 8B model's q/k/v kernel takes 34.6 µs with its 4-byte positions array made from host data,
+/// which MLX's CUDA allocator keeps in host-visible memory that every warp then reads across the
+/// bus, and 23.2 µs with positions made on the GPU — as much as the same product without the rotary
+/// epilogue (23.1). Off by default until the engine with it is checked against the reference on a
+/// device (`bench/qmv_check.py --rope`) and timed (bench/RESULTS-gpu.md): no device time was left
+/// when it was written.
 pub const POSITIONS_ENV: &str = "MLXRS_CUDA_ROPE_TABLE";
 
 static TABLE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
@@ -187,15 +190,15 @@ fn position_table(n: usize) -> Result<Array> {
 }
 
 /// The rotary kernel's `pos` input for `m` rows (one position a row): a view into
-/// [`position_table`] where the positions are consecutive and [`POSITIONS_ENV`] is not `0`, else an
+/// [`position_table`] where the positions are consecutive and `table` ([`POSITIONS_ENV`]), else an
 /// array of them.
-fn positions_input(positions: &[i32], m: i32) -> Result<Array> {
+fn positions_input(positions: &[i32], m: i32, table: bool) -> Result<Array> {
     if positions.len() != m as usize {
         return Err(Error::Invalid(format!("{} rotary positions for {m} rows", positions.len())));
     }
     let first = positions.first().copied().unwrap_or(0);
     let consecutive = first >= 0 && positions.iter().enumerate().all(|(i, &p)| p == first + i as i32);
-    if consecutive && !positions.is_empty() && read(&TABLE_SWITCH) == ON {
+    if consecutive && !positions.is_empty() && table {
         let end = first + positions.len() as i32;
         let table = position_table(end as usize)?;
         return mx::slice(&table, &[first], &[end], &[1]);
@@ -493,7 +496,7 @@ fn launch(x: &Array, wt: Weight, kind: Kind, norm: Option<Norm>, shapes: &[Vec<i
         Weight::Dense(w) => args.push(w),
     }
     let positions = match kind {
-        Kind::Rope(r) => Some(positions_input(r.positions, m)?),
+        Kind::Rope(r) => Some(positions_input(r.positions, m, read(&TABLE_SWITCH) == ON)?),
         Kind::Epilogue(_) => None,
     };
     match kind {
@@ -1042,16 +1045,18 @@ mod tests {
     #[test]
     fn positions_are_the_table_s_view_or_host_data() {
         let vals = |a: &Array| a.to_vec::<i32>().unwrap();
-        TABLE_SWITCH.store(ON, Ordering::Relaxed);
-        for ps in [vec![0], vec![700], vec![5, 6, 7, 8], vec![9000, 9001], vec![3, 9], vec![4, 4]] {
-            let a = positions_input(&ps, ps.len() as i32).unwrap();
-            assert_eq!((a.shape(), vals(&a)), (vec![ps.len() as i32], ps.clone()));
+        for table in [true, false] {
+            for ps in [vec![0], vec![700], vec![5, 6, 7, 8], vec![9000, 9001], vec![3, 9], vec![4, 4]] {
+                let a = positions_input(&ps, ps.len() as i32, table).unwrap();
+                assert_eq!((a.shape(), vals(&a)), (vec![ps.len() as i32], ps.clone()));
+            }
+            assert!(positions_input(&[1, 2], 3, table).is_err());
         }
-        // the table outgrew 4096 for 9000: a power of two
+        // the table outgrew 4096 for 9001 positions: the next power of two
         assert_eq!(position_table(1).unwrap().size(), 16384);
-        assert!(positions_input(&[1, 2], 3).is_err());
-        TABLE_SWITCH.store(OFF, Ordering::Relaxed);
-        assert_eq!(vals(&positions_input(&[7, 8], 2).unwrap()), vec![7, 8]);
-        TABLE_SWITCH.store(UNREAD, Ordering::Relaxed);
+        assert_eq!(
+            vals(&mx::slice(&position_table(20000).unwrap(), &[19998], &[20000], &[1]).unwrap()),
+            vec![19998, 19999]
+        );
     }
 }
