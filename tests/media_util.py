@@ -29,6 +29,7 @@ import gc, json, sys, time
 import mlxrs
 from mlxrs import _native
 d, method, groups = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+REPEATS = 3
 
 
 def settled():
@@ -47,14 +48,17 @@ def settled():
 out = []
 with mlxrs.Session(d) as s:
     encode = getattr(s, method)
-    for paths in groups:
+    for g, paths in enumerate(groups):
         items = [open(p, "rb").read() for p in paths]
         encode(items[:1])
-        gc.collect()
-        settled()
-        before = _native.memory_counters(reset_peak=True)
-        result = encode(items)
-        out.append([len(result), _native.memory_counters()["peak"] - before["active"]])
+        rises = []
+        for _ in range(REPEATS if g == 0 else 1):
+            gc.collect()
+            settled()
+            before = _native.memory_counters(reset_peak=True)
+            result = encode(items)
+            rises.append(_native.memory_counters()["peak"] - before["active"])
+        out.append([len(result), max(rises)])
         del result
 print(json.dumps(out))
 """
@@ -65,7 +69,10 @@ def encoding_peaks(model: Path, method: str, groups: list[list[bytes]]) -> list[
     `len(session.<method>(items))` and the bytes MLX's peak rose above what was active before it,
     after a warm-up (kernels, the allocator, whatever the session makes on its first encoding) on the
     group's first item alone (the items are encoded one after another, each at the same size, so
-    one of them warms what all of them use). Measured in a fresh process: MLX's counters are the
+    one of them warms what all of them use); for the first group (the one a lower bound is
+    checked on) the largest of three encodings, since MLX's executor
+    frees a finished op's buffers on its own thread, so that one run's peak can miss what another
+    reaches (a tiny tower's one image: 0.43, 0.48 or 0.61 MB in turn). Measured in a fresh process: MLX's counters are the
     process's, and in a test worker another test's session or in-process server can free memory
     during the measurement (an in-process figure came out 14 MB low now and then)."""
     with tempfile.TemporaryDirectory() as tmp:
