@@ -76,11 +76,15 @@ pub struct BlasPreload {
 
 static BLAS_PRELOAD: std::sync::Mutex<Option<BlasPreload>> = std::sync::Mutex::new(None);
 
-/// Whether a libmlx is mapped into this process already (Linux: /proc/self/maps).
+/// The files mapped into this process (Linux: /proc/self/maps' path column; empty elsewhere).
+fn mapped_files() -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    maps.lines().filter_map(|l| l.split_whitespace().nth(5)).map(str::to_string).collect()
+}
+
+/// Whether a libmlx is mapped into this process already.
 fn libmlx_mapped() -> bool {
-    std::fs::read_to_string("/proc/self/maps").is_ok_and(|m| {
-        m.lines().filter_map(|l| l.split_whitespace().nth(5)).any(|p| Path::new(p).file_name() == Some(LIBMLX.as_ref()))
-    })
+    mapped_files().iter().any(|p| Path::new(p).file_name() == Some(LIBMLX.as_ref()))
 }
 
 #[derive(Debug)]
@@ -412,15 +416,10 @@ fn bind_gemv(router: &libloading::Library, blas: &libloading::Library) {
 /// The file a bare soname resolved to, read back from /proc/self/maps.
 fn resolved_path(name: &str) -> PathBuf {
     let base = Path::new(name).file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-    std::fs::read_to_string("/proc/self/maps")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .filter_map(|l| l.split_whitespace().nth(5))
-                .find(|p| p.contains(base.trim_end_matches(".0").trim_end_matches(".so")))
-                .map(PathBuf::from)
-        })
-        .unwrap_or_else(|| PathBuf::from(name))
+    mapped_files()
+        .into_iter()
+        .find(|p| p.contains(base.trim_end_matches(".0").trim_end_matches(".so")))
+        .map_or_else(|| PathBuf::from(name), PathBuf::from)
 }
 
 #[cfg(unix)]

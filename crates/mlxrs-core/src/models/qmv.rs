@@ -196,14 +196,13 @@ fn positions_input(positions: &[i32], m: i32, table: bool) -> Result<Array> {
     if positions.len() != m as usize {
         return Err(Error::Invalid(format!("{} rotary positions for {m} rows", positions.len())));
     }
-    let first = positions.first().copied().unwrap_or(0);
-    let consecutive = first >= 0 && positions.iter().enumerate().all(|(i, &p)| p == first + i as i32);
-    if consecutive && !positions.is_empty() && table {
-        let end = first + positions.len() as i32;
-        let table = position_table(end as usize)?;
-        return mx::slice(&table, &[first], &[end], &[1]);
+    match positions.first() {
+        Some(&first) if table && first >= 0 && positions.iter().zip(first..).all(|(&p, q)| p == q) => {
+            let end = first + m;
+            mx::slice(&position_table(end as usize)?, &[first], &[end], &[1])
+        }
+        _ => Array::from_slice(positions, &[m]),
     }
-    Array::from_slice(positions, &[m])
 }
 
 /// An RMSNorm of x done in the kernel's prologue (MLX's `fast::rms_norm(x, weight, eps)`, each value
