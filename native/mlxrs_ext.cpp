@@ -45,6 +45,26 @@ struct mlxrs_host_blocks_args {
 };
 typedef void (*mlxrs_host_blocks_kernel)(const mlxrs_host_blocks_args* args);
 
+/* y = x · dequant(W)ᵀ for W as MLX's affine quantization packs it (uint32 words w [rows, cols · bits
+   / 32] of 4- or 8-bit values, value k of a row in bits bits · (k mod 32/bits) of word k · bits / 32;
+   s and b [rows, cols / group] of type sdtype: 0 float32, 1 bfloat16, 2 float16), x [n, cols] and
+   y [n, rows] float32, all row-major: mlxrs's kernel (crates/mlxrs-core/src/handle/packed.rs), called
+   with these fields (crates/mlxrs-sys's HostPackedArgs, field for field). */
+struct mlxrs_host_packed_args {
+  const uint32_t* w;
+  const void* s;
+  const void* b;
+  int sdtype;
+  int bits;
+  size_t rows;
+  size_t cols;
+  size_t group;
+  const float* x;
+  size_t n;
+  float* y;
+};
+typedef void (*mlxrs_host_packed_kernel)(const mlxrs_host_packed_args* args);
+
 /* Runs body(ctx, begin, end) over ranges covering [0, items) (each at least `grain` long, but for
    the last) on the caller's thread and the caller's workers, returning when all have; body must not
    throw. mlxrs passes its host kernels' parked threads (crates/mlxrs-core/src/handle/host.rs) through
@@ -189,6 +209,58 @@ class HostBlocksMatmul : public UnaryPrimitive {
 
  private:
   mlxrs_host_blocks_kernel kernel_;
+};
+
+/* HostBlocksMatmul for MLX's packed affine weights: inputs x, w, s and b. */
+class HostPackedMatmul : public UnaryPrimitive {
+ public:
+  HostPackedMatmul(Stream stream, int bits, mlxrs_host_packed_kernel kernel)
+      : UnaryPrimitive(stream), bits_(bits), kernel_(kernel) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    const array& s = inputs[2];
+    out.set_data(allocator::malloc(out.nbytes()));
+    size_t rows = w.shape(0), cols = (size_t)w.shape(1) * 32 / bits_, n = x.size() / cols;
+    size_t group = cols / s.shape(1);
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    const int sdtype = s.dtype() == float32 ? 0 : s.dtype() == bfloat16 ? 1 : 2;
+    const mlxrs_host_packed_args args{
+        w.data<uint32_t>(),
+        s.data<void>(),
+        inputs[3].data<void>(),
+        sdtype,
+        bits_,
+        rows,
+        cols,
+        group,
+        x.data<float>(),
+        n,
+        out.data<float>()};
+    encoder.dispatch([kernel = kernel_, args]() { kernel(&args); });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[mlxrs_host_packed_matmul] the host kernel runs on the CPU stream only");
+  }
+
+  const char* name() const override {
+    return "MlxrsHostPackedMatmul";
+  }
+
+  bool is_equivalent(const Primitive& other) const override {
+    const auto& o = static_cast<const HostPackedMatmul&>(other);
+    return kernel_ == o.kernel_ && bits_ == o.bits_;
+  }
+
+ private:
+  int bits_;
+  mlxrs_host_packed_kernel kernel_;
 };
 
 /* A row's keys and values for RowsDecodeAttention: [1, kv_heads, len, D] views, strides in elements. */
@@ -483,6 +555,51 @@ int mlxrs_host_blocks_matmul(
     mlx_array_set_(
         *res,
         array(std::move(shape), float32, std::make_shared<HostBlocksMatmul>(st, kernel), std::move(inputs)));
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return 1;
+  }
+  return 0;
+}
+
+/* x · dequant(W)ᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols]
+   float32; w [rows, cols · bits / 32] uint32 (bits 4 or 8); scales and biases [rows, cols / group] of
+   one type, float32, bfloat16 or float16, with group a multiple of 32; the result [..., rows]. */
+int mlxrs_host_packed_matmul(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_array w,
+    const mlx_array scales,
+    const mlx_array biases,
+    int bits,
+    mlxrs_host_packed_kernel kernel,
+    const mlx_stream s) {
+  try {
+    auto st = mlx_stream_get_(s);
+    const array& xa = mlx_array_get_(x);
+    const array& wa = mlx_array_get_(w);
+    const array& sa = mlx_array_get_(scales);
+    const array& ba = mlx_array_get_(biases);
+    const bool scale_type = sa.dtype() == float32 || sa.dtype() == bfloat16 || sa.dtype() == float16;
+    const int64_t cols = (bits == 4 || bits == 8) && wa.ndim() == 2 ? (int64_t)wa.shape(1) * 32 / bits : -1;
+    if (kernel == nullptr || cols <= 0 || xa.dtype() != float32 || wa.dtype() != uint32 || !scale_type ||
+        ba.dtype() != sa.dtype() || ba.shape() != sa.shape() || sa.ndim() != 2 || xa.ndim() < 1 ||
+        xa.shape(-1) != cols || sa.shape(0) != wa.shape(0) || sa.shape(1) < 1 || cols % sa.shape(1) != 0 ||
+        (cols / sa.shape(1)) % 32 != 0 || st.device != Device::cpu) {
+      throw std::invalid_argument(
+          "[mlxrs_host_packed_matmul] needs float32 x [..., k], 4- or 8-bit uint32 words w [n, k · bits / 32] "
+          "and scales and biases of one float type [n, k / group] (group a multiple of 32) on a CPU stream");
+    }
+    std::vector<array> inputs = {
+        contiguous(xa, false, st),
+        contiguous(wa, false, st),
+        contiguous(sa, false, st),
+        contiguous(ba, false, st)};
+    Shape shape = xa.shape();
+    shape.back() = wa.shape(0);
+    mlx_array_set_(
+        *res,
+        array(std::move(shape), float32, std::make_shared<HostPackedMatmul>(st, bits, kernel), std::move(inputs)));
   } catch (std::exception& e) {
     mlx_error(e.what());
     return 1;

@@ -4,8 +4,10 @@ loads each model once and answers many jobs; run as a script it answers one job 
 reads a JSON job on stdin, writes JSON results on stdout.
 
 Job: {"model": dir, "prompt": [ids], "max_tokens": n, "kv_bits": b|null, "max_kv_size": n|null,
-      "prefill_step_size": n, "adapter_path": dir|null (a LoRA/DoRA adapter, mlx-lm's load_adapters)}
-Out: {"tokens": [ids] (greedy), "logits": [last-position logits, float32]}
+      "prefill_step_size": n, "adapter_path": dir|null (a LoRA/DoRA adapter, mlx-lm's load_adapters),
+      "exact_quantized_matmul": bool (optional: _exact_quantized_matmul below)}
+Out: {"tokens": [ids] (greedy), "logits": [last-position logits, float32],
+      "margins": [each step's log-probability gap between its best and second-best token]}
 """
 
 from __future__ import annotations
@@ -20,6 +22,54 @@ from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 
+_MLX_QUANTIZED_MATMUL = mx.quantized_matmul
+EXACT = [False]  # the running job's "exact_quantized_matmul"
+
+
+def _exact_quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    transpose: bool = True,
+    group_size: int | None = None,
+    bits: int | None = None,
+    mode: str = "affine",
+    **kw: Any,
+) -> mx.array:
+    """`mx.quantized_matmul` as mlxrs computes a decode step's product on the CPU: where mlxrs's packed
+    kernel takes it (crates/mlxrs-core/src/handle/packed.rs: affine 4 or 8 bits, groups of a multiple of
+    32, up to 8 rows of a bfloat16/float16 x), the exact product — W dequantized in float32 (scales and
+    biases in float32), x in float32, the result rounded once to x's dtype — through MLX's dequantize and
+    matmul. MLX's own CPU kernel accumulates a bfloat16 x in bfloat16 on x86 (its SIMD width there is 1:
+    `_qmm_t<bfloat16_t>`), a rounding per term that mlxrs's float32 accumulation does not reproduce, so
+    a job that asks for it (`exact_quantized_matmul`) gets the exact products (float32 x, and everywhere
+    else, is MLX's own path)."""
+    g, b = group_size or 64, bits or 4
+    rows = x.size // max(x.shape[-1], 1)
+    if (
+        EXACT[0]
+        and mx.default_device() == mx.cpu
+        and w.ndim == 2
+        and transpose
+        and mode == "affine"
+        and biases is not None
+        and b in (4, 8)
+        and g % 32 == 0
+        and x.dtype in (mx.bfloat16, mx.float16)
+        and rows <= 8
+    ):
+        f32 = mx.float32
+        wd = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=g, bits=b)
+        return (x.astype(f32) @ wd.T).astype(x.dtype)
+    return _MLX_QUANTIZED_MATMUL(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode, **kw
+    )
+
+
+mx.quantized_matmul = _exact_quantized_matmul
+
+
 def load(job: dict[str, Any]) -> Any:
     """The model a job runs on: mlx-lm's `load`, with the job's adapter (the tokenizer is not used)."""
     model, _tok = mlx_lm_load(job["model"], adapter_path=job.get("adapter_path"))
@@ -28,6 +78,7 @@ def load(job: dict[str, Any]) -> Any:
 
 def run(model: Any, job: dict[str, Any]) -> dict[str, Any]:
     """One job on a loaded model. Every job makes its own caches: nothing of one job is left for the next."""
+    EXACT[0] = bool(job.get("exact_quantized_matmul"))
     prompt = mx.array(job["prompt"], dtype=mx.int32)
     step = job.get("prefill_step_size", 2048)
     kv_bits = job.get("kv_bits")
@@ -41,8 +92,8 @@ def run(model: Any, job: dict[str, Any]) -> dict[str, Any]:
         maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=64, kv_bits=kv_bits)
         mx.eval([x.state for x in cache])
     last = logits[0, -1].astype(mx.float32)
-    tokens = []
-    for tok, _ in generate_step(
+    tokens, margins = [], []
+    for tok, lp in generate_step(
         prompt,
         model,
         max_tokens=job["max_tokens"],
@@ -52,7 +103,9 @@ def run(model: Any, job: dict[str, Any]) -> dict[str, Any]:
         quantized_kv_start=0,
     ):
         tokens.append(int(tok))
-    return {"tokens": tokens, "logits": last.tolist()}
+        top2 = mx.topk(lp.astype(mx.float32), 2)
+        margins.append(float(mx.abs(top2[0] - top2[1])))
+    return {"tokens": tokens, "logits": last.tolist(), "margins": margins}
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ def mlxlm_job(
     max_kv_size: int | None = None,
     prefill_step_size: int = 2048,
     adapter_path: str | Path | None = None,
+    exact_quantized_matmul: bool = False,
 ) -> dict[str, Any]:
     """tests/oracle_mlxlm.py's job, every field spelled out (the tests' defaults written once: mlx-lm's
     plain KV cache, its 2048-token prefill chunks, no adapter): mlx-lm's greedy tokens for `prompt` and
@@ -70,6 +71,7 @@ def mlxlm_job(
         "max_kv_size": max_kv_size,
         "prefill_step_size": prefill_step_size,
         "adapter_path": str(adapter_path) if adapter_path else None,
+        "exact_quantized_matmul": exact_quantized_matmul,
     }
 
 

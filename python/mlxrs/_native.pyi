@@ -26,6 +26,7 @@ __all__ = [
     "describe",
     "_op_count",
     "_host_matmul_count",
+    "_packed_matmul_count",
     "generation_config",
     "mlxrs_home",
     "set_memory_limit",
@@ -147,6 +148,10 @@ def _tiny_matmul() -> list[list[float]]:
 def _op_count() -> int:
     """MLX ops mlxrs has built since the process started (every thread; a compiled function or
     custom kernel counts once): the difference over generated tokens is the ops per decode step."""
+
+def _packed_matmul_count() -> int:
+    """Products the CPU backend computed with mlxrs's packed kernel for MLX's 4/8-bit affine weights
+    (MLXRS_CPU_HOST_BLOCKS: decode steps of up to 8 rows) since the process started."""
 
 def _host_matmul_count() -> int:
     """Float32 projections the CPU backend computed with mlxrs's host kernel (MLXRS_CPU_SMALL_MATMUL:

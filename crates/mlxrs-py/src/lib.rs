@@ -116,6 +116,13 @@ fn _host_matmul_count() -> u64 {
     mlxrs_core::handle::small_matmul_calls()
 }
 
+/// Products computed by the CPU's packed kernel for MLX's 4/8-bit affine weights (mlxrs-core's
+/// `handle::packed_matmul_calls`): tests and benchmarks check that path ran.
+#[pyfunction]
+fn _packed_matmul_count() -> u64 {
+    mlxrs_core::handle::packed_matmul_calls()
+}
+
 /// A model directory's generation_config.json as JSON text ("null" when it has none).
 #[pyfunction]
 fn generation_config(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
@@ -402,6 +409,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(describe, m)?)?;
     m.add_function(wrap_pyfunction!(_op_count, m)?)?;
     m.add_function(wrap_pyfunction!(_host_matmul_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_packed_matmul_count, m)?)?;
     m.add_function(wrap_pyfunction!(generation_config, m)?)?;
     m.add_function(wrap_pyfunction!(mlxrs_home, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_limit, m)?)?;

@@ -94,6 +94,21 @@ pub struct ExtraApi {
             s: mlx_stream,
         ) -> c_int,
     >,
+    /// native/mlxrs_ext.cpp: `x · dequant(W)ᵀ` (float32 x; W as MLX's affine quantization packs it:
+    /// uint32 words of 4- or 8-bit values, scales and biases per group along its rows, float32,
+    /// bfloat16 or float16) through the caller's host kernel, as one op of MLX's graph on a CPU stream.
+    pub mlxrs_host_packed_matmul: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_array,
+            x: mlx_array,
+            w: mlx_array,
+            scales: mlx_array,
+            biases: mlx_array,
+            bits: c_int,
+            kernel: HostPackedKernel,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
     /// native/mlxrs_ext.cpp: one decode step's attention for rows with caches of their own (float32,
     /// CPU stream): queries `[B, heads, 1, D]`, keys and values of each row in turn.
     pub mlxrs_rows_decode_attention: Option<
@@ -141,6 +156,28 @@ pub struct HostBlocksArgs {
 /// The kernel [`ExtraApi::mlxrs_host_blocks_matmul`] calls on MLX's CPU thread.
 pub type HostBlocksKernel = unsafe extern "C" fn(args: *const HostBlocksArgs);
 
+/// What [`ExtraApi::mlxrs_host_packed_matmul`]'s kernel computes (native/mlxrs_ext.cpp's
+/// `mlxrs_host_packed_args`, field for field): `y [n, rows] = x [n, cols] · dequant(W)ᵀ`, `w` `[rows,
+/// cols · bits / 32]` uint32, `s` and `b` `[rows, cols / group]` of type `sdtype` (0 float32, 1
+/// bfloat16, 2 float16), all row-major.
+#[repr(C)]
+pub struct HostPackedArgs {
+    pub w: *const u32,
+    pub s: *const c_void,
+    pub b: *const c_void,
+    pub sdtype: c_int,
+    pub bits: c_int,
+    pub rows: usize,
+    pub cols: usize,
+    pub group: usize,
+    pub x: *const f32,
+    pub n: usize,
+    pub y: *mut f32,
+}
+
+/// The kernel [`ExtraApi::mlxrs_host_packed_matmul`] calls on MLX's CPU thread.
+pub type HostPackedKernel = unsafe extern "C" fn(args: *const HostPackedArgs);
+
 impl ExtraApi {
     unsafe fn resolve(lib: &libloading::Library) -> Result<Self, String> {
         // SAFETY: the symbol types match mlx-c's declarations in error.h and closure.h.
@@ -161,6 +198,7 @@ impl ExtraApi {
                 mlxrs_fast_gated_delta_update: lib.get(b"mlxrs_fast_gated_delta_update\0").ok().map(|s| *s),
                 mlxrs_host_matmul: lib.get(b"mlxrs_host_matmul\0").ok().map(|s| *s),
                 mlxrs_host_blocks_matmul: lib.get(b"mlxrs_host_blocks_matmul\0").ok().map(|s| *s),
+                mlxrs_host_packed_matmul: lib.get(b"mlxrs_host_packed_matmul\0").ok().map(|s| *s),
                 mlxrs_rows_decode_attention: lib.get(b"mlxrs_rows_decode_attention\0").ok().map(|s| *s),
                 mlxrs_set_parallel_for: lib.get(b"mlxrs_set_parallel_for\0").ok().map(|s| *s),
             })

@@ -9,6 +9,7 @@ mod f32mm;
 mod host;
 pub(crate) mod kernel;
 mod ops;
+mod packed;
 mod runtime;
 
 pub use array::{async_eval, async_eval_stage, eval, eval_epoch, eval_stage, Array, Dtype, Element};
@@ -19,6 +20,7 @@ pub use host::host_threads;
 pub(crate) use host::PARALLEL_FOR_CALLS;
 pub use kernel::{cuda_is_available, metal_is_available, CudaKernel, MetalKernel, TemplateArg};
 pub use ops::*;
+pub use packed::{host_packed_matmul, packed_matmul_calls, PackedRef, Scales, PACKED_GROUP_STEP};
 pub use runtime::{
     active_memory, cache_memory, clear_cache, default_device, device_memory_size, init, memory_limit, peak_memory,
     reset_peak_memory, set_memory_limit, synchronize, with_stream, Device, DeviceKind, Stream,

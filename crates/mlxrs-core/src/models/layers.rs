@@ -444,6 +444,8 @@ fn quant_matmul(
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         mx::matmul(x, &mx::transpose(&wd)?)?
+    } else if let Some(y) = host_packed(x, w, scales, biases, q)? {
+        y
     } else if let Some(y) = super::qmv::qmv(
         x,
         super::qmv::QWeight { w, scales, biases, q }.into(),
@@ -458,6 +460,33 @@ fn quant_matmul(
     match res {
         Some(r) => mx::add(r, &y),
         None => Ok(y),
+    }
+}
+
+/// `x Wᵀ` for an MLX affine-quantized W of 4 or 8 bits through the CPU's packed kernel
+/// ([`mx::host_packed_matmul`], an op of MLX's graph reading the model's own words; x taken in float32
+/// and the product given back in x's dtype): on the CPU backend, for up to [`HOST_BLOCKS_MAX_ROWS`]
+/// rows of x (decode steps), unless [`HOST_BLOCKS_ENV`] is `0` (read at each call). None elsewhere
+/// (other bits, modes or groups, a GPU, longer inputs, a libmlxc without the op): MLX's own
+/// quantized matmul then.
+fn host_packed(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Option<Array>> {
+    let Some(b) = biases else { return Ok(None) };
+    let cols = x.dim(-1).max(1) as usize;
+    if on_gpu()
+        || q.mode != mx::QuantMode::Affine
+        || !matches!(q.bits, 4 | 8)
+        || !(q.group_size as usize).is_multiple_of(mx::PACKED_GROUP_STEP)
+        || !matches!(scales.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+        || !matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+        || x.size() / cols > HOST_BLOCKS_MAX_ROWS
+        || std::env::var(HOST_BLOCKS_ENV).is_ok_and(|v| v.trim() == "0")
+    {
+        return Ok(None);
+    }
+    let xf = if x.dtype() == Dtype::Float32 { x.clone() } else { mx::astype(x, Dtype::Float32)? };
+    match mx::host_packed_matmul(&xf, w, scales, b, q.bits)? {
+        Some(y) if x.dtype() != Dtype::Float32 => mx::astype(&y, x.dtype()).map(Some),
+        y => Ok(y),
     }
 }
 
