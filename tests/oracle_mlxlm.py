@@ -37,30 +37,31 @@ def _exact_quantized_matmul(
     mode: str = "affine",
     **kw: Any,
 ) -> mx.array:
-    """`mx.quantized_matmul` as mlxrs computes a decode step's product on the CPU: where mlxrs's packed
-    kernel takes it (crates/mlxrs-core/src/handle/packed.rs: affine 4 or 8 bits, groups of a multiple of
-    32, up to 8 rows of a bfloat16/float16 x), the exact product — W dequantized in float32 (scales and
-    biases in float32), x in float32, the result rounded once to x's dtype — through MLX's dequantize and
-    matmul. MLX's own CPU kernel accumulates a bfloat16 x in bfloat16 on x86 (its SIMD width there is 1:
-    `_qmm_t<bfloat16_t>`), a rounding per term that mlxrs's float32 accumulation does not reproduce, so
-    a job that asks for it (`exact_quantized_matmul`) gets the exact products (float32 x, and everywhere
-    else, is MLX's own path)."""
+    """`mx.quantized_matmul` as mlxrs computes it on the CPU for a bfloat16/float16 x: exact products
+    — W dequantized in float32 (affine: with its scales and biases in float32), x in float32, the
+    result rounded once to x's dtype — where mlxrs takes them so: its packed kernel for up to 8 rows
+    (crates/mlxrs-core/src/handle/packed.rs: affine 4 or 8 bits, groups of a multiple of 32) and its
+    float32 dequantization from 9 rows on (models/layers.rs `dequant_matmul_f32`). MLX's own CPU
+    kernel accumulates a bfloat16 x in bfloat16 on x86 (its SIMD width there is 1: `_qmm_t<bfloat16_t>`),
+    a rounding per term that mlxrs does not reproduce; a job that asks for it
+    (`exact_quantized_matmul`) gets these products (a float32 x, and everywhere else, is MLX's own
+    path)."""
     g, b = group_size or 64, bits or 4
     rows = x.size // max(x.shape[-1], 1)
+    kernel = mode == "affine" and biases is not None and b in (4, 8) and g % 32 == 0
     if (
         EXACT[0]
         and mx.default_device() == mx.cpu
         and w.ndim == 2
         and transpose
-        and mode == "affine"
-        and biases is not None
-        and b in (4, 8)
-        and g % 32 == 0
         and x.dtype in (mx.bfloat16, mx.float16)
-        and rows <= 8
+        and (rows > 8 or kernel)
     ):
         f32 = mx.float32
-        wd = mx.dequantize(w, scales.astype(f32), biases.astype(f32), group_size=g, bits=b)
+        if mode == "affine":
+            wd = mx.dequantize(w, scales.astype(f32), None if biases is None else biases.astype(f32), g, b)
+        else:
+            wd = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(f32)
         return (x.astype(f32) @ wd.T).astype(x.dtype)
     return _MLX_QUANTIZED_MATMUL(
         x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode, **kw

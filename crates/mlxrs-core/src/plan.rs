@@ -407,14 +407,21 @@ impl Backend {
     /// [`DEQUANT_ROWS_CUDA`] for more, where MLX's quantized matmul for more than one row passes over
     /// the weights about once per row and never on tensor cores (an 8B 4-bit model prefilled 2048
     /// tokens at 8.6k tok/s on an H200 against 38k for bf16, and decoded 8 / 32 sequences at 245 / 291
-    /// tok/s together against 347 / 1206 dequantized; bench/RESULTS-gpu.md); never on Metal, whose
-    /// quantized kernels are fast, nor on the CPU.
+    /// tok/s together against 347 / 1206 dequantized; bench/RESULTS-gpu.md); on the CPU
+    /// [`DEQUANT_ROWS_CPU`]; never on Metal, whose quantized kernels are fast.
     pub fn dequant_rows(self, bits: i32) -> u64 {
         match self {
             Backend::Cuda if bits <= 4 => DEQUANT_ROWS_CUDA_4BIT,
             Backend::Cuda => DEQUANT_ROWS_CUDA,
-            Backend::Cpu | Backend::Metal => u64::MAX,
+            Backend::Cpu => DEQUANT_ROWS_CPU,
+            Backend::Metal => u64::MAX,
         }
+    }
+
+    /// Whether a weight dequantized for a matmul ([`Backend::dequant_rows`]) is float32 whatever the
+    /// activations' dtype: on the CPU, where MLX's bfloat16 matmul has no BLAS behind it.
+    pub fn dequant_float32(self) -> bool {
+        matches!(self, Backend::Cpu)
     }
 
     /// How many decoder layers' prefill activations are alive at once: one on the CPU,
@@ -432,6 +439,12 @@ impl Backend {
 /// bench/bench_dequant_rows.py (8B 8-bit: 0.91× at 8 rows, 1.51× at 16; 8B 4-bit: 0.91× at 4 rows, 1.42×
 /// at 8; bench/RESULTS-gpu.md).
 pub const DEQUANT_ROWS_CUDA: u64 = 16;
+/// On the CPU, the products of up to 8 rows run through the packed kernel
+/// (`handle::host_packed_matmul`, affine 4/8-bit); from 9 rows on (prefill chunks) through the weight
+/// dequantized to float32 and the BLAS's sgemm: MLX's own CPU quantized matmul loops over every row
+/// and, for a bfloat16 x on x86, accumulates in bfloat16 (a 64-token prompt of a 1B 4-bit bfloat16
+/// model: 0.1 tok/s through it, 0.9 through a bfloat16 dequantization; bench/RESULTS.md).
+pub const DEQUANT_ROWS_CPU: u64 = 9;
 pub const DEQUANT_ROWS_CUDA_4BIT: u64 = 8;
 
 /// Options of one plan.
@@ -451,6 +464,8 @@ pub struct PlanOptions {
     /// Rows from which quantized weights are dequantized for a matmul: [`Backend::dequant_rows`] (the
     /// fewest over bit widths: the planner counts the transient from there).
     pub dequant_rows: u64,
+    /// The dequantized weight is float32 rather than the activations' dtype: [`Backend::dequant_float32`].
+    pub dequant_float32: bool,
     /// The usable bytes.
     pub usable_bytes: u64,
     /// Plan the MoE experts streamed even when every weight would fit (`--stream-experts`).
@@ -568,7 +583,8 @@ impl ModelFacts {
     ///   sharing their buffer, the boolean mask and the output)
     /// - MLP gate, up and their product: 3·P·intermediate·a
     /// - quantized weights dequantized for a prefill chunk of at least `dequant_rows` tokens: the
-    ///   MLP's three matrices in the activation dtype, 3·intermediate·hidden·a
+    ///   MLP's three matrices in the activation dtype, 3·intermediate·hidden·a (float32 where
+    ///   `dequant_float32`: 4 bytes for a)
     ///
     /// and once:
     /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
@@ -595,7 +611,7 @@ impl ModelFacts {
         let scores = if o.fused_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
         let mlp = 3.0 * p * self.intermediate_size as f64 * a;
         let dequant = if self.quantized_weights && p as u64 >= o.dequant_rows {
-            3.0 * (self.intermediate_size * self.hidden_size) as f64 * a
+            3.0 * (self.intermediate_size * self.hidden_size) as f64 * if o.dequant_float32 { 4.0 } else { a }
         } else {
             0.0
         };
@@ -813,6 +829,7 @@ mod tests {
             prefill_step: 2048,
             fused_attention: false,
             dequant_rows: u64::MAX,
+            dequant_float32: false,
             layers_in_flight: 1,
             usable_bytes: usable,
             stream_experts: false,

@@ -64,6 +64,7 @@ pub fn plan(
         fused_attention: fused_attention.unwrap_or_else(|| backend.fused_attention(facts.act_bytes)),
         layers_in_flight: backend.layers_in_flight(),
         dequant_rows: backend.dequant_rows(4),
+        dequant_float32: backend.dequant_float32(),
         usable_bytes: core_plan::budget_bytes(budget, dev_bytes),
         stream_experts,
         expert_cache_bytes,

@@ -440,7 +440,9 @@ fn quant_matmul(
     q: QuantSpec,
     res: Option<&Array>,
 ) -> Result<Array> {
-    let y = if !packed_rows(x, w, q) {
+    let y = if !packed_rows(x, w, q) && !on_gpu() {
+        dequant_matmul_f32(x, w, scales, biases, q)?
+    } else if !packed_rows(x, w, q) {
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         mx::matmul(x, &mx::transpose(&wd)?)?
@@ -460,6 +462,24 @@ fn quant_matmul(
     match res {
         Some(r) => mx::add(r, &y),
         None => Ok(y),
+    }
+}
+
+/// `x Wᵀ` on the CPU from [`dequant_rows`] rows on: W dequantized to float32 (affine: with its scales
+/// and biases in float32, so the values are exact), x in float32, the BLAS's sgemm, the product back
+/// in x's dtype ([`crate::plan::Backend::dequant_float32`]; the planner counts the float32 weight).
+fn dequant_matmul_f32(x: &Array, w: &Array, scales: &Array, biases: Option<&Array>, q: QuantSpec) -> Result<Array> {
+    let f32 = Dtype::Float32;
+    let to32 = |a: &Array| if a.dtype() == f32 { Ok(a.clone()) } else { mx::astype(a, f32) };
+    let affine = q.mode == mx::QuantMode::Affine;
+    let (s, b) =
+        if affine { (to32(scales)?, biases.map(to32).transpose()?) } else { (scales.clone(), biases.cloned()) };
+    let wd = to32(&mx::dequantize(w, &s, b.as_ref(), q.group_size, q.bits, q.mode)?)?;
+    let y = mx::matmul(&to32(x)?, &mx::transpose(&wd)?)?;
+    if x.dtype() == f32 {
+        Ok(y)
+    } else {
+        mx::astype(&y, x.dtype())
     }
 }
 
