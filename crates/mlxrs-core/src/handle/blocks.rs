@@ -345,15 +345,7 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostBlocksArgs) {
         y.fill(f32::NAN);
         return;
     };
-    let threads = super::host::host_threads();
-    // straight into MLX's output. A panic must not unwind into MLX's C++ (it would abort the process):
-    // the only one possible here is the OS refusing a thread, and then the product runs again on this
-    // thread alone (every output is written from the inputs alone)
-    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.matvec_into(x, threads, y)))
-        .unwrap_or_else(|_| w.matvec_into(x, 1, y));
-    if done.is_err() {
-        y.fill(f32::NAN);
-    }
+    super::host::into_mlx_output(y, |threads, y| w.matvec_into(x, threads, y));
 }
 
 /// `x · dequant(W)ᵀ` (float32 `x [..., cols]`; W as int8 `q [rows, cols]`, float32 `scales` and

@@ -72,6 +72,19 @@ where
     }
 }
 
+/// A graph kernel's product `run(threads, y)` straight into MLX's output `y`, on [`host_threads`]
+/// threads. A panic must not unwind into MLX's C++ (it would abort the process): the only one possible
+/// is the OS refusing a thread, and then the product runs again on this thread alone (every output is
+/// written from the inputs alone); an error leaves NaN, never unwritten memory.
+pub(super) fn into_mlx_output(y: &mut [f32], run: impl Fn(usize, &mut [f32]) -> crate::error::Result<()>) {
+    let threads = host_threads();
+    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(threads, &mut *y)))
+        .unwrap_or_else(|_| run(1, &mut *y));
+    if done.is_err() {
+        y.fill(f32::NAN);
+    }
+}
+
 /// Lanes of the kernels' per-row accumulators (one AVX-512 register, two AVX2 ones).
 pub(super) const LANES: usize = 16;
 

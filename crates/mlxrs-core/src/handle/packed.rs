@@ -496,13 +496,7 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostPackedArgs) {
         y.fill(f32::NAN);
         return;
     };
-    let threads = super::host::host_threads();
-    // straight into MLX's output; a panic must not unwind into MLX's C++ (as blocks.rs's kernel)
-    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.matvec_into(x, threads, y)))
-        .unwrap_or_else(|_| m.matvec_into(x, 1, y));
-    if done.is_err() {
-        y.fill(f32::NAN);
-    }
+    super::host::into_mlx_output(y, |threads, y| m.matvec_into(x, threads, y));
 }
 
 /// `x · dequant(W)ᵀ` for float32 `x [..., cols]` and W as MLX's affine quantization stores it (`w`
