@@ -237,10 +237,13 @@ def test_rope_factors_that_fit_no_llama3_scaling_are_refused(tmp_path):
         models.convert_gguf(g, tmp_path / "imported", dtype="f32", progress=False)
 
 
-def test_qwen3moe_gguf_import_quantized_experts(oracle, tmp_path):
+def test_qwen3moe_gguf_import_quantized_experts(oracle, tmp_path, monkeypatch):
     """A qwen3moe GGUF imported as MLX 4-bit: the stacked experts quantized too ([experts, out, in]
-    per expert row), and the imported model runs as mlx-lm runs it (same tokens, logits)."""
-    from test_parity import TEXT, _check
+    per expert row), and the imported model runs as mlx-lm runs it (same tokens, logits; a bfloat16
+    MoE model, so through MLX's quantized matmul: test_parity.mlx_quantized_matmul)."""
+    from test_parity import TEXT, _check, mlx_quantized_matmul
+
+    mlx_quantized_matmul(monkeypatch)
 
     src = make_model("qwen3_moe-float32", "qwen3_moe")
     g = tmp_path / "qwen3moe.gguf"

@@ -225,9 +225,13 @@ def test_gemma4_gguf_q8_0(oracle, arch, tmp_path):
     compare(oracle, dequantized_original(g, hf_source(arch), tmp_path / "rounded"), out, 1e-4)
 
 
-def test_gemma4_moe_gguf_imported_as_q4(oracle, tmp_path):
+def test_gemma4_moe_gguf_imported_as_q4(oracle, tmp_path, monkeypatch):
     """The MoE GGUF imported as MLX 4-bit: the fused experts split into gate and up and quantized as
-    mlx-lm quantizes them, a directory mlx-lm loads and mlxrs runs identically."""
+    mlx-lm quantizes them, a directory mlx-lm loads and mlxrs runs identically (a bfloat16 MoE model,
+    so through MLX's quantized matmul: test_parity.mlx_quantized_matmul)."""
+    from test_parity import mlx_quantized_matmul
+
+    mlx_quantized_matmul(monkeypatch)
     from safetensors import safe_open
     from test_parity import _check
 

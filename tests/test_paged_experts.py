@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import mlxrs
+from test_parity import mlx_quantized_matmul
 from tinymodels import make_model
 
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
@@ -59,8 +60,10 @@ CASES = {
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_streamed_matches_mlx_lm_resident(oracle, case, prefetch):
+def test_streamed_matches_mlx_lm_resident(oracle, case, prefetch, monkeypatch):
     c = CASES[case]
+    if "bf16" in case:
+        mlx_quantized_matmul(monkeypatch)  # a bfloat16 MoE model compared bit for bit
     d = make_model(c["name"], "qwen3_moe", **c["kw"])
     experts = _expert_bytes(d)
     with mlxrs.Session(d, stream_experts=True, prefill_step_size=c["step"], expert_prefetch=prefetch) as s:

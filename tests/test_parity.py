@@ -117,6 +117,16 @@ def _check(
 TIE = 0.125
 
 
+def mlx_quantized_matmul(monkeypatch) -> None:
+    """mlxrs's quantized products on the CPU through MLX's own kernel, as mlx-lm's, for a bfloat16 MoE
+    model compared bit for bit: its packed kernel (`MLXRS_CPU_HOST_BLOCKS`) and its float32
+    dequantization of longer inputs (`MLXRS_DEQUANT_PREFILL_ROWS`) off. A router's bfloat16 scores tie
+    often (8 bits), and which expert a tie picks follows the products' summation order, so exact
+    products (mlxrs's) and bfloat16-accumulated ones (MLX's x86 kernel) can route differently."""
+    monkeypatch.setenv("MLXRS_CPU_HOST_BLOCKS", "0")
+    monkeypatch.setenv("MLXRS_DEQUANT_PREFILL_ROWS", "0")
+
+
 def _exact_products(model_dir, dtype: str) -> bool:
     """Whether the oracle computes the quantized products of a decode step exactly
     (tests/oracle_mlxlm.py `_exact_quantized_matmul`), as mlxrs's packed kernel does on the CPU
@@ -340,8 +350,7 @@ def test_moe_4bit_bf16(oracle, arch, monkeypatch):
     # (8 bits), and a product summed in another order (the kernel's, exact) changes which expert a tie
     # picks (gemma4_text_moe: last-token logits 0.91 apart through a picked expert). The kernel against
     # exact products: the dense and MLA cases here and tests/test_cpu_packed.py.
-    monkeypatch.setenv("MLXRS_CPU_HOST_BLOCKS", "0")
-    monkeypatch.setenv("MLXRS_DEQUANT_PREFILL_ROWS", "0")  # and the prefill's through it, not dequantized
+    mlx_quantized_matmul(monkeypatch)
     d = make_model(f"{arch}-bf16-q4", arch, dtype="bfloat16", quant_bits=4)
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2, exact=False)
 
@@ -774,8 +783,7 @@ def test_mla_4bit_bf16(oracle, arch, monkeypatch):
     # dtype); the other projections through MLX's own quantized matmul, bit for bit with mlx-lm, as in
     # test_moe_4bit_bf16 (these are MoE models: deepseek_v3's logits 0.08 apart through a router tie
     # with the CPU's exact products)
-    monkeypatch.setenv("MLXRS_CPU_HOST_BLOCKS", "0")
-    monkeypatch.setenv("MLXRS_DEQUANT_PREFILL_ROWS", "0")
+    mlx_quantized_matmul(monkeypatch)
     d = make_model(f"{arch}-bf16-q4", arch, dtype="bfloat16", quant_bits=4)
     _check(oracle, d, TEXT, dtype="bfloat16", step=16, repeat=2, exact=False)
 
