@@ -12,9 +12,8 @@
 //! values per chunk of two vectors ([`deinterleave`]) and each byte's nibbles meet their own halves —
 //! the products are the same, summed in another order.
 //!
-//! The AVX2 copy holds its accumulators in vector registers and runs on AVX-512 CPUs too (the kernel is
-//! bound by memory bandwidth; a 16-lane copy was not kept for want of an AVX-512 machine to test it
-//! on); the generic copy is the reference and what other CPUs run. [`host_packed_matmul`] builds the product as one op of MLX's
+//! The AVX-512 and AVX2 copies hold their accumulators in vector registers; the generic copy is the
+//! reference and what other CPUs run. [`host_packed_matmul`] builds the product as one op of MLX's
 //! graph (native/mlxrs_ext.cpp `HostPackedMatmul`).
 use super::host::{detect, over_rows, sum_lanes, Isa, LANES};
 use crate::error::{Error, Result};
@@ -26,7 +25,7 @@ const ROW_GROUP: usize = 4;
 /// [`super::blocks`]'s kernel, whose measurements chose it).
 const PREFETCH_ROWS: usize = 48;
 
-/// Values of a group are a multiple of this (MLX's groups are 32, 64 or 128).
+/// Values of a group are a multiple of this: two AVX-512 registers of 4-bit values (one of bytes).
 pub const PACKED_GROUP_STEP: usize = 32;
 
 /// The scales' and biases' element type, as MLX stores them beside the packed values.
@@ -161,15 +160,7 @@ impl<'a> PackedRef<'a> {
                 y.len()
             )));
         }
-        // the AVX2 copy on AVX-512 CPUs too (the module's header says why)
-        #[cfg(target_arch = "x86_64")]
-        let isa = match detect() {
-            Isa::Avx512 => Isa::Avx2,
-            isa => isa,
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let isa = detect();
-        self.matvec_with(isa, x, threads, y);
+        self.matvec_with(detect(), x, threads, y);
         Ok(())
     }
 
@@ -183,7 +174,9 @@ impl<'a> PackedRef<'a> {
         let xd = match (bits, isa) {
             (4, Isa::Generic) => Vec::new(),
             #[cfg(target_arch = "x86_64")]
-            (4, Isa::Avx2 | Isa::Avx512) => deinterleave(x, 8),
+            (4, Isa::Avx2) => deinterleave(x, 8),
+            #[cfg(target_arch = "x86_64")]
+            (4, Isa::Avx512) => deinterleave(x, 16),
             _ => Vec::new(),
         };
         let words = cols * bits / 32;
@@ -231,9 +224,9 @@ fn run(isa: Isa, w: &PackedRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) 
         // SAFETY: `detect` found these instruction sets on this CPU.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { rows_avx2(w, x, n, y) },
-        // SAFETY: as above (an AVX-512 CPU has AVX2 and FMA).
+        // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { rows_avx2(w, x, n, y) },
+        Isa::Avx512 => unsafe { rows_avx512(w, x, n, y) },
     }
     add_bias(w, xs, n, y);
 }
@@ -273,6 +266,20 @@ fn rows_generic(w: &PackedRef, x: &[f32], n: usize, y: &mut [f32]) {
             y[r * n + i] = sum_lanes(&acc);
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn rows_avx512(w: &PackedRef, x: &[f32], n: usize, y: &mut [f32]) {
+    // SAFETY (each call): this function runs only where `detect` found AVX-512
+    walk(w, x, n, y, |r4, w, x, n, r, y| unsafe {
+        match (r4, w.bits) {
+            (true, 8) => block8_avx512::<ROW_GROUP>(w, x, n, r, y),
+            (false, 8) => block8_avx512::<1>(w, x, n, r, y),
+            (true, _) => block4_avx512::<ROW_GROUP>(w, x, n, r, y),
+            (false, _) => block4_avx512::<1>(w, x, n, r, y),
+        }
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -372,6 +379,39 @@ macro_rules! x86_packed_block {
     };
 }
 
+x86_packed_block!(
+    block8_avx512,
+    "avx512f,avx512bw,avx512vl,avx2,fma",
+    16,
+    16,
+    _mm512_setzero_ps,
+    _mm512_fmadd_ps,
+    _mm512_set1_ps,
+    _mm512_storeu_ps,
+    |q, xp, c, acc| {
+        // SAFETY: 16 bytes of the row, 16 values of x
+        let v = unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(q as *const __m128i))) };
+        *acc = _mm512_fmadd_ps(v, unsafe { _mm512_loadu_ps(xp.add(c)) }, *acc);
+    }
+);
+x86_packed_block!(
+    block4_avx512,
+    "avx512f,avx512bw,avx512vl,avx2,fma",
+    16,
+    32,
+    _mm512_setzero_ps,
+    _mm512_fmadd_ps,
+    _mm512_set1_ps,
+    _mm512_storeu_ps,
+    |q, xp, c, acc| {
+        // SAFETY: 16 bytes (32 values) of the row, 32 values of x (deinterleaved: evens, then odds)
+        let b = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(q as *const __m128i)) };
+        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+        let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(b));
+        *acc = _mm512_fmadd_ps(lo, unsafe { _mm512_loadu_ps(xp.add(c)) }, *acc);
+        *acc = _mm512_fmadd_ps(hi, unsafe { _mm512_loadu_ps(xp.add(c + 16)) }, *acc);
+    }
+);
 x86_packed_block!(
     block8_avx2,
     "avx2,fma",
@@ -530,6 +570,9 @@ mod tests {
         {
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
                 isas.push(("avx2", Isa::Avx2));
+            }
+            if matches!(detect(), Isa::Avx512) {
+                isas.push(("avx512", Isa::Avx512));
             }
         }
         isas
