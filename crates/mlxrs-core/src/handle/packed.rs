@@ -46,13 +46,6 @@ impl ScaleType {
             _ => None,
         }
     }
-
-    fn size(self) -> usize {
-        match self {
-            ScaleType::F32 => 4,
-            ScaleType::Bf16 | ScaleType::F16 => 2,
-        }
-    }
 }
 
 /// Scales (or biases) borrowed as MLX stores them.
@@ -487,7 +480,6 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostPackedArgs) {
             }
         }
     };
-    debug_assert!(st.size() > 0);
     // SAFETY: the extents above (the caller's contract)
     let (wv, x) =
         unsafe { (std::slice::from_raw_parts(w, rows * cols * bits / 32), std::slice::from_raw_parts(x, n * cols)) };

@@ -440,9 +440,10 @@ fn quant_matmul(
     q: QuantSpec,
     res: Option<&Array>,
 ) -> Result<Array> {
-    let y = if !packed_rows(x, w, q) && !on_gpu() {
+    let packed = packed_rows(x, w, q);
+    let y = if !packed && !on_gpu() {
         dequant_matmul_f32(x, w, scales, biases, q)?
-    } else if !packed_rows(x, w, q) {
+    } else if !packed {
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
         let wd = if wd.dtype() == x.dtype() { wd } else { mx::astype(&wd, x.dtype())? };
         mx::matmul(x, &mx::transpose(&wd)?)?
