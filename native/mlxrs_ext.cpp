@@ -13,9 +13,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
+#include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 /* y = x · Wᵀ (float32, x [n, cols], W [rows, cols], y [n, rows], all row-major) computed by the
@@ -123,112 +127,115 @@ void parallel_ranges(int items, int grain, F& work) {
   }
 }
 
-/* The kernel as a node of MLX's graph on the CPU stream: it runs in order with the other CPU ops of
-   the step (no evaluation of x first, no return to the caller's thread per projection). */
-class HostMatmul : public UnaryPrimitive {
+/* A host kernel as a node of MLX's graph on the CPU stream: it runs in order with the other CPU ops of
+   the step (no evaluation of its inputs first, no return to the caller's thread per op). The output is
+   allocated and every input and the output registered with the stream's encoder here; a derived class
+   says only what to run over the inputs' and the output's buffers (`task`) and what makes two of its
+   ops the same (`key`: a kernel pointer and one parameter). */
+class HostPrimitive : public UnaryPrimitive {
  public:
-  HostMatmul(Stream stream, mlxrs_host_matmul_kernel kernel)
-      : UnaryPrimitive(stream), kernel_(kernel) {}
+  HostPrimitive(Stream stream, const char* name, const char* entry)
+      : UnaryPrimitive(stream), name_(name), entry_(entry) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    const array& x = inputs[0];
-    const array& w = inputs[1];
     out.set_data(allocator::malloc(out.nbytes()));
-    size_t rows = w.shape(0), cols = w.shape(1), n = x.size() / cols;
     auto& encoder = cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
+    for (auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
     encoder.set_output_array(out);
-    encoder.dispatch([kernel = kernel_,
-                      wp = w.data<float>(),
-                      xp = x.data<float>(),
-                      yp = out.data<float>(),
-                      rows,
-                      cols,
-                      n]() { kernel(wp, rows, cols, xp, n, yp); });
+    encoder.dispatch(task(inputs, out));
   }
 
   void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxrs_host_matmul] the host kernel runs on the CPU stream only");
+    throw std::runtime_error(std::string("[") + entry_ + "] runs on the CPU stream only");
   }
 
   const char* name() const override {
-    return "MlxrsHostMatmul";
+    return name_;
   }
 
   bool is_equivalent(const Primitive& other) const override {
-    return kernel_ == static_cast<const HostMatmul&>(other).kernel_;
+    const auto* o = dynamic_cast<const HostPrimitive*>(&other);
+    return o != nullptr && std::strcmp(name_, o->name_) == 0 && key() == o->key();
+  }
+
+ protected:
+  virtual std::function<void()> task(const std::vector<array>& inputs, array& out) const = 0;
+  virtual std::pair<const void*, double> key() const = 0;
+
+ private:
+  const char* name_;
+  const char* entry_;
+};
+
+/* The float32 host matmul: inputs x and W. */
+class HostMatmul : public HostPrimitive {
+ public:
+  HostMatmul(Stream stream, mlxrs_host_matmul_kernel kernel)
+      : HostPrimitive(stream, "MlxrsHostMatmul", "mlxrs_host_matmul"), kernel_(kernel) {}
+
+ protected:
+  std::function<void()> task(const std::vector<array>& inputs, array& out) const override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    size_t rows = w.shape(0), cols = w.shape(1), n = x.size() / cols;
+    return [kernel = kernel_, wp = w.data<float>(), xp = x.data<float>(), yp = out.data<float>(), rows, cols, n]() {
+      kernel(wp, rows, cols, xp, n, yp);
+    };
+  }
+  std::pair<const void*, double> key() const override {
+    return {reinterpret_cast<const void*>(kernel_), 0.0};
   }
 
  private:
   mlxrs_host_matmul_kernel kernel_;
 };
 
-/* HostMatmul for a matrix in blocks: inputs x, q, s and (when it has them) b. */
-class HostBlocksMatmul : public UnaryPrimitive {
+/* The host matmul for a matrix in blocks: inputs x, q, s and (when it has them) b. */
+class HostBlocksMatmul : public HostPrimitive {
  public:
   HostBlocksMatmul(Stream stream, mlxrs_host_blocks_kernel kernel)
-      : UnaryPrimitive(stream), kernel_(kernel) {}
+      : HostPrimitive(stream, "MlxrsHostBlocksMatmul", "mlxrs_host_blocks_matmul"), kernel_(kernel) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+ protected:
+  std::function<void()> task(const std::vector<array>& inputs, array& out) const override {
     const array& x = inputs[0];
     const array& q = inputs[1];
     const array& s = inputs[2];
-    out.set_data(allocator::malloc(out.nbytes()));
     size_t rows = q.shape(0), cols = q.shape(1), n = x.size() / cols;
-    size_t group = cols / s.shape(1);
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
     const mlxrs_host_blocks_args args{
         q.data<int8_t>(),
         s.data<float>(),
         inputs.size() > 3 ? inputs[3].data<float>() : nullptr,
         rows,
         cols,
-        group,
+        cols / s.shape(1),
         x.data<float>(),
         n,
         out.data<float>()};
-    encoder.dispatch([kernel = kernel_, args]() { kernel(&args); });
+    return [kernel = kernel_, args]() { kernel(&args); };
   }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxrs_host_blocks_matmul] the host kernel runs on the CPU stream only");
-  }
-
-  const char* name() const override {
-    return "MlxrsHostBlocksMatmul";
-  }
-
-  bool is_equivalent(const Primitive& other) const override {
-    return kernel_ == static_cast<const HostBlocksMatmul&>(other).kernel_;
+  std::pair<const void*, double> key() const override {
+    return {reinterpret_cast<const void*>(kernel_), 0.0};
   }
 
  private:
   mlxrs_host_blocks_kernel kernel_;
 };
 
-/* HostBlocksMatmul for MLX's packed affine weights: inputs x, w, s and b. */
-class HostPackedMatmul : public UnaryPrimitive {
+/* The host matmul for MLX's packed affine weights: inputs x, w, s and b. */
+class HostPackedMatmul : public HostPrimitive {
  public:
   HostPackedMatmul(Stream stream, int bits, mlxrs_host_packed_kernel kernel)
-      : UnaryPrimitive(stream), bits_(bits), kernel_(kernel) {}
+      : HostPrimitive(stream, "MlxrsHostPackedMatmul", "mlxrs_host_packed_matmul"), bits_(bits), kernel_(kernel) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+ protected:
+  std::function<void()> task(const std::vector<array>& inputs, array& out) const override {
     const array& x = inputs[0];
     const array& w = inputs[1];
     const array& s = inputs[2];
-    out.set_data(allocator::malloc(out.nbytes()));
     size_t rows = w.shape(0), cols = (size_t)w.shape(1) * 32 / bits_, n = x.size() / cols;
-    size_t group = cols / s.shape(1);
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
     const int sdtype = s.dtype() == float32 ? 0 : s.dtype() == bfloat16 ? 1 : 2;
     const mlxrs_host_packed_args args{
         w.data<uint32_t>(),
@@ -238,24 +245,14 @@ class HostPackedMatmul : public UnaryPrimitive {
         bits_,
         rows,
         cols,
-        group,
+        cols / s.shape(1),
         x.data<float>(),
         n,
         out.data<float>()};
-    encoder.dispatch([kernel = kernel_, args]() { kernel(&args); });
+    return [kernel = kernel_, args]() { kernel(&args); };
   }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxrs_host_packed_matmul] the host kernel runs on the CPU stream only");
-  }
-
-  const char* name() const override {
-    return "MlxrsHostPackedMatmul";
-  }
-
-  bool is_equivalent(const Primitive& other) const override {
-    const auto& o = static_cast<const HostPackedMatmul&>(other);
-    return kernel_ == o.kernel_ && bits_ == o.bits_;
+  std::pair<const void*, double> key() const override {
+    return {reinterpret_cast<const void*>(kernel_), (double)bits_};
   }
 
  private:
@@ -354,14 +351,14 @@ MLXRS_CLONES static void attend_range(const AttnRow* rows, const float* qp, floa
    sees every key: no mask), grouped-query heads sharing their kv head. The rows' (row, head) pairs
    are spread over the cores; MLX's own path makes a BLAS call per row and kv head, plus a few
    ops per row. */
-class RowsDecodeAttention : public UnaryPrimitive {
+class RowsDecodeAttention : public HostPrimitive {
  public:
   RowsDecodeAttention(Stream stream, float scale)
-      : UnaryPrimitive(stream), scale_(scale) {}
+      : HostPrimitive(stream, "MlxrsRowsDecodeAttention", "mlxrs_rows_decode_attention"), scale_(scale) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+ protected:
+  std::function<void()> task(const std::vector<array>& inputs, array& out) const override {
     const array& q = inputs[0];
-    out.set_data(allocator::malloc(out.nbytes()));
     const int B = q.shape(0), H = q.shape(1), D = q.shape(3);
     std::vector<AttnRow> rows(B);
     int kvh = 1;
@@ -372,36 +369,53 @@ class RowsDecodeAttention : public UnaryPrimitive {
       rows[b] = AttnRow{k.data<float>(), v.data<float>(), k.strides(1), k.strides(2),
                     k.strides(3), v.strides(1), v.strides(2), v.strides(3), k.shape(2)};
     }
-    auto& encoder = cpu::get_command_encoder(stream());
-    for (auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
-    encoder.dispatch([rows = std::move(rows), qp = q.data<float>(), op = out.data<float>(),
-                      B, H, D, kvh, scale = scale_]() {
+    return [rows = std::move(rows), qp = q.data<float>(), op = out.data<float>(), B, H, D, kvh,
+            scale = scale_]() {
       const int items = B * H;
       auto work = [&](int i0, int i1) {
         attend_range(rows.data(), qp, op, H, D, kvh, scale, i0, i1);
       };
       parallel_ranges(items, 8, work);
-    });
+    };
   }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[mlxrs_rows_decode_attention] runs on the CPU stream only");
-  }
-
-  const char* name() const override {
-    return "MlxrsRowsDecodeAttention";
-  }
-
-  bool is_equivalent(const Primitive& other) const override {
-    return scale_ == static_cast<const RowsDecodeAttention&>(other).scale_;
+  std::pair<const void*, double> key() const override {
+    return {nullptr, (double)scale_};
   }
 
  private:
   float scale_;
 };
+
+/* Runs body (which sets *res) the way mlx-c's functions do: 0 on success, 1 after reporting the
+   exception through mlx-c's error handler. */
+template <typename F>
+int guarded(F&& body) {
+  try {
+    body();
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return 1;
+  }
+  return 0;
+}
+
+/* *res = x · (a matrix of `rows` rows)ᵀ computed by prim: x's shape with its last axis `rows`, float32,
+   over `inputs` made row-contiguous on st (a contiguous array is shared, not copied). */
+void set_host_product(
+    mlx_array* res,
+    const array& x,
+    int rows,
+    std::shared_ptr<Primitive> prim,
+    const std::vector<array>& inputs,
+    const Stream& st) {
+  std::vector<array> cont;
+  for (const auto& a : inputs) {
+    cont.push_back(contiguous(a, false, st));
+  }
+  Shape shape = x.shape();
+  shape.back() = rows;
+  mlx_array_set_(*res, array(std::move(shape), float32, std::move(prim), std::move(cont)));
+}
 
 } // namespace
 
@@ -425,7 +439,7 @@ int mlxrs_fast_scaled_dot_product_attention_fused(
     const mlx_array sinks /* may be null */,
     bool force_fused,
     const mlx_stream s) {
-  try {
+  return guarded([&] {
     mlx_array_set_(
         *res,
         mlx::core::fast::scaled_dot_product_attention(
@@ -440,11 +454,7 @@ int mlxrs_fast_scaled_dot_product_attention_fused(
                        : std::nullopt),
             force_fused,
             mlx_stream_get_(s)));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+  });
 }
 
 /* fast::gated_delta_update (MLX 0.32): the gated DeltaNet recurrence of Qwen3.5/Qwen3-Next in one
@@ -459,7 +469,7 @@ int mlxrs_fast_gated_delta_update(
     const mlx_array initial_state /* may be null */,
     const mlx_array mask /* may be null */,
     const mlx_stream s) {
-  try {
+  return guarded([&] {
     mlx_vector_array_set_(
         *res,
         mlx::core::fast::gated_delta_update(
@@ -474,11 +484,7 @@ int mlxrs_fast_gated_delta_update(
             (mask.ctx ? std::make_optional(mlx_array_get_(mask))
                       : std::nullopt),
             mlx_stream_get_(s)));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+  });
 }
 
 /* x · Wᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols] and
@@ -490,7 +496,7 @@ int mlxrs_host_matmul(
     const mlx_array w,
     mlxrs_host_matmul_kernel kernel,
     const mlx_stream s) {
-  try {
+  return guarded([&] {
     auto st = mlx_stream_get_(s);
     const array& xa = mlx_array_get_(x);
     const array& wa = mlx_array_get_(w);
@@ -500,20 +506,8 @@ int mlxrs_host_matmul(
       throw std::invalid_argument(
           "[mlxrs_host_matmul] needs float32 x [..., k] and W [n, k] on a CPU stream");
     }
-    Shape shape = xa.shape();
-    shape.back() = wa.shape(0);
-    mlx_array_set_(
-        *res,
-        array(
-            std::move(shape),
-            float32,
-            std::make_shared<HostMatmul>(st, kernel),
-            {contiguous(xa, false, st), contiguous(wa, false, st)}));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+    set_host_product(res, xa, wa.shape(0), std::make_shared<HostMatmul>(st, kernel), {xa, wa}, st);
+  });
 }
 
 /* x · dequant(W)ᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols]
@@ -527,7 +521,7 @@ int mlxrs_host_blocks_matmul(
     const mlx_array biases,
     mlxrs_host_blocks_kernel kernel,
     const mlx_stream s) {
-  try {
+  return guarded([&] {
     auto st = mlx_stream_get_(s);
     const array& xa = mlx_array_get_(x);
     const array& qa = mlx_array_get_(q);
@@ -541,25 +535,16 @@ int mlxrs_host_blocks_matmul(
           "[mlxrs_host_blocks_matmul] needs float32 x [..., k], int8 q [n, k] and float32 scales "
           "[n, k / group] (group a multiple of 16) on a CPU stream");
     }
-    std::vector<array> inputs = {
-        contiguous(xa, false, st), contiguous(qa, false, st), contiguous(sa, false, st)};
+    std::vector<array> inputs = {xa, qa, sa};
     if (has_b) {
       const array& ba = mlx_array_get_(biases);
       if (ba.dtype() != float32 || ba.shape() != sa.shape()) {
         throw std::invalid_argument("[mlxrs_host_blocks_matmul] biases must be float32 and shaped as the scales");
       }
-      inputs.push_back(contiguous(ba, false, st));
+      inputs.push_back(ba);
     }
-    Shape shape = xa.shape();
-    shape.back() = qa.shape(0);
-    mlx_array_set_(
-        *res,
-        array(std::move(shape), float32, std::make_shared<HostBlocksMatmul>(st, kernel), std::move(inputs)));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+    set_host_product(res, xa, qa.shape(0), std::make_shared<HostBlocksMatmul>(st, kernel), inputs, st);
+  });
 }
 
 /* x · dequant(W)ᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols]
@@ -574,7 +559,7 @@ int mlxrs_host_packed_matmul(
     int bits,
     mlxrs_host_packed_kernel kernel,
     const mlx_stream s) {
-  try {
+  return guarded([&] {
     auto st = mlx_stream_get_(s);
     const array& xa = mlx_array_get_(x);
     const array& wa = mlx_array_get_(w);
@@ -590,21 +575,9 @@ int mlxrs_host_packed_matmul(
           "[mlxrs_host_packed_matmul] needs float32 x [..., k], 4- or 8-bit uint32 words w [n, k · bits / 32] "
           "and scales and biases of one float type [n, k / group] (group a multiple of 32) on a CPU stream");
     }
-    std::vector<array> inputs = {
-        contiguous(xa, false, st),
-        contiguous(wa, false, st),
-        contiguous(sa, false, st),
-        contiguous(ba, false, st)};
-    Shape shape = xa.shape();
-    shape.back() = wa.shape(0);
-    mlx_array_set_(
-        *res,
-        array(std::move(shape), float32, std::make_shared<HostPackedMatmul>(st, bits, kernel), std::move(inputs)));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+    set_host_product(
+        res, xa, wa.shape(0), std::make_shared<HostPackedMatmul>(st, bits, kernel), {xa, wa, sa, ba}, st);
+  });
 }
 
 /* RowsDecodeAttention: queries [B, heads, 1, D] and 2·B arrays keys_0, values_0, keys_1, ...
@@ -615,7 +588,7 @@ int mlxrs_rows_decode_attention(
     const mlx_vector_array keys_values,
     float scale,
     const mlx_stream s) {
-  try {
+  return guarded([&] {
     auto st = mlx_stream_get_(s);
     const array& q = mlx_array_get_(queries);
     const std::vector<array>& kv = mlx_vector_array_get_(keys_values);
@@ -643,11 +616,7 @@ int mlxrs_rows_decode_attention(
             float32,
             std::make_shared<RowsDecodeAttention>(st, scale),
             std::move(inputs)));
-  } catch (std::exception& e) {
-    mlx_error(e.what());
-    return 1;
-  }
-  return 0;
+  });
 }
 
 } // extern "C"

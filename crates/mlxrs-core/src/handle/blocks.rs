@@ -10,16 +10,8 @@
 //! compiler kept the generic copy's nested accumulator arrays in memory, at half the bandwidth); the
 //! generic copy is the reference and what other CPUs run. [`host_blocks_matmul`] builds the product as
 //! one op of MLX's graph (native/mlxrs_ext.cpp `HostBlocksMatmul`).
-use super::host::{detect, over_rows, sum_lanes, Isa, LANES};
+use super::host::{add_bias, detect, over_rows, sum_lanes, walk_rows, Isa, QuantRows, LANES, ROW_GROUP};
 use crate::error::{Error, Result};
-
-/// W's rows one thread takes at a time are multiples of this (four rows interleaved per pass).
-const ROW_GROUP: usize = 4;
-
-/// How far ahead of the rows being read (in W's rows) the x86 copies ask for W's next lines: the
-/// hardware prefetcher alone left the kernel at ~10 GB/s on 2 threads (four interleaved row streams);
-/// 16 rows ahead 14.7, 48 rows 16.7, 128 rows 15.6 GB/s (262144 × 640, crates/mlxrs-core/examples/blocks_timing.rs).
-const PREFETCH_ROWS: usize = 48;
 
 /// Values of a group are a multiple of this (one AVX-512 register of int8 widened to float32).
 pub const GROUP_STEP: usize = 16;
@@ -123,35 +115,48 @@ impl<'a> BlocksRef<'a> {
     }
 }
 
-/// `y[r * n + i] = Σ_k x[i, k] · dequant(W)[r, k]` for the rows `r` of `w` (one thread's range).
-fn run(isa: Isa, w: &BlocksRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
-    match isa {
-        Isa::Generic => rows_generic(w, x, xs, n, y),
-        // SAFETY: `detect` found these instruction sets on this CPU.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { rows_avx2(w, x, xs, n, y) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { rows_avx512(w, x, xs, n, y) },
+impl QuantRows for BlocksRef<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn group(&self) -> usize {
+        self.group
+    }
+    fn bits(&self) -> usize {
+        8
+    }
+    fn bytes(&self) -> *const u8 {
+        self.q.as_ptr() as *const u8
+    }
+    #[inline(always)]
+    fn scale(&self, i: usize) -> f32 {
+        self.s[i]
     }
 }
 
-/// Adds each row's bias term (`Σ_g b[r, g] · xs[i, g]`) to the products in `y` (`[rows, n]`).
-fn add_bias(w: &BlocksRef, xs: &[f32], n: usize, y: &mut [f32]) {
-    let Some(b) = w.b else { return };
-    let ng = w.cols / w.group;
-    for r in 0..w.rows {
-        let br = &b[r * ng..(r + 1) * ng];
-        for i in 0..n {
-            let xi = &xs[i * ng..(i + 1) * ng];
-            y[r * n + i] += br.iter().zip(xi).map(|(a, c)| a * c).sum::<f32>();
-        }
+/// `y[r * n + i] = Σ_k x[i, k] · dequant(W)[r, k]` for the rows `r` of `w` (one thread's range).
+fn run(isa: Isa, w: &BlocksRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
+    match isa {
+        Isa::Generic => rows_generic(w, x, n, y),
+        // SAFETY: `detect` found these instruction sets on this CPU.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { rows_avx2(w, x, n, y) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { rows_avx512(w, x, n, y) },
+    }
+    if let Some(b) = w.b {
+        let ng = w.cols / w.group;
+        add_bias(w.rows, ng, xs, n, y, |r, out| out.copy_from_slice(&b[r * ng..(r + 1) * ng]));
     }
 }
 
 /// The generic copy: four of W's rows at a time against each row of `x`; per group the products in
 /// [`LANES`] lanes, then times the group's scale into the row's lanes; the lanes summed at the end.
-fn rows_generic(w: &BlocksRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
+fn rows_generic(w: &BlocksRef, x: &[f32], n: usize, y: &mut [f32]) {
     let (cols, group) = (w.cols, w.group);
     let ng = cols / group;
     let mut r = 0;
@@ -183,14 +188,13 @@ fn rows_generic(w: &BlocksRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
         }
         r += g;
     }
-    add_bias(w, xs, n, y);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn rows_avx512(w: &BlocksRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
+fn rows_avx512(w: &BlocksRef, x: &[f32], n: usize, y: &mut [f32]) {
     // SAFETY (each call): this function runs only where `detect` found AVX-512
-    walk(w, x, xs, n, y, |r4, w, x, n, r, y| unsafe {
+    walk_rows(w, x, n, y, |r4, r, y| unsafe {
         if r4 {
             block_avx512::<ROW_GROUP>(w, x, n, r, y)
         } else {
@@ -201,9 +205,9 @@ fn rows_avx512(w: &BlocksRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn rows_avx2(w: &BlocksRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
+fn rows_avx2(w: &BlocksRef, x: &[f32], n: usize, y: &mut [f32]) {
     // SAFETY (each call): this function runs only where `detect` found AVX2 and FMA
-    walk(w, x, xs, n, y, |r4, w, x, n, r, y| unsafe {
+    walk_rows(w, x, n, y, |r4, r, y| unsafe {
         if r4 {
             block_avx2::<ROW_GROUP>(w, x, n, r, y)
         } else {
@@ -212,107 +216,35 @@ fn rows_avx2(w: &BlocksRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
     })
 }
 
-/// W's rows [`ROW_GROUP`] at a time (`block(true, ..)`), then one at a time (`block(false, ..)`),
-/// then the biases.
-#[inline(always)]
-fn walk(
-    w: &BlocksRef,
-    x: &[f32],
-    xs: &[f32],
-    n: usize,
-    y: &mut [f32],
-    mut block: impl FnMut(bool, &BlocksRef, &[f32], usize, usize, &mut [f32]),
-) {
-    // the blocks read through raw pointers: the extents BlocksRef::new checked, and x's and y's
-    assert!(x.len() >= n * w.cols && y.len() >= w.rows * n, "blocks kernel out of range");
-    let mut r = 0;
-    while r + ROW_GROUP <= w.rows {
-        block(true, w, x, n, r, y);
-        r += ROW_GROUP;
-    }
-    while r < w.rows {
-        block(false, w, x, n, r, y);
-        r += 1;
-    }
-    add_bias(w, xs, n, y);
-}
-
-macro_rules! x86_block {
-    ($name:ident, $feat:literal, $lanes:literal, $zero:ident, $load:ident, $fma:ident, $set1:ident, $store:ident,
-     |$p:ident| $widen:expr) => {
-        /// W's rows `r..r + R` against every row of x: per group the products of each row in a
-        /// vector (R in registers), times the group's scale into the row's accumulator; the lanes
-        /// summed pairwise at the end.
-        ///
-        /// # Safety
-        /// The CPU has the instruction set of `$feat`; `r + R <= w.rows`, x holds `n` rows and y
-        /// `w.rows · n` values (checked by [`walk`]).
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $feat)]
-        unsafe fn $name<const R: usize>(w: &BlocksRef, x: &[f32], n: usize, r: usize, y: &mut [f32]) {
-            use std::arch::x86_64::*;
-            let (cols, group) = (w.cols, w.group);
-            let ng = cols / group;
-            let (qp, sp, xp) = (w.q.as_ptr(), w.s.as_ptr(), x.as_ptr());
-            for i in 0..n {
-                let mut acc = [$zero(); R];
-                for blk in 0..ng {
-                    let mut p = [$zero(); R];
-                    for h in 0..group / $lanes {
-                        let c = blk * group + h * $lanes;
-                        // SAFETY: c + lanes <= cols (whole groups of multiples of 16), i < n
-                        let xv = unsafe { $load(xp.add(i * cols + c)) };
-                        for k in 0..R {
-                            if i == 0 && (c % 64) == 0 {
-                                // the rows PREFETCH_ROWS ahead (a hint: an address past W faults nothing)
-                                _mm_prefetch(
-                                    qp.wrapping_add((r + k + PREFETCH_ROWS) * cols + c) as *const i8,
-                                    _MM_HINT_T0,
-                                );
-                            }
-                            // SAFETY: row r + k < rows, c + lanes <= cols
-                            let $p = unsafe { qp.add((r + k) * cols + c) };
-                            let qv = unsafe { $widen };
-                            p[k] = $fma(qv, xv, p[k]);
-                        }
-                    }
-                    for k in 0..R {
-                        // SAFETY: row r + k < rows, blk < ng
-                        let s = unsafe { $set1(*sp.add((r + k) * ng + blk)) };
-                        acc[k] = $fma(s, p[k], acc[k]);
-                    }
-                }
-                for k in 0..R {
-                    let mut lanes = [0f32; $lanes];
-                    // SAFETY: `lanes` holds one vector
-                    unsafe { $store(lanes.as_mut_ptr(), acc[k]) };
-                    y[(r + k) * n + i] = sum_lanes(&lanes);
-                }
-            }
-        }
-    };
-}
-x86_block!(
+super::host::x86_quant_block!(
+    avx512,
     block_avx512,
-    "avx512f,avx512bw,avx512vl,avx2,fma",
+    BlocksRef,
     16,
-    _mm512_setzero_ps,
-    _mm512_loadu_ps,
-    _mm512_fmadd_ps,
-    _mm512_set1_ps,
-    _mm512_storeu_ps,
-    |p| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    |xp, c| {
+        // SAFETY: 16 values of x's row
+        unsafe { _mm512_loadu_ps(xp.add(c)) }
+    },
+    |q, xv, acc| {
+        // SAFETY: 16 values (bytes) of the row
+        let v = unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q as *const __m128i))) };
+        *acc = _mm512_fmadd_ps(v, xv, *acc);
+    }
 );
-x86_block!(
+super::host::x86_quant_block!(
+    avx2,
     block_avx2,
-    "avx2,fma",
+    BlocksRef,
     8,
-    _mm256_setzero_ps,
-    _mm256_loadu_ps,
-    _mm256_fmadd_ps,
-    _mm256_set1_ps,
-    _mm256_storeu_ps,
-    |p| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    |xp, c| {
+        // SAFETY: 8 values of x's row
+        unsafe { _mm256_loadu_ps(xp.add(c)) }
+    },
+    |q, xv, acc| {
+        // SAFETY: 8 values (bytes) of the row
+        let v = unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(q as *const __m128i))) };
+        *acc = _mm256_fmadd_ps(v, xv, *acc);
+    }
 );
 
 /// The kernel MLX's CPU thread calls for [`host_blocks_matmul`]'s op (native/mlxrs_ext.cpp
@@ -375,13 +307,8 @@ pub fn host_blocks_matmul(
 
 #[cfg(test)]
 mod tests {
+    use super::super::host::testing::{isas, lcg};
     use super::*;
-
-    /// A deterministic pseudo-random stream (no RNG crate needed).
-    fn lcg(seed: &mut u64) -> u32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (*seed >> 33) as u32
-    }
 
     type Parts = (Vec<i8>, Vec<f32>, Option<Vec<f32>>, Vec<f32>);
 
@@ -397,18 +324,8 @@ mod tests {
         (q, d, b, x)
     }
 
-    /// The naive reference: dequantize W whole, then a float64 dot per output.
     fn naive(m: &BlocksRef, x: &[f32]) -> Vec<f64> {
-        let n = x.len() / m.cols;
-        let w: Vec<Vec<f32>> = (0..m.rows).map(|r| m.dequant_row(r)).collect();
-        let mut out = vec![0f64; n * m.rows];
-        for i in 0..n {
-            for (r, wr) in w.iter().enumerate() {
-                out[i * m.rows + r] =
-                    wr.iter().zip(&x[i * m.cols..(i + 1) * m.cols]).map(|(a, b)| *a as f64 * *b as f64).sum();
-            }
-        }
-        out
+        super::super::host::testing::naive(m.rows, m.cols, x, |r| m.dequant_row(r))
     }
 
     #[test]
@@ -429,17 +346,7 @@ mod tests {
             let scale = want.iter().map(|v| v.abs()).fold(1.0, f64::max);
             // float32 accumulation of `cols` terms against a float64 reference
             let bound = 1e-5 * (cols as f64).sqrt() * scale;
-            let mut isas = vec![("generic", Isa::Generic)];
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                    isas.push(("avx2", Isa::Avx2));
-                }
-                if matches!(detect(), Isa::Avx512) {
-                    isas.push(("avx512", Isa::Avx512));
-                }
-            }
-            for (name, isa) in isas {
+            for (name, isa) in isas() {
                 let mut got = vec![0f32; want.len()];
                 m.matvec_with(isa, &x, threads, &mut got);
                 assert_eq!(got.len(), want.len());

@@ -15,15 +15,8 @@
 //! The AVX-512 and AVX2 copies hold their accumulators in vector registers; the generic copy is the
 //! reference and what other CPUs run. [`host_packed_matmul`] builds the product as one op of MLX's
 //! graph (native/mlxrs_ext.cpp `HostPackedMatmul`).
-use super::host::{detect, over_rows, sum_lanes, Isa, LANES};
+use super::host::{add_bias, detect, over_rows, sum_lanes, walk_rows, Isa, QuantRows, LANES, ROW_GROUP};
 use crate::error::{Error, Result};
-
-/// W's rows one thread takes at a time are multiples of this (four rows interleaved per pass).
-const ROW_GROUP: usize = 4;
-
-/// How far ahead of the rows being read (in W's rows) the x86 copies ask for W's next lines (as
-/// [`super::blocks`]'s kernel, whose measurements chose it).
-const PREFETCH_ROWS: usize = 48;
 
 /// Values of a group are a multiple of this: two AVX-512 registers of 4-bit values (one of bytes).
 pub const PACKED_GROUP_STEP: usize = 32;
@@ -210,6 +203,28 @@ fn deinterleave(x: &[f32], lanes: usize) -> Vec<f32> {
     out
 }
 
+impl QuantRows for PackedRef<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn group(&self) -> usize {
+        self.group
+    }
+    fn bits(&self) -> usize {
+        self.bits
+    }
+    fn bytes(&self) -> *const u8 {
+        self.w.as_ptr() as *const u8
+    }
+    #[inline(always)]
+    fn scale(&self, i: usize) -> f32 {
+        self.s.get(i)
+    }
+}
+
 /// `y[r * n + i] = Σ_k x[i, k] · dequant(W)[r, k]` for the rows `r` of `w` (one thread's range).
 fn run(isa: Isa, w: &PackedRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) {
     match isa {
@@ -221,18 +236,12 @@ fn run(isa: Isa, w: &PackedRef, x: &[f32], xs: &[f32], n: usize, y: &mut [f32]) 
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { rows_avx512(w, x, n, y) },
     }
-    add_bias(w, xs, n, y);
-}
-
-/// Adds each row's bias term (`Σ_g b[r, g] · xs[i, g]`) to the products in `y` (`[rows, n]`).
-fn add_bias(w: &PackedRef, xs: &[f32], n: usize, y: &mut [f32]) {
     let ng = w.cols / w.group;
-    for r in 0..w.rows {
-        for i in 0..n {
-            let xi = &xs[i * ng..(i + 1) * ng];
-            y[r * n + i] += xi.iter().enumerate().map(|(g, c)| w.b.get(r * ng + g) * c).sum::<f32>();
+    add_bias(w.rows, ng, xs, n, y, |r, out| {
+        for (g, o) in out.iter_mut().enumerate() {
+            *o = w.b.get(r * ng + g);
         }
-    }
+    });
 }
 
 /// The generic copy: per row and group the products of the unpacked values with x in [`LANES`]
@@ -265,7 +274,7 @@ fn rows_generic(w: &PackedRef, x: &[f32], n: usize, y: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 fn rows_avx512(w: &PackedRef, x: &[f32], n: usize, y: &mut [f32]) {
     // SAFETY (each call): this function runs only where `detect` found AVX-512
-    walk(w, x, n, y, |r4, w, x, n, r, y| unsafe {
+    walk_rows(w, x, n, y, |r4, r, y| unsafe {
         match (r4, w.bits) {
             (true, 8) => block8_avx512::<ROW_GROUP>(w, x, n, r, y),
             (false, 8) => block8_avx512::<1>(w, x, n, r, y),
@@ -279,7 +288,7 @@ fn rows_avx512(w: &PackedRef, x: &[f32], n: usize, y: &mut [f32]) {
 #[target_feature(enable = "avx2,fma")]
 fn rows_avx2(w: &PackedRef, x: &[f32], n: usize, y: &mut [f32]) {
     // SAFETY (each call): this function runs only where `detect` found AVX2 and FMA
-    walk(w, x, n, y, |r4, w, x, n, r, y| unsafe {
+    walk_rows(w, x, n, y, |r4, r, y| unsafe {
         match (r4, w.bits) {
             (true, 8) => block8_avx2::<ROW_GROUP>(w, x, n, r, y),
             (false, 8) => block8_avx2::<1>(w, x, n, r, y),
@@ -289,153 +298,70 @@ fn rows_avx2(w: &PackedRef, x: &[f32], n: usize, y: &mut [f32]) {
     })
 }
 
-/// W's rows [`ROW_GROUP`] at a time (`block(true, ..)`), then one at a time (`block(false, ..)`).
-#[inline(always)]
-fn walk(
-    w: &PackedRef,
-    x: &[f32],
-    n: usize,
-    y: &mut [f32],
-    mut block: impl FnMut(bool, &PackedRef, &[f32], usize, usize, &mut [f32]),
-) {
-    // the words read through raw pointers: the extents PackedRef::new checked, and x's and y's
-    assert!(x.len() >= n * w.cols && y.len() >= w.rows * n, "packed kernel out of range");
-    let mut r = 0;
-    while r + ROW_GROUP <= w.rows {
-        block(true, w, x, n, r, y);
-        r += ROW_GROUP;
-    }
-    while r < w.rows {
-        block(false, w, x, n, r, y);
-        r += 1;
-    }
-}
-
-/// One x86 copy: `$values` values of a row per step (one vector of 8-bit values, two of 4-bit), read
-/// from `$bytes` bytes; `$step` puts the step's products of row k into `p[k]` (`q` the bytes' address,
-/// `c` the first value's column in x).
-macro_rules! x86_packed_block {
-    ($name:ident, $feat:literal, $lanes:literal, $values:expr, $zero:ident, $fma:ident, $set1:ident, $store:ident,
-     |$q:ident, $xp:ident, $c:ident, $acc:ident| $step:block) => {
-        /// W's rows `r..r + R` against every row of x: per group the products of each row in a
-        /// vector (R in registers), times the group's scale into the row's accumulator; the lanes
-        /// summed pairwise at the end.
-        ///
-        /// # Safety
-        /// The CPU has the instruction set of `$feat`; `r + R <= w.rows`, x holds `n` rows (4-bit:
-        /// deinterleaved for these lanes) and y `w.rows · n` values (checked by [`walk`]).
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $feat)]
-        unsafe fn $name<const R: usize>(w: &PackedRef, x: &[f32], n: usize, r: usize, y: &mut [f32]) {
-            #[allow(unused_imports)]
-            use std::arch::x86_64::*;
-            let (cols, group, bits) = (w.cols, w.group, w.bits);
-            let ng = cols / group;
-            let row_bytes = cols * bits / 8;
-            let (wp, xp0) = (w.w.as_ptr() as *const u8, x.as_ptr());
-            for i in 0..n {
-                // SAFETY: i < n rows of x
-                let $xp = unsafe { xp0.add(i * cols) };
-                let mut acc = [$zero(); R];
-                for blk in 0..ng {
-                    let mut p = [$zero(); R];
-                    for h in 0..group / $values {
-                        let $c = blk * group + h * $values;
-                        for k in 0..R {
-                            let off = (r + k) * row_bytes + $c * bits / 8;
-                            if i == 0 && (off % 64) < $values * bits / 8 {
-                                // the rows PREFETCH_ROWS ahead (a hint: an address past W faults nothing)
-                                _mm_prefetch(
-                                    wp.wrapping_add(off + PREFETCH_ROWS * row_bytes) as *const i8,
-                                    _MM_HINT_T0,
-                                );
-                            }
-                            // SAFETY: row r + k < rows, the step's bytes inside the row
-                            let $q = unsafe { wp.add(off) };
-                            let $acc = &mut p[k];
-                            $step
-                        }
-                    }
-                    for k in 0..R {
-                        let s = $set1(w.s.get((r + k) * ng + blk));
-                        acc[k] = $fma(s, p[k], acc[k]);
-                    }
-                }
-                for k in 0..R {
-                    let mut lanes = [0f32; $lanes];
-                    // SAFETY: `lanes` holds one vector
-                    unsafe { $store(lanes.as_mut_ptr(), acc[k]) };
-                    y[(r + k) * n + i] = sum_lanes(&lanes);
-                }
-            }
-        }
-    };
-}
-
-x86_packed_block!(
+super::host::x86_quant_block!(
+    avx512,
     block8_avx512,
-    "avx512f,avx512bw,avx512vl,avx2,fma",
+    PackedRef,
     16,
-    16,
-    _mm512_setzero_ps,
-    _mm512_fmadd_ps,
-    _mm512_set1_ps,
-    _mm512_storeu_ps,
-    |q, xp, c, acc| {
-        // SAFETY: 16 bytes of the row, 16 values of x
+    |xp, c| {
+        // SAFETY: 16 values of x's row
+        unsafe { _mm512_loadu_ps(xp.add(c)) }
+    },
+    |q, xv, acc| {
+        // SAFETY: 16 bytes of the row
         let v = unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(q as *const __m128i))) };
-        *acc = _mm512_fmadd_ps(v, unsafe { _mm512_loadu_ps(xp.add(c)) }, *acc);
+        *acc = _mm512_fmadd_ps(v, xv, *acc);
     }
 );
-x86_packed_block!(
+super::host::x86_quant_block!(
+    avx512,
     block4_avx512,
-    "avx512f,avx512bw,avx512vl,avx2,fma",
-    16,
+    PackedRef,
     32,
-    _mm512_setzero_ps,
-    _mm512_fmadd_ps,
-    _mm512_set1_ps,
-    _mm512_storeu_ps,
-    |q, xp, c, acc| {
-        // SAFETY: 16 bytes (32 values) of the row, 32 values of x (deinterleaved: evens, then odds)
+    |xp, c| {
+        // SAFETY: 32 values of x's row (deinterleaved: evens, then odds)
+        unsafe { (_mm512_loadu_ps(xp.add(c)), _mm512_loadu_ps(xp.add(c + 16))) }
+    },
+    |q, xv, acc| {
+        // SAFETY: 16 bytes (32 values) of the row
         let b = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(q as *const __m128i)) };
         let lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
         let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(b));
-        *acc = _mm512_fmadd_ps(lo, unsafe { _mm512_loadu_ps(xp.add(c)) }, *acc);
-        *acc = _mm512_fmadd_ps(hi, unsafe { _mm512_loadu_ps(xp.add(c + 16)) }, *acc);
+        *acc = _mm512_fmadd_ps(lo, xv.0, *acc);
+        *acc = _mm512_fmadd_ps(hi, xv.1, *acc);
     }
 );
-x86_packed_block!(
+super::host::x86_quant_block!(
+    avx2,
     block8_avx2,
-    "avx2,fma",
+    PackedRef,
     8,
-    8,
-    _mm256_setzero_ps,
-    _mm256_fmadd_ps,
-    _mm256_set1_ps,
-    _mm256_storeu_ps,
-    |q, xp, c, acc| {
-        // SAFETY: 8 bytes of the row, 8 values of x
+    |xp, c| {
+        // SAFETY: 8 values of x's row
+        unsafe { _mm256_loadu_ps(xp.add(c)) }
+    },
+    |q, xv, acc| {
+        // SAFETY: 8 bytes of the row
         let v = unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i))) };
-        *acc = _mm256_fmadd_ps(v, unsafe { _mm256_loadu_ps(xp.add(c)) }, *acc);
+        *acc = _mm256_fmadd_ps(v, xv, *acc);
     }
 );
-x86_packed_block!(
+super::host::x86_quant_block!(
+    avx2,
     block4_avx2,
-    "avx2,fma",
-    8,
+    PackedRef,
     16,
-    _mm256_setzero_ps,
-    _mm256_fmadd_ps,
-    _mm256_set1_ps,
-    _mm256_storeu_ps,
-    |q, xp, c, acc| {
-        // SAFETY: 8 bytes (16 values) of the row, 16 values of x (deinterleaved: evens, then odds)
+    |xp, c| {
+        // SAFETY: 16 values of x's row (deinterleaved: evens, then odds)
+        unsafe { (_mm256_loadu_ps(xp.add(c)), _mm256_loadu_ps(xp.add(c + 8))) }
+    },
+    |q, xv, acc| {
+        // SAFETY: 8 bytes (16 values) of the row
         let b = unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i)) };
         let lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
         let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b));
-        *acc = _mm256_fmadd_ps(lo, unsafe { _mm256_loadu_ps(xp.add(c)) }, *acc);
-        *acc = _mm256_fmadd_ps(hi, unsafe { _mm256_loadu_ps(xp.add(c + 8)) }, *acc);
+        *acc = _mm256_fmadd_ps(lo, xv.0, *acc);
+        *acc = _mm256_fmadd_ps(hi, xv.1, *acc);
     }
 );
 
@@ -517,12 +443,8 @@ pub fn host_packed_matmul(
 
 #[cfg(test)]
 mod tests {
+    use super::super::host::testing::{isas, lcg};
     use super::*;
-
-    fn lcg(seed: &mut u64) -> u32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (*seed >> 33) as u32
-    }
 
     /// Random packed words, bfloat16-exact scales and biases (as f32 and as bf16 bits), and x.
     fn random(
@@ -544,30 +466,7 @@ mod tests {
     }
 
     fn naive(m: &PackedRef, x: &[f32]) -> Vec<f64> {
-        let n = x.len() / m.cols;
-        let w: Vec<Vec<f32>> = (0..m.rows).map(|r| m.dequant_row(r)).collect();
-        let mut out = vec![0f64; n * m.rows];
-        for i in 0..n {
-            for (r, wr) in w.iter().enumerate() {
-                out[i * m.rows + r] =
-                    wr.iter().zip(&x[i * m.cols..(i + 1) * m.cols]).map(|(a, b)| *a as f64 * *b as f64).sum();
-            }
-        }
-        out
-    }
-
-    fn isas() -> Vec<(&'static str, Isa)> {
-        let mut isas = vec![("generic", Isa::Generic)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                isas.push(("avx2", Isa::Avx2));
-            }
-            if matches!(detect(), Isa::Avx512) {
-                isas.push(("avx512", Isa::Avx512));
-            }
-        }
-        isas
+        super::super::host::testing::naive(m.rows, m.cols, x, |r| m.dequant_row(r))
     }
 
     /// MLX's packing, value by value: value k of a row in bits `bits · (k mod 32/bits)` of its word.
