@@ -166,9 +166,10 @@ pub struct QkvRope<'a> {
 /// an 8B model's q/k/v kernel takes 34.6 µs with its 4-byte positions array made from host data,
 /// which MLX's CUDA allocator keeps in host-visible memory that every warp then reads across the
 /// bus, and 23.2 µs with positions made on the GPU — as much as the same product without the rotary
-/// epilogue (23.1). Off by default until the engine with it is checked against the reference on a
-/// device (`bench/qmv_check.py --rope`) and timed (bench/RESULTS-gpu.md): no device time was left
-/// when it was written.
+/// epilogue (23.1). Off by default: in the engine (checked against the reference with
+/// `bench/qmv_check.py --rope`, the same greedy tokens in the A/B) it gained 1.6% on an 8B bf16 model and
+/// nothing measurable on 1B (an H100, bench/RESULTS-gpu.md 2026-12-07): running free, the positions'
+/// read is not the 11 µs Nsight Compute's cold caches show.
 pub const POSITIONS_ENV: &str = "MLXRS_CUDA_ROPE_TABLE";
 
 static TABLE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
