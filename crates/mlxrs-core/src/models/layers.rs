@@ -397,9 +397,14 @@ pub fn dequant_rows(bits: i32) -> usize {
     if set != AUTO {
         return set;
     }
-    static DEFAULT: std::sync::OnceLock<crate::plan::Backend> = std::sync::OnceLock::new();
-    let backend = *DEFAULT.get_or_init(crate::plan::Backend::detect);
-    usize::try_from(backend.dequant_rows(bits)).unwrap_or(usize::MAX)
+    usize::try_from(backend().dequant_rows(bits)).unwrap_or(usize::MAX)
+}
+
+/// The backend of this process, as the planner names it (what [`dequant_rows`] and [`quant_matmul`]
+/// ask it: the same facts the memory plan counts).
+fn backend() -> crate::plan::Backend {
+    static BACKEND: std::sync::OnceLock<crate::plan::Backend> = std::sync::OnceLock::new();
+    *BACKEND.get_or_init(crate::plan::Backend::detect)
 }
 
 /// [`DEQUANT_ROWS_ENV`] as last read: [`UNREAD`], [`AUTO`] (unset: the backend's default), or rows
@@ -441,7 +446,7 @@ fn quant_matmul(
     res: Option<&Array>,
 ) -> Result<Array> {
     let packed = packed_rows(x, w, q);
-    let y = if !packed && !on_gpu() {
+    let y = if !packed && backend().dequant_float32() {
         dequant_matmul_f32(x, w, scales, biases, q)?
     } else if !packed {
         let wd = mx::dequantize(w, scales, biases, q.group_size, q.bits, q.mode)?;
