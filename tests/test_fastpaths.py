@@ -4,7 +4,9 @@ same comparison is made on the device, bench/RESULTS-gpu.md):
 - quantized matmuls through a dequantized weight (models/layers.rs `quant_matmul`, on CUDA from
   `plan::DEQUANT_ROWS_CUDA` rows) against MLX's packed quantized kernel: the same greedy tokens and
   last-position logits within float32 rounding, forced on every matmul here with
-  MLXRS_DEQUANT_PREFILL_ROWS=1.
+  MLXRS_DEQUANT_PREFILL_ROWS=1; and, on the CPU, a prefill chunk's attention over a quantized KV
+  cache (`kv_bits`, float32 activations: models/layers.rs `dequant_kv`) through its keys and values
+  dequantized to float32 against MLX's quantized matmul.
 - fused projections (models/layers.rs `Linear::concat`: q/k/v as one linear, gate/up as one, for
   the decoders built on models/llama.rs and gemma3_text) against the separate projections
   (MLXRS_FUSED_PROJ=0): the same greedy tokens, last-position logits within 1e-5 (float32
@@ -29,19 +31,22 @@ from tinymodels import make_model
 RUN = r"""
 import json, sys
 import mlxrs
-with mlxrs.Session(sys.argv[1], prefill_step_size=16) as s:
+kv = int(sys.argv[2]) if len(sys.argv) > 2 else None
+with mlxrs.Session(sys.argv[1], prefill_step_size=16, kv_bits=kv) as s:
     ids = s.tokenize("The quick brown fox jumps over the lazy dog. Paris is the capital of France.") * 2
     out = s.generate(ids, max_tokens=32, ignore_eos=True, temperature=0.0)
-    print(json.dumps({"tokens": out.tokens, "logits": s.logits(ids)}))
+    logits = s.logits(ids)
+    print(json.dumps({"tokens": out.tokens, "logits": logits, "ops": mlxrs._native._op_count()}))
 """
 
 
-def _run(model, rows: str | None) -> dict:
+def _run(model, rows: str | None, kv_bits: int | None = None) -> dict:
     env = dict(os.environ)
     env.pop("MLXRS_DEQUANT_PREFILL_ROWS", None)
     if rows is not None:
         env["MLXRS_DEQUANT_PREFILL_ROWS"] = rows
-    r = subprocess.run([sys.executable, "-c", RUN, str(model)], capture_output=True, text=True, env=env, timeout=300)
+    args = [sys.executable, "-c", RUN, str(model)] + ([str(kv_bits)] if kv_bits else [])
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -64,6 +69,26 @@ def test_dequantized_matmul_matches_the_quantized_kernel(name, arch, kw):
         assert diff < 1e-3, diff
         assert other["tokens"] == ref["tokens"]
     assert _run(d, "0") == ref  # deterministic: the same path gives the same values
+
+
+@pytest.mark.parametrize("kv_bits", [4, 8])
+def test_dequantized_kv_cache_matches_the_quantized_matmul(kv_bits):
+    """A float32 model with a quantized KV cache: its prefill chunks (16 rows here) attend over the
+    cache's keys and values dequantized to float32 on the CPU (the default), every step does with
+    `MLXRS_DEQUANT_PREFILL_ROWS=1`, none with `0` (MLX's quantized matmul, mlx-lm's path): the same
+    greedy tokens and last-position logits within float32 summation order (the parity suite compares
+    the default with mlx-lm itself: test_parity.py `test_quantized_kv`)."""
+    d = make_model("llama-float32", "llama")
+    ref = _run(d, "0", kv_bits)
+    for rows in (None, "1"):
+        other = _run(d, rows, kv_bits)
+        diff = float(np.max(np.abs(np.array(other["logits"]) - np.array(ref["logits"]))))
+        assert diff < 1e-4, (rows, diff)
+        assert other["tokens"] == ref["tokens"], rows
+        # the path taken shows in the op count: the keys and the values dequantized (two ops) and the
+        # keys transposed where the quantized matmuls took three arrays each (grouped-query heads:
+        # each expanded, six ops): one op fewer an attention
+        assert other["ops"] < ref["ops"], (rows, other["ops"], ref["ops"])
 
 
 def test_the_dequant_threshold_applies_to_batched_decode_and_is_read_per_request(monkeypatch):

@@ -586,6 +586,10 @@ impl ModelFacts {
     ///   MLP's three matrices in the activation dtype, 3·intermediate·hidden·a (float32 where
     ///   `dequant_float32`: 4 bytes for a)
     ///
+    /// - a quantized KV cache (`kv_bits`) of a float32 model on the CPU dequantized for a prefill
+    ///   chunk of at least `dequant_rows` tokens: one layer's keys and values in float32,
+    ///   slots(ctx)·kv_elems·4
+    ///
     /// and once:
     /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
     ///   kv(ctx) / layers
@@ -615,10 +619,19 @@ impl ModelFacts {
         } else {
             0.0
         };
+        // a quantized cache dequantized for the chunk's attention (float32 activations on the CPU,
+        // models/layers.rs `dequant_kv`): one layer's keys and values in float32
+        let kv_dequant = if kv_bits.is_some() && o.dequant_float32 && self.act_bytes == 4 && p as u64 >= o.dequant_rows
+        {
+            (ctx.div_ceil(KV_STEP) * KV_STEP) as f64 * self.kv_bytes_per_token_layer(None, group)
+        } else {
+            0.0
+        };
         let layers = o.layers_in_flight.clamp(1, self.num_layers.max(1)) as f64;
         let regrow = self.kv_cache_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
         let logits = 2.0 * self.vocab_size as f64 * 4.0;
-        ((layers * (hidden + qkv + scores + mlp + dequant) + regrow + logits) * TRANSIENT_SLACK).ceil() as u64
+        ((layers * (hidden + qkv + scores + mlp + dequant + kv_dequant) + regrow + logits) * TRANSIENT_SLACK).ceil()
+            as u64
             + self.media_transient_bytes.max(self.audio_transient_bytes)
     }
 

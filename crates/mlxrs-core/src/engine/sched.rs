@@ -1363,7 +1363,13 @@ mod tests {
         }
         sched.admit();
         assert_eq!(sched.running.len(), ps.len());
-        let mut checked = 0;
+        // A quantized cache rounds each key and value to a level: a row whose projections ran batched
+        // (another summation order, ~1e-7) can land one level away from its alone run, which moves its
+        // logits by up to a few 1e-3 of their scale (measured 3.5e-3 for 8 bits) — rare, so most rows
+        // still match to float32 rounding, and a batching mistake (a wrong mask or position) moves
+        // every batched row by far more.
+        let flip_slack = if opts.kv_bits.is_some() { 3000.0 } else { 1.0 };
+        let (mut checked, mut tight) = (0, 0);
         while let Some((rows, logits)) = sched.prefill_step().unwrap() {
             let n = logits.dim(1);
             assert!(n <= opts.prefill_step_size && (rows.len() == 1 || rows.len() * n as usize <= budget));
@@ -1380,14 +1386,16 @@ mod tests {
                 let want = alone_prefill_logits(&*model, &s.req.prompt[..s.req.prompt.len() - 1], &opts);
                 let d = max_diff(&got, &want);
                 assert!(
-                    d <= tol(&want),
+                    d <= tol(&want) * flip_slack,
                     "prompt {i} ({} tokens): last prefill logits differ by {d}",
                     s.req.prompt.len()
                 );
+                tight += usize::from(d <= tol(&want));
                 checked += 1;
             }
         }
-        assert_eq!(checked, ps.iter().filter(|p| p.len() > 1).count());
+        let prefilled = ps.iter().filter(|p| p.len() > 1).count();
+        assert_eq!(checked, prefilled);
         // every row decodes next: its first decode logits from the cache batched prefill left
         for s in sched.running.iter_mut() {
             assert!(s.decoding());
@@ -1396,8 +1404,15 @@ mod tests {
             let got = l.to_vec::<f32>().unwrap();
             let want = last_logits(&*model, &s.req.prompt, &opts, None).unwrap();
             let d = max_diff(&got, &want);
-            assert!(d <= tol(&want), "prompt of {} tokens: first decode logits differ by {d}", s.req.prompt.len());
+            tight += usize::from(d <= tol(&want));
+            assert!(
+                d <= tol(&want) * flip_slack,
+                "prompt of {} tokens: first decode logits differ by {d}",
+                s.req.prompt.len()
+            );
         }
+        let compared = prefilled + sched.running.len();
+        assert!(tight * 4 >= compared * 3, "only {tight} of {compared} comparisons within float32 rounding");
         let (steps, rows) = (stats.prefill_steps.load(Ordering::Relaxed), stats.prefill_rows.load(Ordering::Relaxed));
         let most = stats.prefill_max_rows.load(Ordering::Relaxed);
         assert!(steps > 0 && rows >= steps && most as usize <= ps.len());

@@ -1602,6 +1602,20 @@ pub fn attend_fetched(q: &Array, fetched: &Fetched, scale: f32, mask: &Mask, sin
     }
 }
 
+/// Whether [`quantized_sdpa`] dequantizes the cache for `rows` float32 queries: on the CPU, from
+/// [`dequant_rows`] rows on (a prefill chunk), the keys and values dequantized to float32 (exact: the
+/// cache's scales and biases are float32 there) and MLX's BLAS-backed matmul instead of its CPU
+/// quantized matmul — the same values up to float32 summation order, at one layer's float32 keys and
+/// values of transient memory (`plan.rs` counts it); a 3000-token prompt into an 8-bit cache
+/// prefilled ~3× faster (bench/RESULTS.md). Decode steps keep the quantized matmul (it reads a
+/// quarter of the bytes). bfloat16 queries keep MLX's path too (mlx-lm's rounding, which the parity
+/// tests compare with bit for bit).
+fn dequant_kv(q: &Array, rows: i32, spec: QuantSpec) -> bool {
+    backend().dequant_float32()
+        && q.dtype() == Dtype::Float32
+        && usize::try_from(rows).is_ok_and(|r| r >= dequant_rows(spec.bits))
+}
+
 /// mlx-lm's quantized_scaled_dot_product_attention.
 fn quantized_sdpa(
     q: &Array,
@@ -1616,6 +1630,17 @@ fn quantized_sdpa(
     let nkv = k[0].dim(-3);
     let rep = nq / nkv;
     let mut q = mx::multiply(q, &mx::scalar_as(scale as f64, q.dtype())?)?;
+    // the cache's keys and values as float32 arrays (`dequant_kv`), or their packed triples
+    let deq = |t: &[Array; 3]| -> Result<Array> {
+        let a = mx::dequantize(&t[0], &t[1], Some(&t[2]), spec.group_size, spec.bits, spec.mode)?;
+        if a.dtype() == Dtype::Float32 {
+            Ok(a)
+        } else {
+            mx::astype(&a, Dtype::Float32)
+        }
+    };
+    let (k, v): (Vec<Array>, Vec<Array>) =
+        if dequant_kv(&q, l, spec) { (vec![deq(k)?], vec![deq(v)?]) } else { (k.to_vec(), v.to_vec()) };
     let (kk, vv): (Vec<Array>, Vec<Array>) = if rep > 1 {
         q = mx::reshape(&q, &[b, nkv, rep, l, d])?;
         (
@@ -1623,10 +1648,12 @@ fn quantized_sdpa(
             v.iter().map(|a| mx::expand_dims(a, -3)).collect::<Result<_>>()?,
         )
     } else {
-        (k.to_vec(), v.to_vec())
+        (k, v)
     };
-    let mut scores =
-        mx::quantized_matmul(&q, &kk[0], &kk[1], Some(&kk[2]), true, spec.group_size, spec.bits, spec.mode)?;
+    let mut scores = match kk.as_slice() {
+        [kd] => mx::matmul(&q, &mx::swapaxes(kd, -1, -2)?)?,
+        _ => mx::quantized_matmul(&q, &kk[0], &kk[1], Some(&kk[2]), true, spec.group_size, spec.bits, spec.mode)?,
+    };
     match mask {
         Mask::None => {}
         Mask::Causal => {
@@ -1640,7 +1667,10 @@ fn quantized_sdpa(
         Mask::Array(m) => scores = mask_fill(&scores, m)?,
     }
     let probs = mx::softmax(&scores, &[-1], true)?;
-    let out = mx::quantized_matmul(&probs, &vv[0], &vv[1], Some(&vv[2]), false, spec.group_size, spec.bits, spec.mode)?;
+    let out = match vv.as_slice() {
+        [vd] => mx::matmul(&probs, vd)?,
+        _ => mx::quantized_matmul(&probs, &vv[0], &vv[1], Some(&vv[2]), false, spec.group_size, spec.bits, spec.mode)?,
+    };
     if rep > 1 {
         mx::reshape(&out, &[b, nq, l, d])
     } else {
