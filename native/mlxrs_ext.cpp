@@ -69,6 +69,46 @@ struct mlxrs_host_packed_args {
 };
 typedef void (*mlxrs_host_packed_kernel)(const mlxrs_host_packed_args* args);
 
+/* y = x · Wᵀ for W in 16-bit floats (u16 w [rows, cols], wdtype 0 bfloat16, 1 float16), x [n, cols]
+   and y [n, rows] float32, all row-major; gemm 1: through the BLAS (prefill), 0: W read in place (a
+   decode step's rows): mlxrs's kernel (crates/mlxrs-core/src/handle/half.rs),
+   called with these fields (crates/mlxrs-sys's HostHalfArgs, field for field). */
+struct mlxrs_host_half_args {
+  const uint16_t* w;
+  int wdtype;
+  size_t rows;
+  size_t cols;
+  const float* x;
+  size_t n;
+  float* y;
+  int gemm;
+};
+typedef void (*mlxrs_host_half_kernel)(const mlxrs_host_half_args* args);
+
+/* softmax(scale · q kᵀ (+ causal mask)) v for 16-bit floats (dtype 0 bfloat16, 1 float16), rounded
+   where MLX's CPU fallback of fast::scaled_dot_product_attention rounds (the scaled queries, the
+   scores, the probabilities, the output): q [b, heads, lq, d], k [b, kv_heads, lk, d], v [b, kv_heads,
+   lk, dv], out [b, heads, lq, dv], all row-major; causal: query i sees keys up to lk - lq + i.
+   mlxrs's kernel (crates/mlxrs-core/src/handle/half.rs), called with these fields (crates/mlxrs-sys's
+   HostHalfAttnArgs, field for field). */
+struct mlxrs_host_half_attn_args {
+  const uint16_t* q;
+  const uint16_t* k;
+  const uint16_t* v;
+  uint16_t* out;
+  int dtype;
+  int causal;
+  float scale;
+  size_t b;
+  size_t heads;
+  size_t kv_heads;
+  size_t lq;
+  size_t lk;
+  size_t d;
+  size_t dv;
+};
+typedef void (*mlxrs_host_half_attn_kernel)(const mlxrs_host_half_attn_args* args);
+
 /* Runs body(ctx, begin, end) over ranges covering [0, items) (each at least `grain` long, but for
    the last) on the caller's thread and the caller's workers, returning when all have; body must not
    throw. mlxrs passes its host kernels' parked threads (crates/mlxrs-core/src/handle/host.rs) through
@@ -258,6 +298,78 @@ class HostPackedMatmul : public HostPrimitive {
  private:
   int bits_;
   mlxrs_host_packed_kernel kernel_;
+};
+
+/* The host matmul for a matrix of 16-bit floats: inputs x and w. */
+class HostHalfMatmul : public HostPrimitive {
+ public:
+  HostHalfMatmul(Stream stream, bool gemm, mlxrs_host_half_kernel kernel)
+      : HostPrimitive(stream, "MlxrsHostHalfMatmul", "mlxrs_host_half_matmul"), gemm_(gemm), kernel_(kernel) {}
+
+ protected:
+  std::function<void()> task(const std::vector<array>& inputs, array& out) const override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    size_t rows = w.shape(0), cols = w.shape(1), n = x.size() / cols;
+    const mlxrs_host_half_args args{
+        w.data<uint16_t>(),
+        w.dtype() == bfloat16 ? 0 : 1,
+        rows,
+        cols,
+        x.data<float>(),
+        n,
+        out.data<float>(),
+        gemm_ ? 1 : 0};
+    return [kernel = kernel_, args]() { kernel(&args); };
+  }
+  std::pair<const void*, double> key() const override {
+    return {reinterpret_cast<const void*>(kernel_), gemm_ ? 1.0 : 0.0};
+  }
+
+ private:
+  bool gemm_;
+  mlxrs_host_half_kernel kernel_;
+};
+
+/* The host attention for 16-bit floats: inputs q, k, v. */
+class HostHalfAttention : public HostPrimitive {
+ public:
+  HostHalfAttention(Stream stream, float scale, bool causal, mlxrs_host_half_attn_kernel kernel)
+      : HostPrimitive(stream, "MlxrsHostHalfAttention", "mlxrs_host_half_attention"),
+        scale_(scale),
+        causal_(causal),
+        kernel_(kernel) {}
+
+ protected:
+  std::function<void()> task(const std::vector<array>& inputs, array& out) const override {
+    const array& q = inputs[0];
+    const array& k = inputs[1];
+    const array& v = inputs[2];
+    const mlxrs_host_half_attn_args args{
+        q.data<uint16_t>(),
+        k.data<uint16_t>(),
+        v.data<uint16_t>(),
+        out.data<uint16_t>(),
+        q.dtype() == bfloat16 ? 0 : 1,
+        causal_ ? 1 : 0,
+        scale_,
+        (size_t)q.shape(0),
+        (size_t)q.shape(1),
+        (size_t)k.shape(1),
+        (size_t)q.shape(2),
+        (size_t)k.shape(2),
+        (size_t)q.shape(3),
+        (size_t)v.shape(3)};
+    return [kernel = kernel_, args]() { kernel(&args); };
+  }
+  std::pair<const void*, double> key() const override {
+    return {reinterpret_cast<const void*>(kernel_), (double)scale_ * (causal_ ? 1.0 : -1.0)};
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+  mlxrs_host_half_attn_kernel kernel_;
 };
 
 /* A row's keys and values for RowsDecodeAttention: [1, kv_heads, len, D] views, strides in elements. */
@@ -577,6 +689,67 @@ int mlxrs_host_packed_matmul(
     }
     set_host_product(
         res, xa, wa.shape(0), std::make_shared<HostPackedMatmul>(st, bits, kernel), {xa, wa, sa, ba}, st);
+  });
+}
+
+/* x · Wᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols] float32,
+   W [rows, cols] bfloat16 or float16; the result [..., rows] float32; gemm: through the BLAS. */
+int mlxrs_host_half_matmul(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_array w,
+    bool gemm,
+    mlxrs_host_half_kernel kernel,
+    const mlx_stream s) {
+  return guarded([&] {
+    auto st = mlx_stream_get_(s);
+    const array& xa = mlx_array_get_(x);
+    const array& wa = mlx_array_get_(w);
+    if (kernel == nullptr || xa.dtype() != float32 || (wa.dtype() != bfloat16 && wa.dtype() != float16) ||
+        wa.ndim() != 2 || xa.ndim() < 1 || xa.shape(-1) != wa.shape(1) || st.device != Device::cpu) {
+      throw std::invalid_argument(
+          "[mlxrs_host_half_matmul] needs float32 x [..., k] and bfloat16 or float16 W [n, k] on a CPU stream");
+    }
+    set_host_product(res, xa, wa.shape(0), std::make_shared<HostHalfMatmul>(st, gemm, kernel), {xa, wa}, st);
+  });
+}
+
+/* softmax(scale · q kᵀ (+ causal mask)) v through `kernel` as one op of the graph on stream s (a CPU
+   stream): q [B, heads, Lq, D], k [B, kv_heads, Lk, D], v [B, kv_heads, Lk, Dv] of one 16-bit float
+   type (heads a multiple of kv_heads; causal: Lq <= Lk); the result [B, heads, Lq, Dv] of that type. */
+int mlxrs_host_half_attention(
+    mlx_array* res,
+    const mlx_array q,
+    const mlx_array k,
+    const mlx_array v,
+    float scale,
+    bool causal,
+    mlxrs_host_half_attn_kernel kernel,
+    const mlx_stream s) {
+  return guarded([&] {
+    auto st = mlx_stream_get_(s);
+    const array& qa = mlx_array_get_(q);
+    const array& ka = mlx_array_get_(k);
+    const array& va = mlx_array_get_(v);
+    const auto dt = qa.dtype();
+    if (kernel == nullptr || (dt != bfloat16 && dt != float16) || ka.dtype() != dt || va.dtype() != dt ||
+        qa.ndim() != 4 || ka.ndim() != 4 || va.ndim() != 4 || ka.shape(0) != qa.shape(0) ||
+        va.shape(0) != qa.shape(0) || va.shape(1) != ka.shape(1) || ka.shape(1) < 1 ||
+        qa.shape(1) % ka.shape(1) != 0 || ka.shape(3) != qa.shape(3) || va.shape(2) != ka.shape(2) ||
+        (causal && qa.shape(2) > ka.shape(2)) || st.device != Device::cpu) {
+      throw std::invalid_argument(
+          "[mlxrs_host_half_attention] needs q [B, heads, Lq, D], k [B, kv_heads, Lk, D] and v [B, kv_heads, Lk, Dv] "
+          "of one 16-bit float type (heads a multiple of kv_heads; Lq <= Lk when causal) on a CPU stream");
+    }
+    Shape shape = qa.shape();
+    shape.back() = va.shape(3);
+    mlx_array_set_(
+        *res,
+        array(
+            std::move(shape),
+            dt,
+            std::make_shared<HostHalfAttention>(st, scale, causal, kernel),
+            {contiguous(qa, false, st), contiguous(ka, false, st), contiguous(va, false, st)}));
   });
 }
 

@@ -589,6 +589,10 @@ impl ModelFacts {
     /// - a quantized KV cache (`kv_bits`) of a float32 model on the CPU dequantized for a prefill
     ///   chunk of at least `dequant_rows` tokens: one layer's keys and values in float32,
     ///   slots(ctx)·kv_elems·4
+    /// - a 16-bit model on the CPU (the host ops of `handle/half.rs`): a projection's input and
+    ///   product in float32, P·(hidden + intermediate)·4, one float32 tile of a weight
+    ///   (`HALF_TILE_BYTES`), one kv head's keys and values in float32, slots(ctx)·2·head_dim·4, and a
+    ///   pass's scores (at most `HALF_ATTN_SCRATCH_BYTES`)
     ///
     /// and once:
     /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
@@ -627,11 +631,25 @@ impl ModelFacts {
         } else {
             0.0
         };
+        // 16-bit weights on the CPU (models/layers.rs `host_half`, models/sdpa.rs `cpu_half_prompt`): the
+        // host ops' float32 copies
+        let half_host = if o.dequant_float32 && self.act_bytes == 2 {
+            let slots = (ctx.div_ceil(KV_STEP) * KV_STEP) as f64;
+            let scores =
+                (self.num_heads as f64 * p * ctx as f64 * 4.0).min(crate::handle::HALF_ATTN_SCRATCH_BYTES as f64);
+            p * (self.hidden_size + self.intermediate_size) as f64 * 4.0
+                + crate::handle::HALF_TILE_BYTES as f64
+                + slots * 2.0 * self.head_dim as f64 * 4.0
+                + scores
+        } else {
+            0.0
+        };
         let layers = o.layers_in_flight.clamp(1, self.num_layers.max(1)) as f64;
         let regrow = self.kv_cache_bytes(ctx, kv_bits, group) as f64 / self.num_layers.max(1) as f64;
         let logits = 2.0 * self.vocab_size as f64 * 4.0;
-        ((layers * (hidden + qkv + scores + mlp + dequant + kv_dequant) + regrow + logits) * TRANSIENT_SLACK).ceil()
-            as u64
+        ((layers * (hidden + qkv + scores + mlp + dequant + kv_dequant + half_host) + regrow + logits)
+            * TRANSIENT_SLACK)
+            .ceil() as u64
             + self.media_transient_bytes.max(self.audio_transient_bytes)
     }
 

@@ -109,6 +109,32 @@ pub struct ExtraApi {
             s: mlx_stream,
         ) -> c_int,
     >,
+    /// native/mlxrs_ext.cpp: `x · Wᵀ` (float32 x and product; W bfloat16 or float16) through the
+    /// caller's host kernel, as one op of MLX's graph on a CPU stream; `gemm`: through the BLAS.
+    pub mlxrs_host_half_matmul: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_array,
+            x: mlx_array,
+            w: mlx_array,
+            gemm: bool,
+            kernel: HostHalfKernel,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
+    /// native/mlxrs_ext.cpp: `softmax(scale · q kᵀ (+ causal mask)) v` for 16-bit floats through the
+    /// caller's host kernel, as one op of MLX's graph on a CPU stream.
+    pub mlxrs_host_half_attention: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_array,
+            q: mlx_array,
+            k: mlx_array,
+            v: mlx_array,
+            scale: f32,
+            causal: bool,
+            kernel: HostHalfAttnKernel,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
     /// native/mlxrs_ext.cpp: one decode step's attention for rows with caches of their own (float32,
     /// CPU stream): queries `[B, heads, 1, D]`, keys and values of each row in turn.
     pub mlxrs_rows_decode_attention: Option<
@@ -178,6 +204,51 @@ pub struct HostPackedArgs {
 /// The kernel [`ExtraApi::mlxrs_host_packed_matmul`] calls on MLX's CPU thread.
 pub type HostPackedKernel = unsafe extern "C" fn(args: *const HostPackedArgs);
 
+/// What [`ExtraApi::mlxrs_host_half_matmul`]'s kernel computes (native/mlxrs_ext.cpp's
+/// `mlxrs_host_half_args`, field for field): `y [n, rows] = x [n, cols] · Wᵀ`, `w` `[rows, cols]` 16-bit
+/// floats of type `wdtype` (0 bfloat16, 1 float16), `x` and `y` float32, all row-major; `gemm` 1:
+/// through the BLAS, 0: W read in place.
+#[repr(C)]
+pub struct HostHalfArgs {
+    pub w: *const u16,
+    pub wdtype: c_int,
+    pub rows: usize,
+    pub cols: usize,
+    pub x: *const f32,
+    pub n: usize,
+    pub y: *mut f32,
+    pub gemm: c_int,
+}
+
+/// The kernel [`ExtraApi::mlxrs_host_half_matmul`] calls on MLX's CPU thread.
+pub type HostHalfKernel = unsafe extern "C" fn(args: *const HostHalfArgs);
+
+/// What [`ExtraApi::mlxrs_host_half_attention`]'s kernel computes (native/mlxrs_ext.cpp's
+/// `mlxrs_host_half_attn_args`, field for field): `out [b, heads, lq, dv] = softmax(scale · q kᵀ (+
+/// causal mask)) v` for `q` `[b, heads, lq, d]`, `k` `[b, kv_heads, lk, d]`, `v` `[b, kv_heads, lk, dv]`,
+/// all row-major 16-bit floats of type `dtype` (0 bfloat16, 1 float16); `causal` 1: query i sees keys
+/// up to `lk - lq + i`.
+#[repr(C)]
+pub struct HostHalfAttnArgs {
+    pub q: *const u16,
+    pub k: *const u16,
+    pub v: *const u16,
+    pub out: *mut u16,
+    pub dtype: c_int,
+    pub causal: c_int,
+    pub scale: f32,
+    pub b: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub lq: usize,
+    pub lk: usize,
+    pub d: usize,
+    pub dv: usize,
+}
+
+/// The kernel [`ExtraApi::mlxrs_host_half_attention`] calls on MLX's CPU thread.
+pub type HostHalfAttnKernel = unsafe extern "C" fn(args: *const HostHalfAttnArgs);
+
 impl ExtraApi {
     unsafe fn resolve(lib: &libloading::Library) -> Result<Self, String> {
         // SAFETY: the symbol types match mlx-c's declarations in error.h and closure.h.
@@ -199,6 +270,8 @@ impl ExtraApi {
                 mlxrs_host_matmul: lib.get(b"mlxrs_host_matmul\0").ok().map(|s| *s),
                 mlxrs_host_blocks_matmul: lib.get(b"mlxrs_host_blocks_matmul\0").ok().map(|s| *s),
                 mlxrs_host_packed_matmul: lib.get(b"mlxrs_host_packed_matmul\0").ok().map(|s| *s),
+                mlxrs_host_half_matmul: lib.get(b"mlxrs_host_half_matmul\0").ok().map(|s| *s),
+                mlxrs_host_half_attention: lib.get(b"mlxrs_host_half_attention\0").ok().map(|s| *s),
                 mlxrs_rows_decode_attention: lib.get(b"mlxrs_rows_decode_attention\0").ok().map(|s| *s),
                 mlxrs_set_parallel_for: lib.get(b"mlxrs_set_parallel_for\0").ok().map(|s| *s),
             })
@@ -224,6 +297,53 @@ pub fn api() -> &'static Api {
 /// Function-pointer entry points (error handler, closures).
 pub fn extra() -> &'static ExtraApi {
     &LOADED.get().expect("mlx runtime not loaded: call mlxrs_sys::load() first").extra
+}
+
+/// The BLAS's row-major/column-major single-precision matrix product, as CBLAS declares it:
+/// `(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)`, order 101 row-major,
+/// transposes 111 none / 112 transposed.
+pub type Sgemm = unsafe extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    f32,
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    f32,
+    *mut f32,
+    c_int,
+) -> ();
+
+/// `cblas_sgemm` as the process resolves it for MLX (libmlxrs_blas's router where it is loaded, else
+/// the BLAS MLX's CPU backend calls), looked up until found (then kept); None where no library in the
+/// process defines it yet (no BLAS loaded globally).
+pub fn cblas_sgemm() -> Option<Sgemm> {
+    static SGEMM: OnceLock<Sgemm> = OnceLock::new();
+    if let Some(f) = SGEMM.get() {
+        return Some(*f);
+    }
+    #[cfg(unix)]
+    {
+        // SAFETY: looking a symbol up in the process's global scope runs no code; the symbol is
+        // CBLAS's cblas_sgemm, whose C signature `Sgemm` spells out; the libraries defining it stay
+        // loaded for the life of the process (the loader never closes them)
+        let f = unsafe {
+            let this = libloading::os::unix::Library::this();
+            let f = this.get::<Sgemm>(b"cblas_sgemm\0").ok().map(|s| *s);
+            std::mem::forget(this);
+            f
+        }?;
+        Some(*SGEMM.get_or_init(|| f))
+    }
+    #[cfg(not(unix))]
+    {
+        None
+    }
 }
 
 /// The loaded runtime, if any.

@@ -1,4 +1,5 @@
-//! What the host CPU kernels beside MLX share ([`super::blocks`], [`super::packed`], [`super::f32mm`]):
+//! What the host CPU kernels beside MLX share ([`super::blocks`], [`super::packed`], [`super::half`],
+//! [`super::f32mm`]):
 //! which x86 instruction set to compile a kernel's copy for, the walk that splits W's rows over
 //! threads and hands back `[n, rows]` outputs, and the quantized kernels' row walk, bias term and x86
 //! block ([`QuantRows`], [`x86_quant_block`]).
@@ -29,7 +30,10 @@ pub(super) fn detect() -> Isa {
         {
             return Isa::Avx512;
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
             return Isa::Avx2;
         }
     }
@@ -181,7 +185,7 @@ macro_rules! x86_quant_block {
         super::host::x86_quant_block!(
             $name,
             $m,
-            "avx2,fma",
+            "avx2,fma,f16c",
             8,
             $values,
             _mm256_setzero_ps,
@@ -486,7 +490,10 @@ pub(super) mod testing {
         let mut isas = vec![("generic", Isa::Generic)];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
                 isas.push(("avx2", Isa::Avx2));
             }
             if matches!(detect(), Isa::Avx512) {

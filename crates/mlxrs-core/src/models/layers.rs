@@ -162,10 +162,16 @@ impl Linear {
             let part = |a: &Array| mx::slice_axis(a, 0, lo, lo + n);
             let y = match self {
                 Linear::Dense { w, b, .. } => {
-                    let wt = mx::transpose(&part(w)?)?;
-                    match b {
-                        Some(b) => mx::addmm(&part(b)?, x, &wt, 1.0, 1.0)?,
-                        None => mx::matmul(x, &wt)?,
+                    let (wp, bp) = (part(w)?, b.as_ref().map(part).transpose()?);
+                    match host_half(x, &wp, bp.as_ref())? {
+                        Some(y) => y,
+                        None => {
+                            let wt = mx::transpose(&wp)?;
+                            match bp {
+                                Some(b) => mx::addmm(&b, x, &wt, 1.0, 1.0)?,
+                                None => mx::matmul(x, &wt)?,
+                            }
+                        }
                     }
                 }
                 Linear::Quant { w, scales, biases, b, q } => {
@@ -204,6 +210,9 @@ impl Linear {
                         Some(b) => mx::add(&y, b),
                         None => Ok(y),
                     };
+                }
+                if let Some(y) = host_half(x, w, b.as_ref())? {
+                    return Ok(y);
                 }
                 match b {
                     Some(b) => mx::addmm(b, x, wt, 1.0, 1.0),
@@ -321,6 +330,49 @@ fn rows_op(q: &Array, fetched: &[Fetched], scale: f32) -> Result<Option<Array>> 
 /// `0`: a CPU decode step's per-row attention runs as MLX's ops per row (the reference path);
 /// otherwise as one op for all rows ([`mx::rows_decode_attention`]). Read at each step.
 pub const CPU_ROWS_ATTENTION_ENV: &str = "MLXRS_CPU_ROWS_ATTENTION";
+
+/// `0`: a bfloat16 or float16 model on the CPU backend runs its projections and its prompts'
+/// attention as MLX's ops (its half-precision CPU matmul: a bfloat16 model prefilled ~20× and decoded
+/// ~5× slower than its float32 copy); otherwise through [`mx::host_half_matmul`] ([`host_half`]) and
+/// [`mx::host_half_attention`] (`sdpa::attention`). Read at each call.
+pub const CPU_HALF_ENV: &str = "MLXRS_CPU_HALF";
+
+/// Whether 16-bit float products run on the host ops here: the CPU backend, [`CPU_HALF_ENV`] not `0`.
+pub fn cpu_half() -> bool {
+    !on_gpu() && !std::env::var(CPU_HALF_ENV).is_ok_and(|v| v.trim() == "0")
+}
+
+/// `x Wᵀ + b` for a W of 16-bit floats on the CPU backend through the host op
+/// ([`mx::host_half_matmul`]: W widened inside the op, a decode step's rows reading it in place,
+/// anything else through float32 tiles and the BLAS), x taken in float32 and the product (plus the
+/// bias, in float32) rounded once to x's dtype — as MLX's matmul and addmm round their float
+/// accumulators, the sums in another order. x of W's dtype or float32 (the product's dtype is x's
+/// then, as MLX promotes). None elsewhere: a GPU, other dtypes, [`CPU_HALF_ENV`] `0`, a libmlxc
+/// without the op.
+fn host_half(x: &Array, w: &Array, b: Option<&Array>) -> Result<Option<Array>> {
+    if !cpu_half() {
+        return Ok(None);
+    }
+    let f32 = Dtype::Float32;
+    if !matches!(w.dtype(), Dtype::Bfloat16 | Dtype::Float16)
+        || w.ndim() != 2
+        || !(x.dtype() == w.dtype() || x.dtype() == f32)
+        || b.is_some_and(|b| b.ndim() != 1 || b.dim(0) != w.dim(0))
+    {
+        return Ok(None);
+    }
+    let xf = if x.dtype() == f32 { x.clone() } else { mx::astype(x, f32)? };
+    let Some(y) = mx::host_half_matmul(&xf, w)? else { return Ok(None) };
+    let y = match b {
+        Some(b) => mx::add(&y, &mx::astype(b, f32)?)?,
+        None => y,
+    };
+    if x.dtype() == f32 {
+        Ok(Some(y))
+    } else {
+        mx::astype(&y, x.dtype()).map(Some)
+    }
+}
 
 /// `0`: a float32 projection of a batched decode step of 2 to [`mx::GRAPH_MAX_ROWS`] rows, or of a
 /// short prompt of 2 to [`mx::SMALL_MAX_ROWS`] tokens, on the CPU backend runs as MLX's matmul (the
@@ -736,6 +788,9 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
             Embedding::Dense { w, wt, .. } => {
+                if let Some(y) = host_half(x, w, None)? {
+                    return Ok(y);
+                }
                 match super::qmv::qmv(x, super::qmv::Weight::Dense(w), Epilogue::Plain, None, None)? {
                     Some(y) => Ok(y),
                     None => mx::matmul(x, wt),

@@ -135,7 +135,41 @@ pub fn attention(
     if write_out(q, k, v, &mask, sinks) {
         return unfused(q, k, v, scale, &mask);
     }
+    if let Some(out) = cpu_half_prompt(q, k, v, scale, &mask, sinks)? {
+        return Ok(out);
+    }
     mx::scaled_dot_product_attention(q, k, v, scale, mask, sinks)
+}
+
+/// A prompt's attention (more than one query) over 16-bit floats on the CPU through the host op
+/// ([`mx::host_half_attention`]: MLX's fallback's rounding points, each product an exact float32 sum
+/// through the BLAS, a bounded transient) where MLX's half-precision CPU matmul would run it:
+/// `layers::cpu_half`, no sinks, no mask or the causal one. None elsewhere (decode steps keep MLX's:
+/// one query, and the op would widen the whole cache per step).
+fn cpu_half_prompt(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &AttnMask<'_>,
+    sinks: Option<&Array>,
+) -> Result<Option<Array>> {
+    let causal = match mask {
+        AttnMask::None => false,
+        AttnMask::Causal => true,
+        AttnMask::Array(_) => return Ok(None),
+    };
+    if sinks.is_some()
+        || q.ndim() != 4
+        || q.dim(2) < 2
+        || !matches!(q.dtype(), Dtype::Bfloat16 | Dtype::Float16)
+        || k.dtype() != q.dtype()
+        || v.dtype() != q.dtype()
+        || !super::layers::cpu_half()
+    {
+        return Ok(None);
+    }
+    mx::host_half_attention(q, k, v, scale, causal)
 }
 
 /// [`attention`] with the cache's mask kind.
