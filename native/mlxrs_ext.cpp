@@ -70,18 +70,19 @@ struct mlxrs_host_packed_args {
 typedef void (*mlxrs_host_packed_kernel)(const mlxrs_host_packed_args* args);
 
 /* y = x · Wᵀ for W in 16-bit floats (u16 w [rows, cols], wdtype 0 bfloat16, 1 float16), x [n, cols]
-   and y [n, rows] float32, all row-major; gemm 1: through the BLAS (prefill), 0: W read in place (a
-   decode step's rows): mlxrs's kernel (crates/mlxrs-core/src/handle/half.rs),
+   and y [n, rows] float32 — or both of W's type where x16 (the product rounded once) — all row-major;
+   gemm 1: through the BLAS (prefill), 0: W read in place (a decode step's rows): mlxrs's kernel (crates/mlxrs-core/src/handle/half.rs),
    called with these fields (crates/mlxrs-sys's HostHalfArgs, field for field). */
 struct mlxrs_host_half_args {
   const uint16_t* w;
   int wdtype;
   size_t rows;
   size_t cols;
-  const float* x;
+  const void* x;
   size_t n;
-  float* y;
+  void* y;
   int gemm;
+  int x16;
 };
 typedef void (*mlxrs_host_half_kernel)(const mlxrs_host_half_args* args);
 
@@ -316,10 +317,11 @@ class HostHalfMatmul : public HostPrimitive {
         w.dtype() == bfloat16 ? 0 : 1,
         rows,
         cols,
-        x.data<float>(),
+        x.data<void>(),
         n,
-        out.data<float>(),
-        gemm_ ? 1 : 0};
+        out.data<void>(),
+        gemm_ ? 1 : 0,
+        x.dtype() == float32 ? 0 : 1};
     return [kernel = kernel_, args]() { kernel(&args); };
   }
   std::pair<const void*, double> key() const override {
@@ -372,13 +374,37 @@ class HostHalfAttention : public HostPrimitive {
   mlxrs_host_half_attn_kernel kernel_;
 };
 
-/* A row's keys and values for RowsDecodeAttention: [1, kv_heads, len, D] views, strides in elements. */
+/* A row's keys and values for RowsDecodeAttention: [1, kv_heads, len, D] views (float32, or bfloat16
+   bits), strides in elements. */
 struct AttnRow {
-  const float* k;
-  const float* v;
+  const void* k;
+  const void* v;
   int64_t ks1, ks2, ks3, vs1, vs2, vs3;
   int len;
 };
+
+/* bfloat16 bits as float32 (exact). */
+static inline float bf16_value(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* f rounded to bfloat16 (to nearest, ties to even, as MLX converts), as bits. */
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    return (uint16_t)((u >> 16) | 0x40u); // NaN stays NaN
+  }
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* f rounded to bfloat16, as float32. */
+static inline float bf16_round(float f) {
+  return bf16_value(bf16_bits(f));
+}
 
 /* Built for AVX-512 and AVX2 with FMA besides the baseline where GCC can pick at load time (an ifunc:
    Linux on x86-64): the baseline build (SSE2) ran a 16-row, 256-key layer at ~18 GB/s. */
@@ -400,8 +426,8 @@ MLXRS_CLONES static void attend_range(const AttnRow* rows, const float* qp, floa
     for (int d = 0; d < D; d++) {
       qs[d] = qi[d] * scale;
     }
-    const float* kb = r.k + (h / rep) * r.ks1;
-    const float* vb = r.v + (h / rep) * r.vs1;
+    const float* kb = static_cast<const float*>(r.k) + (h / rep) * r.ks1;
+    const float* vb = static_cast<const float*>(r.v) + (h / rep) * r.vs1;
     p.resize(r.len);
     float m = -std::numeric_limits<float>::infinity();
     for (int j = 0; j < r.len; j++) {
@@ -457,6 +483,66 @@ MLXRS_CLONES static void attend_range(const AttnRow* rows, const float* qp, floa
   }
 }
 
+/* attend_range for bfloat16 rows, rounded where MLX's CPU fallback of fast::scaled_dot_product_attention
+   rounds a bfloat16 attention (the scale and the scaled queries, each score, each probability of a
+   float32 softmax, each output): the products exact float32 sums in another order than MLX's
+   half-precision matmul. */
+MLXRS_CLONES static void attend_range_bf16(const AttnRow* rows, const uint16_t* qp, uint16_t* op, int H, int D,
+                                           int kvh, float scale, int i0, int i1) {
+  const int rep = H / kvh;
+  const float sc = bf16_round(scale);
+  std::vector<float> qs(D), acc(D), p;
+  for (int i = i0; i < i1; i++) {
+    const int b = i / H, h = i % H;
+    const AttnRow& r = rows[b];
+    const uint16_t* qi = qp + (size_t)i * D;
+    for (int d = 0; d < D; d++) {
+      qs[d] = bf16_round(sc * bf16_value(qi[d]));
+    }
+    const uint16_t* kb = static_cast<const uint16_t*>(r.k) + (h / rep) * r.ks1;
+    const uint16_t* vb = static_cast<const uint16_t*>(r.v) + (h / rep) * r.vs1;
+    p.resize(r.len);
+    float m = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < r.len; j++) {
+      const uint16_t* kj = kb + j * r.ks2;
+      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const int full = D / 8 * 8;
+      for (int d = 0; d < full; d += 8) {
+        for (int u = 0; u < 8; u++) {
+          part[u] += qs[d + u] * bf16_value(kj[(d + u) * r.ks3]);
+        }
+      }
+      float s = 0.0f;
+      for (int u = 0; u < 8; u++) {
+        s += part[u];
+      }
+      for (int d = full; d < D; d++) {
+        s += qs[d] * bf16_value(kj[d * r.ks3]);
+      }
+      p[j] = bf16_round(s);
+      m = std::max(m, p[j]);
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < r.len; j++) {
+      p[j] = std::exp(p[j] - m);
+      sum += p[j];
+    }
+    const float inv = r.len > 0 ? 1.0f / sum : 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int j = 0; j < r.len; j++) {
+      const uint16_t* vj = vb + j * r.vs2;
+      const float w = bf16_round(p[j] * inv);
+      for (int d = 0; d < D; d++) {
+        acc[d] += w * bf16_value(vj[d * r.vs3]);
+      }
+    }
+    uint16_t* oi = op + (size_t)i * D;
+    for (int d = 0; d < D; d++) {
+      oi[d] = bf16_bits(acc[d]);
+    }
+  }
+}
+
 /* One decode step's attention for rows that each have their own cache: queries [B, heads, 1, D]
    and, per row b, keys and values [1, kv_heads, L_b, D] (views of the row's cache buffer: any
    strides but a unit last one). softmax(scale · q kᵀ) v over exactly the row's keys (a single query
@@ -478,8 +564,18 @@ class RowsDecodeAttention : public HostPrimitive {
       const array& k = inputs[1 + 2 * b];
       const array& v = inputs[2 + 2 * b];
       kvh = k.shape(1);
-      rows[b] = AttnRow{k.data<float>(), v.data<float>(), k.strides(1), k.strides(2),
+      rows[b] = AttnRow{k.data<void>(), v.data<void>(), k.strides(1), k.strides(2),
                     k.strides(3), v.strides(1), v.strides(2), v.strides(3), k.shape(2)};
+    }
+    if (q.dtype() == bfloat16) {
+      return [rows = std::move(rows), qp = q.data<uint16_t>(), op = out.data<uint16_t>(), B, H, D, kvh,
+              scale = scale_]() {
+        const int items = B * H;
+        auto work = [&](int i0, int i1) {
+          attend_range_bf16(rows.data(), qp, op, H, D, kvh, scale, i0, i1);
+        };
+        parallel_ranges(items, 8, work);
+      };
     }
     return [rows = std::move(rows), qp = q.data<float>(), op = out.data<float>(), B, H, D, kvh,
             scale = scale_]() {
@@ -519,14 +615,15 @@ void set_host_product(
     int rows,
     std::shared_ptr<Primitive> prim,
     const std::vector<array>& inputs,
-    const Stream& st) {
+    const Stream& st,
+    Dtype dtype = float32) {
   std::vector<array> cont;
   for (const auto& a : inputs) {
     cont.push_back(contiguous(a, false, st));
   }
   Shape shape = x.shape();
   shape.back() = rows;
-  mlx_array_set_(*res, array(std::move(shape), float32, std::move(prim), std::move(cont)));
+  mlx_array_set_(*res, array(std::move(shape), dtype, std::move(prim), std::move(cont)));
 }
 
 } // namespace
@@ -692,8 +789,9 @@ int mlxrs_host_packed_matmul(
   });
 }
 
-/* x · Wᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols] float32,
-   W [rows, cols] bfloat16 or float16; the result [..., rows] float32; gemm: through the BLAS. */
+/* x · Wᵀ through `kernel` as one op of the graph on stream s (a CPU stream): x [..., cols] float32 or
+   of W's type, W [rows, cols] bfloat16 or float16; the result [..., rows] of x's type; gemm: through
+   the BLAS. */
 int mlxrs_host_half_matmul(
     mlx_array* res,
     const mlx_array x,
@@ -705,12 +803,15 @@ int mlxrs_host_half_matmul(
     auto st = mlx_stream_get_(s);
     const array& xa = mlx_array_get_(x);
     const array& wa = mlx_array_get_(w);
-    if (kernel == nullptr || xa.dtype() != float32 || (wa.dtype() != bfloat16 && wa.dtype() != float16) ||
-        wa.ndim() != 2 || xa.ndim() < 1 || xa.shape(-1) != wa.shape(1) || st.device != Device::cpu) {
+    if (kernel == nullptr || (xa.dtype() != float32 && xa.dtype() != wa.dtype()) ||
+        (wa.dtype() != bfloat16 && wa.dtype() != float16) || wa.ndim() != 2 || xa.ndim() < 1 ||
+        xa.shape(-1) != wa.shape(1) || st.device != Device::cpu) {
       throw std::invalid_argument(
-          "[mlxrs_host_half_matmul] needs float32 x [..., k] and bfloat16 or float16 W [n, k] on a CPU stream");
+          "[mlxrs_host_half_matmul] needs x [..., k] float32 or of W's type and bfloat16 or float16 W [n, k] on a CPU "
+          "stream");
     }
-    set_host_product(res, xa, wa.shape(0), std::make_shared<HostHalfMatmul>(st, gemm, kernel), {xa, wa}, st);
+    set_host_product(
+        res, xa, wa.shape(0), std::make_shared<HostHalfMatmul>(st, gemm, kernel), {xa, wa}, st, xa.dtype());
   });
 }
 
@@ -765,20 +866,20 @@ int mlxrs_rows_decode_attention(
     auto st = mlx_stream_get_(s);
     const array& q = mlx_array_get_(queries);
     const std::vector<array>& kv = mlx_vector_array_get_(keys_values);
-    if (st.device != Device::cpu || q.dtype() != float32 || q.ndim() != 4 ||
+    if (st.device != Device::cpu || (q.dtype() != float32 && q.dtype() != bfloat16) || q.ndim() != 4 ||
         q.shape(2) != 1 || (int)kv.size() != 2 * q.shape(0)) {
       throw std::invalid_argument(
-          "[mlxrs_rows_decode_attention] needs float32 queries [B, heads, 1, D] and a key and a value array per row, on a CPU stream");
+          "[mlxrs_rows_decode_attention] needs float32 or bfloat16 queries [B, heads, 1, D] and a key and a value array per row, on a CPU stream");
     }
     std::vector<array> inputs{contiguous(q, false, st)};
     for (size_t i = 0; i < kv.size(); i++) {
       const array& a = kv[i];
       const array& k = kv[i - i % 2];
-      if (a.dtype() != float32 || a.ndim() != 4 || a.shape(0) != 1 ||
+      if (a.dtype() != q.dtype() || a.ndim() != 4 || a.shape(0) != 1 ||
           a.shape(3) != q.shape(3) || a.shape(2) != k.shape(2) ||
           a.shape(1) != kv[0].shape(1) || q.shape(1) % a.shape(1) != 0) {
         throw std::invalid_argument(
-            "[mlxrs_rows_decode_attention] a row's keys or values are not float32 [1, kv_heads, L, D] with the queries' D");
+            "[mlxrs_rows_decode_attention] a row's keys or values are not [1, kv_heads, L, D] of the queries' type and D");
       }
       inputs.push_back(a);
     }
@@ -786,7 +887,7 @@ int mlxrs_rows_decode_attention(
         *res,
         array(
             q.shape(),
-            float32,
+            q.dtype(),
             std::make_shared<RowsDecodeAttention>(st, scale),
             std::move(inputs)));
   });

@@ -123,12 +123,14 @@ TIE = 0.125
 
 def mlx_quantized_matmul(monkeypatch) -> None:
     """mlxrs's quantized products on the CPU through MLX's own kernel, as mlx-lm's, for a bfloat16 MoE
-    model compared bit for bit: its packed kernel (`MLXRS_CPU_HOST_BLOCKS`) and its float32
-    dequantization of longer inputs (`MLXRS_DEQUANT_PREFILL_ROWS`) off. A router's bfloat16 scores tie
+    model compared bit for bit: its packed kernel (`MLXRS_CPU_HOST_BLOCKS`), its float32
+    dequantization of longer inputs (`MLXRS_DEQUANT_PREFILL_ROWS`) and its host ops for the 16-bit
+    projections and attention (`MLXRS_CPU_HALF`) off. A router's bfloat16 scores tie
     often (8 bits), and which expert a tie picks follows the products' summation order, so exact
     products (mlxrs's) and bfloat16-accumulated ones (MLX's x86 kernel) can route differently."""
     monkeypatch.setenv("MLXRS_CPU_HOST_BLOCKS", "0")
     monkeypatch.setenv("MLXRS_DEQUANT_PREFILL_ROWS", "0")
+    monkeypatch.setenv("MLXRS_CPU_HALF", "0")
 
 
 def _exact_products(model_dir, dtype: str) -> bool:

@@ -576,7 +576,8 @@ impl ModelFacts {
     /// - hidden states: residual, normed input, attention output, MLP output: 4·P·hidden·a
     /// - q, k, v projections: P·(heads + 2·kv_heads)·head_dim·a
     /// - attention scores, materialized by SDPA's general path (CPU, float32 on CUDA; the fused
-    ///   kernels do not, see [`Backend::fused_attention`]): heads·P·ctx·a. MLX's precise
+    ///   kernels do not, see [`Backend::fused_attention`], nor does the CPU's host attention of a
+    ///   16-bit model without sliding-window layers): heads·P·ctx·a. MLX's precise
     ///   softmax accumulates in float32 row by row without a float32 copy of the scores: an
     ///   isolated `mx.fast.scaled_dot_product_attention` (L = 1024, causal) adds 4.5–6.3 bytes
     ///   per score element in float32 and 2.3–3.3 in bfloat16 (the scores, the masked copy
@@ -616,7 +617,12 @@ impl ModelFacts {
         let a = self.act_bytes as f64;
         let hidden = 4.0 * p * self.hidden_size as f64 * a;
         let qkv = p * ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim) as f64 * a;
-        let scores = if o.fused_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
+        // 16-bit weights on the CPU: a prompt's attention runs in the host op (models/sdpa.rs
+        // `cpu_half_prompt`, its scores counted in `half_host`) unless a layer masks by an array (a
+        // sliding window)
+        let half_cpu = o.dequant_float32 && self.act_bytes == 2;
+        let host_attention = half_cpu && self.sliding.iter().all(Option::is_none);
+        let scores = if o.fused_attention || host_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
         let mlp = 3.0 * p * self.intermediate_size as f64 * a;
         let dequant = if self.quantized_weights && p as u64 >= o.dequant_rows {
             3.0 * (self.intermediate_size * self.hidden_size) as f64 * if o.dequant_float32 { 4.0 } else { a }
@@ -633,7 +639,7 @@ impl ModelFacts {
         };
         // 16-bit weights on the CPU (models/layers.rs `host_half`, models/sdpa.rs `cpu_half_prompt`): the
         // host ops' float32 copies
-        let half_host = if o.dequant_float32 && self.act_bytes == 2 {
+        let half_host = if half_cpu {
             let slots = (ctx.div_ceil(KV_STEP) * KV_STEP) as f64;
             let scores =
                 (self.num_heads as f64 * p * ctx as f64 * 4.0).min(crate::handle::HALF_ATTN_SCRATCH_BYTES as f64);

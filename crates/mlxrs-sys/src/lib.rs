@@ -109,8 +109,9 @@ pub struct ExtraApi {
             s: mlx_stream,
         ) -> c_int,
     >,
-    /// native/mlxrs_ext.cpp: `x · Wᵀ` (float32 x and product; W bfloat16 or float16) through the
-    /// caller's host kernel, as one op of MLX's graph on a CPU stream; `gemm`: through the BLAS.
+    /// native/mlxrs_ext.cpp: `x · Wᵀ` (W bfloat16 or float16; x and the product float32 or of W's
+    /// type) through the caller's host kernel, as one op of MLX's graph on a CPU stream; `gemm`:
+    /// through the BLAS.
     pub mlxrs_host_half_matmul: Option<
         unsafe extern "C" fn(
             res: *mut mlx_array,
@@ -206,18 +207,20 @@ pub type HostPackedKernel = unsafe extern "C" fn(args: *const HostPackedArgs);
 
 /// What [`ExtraApi::mlxrs_host_half_matmul`]'s kernel computes (native/mlxrs_ext.cpp's
 /// `mlxrs_host_half_args`, field for field): `y [n, rows] = x [n, cols] · Wᵀ`, `w` `[rows, cols]` 16-bit
-/// floats of type `wdtype` (0 bfloat16, 1 float16), `x` and `y` float32, all row-major; `gemm` 1:
-/// through the BLAS, 0: W read in place.
+/// floats of type `wdtype` (0 bfloat16, 1 float16), `x` and `y` float32 — or both of W's type where
+/// `x16` is 1 (the product rounded once) — all row-major; `gemm` 1: through the BLAS, 0: W read in
+/// place.
 #[repr(C)]
 pub struct HostHalfArgs {
     pub w: *const u16,
     pub wdtype: c_int,
     pub rows: usize,
     pub cols: usize,
-    pub x: *const f32,
+    pub x: *const c_void,
     pub n: usize,
-    pub y: *mut f32,
+    pub y: *mut c_void,
     pub gemm: c_int,
+    pub x16: c_int,
 }
 
 /// The kernel [`ExtraApi::mlxrs_host_half_matmul`] calls on MLX's CPU thread.

@@ -343,8 +343,26 @@ super::host::x86_quant_block!(
 /// as fit (a bounded transient whatever the prompt and context).
 pub const ATTN_SCRATCH_BYTES: usize = 16 << 20;
 
-/// A thread's run of rows for [`rows_par`]: its first row's index and its values, taken once.
-type RowsPart<'a> = std::sync::Mutex<Option<(usize, &'a mut [f32])>>;
+/// `f(src, dst)` over matching runs of two equal-length slices: on up to `threads` threads for long
+/// ones (a prefill chunk's activations), on this thread for short ones (a decode step's, where waking
+/// the workers costs more than the copy).
+fn convert_par<A: Sync, B: Send>(threads: usize, src: &[A], dst: &mut [B], f: impl Fn(&[A], &mut [B]) + Sync) {
+    const PAR_MIN: usize = 1 << 16;
+    if src.len() < PAR_MIN || threads <= 1 {
+        return f(src, dst);
+    }
+    let per = src.len().div_ceil(threads);
+    let parts: Vec<Taken<(&[A], &mut [B])>> =
+        src.chunks(per).zip(dst.chunks_mut(per)).map(|p| std::sync::Mutex::new(Some(p))).collect();
+    super::host::split(parts.len(), &|i| {
+        if let Some((s, d)) = parts[i].lock().unwrap_or_else(|e| e.into_inner()).take() {
+            f(s, d);
+        }
+    });
+}
+
+/// A part of a split's work, taken once by the thread that runs it.
+type Taken<T> = std::sync::Mutex<Option<T>>;
 
 /// `f(i, row)` for each `len`-long row of `data`, over up to `threads` threads (contiguous runs).
 fn rows_par(data: &mut [f32], len: usize, threads: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
@@ -353,7 +371,7 @@ fn rows_par(data: &mut [f32], len: usize, threads: usize, f: &(dyn Fn(usize, &mu
         return;
     }
     let per = rows.div_ceil(threads.clamp(1, rows));
-    let parts: Vec<RowsPart<'_>> =
+    let parts: Vec<Taken<(usize, &mut [f32])>> =
         data.chunks_mut(per * len).enumerate().map(|(i, c)| std::sync::Mutex::new(Some((i * per, c)))).collect();
     super::host::split(parts.len(), &|p| {
         if let Some((r0, chunk)) = parts[p].lock().unwrap_or_else(|e| e.into_inner()).take() {
@@ -590,24 +608,52 @@ pub fn half_matmul_calls() -> u64 {
 ///
 /// # Safety
 /// `args` points at a [`mlxrs_sys::HostHalfArgs`] whose `w` points at `rows · cols` 16-bit values of
-/// the type `wdtype` names, `x` at `n · cols` and `y` at `n · rows` float32 values, `y` not overlapping
-/// the others: the primitive passes its inputs' and its fresh output's buffers after checking their
+/// the type `wdtype` names, `x` at `n · cols` and `y` at `n · rows` values (float32, or of W's type
+/// where `x16`), `y` not overlapping the others: the primitive passes its inputs' and its fresh output's buffers after checking their
 /// shapes.
 unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostHalfArgs) {
     // SAFETY: the caller's contract
-    let mlxrs_sys::HostHalfArgs { w, wdtype, rows, cols, x, n, y, gemm } = unsafe { std::ptr::read(args) };
+    let mlxrs_sys::HostHalfArgs { w, wdtype, rows, cols, x, n, y, gemm, x16 } = unsafe { std::ptr::read(args) };
     CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     if rows == 0 || cols == 0 || n == 0 {
         return;
     }
-    // SAFETY: y holds n · rows values (the caller's contract)
-    let y = unsafe { std::slice::from_raw_parts_mut(y, n * rows) };
-    let Some(t) = HalfType::from_code(wdtype) else {
+    let t = HalfType::from_code(wdtype);
+    if x16 != 0 {
+        // SAFETY: y holds n · rows values of W's type (the caller's contract)
+        let y = unsafe { std::slice::from_raw_parts_mut(y as *mut u16, n * rows) };
+        let Some(t) = t else {
+            y.fill(HalfType::Bf16.bits(f32::NAN));
+            return;
+        };
+        // SAFETY: the extents above (the caller's contract)
+        let (wv, xv) = unsafe {
+            (std::slice::from_raw_parts(w, rows * cols), std::slice::from_raw_parts(x as *const u16, n * cols))
+        };
+        let threads = super::host::host_threads();
+        let mut xf = vec![0f32; n * cols];
+        convert_par(threads, xv, &mut xf, |s, d| t.widen(s, d));
+        let mut yf = vec![0f32; n * rows];
+        match HalfRef::new(wv, t, rows, cols) {
+            Ok(m) => super::host::into_mlx_output(&mut yf, |threads, y| m.matmul_into(&xf, threads, y, gemm != 0)),
+            Err(_) => yf.fill(f32::NAN),
+        }
+        convert_par(threads, &yf, y, |s, d| {
+            for (o, v) in d.iter_mut().zip(s) {
+                *o = t.bits(*v);
+            }
+        });
+        return;
+    }
+    // SAFETY: y holds n · rows float32 values (the caller's contract)
+    let y = unsafe { std::slice::from_raw_parts_mut(y as *mut f32, n * rows) };
+    let Some(t) = t else {
         y.fill(f32::NAN);
         return;
     };
     // SAFETY: the extents above (the caller's contract)
-    let (wv, x) = unsafe { (std::slice::from_raw_parts(w, rows * cols), std::slice::from_raw_parts(x, n * cols)) };
+    let (wv, x) =
+        unsafe { (std::slice::from_raw_parts(w, rows * cols), std::slice::from_raw_parts(x as *const f32, n * cols)) };
     let Ok(m) = HalfRef::new(wv, t, rows, cols) else {
         // the shapes were checked when the op was built: unreachable, but never leave y unwritten
         y.fill(f32::NAN);
@@ -616,8 +662,8 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostHalfArgs) {
     super::host::into_mlx_output(y, |threads, y| m.matmul_into(x, threads, y, gemm != 0));
 }
 
-/// `x · Wᵀ` for float32 `x [..., cols]` and W `[rows, cols]` bfloat16 or float16, float32 out, as one
-/// op of MLX's graph on the current stream (a CPU stream), computed by [`HalfRef::matmul_into`] when
+/// `x · Wᵀ` for `x [..., cols]` float32 or of W's type and W `[rows, cols]` bfloat16 or float16, out in
+/// x's type (a 16-bit product rounded once from its float32 sum), as one op of MLX's graph on the current stream (a CPU stream), computed by [`HalfRef::matmul_into`] when
 /// MLX evaluates it: W read in place for a decode step's rows (`x` `[B, 1, cols]`, B up to
 /// [`SMALL_ROWS`]), through float32 tiles and the BLAS for anything else. None where the loaded
 /// libmlxc lacks the entry point (one not built by native/).
@@ -739,6 +785,23 @@ mod tests {
                         let d = g.iter().zip(&t).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
                         assert!(d < 1e-4, "{dt:?} n {n}: {d}");
                         assert!(half_matmul_calls() > before, "the op ran the kernel");
+                        // x of W's type: the product rounded once to it, as MLX's matmul rounds
+                        let x16 = mx::astype(&x, dt).unwrap();
+                        let ours = host_half_matmul(&x16, &w).unwrap().unwrap();
+                        assert_eq!(ours.dtype(), dt);
+                        let theirs = mx::matmul(
+                            &mx::astype(&x16, Dtype::Float32).unwrap(),
+                            &mx::transpose(&mx::astype(&w, Dtype::Float32).unwrap()).unwrap(),
+                        )
+                        .unwrap();
+                        let (g, t) = (
+                            mx::astype(&ours, Dtype::Float32).unwrap().to_vec::<f32>().unwrap(),
+                            theirs.to_vec::<f32>().unwrap(),
+                        );
+                        let step = if dt == Dtype::Bfloat16 { 2f32.powi(-8) } else { 2f32.powi(-11) };
+                        for (a, b) in g.iter().zip(&t) {
+                            assert!((a - b).abs() <= step * b.abs() + 1e-4, "{dt:?} n {n}: {a} vs {b}");
+                        }
                     }
                 }
             }
@@ -747,8 +810,8 @@ mod tests {
             let w32 = mx::random_normal(&[rows, cols], Dtype::Float32, &key).unwrap();
             assert!(host_half_matmul(&x, &w32).is_err(), "a float32 W is refused");
             let wb = mx::astype(&w32, Dtype::Bfloat16).unwrap();
-            let xb = mx::astype(&x, Dtype::Bfloat16).unwrap();
-            assert!(host_half_matmul(&xb, &wb).is_err(), "a bfloat16 x is refused");
+            let xh = mx::astype(&x, Dtype::Float16).unwrap();
+            assert!(host_half_matmul(&xh, &wb).is_err(), "x of a third type is refused");
             let short = mx::random_normal(&[2, cols - 1], Dtype::Float32, &key).unwrap();
             assert!(host_half_matmul(&short, &wb).is_err(), "x of another width is refused");
         })

@@ -300,10 +300,11 @@ impl Linear {
 }
 
 /// Whether a decode step's per-row attention goes through [`mx::rows_decode_attention`]: the CPU,
-/// float32 queries, no attention sinks, no row with a mask array (one query per row: `None` and
-/// `Causal` hide nothing), and `MLXRS_CPU_ROWS_ATTENTION` not `0`.
+/// float32 queries (or bfloat16 ones where [`cpu_half`]: MLX's rounding points, float32 sums), no
+/// attention sinks, no row with a mask array (one query per row: `None` and `Causal` hide nothing),
+/// and `MLXRS_CPU_ROWS_ATTENTION` not `0`.
 fn rows_attention_applies(q: &Array, sinks: Option<&Array>, masks: &[Mask]) -> bool {
-    q.dtype() == Dtype::Float32
+    (q.dtype() == Dtype::Float32 || (q.dtype() == Dtype::Bfloat16 && cpu_half()))
         && sinks.is_none()
         && !on_gpu()
         && masks.iter().all(|m| matches!(m, Mask::None | Mask::Causal))
@@ -312,12 +313,12 @@ fn rows_attention_applies(q: &Array, sinks: Option<&Array>, masks: &[Mask]) -> b
 
 /// One decode step's attention of the rows of `q` (`[rows, heads, 1, head_dim]`), row `i` over
 /// `fetched[i]`, as one [`mx::rows_decode_attention`] op: where every row's keys and values are dense
-/// float32 (the caller has checked [`rows_attention_applies`]); None elsewhere.
+/// and of q's dtype (the caller has checked [`rows_attention_applies`]); None elsewhere.
 fn rows_op(q: &Array, fetched: &[Fetched], scale: f32) -> Result<Option<Array>> {
     let dense: Option<Vec<(&Array, &Array)>> = fetched
         .iter()
         .map(|f| match f {
-            Fetched::Dense(k, v) if k.dtype() == Dtype::Float32 && v.dtype() == Dtype::Float32 => Some((k, v)),
+            Fetched::Dense(k, v) if k.dtype() == q.dtype() && v.dtype() == q.dtype() => Some((k, v)),
             _ => None,
         })
         .collect();
@@ -345,7 +346,7 @@ pub fn cpu_half() -> bool {
 /// `x Wᵀ + b` for a W of 16-bit floats on the CPU backend through the host op
 /// ([`mx::host_half_matmul`]: W widened inside the op, a decode step's rows reading it in place,
 /// anything else through float32 tiles and the BLAS), x taken in float32 and the product (plus the
-/// bias, in float32) rounded once to x's dtype — as MLX's matmul and addmm round their float
+/// bias, in float32: then through an add after the op) rounded once to x's dtype — as MLX's matmul and addmm round their float
 /// accumulators, the sums in another order. x of W's dtype or float32 (the product's dtype is x's
 /// then, as MLX promotes). None elsewhere: a GPU, other dtypes, [`CPU_HALF_ENV`] `0`, a libmlxc
 /// without the op.
@@ -361,12 +362,11 @@ fn host_half(x: &Array, w: &Array, b: Option<&Array>) -> Result<Option<Array>> {
     {
         return Ok(None);
     }
+    // without a bias x goes in as it is, and the product comes out rounded once to its type
+    let Some(b) = b else { return mx::host_half_matmul(x, w) };
     let xf = if x.dtype() == f32 { x.clone() } else { mx::astype(x, f32)? };
     let Some(y) = mx::host_half_matmul(&xf, w)? else { return Ok(None) };
-    let y = match b {
-        Some(b) => mx::add(&y, &mx::astype(b, f32)?)?,
-        None => y,
-    };
+    let y = mx::add(&y, &mx::astype(b, f32)?)?;
     if x.dtype() == f32 {
         Ok(Some(y))
     } else {
