@@ -27,6 +27,8 @@ __all__ = [
     "_op_count",
     "_host_matmul_count",
     "_packed_matmul_count",
+    "_half_matmul_count",
+    "_half_attention_count",
     "generation_config",
     "mlxrs_home",
     "set_memory_limit",
@@ -152,6 +154,14 @@ def _op_count() -> int:
 def _packed_matmul_count() -> int:
     """Products the CPU backend computed with mlxrs's packed kernel for MLX's 4/8-bit affine weights
     (MLXRS_CPU_HOST_BLOCKS: decode steps of up to 8 rows) since the process started."""
+
+def _half_matmul_count() -> int:
+    """Products the CPU backend computed with mlxrs's host op for bfloat16/float16 weights
+    (MLXRS_CPU_HALF: projections of decode steps and prompts) since the process started."""
+
+def _half_attention_count() -> int:
+    """Prompt attentions (more than one query) the CPU backend computed with mlxrs's host op for
+    bfloat16/float16 queries, keys and values (MLXRS_CPU_HALF) since the process started."""
 
 def _host_matmul_count() -> int:
     """Float32 projections the CPU backend computed with mlxrs's host kernel (MLXRS_CPU_SMALL_MATMUL:

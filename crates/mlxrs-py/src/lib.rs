@@ -123,6 +123,20 @@ fn _packed_matmul_count() -> u64 {
     mlxrs_core::handle::packed_matmul_calls()
 }
 
+/// Products the CPU backend computed with mlxrs's host op for 16-bit float weights (mlxrs-core's
+/// `handle::half_matmul_calls`): tests and benchmarks check that path ran.
+#[pyfunction]
+fn _half_matmul_count() -> u64 {
+    mlxrs_core::handle::half_matmul_calls()
+}
+
+/// Prompt attentions the CPU backend computed with mlxrs's host op for 16-bit floats (mlxrs-core's
+/// `handle::half_attention_calls`).
+#[pyfunction]
+fn _half_attention_count() -> u64 {
+    mlxrs_core::handle::half_attention_calls()
+}
+
 /// A model directory's generation_config.json as JSON text ("null" when it has none).
 #[pyfunction]
 fn generation_config(py: Python<'_>, model_dir: std::path::PathBuf) -> PyResult<String> {
@@ -410,6 +424,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_op_count, m)?)?;
     m.add_function(wrap_pyfunction!(_host_matmul_count, m)?)?;
     m.add_function(wrap_pyfunction!(_packed_matmul_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_half_matmul_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_half_attention_count, m)?)?;
     m.add_function(wrap_pyfunction!(generation_config, m)?)?;
     m.add_function(wrap_pyfunction!(mlxrs_home, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_limit, m)?)?;

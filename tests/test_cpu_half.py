@@ -1,0 +1,74 @@
+"""The CPU's host ops for 16-bit float models (crates/mlxrs-core/src/handle/half.rs; `MLXRS_CPU_HALF`):
+a bfloat16 model's projections (in place for decode steps, float32 tiles through the BLAS for prompts)
+and its prompts' attention run through them, its decode steps' attention through `RowsDecodeAttention`
+at MLX's rounding points. Against mlx-lm: the products are exact float32 sums in another order than
+MLX's half-precision matmul, compared as tests/test_parity.py compares them (a logit one bfloat16 step
+away, tokens parting only at a near-tie). Against mlxrs with the switch off (MLX's ops): the counters show
+which path ran, and the logits agree within bfloat16 rounding. The kernels value by value, for both
+16-bit types and every instruction set: the Rust unit tests (handle/half.rs, models/sdpa.rs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlxrs
+from mlxrs import _native
+from test_parity import TEXT, _check
+from tinymodels import make_model
+
+CASES = [("llama-bfloat16", "llama"), ("qwen3-bfloat16", "qwen3")]
+
+
+def _cpu() -> None:
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the host ops are the CPU backend's")
+
+
+def _counts() -> tuple[int, int]:
+    return _native._half_matmul_count(), _native._half_attention_count()
+
+
+@pytest.mark.parametrize("name,arch", CASES, ids=[c[0] for c in CASES])
+def test_bfloat16_models_take_the_host_ops_and_match_mlx_lm(oracle, name, arch, monkeypatch):
+    _cpu()
+    monkeypatch.delenv("MLXRS_CPU_HALF", raising=False)
+    d = make_model(name, arch, dtype="bfloat16")
+    mm, att = _counts()
+    _check(oracle, d, TEXT, dtype="bfloat16")
+    mm2, att2 = _counts()
+    # every projection of 64 decode steps (at least q/k/v, o, gate/up, down, the head a step) and the
+    # prompt's attention in every layer
+    assert mm2 - mm > 64 * 4, (mm, mm2)
+    assert att2 - att > 0, (att, att2)
+
+
+def test_the_switch_turns_them_off_and_the_values_agree(monkeypatch):
+    _cpu()
+    d = make_model("llama-bfloat16", "llama", dtype="bfloat16")
+
+    def run(switch: str | None) -> tuple[list[int], np.ndarray, tuple[int, int]]:
+        if switch is None:
+            monkeypatch.delenv("MLXRS_CPU_HALF", raising=False)
+        else:
+            monkeypatch.setenv("MLXRS_CPU_HALF", switch)
+        before = _counts()
+        with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+            ids = s.tokenize(TEXT)
+            tokens = s.generate(ids, max_tokens=8, ignore_eos=True, temperature=0.0).tokens
+            logits = np.array(s.logits(ids), dtype=np.float32)
+        after = _counts()
+        return tokens, logits, (after[0] - before[0], after[1] - before[1])
+
+    ours, ours_logits, calls = run(None)
+    ref, ref_logits, ref_calls = run("0")
+    assert ref_calls == (0, 0), ref_calls
+    assert calls[0] > 8 * 4 and calls[1] > 0, calls
+    assert len(ours) == len(ref) == 8
+    # the same products summed in another order, rounded to bfloat16 where MLX rounds: a logit may land
+    # a bfloat16 step or two (2^-7 of its magnitude each) away
+    scale = float(np.max(np.abs(ref_logits)))
+    diff = float(np.max(np.abs(ours_logits - ref_logits)))
+    assert diff <= 2 * 2.0**-7 * max(scale, 1.0), (diff, scale)
