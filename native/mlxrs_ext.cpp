@@ -89,7 +89,8 @@ typedef void (*mlxrs_host_half_kernel)(const mlxrs_host_half_args* args);
 /* softmax(scale · q kᵀ (+ causal mask)) v for 16-bit floats (dtype 0 bfloat16, 1 float16), rounded
    where MLX's CPU fallback of fast::scaled_dot_product_attention rounds (the scaled queries, the
    scores, the probabilities, the output): q [b, heads, lq, d], k [b, kv_heads, lk, d], v [b, kv_heads,
-   lk, dv], out [b, heads, lq, dv], all row-major; causal: query i sees keys up to lk - lq + i.
+   lk, dv], out [b, heads, lq, dv], all row-major; causal: query i sees keys up to lk - lq + i; mask
+   (null for none): a boolean [lq, lk], query i sees key j where mask[i, j] (MLX's `where`).
    mlxrs's kernel (crates/mlxrs-core/src/handle/half.rs), called with these fields (crates/mlxrs-sys's
    HostHalfAttnArgs, field for field). */
 struct mlxrs_host_half_attn_args {
@@ -97,6 +98,7 @@ struct mlxrs_host_half_attn_args {
   const uint16_t* k;
   const uint16_t* v;
   uint16_t* out;
+  const bool* mask;
   int dtype;
   int causal;
   float scale;
@@ -352,6 +354,7 @@ class HostHalfAttention : public HostPrimitive {
         k.data<uint16_t>(),
         v.data<uint16_t>(),
         out.data<uint16_t>(),
+        inputs.size() > 3 ? inputs[3].data<bool>() : nullptr,
         q.dtype() == bfloat16 ? 0 : 1,
         causal_ ? 1 : 0,
         scale_,
@@ -815,14 +818,16 @@ int mlxrs_host_half_matmul(
   });
 }
 
-/* softmax(scale · q kᵀ (+ causal mask)) v through `kernel` as one op of the graph on stream s (a CPU
-   stream): q [B, heads, Lq, D], k [B, kv_heads, Lk, D], v [B, kv_heads, Lk, Dv] of one 16-bit float
-   type (heads a multiple of kv_heads; causal: Lq <= Lk); the result [B, heads, Lq, Dv] of that type. */
+/* softmax(scale · q kᵀ (+ causal mask, or a boolean mask [Lq, Lk] unless an empty handle)) v through
+   `kernel` as one op of the graph on stream s (a CPU stream): q [B, heads, Lq, D], k [B, kv_heads, Lk,
+   D], v [B, kv_heads, Lk, Dv] of one 16-bit float type (heads a multiple of kv_heads; causal: Lq <=
+   Lk); the result [B, heads, Lq, Dv] of that type. */
 int mlxrs_host_half_attention(
     mlx_array* res,
     const mlx_array q,
     const mlx_array k,
     const mlx_array v,
+    const mlx_array mask,
     float scale,
     bool causal,
     mlxrs_host_half_attn_kernel kernel,
@@ -842,15 +847,19 @@ int mlxrs_host_half_attention(
           "[mlxrs_host_half_attention] needs q [B, heads, Lq, D], k [B, kv_heads, Lk, D] and v [B, kv_heads, Lk, Dv] "
           "of one 16-bit float type (heads a multiple of kv_heads; Lq <= Lk when causal) on a CPU stream");
     }
+    std::vector<array> inputs{contiguous(qa, false, st), contiguous(ka, false, st), contiguous(va, false, st)};
+    if (mask.ctx != nullptr) {
+      const array& ma = mlx_array_get_(mask);
+      if (causal || ma.dtype() != bool_ || ma.ndim() != 2 || ma.shape(0) != qa.shape(2) || ma.shape(1) != ka.shape(2)) {
+        throw std::invalid_argument("[mlxrs_host_half_attention] a mask must be boolean [Lq, Lk] (and not with causal)");
+      }
+      inputs.push_back(contiguous(ma, false, st));
+    }
     Shape shape = qa.shape();
     shape.back() = va.shape(3);
     mlx_array_set_(
         *res,
-        array(
-            std::move(shape),
-            dt,
-            std::make_shared<HostHalfAttention>(st, scale, causal, kernel),
-            {contiguous(qa, false, st), contiguous(ka, false, st), contiguous(va, false, st)}));
+        array(std::move(shape), dt, std::make_shared<HostHalfAttention>(st, scale, causal, kernel), std::move(inputs)));
   });
 }
 

@@ -577,7 +577,7 @@ impl ModelFacts {
     /// - q, k, v projections: P·(heads + 2·kv_heads)·head_dim·a
     /// - attention scores, materialized by SDPA's general path (CPU, float32 on CUDA; the fused
     ///   kernels do not, see [`Backend::fused_attention`], nor does the CPU's host attention of a
-    ///   16-bit model without sliding-window layers): heads·P·ctx·a. MLX's precise
+    ///   16-bit model): heads·P·ctx·a. MLX's precise
     ///   softmax accumulates in float32 row by row without a float32 copy of the scores: an
     ///   isolated `mx.fast.scaled_dot_product_attention` (L = 1024, causal) adds 4.5–6.3 bytes
     ///   per score element in float32 and 2.3–3.3 in bfloat16 (the scores, the masked copy
@@ -618,11 +618,10 @@ impl ModelFacts {
         let hidden = 4.0 * p * self.hidden_size as f64 * a;
         let qkv = p * ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim) as f64 * a;
         // 16-bit weights on the CPU: a prompt's attention runs in the host op (models/sdpa.rs
-        // `cpu_half_prompt`, its scores counted in `half_host`) unless a layer masks by an array (a
-        // sliding window)
+        // `cpu_half_prompt`: causal, or a sliding window's boolean mask; its scores counted in
+        // `half_host`)
         let half_cpu = o.dequant_float32 && self.act_bytes == 2;
-        let host_attention = half_cpu && self.sliding.iter().all(Option::is_none);
-        let scores = if o.fused_attention || host_attention { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
+        let scores = if o.fused_attention || half_cpu { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
         let mlp = 3.0 * p * self.intermediate_size as f64 * a;
         let dequant = if self.quantized_weights && p as u64 >= o.dequant_rows {
             3.0 * (self.intermediate_size * self.hidden_size) as f64 * if o.dequant_float32 { 4.0 } else { a }

@@ -122,14 +122,16 @@ pub struct ExtraApi {
             s: mlx_stream,
         ) -> c_int,
     >,
-    /// native/mlxrs_ext.cpp: `softmax(scale · q kᵀ (+ causal mask)) v` for 16-bit floats through the
-    /// caller's host kernel, as one op of MLX's graph on a CPU stream.
+    /// native/mlxrs_ext.cpp: `softmax(scale · q kᵀ (+ causal mask, or a boolean `[Lq, Lk]` mask unless
+    /// an empty handle)) v` for 16-bit floats through the caller's host kernel, as one op of MLX's graph
+    /// on a CPU stream.
     pub mlxrs_host_half_attention: Option<
         unsafe extern "C" fn(
             res: *mut mlx_array,
             q: mlx_array,
             k: mlx_array,
             v: mlx_array,
+            mask: mlx_array,
             scale: f32,
             causal: bool,
             kernel: HostHalfAttnKernel,
@@ -230,13 +232,14 @@ pub type HostHalfKernel = unsafe extern "C" fn(args: *const HostHalfArgs);
 /// `mlxrs_host_half_attn_args`, field for field): `out [b, heads, lq, dv] = softmax(scale · q kᵀ (+
 /// causal mask)) v` for `q` `[b, heads, lq, d]`, `k` `[b, kv_heads, lk, d]`, `v` `[b, kv_heads, lk, dv]`,
 /// all row-major 16-bit floats of type `dtype` (0 bfloat16, 1 float16); `causal` 1: query i sees keys
-/// up to `lk - lq + i`.
+/// up to `lk - lq + i`; `mask` (null: none) a boolean `[lq, lk]`: query i sees key j where it is true.
 #[repr(C)]
 pub struct HostHalfAttnArgs {
     pub q: *const u16,
     pub k: *const u16,
     pub v: *const u16,
     pub out: *mut u16,
+    pub mask: *const bool,
     pub dtype: c_int,
     pub causal: c_int,
     pub scale: f32,

@@ -394,6 +394,8 @@ pub struct HalfAttention<'a> {
     pub v: &'a [u16],
     pub t: HalfType,
     pub causal: bool,
+    /// `[lq, lk]`: query i sees key j where true (MLX's boolean mask); None for none (or `causal`)
+    pub mask: Option<&'a [bool]>,
     pub scale: f32,
     /// batch, query heads, kv heads, queries, keys, key width, value width
     pub dims: [usize; 7],
@@ -406,6 +408,8 @@ impl HalfAttention<'_> {
         let ok = kvh > 0
             && h.is_multiple_of(kvh)
             && (!self.causal || lq <= lk)
+            && !(self.causal && self.mask.is_some())
+            && self.mask.is_none_or(|m| m.len() == lq * lk)
             && self.q.len() == b * h * lq * d
             && self.k.len() == b * kvh * lk * d
             && self.v.len() == b * kvh * lk * dv
@@ -472,25 +476,36 @@ impl HalfAttention<'_> {
                             lk as i32,
                         )
                     };
-                    let causal = self.causal;
+                    let (causal, mask) = (self.causal, self.mask);
                     rows_par(&mut s[..rows * lk], lk, threads, &|row, sr| {
-                        // keys this query sees (causal from the bottom right, as MLX's mask)
-                        let seen = if causal { lk - lq + q0 + row % nb + 1 } else { lk };
+                        let qi = q0 + row % nb;
+                        // keys this query sees: causal from the bottom right, or the mask's row, as MLX's
+                        let seen = if causal { lk - lq + qi + 1 } else { lk };
+                        let mrow = mask.map(|m| &m[qi * lk..(qi + 1) * lk]);
+                        let sees = |j: usize| j < seen && mrow.is_none_or(|m| m[j]);
                         let mut m = f32::NEG_INFINITY;
-                        for x in &mut sr[..seen] {
-                            *x = t.round(*x);
-                            m = m.max(*x);
+                        for (j, x) in sr.iter_mut().enumerate() {
+                            if sees(j) {
+                                *x = t.round(*x);
+                                m = m.max(*x);
+                            }
+                        }
+                        if m == f32::NEG_INFINITY {
+                            // every key masked: MLX's softmax of equal (lowest) scores is uniform
+                            sr.fill(t.round(1.0 / lk as f32));
+                            return;
                         }
                         let mut sum = 0f32;
-                        for x in &mut sr[..seen] {
-                            *x = (*x - m).exp();
-                            sum += *x;
+                        for (j, x) in sr.iter_mut().enumerate() {
+                            if sees(j) {
+                                *x = (*x - m).exp();
+                                sum += *x;
+                            }
                         }
                         let inv = 1.0 / sum;
-                        for x in &mut sr[..seen] {
-                            *x = t.round(*x * inv);
+                        for (j, x) in sr.iter_mut().enumerate() {
+                            *x = if sees(j) { t.round(*x * inv) } else { 0.0 };
                         }
-                        sr[seen..].fill(0.0);
                     });
                     // SAFETY: s [rows, lk], vf [lk, dv], o [rows, dv]
                     unsafe {
@@ -561,7 +576,9 @@ unsafe extern "C" fn attn_kernel(args: *const mlxrs_sys::HostHalfAttnArgs) {
             std::slice::from_raw_parts(a.v, a.b * a.kv_heads * a.lk * a.dv),
         )
     };
-    let att = HalfAttention { q, k, v, t, causal: a.causal != 0, scale: a.scale, dims };
+    // SAFETY: the mask's extent, where given (the caller's contract)
+    let mask = (!a.mask.is_null()).then(|| unsafe { std::slice::from_raw_parts(a.mask, a.lq * a.lk) });
+    let att = HalfAttention { q, k, v, t, causal: a.causal != 0, mask, scale: a.scale, dims };
     let threads = super::host::host_threads();
     let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| att.run(gemm, threads, &mut *out)))
         .unwrap_or_else(|_| att.run(gemm, 1, &mut *out));
@@ -570,14 +587,16 @@ unsafe extern "C" fn attn_kernel(args: *const mlxrs_sys::HostHalfAttnArgs) {
     }
 }
 
-/// `softmax(scale · q kᵀ (+ the causal mask from the bottom right)) v` for q `[B, heads, Lq, D]`, k
-/// `[B, kv_heads, Lk, D]`, v `[B, kv_heads, Lk, Dv]` of one 16-bit float type, as one op of MLX's graph
+/// `softmax(scale · q kᵀ (+ the causal mask from the bottom right, or a boolean `mask` `[Lq, Lk]`)) v`
+/// for q `[B, heads, Lq, D]`, k `[B, kv_heads, Lk, D]`, v `[B, kv_heads, Lk, Dv]` of one 16-bit float
+/// type, as one op of MLX's graph
 /// on the current stream (a CPU stream), computed by [`HalfAttention::run`] when MLX evaluates it. None
 /// where the loaded libmlxc lacks the entry point or the process has no `cblas_sgemm`.
 pub fn host_half_attention(
     q: &super::Array,
     k: &super::Array,
     v: &super::Array,
+    mask: Option<&super::Array>,
     scale: f32,
     causal: bool,
 ) -> Result<Option<super::Array>> {
@@ -589,7 +608,8 @@ pub fn host_half_attention(
     let mut r = super::Array::empty_raw();
     // SAFETY: mlx-c's calling convention; the primitive checks shapes and dtypes, makes the inputs
     // row-contiguous and allocates a fresh output (the kernel's contract)
-    let rc = unsafe { f(&mut r, q.0, k.0, v.0, scale, causal, attn_kernel, super::runtime::current_stream()) };
+    let m = mask.map_or(mlxrs_sys::mlx_array { ctx: std::ptr::null_mut() }, |m| m.0);
+    let rc = unsafe { f(&mut r, q.0, k.0, v.0, m, scale, causal, attn_kernel, super::runtime::current_stream()) };
     let a = super::Array::from_raw(r);
     super::check(rc)?;
     Ok(Some(a))
@@ -819,18 +839,21 @@ mod tests {
 
     /// The op against MLX's own attention over the same 16-bit inputs (its CPU fallback: half-precision
     /// matmuls, rounded at the same points): grouped heads, causal with fewer queries than keys, no
-    /// mask, both types; within a rounding step of the outputs (the sums' order differs).
+    /// mask, a sliding window's boolean mask, both types; within a rounding step of the outputs (the
+    /// sums' order differs).
     #[test]
     fn attention_op_matches_mlx() {
         use crate::handle as mx;
         use mx::Dtype;
         let cpu = mx::Stream::new(&mx::Device::new(mx::DeviceKind::Cpu, 0).unwrap()).unwrap();
         mx::with_stream(&cpu, || {
-            for (dt, b, h, kvh, lq, lk, d, causal) in [
-                (Dtype::Bfloat16, 1, 4, 2, 16, 16, 32, true),
-                (Dtype::Bfloat16, 2, 8, 2, 7, 40, 64, true),
-                (Dtype::Float16, 1, 2, 2, 5, 9, 16, false),
-                (Dtype::Bfloat16, 1, 2, 1, 3, 3, 8, false),
+            for (dt, b, h, kvh, lq, lk, d, causal, window) in [
+                (Dtype::Bfloat16, 1, 4, 2, 16, 16, 32, true, None),
+                (Dtype::Bfloat16, 2, 8, 2, 7, 40, 64, true, None),
+                (Dtype::Float16, 1, 2, 2, 5, 9, 16, false, None),
+                (Dtype::Bfloat16, 1, 2, 1, 3, 3, 8, false, None),
+                // a sliding window of 6 as a boolean mask (cache.rs `causal_mask`)
+                (Dtype::Bfloat16, 1, 4, 2, 12, 20, 32, false, Some(6)),
             ] {
                 let key = mx::random_key((h * lq + lk) as u64).unwrap();
                 let (k1, k2) = mx::random_split(&key).unwrap();
@@ -843,11 +866,17 @@ mod tests {
                 let v = r(&[b, kvh, lk, d], &k3);
                 let scale = 1.0 / (d as f32).sqrt();
                 let before = half_attention_calls();
-                let ours =
-                    host_half_attention(&q, &k, &v, scale, causal).unwrap().expect("the op and the BLAS are here");
+                let marr = window.map(|w| crate::cache::causal_mask(lq, lk - lq, Some(w)).unwrap());
+                let ours = host_half_attention(&q, &k, &v, marr.as_ref(), scale, causal)
+                    .unwrap()
+                    .expect("the op and the BLAS are here");
                 assert_eq!(ours.shape(), q.shape());
                 assert_eq!(ours.dtype(), dt);
-                let mask = if causal { mx::AttnMask::Causal } else { mx::AttnMask::None };
+                let mask = match (&marr, causal) {
+                    (Some(m), _) => mx::AttnMask::Array(m),
+                    (None, true) => mx::AttnMask::Causal,
+                    (None, false) => mx::AttnMask::None,
+                };
                 let theirs = mx::scaled_dot_product_attention(&q, &k, &v, scale, mask, None).unwrap();
                 let f = |a: &mx::Array| mx::astype(a, Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
                 let (o, t) = (f(&ours), f(&theirs));
@@ -860,6 +889,14 @@ mod tests {
                 let exact = o.iter().zip(&t).filter(|(a, b)| a == b).count();
                 assert!(exact * 2 >= o.len(), "{dt:?}: only {exact} of {} outputs equal MLX's", o.len());
             }
+            // a mask of another shape, or with causal, is refused
+            let q = mx::astype(&mx::ones(&[1, 2, 4, 8], Dtype::Float32).unwrap(), Dtype::Bfloat16).unwrap();
+            let kk = mx::astype(&mx::ones(&[1, 2, 6, 8], Dtype::Float32).unwrap(), Dtype::Bfloat16).unwrap();
+            let bad = crate::cache::causal_mask(3, 3, None).unwrap();
+            assert!(host_half_attention(&q, &kk, &kk, Some(&bad), 1.0, false).is_err(), "a [3, 6] mask for 4 queries");
+            let good = crate::cache::causal_mask(4, 2, Some(3)).unwrap();
+            assert!(host_half_attention(&q, &kk, &kk, Some(&good), 1.0, true).is_err(), "a mask with causal");
+            assert!(host_half_attention(&q, &kk, &kk, Some(&good), 1.0, false).is_ok());
         })
     }
 }

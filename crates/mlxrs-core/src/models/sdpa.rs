@@ -144,7 +144,8 @@ pub fn attention(
 /// A prompt's attention (more than one query) over 16-bit floats on the CPU through the host op
 /// ([`mx::host_half_attention`]: MLX's fallback's rounding points, each product an exact float32 sum
 /// through the BLAS, a bounded transient) where MLX's half-precision CPU matmul would run it:
-/// `layers::cpu_half`, no sinks, no mask or the causal one. None elsewhere (decode steps keep MLX's:
+/// `layers::cpu_half`, no sinks, no mask, the causal one or a boolean `[Lq, Lk]` one (a sliding
+/// window's). None elsewhere (decode steps keep MLX's:
 /// one query, and the op would widen the whole cache per step).
 fn cpu_half_prompt(
     q: &Array,
@@ -154,9 +155,19 @@ fn cpu_half_prompt(
     mask: &AttnMask<'_>,
     sinks: Option<&Array>,
 ) -> Result<Option<Array>> {
-    let causal = match mask {
-        AttnMask::None => false,
-        AttnMask::Causal => true,
+    let (causal, marr) = match mask {
+        AttnMask::None => (false, None),
+        AttnMask::Causal => (true, None),
+        // a boolean [Lq, Lk] (a sliding window's, cache.rs `causal_mask`), or one with leading axes of 1
+        AttnMask::Array(m)
+            if m.dtype() == Dtype::Bool
+                && m.ndim() >= 2
+                && m.shape()[..m.ndim() - 2].iter().all(|&d| d == 1)
+                && m.dim(-2) == q.dim(2)
+                && m.dim(-1) == k.dim(2) =>
+        {
+            (false, Some(if m.ndim() == 2 { (*m).clone() } else { mx::reshape(m, &[m.dim(-2), m.dim(-1)])? }))
+        }
         AttnMask::Array(_) => return Ok(None),
     };
     if sinks.is_some()
@@ -169,7 +180,7 @@ fn cpu_half_prompt(
     {
         return Ok(None);
     }
-    mx::host_half_attention(q, k, v, scale, causal)
+    mx::host_half_attention(q, k, v, marr.as_ref(), scale, causal)
 }
 
 /// [`attention`] with the cache's mask kind.
