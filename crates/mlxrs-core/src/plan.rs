@@ -171,6 +171,10 @@ pub struct ModelFacts {
     /// tower ([`crate::vision::encode_transient_bytes`]); 0 without a modelled tower.
     #[serde(default)]
     pub media_transient_bytes: u64,
+    /// [`ModelFacts::media_transient_bytes`] where a 16-bit tower runs on the CPU (its attention in
+    /// the host op of `handle/half.rs`, which holds a bounded scratch instead of MLX's scores).
+    #[serde(default)]
+    pub media_transient_host_bytes: u64,
     /// The peak transient of encoding one audio clip of the longest length the feature extractor
     /// keeps with the audio encoder ([`crate::vision::audio_transient_bytes`]); 0 without one.
     #[serde(default)]
@@ -223,7 +227,9 @@ impl ModelFacts {
         };
         let act = act.or_else(|| text_config(&config).get("torch_dtype").and_then(Value::as_str).and_then(dtype_bytes));
         let mut f = Self::from_config(&config, weights_bytes, act.unwrap_or(2))?;
-        f.media_transient_bytes = crate::vision::encode_transient_bytes(&config, dir, f.act_bytes)?.unwrap_or(0);
+        f.media_transient_bytes = crate::vision::encode_transient_bytes(&config, dir, f.act_bytes, false)?.unwrap_or(0);
+        f.media_transient_host_bytes =
+            crate::vision::encode_transient_bytes(&config, dir, f.act_bytes, true)?.unwrap_or(0);
         f.audio_transient_bytes = crate::vision::audio_transient_bytes(&config, dir)?.unwrap_or(0);
         if f.moe.iter().any(|m| m.0 > 0) {
             f.expert_bytes =
@@ -342,6 +348,7 @@ impl ModelFacts {
             expert_bytes: 0,
             moe,
             media_transient_bytes: 0,
+            media_transient_host_bytes: 0,
             audio_transient_bytes: 0,
         })
     }
@@ -592,8 +599,9 @@ impl ModelFacts {
     ///   slots(ctx)·kv_elems·4
     /// - a 16-bit model on the CPU (the host ops of `handle/half.rs`): a projection's input and
     ///   product in float32, P·(hidden + intermediate)·4, one float32 tile of a weight
-    ///   (`HALF_TILE_BYTES`), one kv head's keys and values in float32, slots(ctx)·2·head_dim·4, and a
-    ///   pass's scores (at most `HALF_ATTN_SCRATCH_BYTES`)
+    ///   (`HALF_TILE_BYTES`), and the host attention's scratch (one kv head's keys and values in
+    ///   float32 and a pass's scores, at most `HALF_ATTN_SCRATCH_BYTES`:
+    ///   `handle::half_attention_scratch_bytes`)
     ///
     /// and once:
     /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
@@ -639,13 +647,18 @@ impl ModelFacts {
         // 16-bit weights on the CPU (models/layers.rs `host_half`, models/sdpa.rs `cpu_half_prompt`): the
         // host ops' float32 copies
         let half_host = if half_cpu {
-            let slots = (ctx.div_ceil(KV_STEP) * KV_STEP) as f64;
-            let scores =
-                (self.num_heads as f64 * p * ctx as f64 * 4.0).min(crate::handle::HALF_ATTN_SCRATCH_BYTES as f64);
+            let slots = ctx.div_ceil(KV_STEP) * KV_STEP;
+            let attention = crate::handle::half_attention_scratch_bytes(
+                self.num_heads,
+                self.num_kv_heads,
+                p as u64,
+                slots,
+                self.head_dim,
+                self.head_dim,
+            ) as f64;
             p * (self.hidden_size + self.intermediate_size) as f64 * 4.0
                 + crate::handle::HALF_TILE_BYTES as f64
-                + slots * 2.0 * self.head_dim as f64 * 4.0
-                + scores
+                + attention
         } else {
             0.0
         };
@@ -655,7 +668,7 @@ impl ModelFacts {
         ((layers * (hidden + qkv + scores + mlp + dequant + kv_dequant + half_host) + regrow + logits)
             * TRANSIENT_SLACK)
             .ceil() as u64
-            + self.media_transient_bytes.max(self.audio_transient_bytes)
+            + self.media_transient(o).max(self.audio_transient_bytes)
     }
 
     /// The model's own context limit.
@@ -765,14 +778,24 @@ impl ModelFacts {
             predicted_expert_bytes_per_token: Some(self.predicted_expert_bytes_per_token(fraction)),
             state_bytes: self.planned_state_bytes(),
             expert_cache_floor_bytes: floor,
-            media_transient_bytes: self.planned_media_transient(),
+            media_transient_bytes: self.planned_media_transient(o),
             audio_transient_bytes: self.planned_audio_transient(),
         }
     }
 
+    /// One image's encoding on the backend of `o`: through the CPU's host attention for a 16-bit
+    /// tower there ([`ModelFacts::media_transient_host_bytes`]), else MLX's.
+    fn media_transient(&self, o: &PlanOptions) -> u64 {
+        if o.dequant_float32 && self.act_bytes == 2 && self.media_transient_host_bytes > 0 {
+            self.media_transient_host_bytes
+        } else {
+            self.media_transient_bytes
+        }
+    }
+
     /// The plan's `mediaTransientBytes`: one image's encoding, for a model with a modelled tower.
-    fn planned_media_transient(&self) -> Option<u64> {
-        Some(self.media_transient_bytes).filter(|&b| b > 0)
+    fn planned_media_transient(&self, o: &PlanOptions) -> Option<u64> {
+        Some(self.media_transient(o)).filter(|&b| b > 0)
     }
 
     /// The plan's `audioTransientBytes`: one clip's encoding, for a model with an audio tower.
@@ -816,7 +839,7 @@ impl ModelFacts {
             predicted_expert_bytes_per_token: None,
             state_bytes: self.planned_state_bytes(),
             expert_cache_floor_bytes: None,
-            media_transient_bytes: self.planned_media_transient(),
+            media_transient_bytes: self.planned_media_transient(o),
             audio_transient_bytes: self.planned_audio_transient(),
         }
     }

@@ -361,6 +361,16 @@ fn convert_par<A: Sync, B: Send>(threads: usize, src: &[A], dst: &mut [B], f: im
     });
 }
 
+/// The bytes [`HalfAttention::run`] allocates for `heads` query heads over `kv_heads` of `lq` queries
+/// and `lk` keys of widths `d` and `dv`: one kv head's keys and values in float32, and a pass's queries,
+/// scores and outputs (a pass: as many query positions as keep its scores within
+/// [`ATTN_SCRATCH_BYTES`]). The memory planner counts this where the op replaces MLX's attention.
+pub fn attention_scratch_bytes(heads: u64, kv_heads: u64, lq: u64, lk: u64, d: u64, dv: u64) -> u64 {
+    let rep = (heads / kv_heads.max(1)).max(1);
+    let blk = (ATTN_SCRATCH_BYTES as u64 / (4 * lk.max(1) * rep)).clamp(1, lq.max(1));
+    4 * (rep * blk * (lk + d + dv) + lk * (d + dv))
+}
+
 /// A part of a split's work, taken once by the thread that runs it.
 type Taken<T> = std::sync::Mutex<Option<T>>;
 

@@ -158,15 +158,23 @@ pub struct Tower {
 ///   8·N·h·a; the attention scores SDPA's general path materializes, at least float32 wide for
 ///   its softmax: H·N²·max(a, 4); the MLP's fc1 output and the tanh-GELU's intermediates: 4·N·I·a
 ///
+/// With `host_half` (a 16-bit tower on the CPU: the host attention of `handle/half.rs`) the scores are
+/// that op's scratch instead ([`crate::handle::half_attention_scratch_bytes`]).
+///
 /// `tests/test_vision.py` measures MLX's peak over `image_features` against this (at least the
 /// measured peak, within 2× of it) for a tiny and a mid-sized tower.
-pub fn encode_transient_bytes(config: &Value, a: u64) -> Result<u64> {
+pub fn encode_transient_bytes(config: &Value, a: u64, host_half: bool) -> Result<u64> {
     let d = vision_dims(config.get("vision_config").unwrap_or(&Value::Null))?;
     let (s, p) = (d.image_size as u64, d.patch as u64);
     let n = (s / p) * (s / p);
     let (h, heads, inter) = (d.hidden as u64, d.heads as u64, d.inter as u64);
     let once = 3 * s * s * 4 + 3 * s * s * a + n * 3 * p * p * a + 3 * n * h * a;
-    let layer = 8 * n * h * a + heads * n * n * a.max(4) + 4 * n * inter * a;
+    let scores = if host_half {
+        crate::handle::half_attention_scratch_bytes(heads, heads, n, n, h / heads, h / heads)
+    } else {
+        heads * n * n * a.max(4)
+    };
+    let layer = 8 * n * h * a + scores + 4 * n * inter * a;
     Ok(once + layer)
 }
 

@@ -143,12 +143,14 @@ fn processor_uint(ip: &Value, name: &str, k: &str, dflt: u32) -> Result<u32> {
 /// - per layer: the residual, the normed input, the attention output and its projection, the MLP's
 ///   normed input and output: 6·N·h·a; q, k and v and their float32 RMS norms: (H + 2G)·N·d·(a + 4);
 ///   the rotated q and k: 2·(H + G)·N·d·a; the attention scores SDPA's general path materializes and
-///   its float32 softmax: H·N²·(a + 4); the GeGLU's gate, up and product: 3·N·I·a
+///   its float32 softmax: H·N²·(a + 4) (with `host_half`, a 16-bit tower on the CPU: the host
+///   attention's scratch, [`crate::handle::half_attention_scratch_bytes`]); the GeGLU's gate, up and
+///   product: 3·N·I·a
 ///
 /// `tests/test_vision_gemma4.py` measures MLX's peak over `image_features` of an image at the
 /// largest size against this (at least the measured peak, within 2× of it) for the tiny and a
 /// mid-sized tower.
-pub fn encode_transient_bytes(config: &Value, dir: &Path, a: u64) -> Result<u64> {
+pub fn encode_transient_bytes(config: &Value, dir: &Path, a: u64, host_half: bool) -> Result<u64> {
     let d = vision_dims(config.get("vision_config").unwrap_or(&Value::Null))?;
     let (_, _, name, ip) = processor_files(dir)?;
     let k = d.pool as u64;
@@ -156,10 +158,15 @@ pub fn encode_transient_bytes(config: &Value, dir: &Path, a: u64) -> Result<u64>
     let (p, h, inter) = (d.patch as u64, d.hidden as u64, d.inter as u64);
     let (heads, kv, hd) = (d.heads as u64, d.kv_heads as u64, d.head_dim as u64);
     let once = 3 * n * p * p * (2 * 4 + a) + 3 * n * h * a + 2 * n * hd * 4 + n * h * 4 + n * n / (k * k) * 4;
+    let scores = if host_half {
+        crate::handle::half_attention_scratch_bytes(heads, kv, n, n, hd, hd)
+    } else {
+        heads * n * n * (a + 4)
+    };
     let layer = 6 * n * h * a
         + (heads + 2 * kv) * n * hd * (a + 4)
         + 2 * (heads + kv) * n * hd * a
-        + heads * n * n * (a + 4)
+        + scores
         + 3 * n * inter * a;
     Ok(once + layer)
 }

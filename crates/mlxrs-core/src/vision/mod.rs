@@ -276,17 +276,17 @@ pub fn processor(config: &Value, dir: &Path, tokenizer: &Tokenizer) -> Result<Op
 /// The peak transient bytes of encoding one image at the model's largest image size with its
 /// vision tower, activations of `act_bytes` (None: no tower whose transient is modelled; the towers'
 /// weights are counted with the model's either way). Qwen3.5's (a dynamic resolution up to
-/// `max_pixels`) and Gemma 3's (a fixed size) are modelled; Gemma 4's tower and audio encoder are
-/// not yet.
-pub fn encode_transient_bytes(config: &Value, dir: &Path, act_bytes: u64) -> Result<Option<u64>> {
+/// `max_pixels`), Gemma 3's (a fixed size) and Gemma 4's are modelled. `host_half`: the attention's
+/// scores as the CPU's host attention for 16-bit towers holds them (`handle/half.rs`), not as MLX's.
+pub fn encode_transient_bytes(config: &Value, dir: &Path, act_bytes: u64, host_half: bool) -> Result<Option<u64>> {
     if gemma3::is_gemma3_vision(config) {
-        return gemma3::encode_transient_bytes(config, act_bytes).map(Some);
+        return gemma3::encode_transient_bytes(config, act_bytes, host_half).map(Some);
     }
     if qwen3_5::is_qwen3_5_vision(config) && qwen3_5::has_tower(dir)? {
-        return qwen3_5::encode_transient_bytes(config, dir, act_bytes).map(Some);
+        return qwen3_5::encode_transient_bytes(config, dir, act_bytes, host_half).map(Some);
     }
     if gemma4::is_gemma4_vision(config) {
-        return gemma4::encode_transient_bytes(config, dir, act_bytes).map(Some);
+        return gemma4::encode_transient_bytes(config, dir, act_bytes, host_half).map(Some);
     }
     Ok(None)
 }

@@ -376,16 +376,24 @@ fn pixel_bounds(ip: &Value) -> Result<(u64, u64)> {
 ///   the MLP's fc1 output and its GELU: 2·N·I·a
 /// - the merged features: N / m² · out · a
 ///
+/// With `host_half` (a 16-bit tower on the CPU: the host attention of `handle/half.rs`) the scores are
+/// that op's scratch instead ([`crate::handle::half_attention_scratch_bytes`]).
+///
 /// `tests/test_vision_qwen35.py` measures MLX's peak memory over `image_features` of the largest
 /// image against this (at least the measured peak, within 2× of it).
-pub fn encode_transient_bytes(config: &Value, dir: &Path, a: u64) -> Result<u64> {
+pub fn encode_transient_bytes(config: &Value, dir: &Path, a: u64, host_half: bool) -> Result<u64> {
     let d = vision_dims(config)?;
     let (_, max_pixels) = pixel_bounds(&image_processor_config(dir)?)?;
     let (p, m) = (d.patch as u64, d.merge as u64);
     let n = (max_pixels / (p * m * p * m)) * m * m;
     let (h, heads, inter, t) = (d.hidden as u64, d.heads as u64, d.inter as u64, d.temporal as u64);
     let once = 3 * n * 3 * t * p * p * 4 + 6 * n * h * a + 2 * n * (h / heads) * 4 + n / (m * m) * d.out as u64 * a;
-    let block = 6 * n * h * a + 3 * n * h * a + 2 * n * h * 4 + heads * n * n * (a + 4) + 2 * n * inter * a;
+    let scores = if host_half {
+        crate::handle::half_attention_scratch_bytes(heads, heads, n, n, h / heads, h / heads)
+    } else {
+        heads * n * n * (a + 4)
+    };
+    let block = 6 * n * h * a + 3 * n * h * a + 2 * n * h * 4 + scores + 2 * n * inter * a;
     Ok(once + block)
 }
 
