@@ -4,6 +4,8 @@
 tests/tinymodels.py's fit-llama-bf16 (hidden 1024, 8 layers, bfloat16 safetensors).
 
     python bench/cpu_half.py --prompt 512 --gen 64 --rounds 2
+    python bench/cpu_half.py --quantized 4 --no-mlx-lm --rounds 2   # an MLX 4-bit model with bfloat16
+                                                                   # activations (bench/cpu_quantized.py's)
 
 Prints prompt and generation tokens/s of each (median of the rounds) and the ratios.
 """
@@ -50,31 +52,46 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-mlx", action="store_true", help="leave out mlxrs through MLX's half matmul (slow)")
+    ap.add_argument("--quantized", type=int, default=0, help="bits: bench/cpu_quantized.py's MLX-quantized model")
+    ap.add_argument("--dir", default="/tmp/mlxrs-bench-cpu-half", help="where --quantized writes its model")
+    ap.add_argument("--no-mlx-lm", action="store_true", help="leave out mlx-lm (MLX's x86 quantized kernel is slow)")
     args = ap.parse_args()
     import mlxrs  # first: its BLAS ahead of libmlx (mlxrs/__init__.py)
     from mlx_lm import load
 
     from tinymodels import make_fit_model
 
-    d = make_fit_model(args.model)
-    model, tok = load(str(d))
+    if args.quantized:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from cpu_quantized import make_model
+
+        name = f"llama-q{args.quantized}-bf16"
+        d = make_model(Path(args.dir) / name, args.quantized)
+    else:
+        name = args.model
+        d = make_fit_model(args.model)
+    model, tok = (None, None) if args.no_mlx_lm else load(str(d))
     ids = [random.Random(args.prompt).randrange(10, 2048) for _ in range(args.prompt)]
     ours(d, ids[:32], 4, True)  # warm-up
-    theirs(model, tok, ids[:32], 4)
-    print(f"mlxrs {mlxrs.__version__}, {args.model}, prompt {args.prompt}, generate {args.gen}, CPU", flush=True)
-    kinds = ["host", "mlx", "mlx-lm"] if not args.skip_mlx else ["host", "mlx-lm"]
+    if model is not None:
+        theirs(model, tok, ids[:32], 4)
+    print(f"mlxrs {mlxrs.__version__}, {name}, prompt {args.prompt}, generate {args.gen}, CPU", flush=True)
+    kinds = ["host"] + ([] if args.skip_mlx else ["mlx"]) + ([] if args.no_mlx_lm else ["mlx-lm"])
     res: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
     for _ in range(args.rounds):
         res["host"].append(ours(d, ids, args.gen, True))
         if "mlx" in res:
             res["mlx"].append(ours(d, ids, args.gen, False))
-        res["mlx-lm"].append(theirs(model, tok, ids, args.gen))
+        if "mlx-lm" in res:
+            res["mlx-lm"].append(theirs(model, tok, ids, args.gen))
     med = {k: (statistics.median(p for p, _ in v), statistics.median(g for _, g in v)) for k, v in res.items()}
     for k, (p, g) in med.items():
         print(f"{k:7s} prefill {p:8.1f} tok/s   decode {g:7.1f} tok/s", flush=True)
     hp, hg = med["host"]
-    lp, lg = med["mlx-lm"]
-    print(f"mlxrs / mlx-lm: prefill {hp / lp:.2f}x, decode {hg / lg:.2f}x", flush=True)
+    for other in ("mlx", "mlx-lm"):
+        if other in med:
+            op, og = med[other]
+            print(f"mlxrs / {other}: prefill {hp / op:.2f}x, decode {hg / og:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
