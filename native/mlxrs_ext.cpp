@@ -377,8 +377,8 @@ class HostHalfAttention : public HostPrimitive {
   mlxrs_host_half_attn_kernel kernel_;
 };
 
-/* A row's keys and values for RowsDecodeAttention: [1, kv_heads, len, D] views (float32, or bfloat16
-   bits), strides in elements. */
+/* A row's keys and values for RowsDecodeAttention: [1, kv_heads, len, D] views (float32, or 16-bit
+   float bits), strides in elements. */
 struct AttnRow {
   const void* k;
   const void* v;
@@ -486,21 +486,48 @@ MLXRS_CLONES static void attend_range(const AttnRow* rows, const float* qp, floa
   }
 }
 
-/* attend_range for bfloat16 rows, rounded where MLX's CPU fallback of fast::scaled_dot_product_attention
-   rounds a bfloat16 attention (the scale and the scaled queries, each score, each probability of a
-   float32 softmax, each output): the products exact float32 sums in another order than MLX's
-   half-precision matmul. */
-MLXRS_CLONES static void attend_range_bf16(const AttnRow* rows, const uint16_t* qp, uint16_t* op, int H, int D,
-                                           int kvh, float scale, int i0, int i1) {
+/* A 16-bit float's bits as float32 (exact), and a float32 rounded to it as MLX converts (bfloat16: to
+   nearest, ties to even; float16: MLX's own float16_t). */
+template <bool BF16>
+static inline __attribute__((always_inline)) float half_value(uint16_t b) {
+  if constexpr (BF16) {
+    return bf16_value(b);
+  } else {
+    float16_t h;
+    std::memcpy(&h, &b, sizeof b);
+    return static_cast<float>(h);
+  }
+}
+
+template <bool BF16>
+static inline __attribute__((always_inline)) uint16_t half_bits(float f) {
+  if constexpr (BF16) {
+    return bf16_bits(f);
+  } else {
+    const float16_t h(f);
+    uint16_t b;
+    std::memcpy(&b, &h, sizeof b);
+    return b;
+  }
+}
+
+/* attend_range for 16-bit rows (bfloat16 or float16), rounded where MLX's CPU fallback of
+   fast::scaled_dot_product_attention rounds a 16-bit attention (the scale and the scaled queries, each
+   score, each probability of a float32 softmax, each output): the products exact float32 sums in
+   another order than MLX's half-precision matmul. Inlined into each instruction set's copy below. */
+template <bool BF16>
+static inline __attribute__((always_inline)) void attend_range_half(const AttnRow* rows, const uint16_t* qp,
+                                                                    uint16_t* op, int H, int D, int kvh, float scale,
+                                                                    int i0, int i1) {
   const int rep = H / kvh;
-  const float sc = bf16_round(scale);
+  const float sc = half_value<BF16>(half_bits<BF16>(scale));
   std::vector<float> qs(D), acc(D), p;
   for (int i = i0; i < i1; i++) {
     const int b = i / H, h = i % H;
     const AttnRow& r = rows[b];
     const uint16_t* qi = qp + (size_t)i * D;
     for (int d = 0; d < D; d++) {
-      qs[d] = bf16_round(sc * bf16_value(qi[d]));
+      qs[d] = half_value<BF16>(half_bits<BF16>(sc * half_value<BF16>(qi[d])));
     }
     const uint16_t* kb = static_cast<const uint16_t*>(r.k) + (h / rep) * r.ks1;
     const uint16_t* vb = static_cast<const uint16_t*>(r.v) + (h / rep) * r.vs1;
@@ -512,7 +539,7 @@ MLXRS_CLONES static void attend_range_bf16(const AttnRow* rows, const uint16_t* 
       const int full = D / 8 * 8;
       for (int d = 0; d < full; d += 8) {
         for (int u = 0; u < 8; u++) {
-          part[u] += qs[d + u] * bf16_value(kj[(d + u) * r.ks3]);
+          part[u] += qs[d + u] * half_value<BF16>(kj[(d + u) * r.ks3]);
         }
       }
       float s = 0.0f;
@@ -520,9 +547,9 @@ MLXRS_CLONES static void attend_range_bf16(const AttnRow* rows, const uint16_t* 
         s += part[u];
       }
       for (int d = full; d < D; d++) {
-        s += qs[d] * bf16_value(kj[d * r.ks3]);
+        s += qs[d] * half_value<BF16>(kj[d * r.ks3]);
       }
-      p[j] = bf16_round(s);
+      p[j] = half_value<BF16>(half_bits<BF16>(s));
       m = std::max(m, p[j]);
     }
     float sum = 0.0f;
@@ -534,16 +561,26 @@ MLXRS_CLONES static void attend_range_bf16(const AttnRow* rows, const uint16_t* 
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int j = 0; j < r.len; j++) {
       const uint16_t* vj = vb + j * r.vs2;
-      const float w = bf16_round(p[j] * inv);
+      const float w = half_value<BF16>(half_bits<BF16>(p[j] * inv));
       for (int d = 0; d < D; d++) {
-        acc[d] += w * bf16_value(vj[d * r.vs3]);
+        acc[d] += w * half_value<BF16>(vj[d * r.vs3]);
       }
     }
     uint16_t* oi = op + (size_t)i * D;
     for (int d = 0; d < D; d++) {
-      oi[d] = bf16_bits(acc[d]);
+      oi[d] = half_bits<BF16>(acc[d]);
     }
   }
+}
+
+MLXRS_CLONES static void attend_range_bf16(const AttnRow* rows, const uint16_t* qp, uint16_t* op, int H, int D,
+                                           int kvh, float scale, int i0, int i1) {
+  attend_range_half<true>(rows, qp, op, H, D, kvh, scale, i0, i1);
+}
+
+MLXRS_CLONES static void attend_range_f16(const AttnRow* rows, const uint16_t* qp, uint16_t* op, int H, int D,
+                                          int kvh, float scale, int i0, int i1) {
+  attend_range_half<false>(rows, qp, op, H, D, kvh, scale, i0, i1);
 }
 
 /* One decode step's attention for rows that each have their own cache: queries [B, heads, 1, D]
@@ -570,12 +607,16 @@ class RowsDecodeAttention : public HostPrimitive {
       rows[b] = AttnRow{k.data<void>(), v.data<void>(), k.strides(1), k.strides(2),
                     k.strides(3), v.strides(1), v.strides(2), v.strides(3), k.shape(2)};
     }
-    if (q.dtype() == bfloat16) {
+    if (q.dtype() == bfloat16 || q.dtype() == float16) {
       return [rows = std::move(rows), qp = q.data<uint16_t>(), op = out.data<uint16_t>(), B, H, D, kvh,
-              scale = scale_]() {
+              scale = scale_, bf16 = q.dtype() == bfloat16]() {
         const int items = B * H;
         auto work = [&](int i0, int i1) {
-          attend_range_bf16(rows.data(), qp, op, H, D, kvh, scale, i0, i1);
+          if (bf16) {
+            attend_range_bf16(rows.data(), qp, op, H, D, kvh, scale, i0, i1);
+          } else {
+            attend_range_f16(rows.data(), qp, op, H, D, kvh, scale, i0, i1);
+          }
         };
         parallel_ranges(items, 8, work);
       };
@@ -875,10 +916,10 @@ int mlxrs_rows_decode_attention(
     auto st = mlx_stream_get_(s);
     const array& q = mlx_array_get_(queries);
     const std::vector<array>& kv = mlx_vector_array_get_(keys_values);
-    if (st.device != Device::cpu || (q.dtype() != float32 && q.dtype() != bfloat16) || q.ndim() != 4 ||
-        q.shape(2) != 1 || (int)kv.size() != 2 * q.shape(0)) {
+    if (st.device != Device::cpu || (q.dtype() != float32 && q.dtype() != bfloat16 && q.dtype() != float16) ||
+        q.ndim() != 4 || q.shape(2) != 1 || (int)kv.size() != 2 * q.shape(0)) {
       throw std::invalid_argument(
-          "[mlxrs_rows_decode_attention] needs float32 or bfloat16 queries [B, heads, 1, D] and a key and a value array per row, on a CPU stream");
+          "[mlxrs_rows_decode_attention] needs float32, bfloat16 or float16 queries [B, heads, 1, D] and a key and a value array per row, on a CPU stream");
     }
     std::vector<array> inputs{contiguous(q, false, st)};
     for (size_t i = 0; i < kv.size(); i++) {

@@ -1,7 +1,7 @@
 """The CPU's host ops for 16-bit float models (crates/mlxrs-core/src/handle/half.rs; `MLXRS_CPU_HALF`):
-a bfloat16 model's projections (in place for decode steps, float32 tiles through the BLAS for prompts)
-and its prompts' attention run through them, its decode steps' attention through `RowsDecodeAttention`
-at MLX's rounding points. Against mlx-lm: the products are exact float32 sums in another order than
+a bfloat16 (or float16) model's projections (in place for decode steps, float32 tiles through the BLAS
+for prompts) and its prompts' attention run through them, its decode steps' attention through
+`RowsDecodeAttention` at MLX's rounding points. Against mlx-lm: the products are exact float32 sums in another order than
 MLX's half-precision matmul, compared as tests/test_parity.py compares them (a logit one bfloat16 step
 away, tokens parting only at a near-tie). Against mlxrs with the switch off (MLX's ops): the counters show
 which path ran, and the logits agree within bfloat16 rounding. The kernels value by value, for both
@@ -17,7 +17,11 @@ from mlxrs import _native
 from test_parity import TEXT, _check
 from tinymodels import make_model
 
-CASES = [("llama-bfloat16", "llama"), ("qwen3-bfloat16", "qwen3")]
+CASES = [
+    ("llama-bfloat16", "llama", "bfloat16"),
+    ("qwen3-bfloat16", "qwen3", "bfloat16"),
+    ("llama-float16", "llama", "float16"),
+]
 
 
 def _cpu() -> None:
@@ -31,13 +35,13 @@ def _counts() -> tuple[int, int]:
     return _native._half_matmul_count(), _native._half_attention_count()
 
 
-@pytest.mark.parametrize("name,arch", CASES, ids=[c[0] for c in CASES])
-def test_bfloat16_models_take_the_host_ops_and_match_mlx_lm(oracle, name, arch, monkeypatch):
+@pytest.mark.parametrize("name,arch,dtype", CASES, ids=[c[0] for c in CASES])
+def test_16bit_models_take_the_host_ops_and_match_mlx_lm(oracle, name, arch, dtype, monkeypatch):
     _cpu()
     monkeypatch.delenv("MLXRS_CPU_HALF", raising=False)
-    d = make_model(name, arch, dtype="bfloat16")
+    d = make_model(name, arch, dtype=dtype)
     mm, att = _counts()
-    _check(oracle, d, TEXT, dtype="bfloat16")
+    _check(oracle, d, TEXT, dtype=dtype)
     mm2, att2 = _counts()
     # every projection of 64 decode steps (at least q/k/v, o, gate/up, down, the head a step) and the
     # prompt's attention in every layer

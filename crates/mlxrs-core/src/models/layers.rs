@@ -300,11 +300,11 @@ impl Linear {
 }
 
 /// Whether a decode step's per-row attention goes through [`mx::rows_decode_attention`]: the CPU,
-/// float32 queries (or bfloat16 ones where [`cpu_half`]: MLX's rounding points, float32 sums), no
+/// float32 queries (or 16-bit ones where [`cpu_half`]: MLX's rounding points, float32 sums), no
 /// attention sinks, no row with a mask array (one query per row: `None` and `Causal` hide nothing),
 /// and `MLXRS_CPU_ROWS_ATTENTION` not `0`.
 fn rows_attention_applies(q: &Array, sinks: Option<&Array>, masks: &[Mask]) -> bool {
-    (q.dtype() == Dtype::Float32 || (q.dtype() == Dtype::Bfloat16 && cpu_half()))
+    (q.dtype() == Dtype::Float32 || (matches!(q.dtype(), Dtype::Bfloat16 | Dtype::Float16) && cpu_half()))
         && sinks.is_none()
         && !on_gpu()
         && masks.iter().all(|m| matches!(m, Mask::None | Mask::Causal))

@@ -329,8 +329,8 @@ mod tests {
     /// rows of 1 to 300 keys, grouped and plain heads, head sizes that are and are not a multiple of
     /// the kernel's 8 partial sums, keys and values as views of larger cache buffers (as a cache
     /// returns them) and as transposed views (a last axis that is not contiguous); float32, and
-    /// bfloat16 (MLX's rounding points, float32 sums in another order: within a few rounding steps,
-    /// most outputs equal).
+    /// bfloat16 and float16 (MLX's rounding points, float32 sums in another order: within a few
+    /// rounding steps, most outputs equal).
     #[test]
     fn rows_decode_attention_equals_mlx_per_row() {
         let cpu = mx::Stream::new(&mx::Device::new(mx::DeviceKind::Cpu, 0).unwrap()).unwrap();
@@ -341,6 +341,7 @@ mod tests {
                 (Dtype::Float32, 6, 3, 64),
                 (Dtype::Bfloat16, 8, 2, 20),
                 (Dtype::Bfloat16, 6, 3, 64),
+                (Dtype::Float16, 8, 2, 20),
             ] {
                 let lens = [1, 9, 300, 37];
                 let q = rand(&[lens.len() as i32, nq, 1, d], dt, 7);
@@ -378,16 +379,21 @@ mod tests {
                     let theirs = mx::scaled_dot_product_attention(&qb, k, v, 0.125, AttnMask::None, None).unwrap();
                     let mine = mx::slice_axis(&ours, 0, b as i32, b as i32 + 1).unwrap();
                     let diff = max_abs_diff(&mine, &theirs);
-                    // outputs are averages of values of magnitude ~1: a bfloat16 step is 2^-8..2^-7
-                    let tol = if dt == Dtype::Float32 { 2e-6 } else { 4.0 * 2f32.powi(-7) };
+                    // outputs are averages of values of magnitude ~1: a bfloat16 step is 2^-8..2^-7, a
+                    // float16 step 2^-11..2^-10
+                    let tol = match dt {
+                        Dtype::Float32 => 2e-6,
+                        Dtype::Float16 => 4.0 * 2f32.powi(-10),
+                        _ => 4.0 * 2f32.powi(-7),
+                    };
                     assert!(diff <= tol, "{dt:?} heads {nq}/{nkv} D {d} row {b} (L {}): max |Δ| {diff}", lens[b]);
                     let f = |a: &Array| mx::astype(a, Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
                     let (m, t) = (f(&mine), f(&theirs));
                     equal += m.iter().zip(&t).filter(|(a, b)| a == b).count();
                     total += m.len();
                 }
-                if dt == Dtype::Bfloat16 {
-                    assert!(equal * 2 >= total, "only {equal} of {total} bfloat16 outputs equal MLX's");
+                if dt != Dtype::Float32 {
+                    assert!(equal * 2 >= total, "only {equal} of {total} {dt:?} outputs equal MLX's");
                 }
             }
             // shapes it does not take are refused with MLX's error, not computed
@@ -399,8 +405,11 @@ mod tests {
             let qb = rand(&[2, 4, 1, 16], Dtype::Bfloat16, 4);
             assert!(mx::rows_decode_attention(&qb, &[(&k, &k), (&k, &k)], 0.25).is_err(), "keys of another type");
             let qh = rand(&[2, 4, 1, 16], Dtype::Float16, 4);
-            let kh = rand(&[1, 4, 5, 16], Dtype::Float16, 2);
-            assert!(mx::rows_decode_attention(&qh, &[(&kh, &kh), (&kh, &kh)], 0.25).is_err(), "float16");
+            let kb = rand(&[1, 4, 5, 16], Dtype::Bfloat16, 2);
+            assert!(
+                mx::rows_decode_attention(&qh, &[(&kb, &kb), (&kb, &kb)], 0.25).is_err(),
+                "keys of another 16-bit type"
+            );
         });
     }
 
