@@ -628,7 +628,7 @@ impl ModelFacts {
         // 16-bit weights on the CPU: a prompt's attention runs in the host op (models/sdpa.rs
         // `cpu_half_prompt`: causal, or a sliding window's boolean mask; its scores counted in
         // `half_host`)
-        let half_cpu = o.dequant_float32 && self.act_bytes == 2;
+        let half_cpu = self.half_cpu(o);
         let scores = if o.fused_attention || half_cpu { 0.0 } else { self.num_heads as f64 * p * ctx as f64 * a };
         let mlp = 3.0 * p * self.intermediate_size as f64 * a;
         let dequant = if self.quantized_weights && p as u64 >= o.dequant_rows {
@@ -783,10 +783,16 @@ impl ModelFacts {
         }
     }
 
+    /// Whether this model's 16-bit products and attention run on the CPU's host ops under `o`
+    /// (`handle/half.rs`: 16-bit activations on the CPU backend).
+    fn half_cpu(&self, o: &PlanOptions) -> bool {
+        o.dequant_float32 && self.act_bytes == 2
+    }
+
     /// One image's encoding on the backend of `o`: through the CPU's host attention for a 16-bit
     /// tower there ([`ModelFacts::media_transient_host_bytes`]), else MLX's.
     fn media_transient(&self, o: &PlanOptions) -> u64 {
-        if o.dequant_float32 && self.act_bytes == 2 && self.media_transient_host_bytes > 0 {
+        if self.half_cpu(o) && self.media_transient_host_bytes > 0 {
             self.media_transient_host_bytes
         } else {
             self.media_transient_bytes

@@ -277,7 +277,7 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostBlocksArgs) {
         y.fill(f32::NAN);
         return;
     };
-    super::host::into_mlx_output(y, |threads, y| w.matvec_into(x, threads, y));
+    super::host::into_mlx_output(y, f32::NAN, |threads, y| w.matvec_into(x, threads, y));
 }
 
 /// `x · dequant(W)ᵀ` (float32 `x [..., cols]`; W as int8 `q [rows, cols]`, float32 `scales` and

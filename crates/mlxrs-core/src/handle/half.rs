@@ -19,7 +19,9 @@
 //! MLX's; the caller rounds them once to the activations' dtype, as MLX's matmul rounds its float
 //! accumulators. [`host_half_matmul`] builds the product as one op of MLX's graph
 //! (native/mlxrs_ext.cpp `HostHalfMatmul`).
-use super::host::{detect, over_rows, sum_lanes, walk_rows, Isa, QuantRows, LANES, ROW_GROUP};
+use super::host::{
+    detect, into_mlx_output, over_rows, par_chunks_mut, sum_lanes, walk_rows, Isa, QuantRows, LANES, ROW_GROUP,
+};
 use crate::error::{Error, Result};
 
 /// Up to how many rows of a decode step the kernel reads W in place (decode steps of up to this many
@@ -146,13 +148,13 @@ impl<'a> HalfRef<'a> {
     /// tileᵀ` by `sgemm` into the output's columns.
     fn tiles(&self, gemm: mlxrs_sys::Sgemm, x: &[f32], n: usize, threads: usize, y: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
-        let tile = (TILE_BYTES / (4 * cols)).clamp(1, rows);
-        let mut buf = vec![0f32; tile * cols];
         // BLAS sizes are C ints: a product too large for them goes through the in-place kernel
         let fits = |v: usize| i32::try_from(v).is_ok();
         if !(fits(n) && fits(rows) && fits(cols)) {
             return self.rows_with(detect(), x, threads, y);
         }
+        let tile = (TILE_BYTES / (4 * cols)).clamp(1, rows);
+        let mut buf = vec![0f32; tile * cols];
         let mut r0 = 0;
         while r0 < rows {
             let t = tile.min(rows - r0);
@@ -351,14 +353,7 @@ fn convert_par<A: Sync, B: Send>(threads: usize, src: &[A], dst: &mut [B], f: im
     if src.len() < PAR_MIN || threads <= 1 {
         return f(src, dst);
     }
-    let per = src.len().div_ceil(threads);
-    let parts: Vec<Taken<(&[A], &mut [B])>> =
-        src.chunks(per).zip(dst.chunks_mut(per)).map(|p| std::sync::Mutex::new(Some(p))).collect();
-    super::host::split(parts.len(), &|i| {
-        if let Some((s, d)) = parts[i].lock().unwrap_or_else(|e| e.into_inner()).take() {
-            f(s, d);
-        }
-    });
+    par_chunks_mut(dst, src.len().div_ceil(threads), &|start, d| f(&src[start..start + d.len()], d));
 }
 
 /// The bytes [`HalfAttention::run`] allocates for `heads` query heads over `kv_heads` of `lq` queries
@@ -371,23 +366,17 @@ pub fn attention_scratch_bytes(heads: u64, kv_heads: u64, lq: u64, lk: u64, d: u
     4 * (rep * blk * (lk + d + dv) + lk * (d + dv))
 }
 
-/// A part of a split's work, taken once by the thread that runs it.
-type Taken<T> = std::sync::Mutex<Option<T>>;
-
 /// `f(i, row)` for each `len`-long row of `data`, over up to `threads` threads (contiguous runs).
 fn rows_par(data: &mut [f32], len: usize, threads: usize, f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
-    let rows = data.len() / len.max(1);
+    let len = len.max(1);
+    let rows = data.len() / len;
     if rows == 0 {
         return;
     }
     let per = rows.div_ceil(threads.clamp(1, rows));
-    let parts: Vec<Taken<(usize, &mut [f32])>> =
-        data.chunks_mut(per * len).enumerate().map(|(i, c)| std::sync::Mutex::new(Some((i * per, c)))).collect();
-    super::host::split(parts.len(), &|p| {
-        if let Some((r0, chunk)) = parts[p].lock().unwrap_or_else(|e| e.into_inner()).take() {
-            for (j, row) in chunk.chunks_mut(len).enumerate() {
-                f(r0 + j, row);
-            }
+    par_chunks_mut(data, per * len, &|start, chunk| {
+        for (j, row) in chunk.chunks_mut(len).enumerate() {
+            f(start / len + j, row);
         }
     });
 }
@@ -459,10 +448,11 @@ impl HalfAttention<'_> {
                 while q0 < lq {
                     let nb = blk.min(lq - q0);
                     let rows = rep * nb;
-                    // row r * nb + i: query head g * rep + r at position q0 + i
-                    let qrow = |row: usize| ((bi * h + g * rep + row / nb) * lq + q0 + row % nb) * d;
+                    // row r * nb + i: query head g * rep + r at position q0 + i (its index in q and out,
+                    // in rows of d and dv)
+                    let at = |row: usize| (bi * h + g * rep + row / nb) * lq + q0 + row % nb;
                     rows_par(&mut qf[..rows * d], d, threads, &|row, dst| {
-                        let src = &self.q[qrow(row)..][..d];
+                        let src = &self.q[at(row) * d..][..d];
                         for (x, q) in dst.iter_mut().zip(src) {
                             *x = t.round(sc * t.to_f32(*q));
                         }
@@ -537,8 +527,8 @@ impl HalfAttention<'_> {
                         )
                     };
                     for row in 0..rows {
-                        let at = ((bi * h + g * rep + row / nb) * lq + q0 + row % nb) * dv;
-                        for (y, x) in out[at..at + dv].iter_mut().zip(&o[row * dv..(row + 1) * dv]) {
+                        let y0 = at(row) * dv;
+                        for (y, x) in out[y0..y0 + dv].iter_mut().zip(&o[row * dv..(row + 1) * dv]) {
                             *y = t.bits(*x);
                         }
                     }
@@ -572,10 +562,9 @@ unsafe extern "C" fn attn_kernel(args: *const mlxrs_sys::HostHalfAttnArgs) {
     let n_out = a.b * a.heads * a.lq * a.dv;
     // SAFETY: the output's extent (the caller's contract)
     let out = unsafe { std::slice::from_raw_parts_mut(a.out, n_out) };
-    let nan = |out: &mut [u16], t: Option<HalfType>| out.fill(t.unwrap_or(HalfType::Bf16).bits(f32::NAN));
     let (Some(t), Some(gemm)) = (HalfType::from_code(a.dtype), mlxrs_sys::cblas_sgemm()) else {
         // checked when the op was built (the type, the BLAS): unreachable, but never leave out unwritten
-        nan(out, HalfType::from_code(a.dtype));
+        out.fill(HalfType::from_code(a.dtype).unwrap_or(HalfType::Bf16).bits(f32::NAN));
         return;
     };
     // SAFETY: the inputs' extents (the caller's contract)
@@ -589,12 +578,7 @@ unsafe extern "C" fn attn_kernel(args: *const mlxrs_sys::HostHalfAttnArgs) {
     // SAFETY: the mask's extent, where given (the caller's contract)
     let mask = (!a.mask.is_null()).then(|| unsafe { std::slice::from_raw_parts(a.mask, a.lq * a.lk) });
     let att = HalfAttention { q, k, v, t, causal: a.causal != 0, mask, scale: a.scale, dims };
-    let threads = super::host::host_threads();
-    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| att.run(gemm, threads, &mut *out)))
-        .unwrap_or_else(|_| att.run(gemm, 1, &mut *out));
-    if done.is_err() {
-        nan(out, Some(t));
-    }
+    into_mlx_output(out, t.bits(f32::NAN), |threads, out| att.run(gemm, threads, out));
 }
 
 /// `softmax(scale · q kᵀ (+ the causal mask from the bottom right, or a boolean `mask` `[Lq, Lk]`)) v`
@@ -648,48 +632,50 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostHalfArgs) {
     if rows == 0 || cols == 0 || n == 0 {
         return;
     }
-    let t = HalfType::from_code(wdtype);
-    if x16 != 0 {
-        // SAFETY: y holds n · rows values of W's type (the caller's contract)
-        let y = unsafe { std::slice::from_raw_parts_mut(y as *mut u16, n * rows) };
-        let Some(t) = t else {
-            y.fill(HalfType::Bf16.bits(f32::NAN));
-            return;
-        };
-        // SAFETY: the extents above (the caller's contract)
-        let (wv, xv) = unsafe {
-            (std::slice::from_raw_parts(w, rows * cols), std::slice::from_raw_parts(x as *const u16, n * cols))
-        };
-        let threads = super::host::host_threads();
-        let mut xf = vec![0f32; n * cols];
-        convert_par(threads, xv, &mut xf, |s, d| t.widen(s, d));
-        let mut yf = vec![0f32; n * rows];
-        match HalfRef::new(wv, t, rows, cols) {
-            Ok(m) => super::host::into_mlx_output(&mut yf, |threads, y| m.matmul_into(&xf, threads, y, gemm != 0)),
-            Err(_) => yf.fill(f32::NAN),
+    let Some(t) = HalfType::from_code(wdtype) else {
+        // checked when the op was built: unreachable, but never leave y unwritten
+        if x16 != 0 {
+            // SAFETY: y holds n · rows 16-bit values (the caller's contract)
+            unsafe { std::slice::from_raw_parts_mut(y as *mut u16, n * rows) }.fill(HalfType::Bf16.bits(f32::NAN));
+        } else {
+            // SAFETY: y holds n · rows float32 values (the caller's contract)
+            unsafe { std::slice::from_raw_parts_mut(y as *mut f32, n * rows) }.fill(f32::NAN);
         }
-        convert_par(threads, &yf, y, |s, d| {
-            for (o, v) in d.iter_mut().zip(s) {
-                *o = t.bits(*v);
-            }
-        });
-        return;
-    }
-    // SAFETY: y holds n · rows float32 values (the caller's contract)
-    let y = unsafe { std::slice::from_raw_parts_mut(y as *mut f32, n * rows) };
-    let Some(t) = t else {
-        y.fill(f32::NAN);
         return;
     };
-    // SAFETY: the extents above (the caller's contract)
-    let (wv, x) =
-        unsafe { (std::slice::from_raw_parts(w, rows * cols), std::slice::from_raw_parts(x as *const f32, n * cols)) };
-    let Ok(m) = HalfRef::new(wv, t, rows, cols) else {
+    // SAFETY: W's extent (the caller's contract)
+    let wv = unsafe { std::slice::from_raw_parts(w, rows * cols) };
+    // the product of float32 rows `x` into float32 `y`
+    let product = |x: &[f32], y: &mut [f32]| match HalfRef::new(wv, t, rows, cols) {
+        Ok(m) => into_mlx_output(y, f32::NAN, |threads, y| m.matmul_into(x, threads, y, gemm != 0)),
         // the shapes were checked when the op was built: unreachable, but never leave y unwritten
-        y.fill(f32::NAN);
-        return;
+        Err(_) => y.fill(f32::NAN),
     };
-    super::host::into_mlx_output(y, |threads, y| m.matmul_into(x, threads, y, gemm != 0));
+    if x16 == 0 {
+        // SAFETY: x and y hold n · cols and n · rows float32 values (the caller's contract)
+        let (x, y) = unsafe {
+            (
+                std::slice::from_raw_parts(x as *const f32, n * cols),
+                std::slice::from_raw_parts_mut(y as *mut f32, n * rows),
+            )
+        };
+        return product(x, y);
+    }
+    // x and y of W's type: x widened, the product rounded once into y
+    // SAFETY: x and y hold n · cols and n · rows 16-bit values (the caller's contract)
+    let (xv, y) = unsafe {
+        (std::slice::from_raw_parts(x as *const u16, n * cols), std::slice::from_raw_parts_mut(y as *mut u16, n * rows))
+    };
+    let threads = super::host::host_threads();
+    let mut xf = vec![0f32; n * cols];
+    convert_par(threads, xv, &mut xf, |s, d| t.widen(s, d));
+    let mut yf = vec![0f32; n * rows];
+    product(&xf, &mut yf);
+    convert_par(threads, &yf, y, |s, d| {
+        for (o, v) in d.iter_mut().zip(s) {
+            *o = t.bits(*v);
+        }
+    });
 }
 
 /// `x · Wᵀ` for `x [..., cols]` float32 or of W's type and W `[rows, cols]` bfloat16 or float16, out in

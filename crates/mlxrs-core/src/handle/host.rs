@@ -57,17 +57,11 @@ where
     let target: &mut [f32] = if n == 1 { &mut *out } else { &mut t };
     let threads = threads.clamp(1, rows.div_ceil(group));
     let per = rows.div_ceil(threads).div_ceil(group) * group;
-    // each part's slice of the output, taken by the part that fills it
-    let parts: Vec<std::sync::Mutex<Option<&mut [f32]>>> =
-        target.chunks_mut(per * n).map(|y| std::sync::Mutex::new(Some(y))).collect();
-    let part = |ci: usize| {
-        let y = parts[ci].lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(y) = y {
-            let r0 = ci * per;
-            kernel(r0, r0 + y.len() / n, y);
-        }
-    };
-    split(parts.len(), &part);
+    // each part's slice of the output, filled by the part that takes it
+    par_chunks_mut(target, per * n, &|start, y| {
+        let r0 = start / n;
+        kernel(r0, r0 + y.len() / n, y);
+    });
     if n > 1 {
         for r in 0..rows {
             for i in 0..n {
@@ -77,16 +71,30 @@ where
     }
 }
 
-/// A graph kernel's product `run(threads, y)` straight into MLX's output `y`, on [`host_threads`]
+/// `f(start, chunk)` for each `chunk`-long run of `data` (the last may be shorter; `start` its first
+/// index), one run a part of a [`split`].
+pub(super) fn par_chunks_mut<T: Send>(data: &mut [T], chunk: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+    let chunk = chunk.max(1);
+    // each run, taken once by the part that fills it
+    let parts: Vec<std::sync::Mutex<Option<&mut [T]>>> =
+        data.chunks_mut(chunk).map(|c| std::sync::Mutex::new(Some(c))).collect();
+    split(parts.len(), &|i| {
+        if let Some(c) = parts[i].lock().unwrap_or_else(|e| e.into_inner()).take() {
+            f(i * chunk, c);
+        }
+    });
+}
+
+/// A graph kernel's output `run(threads, y)` straight into MLX's output `y`, on [`host_threads`]
 /// threads. A panic must not unwind into MLX's C++ (it would abort the process): the only one possible
-/// is the OS refusing a thread, and then the product runs again on this thread alone (every output is
-/// written from the inputs alone); an error leaves NaN, never unwritten memory.
-pub(super) fn into_mlx_output(y: &mut [f32], run: impl Fn(usize, &mut [f32]) -> crate::error::Result<()>) {
+/// is the OS refusing a thread, and then the kernel runs again on this thread alone (every output is
+/// written from the inputs alone); an error leaves `nan`, never unwritten memory.
+pub(super) fn into_mlx_output<T: Copy>(y: &mut [T], nan: T, run: impl Fn(usize, &mut [T]) -> crate::error::Result<()>) {
     let threads = host_threads();
     let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(threads, &mut *y)))
         .unwrap_or_else(|_| run(1, &mut *y));
     if done.is_err() {
-        y.fill(f32::NAN);
+        y.fill(nan);
     }
 }
 

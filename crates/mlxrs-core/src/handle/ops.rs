@@ -647,7 +647,7 @@ pub fn rope_rows(
     })
 }
 
-/// One decode step's attention (float32 or bfloat16, the CPU stream) for rows that each have their own keys and
+/// One decode step's attention (float32, bfloat16 or float16, the CPU stream) for rows that each have their own keys and
 /// values: `q` `[B, heads, 1, D]` (rotated), `kv` the rows' `(keys, values)` `[1, kv_heads, L_b, D]`
 /// (views of their caches), every key of a row seen (one query per row: the causal mask hides
 /// nothing). One op of the graph (native/mlxrs_ext.cpp `RowsDecodeAttention`, the (row, head) pairs

@@ -414,7 +414,7 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostPackedArgs) {
         y.fill(f32::NAN);
         return;
     };
-    super::host::into_mlx_output(y, |threads, y| m.matvec_into(x, threads, y));
+    super::host::into_mlx_output(y, f32::NAN, |threads, y| m.matvec_into(x, threads, y));
 }
 
 /// `x · dequant(W)ᵀ` for float32 `x [..., cols]` and W as MLX's affine quantization stores it (`w`
