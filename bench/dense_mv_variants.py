@@ -44,17 +44,24 @@ VARIANTS = {  # name: (defines, rows a warp)
     "r1_u4": ("", 1),
     "r1_u16": ("#define MLXRS_DENSE_UNROLL 16\n", 1),
     "r4_u2": ("#define MLXRS_DENSE_UNROLL 2\n", 4),
+    # the paired products (SwiGLU, rotary: two rows a warp) with 8 steps in flight: no faster (an H100,
+    # bench/RESULTS-gpu.md 2026-12-07)
+    "r2_u8": (U8, 2),
 }
 # profiled besides the variants: the engine's kernels with the RMSNorm prologue (its cost)
-NORMED = ["engine_norm", "r2_norm"]
+NORMED = ["engine_norm", "r2_norm", "r2_u8_norm"]
 # and the engine's fused q/k/v kernel itself (norm prologue, rotary epilogue, q/k/v as three outputs) on
 # the q/k/v shape only, its positions input made two ways: from host data for each launch (the engine's
 # way: MLX puts it in managed memory) or on the GPU by arange. In the 8B step this kernel takes ~34-36 us
 # against ~19 for r2_norm alone (bench/RESULTS-gpu.md): which of the epilogue and the positions it is.
 TRIG = "const float c_ = cos(th_), s_ = sin(th_);"
 ROPE = {  # name: (positions from the host, traditional pairs, the header's trigonometry replaced by)
-    "rope_norm_hostpos": (True, False, None),  # the engine's
-    "rope_norm_devpos": (False, False, None),
+    "rope_norm_hostpos": (True, False, None),  # the engine's reference (MLXRS_CUDA_ROPE_TABLE=0)
+    # 8 loop steps in flight ("U8": the trigonometry line is kept, MLXRS_DENSE_UNROLL 8 goes ahead of the
+    # header)
+    "rope_norm_hostpos_u8": (True, False, "U8"),
+    "rope_norm_devpos_u8": (False, False, "U8"),
+    "rope_norm_devpos": (False, False, None),  # the engine's default (a view of the table)
     # sincosf's fast intrinsic (not MLX's precise cos/sin: checked, not for the engine as is)
     "rope_norm_devpos_fasttrig": (False, False, "float s_, c_; __sincosf(th_, &s_, &c_);"),
     # the precise sincosf (one range reduction for both; no stack frame, where cos and sin have 32 bytes)
@@ -144,7 +151,8 @@ def mv_rope(
             output_names=["q_out", "k_out", "v_out"],
             source=SOURCE,
             header="#define MLXRS_ROPE\n#define MLXRS_NORM\n"
-            + (HEADER if trig is None else HEADER.replace(TRIG, trig)),
+            + (U8 if trig == "U8" else "")
+            + (HEADER if trig in (None, "U8") else HEADER.replace(TRIG, trig)),
         )
     m, k = x.shape
     n = w.shape[0]

@@ -66,13 +66,12 @@ pub fn refresh() {
         _ => OFF,
     };
     SWITCH.store(state, Ordering::Relaxed);
-    for (switch, env) in [(&ROPE_SWITCH, ROPE_ENV), (&NORM_SWITCH, NORM_ENV), (&DENSE_SWITCH, DENSE_ENV)] {
+    for (switch, env) in
+        [(&ROPE_SWITCH, ROPE_ENV), (&NORM_SWITCH, NORM_ENV), (&DENSE_SWITCH, DENSE_ENV), (&TABLE_SWITCH, POSITIONS_ENV)]
+    {
         let off = std::env::var(env).is_ok_and(|v| v.trim() == "0");
         switch.store(if off { OFF } else { ON }, Ordering::Relaxed);
     }
-    // off unless asked for (not yet checked on a device in the engine: see POSITIONS_ENV)
-    let table = std::env::var(POSITIONS_ENV).is_ok_and(|v| v.trim() == "1");
-    TABLE_SWITCH.store(if table { ON } else { OFF }, Ordering::Relaxed);
 }
 
 /// The switch's state ([`ON`], [`OFF`] or [`FLOAT`]); OFF wherever the backend is not CUDA.
@@ -160,16 +159,15 @@ pub struct QkvRope<'a> {
     pub head_dim: i32,
 }
 
-/// `1`: the rotary kernel's consecutive positions (one sequence's decode step or chunk) are a view
-/// into [`position_table`] instead of an array of host data made at each launch (the default, the
-/// reference). Measured on an H100 (`bench/dense_mv_variants.py --profile`, `ROPE`, Nsight Compute):
-/// an 8B model's q/k/v kernel takes 34.6 µs with its 4-byte positions array made from host data,
-/// which MLX's CUDA allocator keeps in host-visible memory that every warp then reads across the
-/// bus, and 23.2 µs with positions made on the GPU — as much as the same product without the rotary
-/// epilogue (23.1). Off by default: in the engine (checked against the reference with
-/// `bench/qmv_check.py --rope`, the same greedy tokens in the A/B) it gained 1.6% on an 8B bf16 model and
-/// nothing measurable on 1B (an H100, bench/RESULTS-gpu.md 2026-12-07): running free, the positions'
-/// read is not the 11 µs Nsight Compute's cold caches show.
+/// `0`: the rotary kernel's positions are an array of host data (the reference) instead of, where
+/// they are consecutive (one sequence's decode step or chunk), a view into [`position_table`] (the
+/// default). Measured on an H100 (`bench/dense_mv_variants.py --profile`, `ROPE`, Nsight Compute with
+/// its cold caches): an 8B model's q/k/v kernel took 34.6 µs with its 4-byte positions array made from
+/// host data, which MLX's CUDA allocator keeps in host-visible memory that every warp then reads
+/// across the bus, and 23.2 µs with positions made on the GPU — as much as the same product without
+/// the rotary epilogue (23.1). In the engine, with one positions array a step ([`positions_input`]),
+/// the table decodes 4.9% faster on an 8B bf16 model and 6.7% on 1B (an H100, alternating in one
+/// process; bench/RESULTS-gpu.md 2026-12-07), the same greedy tokens.
 pub const POSITIONS_ENV: &str = "MLXRS_CUDA_ROPE_TABLE";
 
 static TABLE_SWITCH: AtomicU8 = AtomicU8::new(UNREAD);
@@ -192,11 +190,27 @@ fn position_table(n: usize) -> Result<Array> {
 
 /// The rotary kernel's `pos` input for `m` rows (one position a row): a view into
 /// [`position_table`] where the positions are consecutive and `table` ([`POSITIONS_ENV`]), else an
-/// array of them.
+/// array of them. The last one made is kept and given again for the same positions: every layer of a
+/// decode step asks for the same ones, so a step makes one array, not one a layer (host time: the 1B
+/// step waits on the host).
 fn positions_input(positions: &[i32], m: i32, table: bool) -> Result<Array> {
     if positions.len() != m as usize {
         return Err(Error::Invalid(format!("{} rotary positions for {m} rows", positions.len())));
     }
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(Vec<i32>, bool, Array)>> = const { std::cell::RefCell::new(None) };
+    }
+    if let Some(a) =
+        LAST.with_borrow(|l| l.as_ref().filter(|(p, t, _)| p == positions && *t == table).map(|l| l.2.clone()))
+    {
+        return Ok(a);
+    }
+    let a = make_positions(positions, m, table)?;
+    LAST.with_borrow_mut(|l| *l = Some((positions.to_vec(), table, a.clone())));
+    Ok(a)
+}
+
+fn make_positions(positions: &[i32], m: i32, table: bool) -> Result<Array> {
     match positions.first() {
         Some(&first) if table && first >= 0 && positions.iter().zip(first..).all(|(&p, q)| p == q) => {
             let end = first + m;
@@ -1047,9 +1061,16 @@ mod tests {
         let vals = |a: &Array| a.to_vec::<i32>().unwrap();
         for table in [true, false] {
             for ps in [vec![0], vec![700], vec![5, 6, 7, 8], vec![9000, 9001], vec![3, 9], vec![4, 4]] {
+                // asked twice in a row (two layers of one step): the same array, then the right values
+                // again for the next positions
                 let a = positions_input(&ps, ps.len() as i32, table).unwrap();
+                let again = positions_input(&ps, ps.len() as i32, table).unwrap();
                 assert_eq!((a.shape(), vals(&a)), (vec![ps.len() as i32], ps.clone()));
+                assert_eq!((again.shape(), vals(&again)), (vec![ps.len() as i32], ps.clone()));
             }
+            // the other mode's array for the same positions is not the kept one
+            assert_eq!(vals(&positions_input(&[4, 4], 2, !table).unwrap()), vec![4, 4]);
+            assert_eq!(vals(&positions_input(&[4, 5], 2, table).unwrap()), vec![4, 5]);
             assert!(positions_input(&[1, 2], 3, table).is_err());
         }
         // the table outgrew 4096 for 9001 positions: the next power of two
