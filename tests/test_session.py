@@ -516,7 +516,7 @@ def test_logprobs_are_float32_for_a_bfloat16_model():
     """Reported log-probabilities come from the float32 log-softmax of the (processed) logits, whatever
     the weights' dtype. logit_bias brings the two best tokens within a fraction of a nat of each other,
     so that their log-probabilities are not bfloat16 numbers (checked: bfloat16 would be off)."""
-    with mlxrs.Session(make_model("qwen3-bfloat16", "qwen3"), prompt_cache_bytes=0) as s:
+    with mlxrs.Session(make_model("qwen3-bfloat16", "qwen3", dtype="bfloat16"), prompt_cache_bytes=0) as s:
         ids = s.tokenize(PROMPT)
         x = np.array(s.logits(ids), dtype=np.float32)
         t1, t2 = (int(t) for t in np.argsort(-x)[:2])

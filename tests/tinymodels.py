@@ -717,8 +717,28 @@ def make_model(
     import mlx.core as mx
 
     d = ROOT / name
+    # what the directory was built from, kept in its .complete marker: one name is one model, and a
+    # second caller asking the same name for another model is a test bug (whichever ran first would
+    # decide what both get), so it fails here rather than testing the wrong model
+    params = json.dumps(
+        dict(
+            arch=arch,
+            dtype=dtype,
+            quant_bits=quant_bits,
+            quant_mode=quant_mode,
+            quant_mix=quant_mix,
+            seed=seed,
+            bos=bos,
+            shape=shape,
+        ),
+        sort_keys=True,
+    )
     if (d / ".complete").exists():
-        return d
+        built = (d / ".complete").read_text()
+        if built == params:
+            return d
+        if built.startswith("{"):
+            raise ValueError(f"tiny model {name!r} was built as {built}, now asked for as {params}: use another name")
     shutil.rmtree(d, ignore_errors=True)
     src = d if quant_bits is None else ROOT / f"{name}.src"
     shutil.rmtree(src, ignore_errors=True)
@@ -774,7 +794,7 @@ def make_model(
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(src / f, d / f)
         shutil.rmtree(src, ignore_errors=True)
-    (d / ".complete").write_text("ok")
+    (d / ".complete").write_text(params)
     return d
 
 

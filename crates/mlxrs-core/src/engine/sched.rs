@@ -158,17 +158,19 @@ impl Seq {
 }
 
 /// One decode step's output for a batch of rows sampled together (greedy rows without logit
-/// processors): tokens [n], log-probabilities [n, V], read back once for all rows.
+/// processors): tokens [n], log-probabilities [n, V] (None where no row reports them and the fused
+/// greedy kernel took the tokens), read back once for all rows.
 struct Shared {
     y: Array,
-    lp: Array,
+    lp: Option<Array>,
     tokens: std::cell::OnceCell<Vec<i32>>,
 }
 
 /// A queued step's result for one sequence.
 enum Step {
-    /// Sampled on its own: token [1], log-probabilities [1, V] (squeezed when read: most steps never are).
-    Own(Array, Array),
+    /// Sampled on its own: token [1], log-probabilities [1, V] (squeezed when read: most steps never
+    /// are; None where the sequence reports none and the fused greedy kernel took the token).
+    Own(Array, Option<Array>),
     /// Row `row` of a shared batch.
     Shared(std::rc::Rc<Shared>, usize),
 }
@@ -200,11 +202,15 @@ impl Step {
         }
     }
 
-    /// Log-probabilities [V].
+    /// Log-probabilities [V] (kept for every sequence that reports them).
     fn logprobs(&self) -> Result<Array> {
+        let missing = || Error::Mlx("no log-probabilities were kept for this step".into());
         match self {
-            Step::Own(_, lp) => mx::squeeze(lp, &[0]),
-            Step::Shared(s, r) => mx::squeeze(&mx::slice_axis(&s.lp, 0, *r as i32, *r as i32 + 1)?, &[0]),
+            Step::Own(_, lp) => mx::squeeze(lp.as_ref().ok_or_else(missing)?, &[0]),
+            Step::Shared(s, r) => {
+                let lp = s.lp.as_ref().ok_or_else(missing)?;
+                mx::squeeze(&mx::slice_axis(lp, 0, *r as i32, *r as i32 + 1)?, &[0])
+            }
         }
     }
 }
@@ -462,6 +468,7 @@ impl<'a> Scheduler<'a> {
         let adapter = self.adapter_of(&req)?;
         crate::models::layers::refresh_dequant_rows();
         crate::models::qmv::refresh();
+        crate::models::greedy::refresh();
         // one adapter fused into the weights is the model itself: its prefixes are as reusable
         let no_prefix =
             !req.images.is_empty() || !req.audio.is_empty() || (adapter.is_some() && self.opts.adapters.len() > 1);
@@ -798,13 +805,16 @@ impl<'a> Scheduler<'a> {
                     let idx: Vec<i32> = simple.iter().map(|&r| r as i32).collect();
                     mx::take(&last, &Array::from_slice(&idx, &[idx.len() as i32])?, 0)?
                 };
-                let lse = mx::logsumexp(&sub, &[-1], true)?;
-                let lp = mx::subtract(&sub, &lse)?;
-                let y = mx::astype(&mx::argmax(&lp, -1, false)?, Dtype::Int32)?;
                 let wants = simple.iter().any(|&r| self.running[rows[r]].wants_logprobs());
-                let lp = if wants { reported_logprobs(&sub, lp)? } else { lp };
+                let (y, lp) = match if wants { None } else { crate::models::greedy::greedy(&sub)? } {
+                    Some(y) => (y, None),
+                    None => {
+                        let (y, lp) = greedy_reference(&sub)?;
+                        (y, Some(if wants { reported_logprobs(&sub, lp)? } else { lp }))
+                    }
+                };
                 outs.push(y.clone());
-                outs.push(lp.clone());
+                outs.extend(lp.clone());
                 let shared = std::rc::Rc::new(Shared { y, lp, tokens: std::cell::OnceCell::new() });
                 for (k, &r) in simple.iter().enumerate() {
                     queued[rows[r]] = Some(Step::Shared(shared.clone(), k));
@@ -832,6 +842,13 @@ impl<'a> Scheduler<'a> {
                 };
                 let row =
                     if rows.len() == 1 { last.clone() } else { mx::slice_axis(&last, 0, r as i32, r as i32 + 1)? };
+                if allowed.is_none() && s.sampler.is_plain_greedy() && !s.wants_logprobs() {
+                    if let Some(y) = crate::models::greedy::greedy(&row)? {
+                        outs.push(y.clone());
+                        queued[i] = Some(Step::Own(y, None));
+                        continue;
+                    }
+                }
                 let mut row = s.sampler.process(&row)?;
                 if let Some(m) = &allowed {
                     row = apply_mask(&row, m)?;
@@ -842,7 +859,7 @@ impl<'a> Scheduler<'a> {
                 let lp = if s.wants_logprobs() { reported_logprobs(&row, lp)? } else { lp };
                 outs.push(y.clone());
                 outs.push(lp.clone());
-                queued[i] = Some(Step::Own(y, lp));
+                queued[i] = Some(Step::Own(y, Some(lp)));
             }
             let refs: Vec<&Array> = outs.iter().collect();
             let built = std::time::Instant::now();
@@ -1239,6 +1256,13 @@ pub(crate) fn embedding(model: &dyn CausalLm, prompt: &[i32], opts: &LoadOptions
     let norm = mx::sqrt(&mx::sum(&mx::square(&mean)?, &[0], false)?)?;
     let eps = mx::scalar_as(1e-12, Dtype::Float32)?;
     mx::divide(&mean, &mx::maximum(&norm, &eps)?)?.to_vec::<f32>()
+}
+
+/// A greedy token per row of `logits` [n, V] as mlx-lm takes it — `argmax(logits - logsumexp(logits))`
+/// in the logits' dtype — with those log-probabilities (the reference of `models::greedy`).
+fn greedy_reference(logits: &Array) -> Result<(Array, Array)> {
+    let lp = mx::subtract(logits, &mx::logsumexp(logits, &[-1], true)?)?;
+    Ok((mx::astype(&mx::argmax(&lp, -1, false)?, Dtype::Int32)?, lp))
 }
 
 /// The log-probabilities a request reports: in float32 from the float32 logits whatever the model's

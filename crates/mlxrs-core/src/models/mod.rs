@@ -10,6 +10,7 @@ pub mod gemma4_text;
 pub mod glm4_moe;
 pub mod glm_moe_dsa;
 pub mod gpt_oss;
+pub mod greedy;
 pub mod layers;
 pub mod llama;
 pub mod ministral3;
