@@ -86,6 +86,26 @@ struct mlxrs_host_half_args {
 };
 typedef void (*mlxrs_host_half_kernel)(const mlxrs_host_half_args* args);
 
+/* y[i] = x[i] · W[idx[i]]ᵀ row by row, for the experts of a mixture in 16-bit floats (u16 w [experts,
+   rows, cols], wdtype 0 bfloat16, 1 float16), x [n, cols] and y [n, rows] float32 — or both of W's type
+   where x16 (each product rounded once) — and idx [n] uint32 (an index past the experts gives a NaN
+   row), all row-major; gemm 1: through the BLAS (prefill), 0: W read in place: mlxrs's kernel (crates/mlxrs-core/src/handle/half.rs), called with these fields
+   (crates/mlxrs-sys's HostHalfGatherArgs, field for field). */
+struct mlxrs_host_half_gather_args {
+  const uint16_t* w;
+  int wdtype;
+  size_t experts;
+  size_t rows;
+  size_t cols;
+  const void* x;
+  const uint32_t* idx;
+  size_t n;
+  void* y;
+  int gemm;
+  int x16;
+};
+typedef void (*mlxrs_host_half_gather_kernel)(const mlxrs_host_half_gather_args* args);
+
 /* softmax(scale · q kᵀ (+ causal mask)) v for 16-bit floats (dtype 0 bfloat16, 1 float16), rounded
    where MLX's CPU fallback of fast::scaled_dot_product_attention rounds (the scaled queries, the
    scores, the probabilities, the output): q [b, heads, lq, d], k [b, kv_heads, lk, d], v [b, kv_heads,
@@ -333,6 +353,42 @@ class HostHalfMatmul : public HostPrimitive {
  private:
   bool gemm_;
   mlxrs_host_half_kernel kernel_;
+};
+
+/* The host gather matmul for experts of 16-bit floats: inputs x, w, idx. */
+class HostHalfGatherMatmul : public HostPrimitive {
+ public:
+  HostHalfGatherMatmul(Stream stream, bool gemm, mlxrs_host_half_gather_kernel kernel)
+      : HostPrimitive(stream, "MlxrsHostHalfGatherMatmul", "mlxrs_host_half_gather_matmul"),
+        gemm_(gemm),
+        kernel_(kernel) {}
+
+ protected:
+  std::function<void()> task(const std::vector<array>& inputs, array& out) const override {
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    const array& idx = inputs[2];
+    const mlxrs_host_half_gather_args args{
+        w.data<uint16_t>(),
+        w.dtype() == bfloat16 ? 0 : 1,
+        static_cast<size_t>(w.shape(0)),
+        static_cast<size_t>(w.shape(1)),
+        static_cast<size_t>(w.shape(2)),
+        x.data<void>(),
+        idx.data<uint32_t>(),
+        static_cast<size_t>(x.shape(0)),
+        out.data<void>(),
+        gemm_ ? 1 : 0,
+        x.dtype() == float32 ? 0 : 1};
+    return [kernel = kernel_, args]() { kernel(&args); };
+  }
+  std::pair<const void*, double> key() const override {
+    return {reinterpret_cast<const void*>(kernel_), gemm_ ? 1.0 : 0.0};
+  }
+
+ private:
+  bool gemm_;
+  mlxrs_host_half_gather_kernel kernel_;
 };
 
 /* The host attention for 16-bit floats: inputs q, k, v. */
@@ -856,6 +912,37 @@ int mlxrs_host_half_matmul(
     }
     set_host_product(
         res, xa, wa.shape(0), std::make_shared<HostHalfMatmul>(st, gemm, kernel), {xa, wa}, st, xa.dtype());
+  });
+}
+
+/* x[i] · W[idx[i]]ᵀ row by row through `kernel` as one op of the graph on stream s (a CPU stream): x
+   [n, cols] float32 or of W's type, W [experts, rows, cols] bfloat16 or float16, idx [n] uint32 or
+   int32 (its bits read as uint32: a negative index is past the experts); the result [n, rows] of x's
+   type; gemm: through the BLAS. */
+int mlxrs_host_half_gather_matmul(
+    mlx_array* res,
+    const mlx_array x,
+    const mlx_array w,
+    const mlx_array idx,
+    bool gemm,
+    mlxrs_host_half_gather_kernel kernel,
+    const mlx_stream s) {
+  return guarded([&] {
+    auto st = mlx_stream_get_(s);
+    const array& xa = mlx_array_get_(x);
+    const array& wa = mlx_array_get_(w);
+    const array& ia = mlx_array_get_(idx);
+    if (kernel == nullptr || (xa.dtype() != float32 && xa.dtype() != wa.dtype()) ||
+        (wa.dtype() != bfloat16 && wa.dtype() != float16) || wa.ndim() != 3 || xa.ndim() != 2 ||
+        xa.shape(1) != wa.shape(2) || (ia.dtype() != uint32 && ia.dtype() != int32) || ia.ndim() != 1 ||
+        ia.shape(0) != xa.shape(0) || st.device != Device::cpu) {
+      throw std::invalid_argument(
+          "[mlxrs_host_half_gather_matmul] needs x [n, k] float32 or of W's type, bfloat16 or float16 W [e, m, k] "
+          "and int32 or uint32 idx [n] on a CPU stream");
+    }
+    array iu = ia.dtype() == uint32 ? ia : view(ia, uint32, st);
+    set_host_product(
+        res, xa, wa.shape(1), std::make_shared<HostHalfGatherMatmul>(st, gemm, kernel), {xa, wa, iu}, st, xa.dtype());
   });
 }
 

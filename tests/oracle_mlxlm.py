@@ -5,7 +5,7 @@ reads a JSON job on stdin, writes JSON results on stdout.
 
 Job: {"model": dir, "prompt": [ids], "max_tokens": n, "kv_bits": b|null, "max_kv_size": n|null,
       "prefill_step_size": n, "adapter_path": dir|null (a LoRA/DoRA adapter, mlx-lm's load_adapters),
-      "exact_quantized_matmul": bool (optional: _exact_quantized_matmul below)}
+      "exact_quantized_matmul": bool (optional: _exact_quantized_matmul and _exact_gather_mm below)}
 Out: {"tokens": [ids] (greedy), "logits": [last-position logits, float32],
       "margins": [each step's log-probability gap between its best and second-best token]}
 """
@@ -69,6 +69,22 @@ def _exact_quantized_matmul(
 
 
 mx.quantized_matmul = _exact_quantized_matmul
+
+_MLX_GATHER_MM = mx.gather_mm
+
+
+def _exact_gather_mm(a: mx.array, b: mx.array, *args: Any, **kw: Any) -> mx.array:
+    """`mx.gather_mm` as mlxrs computes it on the CPU for 16-bit experts (crates/mlxrs-core/src/handle/half.rs
+    `host_half_gather_matmul`): exact products — x and W widened to float32, summed in float32 — rounded
+    once to x's dtype. MLX's CPU `gather_mm` has only float32, so without this mlx-lm cannot run a
+    bfloat16 or float16 mixture on the CPU at all; a job that asks for exact products gets these (the
+    rest of the model is MLX's own path)."""
+    if EXACT[0] and mx.default_device() == mx.cpu and a.dtype in (mx.bfloat16, mx.float16) and b.dtype == a.dtype:
+        return _MLX_GATHER_MM(a.astype(mx.float32), b.astype(mx.float32), *args, **kw).astype(a.dtype)
+    return _MLX_GATHER_MM(a, b, *args, **kw)
+
+
+mx.gather_mm = _exact_gather_mm
 
 
 def load(job: dict[str, Any]) -> Any:

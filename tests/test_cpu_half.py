@@ -76,3 +76,34 @@ def test_the_switch_turns_them_off_and_the_values_agree(monkeypatch):
     scale = float(np.max(np.abs(ref_logits)))
     diff = float(np.max(np.abs(ours_logits - ref_logits)))
     assert diff <= 2 * 2.0**-7 * max(scale, 1.0), (diff, scale)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_16bit_mixture_runs_on_the_cpu_through_the_gather_op(arch, monkeypatch):
+    """MLX's CPU gather_mm has only float32 (mlx-lm stops with "[GatherMM::eval] Currently only supports
+    float32" on such a model): mlxrs's experts go through its host op, with the switch on or off (its
+    parity against the oracle's exact gather: tests/test_parity.py `test_plain`). Both settings give
+    the same prompt logits within the routers' ties (2^-5 of the largest, as there)."""
+    _cpu()
+    d = make_model(f"{arch}-bfloat16", arch, dtype="bfloat16")
+
+    def run(switch: str | None) -> tuple[list[int], np.ndarray, int]:
+        if switch is None:
+            monkeypatch.delenv("MLXRS_CPU_HALF", raising=False)
+        else:
+            monkeypatch.setenv("MLXRS_CPU_HALF", switch)
+        before = _native._half_gather_count()
+        with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+            ids = s.tokenize(TEXT)
+            tokens = s.generate(ids, max_tokens=8, ignore_eos=True, temperature=0.0).tokens
+            logits = np.array(s.logits(ids), dtype=np.float32)
+        return tokens, logits, _native._half_gather_count() - before
+
+    ours, ours_logits, calls = run(None)
+    ref, ref_logits, ref_calls = run("0")
+    # every MoE layer's three projections, for the prompt and 8 decode steps, in both settings
+    assert calls >= 3 * 9 and ref_calls >= 3 * 9, (calls, ref_calls)
+    assert len(ours) == len(ref) == 8
+    assert np.all(np.isfinite(ours_logits))
+    diff = float(np.max(np.abs(ours_logits - ref_logits)))
+    assert diff <= 2.0**-5 * max(float(np.max(np.abs(ref_logits))), 1.0), diff

@@ -80,9 +80,11 @@ def _check(
     step=2048,
     repeat: int = 1,
     exact: bool | None = None,
+    exact_rel: float = 2.0**-7,
 ) -> None:
     """mlxrs's last-token logits and greedy tokens against the oracle's; `exact` (default: where
-    `_exact_products`) asks the oracle for the exact quantized products of mlxrs's CPU kernel."""
+    `_exact_products`) asks the oracle for the exact quantized products of mlxrs's CPU kernel, and then
+    the logits may be `exact_rel` of the largest apart."""
     with mlxrs.Session(model_dir, kv_bits=kv_bits, max_kv_size=max_kv_size, prefill_step_size=step) as s:
         ids = s.tokenize(prompt_text) * repeat
         ours = s.generate(ids, max_tokens=N_TOKENS, ignore_eos=True, temperature=0.0)
@@ -101,7 +103,7 @@ def _check(
     diff = float(np.max(np.abs(logits - ref_logits)))
     # exact products summed in another order: a logit may land one bfloat16 step (2^-7 of its
     # magnitude) away where the float32 sum sat near a rounding boundary
-    tol = max(_tol(dtype), 2.0**-7 * float(np.max(np.abs(ref_logits)))) if exact else _tol(dtype)
+    tol = max(_tol(dtype), exact_rel * float(np.max(np.abs(ref_logits)))) if exact else _tol(dtype)
     assert diff <= tol, f"last-token logits differ by {diff} (max |logit| {np.max(np.abs(ref_logits))})"
     assert len(ours.tokens) == N_TOKENS
     if not exact:
@@ -150,10 +152,23 @@ def _exact_products(model_dir, dtype: str) -> bool:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_plain(oracle, arch, dtype):
-    if arch in MOE and dtype != "float32" and _on_cpu():
-        pytest.skip("MLX's CPU GatherMM supports only float32 (mlx-lm fails the same way)")
+def test_plain(oracle, arch, dtype, monkeypatch):
     d = make_model(f"{arch}-{dtype}", arch, dtype=dtype)
+    if arch in MOE and dtype != "float32" and _on_cpu():
+        # a 16-bit mixture on the CPU: MLX's CPU gather_mm has only float32 (mlx-lm cannot run these),
+        # so mlxrs's experts always go through its host op (exact products: handle/half.rs
+        # `host_half_gather_matmul`) and the oracle is asked for the same products (oracle_mlxlm.py
+        # `_exact_gather_mm`). The rest of the model as MLX's ops on both sides (MLXRS_CPU_HALF=0): the
+        # routers' bfloat16 scores tie often, and a tie follows the order of the sums before it
+        # (bench/RESULTS.md 2026-12-07: with mlxrs's 16-bit host ops on, gemma4_text_moe's prompt
+        # logits of 36 tokens came out 2.6 apart through one token routed the other way, and 0.0 with them
+        # off)
+        # The experts' own sums (mlxrs's order against MLX's float32 gather_mm) move a tie too: the oracle
+        # against itself with those sums split in two gives qwen3_next's prompt logits 0.031 apart (1.2% of
+        # the largest, where 2^-7 is 0.8%), so a mixture's logits may be 2^-5 of the largest apart.
+        monkeypatch.setenv("MLXRS_CPU_HALF", "0")
+        _check(oracle, d, TEXT, dtype=dtype, exact=True, exact_rel=2.0**-5)
+        return
     _check(oracle, d, TEXT, dtype=dtype)
 
 

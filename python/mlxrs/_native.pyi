@@ -28,6 +28,7 @@ __all__ = [
     "_host_matmul_count",
     "_packed_matmul_count",
     "_half_matmul_count",
+    "_half_gather_count",
     "_half_attention_count",
     "generation_config",
     "mlxrs_home",
@@ -158,6 +159,11 @@ def _packed_matmul_count() -> int:
 def _half_matmul_count() -> int:
     """Products the CPU backend computed with mlxrs's host op for bfloat16/float16 weights
     (MLXRS_CPU_HALF: projections of decode steps and prompts) since the process started."""
+
+def _half_gather_count() -> int:
+    """Routed-expert products (a mixture's gather) the CPU backend computed with mlxrs's host op for
+    bfloat16/float16 experts since the process started: MLX's CPU gather_mm has only float32, so a
+    16-bit mixture's experts take it whatever MLXRS_CPU_HALF says."""
 
 def _half_attention_count() -> int:
     """Prompt attentions (more than one query) the CPU backend computed with mlxrs's host op for

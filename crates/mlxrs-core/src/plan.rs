@@ -601,7 +601,9 @@ impl ModelFacts {
     ///   product in float32, P·(hidden + intermediate)·4, one float32 tile of a weight
     ///   (`HALF_TILE_BYTES`), and the host attention's scratch (one kv head's keys and values in
     ///   float32 and a pass's scores, at most `HALF_ATTN_SCRATCH_BYTES`:
-    ///   `handle::half_attention_scratch_bytes`)
+    ///   `handle::half_attention_scratch_bytes`); a mixture's routed experts through the host gather
+    ///   op besides, 2·P·top_k·(hidden + intermediate)·4 (its rows in float32 and their copies grouped
+    ///   by expert)
     ///
     /// and once:
     /// - a KV cache growing by one step re-allocates one layer's buffer next to the old one:
@@ -656,7 +658,11 @@ impl ModelFacts {
                 self.head_dim,
                 self.head_dim,
             ) as f64;
+            // a mixture's routed experts (handle/half.rs `host_half_gather_matmul`): every token's
+            // top-k rows in and out in float32, and their copies grouped by expert
+            let top_k = self.moe.iter().map(|m| m.1).max().unwrap_or(0) as f64;
             p * (self.hidden_size + self.intermediate_size) as f64 * 4.0
+                + 2.0 * p * top_k * (self.hidden_size + self.intermediate_size) as f64 * 4.0
                 + crate::handle::HALF_TILE_BYTES as f64
                 + attention
         } else {

@@ -130,6 +130,13 @@ fn _half_matmul_count() -> u64 {
     mlxrs_core::handle::half_matmul_calls()
 }
 
+/// Routed-expert products (a mixture's gather) the CPU backend computed with mlxrs's host op for
+/// 16-bit float experts (mlxrs-core's `handle::half_gather_calls`).
+#[pyfunction]
+fn _half_gather_count() -> u64 {
+    mlxrs_core::handle::half_gather_calls()
+}
+
 /// Prompt attentions the CPU backend computed with mlxrs's host op for 16-bit floats (mlxrs-core's
 /// `handle::half_attention_calls`).
 #[pyfunction]
@@ -425,6 +432,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_host_matmul_count, m)?)?;
     m.add_function(wrap_pyfunction!(_packed_matmul_count, m)?)?;
     m.add_function(wrap_pyfunction!(_half_matmul_count, m)?)?;
+    m.add_function(wrap_pyfunction!(_half_gather_count, m)?)?;
     m.add_function(wrap_pyfunction!(_half_attention_count, m)?)?;
     m.add_function(wrap_pyfunction!(generation_config, m)?)?;
     m.add_function(wrap_pyfunction!(mlxrs_home, m)?)?;

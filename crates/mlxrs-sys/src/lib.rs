@@ -122,6 +122,20 @@ pub struct ExtraApi {
             s: mlx_stream,
         ) -> c_int,
     >,
+    /// native/mlxrs_ext.cpp: `x[i] · W[idx[i]]ᵀ` row by row (the experts of a mixture: W `[experts,
+    /// rows, cols]` bfloat16 or float16; x `[n, cols]` and the product float32 or of W's type; idx `[n]`
+    /// int32 or uint32) through the caller's host kernel, as one op of MLX's graph on a CPU stream.
+    pub mlxrs_host_half_gather_matmul: Option<
+        unsafe extern "C" fn(
+            res: *mut mlx_array,
+            x: mlx_array,
+            w: mlx_array,
+            idx: mlx_array,
+            gemm: bool,
+            kernel: HostHalfGatherKernel,
+            s: mlx_stream,
+        ) -> c_int,
+    >,
     /// native/mlxrs_ext.cpp: `softmax(scale · q kᵀ (+ causal mask, or a boolean `[Lq, Lk]` mask unless
     /// an empty handle)) v` for 16-bit floats through the caller's host kernel, as one op of MLX's graph
     /// on a CPU stream.
@@ -228,6 +242,29 @@ pub struct HostHalfArgs {
 /// The kernel [`ExtraApi::mlxrs_host_half_matmul`] calls on MLX's CPU thread.
 pub type HostHalfKernel = unsafe extern "C" fn(args: *const HostHalfArgs);
 
+/// What [`ExtraApi::mlxrs_host_half_gather_matmul`]'s kernel computes (native/mlxrs_ext.cpp's
+/// `mlxrs_host_half_gather_args`, field for field): `y[i] = x[i] · W[idx[i]]ᵀ` for `w` `[experts, rows,
+/// cols]` 16-bit floats of type `wdtype` (0 bfloat16, 1 float16), `x` `[n, cols]` and `y` `[n, rows]`
+/// float32 — or both of W's type where `x16` is 1 (each product rounded once) — and `idx` `[n]`; all
+/// row-major; `gemm` 1: through the BLAS, 0: W read in place. An index past the experts gives a NaN row.
+#[repr(C)]
+pub struct HostHalfGatherArgs {
+    pub w: *const u16,
+    pub wdtype: c_int,
+    pub experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub x: *const c_void,
+    pub idx: *const u32,
+    pub n: usize,
+    pub y: *mut c_void,
+    pub gemm: c_int,
+    pub x16: c_int,
+}
+
+/// The kernel [`ExtraApi::mlxrs_host_half_gather_matmul`] calls on MLX's CPU thread.
+pub type HostHalfGatherKernel = unsafe extern "C" fn(args: *const HostHalfGatherArgs);
+
 /// What [`ExtraApi::mlxrs_host_half_attention`]'s kernel computes (native/mlxrs_ext.cpp's
 /// `mlxrs_host_half_attn_args`, field for field): `out [b, heads, lq, dv] = softmax(scale · q kᵀ (+
 /// causal mask)) v` for `q` `[b, heads, lq, d]`, `k` `[b, kv_heads, lk, d]`, `v` `[b, kv_heads, lk, dv]`,
@@ -277,6 +314,7 @@ impl ExtraApi {
                 mlxrs_host_blocks_matmul: lib.get(b"mlxrs_host_blocks_matmul\0").ok().map(|s| *s),
                 mlxrs_host_packed_matmul: lib.get(b"mlxrs_host_packed_matmul\0").ok().map(|s| *s),
                 mlxrs_host_half_matmul: lib.get(b"mlxrs_host_half_matmul\0").ok().map(|s| *s),
+                mlxrs_host_half_gather_matmul: lib.get(b"mlxrs_host_half_gather_matmul\0").ok().map(|s| *s),
                 mlxrs_host_half_attention: lib.get(b"mlxrs_host_half_attention\0").ok().map(|s| *s),
                 mlxrs_rows_decode_attention: lib.get(b"mlxrs_rows_decode_attention\0").ok().map(|s| *s),
                 mlxrs_set_parallel_for: lib.get(b"mlxrs_set_parallel_for\0").ok().map(|s| *s),

@@ -703,6 +703,136 @@ pub fn host_half_matmul_as(x: &super::Array, w: &super::Array, gemm: bool) -> Re
     Ok(Some(a))
 }
 
+static GATHER_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many products the op of [`host_half_gather_matmul`] has computed in this process.
+pub fn half_gather_calls() -> u64 {
+    GATHER_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A mixture's experts: `experts` matrices of `rows × cols` 16-bit floats, one after the other.
+#[derive(Clone, Copy)]
+struct Experts<'a> {
+    w: &'a [u16],
+    t: HalfType,
+    experts: usize,
+    rows: usize,
+    cols: usize,
+}
+
+/// `y[i] = x[i] · W[idx[i]]ᵀ` for float32 rows `x` `[n, cols]` into `y` `[n, rows]`: the rows of one
+/// expert together (one product per expert used: its matrix read once a step), an index past the
+/// experts a NaN row.
+fn gather_into(ex: Experts, idx: &[u32], x: &[f32], y: &mut [f32], gemm: bool) {
+    let Experts { w, t, experts, rows, cols } = ex;
+    let n = idx.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&i| idx[i]); // stable: a group's rows in their order
+    let mut start = 0;
+    while start < n {
+        let e = idx[order[start]] as usize;
+        let end = start + order[start..].iter().take_while(|&&i| idx[i] as usize == e).count();
+        let group = &order[start..end];
+        start = end;
+        if e >= experts {
+            for &i in group {
+                y[i * rows..(i + 1) * rows].fill(f32::NAN);
+            }
+            continue;
+        }
+        let m = match HalfRef::new(&w[e * rows * cols..(e + 1) * rows * cols], t, rows, cols) {
+            Ok(m) => m,
+            Err(_) => return y.fill(f32::NAN), // extents checked when the op was built: unreachable
+        };
+        let mut xg = Vec::with_capacity(group.len() * cols);
+        for &i in group {
+            xg.extend_from_slice(&x[i * cols..(i + 1) * cols]);
+        }
+        let mut yg = vec![0f32; group.len() * rows];
+        into_mlx_output(&mut yg, f32::NAN, |threads, yg| m.matmul_into(&xg, threads, yg, gemm));
+        for (k, &i) in group.iter().enumerate() {
+            y[i * rows..(i + 1) * rows].copy_from_slice(&yg[k * rows..(k + 1) * rows]);
+        }
+    }
+}
+
+/// The kernel MLX's CPU thread calls for [`host_half_gather_matmul`]'s op (native/mlxrs_ext.cpp
+/// `HostHalfGatherMatmul`).
+///
+/// # Safety
+/// `args` points at a [`mlxrs_sys::HostHalfGatherArgs`] whose `w` points at `experts · rows · cols`
+/// 16-bit values of the type `wdtype` names, `idx` at `n` indices, `x` at `n · cols` and `y` at
+/// `n · rows` values (float32, or of W's type where `x16`), `y` not overlapping the others: the
+/// primitive passes its inputs' and its fresh output's buffers after checking their shapes.
+unsafe extern "C" fn gather_kernel(args: *const mlxrs_sys::HostHalfGatherArgs) {
+    // SAFETY: the caller's contract
+    let mlxrs_sys::HostHalfGatherArgs { w, wdtype, experts, rows, cols, x, idx, n, y, gemm, x16 } =
+        unsafe { std::ptr::read(args) };
+    GATHER_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if rows == 0 || cols == 0 || n == 0 {
+        return;
+    }
+    let t = HalfType::from_code(wdtype);
+    // SAFETY: the extents of W and idx (the caller's contract)
+    let (wv, iv) =
+        unsafe { (std::slice::from_raw_parts(w, experts * rows * cols), std::slice::from_raw_parts(idx, n)) };
+    if x16 == 0 {
+        // SAFETY: x and y hold n · cols and n · rows float32 values (the caller's contract)
+        let (xv, yv) = unsafe {
+            (
+                std::slice::from_raw_parts(x as *const f32, n * cols),
+                std::slice::from_raw_parts_mut(y as *mut f32, n * rows),
+            )
+        };
+        match t {
+            Some(t) => gather_into(Experts { w: wv, t, experts, rows, cols }, iv, xv, yv, gemm != 0),
+            None => yv.fill(f32::NAN), // checked when the op was built: unreachable
+        }
+        return;
+    }
+    // x and y of W's type: x widened, each product rounded once into y
+    // SAFETY: x and y hold n · cols and n · rows 16-bit values (the caller's contract)
+    let (xv, yv) = unsafe {
+        (std::slice::from_raw_parts(x as *const u16, n * cols), std::slice::from_raw_parts_mut(y as *mut u16, n * rows))
+    };
+    let Some(t) = t else { return yv.fill(HalfType::Bf16.bits(f32::NAN)) };
+    let threads = super::host::host_threads();
+    let mut xf = vec![0f32; n * cols];
+    convert_par(threads, xv, &mut xf, |s, d| t.widen(s, d));
+    let mut yf = vec![0f32; n * rows];
+    gather_into(Experts { w: wv, t, experts, rows, cols }, iv, &xf, &mut yf, gemm != 0);
+    convert_par(threads, &yf, yv, |s, d| {
+        for (o, v) in d.iter_mut().zip(s) {
+            *o = t.bits(*v);
+        }
+    });
+}
+
+/// `x[i] · W[idx[i]]ᵀ` row by row — the product of a mixture's routed experts, MLX's `gather_mm`,
+/// which MLX's CPU backend has only for float32 — for `x` `[n, cols]` float32 or of W's type, W
+/// `[experts, rows, cols]` bfloat16 or float16 and `idx` `[n]` int32 or uint32, out `[n, rows]` in x's
+/// type (a 16-bit product rounded once from its float32 sum), as one op of MLX's graph on the current
+/// stream (a CPU stream), computed by [`HalfRef::matmul_into`] per expert used when MLX evaluates it:
+/// W read in place where `gemm` is false (a decode step), through float32 tiles and the BLAS where
+/// it is true. None where the loaded libmlxc lacks the entry point (one not built by native/).
+pub fn host_half_gather_matmul(
+    x: &super::Array,
+    w: &super::Array,
+    idx: &super::Array,
+    gemm: bool,
+) -> Result<Option<super::Array>> {
+    let Some(f) = mlxrs_sys::extra().mlxrs_host_half_gather_matmul else { return Ok(None) };
+    super::ops::count_op();
+    let mut r = super::Array::empty_raw();
+    // SAFETY: mlx-c's calling convention (handles in, the result through the pointer); the kernel's
+    // contract is kept by the primitive (shapes and dtypes checked, inputs made row-contiguous, a
+    // fresh output)
+    let rc = unsafe { f(&mut r, x.0, w.0, idx.0, gemm, gather_kernel, super::runtime::current_stream()) };
+    let a = super::Array::from_raw(r);
+    super::check(rc)?;
+    Ok(Some(a))
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::host::testing::{isas, lcg, naive};
@@ -830,6 +960,70 @@ mod tests {
             assert!(host_half_matmul(&xh, &wb).is_err(), "x of a third type is refused");
             let short = mx::random_normal(&[2, cols - 1], Dtype::Float32, &key).unwrap();
             assert!(host_half_matmul(&short, &wb).is_err(), "x of another width is refused");
+        })
+    }
+
+    /// The gather op against MLX's float32 `gather_mm` over the same 16-bit experts (widened: exact
+    /// products) on a CPU stream: repeated and unsorted experts, both types, x float32 and of W's type,
+    /// W in place and through the BLAS (the same sums either way, up to order); an index past the
+    /// experts gives a NaN row; what it refuses.
+    #[test]
+    fn gather_op_matches_mlx_gather_mm() {
+        use crate::handle as mx;
+        use mx::Dtype;
+        let cpu = mx::Stream::new(&mx::Device::new(mx::DeviceKind::Cpu, 0).unwrap()).unwrap();
+        mx::with_stream(&cpu, || {
+            let (experts, rows, cols) = (5, 24, 72);
+            let key = mx::random_key(3).unwrap();
+            let idx_v: Vec<i32> = vec![3, 0, 3, 4, 1, 3, 0, 2, 2, 4, 3];
+            let n = idx_v.len() as i32;
+            let idx = mx::Array::from_slice(&idx_v, &[n]).unwrap();
+            let x = mx::random_normal(&[n, cols], Dtype::Float32, &key).unwrap();
+            for dt in [Dtype::Bfloat16, Dtype::Float16] {
+                let w =
+                    mx::astype(&mx::random_normal(&[experts, rows, cols], Dtype::Float32, &key).unwrap(), dt).unwrap();
+                // MLX's float32 gather_mm: x [n, 1, cols] against W[idx]ᵀ
+                let wt = mx::swapaxes(&mx::astype(&w, Dtype::Float32).unwrap(), 1, 2).unwrap();
+                let reference = |x: &mx::Array| {
+                    let x3 = mx::reshape(&mx::astype(x, Dtype::Float32).unwrap(), &[n, 1, cols]).unwrap();
+                    mx::reshape(&mx::gather_mm(&x3, &wt, None, Some(&idx), false).unwrap(), &[n, rows])
+                        .unwrap()
+                        .to_vec::<f32>()
+                        .unwrap()
+                };
+                for gemm in [false, true] {
+                    let before = half_gather_calls();
+                    let ours = host_half_gather_matmul(&x, &w, &idx, gemm).unwrap().expect("the op");
+                    assert_eq!(ours.shape(), vec![n, rows]);
+                    let (g, t) = (ours.to_vec::<f32>().unwrap(), reference(&x));
+                    let d = g.iter().zip(&t).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(d < 1e-4, "{dt:?} gemm {gemm}: {d}");
+                    assert!(half_gather_calls() > before, "the op ran the kernel");
+                    // x of W's type: each product rounded once to it
+                    let x16 = mx::astype(&x, dt).unwrap();
+                    let ours = host_half_gather_matmul(&x16, &w, &idx, gemm).unwrap().unwrap();
+                    assert_eq!(ours.dtype(), dt);
+                    let g = mx::astype(&ours, Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+                    let t = reference(&x16);
+                    let step = if dt == Dtype::Bfloat16 { 2f32.powi(-8) } else { 2f32.powi(-11) };
+                    for (a, b) in g.iter().zip(&t) {
+                        assert!((a - b).abs() <= step * b.abs() + 1e-4, "{dt:?} gemm {gemm}: {a} vs {b}");
+                    }
+                }
+                // uint32 indices, one past the experts: that row NaN, the others as before
+                let bad: Vec<u32> = vec![1, 9, 0];
+                let iu = mx::Array::from_slice(&bad, &[3]).unwrap();
+                let x3 = mx::slice(&x, &[0, 0], &[3, cols], &[1, 1]).unwrap();
+                let y = host_half_gather_matmul(&x3, &w, &iu, false).unwrap().unwrap().to_vec::<f32>().unwrap();
+                assert!(y[rows as usize..2 * rows as usize].iter().all(|v| v.is_nan()));
+                assert!(y[..rows as usize].iter().chain(&y[2 * rows as usize..]).all(|v| v.is_finite()));
+                // refused: a 2-D W, x of another width, indices of another count
+                let w2 = mx::reshape(&w, &[experts * rows, cols]).unwrap();
+                assert!(host_half_gather_matmul(&x, &w2, &idx, false).is_err());
+                let short = mx::random_normal(&[n, cols - 1], Dtype::Float32, &key).unwrap();
+                assert!(host_half_gather_matmul(&short, &w, &idx, false).is_err());
+                assert!(host_half_gather_matmul(&x3, &w, &idx, false).is_err());
+            }
         })
     }
 

@@ -17,9 +17,9 @@ pub use array::{async_eval, async_eval_stage, eval, eval_epoch, eval_stage, Arra
 pub use blocks::{host_blocks_matmul, BlocksRef, GROUP_STEP};
 pub use f32mm::{host_matmul, small_matmul, small_matmul_calls, GRAPH_MAX_ROWS, SMALL_MAX_ROWS};
 pub use half::{
-    attention_scratch_bytes as half_attention_scratch_bytes, half_attention_calls, half_matmul_calls,
-    host_half_attention, host_half_matmul, HalfAttention, HalfRef, HalfType,
-    ATTN_SCRATCH_BYTES as HALF_ATTN_SCRATCH_BYTES, TILE_BYTES as HALF_TILE_BYTES,
+    attention_scratch_bytes as half_attention_scratch_bytes, half_attention_calls, half_gather_calls,
+    half_matmul_calls, host_half_attention, host_half_gather_matmul, host_half_matmul, HalfAttention, HalfRef,
+    HalfType, ATTN_SCRATCH_BYTES as HALF_ATTN_SCRATCH_BYTES, TILE_BYTES as HALF_TILE_BYTES,
 };
 pub use host::host_threads;
 #[cfg(test)]

@@ -2038,6 +2038,60 @@ impl Ffn {
     }
 }
 
+/// How many rows (tokens × their experts) a step's routed product has at most to read each expert's
+/// matrix in place on the CPU ([`host_half_gather`]): a decode step of up to 8
+/// sequences with 8 experts each; more go through float32 tiles and the BLAS, as a prefill chunk's do.
+const GATHER_IN_PLACE_ROWS: usize = 64;
+
+/// `x @ W[idx]^T` for the routed experts of a 16-bit mixture on the CPU backend through the host op
+/// ([`mx::host_half_gather_matmul`]): `x` `[..., 1, in]` broadcast against `idx` `[...]`, the result
+/// `[..., 1, out]` of x's type, each expert's rows one product (its matrix read once), the sums in
+/// float32 rounded once. MLX's CPU `gather_mm` has only float32 (mlx-lm cannot run such a model on a
+/// CPU), so this runs whatever [`CPU_HALF_ENV`] says. None elsewhere (a GPU, other dtypes or shapes, a
+/// libmlxc without the op: MLX's op then, which says what it lacks).
+fn host_half_gather(x: &Array, w: &Array, idx: &Array) -> Result<Option<Array>> {
+    if on_gpu()
+        || !matches!(w.dtype(), Dtype::Bfloat16 | Dtype::Float16)
+        || w.ndim() != 3
+        || !(x.dtype() == w.dtype() || x.dtype() == Dtype::Float32)
+        || x.ndim() < 2
+        || x.dim(-2) != 1
+        || x.dim(-1) != w.dim(2)
+        || !matches!(idx.dtype(), Dtype::Int32 | Dtype::Uint32)
+    {
+        return Ok(None);
+    }
+    // the batch: x's leading axes broadcast against idx's (mlx-lm's SwitchGLU: x [B, L, 1, 1, in]
+    // against [B, L, k]; sorted: [n, 1, in] against [n])
+    let xs = x.shape();
+    let lead = &xs[..xs.len() - 2];
+    let is = idx.shape();
+    let rank = lead.len().max(is.len());
+    let pad = |s: &[i32]| -> Vec<i32> { std::iter::repeat_n(1, rank - s.len()).chain(s.iter().copied()).collect() };
+    let (a, b) = (pad(lead), pad(&is));
+    let mut batch = Vec::with_capacity(rank);
+    for (p, q) in a.iter().zip(&b) {
+        match (p, q) {
+            _ if p == q => batch.push(*p),
+            (1, _) => batch.push(*q),
+            (_, 1) => batch.push(*p),
+            _ => return Ok(None), // not broadcastable: MLX's op says why
+        }
+    }
+    let n: i32 = batch.iter().product();
+    let (cols, rows) = (w.dim(2), w.dim(1));
+    let mut xshape = batch.clone();
+    xshape.extend([1, cols]);
+    let xr = mx::reshape(&mx::broadcast_to(x, &xshape)?, &[n, cols])?;
+    let ir = mx::reshape(&mx::broadcast_to(idx, &batch)?, &[n])?;
+    let Some(y) = mx::host_half_gather_matmul(&xr, w, &ir, n as usize > GATHER_IN_PLACE_ROWS)? else {
+        return Ok(None);
+    };
+    let mut yshape = batch;
+    yshape.extend([1, rows]);
+    mx::reshape(&y, &yshape).map(Some)
+}
+
 /// One projection of every expert: `[experts, out, in]`, dense or MLX-quantized (mlx-lm's
 /// `SwitchLinear` / `QuantizedSwitchLinear`, without bias).
 pub enum SwitchLinear {
@@ -2065,7 +2119,10 @@ impl SwitchLinear {
     /// `x @ W[idx]^T`: `x` `[..., 1, in]` against the experts `idx` selects.
     pub fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
         match self {
-            SwitchLinear::Dense { wt, .. } => mx::gather_mm(x, wt, None, Some(idx), sorted),
+            SwitchLinear::Dense { w, wt } => match host_half_gather(x, w, idx)? {
+                Some(y) => Ok(y),
+                None => mx::gather_mm(x, wt, None, Some(idx), sorted),
+            },
             SwitchLinear::Quant { w, scales, biases, q } => mx::gather_qmm(
                 x,
                 w,
