@@ -720,11 +720,35 @@ struct Experts<'a> {
     cols: usize,
 }
 
-/// `y[i] = x[i] · W[idx[i]]ᵀ` for float32 rows `x` `[n, cols]` into `y` `[n, rows]`: the rows of one
-/// expert together (one product per expert used: its matrix read once a step), an index past the
-/// experts a NaN row.
+/// `y[i] = x[i] · W[idx[i]]ᵀ` for float32 rows `x` `[n, cols]` into `y` `[n, rows]`, an index past the
+/// experts a NaN row: with `gemm` (a prompt's rows) the rows of one expert together, one product per
+/// expert used through float32 tiles and the BLAS; without (a decode step's) each row on its own, its
+/// expert's matrix read in place, the rows spread over the workers.
 fn gather_into(ex: Experts, idx: &[u32], x: &[f32], y: &mut [f32], gemm: bool) {
     let Experts { w, t, experts, rows, cols } = ex;
+    if !gemm {
+        // a decode step's rows: each row its expert's matrix read in place on one thread, the rows
+        // spread over the workers (one wake-up an op, not one an expert: a small expert's product is
+        // shorter than a wake-up)
+        let row = |start: usize, yr: &mut [f32]| {
+            let i = start / rows;
+            let e = idx[i] as usize;
+            let m = (e < experts).then(|| HalfRef::new(&w[e * rows * cols..(e + 1) * rows * cols], t, rows, cols));
+            match m {
+                Some(Ok(m)) if m.matmul_into(&x[i * cols..(i + 1) * cols], 1, yr, false).is_ok() => {}
+                _ => yr.fill(f32::NAN),
+            }
+        };
+        into_mlx_output(y, f32::NAN, |threads, y| {
+            if threads <= 1 {
+                y.chunks_mut(rows).enumerate().for_each(|(i, yr)| row(i * rows, yr));
+            } else {
+                par_chunks_mut(y, rows, &row);
+            }
+            Ok(())
+        });
+        return;
+    }
     let n = idx.len();
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by_key(|&i| idx[i]); // stable: a group's rows in their order

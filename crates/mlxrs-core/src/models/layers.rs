@@ -2045,7 +2045,7 @@ const GATHER_IN_PLACE_ROWS: usize = 64;
 
 /// `x @ W[idx]^T` for the routed experts of a 16-bit mixture on the CPU backend through the host op
 /// ([`mx::host_half_gather_matmul`]): `x` `[..., 1, in]` broadcast against `idx` `[...]`, the result
-/// `[..., 1, out]` of x's type, each expert's rows one product (its matrix read once), the sums in
+/// `[..., 1, out]` of x's type (a prompt's rows grouped by expert, a decode step's each on a thread), the sums in
 /// float32 rounded once. MLX's CPU `gather_mm` has only float32 (mlx-lm cannot run such a model on a
 /// CPU), so this runs whatever [`CPU_HALF_ENV`] says. None elsewhere (a GPU, other dtypes or shapes, a
 /// libmlxc without the op: MLX's op then, which says what it lacks).
