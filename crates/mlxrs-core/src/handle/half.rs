@@ -632,50 +632,70 @@ unsafe extern "C" fn graph_kernel(args: *const mlxrs_sys::HostHalfArgs) {
     if rows == 0 || cols == 0 || n == 0 {
         return;
     }
-    let Some(t) = HalfType::from_code(wdtype) else {
-        // checked when the op was built: unreachable, but never leave y unwritten
-        if x16 != 0 {
-            // SAFETY: y holds n · rows 16-bit values (the caller's contract)
-            unsafe { std::slice::from_raw_parts_mut(y as *mut u16, n * rows) }.fill(HalfType::Bf16.bits(f32::NAN));
-        } else {
-            // SAFETY: y holds n · rows float32 values (the caller's contract)
-            unsafe { std::slice::from_raw_parts_mut(y as *mut f32, n * rows) }.fill(f32::NAN);
-        }
-        return;
-    };
-    // SAFETY: W's extent (the caller's contract)
+    // SAFETY: W's extent, x's and y's (the caller's contract)
     let wv = unsafe { std::slice::from_raw_parts(w, rows * cols) };
-    // the product of float32 rows `x` into float32 `y`
-    let product = |x: &[f32], y: &mut [f32]| match HalfRef::new(wv, t, rows, cols) {
+    let io = unsafe { HostIo::new(x, y, n * cols, n * rows, x16 != 0) };
+    io.run(HalfType::from_code(wdtype), |t, x, y| match HalfRef::new(wv, t, rows, cols) {
         Ok(m) => into_mlx_output(y, f32::NAN, |threads, y| m.matmul_into(x, threads, y, gemm != 0)),
         // the shapes were checked when the op was built: unreachable, but never leave y unwritten
         Err(_) => y.fill(f32::NAN),
-    };
-    if x16 == 0 {
-        // SAFETY: x and y hold n · cols and n · rows float32 values (the caller's contract)
-        let (x, y) = unsafe {
+    });
+}
+
+/// A host kernel's x and y as MLX's primitive passes them: float32, or 16-bit floats of W's type
+/// (`x16`: x widened before the product, the product rounded once into y).
+struct HostIo {
+    x: *const std::ffi::c_void,
+    y: *mut std::ffi::c_void,
+    xn: usize,
+    yn: usize,
+    x16: bool,
+}
+
+impl HostIo {
+    /// # Safety
+    /// `x` points at `xn` and `y` at `yn` values (float32, or 16-bit where `x16`), `y` overlapping
+    /// nothing else, both valid while the `HostIo` is used.
+    unsafe fn new(x: *const std::ffi::c_void, y: *mut std::ffi::c_void, xn: usize, yn: usize, x16: bool) -> HostIo {
+        HostIo { x, y, xn, yn, x16 }
+    }
+
+    /// `product(t, x, y)` over float32 views of x and y (widened and rounded around it for 16-bit
+    /// ones); y all NaN where W's type code was not one (checked when the op was built: unreachable,
+    /// but never leave y unwritten).
+    fn run(&self, t: Option<HalfType>, product: impl FnOnce(HalfType, &[f32], &mut [f32])) {
+        if !self.x16 {
+            // SAFETY: the extents given to `new`
+            let (x, y) = unsafe {
+                (
+                    std::slice::from_raw_parts(self.x as *const f32, self.xn),
+                    std::slice::from_raw_parts_mut(self.y as *mut f32, self.yn),
+                )
+            };
+            return match t {
+                Some(t) => product(t, x, y),
+                None => y.fill(f32::NAN),
+            };
+        }
+        // SAFETY: the extents given to `new`
+        let (xv, y) = unsafe {
             (
-                std::slice::from_raw_parts(x as *const f32, n * cols),
-                std::slice::from_raw_parts_mut(y as *mut f32, n * rows),
+                std::slice::from_raw_parts(self.x as *const u16, self.xn),
+                std::slice::from_raw_parts_mut(self.y as *mut u16, self.yn),
             )
         };
-        return product(x, y);
+        let Some(t) = t else { return y.fill(HalfType::Bf16.bits(f32::NAN)) };
+        let threads = super::host::host_threads();
+        let mut xf = vec![0f32; self.xn];
+        convert_par(threads, xv, &mut xf, |s, d| t.widen(s, d));
+        let mut yf = vec![0f32; self.yn];
+        product(t, &xf, &mut yf);
+        convert_par(threads, &yf, y, |s, d| {
+            for (o, v) in d.iter_mut().zip(s) {
+                *o = t.bits(*v);
+            }
+        });
     }
-    // x and y of W's type: x widened, the product rounded once into y
-    // SAFETY: x and y hold n · cols and n · rows 16-bit values (the caller's contract)
-    let (xv, y) = unsafe {
-        (std::slice::from_raw_parts(x as *const u16, n * cols), std::slice::from_raw_parts_mut(y as *mut u16, n * rows))
-    };
-    let threads = super::host::host_threads();
-    let mut xf = vec![0f32; n * cols];
-    convert_par(threads, xv, &mut xf, |s, d| t.widen(s, d));
-    let mut yf = vec![0f32; n * rows];
-    product(&xf, &mut yf);
-    convert_par(threads, &yf, y, |s, d| {
-        for (o, v) in d.iter_mut().zip(s) {
-            *o = t.bits(*v);
-        }
-    });
 }
 
 /// `x · Wᵀ` for `x [..., cols]` float32 or of W's type and W `[rows, cols]` bfloat16 or float16, out in
@@ -796,39 +816,12 @@ unsafe extern "C" fn gather_kernel(args: *const mlxrs_sys::HostHalfGatherArgs) {
     if rows == 0 || cols == 0 || n == 0 {
         return;
     }
-    let t = HalfType::from_code(wdtype);
-    // SAFETY: the extents of W and idx (the caller's contract)
+    // SAFETY: the extents of W, idx, x and y (the caller's contract)
     let (wv, iv) =
         unsafe { (std::slice::from_raw_parts(w, experts * rows * cols), std::slice::from_raw_parts(idx, n)) };
-    if x16 == 0 {
-        // SAFETY: x and y hold n · cols and n · rows float32 values (the caller's contract)
-        let (xv, yv) = unsafe {
-            (
-                std::slice::from_raw_parts(x as *const f32, n * cols),
-                std::slice::from_raw_parts_mut(y as *mut f32, n * rows),
-            )
-        };
-        match t {
-            Some(t) => gather_into(Experts { w: wv, t, experts, rows, cols }, iv, xv, yv, gemm != 0),
-            None => yv.fill(f32::NAN), // checked when the op was built: unreachable
-        }
-        return;
-    }
-    // x and y of W's type: x widened, each product rounded once into y
-    // SAFETY: x and y hold n · cols and n · rows 16-bit values (the caller's contract)
-    let (xv, yv) = unsafe {
-        (std::slice::from_raw_parts(x as *const u16, n * cols), std::slice::from_raw_parts_mut(y as *mut u16, n * rows))
-    };
-    let Some(t) = t else { return yv.fill(HalfType::Bf16.bits(f32::NAN)) };
-    let threads = super::host::host_threads();
-    let mut xf = vec![0f32; n * cols];
-    convert_par(threads, xv, &mut xf, |s, d| t.widen(s, d));
-    let mut yf = vec![0f32; n * rows];
-    gather_into(Experts { w: wv, t, experts, rows, cols }, iv, &xf, &mut yf, gemm != 0);
-    convert_par(threads, &yf, yv, |s, d| {
-        for (o, v) in d.iter_mut().zip(s) {
-            *o = t.bits(*v);
-        }
+    let io = unsafe { HostIo::new(x, y, n * cols, n * rows, x16 != 0) };
+    io.run(HalfType::from_code(wdtype), |t, x, y| {
+        gather_into(Experts { w: wv, t, experts, rows, cols }, iv, x, y, gemm != 0)
     });
 }
 
