@@ -9,6 +9,8 @@ which path ran, and the logits agree within bfloat16 rounding. The kernels value
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,23 @@ def _counts() -> tuple[int, int]:
     return _native._half_matmul_count(), _native._half_attention_count()
 
 
+def _switched(
+    d, switch: str | None, counts: Callable[[], tuple[int, ...]], monkeypatch
+) -> tuple[list[int], np.ndarray, tuple[int, ...]]:
+    """8 greedy tokens and the prompt's logits of model `d` with MLXRS_CPU_HALF unset (None) or
+    `switch`, and how much each of `counts` grew meanwhile."""
+    if switch is None:
+        monkeypatch.delenv("MLXRS_CPU_HALF", raising=False)
+    else:
+        monkeypatch.setenv("MLXRS_CPU_HALF", switch)
+    before = counts()
+    with mlxrs.Session(d, prompt_cache_bytes=0) as s:
+        ids = s.tokenize(TEXT)
+        tokens = s.generate(ids, max_tokens=8, ignore_eos=True, temperature=0.0).tokens
+        logits = np.array(s.logits(ids), dtype=np.float32)
+    return tokens, logits, tuple(a - b for a, b in zip(counts(), before))
+
+
 @pytest.mark.parametrize("name,arch,dtype", CASES, ids=[c[0] for c in CASES])
 def test_16bit_models_take_the_host_ops_and_match_mlx_lm(oracle, name, arch, dtype, monkeypatch):
     _cpu()
@@ -52,22 +71,8 @@ def test_16bit_models_take_the_host_ops_and_match_mlx_lm(oracle, name, arch, dty
 def test_the_switch_turns_them_off_and_the_values_agree(monkeypatch):
     _cpu()
     d = make_model("llama-bfloat16", "llama", dtype="bfloat16")
-
-    def run(switch: str | None) -> tuple[list[int], np.ndarray, tuple[int, int]]:
-        if switch is None:
-            monkeypatch.delenv("MLXRS_CPU_HALF", raising=False)
-        else:
-            monkeypatch.setenv("MLXRS_CPU_HALF", switch)
-        before = _counts()
-        with mlxrs.Session(d, prompt_cache_bytes=0) as s:
-            ids = s.tokenize(TEXT)
-            tokens = s.generate(ids, max_tokens=8, ignore_eos=True, temperature=0.0).tokens
-            logits = np.array(s.logits(ids), dtype=np.float32)
-        after = _counts()
-        return tokens, logits, (after[0] - before[0], after[1] - before[1])
-
-    ours, ours_logits, calls = run(None)
-    ref, ref_logits, ref_calls = run("0")
+    ours, ours_logits, calls = _switched(d, None, _counts, monkeypatch)
+    ref, ref_logits, ref_calls = _switched(d, "0", _counts, monkeypatch)
     assert ref_calls == (0, 0), ref_calls
     assert calls[0] > 8 * 4 and calls[1] > 0, calls
     assert len(ours) == len(ref) == 8
@@ -87,20 +92,11 @@ def test_a_16bit_mixture_runs_on_the_cpu_through_the_gather_op(arch, monkeypatch
     _cpu()
     d = make_model(f"{arch}-bfloat16", arch, dtype="bfloat16")
 
-    def run(switch: str | None) -> tuple[list[int], np.ndarray, int]:
-        if switch is None:
-            monkeypatch.delenv("MLXRS_CPU_HALF", raising=False)
-        else:
-            monkeypatch.setenv("MLXRS_CPU_HALF", switch)
-        before = _native._half_gather_count()
-        with mlxrs.Session(d, prompt_cache_bytes=0) as s:
-            ids = s.tokenize(TEXT)
-            tokens = s.generate(ids, max_tokens=8, ignore_eos=True, temperature=0.0).tokens
-            logits = np.array(s.logits(ids), dtype=np.float32)
-        return tokens, logits, _native._half_gather_count() - before
+    def gathers() -> tuple[int]:
+        return (_native._half_gather_count(),)
 
-    ours, ours_logits, calls = run(None)
-    ref, ref_logits, ref_calls = run("0")
+    ours, ours_logits, (calls,) = _switched(d, None, gathers, monkeypatch)
+    ref, ref_logits, (ref_calls,) = _switched(d, "0", gathers, monkeypatch)
     # every MoE layer's three projections, for the prompt and 8 decode steps, in both settings
     assert calls >= 3 * 9 and ref_calls >= 3 * 9, (calls, ref_calls)
     assert len(ours) == len(ref) == 8
