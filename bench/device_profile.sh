@@ -4,6 +4,7 @@
 # bench_device.py's models.
 #   bash bench/device_profile.sh [MODELS] [GEN]     MODELS e.g. 8b_q4,1b_bf16 (default 8b_q4), GEN 5
 # MLXRS_PROFILE_ENVS="A=1 B=0;C=2": also mlxrs under each ';'-separated environment.
+# PROFILE_BATCH=N: N rows decoded together (gpu_profile.py run --batch N).
 # Reports (text and JSON) go to $OUT (or /tmp/prof).
 set -euo pipefail
 . bench/device_site.sh
@@ -24,7 +25,7 @@ for KIND in $(echo "${1:-8b_q4}" | tr , ' '); do
         TAG="${KIND}_${ENGINE}_$i"
         echo "== $TAG ${E:-(default environment)}"
         env $E "$NCU" --profile-from-start off --metrics gpu__time_duration.sum --clock-control none --csv \
-            --log-file "/tmp/k_$TAG.csv" python3 bench/gpu_profile.py run --engine "$ENGINE" --gen "$GEN" "$M" \
+            --log-file "/tmp/k_$TAG.csv" python3 bench/gpu_profile.py run --engine "$ENGINE" --gen "$GEN" --batch "${PROFILE_BATCH:-0}" "$M" \
             | grep -v '^==PROF==' | tail -3
         python3 bench/gpu_profile.py report --steps "$GEN" --json "$O/$TAG.json" "/tmp/k_$TAG.csv" | tee "$O/$TAG.txt"
     done

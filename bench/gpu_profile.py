@@ -12,7 +12,9 @@ decode steps), times decode without the profiler (64 more tokens' time over 64),
 cuProfilerStart) around one generation of the same length. Nsight Compute runs each kernel of the
 window alone (serialised, caches flushed between kernels as by default, clocks as the GPU sets them), so
 its durations are each kernel's own GPU time: their sum per step against the unprofiled step time says
-whether a step is GPU- or host-bound. `report` prints per step the kernel count, the kernels' summed
+whether a step is GPU- or host-bound. `--batch N` profiles N rows decoded together instead
+(`generate_batch` / mlx-lm's `batch_generate`; a batch's prefill kernels fall in the window too).
+`report` prints per step the kernel count, the kernels' summed
 time and the kernels grouped by name (time per step, count per step), largest first; `--json PATH`
 writes the same.
 """
@@ -42,20 +44,29 @@ def _profiler(on: bool) -> None:
 def run(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
+    # --batch N: N rows decoded together (distinct prompts, so no prefix sharing): mlxrs's
+    # generate_batch against mlx-lm's batch_generate
+    prompts = [[*PROMPT, 5 + i] for i in range(args.batch)]
     if args.engine == "mlxrs":
         import mlxrs
 
         sess = mlxrs.Session(args.model, prompt_cache_bytes=0)
 
         def gen(n: int) -> int:
+            if args.batch:
+                outs = sess.generate_batch(prompts, max_tokens=n, ignore_eos=True, temperature=0.0)
+                return sum(len(o.tokens) for o in outs)
             return len(sess.generate(PROMPT, max_tokens=n, ignore_eos=True, temperature=0.0).tokens)
     else:
         from mlx_lm import load
-        from mlx_lm.generate import generate_step
+        from mlx_lm.generate import batch_generate, generate_step
 
-        model, _ = load(args.model)
+        model, tok = load(args.model)
 
         def gen(n: int) -> int:
+            if args.batch:
+                r = batch_generate(model, tok, prompts, max_tokens=n, return_token_ids=True)
+                return sum(len(x) for x in r.token_ids)
             return sum(1 for _ in generate_step(mx.array(PROMPT), model, max_tokens=n))
 
     gen(args.gen)
@@ -146,6 +157,7 @@ def main() -> None:
     r.add_argument("model")
     r.add_argument("--engine", choices=["mlxrs", "mlx-lm"], default="mlxrs")
     r.add_argument("--gen", type=int, default=5)
+    r.add_argument("--batch", type=int, default=0, help="rows decoded together (0: one generation)")
     p = sub.add_parser("report")
     p.add_argument("log", help="ncu --csv --log-file output")
     p.add_argument("--steps", type=int, default=4)
