@@ -75,6 +75,50 @@ def write_tokenizer(
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
+def _mla_moe(heads: int, layers: int) -> dict[str, Any]:
+    """The latent attention and mixture shared by the deepseek_v3-family and Mistral Small 4 models:
+    queries through a rank-128 LoRA, keys/values from a rank-128 latent + a 32-dim rope key (nope 64,
+    v 64); layer 0 dense, the others a MoE of 8 experts of width 128, 2 per token, in 1 of 2 groups,
+    plus 1 shared expert."""
+    return dict(
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        num_key_value_heads=heads,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        num_hidden_layers=max(layers, 3),
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
+
+
+def _yarn(original: int, mscale_all_dim: float) -> dict[str, Any]:
+    """YaRN rope scaling by 4 from `original` positions (mscale 1, `mscale_all_dim` as given)."""
+    return {
+        "factor": 4.0,
+        "original_max_position_embeddings": original,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": mscale_all_dim,
+    }
+
+
+def _yarn_llama4() -> dict[str, Any]:
+    """rope_parameters of YaRN (factor 4, mscale_all_dim 1) with Llama 4's query scale stepping every 32
+    positions (original_max_position_embeddings), so a 64-token generation crosses two steps."""
+    return {"rope_type": "yarn", "rope_theta": 10000.0, **_yarn(32, 1.0), "llama_4_scaling_beta": 0.1}
+
+
 def base_config(
     arch: str,
     *,
@@ -225,37 +269,13 @@ def base_config(
         # of width 128, 2 per token, in 1 of 2 groups, scaled by 2.5, plus 1 shared expert
         del cfg["head_dim"]
         cfg.update(
+            _mla_moe(heads, layers),
             architectures=["DeepseekV3ForCausalLM"],
-            q_lora_rank=128,
-            kv_lora_rank=128,
-            qk_nope_head_dim=64,
-            qk_rope_head_dim=32,
-            v_head_dim=64,
-            num_key_value_heads=heads,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=128,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
             routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            first_k_dense_replace=1,
             moe_layer_freq=1,
             topk_method="noaux_tc",
             scoring_func="sigmoid",
-            num_hidden_layers=max(layers, 3),
-            tie_word_embeddings=False,
-            attention_bias=False,
-            rope_scaling={
-                "type": "yarn",
-                "factor": 4.0,
-                "original_max_position_embeddings": 1024,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 0.8,
-            },
+            rope_scaling={"type": "yarn", **_yarn(1024, 0.8)},
         )
         if arch != "deepseek_v3":
             # the sparse-attention indexer: 4 heads of 64, the best 16 positions per query (a strict
@@ -275,36 +295,10 @@ def base_config(
         # 2 groups, scaled by 1.5, plus 1 shared expert; experts in Hugging Face's fused layout
         del cfg["head_dim"], cfg["rope_theta"]
         cfg.update(
+            _mla_moe(heads, layers),
             architectures=["Mistral3ForConditionalGeneration"],
-            q_lora_rank=128,
-            kv_lora_rank=128,
-            qk_nope_head_dim=64,
-            qk_rope_head_dim=32,
-            v_head_dim=64,
-            num_key_value_heads=heads,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=128,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
             routed_scaling_factor=1.5,
-            norm_topk_prob=True,
-            first_k_dense_replace=1,
-            num_hidden_layers=max(layers, 3),
-            tie_word_embeddings=False,
-            attention_bias=False,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 32,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "llama_4_scaling_beta": 0.1,
-            },
+            rope_parameters=_yarn_llama4(),
         )
     elif arch == "ministral3":
         # Ministral 3: Llama's decoder, the rope in rope_parameters (YaRN factor 4, mscale_all_dim 1)
@@ -314,17 +308,7 @@ def base_config(
         cfg.update(
             architectures=["Ministral3ForCausalLM"],
             tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 32,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "llama_4_scaling_beta": 0.1,
-            },
+            rope_parameters=_yarn_llama4(),
         )
     elif arch == "gemma3_text":
         cfg.update(
