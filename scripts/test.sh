@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Every test: set up (scripts/setup.sh), the lints (cargo clippy with warnings as errors, inside the builds
 # below; cargo fmt --check, ruff with pyproject.toml's rules, ruff format --check, mypy --strict on
-# python/mlxrs), then the Python tests (pytest tests/, in parallel: pytest-xdist) with the Rust tests
-# (cargo test --workspace) and the extension's featureless build beside them. Stops at the first failing
-# stage (the Rust stages and pytest: when both are done, either failing fails the run).
+# python/mlxrs), then the Rust tests (cargo test --workspace) and the Python tests (pytest tests/, in
+# parallel: pytest-xdist). Stops at the first failing stage.
 # Extra arguments go to pytest:
 #   bash scripts/test.sh -k matmul -x
 #   bash scripts/test.sh -n 0          # the Python tests serially, in one process
@@ -98,29 +97,14 @@ stage "lint: cargo clippy, the extension without features (as the wheel builds i
     maturin build --quiet --profile fasttest --interpreter "$VIRTUAL_ENV/bin/python" --auditwheel skip --out "$WHEEL_OUT"
 MLXRS_TEST_RAW_WHEEL=$(ls "$WHEEL_OUT"/*.whl)
 export MLXRS_TEST_RAW_WHEEL
-# `cargo test` runs beside pytest, niced: pytest's two workers leave about a quarter of the cores idle
-# (waiting on servers, processes and locks), which compiling the test harnesses and running the Rust
-# tests fill; one after the other they took ~70 s more (bench/RESULTS.md, "test time"). Nothing in
-# pytest runs cargo while it does (the wheel test takes the wheel above). Its output is shown when
-# pytest is done; either failing fails the run. In setup.sh's profile (fasttest: release without LTO):
-# the dependencies are the extension's build's, already compiled, so only the workspace's test
-# harnesses compile, and the tests run optimized, as shipped.
-RUST_LOG=$(mktemp "${TMPDIR:-/tmp}/mlxrs-cargo-test.XXXXXX")
-printf '\n==> cargo test, beside pytest (its output follows pytest'"'"'s)\n'
-(
-    stage "cargo test --workspace (with clippy's lints of every target, all features)" \
-        nice -n 10 cargo test --workspace --all-features --profile fasttest
-) >"$RUST_LOG" 2>&1 &
-RUST_PID=$!
-BG_PIDS+=("$RUST_PID")
-rust_stage_done() {  # wait for cargo test, show what it printed; its exit status
-    local rc=0
-    wait "$RUST_PID" || rc=$?
-    cat "$RUST_LOG"
-    rm -f "$RUST_LOG"
-    return "$rc"
-}
-[ -d tests ] || { rust_stage_done || true; echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
+# in setup.sh's profile (fasttest: release without LTO): the dependencies are the extension's build's,
+# already compiled, so only the workspace's test harnesses compile (a clean clone: ~60 s here instead of
+# ~100 s for the test profile's own build of every dependency), and the tests run optimized, as shipped.
+# (Run beside pytest, niced, into the cores pytest's workers leave idle, the whole took longer: 881 s
+# against 762, pytest alone 615 s against 419; bench/RESULTS.md, "test time".)
+stage "cargo test --workspace (with clippy's lints of every target, all features)" \
+    cargo test --workspace --all-features --profile fasttest
+[ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
 # pytest-xdist spreads the test files over MLXRS_TEST_WORKERS processes (default `auto`: one per
 # core), each file whole in one worker (--dist loadfile: a module's servers and sessions are made
 # once; tests/buildlock.py serializes the builds of the shared caches). Arguments after these win:
@@ -130,11 +114,5 @@ rust_stage_done() {  # wait for cargo test, show what it printed; its exit statu
 # wall time 3-8% less). OPENBLAS_NUM_THREADS from the environment wins.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 background_report
-py_rc=0
-( stage "pytest tests" python -m pytest -q -n "${MLXRS_TEST_WORKERS:-auto}" --dist loadfile --durations=20 tests ${1+"$@"} ) \
-    || py_rc=$?  # ${1+...}: bash 3.2 (macOS) with set -u
-rust_rc=0
-rust_stage_done || rust_rc=$?
-if [ "$rust_rc" -ne 0 ]; then exit "$rust_rc"; fi
-if [ "$py_rc" -ne 0 ]; then exit "$py_rc"; fi
+stage "pytest tests" python -m pytest -q -n "${MLXRS_TEST_WORKERS:-auto}" --dist loadfile --durations=20 tests ${1+"$@"}  # ${1+...}: bash 3.2 (macOS) with set -u
 printf '\n[test] all stages passed\n'

@@ -1,15 +1,39 @@
-"""What the media tests share: random PNG images, and MLX's peak memory over one encoding."""
+"""What the media tests share: random PNG images, MLX's peak memory over one encoding, and copies of a
+model with one config field changed (the refusal tests)."""
 
 from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+
+def copy_model(model_dir: Path, tmp_path: Path, field: str | None = None, value: Any = None) -> Path:
+    """A copy of `model_dir` in `tmp_path / "m"`; with `field` (dotted, e.g. `vision_config.depth`) set to
+    `value` in its config.json."""
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    if field is not None:
+        set_config_field(d, field, value)
+    return d
+
+
+def set_config_field(d: Path, field: str, value: Any) -> None:
+    """Set the dotted `field` of `d`'s config.json to `value`."""
+    cfg = json.loads((d / "config.json").read_text())
+    node = cfg
+    *path, key = field.split(".")
+    for k in path:
+        node = node[k]
+    node[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
 
 
 def random_pngs(count: int, size: tuple[int, int], seed: int = 10) -> list[bytes]:

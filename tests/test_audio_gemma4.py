@@ -16,7 +16,7 @@ import pytest
 import mlxrs
 from audio_util import tone, wav_bytes
 from test_vision import run_vlm
-from media_util import encoding_peaks
+from media_util import copy_model, encoding_peaks
 from tinymodels import make_gemma4_audio, make_gemma4_vision
 
 N_TOKENS = 32
@@ -266,14 +266,6 @@ def test_memory_plan_counts_the_audio_tower(model_dir):
     assert with_audio - without == audio_bytes
 
 
-def _copy(model_dir: Path, tmp_path: Path) -> Path:
-    import shutil
-
-    d = tmp_path / "m"
-    shutil.copytree(model_dir, d)
-    return d
-
-
 @pytest.mark.parametrize(
     "field, value, needle",
     [
@@ -290,17 +282,9 @@ def _copy(model_dir: Path, tmp_path: Path) -> Path:
     ],
 )
 def test_a_bad_audio_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
-    import json
     import re
 
-    d = _copy(model_dir, tmp_path)
-    cfg = json.loads((d / "config.json").read_text())
-    node = cfg
-    *path, key = field.split(".")
-    for k in path:
-        node = node[k]
-    node[key] = value
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_model(model_dir, tmp_path, field, value)
     with pytest.raises(mlxrs.errors.MlxrsError, match=re.escape(needle)):
         mlxrs.Session(d)
 
@@ -310,7 +294,7 @@ def test_a_missing_audio_tensor_or_bad_extractor_is_refused(model_dir, tmp_path)
 
     import mlx.core as mx
 
-    d = _copy(model_dir, tmp_path)
+    d = copy_model(model_dir, tmp_path)
     w = dict(mx.load(str(d / "model.safetensors")))
     del w["model.audio_tower.layers.1.lconv1d.depthwise_conv1d.weight"]
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
@@ -320,7 +304,7 @@ def test_a_missing_audio_tensor_or_bad_extractor_is_refused(model_dir, tmp_path)
         mlxrs.Session(d)
     e = tmp_path / "fe"
     e.mkdir()
-    d2 = _copy(model_dir, e)
+    d2 = copy_model(model_dir, e)
     proc = json.loads((d2 / "processor_config.json").read_text())
     proc["feature_extractor"] = {"feature_size": 80}
     (d2 / "processor_config.json").write_text(json.dumps(proc))

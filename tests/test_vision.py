@@ -17,7 +17,7 @@ import pytest
 
 import mlxrs
 from oracle_server import ORACLE
-from media_util import encoding_peaks, random_pngs
+from media_util import copy_model, encoding_peaks, random_pngs, set_config_field
 from tinymodels import make_gemma3_vision, make_model
 
 N_TOKENS = 32
@@ -313,19 +313,9 @@ def test_batch_and_async_take_images_and_encode_prompt_refuses_them(session, ima
     ],
 )
 def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
-    import shutil
-
-    d = tmp_path / "m"
-    shutil.copytree(model_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    node = cfg
-    *path, key = field.split(".")
-    for k in path:
-        node = node[k]
-    node[key] = value
-    if key == "mm_tokens_per_image":
-        cfg["text_config"][key] = value
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_model(model_dir, tmp_path, field, value)
+    if field == "mm_tokens_per_image":
+        set_config_field(d, f"text_config.{field}", value)
     with pytest.raises(mlxrs.errors.MlxrsError, match=re.escape(needle)):
         mlxrs.Session(d)
 
@@ -334,10 +324,7 @@ def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, fi
 def test_a_marker_the_vocabulary_lacks_is_refused_naming_it(model_dir, tmp_path, where):
     """The processor asks the tokenizer for its markers (tokenizer_config.json's named special tokens:
     a top-level entry, string or added-token object, before `extra_special_tokens`)."""
-    import shutil
-
-    d = tmp_path / "m"
-    shutil.copytree(model_dir, d)
+    d = copy_model(model_dir, tmp_path)
     tc = json.loads((d / "tokenizer_config.json").read_text())
     if where == "top level":
         tc["eoi_token"] = {"content": "<no_such_marker>", "special": True}

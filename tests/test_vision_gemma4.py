@@ -17,7 +17,7 @@ import pytest
 
 import mlxrs
 from test_vision import BAD_MEDIA, features_match, image_logits, one_image_matches, run_vlm, sized_image_ids
-from media_util import encoding_peaks, random_pngs
+from media_util import copy_model, encoding_peaks, random_pngs
 from tinymodels import make_gemma4_vision
 
 N_TOKENS = 32
@@ -227,14 +227,6 @@ def test_bad_media_is_refused_naming_the_part(session, case):
     assert len(session.generate("ok", max_tokens=2, temperature=0.0, ignore_eos=True).tokens) == 2
 
 
-def _copy(model_dir: Path, tmp_path: Path) -> Path:
-    import shutil
-
-    d = tmp_path / "m"
-    shutil.copytree(model_dir, d)
-    return d
-
-
 @pytest.mark.parametrize(
     "field, value, needle",
     [
@@ -247,14 +239,7 @@ def _copy(model_dir: Path, tmp_path: Path) -> Path:
     ],
 )
 def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
-    d = _copy(model_dir, tmp_path)
-    cfg = json.loads((d / "config.json").read_text())
-    node = cfg
-    *path, key = field.split(".")
-    for k in path:
-        node = node[k]
-    node[key] = value
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_model(model_dir, tmp_path, field, value)
     with pytest.raises(mlxrs.errors.MlxrsError, match=re.escape(needle)):
         mlxrs.Session(d)
 
@@ -262,7 +247,7 @@ def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, fi
 def test_bidirectional_vision_attention_is_refused_for_images(model_dir, tmp_path, images):
     """mlx-vlm attends bidirectionally within each image with use_bidirectional_attention =
     "vision"; mlxrs does not implement it: the model loads and serves text, images are refused."""
-    d = _copy(model_dir, tmp_path)
+    d = copy_model(model_dir, tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"]["use_bidirectional_attention"] = "vision"
     (d / "config.json").write_text(json.dumps(cfg))

@@ -9,7 +9,6 @@ indices) with one and with two images; bad configs refused naming the field."""
 from __future__ import annotations
 
 import io
-import json
 import re
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 import mlxrs
 from test_vision import features_match, image_logits, one_image_matches, run_vlm, sized_image_ids
-from media_util import encoding_peaks, random_pngs
+from media_util import copy_model, encoding_peaks, random_pngs
 from tinymodels import make_qwen3_5_vision
 
 N_TOKENS = 32
@@ -208,14 +207,6 @@ def test_expansion_needs_the_sizes_and_the_right_count(session, images):
         session.generate(ids, images=[images["tiny"]], max_tokens=2)
 
 
-def _copy(model_dir: Path, tmp_path: Path) -> Path:
-    import shutil
-
-    d = tmp_path / "m"
-    shutil.copytree(model_dir, d)
-    return d
-
-
 @pytest.mark.parametrize(
     "field, value, needle",
     [
@@ -235,14 +226,7 @@ def _copy(model_dir: Path, tmp_path: Path) -> Path:
     ],
 )
 def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, field, value, needle):
-    d = _copy(model_dir, tmp_path)
-    cfg = json.loads((d / "config.json").read_text())
-    node = cfg
-    *path, key = field.split(".")
-    for k in path:
-        node = node[k]
-    node[key] = value
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = copy_model(model_dir, tmp_path, field, value)
     with pytest.raises(mlxrs.errors.MlxrsError, match=re.escape(needle)):
         mlxrs.Session(d)
 
@@ -250,7 +234,7 @@ def test_a_bad_vision_config_is_refused_naming_the_field(model_dir, tmp_path, fi
 def test_a_missing_tower_tensor_is_refused_naming_it(model_dir, tmp_path):
     import mlx.core as mx
 
-    d = _copy(model_dir, tmp_path)
+    d = copy_model(model_dir, tmp_path)
     w = mx.load(str(d / "model.safetensors"))
     del w["model.visual.blocks.1.attn.qkv.bias"]
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
@@ -263,7 +247,7 @@ def test_a_text_only_conversion_takes_no_images(model_dir, tmp_path, images):
     serves text with the same tokens, and refuses images naming the model."""
     import mlx.core as mx
 
-    d = _copy(model_dir, tmp_path)
+    d = copy_model(model_dir, tmp_path)
     w = {k: v for k, v in mx.load(str(d / "model.safetensors")).items() if not k.startswith("model.visual.")}
     mx.save_safetensors(str(d / "model.safetensors"), w, metadata={"format": "pt"})
     with mlxrs.Session(d) as s, mlxrs.Session(model_dir) as full:

@@ -96,8 +96,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     log = []
     raw = os.environ.get("MLXRS_TEST_RAW_WHEEL")
     if raw:
-        # scripts/test.sh's lint stage built this very command's wheel before pytest started (and runs
-        # `cargo test` beside pytest, whose build lock a build here would wait on)
+        # scripts/test.sh's lint stage built this very command's wheel before pytest started
         wheel = Path(raw).resolve()
         assert wheel.is_file(), f"MLXRS_TEST_RAW_WHEEL={raw} is not a file"
         log.append(f"maturin build --profile fasttest: by scripts/test.sh -> {wheel.name}")

@@ -781,14 +781,21 @@ class OutputParser:
                 calls = None  # it has no end of its own: cut off, its last value may be too
             elif self.known is not None and any(c.name not in self.known for c in calls):
                 calls = None  # a bare word in the tags names no offered tool: not a call
+        self._end_block(out, calls, opener, body, close, i)
+        self.after_gemma4 = bool(calls) and opener == GEMMA4_OPEN
+        return True
+
+    def _end_block(
+        self, out: list[Event], calls: list[ToolCall] | None, opener: str, body: str, close: str, i: int
+    ) -> None:
+        """A delimited block parsed (`body`, closed at `i` by `close`, or cut off where `i` < 0): its calls,
+        or the block as text when it held none; the buffer then starts after it."""
         if calls:
             self._emit_call(out, calls)
         else:
             out.append(Content(opener + body + (close if i >= 0 else "")))
         self.buf = self.buf[i + len(close) :] if i >= 0 else ""
         self.state = "after" if calls else "text"
-        self.after_gemma4 = bool(calls) and opener == GEMMA4_OPEN
-        return True
 
     def _mistral(self, out: list[Event], final: bool) -> bool:
         s = self.buf.lstrip()
@@ -854,12 +861,7 @@ class OutputParser:
             calls = _calls_from_json(json.loads(body), self.known)
         except ValueError:
             calls = None
-        if calls:
-            self._emit_call(out, calls)
-        else:
-            out.append(Content(JSON_FENCE + body + (FENCE if i >= 0 else "")))
-        self.buf = self.buf[i + len(FENCE) :] if i >= 0 else ""
-        self.state = "after" if calls else "text"
+        self._end_block(out, calls, JSON_FENCE, body, FENCE, i)
         return True
 
     def _json(self, out: list[Event], final: bool) -> bool:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -459,7 +461,7 @@ async def _stream_chat(
         return out
 
     n_calls = 0
-    try:
+    async with _openai_events(resp, gen):
         await resp.write(chunk({"role": "assistant", "content": ""}))
         async for step in steps(gen, parser, KEEPALIVE_SECONDS):
             if step is None:
@@ -480,12 +482,20 @@ async def _stream_chat(
                 await resp.write(chunk({}, finish_reason(step.done, n_calls > 0), take_lp()))
                 if include_usage:
                     await resp.write(sse(dict(base, choices=[], usage=usage(step.done))))
+    return resp
+
+
+@contextlib.asynccontextmanager
+async def _openai_events(resp: web.StreamResponse, gen: Generation) -> AsyncIterator[None]:
+    """Around the events of an OpenAI stream: `data: [DONE]` after them; an ApiError mid-stream sent
+    as an error event, then [DONE]; a client that left cancels the generation."""
+    try:
+        yield
         await resp.write(b"data: [DONE]\n\n")
     except ApiError as e:
         await _write_quietly(resp, sse(e.body("openai")) + b"data: [DONE]\n\n")
     except ConnectionResetError:
         gen.cancel()
-    return resp
 
 
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
@@ -598,7 +608,7 @@ async def _completion(
         return web.json_response(obj("".join(pieces), reason, merged if nlp is not None else None, usage(done)))
 
     resp = await start_sse(request)
-    try:
+    async with _openai_events(resp, gen):
         if echo and prompt_text:
             await resp.write(sse(obj(prompt_text, None, None, None if include_usage else False)))
         async for step in steps(gen, None, KEEPALIVE_SECONDS):
@@ -625,11 +635,6 @@ async def _completion(
                     )
             elif text or block:
                 await resp.write(sse(obj(text, None, block, None if include_usage else False)))
-        await resp.write(b"data: [DONE]\n\n")
-    except ApiError as e:
-        await _write_quietly(resp, sse(e.body("openai")) + b"data: [DONE]\n\n")
-    except ConnectionResetError:
-        gen.cancel()
     return resp
 
 
