@@ -100,8 +100,8 @@ export MLXRS_TEST_RAW_WHEEL
 # in setup.sh's profile (fasttest: release without LTO): the dependencies are the extension's build's,
 # already compiled, so only the workspace's test harnesses compile (a clean clone: ~60 s here instead of
 # ~100 s for the test profile's own build of every dependency), and the tests run optimized, as shipped.
-# (Run beside pytest, niced, into the cores pytest's workers leave idle, the whole took longer: 881 s
-# against 762, pytest alone 615 s against 419; bench/RESULTS.md, "test time".)
+# (Run beside pytest, niced, into the cores pytest's workers leave idle, it saved nothing: 939 s against
+# 920 one after the other, pytest taking what cargo test did not; bench/RESULTS.md, "test time".)
 stage "cargo test --workspace (with clippy's lints of every target, all features)" \
     cargo test --workspace --all-features --profile fasttest
 [ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
