@@ -89,14 +89,6 @@ stage "lint: cargo fmt --check (rustfmt.toml)" cargo fmt --all -- --check
 stage "lint: ruff" ruff check python tests bench scripts
 stage "lint: ruff format --check" ruff format --check python tests bench scripts
 stage "lint: mypy --strict (the package)" python -m mypy --strict python/mlxrs
-# The extension as the wheel builds it (no features): crates/mlxrs-py alone is compiled again (maturin's
-# environment, as setup's build). tests/test_wheel.py repairs and installs this very wheel
-# (MLXRS_TEST_RAW_WHEEL) instead of building its own.
-WHEEL_OUT=$(mktemp -d "${TMPDIR:-/tmp}/mlxrs-lint-wheel.XXXXXX")
-stage "lint: cargo clippy, the extension without features (as the wheel builds it)" \
-    maturin build --quiet --profile fasttest --interpreter "$VIRTUAL_ENV/bin/python" --auditwheel skip --out "$WHEEL_OUT"
-MLXRS_TEST_RAW_WHEEL=$(ls "$WHEEL_OUT"/*.whl)
-export MLXRS_TEST_RAW_WHEEL
 # in setup.sh's profile (fasttest: release without LTO): the dependencies are the extension's build's,
 # already compiled, so only the workspace's test harnesses compile (a clean clone: ~60 s here instead of
 # ~100 s for the test profile's own build of every dependency), and the tests run optimized, as shipped.
@@ -104,6 +96,12 @@ export MLXRS_TEST_RAW_WHEEL
 # 920 one after the other, pytest taking what cargo test did not; bench/RESULTS.md, "test time".)
 stage "cargo test --workspace (with clippy's lints of every target, all features)" \
     cargo test --workspace --all-features --profile fasttest
+# the extension as the wheel builds it: crates/mlxrs-py alone is compiled again (maturin's environment,
+# as setup's build; tests/test_wheel.py's build of the same then finds it done)
+WHEEL_OUT=$(mktemp -d "${TMPDIR:-/tmp}/mlxrs-lint-wheel.XXXXXX")
+stage "lint: cargo clippy, the extension without features (as the wheel builds it)" \
+    maturin build --quiet --profile fasttest --interpreter "$VIRTUAL_ENV/bin/python" --auditwheel skip --out "$WHEEL_OUT"
+rm -rf "$WHEEL_OUT"
 [ -d tests ] || { echo "[test] FAILED: there is no tests/ directory for pytest" >&2; exit 1; }
 # pytest-xdist spreads the test files over MLXRS_TEST_WORKERS processes (default `auto`: one per
 # core), each file whole in one worker (--dist loadfile: a module's servers and sessions are made

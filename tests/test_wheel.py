@@ -17,8 +17,7 @@ directory outside the checkout with nothing of the source tree on the path.
   its sidecar is gone.
 
 MLXRS_WHEEL=/path/to/mlxrs-*.whl tests that wheel instead of building one (the wheels workflow);
-MLXRS_TEST_RAW_WHEEL=/path/to/mlxrs-*.whl takes that `maturin build` output and repairs it (scripts/test.sh
-builds it in its lint stage); MLXRS_TEST_WHEEL=0 skips this module (a quicker local run).
+MLXRS_TEST_WHEEL=0 skips this module (a quicker local run).
 """
 
 from __future__ import annotations
@@ -94,32 +93,25 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert sidecar.is_file(), f"{sidecar} is missing: run scripts/setup.sh (python native/build.py) first"
     out = tmp_path_factory.mktemp("wheel")
     log = []
-    raw = os.environ.get("MLXRS_TEST_RAW_WHEEL")
-    if raw:
-        # scripts/test.sh's lint stage built this very command's wheel before pytest started
-        wheel = Path(raw).resolve()
-        assert wheel.is_file(), f"MLXRS_TEST_RAW_WHEEL={raw} is not a file"
-        log.append(f"maturin build --profile fasttest: by scripts/test.sh -> {wheel.name}")
-    else:
-        t0 = time.monotonic()
-        _run(
-            [
-                _tool("maturin"),
-                "build",
-                "--profile",
-                "fasttest",
-                "--interpreter",
-                sys.executable,
-                "--auditwheel",
-                "skip",
-                "--out",
-                out / "raw",
-            ],
-            "maturin build",
-            cwd=ROOT,
-        )
-        wheel = _only((out / "raw").glob("*.whl"))
-        log.append(f"maturin build --profile fasttest: {time.monotonic() - t0:.0f}s -> {wheel.name}")
+    t0 = time.monotonic()
+    _run(
+        [
+            _tool("maturin"),
+            "build",
+            "--profile",
+            "fasttest",
+            "--interpreter",
+            sys.executable,
+            "--auditwheel",
+            "skip",
+            "--out",
+            out / "raw",
+        ],
+        "maturin build",
+        cwd=ROOT,
+    )
+    wheel = _only((out / "raw").glob("*.whl"))
+    log.append(f"maturin build --profile fasttest: {time.monotonic() - t0:.0f}s -> {wheel.name}")
     if LINUX:
         t0 = time.monotonic()
         _run(
