@@ -210,6 +210,18 @@ impl KvCache {
     }
 
     fn update_and_fetch_padded(&mut self, k: &Array, v: &Array, pad: i32) -> Result<(Array, Array)> {
+        let (keys, values) = self.append_padded(k, v, pad)?;
+        self.view(&keys, &values)
+    }
+
+    /// Append `k`, `v` `[B, kv_heads, n, head_dim]`: the whole buffers after the write (their first
+    /// `offset` positions filled; [`KvCache::view`] cuts them there), for a reader that takes the
+    /// buffers with the positions ([`crate::models::decode_attn`]).
+    pub fn append(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        self.append_padded(k, v, capacity_pad())
+    }
+
+    fn append_padded(&mut self, k: &Array, v: &Array, pad: i32) -> Result<(Array, Array)> {
         let prev = self.offset;
         let n = k.dim(2);
         let cap = self.keys.as_ref().map_or(0, |a| a.dim(2));
@@ -249,10 +261,14 @@ impl KvCache {
         self.offset += n;
         let keys = write_seq(self.keys.as_ref().expect("allocated"), k, prev)?;
         let values = write_seq(self.values.as_ref().expect("allocated"), v, prev)?;
-        let out = (seq_slice(&keys, 0, self.offset)?, seq_slice(&values, 0, self.offset)?);
-        self.keys = Some(keys);
-        self.values = Some(values);
-        Ok(out)
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        Ok((keys, values))
+    }
+
+    /// The filled part (`..offset`) of buffers [`KvCache::append`] returned.
+    pub fn view(&self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        Ok((seq_slice(keys, 0, self.offset)?, seq_slice(values, 0, self.offset)?))
     }
 }
 
@@ -538,8 +554,9 @@ impl LayerCaches<'_> {
 pub enum Masks {
     /// One per row.
     Rows(Vec<Mask>),
-    /// `[B, 1, 1, keys]` for a [`BatchKv`]: row b sees its own keys only.
-    Batch(Array),
+    /// `[B, 1, 1, keys]` for a [`BatchKv`]: row b sees its own keys only (and, with the sliding
+    /// window `.1`, the last `.1` of them).
+    Batch(Array, Option<i32>),
 }
 
 impl<'a> Caches<'a> {
@@ -567,7 +584,7 @@ impl<'a> Caches<'a> {
     /// Each sequence's mask for a chunk of `n` new tokens at layer `layer`.
     pub fn masks(&self, layer: usize, n: i32, window: Option<i32>) -> Result<Masks> {
         if let Some(s) = self.stack.as_deref() {
-            return Ok(Masks::Batch(s.mask(window)?));
+            return Ok(Masks::Batch(s.mask(window)?, window));
         }
         let layer = layer.min(self.layers().saturating_sub(1));
         Ok(Masks::Rows(self.seqs.iter().map(|s| s[layer].make_mask(n, window)).collect::<Result<_>>()?))
@@ -764,6 +781,13 @@ impl BatchKv {
 
     /// Write the step's keys/values `[hi, H, 1, D]` of layer `l`; the keys and values to attend over.
     pub fn update_and_fetch(&mut self, l: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let (kb, vb) = self.append(l, k, v)?;
+        self.view(&kb, &vb)
+    }
+
+    /// Write the step's keys/values `[hi, H, 1, D]` of layer `l`: the whole buffers after the write
+    /// (slot `s` filled up to its length + 1; [`BatchKv::view`] cuts them for the mask's attention).
+    pub fn append(&mut self, l: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
         let at =
             self.at.clone().ok_or_else(|| crate::error::Error::Invalid("BatchKv: begin_step not called".into()))?;
         let (slots, cap, hi) = (self.lens.len() as i32, self.cap, self.hi as i32);
@@ -785,6 +809,13 @@ impl BatchKv {
         };
         *kb = mx::put_along_axis(kb, &at, &rows(k)?, 2)?;
         *vb = mx::put_along_axis(vb, &at, &rows(v)?, 2)?;
+        Ok((kb.clone(), vb.clone()))
+    }
+
+    /// The step's rows and the positions its mask covers (`..max(lens) + 1`) of buffers
+    /// [`BatchKv::append`] returned.
+    pub fn view(&self, kb: &Array, vb: &Array) -> Result<(Array, Array)> {
+        let (slots, hi) = (self.lens.len() as i32, self.hi as i32);
         let n = self.lens[..self.hi].iter().copied().max().unwrap_or(0) + 1;
         let cut = |a: &Array| -> Result<Array> {
             let a = if hi == slots { a.clone() } else { mx::slice_axis(a, 0, 0, hi)? };

@@ -469,6 +469,7 @@ impl<'a> Scheduler<'a> {
         crate::models::layers::refresh_dequant_rows();
         crate::models::qmv::refresh();
         crate::models::greedy::refresh();
+        crate::models::decode_attn::refresh();
         // one adapter fused into the weights is the model itself: its prefixes are as reusable
         let no_prefix =
             !req.images.is_empty() || !req.audio.is_empty() || (adapter.is_some() && self.opts.adapters.len() > 1);

@@ -458,7 +458,7 @@ impl Mla {
                     "deepseek_v32's indexer over the stacked KV (the engine does not stack it)".into(),
                 ))
             }
-            (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
+            (LayerCaches::Batch(kv, layer), Masks::Batch(mask, _)) => {
                 let q_pe = self.rope.forward_rows(&p.q_pe, kv.offsets())?;
                 let (q_nope, q_pe) = self.scale_queries(p.q_nope, q_pe, kv.offsets())?;
                 let k_pe = self.rope.forward_rows(&p.k_pe, kv.offsets())?;

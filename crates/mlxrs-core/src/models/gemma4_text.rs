@@ -378,7 +378,7 @@ impl Attn {
             }
         };
         let (out, kv_out) = match (caches, masks) {
-            (LayerCaches::Batch(stack, layer), Masks::Batch(mask)) => {
+            (LayerCaches::Batch(stack, layer), Masks::Batch(mask, _)) => {
                 let offsets = stack.offsets().to_vec();
                 let q = self.rope.forward_rows(&q, &offsets)?;
                 let (kk, vv) = match (kv, shared) {

@@ -105,7 +105,8 @@ pub fn greedy(logits: &Array) -> Result<Option<Array>> {
     Ok(out.pop())
 }
 
-fn cuda() -> bool {
+/// Whether the loaded MLX runs on its CUDA backend here (the user kernels' condition).
+pub(crate) fn cuda() -> bool {
     static CUDA: OnceLock<bool> = OnceLock::new();
     *CUDA.get_or_init(|| {
         crate::plan::Backend::detect() == crate::plan::Backend::Cuda && crate::handle::cuda_is_available()

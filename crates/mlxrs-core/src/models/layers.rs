@@ -1430,7 +1430,7 @@ impl Attention {
         };
         let l = q.dim(2);
         let (caches, masks) = match (caches, masks) {
-            (LayerCaches::Batch(kv, layer), Masks::Batch(mask)) => {
+            (LayerCaches::Batch(kv, layer), Masks::Batch(mask, window)) => {
                 // every row's keys in one stacked buffer: the same few ops for any batch size
                 let (q, k) = if roped {
                     (q, k)
@@ -1440,7 +1440,15 @@ impl Attention {
                         self.rope.forward_rows(&k, kv.offsets())?,
                     )
                 };
-                let (kk, vv) = kv.update_and_fetch(layer, &k, &v)?;
+                let kernel = sinks.is_none() && super::decode_attn::takes(&q, &k, &v, kv.offsets());
+                let (kb, vb) = kv.append(layer, &k, &v)?;
+                if kernel {
+                    // the buffers with the rows' positions: no views, no mask
+                    if let Some(o) = super::decode_attn::attention(&q, &kb, &vb, kv.offsets(), self.scale, *window)? {
+                        return Ok(o);
+                    }
+                }
+                let (kk, vv) = kv.view(&kb, &vb)?;
                 return super::sdpa::attention(&q, &kk, &vv, self.scale, AttnMask::Array(mask), sinks);
             }
             (LayerCaches::Rows(c), Masks::Rows(m)) => (c, m),
@@ -1608,6 +1616,18 @@ impl Attention {
         cache: &mut LayerCache,
         sinks: Option<&Array>,
     ) -> Result<Array> {
+        // one sequence's decode step on CUDA: the kernel over the cache's buffers at the step's position
+        if let LayerCache::Full(kv) = cache {
+            let pos = [kv.offset];
+            if matches!(mask, Mask::None) && sinks.is_none() && super::decode_attn::takes(&q, &k, &v, &pos) {
+                let (kb, vb) = kv.append(&k, &v)?;
+                if let Some(o) = super::decode_attn::attention(&q, &kb, &vb, &pos, self.scale, None)? {
+                    return Ok(o);
+                }
+                let (kk, vv) = kv.view(&kb, &vb)?;
+                return attend_fetched(&q, &Fetched::Dense(kk, vv), self.scale, mask, sinks);
+            }
+        }
         let fetched = cache.update_and_fetch(k, v)?;
         // one sequence's decode step on the CPU: the rows op too (MLX's attention of one query makes
         // two BLAS products per head, each waking OpenBLAS's threads, which then spin beside the host

@@ -1,6 +1,7 @@
 //! Architectures, one file per Hugging Face `model_type`, and the one registry that maps a config
 //! to an implementation.
 pub mod arch;
+pub mod decode_attn;
 pub mod deepseek_v3;
 pub mod deepseek_v32;
 pub mod experts;

@@ -190,24 +190,41 @@ fn position_table(n: usize) -> Result<Array> {
 
 /// The rotary kernel's `pos` input for `m` rows (one position a row): a view into
 /// [`position_table`] where the positions are consecutive and `table` ([`POSITIONS_ENV`]), else an
-/// array of them. The last one made is kept and given again for the same positions: every layer of a
-/// decode step asks for the same ones, so a step makes one array, not one a layer (host time: the 1B
-/// step waits on the host).
+/// array of them. The last [`POSITIONS_KEPT`] made are kept and given again for the same positions:
+/// every layer of a decode step asks for the same ones (the rotary kernel for all rows, the attention
+/// kernel for all rows or, over per-row caches, for each row), so a step makes one array for each,
+/// not one a layer (host time: the 1B step waits on the host).
 fn positions_input(positions: &[i32], m: i32, table: bool) -> Result<Array> {
     if positions.len() != m as usize {
         return Err(Error::Invalid(format!("{} rotary positions for {m} rows", positions.len())));
     }
+    type Kept = std::collections::VecDeque<(Vec<i32>, bool, Array)>;
     thread_local! {
-        static LAST: std::cell::RefCell<Option<(Vec<i32>, bool, Array)>> = const { std::cell::RefCell::new(None) };
+        static KEPT: std::cell::RefCell<Kept> = const { std::cell::RefCell::new(Kept::new()) };
     }
-    if let Some(a) =
-        LAST.with_borrow(|l| l.as_ref().filter(|(p, t, _)| p == positions && *t == table).map(|l| l.2.clone()))
-    {
+    let hit = KEPT.with_borrow(|k| k.iter().find(|(p, t, _)| p == positions && *t == table).map(|e| e.2.clone()));
+    if let Some(a) = hit {
         return Ok(a);
     }
     let a = make_positions(positions, m, table)?;
-    LAST.with_borrow_mut(|l| *l = Some((positions.to_vec(), table, a.clone())));
+    KEPT.with_borrow_mut(|k| {
+        if k.len() == POSITIONS_KEPT {
+            k.pop_front();
+        }
+        k.push_back((positions.to_vec(), table, a.clone()));
+    });
     Ok(a)
+}
+
+/// Positions arrays [`positions_input`] keeps: a step's one for all rows and one a row of a batch over
+/// per-row caches.
+const POSITIONS_KEPT: usize = 80;
+
+/// The step's positions array for `positions` (one a row) as the rotary kernel takes it
+/// ([`positions_input`], the same array for every layer of a step): for the other kernels of the step
+/// that read positions ([`super::decode_attn`]).
+pub(crate) fn step_positions(positions: &[i32]) -> Result<Array> {
+    positions_input(positions, positions.len() as i32, read(&TABLE_SWITCH) == ON)
 }
 
 fn make_positions(positions: &[i32], m: i32, table: bool) -> Result<Array> {
@@ -215,6 +232,12 @@ fn make_positions(positions: &[i32], m: i32, table: bool) -> Result<Array> {
         Some(&first) if table && first >= 0 && positions.iter().zip(first..).all(|(&p, q)| p == q) => {
             let end = first + m;
             mx::slice(&position_table(end as usize)?, &[first], &[end], &[1])
+        }
+        // others (a batch's rows): gathered from the table, so that the kernels read device memory, not
+        // the host-visible array the positions were made in (one op a step)
+        Some(_) if table && positions.iter().all(|&p| p >= 0) => {
+            let hi = positions.iter().copied().max().unwrap_or(0);
+            mx::take(&position_table(hi as usize + 1)?, &Array::from_slice(positions, &[m])?, 0)
         }
         _ => Array::from_slice(positions, &[m]),
     }
@@ -1054,8 +1077,9 @@ mod tests {
     }
 
     /// The rotary kernel's positions: consecutive ones a view into the device table (grown past its
-    /// length on demand), others (a batch's rows at their own offsets) and the switch off an array
-    /// of host data; the values either way are the positions; a count other than the rows' refused.
+    /// length on demand), others (a batch's rows at their own offsets) gathered from it, the switch
+    /// off an array of host data; the values either way are the positions; a count other than the
+    /// rows' refused.
     #[test]
     fn positions_are_the_table_s_view_or_host_data() {
         let vals = |a: &Array| a.to_vec::<i32>().unwrap();
