@@ -414,7 +414,10 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
 
         bkey = mx.random.key(7)
         ps = [
-            [int(x) for x in mx.random.randint(0, 1000, (128,), key=mx.random.split(bkey, bsz)[i]).tolist()]
+            [
+                int(x)
+                for x in mx.random.randint(0, 1000, (args.batch_prompt,), key=mx.random.split(bkey, bsz)[i]).tolist()
+            ]
             for i in range(bsz)
         ]
         tok = ref_tok
@@ -446,7 +449,7 @@ def bench_model(name: str, d: Path, nbytes: int, bw: float, args) -> dict:
             "mlxlm_tps": med["mlx-lm"],
             "ratio": med["mlxrs"] / med["mlx-lm"],
             "runs": rows,
-            "note": "aggregate tokens/s incl. a 128-token prefill per row",
+            "note": f"aggregate tokens/s incl. a {args.batch_prompt}-token prefill per row",
         }
         if "mlxrs per-row" in med:
             b["mlxrs_per_row_tps"] = med["mlxrs per-row"]
@@ -510,6 +513,7 @@ def main() -> int:
     ap.add_argument(
         "--batch", default="", help="comma-separated batch sizes for aggregate decode (mlx-lm: batch_generate)"
     )
+    ap.add_argument("--batch-prompt", type=int, default=128, help="--batch: each row's prompt length (tokens)")
     ap.add_argument(
         "--no-per-row", action="store_true", help="--batch without the per-row KV session (MLXRS_BATCH_KV=0)"
     )

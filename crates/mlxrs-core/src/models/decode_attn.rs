@@ -12,8 +12,11 @@
 //! step of a batch in a server. The kernel's arithmetic is MLX's one-pass vector kernel's (float32
 //! scores of the query scaled by `scale · log2 e`, a running max and sum in base 2 per warp, the
 //! warps' parts combined at the end), with its own work split: a block of 32 warps per (head, row),
-//! warp `w` taking keys `lo + w, lo + w + 32, …`. Up to [`MAX_KEYS`] keys a row (MLX's own split at
-//! 1024 keys: beyond it MLX's two-pass kernel spreads a query over more blocks); none elsewhere.
+//! warp `w` taking keys `lo + w, lo + w + 32, …`. Up to [`MAX_KEYS`] keys a row where the step has
+//! fewer than [`WIDE_BLOCKS`] (head, row) blocks (MLX's own split at 1024 keys: beyond it MLX's
+//! two-pass kernel spreads a query over more blocks, which a GPU of 132 multiprocessors needs when
+//! one row's 32 heads are all the work); any length where it has that many (a batch: the blocks fill
+//! the GPU already, and MLX's path there would be the mask through cuDNN).
 //!
 //! `MLXRS_CUDA_DECODE_ATTN=0` keeps MLX's ops (the reference path), read per request ([`refresh`]).
 //! `bench/attn_check.py` compares the kernel with MLX's attention on the device.
@@ -26,8 +29,19 @@ use std::sync::OnceLock;
 /// (the reference).
 pub const ENV: &str = "MLXRS_CUDA_DECODE_ATTN";
 
-/// The most keys a row attends over in the kernel (MLX's one-pass limit).
+/// The most keys a row attends over in the kernel when the step has fewer than [`WIDE_BLOCKS`]
+/// (head, row) blocks (MLX's one-pass limit).
 pub const MAX_KEYS: i32 = 1024;
+
+/// (head, row) blocks from which the kernel takes any number of keys.
+pub const WIDE_BLOCKS: i32 = 256;
+
+/// Whether `positions` (one a row, `heads` query heads) are in the kernel's reach ([`MAX_KEYS`],
+/// [`WIDE_BLOCKS`]).
+fn in_reach(positions: &[i32], heads: i32) -> bool {
+    let wide = positions.len() as i64 * heads as i64 >= WIDE_BLOCKS as i64;
+    positions.iter().all(|&p| p >= 0 && (wide || p < MAX_KEYS))
+}
 
 static ON: AtomicBool = AtomicBool::new(true);
 
@@ -124,13 +138,13 @@ pub fn takes(q: &Array, k: &Array, v: &Array, positions: &[i32]) -> bool {
     ON.load(Ordering::Relaxed)
         && super::greedy::cuda()
         && unsuitable(q, k, v, positions.len()).is_none()
-        && positions.iter().all(|&p| (0..MAX_KEYS).contains(&p))
+        && in_reach(positions, q.dim(1))
 }
 
 /// `softmax(scale · q kᵀ) v` of `q` `[B, heads, 1, head_dim]` over keys `lo..=positions[b]` of slot `b`
 /// of the buffers `k`, `v` `[slots ≥ B, kv_heads, capacity, head_dim]` (`lo` as the module says):
 /// `[B, heads, 1, head_dim]` of q's dtype, where the kernel runs (CUDA, [`ENV`] not `0`, the shapes
-/// above, every position inside the buffer and below [`MAX_KEYS`]); None elsewhere.
+/// above, every position inside the buffer and in reach: [`MAX_KEYS`], [`WIDE_BLOCKS`]); None elsewhere.
 pub fn attention(
     q: &Array,
     k: &Array,
@@ -146,7 +160,7 @@ pub fn attention(
         return Ok(None);
     }
     let cap = k.dim(2);
-    if positions.iter().any(|&p| p < 0 || p >= cap || p >= MAX_KEYS) || window.is_some_and(|w| w <= 0) {
+    if !in_reach(positions, q.dim(1)) || positions.iter().any(|&p| p >= cap) || window.is_some_and(|w| w <= 0) {
         return Ok(None);
     }
     static KERNEL: OnceLock<std::result::Result<CudaKernel, String>> = OnceLock::new();
@@ -209,6 +223,15 @@ mod tests {
         );
         assert_eq!(unsuitable(&q, &zeros(&[1, 2, 8, 128], f), &zeros(&[1, 2, 8, 128], f), 2), Some("rows"));
         assert_eq!(unsuitable(&q, &zeros(&[4, 2, 8, 128], Dtype::Float32), &kv, 2), Some("dtype"));
+    }
+
+    /// One row's 32 heads: up to 1024 keys; 8 rows of 32 heads (256 blocks): any length.
+    #[test]
+    fn long_rows_only_in_a_wide_step() {
+        assert!(in_reach(&[1023], 32) && !in_reach(&[1024], 32));
+        assert!(!in_reach(&[5, 4000], 32));
+        assert!(in_reach(&[5, 4000, 7, 9, 100, 20000, 3, 1], 32));
+        assert!(!in_reach(&[5, -1, 7, 9, 100, 2, 3, 1], 32));
     }
 
     #[test]
