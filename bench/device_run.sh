@@ -16,6 +16,8 @@
 #                                           vs the reference recurrence)
 #   bash bench/device_run.sh dequant ARGS... bench/bench_dequant_rows.py ARGS (batched quantized decode:
 #                                           packed kernel vs dequantized weight, per batch size)
+#   bash bench/device_run.sh attn ARGS...   bench/attn_check.py ARGS (the decode attention CUDA kernel vs
+#                                           MLX's attention; exit 1 past the tolerance)
 set -euo pipefail
 . bench/device_site.sh
 # mlx-vlm and what it imports (bench/pack_mlx_vlm.sh), for `parity --media`
@@ -34,6 +36,10 @@ fi
 if [ "${1:-}" = gdn ]; then
     shift
     exec env PYTHONPATH="$SITE:tests" python3 bench/check_gdn_kernel.py "$@"
+fi
+if [ "${1:-}" = attn ]; then
+    shift
+    exec env PYTHONPATH="$SITE:tests" python3 bench/attn_check.py "$@"
 fi
 if [ "${1:-}" = dequant ]; then
     shift
