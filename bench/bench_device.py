@@ -22,6 +22,10 @@ opens and runs) and reports it in the same columns as --ab-fused; --ab-fused is 
 (fused) one and alternates the three in the decode runs: `decode.mlxrs_unfused_tps`,
 `decode.fused_over_unfused`, the MLX ops per decode step of both (`decode.ops_per_step`) and whether
 they decode the same tokens.
+
+--batch N,M aggregate decode of N (then M) rows at once (`Session.generate_batch` against mlx-lm's
+`batch_generate`), each row a random prompt of --batch-prompt tokens (default 128) and --gen tokens,
+prefill included; the --ab-env session and (unless --no-per-row) a per-row-KV session alongside.
 """
 
 from __future__ import annotations
