@@ -183,13 +183,8 @@ fn write_seq(buf: &Array, upd: &Array, at: i32) -> Result<Array> {
 /// (bench/RESULTS-gpu.md). Prompts (more than one query) still go to cuDNN. 0 elsewhere, and with
 /// `MLXRS_KV_PAD=0`.
 pub(crate) fn capacity_pad() -> i32 {
-    static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let cuda = *CUDA.get_or_init(|| {
-        let gpu = mx::default_device().is_ok_and(|d| d.kind() == mx::DeviceKind::Gpu);
-        gpu && mx::cuda_is_available()
-    });
     // read at each growth (every 256 rows), so a benchmark can switch it between requests
-    if cuda && !std::env::var("MLXRS_KV_PAD").is_ok_and(|v| v.trim() == "0") {
+    if crate::plan::Backend::cuda() && !std::env::var("MLXRS_KV_PAD").is_ok_and(|v| v.trim() == "0") {
         8
     } else {
         0

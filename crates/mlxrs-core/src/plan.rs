@@ -381,6 +381,13 @@ impl Backend {
         }
     }
 
+    /// Whether MLX computes on its CUDA backend here (a GPU by [`Backend::detect`] and the loaded MLX's
+    /// CUDA device): the condition of the engine's CUDA kernels and CUDA-only choices. Asked once.
+    pub fn cuda() -> bool {
+        static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *CUDA.get_or_init(|| Backend::detect() == Backend::Cuda && crate::handle::cuda_is_available())
+    }
+
     /// The backend MLX computes on here: a GPU is Metal on macOS and CUDA elsewhere (as
     /// `runtime_info` says).
     pub fn detect() -> Backend {

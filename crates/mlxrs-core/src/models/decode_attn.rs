@@ -136,7 +136,7 @@ fn unsuitable(q: &Array, k: &Array, v: &Array, rows: usize) -> Option<&'static s
 /// writes it once, for the path it takes (the buffers then are at least `positions[b] + 1` long).
 pub fn takes(q: &Array, k: &Array, v: &Array, positions: &[i32]) -> bool {
     ON.load(Ordering::Relaxed)
-        && super::greedy::cuda()
+        && crate::plan::Backend::cuda()
         && unsuitable(q, k, v, positions.len()).is_none()
         && in_reach(positions, q.dim(1))
 }
@@ -153,14 +153,9 @@ pub fn attention(
     scale: f32,
     window: Option<i32>,
 ) -> Result<Option<Array>> {
-    if !ON.load(Ordering::Relaxed) || !super::greedy::cuda() {
-        return Ok(None);
-    }
-    if unsuitable(q, k, v, positions.len()).is_some() {
-        return Ok(None);
-    }
+    // the buffers pass `takes`'s checks as the new keys do (they differ only in length)
     let cap = k.dim(2);
-    if !in_reach(positions, q.dim(1)) || positions.iter().any(|&p| p >= cap) || window.is_some_and(|w| w <= 0) {
+    if !takes(q, k, v, positions) || positions.iter().any(|&p| p >= cap) || window.is_some_and(|w| w <= 0) {
         return Ok(None);
     }
     static KERNEL: OnceLock<std::result::Result<CudaKernel, String>> = OnceLock::new();
@@ -197,7 +192,7 @@ mod tests {
     /// Off CUDA the kernel never runs: the engine keeps MLX's ops (the parity suite's path).
     #[test]
     fn off_cuda_it_declines() {
-        if super::super::greedy::cuda() {
+        if crate::plan::Backend::cuda() {
             return; // (on CUDA bench/attn_check.py compares it with MLX's attention)
         }
         let (q, kv) = (zeros(&[1, 4, 1, 64], Dtype::Float32), zeros(&[1, 2, 256, 64], Dtype::Float32));

@@ -80,7 +80,7 @@ const SOURCE: &str = r#"
 /// The greedy token of each row of `logits` (`[rows, V]` or `[V]`, float32, bfloat16 or float16,
 /// row-contiguous) as int32 `[rows]`, where the kernel runs (CUDA, [`ENV`] not `0`); None elsewhere.
 pub fn greedy(logits: &Array) -> Result<Option<Array>> {
-    if !ON.load(Ordering::Relaxed) || !cuda() {
+    if !ON.load(Ordering::Relaxed) || !crate::plan::Backend::cuda() {
         return Ok(None);
     }
     let dtype = logits.dtype();
@@ -105,14 +105,6 @@ pub fn greedy(logits: &Array) -> Result<Option<Array>> {
     Ok(out.pop())
 }
 
-/// Whether the loaded MLX runs on its CUDA backend here (the user kernels' condition).
-pub(crate) fn cuda() -> bool {
-    static CUDA: OnceLock<bool> = OnceLock::new();
-    *CUDA.get_or_init(|| {
-        crate::plan::Backend::detect() == crate::plan::Backend::Cuda && crate::handle::cuda_is_available()
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,7 +112,7 @@ mod tests {
     /// Off CUDA the kernel never runs: the engine keeps MLX's ops (the parity suite's path).
     #[test]
     fn off_cuda_it_declines() {
-        if cuda() {
+        if crate::plan::Backend::cuda() {
             return; // (on CUDA bench/greedy_check.py compares it with MLX's ops)
         }
         let l = Array::from_slice(&[0.5f32, 2.0, 1.0], &[1, 3]).unwrap();

@@ -80,10 +80,7 @@ fn state() -> u8 {
     if s == OFF {
         return OFF;
     }
-    static CUDA: OnceLock<bool> = OnceLock::new();
-    let cuda =
-        *CUDA.get_or_init(|| crate::plan::Backend::detect() == crate::plan::Backend::Cuda && mx::cuda_is_available());
-    if cuda {
+    if crate::plan::Backend::cuda() {
         s
     } else {
         OFF
@@ -202,7 +199,8 @@ fn positions_input(positions: &[i32], m: i32, table: bool) -> Result<Array> {
     thread_local! {
         static KEPT: std::cell::RefCell<Kept> = const { std::cell::RefCell::new(Kept::new()) };
     }
-    let hit = KEPT.with_borrow(|k| k.iter().find(|(p, t, _)| p == positions && *t == table).map(|e| e.2.clone()));
+    // newest first: a step's layers ask for what the step made last
+    let hit = KEPT.with_borrow(|k| k.iter().rev().find(|(p, t, _)| p == positions && *t == table).map(|e| e.2.clone()));
     if let Some(a) = hit {
         return Ok(a);
     }
